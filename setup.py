@@ -1,0 +1,4 @@
+"""jaxprefix: all metadata lives in setup.cfg."""
+from setuptools import setup
+
+setup()

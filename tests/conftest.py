@@ -1,0 +1,8 @@
+"""Shared test set-up: 8 simulated CPU devices, so sharded code runs as on a pod slice."""
+import os
+
+# Must happen before jax is imported anywhere in the test session.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
