@@ -1,0 +1,216 @@
+"""The demo task: an N-digit number times one digit, written out with carries, one step per digit.
+
+Text layout (one character per token, fixed slots, digits least significant first):
+
+    question   a_0 a_1 .. a_{N-1} _ .. _  x  d  =          20 digit slots, '_' marks unused ones
+    step i     +  s_i c_i     (or the same step written ^ c_i s_i)
+    end        <eos> once the next digit slot is '_' (or after the last slot)
+
+Step i computes t = a_i * d + c_{i-1} (c_{-1} = 0) and writes s_i = t mod 10 and c_i = t // 10.
+The product is c_{N-1} s_{N-1} .. s_0. Every step is the same skill (about 900 (a_i, d, carry)
+facts) at a fixed position, so RL on the continuation of a guided problem trains exactly what the
+unguided problem needs. Each step has two notations: '+' writes the sum digit first, '^' writes the
+two-digit t tens first (carry, then sum digit). Both are correct, so a solution has 2^N valid
+spellings: traces sampled from a policy trained on both differ from the canonical oracle ('+' at
+every step), as PrefixRL's mined traces differ from a reference solution, while the arithmetic
+underneath is the same. The verifier is exact: every step must be right and nothing may follow
+the last one, so neither guessing nor stopping early earns reward. See docs/DEMO_TASK.md.
+
+Guidance: the tiny policy follows no instruction, so a guided problem is the problem whose text
+continues with the first oracle steps; `guided(problem, k)` builds it and the verifier reads the
+given steps back from its question. Score a guided context against `guided(problem, k)`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from jaxprefix.data.problem import Problem
+
+NAME = "carry_multiplication"
+SLOTS = 20  # digit slots of the question; the most digits a problem can have
+EMPTY = "_"  # an unused digit slot
+TIMES, EQUALS = "x", "="
+SUM_FIRST, TENS_FIRST = "+", "^"  # the two notations of a step
+EOS, PAD = "<eos>", "<pad>"
+SYMBOLS = tuple("0123456789") + (EMPTY, TIMES, EQUALS, SUM_FIRST, TENS_FIRST)
+QUESTION_LENGTH = SLOTS + 3
+STEP_LENGTH = 3
+# Longest completion: every step, then <eos>.
+MAX_COMPLETION_LENGTH = SLOTS * STEP_LENGTH + 1
+SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
+
+
+def tokenizer():
+    """The character vocabulary of this task (the SYMBOLS plus <eos> and <pad>)."""
+    from jaxprefix.tokenizers import CharTokenizer
+
+    return CharTokenizer(SYMBOLS, eos=EOS, pad=PAD)
+
+
+def carry_steps(digits: Sequence[int], multiplier: int) -> list[tuple[int, int]]:
+    """(s_i, c_i) for each digit of a (least significant first) times a one-digit multiplier."""
+    carry, steps = 0, []
+    for digit in digits:
+        total = digit * multiplier + carry
+        carry = total // 10
+        steps.append((total % 10, carry))
+    return steps
+
+
+def write_step(sum_digit: int, carry: int, notation: str = SUM_FIRST) -> str:
+    if notation == SUM_FIRST:
+        return f"{SUM_FIRST}{sum_digit}{carry}"
+    if notation == TENS_FIRST:
+        return f"{TENS_FIRST}{carry}{sum_digit}"
+    raise ValueError(f"step notation must be {SUM_FIRST!r} or {TENS_FIRST!r}, got {notation!r}")
+
+
+def make_problem(number: int, multiplier: int) -> Problem:
+    """The problem number * multiplier with its canonical oracle solution ('+' at every step)."""
+    if not 1 <= multiplier <= 9:
+        raise ValueError(f"{NAME}: multiplier must be one digit 1..9, got {multiplier}")
+    digits = [int(ch) for ch in reversed(str(number))]
+    if number < 1 or len(digits) > SLOTS:
+        raise ValueError(f"{NAME}: number must have 1..{SLOTS} digits and be positive, got {number}")
+    question = "".join(map(str, digits)) + EMPTY * (SLOTS - len(digits)) + f"{TIMES}{multiplier}{EQUALS}"
+    steps = tuple(write_step(s, c) for s, c in carry_steps(digits, multiplier))
+    return Problem(
+        id=f"{NAME}-{number}x{multiplier}",
+        question=question,
+        answer=str(number * multiplier),
+        solution="".join(steps),
+        steps=steps,
+        source=NAME,
+        metadata={"digits": len(digits), "multiplier": multiplier, "prefix_steps": 0},
+    )
+
+
+def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS), multipliers: tuple[int, int] = (2, 9),
+             seed: int = 0) -> list[Problem]:
+    """`count` problems, digit count N and multiplier d uniform in the inclusive ranges given.
+
+    N is the difficulty knob: a problem is N identical steps, and a policy that gets one step right
+    with probability p solves it with probability about p^N.
+    """
+    low, high = digits
+    if not 1 <= low <= high <= SLOTS:
+        raise ValueError(f"{NAME}: digits range must lie in 1..{SLOTS}, got {digits}")
+    if not 1 <= multipliers[0] <= multipliers[1] <= 9:
+        raise ValueError(f"{NAME}: multipliers range must lie in 1..9, got {multipliers}")
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(count):
+        n = rng.randint(low, high)
+        # The leading digit is nonzero, so N is the true digit count.
+        number = rng.randint(10 ** (n - 1), 10**n - 1)
+        problems.append(make_problem(number, rng.randint(*multipliers)))
+    return problems
+
+
+def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
+    """The hard problems of the demo: 20 digits times 6..9 (2 and 5 are learned early)."""
+    return generate(count, digits=(SLOTS, SLOTS), multipliers=(6, 9), seed=seed)
+
+
+def _parse_question(question: str) -> tuple[list[int], int, list[str]]:
+    """Digits of a, the multiplier, and the steps already given after '=' (guided problems)."""
+    head, given = question[:QUESTION_LENGTH], question[QUESTION_LENGTH:]
+    slots = head[:SLOTS]
+    number = slots.rstrip(EMPTY)
+    if (len(head) != QUESTION_LENGTH or head[SLOTS] != TIMES or head[-1] != EQUALS
+            or not head[SLOTS + 1].isdigit() or not number.isdigit()
+            or len(given) % STEP_LENGTH):
+        raise ValueError(f"{NAME}: malformed question {question!r}: expected {SLOTS} digit slots "
+                         f"('{EMPTY}' for unused), '{TIMES}', one digit, '{EQUALS}', whole steps")
+    steps = [given[i:i + STEP_LENGTH] for i in range(0, len(given), STEP_LENGTH)]
+    return [int(ch) for ch in number], int(head[SLOTS + 1]), steps
+
+
+def spell_solution(problem: Problem, notations: Sequence[str]) -> str:
+    """The problem's remaining solution spelled with the given notation per step (one per step)."""
+    digits, multiplier, given = _parse_question(problem.question)
+    remaining = carry_steps(digits, multiplier)[len(given):]
+    if len(notations) != len(remaining):
+        raise ValueError(f"{NAME}: {len(remaining)} steps remain in {problem.id}, got "
+                         f"{len(notations)} notations")
+    return "".join(write_step(s, c, n) for (s, c), n in zip(remaining, notations))
+
+
+def sample_solution(problem: Problem, rng: random.Random, tens_first: float = 0.5) -> str:
+    """A valid solution with each step's notation drawn at random (SFT data covers both)."""
+    remaining = len(problem.steps)
+    notations = [TENS_FIRST if rng.random() < tens_first else SUM_FIRST for _ in range(remaining)]
+    return spell_solution(problem, notations)
+
+
+def guided(problem: Problem, prefix_steps: int) -> Problem:
+    """The problem with its first `prefix_steps` oracle steps forced as the start of the solution.
+
+    Its question is the context the policy continues; its steps are the ones left to write. The
+    answer is unchanged, and the verifier reads the given steps back from the question.
+    """
+    if prefix_steps == 0:
+        return problem
+    if not 0 < prefix_steps <= len(problem.steps):
+        raise ValueError(f"{NAME}: prefix_steps must be in 0..{len(problem.steps)} for "
+                         f"{problem.id}, got {prefix_steps}")
+    given = problem.steps[:prefix_steps]
+    rest = problem.steps[prefix_steps:]
+    return Problem(
+        id=f"{problem.id}/prefix{prefix_steps}",
+        question=problem.question + "".join(given),
+        answer=problem.answer,
+        solution="".join(rest),
+        steps=rest,
+        source=problem.source,
+        metadata={**problem.metadata, "prefix_steps": problem.metadata.get("prefix_steps", 0)
+                  + prefix_steps, "base_id": problem.metadata.get("base_id", problem.id)},
+    )
+
+
+def format_context(problem: Problem, prefix_steps: int = 0, tokenizer=None) -> list[int]:
+    """Token ids the policy continues: the question, then `prefix_steps` oracle steps."""
+    tokenizer = tokenizer or _default_tokenizer()
+    return tokenizer.encode(guided(problem, prefix_steps).question)
+
+
+def training_ids(problem: Problem, solution: str, tokenizer=None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of question + solution + <eos>; the mask is 1 on the solution."""
+    tokenizer = tokenizer or _default_tokenizer()
+    context = tokenizer.encode(problem.question)
+    target = tokenizer.encode(solution) + [tokenizer.eos_id]
+    return context + target, [0] * len(context) + [1] * len(target)
+
+
+_TOKENIZER = None
+
+
+def _default_tokenizer():
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = tokenizer()
+    return _TOKENIZER
+
+
+def verify(completion_text: str, problem: Problem) -> float:
+    """1.0 if question + completion is a complete correct solution in any notation, else 0.0.
+
+    The completion may end with '<eos>' (and padding); anything else after the last step, a
+    missing step or a wrong digit scores 0.
+    """
+    text = completion_text.split(EOS, 1)[0] if EOS in completion_text else completion_text
+    text = text.replace(PAD, "").strip()
+    try:
+        digits, multiplier, given = _parse_question(problem.question + text)
+    except ValueError:
+        return 0.0
+    expected = carry_steps(digits, multiplier)
+    if len(given) != len(expected):
+        return 0.0
+    for step, (s, c) in zip(given, expected):
+        if step not in (write_step(s, c, SUM_FIRST), write_step(s, c, TENS_FIRST)):
+            return 0.0
+    product = int(f"{expected[-1][1]}" + "".join(str(s) for s, _ in reversed(expected)))
+    return float(str(product) == problem.answer.strip())
