@@ -1,0 +1,145 @@
+"""launch/tpu.sh against a fake `gcloud` on PATH that records its arguments."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import textwrap
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "launch" / "tpu.sh"
+WHERE = ["--zone=us-east5-b", "--project=my-proj"]
+
+# Records argv as one JSON line; `describe` answers $FAKE_STATE (MISSING: not found), the
+# pgrep probe answers $FAKE_RUN_ALIVE, and scp keeps a copy of the file it was asked to send.
+FAKE_GCLOUD = textwrap.dedent(f"""\
+    #!{sys.executable}
+    import json, os, shutil, sys
+    args = sys.argv[1:]
+    with open(os.environ["FAKE_LOG"], "a") as f:
+      f.write(json.dumps(args) + "\\n")
+    if "describe" in args:
+      state = os.environ.get("FAKE_STATE", "READY")
+      if state == "MISSING":
+        sys.exit("ERROR: (gcloud) NOT_FOUND")
+      print(state)
+    elif "scp" in args:
+      shutil.copy(args[args.index("scp") + 1], os.environ["FAKE_LOG"] + ".tar.gz")
+    elif any("pgrep" in a for a in args):
+      sys.exit(0 if os.environ.get("FAKE_RUN_ALIVE") == "1" else 1)
+""")
+
+
+@pytest.fixture
+def launch(tmp_path):
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  fake = bin_dir / "gcloud"
+  fake.write_text(FAKE_GCLOUD)
+  fake.chmod(0o755)
+  log = tmp_path / "gcloud.jsonl"
+
+  def run(*args, env=None, check=True):
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPREFIX_")}
+    full_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), USER="ada",
+                    TMPDIR=str(tmp_path), **(env or {}))
+    result = subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True,
+                            text=True, timeout=60)
+    if check:
+      assert result.returncode == 0, result.stderr
+    calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+    log.unlink(missing_ok=True)
+    return result, calls
+
+  return run
+
+
+def test_up_creates_copies_installs_and_runs_on_all_workers(launch, tmp_path):
+  _, calls = launch("up", *WHERE, "--type=v5litepod-16", "--workdir=gs://bkt/run1",
+                    "--config=configs/grpo.py", "--", "--config.total_steps=100")
+  create, scp, setup, run = calls
+  assert create == ["compute", "tpus", "tpu-vm", "create", "jaxprefix-ada", *WHERE,
+                    "--accelerator-type=v5litepod-16", "--version=v2-alpha-tpuv5-lite"]
+  assert scp[:5] == ["compute", "tpus", "tpu-vm", "scp", scp[4]]
+  assert scp[5:] == ["jaxprefix-ada:~/jaxprefix.tar.gz", *WHERE, "--worker=all"]
+  assert setup[:8] == ["compute", "tpus", "tpu-vm", "ssh", "jaxprefix-ada", *WHERE,
+                       "--worker=all"]
+  assert 'pip install -q -e ".[tpu]"' in setup[8]
+  assert run[:8] == setup[:8]
+  assert run[8].startswith("--command=cd ~/jaxprefix && setsid nohup python3 -m jaxprefix.main "
+                           "--config=configs/grpo.py --workdir=gs://bkt/run1 "
+                           "--config.total_steps=100 > ~/jaxprefix.log")
+  # The copied code is this working tree (tracked and untracked, not ignored files).
+  with tarfile.open(str(tmp_path / "gcloud.jsonl") + ".tar.gz") as tar:
+    names = set(tar.getnames())
+  assert {"launch/tpu.sh", "jaxprefix/distributed.py", "setup.cfg"} <= names
+  assert not any("__pycache__" in n for n in names)
+  assert not list(tmp_path.glob("jaxprefix-*.tar.gz"))  # local tarball cleaned up
+
+
+def test_spot_queued_resource_waits_for_active_and_deletes_with_force(launch):
+  _, calls = launch("create", *WHERE, "--queued", "--spot", "--type=v6e-32",
+                    "--name=big", env=dict(FAKE_STATE="ACTIVE"))
+  assert calls[0] == ["compute", "tpus", "queued-resources", "create", "big", "--node-id=big",
+                      *WHERE, "--accelerator-type=v6e-32",
+                      "--runtime-version=v2-alpha-tpuv6e", "--spot"]
+  assert calls[1][:4] == ["compute", "tpus", "queued-resources", "describe"]
+  _, calls = launch("delete", *WHERE, "--queued", "--name=big")
+  assert calls == [["compute", "tpus", "queued-resources", "delete", "big", *WHERE, "--force",
+                    "--quiet"]]
+
+
+def test_env_variables_stand_in_for_flags(launch):
+  env = dict(JAXPREFIX_PROJECT="my-proj", JAXPREFIX_ZONE="us-east5-b",
+             JAXPREFIX_TPU_NAME="envname")
+  _, calls = launch("delete", env=env)
+  assert calls == [["compute", "tpus", "tpu-vm", "delete", "envname", *WHERE, "--quiet"]]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["create", "--zone=us-east5-b"], "missing GCP project"),
+    (["up", "--project=my-proj", "--workdir=gs://b/r"], "missing zone"),
+    (["run", *WHERE, "--workdir=/tmp/run"], "--workdir must be a gs:// path"),
+    (["create", *WHERE, "--type=tpu9-8"], "no default runtime"),
+    (["launch", *WHERE], "unknown command"),
+])
+def test_bad_parameters_fail_before_any_gcloud_call(launch, args, message):
+  result, calls = launch(*args, check=False)
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert calls == []
+
+
+def test_dry_run_prints_commands_and_runs_none(launch):
+  result, calls = launch("up", *WHERE, "--workdir=gs://b/r", "--dry-run")
+  assert calls == []
+  printed = [l for l in result.stdout.splitlines() if l.startswith("+ gcloud")]
+  assert len(printed) == 4
+  assert printed[0] == ("+ gcloud compute tpus tpu-vm create jaxprefix-ada --zone=us-east5-b "
+                        "--project=my-proj --accelerator-type=v6e-8 --version=v2-alpha-tpuv6e")
+
+
+def test_resume_rebuilds_a_preempted_slice_and_reruns(launch):
+  _, calls = launch("resume", *WHERE, "--spot", "--workdir=gs://b/r",
+                    env=dict(FAKE_STATE="PREEMPTED"))
+  verbs = [c[3] for c in calls]
+  assert verbs == ["describe", "delete", "create", "scp", "ssh", "ssh"]
+  assert "--spot" in calls[2]
+  assert "jaxprefix.main --config=configs/pope.py --workdir=gs://b/r " in calls[-1][8]
+
+
+def test_resume_leaves_a_live_run_alone(launch):
+  _, calls = launch("resume", *WHERE, "--workdir=gs://b/r",
+                    env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="1"))
+  assert [c[3] for c in calls] == ["describe", "ssh"]
+  assert calls[1][7] == "--worker=0"
+
+
+def test_watch_stops_when_the_run_has_ended(launch):
+  result, calls = launch("watch", *WHERE, "--workdir=gs://b/r", "--interval=0",
+                         env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
+  assert [c[3] for c in calls] == ["describe", "ssh"]
+  assert "the run has ended" in result.stdout
