@@ -18,6 +18,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxprefix.rl.metrics import sampling_flops, update_flops  # 2 N D and 6 N D
+
 # ---------------------------------------------------------------------------------------------
 # Compute accounting
 # ---------------------------------------------------------------------------------------------
@@ -26,16 +28,6 @@ import numpy as np
 def rollouts(batch: int, n: int, steps: int) -> int:
   """C = B * n * M: rollouts sampled by a run of `steps` updates on `batch` problems x `n`."""
   return int(batch) * int(n) * int(steps)
-
-
-def sampling_flops(n_params: int, tokens: int) -> int:
-  """Forward-only FLOPs of processing `tokens` tokens (prefill or decode): 2 N D."""
-  return 2 * int(n_params) * int(tokens)
-
-
-def update_flops(n_params: int, tokens: int) -> int:
-  """Forward + backward FLOPs of training on `tokens` tokens: 6 N D."""
-  return 6 * int(n_params) * int(tokens)
 
 
 @dataclasses.dataclass
@@ -51,10 +43,10 @@ class ComputeLedger:
   rollouts: int = 0
   sampled_tokens: int = 0
   trained_tokens: int = 0
-  sampling_flops: int = 0
-  update_flops: int = 0
+  sampling_flops: float = 0.0
+  update_flops: float = 0.0
   extra_rollouts: int = 0
-  extra_flops: int = 0
+  extra_flops: float = 0.0
 
   def __post_init__(self):
     if int(self.n_params) <= 0:
@@ -77,7 +69,7 @@ class ComputeLedger:
     self.extra_flops += sampling_flops(self.n_params, tokens)
 
   @property
-  def total_flops(self) -> int:
+  def total_flops(self) -> float:
     return self.sampling_flops + self.update_flops + self.extra_flops
 
   def to_dict(self) -> dict:
@@ -89,7 +81,8 @@ class ComputeLedger:
     if set(d) - names or 'n_params' not in d:
       raise ValueError(f'ComputeLedger.from_dict: expected n_params and fields among '
                        f'{sorted(names)}, got {sorted(d)}')
-    return cls(**{k: int(v) for k, v in d.items()})
+    cast = {f.name: float if f.type == 'float' else int for f in dataclasses.fields(cls)}
+    return cls(**{k: cast[k](v) for k, v in d.items()})
 
 
 # ---------------------------------------------------------------------------------------------
