@@ -1,0 +1,120 @@
+"""Logical axis names -> mesh axes ('data', 'fsdp', 'tensor').
+
+Every parameter carries its logical axis names in the nnx metadata key `out_sharding` (the
+flax 0.12.8 name; it was `sharding` and then `sharding_names` earlier in 2026). One RULES table
+maps names to mesh axes; a mesh axis that does not divide a dimension (3 KV heads over
+tensor=4) is dropped for that array, which then stays replicated along it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+METADATA_KEY = 'out_sharding'
+MESH_AXES = ('data', 'fsdp', 'tensor')
+
+# Parameters: FSDP shards the model dimension, tensor parallelism heads / MLP / vocabulary.
+# Activations: batch over data and fsdp.
+RULES: dict[str, tuple[str, ...]] = {
+    'vocab': ('tensor',),
+    'embed': ('fsdp',),
+    'mlp': ('tensor',),
+    'heads': ('tensor',),
+    'kv_heads': ('tensor',),
+    'head_dim': (),
+    'layers': (),
+    'norm': (),
+    'batch': ('data', 'fsdp'),
+    'length': (),
+    'act_embed': (),
+    'act_heads': ('tensor',),
+    'act_mlp': ('tensor',),
+    'act_vocab': ('tensor',),
+}
+
+
+def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
+  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 to take the remaining devices."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [data, fsdp, tensor]
+  if sizes.count(-1) > 1:
+    raise ValueError(f'make_mesh: at most one axis may be -1, got data={data} fsdp={fsdp} '
+                     f'tensor={tensor}')
+  known = math.prod(s for s in sizes if s != -1)
+  if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+    raise ValueError(f'make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} does not divide '
+                     f'the {len(devices)} devices')
+  sizes = [len(devices) // known if s == -1 else s for s in sizes]
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f'make_mesh: data x fsdp x tensor = {math.prod(sizes)} but there are '
+                     f'{len(devices)} devices')
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
+                 mesh_shape: dict[str, int] | None = None) -> PartitionSpec:
+  """PartitionSpec of an array with these logical axis names under RULES.
+
+  Given `shape` and `mesh_shape`, mesh axes absent from the mesh, already used, or not
+  dividing their dimension are dropped.
+  """
+  used: set[str] = set()
+  spec = []
+  for i, name in enumerate(names):
+    if name is not None and name not in RULES:
+      raise ValueError(f'logical axis {name!r} has no entry in sharding.RULES')
+    axes = []
+    size = 1
+    for axis in RULES.get(name, ()) if name else ():
+      if axis in used:
+        continue
+      if mesh_shape is not None:
+        n = mesh_shape.get(axis)
+        if n is None or (shape is not None and shape[i] % (size * n)):
+          continue
+        size *= n
+      axes.append(axis)
+    used.update(axes)
+    spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+  return PartitionSpec(*spec)
+
+
+def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
+  return variable.get_metadata().get(METADATA_KEY)
+
+
+def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
+  """NamedSharding of every variable of `model`, from its logical axis names."""
+  mesh_shape = dict(mesh.shape)
+
+  def one(variable):
+    axes = variable_axes(variable) or (None,) * len(variable.shape)
+    return NamedSharding(mesh, logical_spec(axes, variable.shape, mesh_shape))
+
+  state = nnx.state(model)
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
+  """Places every parameter of `model` on `mesh` by its logical axes (in place; returns it)."""
+  shardings = param_shardings(model, mesh)
+  state = nnx.state(model)
+  placed = jax.tree.map(
+      lambda v, s: v.replace(jax.device_put(v[...], s[...] if isinstance(s, nnx.Variable) else s)),
+      state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  nnx.update(model, placed)
+  return model
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Sharding constraint by logical names under the mesh set with jax.set_mesh; else a no-op."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    return x
+  spec = logical_spec(names, x.shape, dict(mesh.shape))
+  return jax.lax.with_sharding_constraint(x, spec)
