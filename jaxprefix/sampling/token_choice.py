@@ -58,19 +58,17 @@ def choose_tokens(logits_bv: jax.Array, keys_b: jax.Array,
   """Draws one token per row; returns (tokens int32 [B], logprobs f32 [B]).
 
   `keys_b` holds one PRNG key per row (ignored when greedy). The log-probability is that of the
-  chosen token under the model's distribution at the sampling temperature, before top-k/top-p
-  truncation (the behaviour policy a learner recomputes from logits / temperature); greedy
-  reports the temperature-1 log-probability.
+  chosen token under the model itself (temperature 1, no truncation): what a teacher-forced
+  forward pass (`models.token_logprobs`) gives the learner for the same tokens.
   """
   logits_bv = logits_bv.astype(jnp.float32)
   if settings.greedy:
     tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    scaled_bv = logits_bv
   else:
-    scaled_bv = logits_bv / settings.temperature
-    candidates_bv = truncate_logits(scaled_bv, settings.top_k, settings.top_p)
+    candidates_bv = truncate_logits(logits_bv / settings.temperature, settings.top_k,
+                                    settings.top_p)
     tokens_b = jax.vmap(jax.random.categorical)(keys_b, candidates_bv).astype(jnp.int32)
-  logprobs_bv = jax.nn.log_softmax(scaled_bv, axis=-1)
+  logprobs_bv = jax.nn.log_softmax(logits_bv, axis=-1)
   logprobs_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
   return tokens_b, logprobs_b
 
