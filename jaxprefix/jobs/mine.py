@@ -1,0 +1,128 @@
+"""The mine job: what POPE and PrefixRL compute once with the base policy, before RL.
+
+- the hard set: training problems the base policy solves 0 of k times;
+- POPE: the shortest oracle prefix with which each hard problem is solved at least once;
+- PrefixRL: a pool of successful traces by rejection sampling.
+
+Each result is written under the mining directory (`config.mining.dir`, default
+<workdir>/mining) and read back on the next run instead of sampled again, so a resumed or repeated
+run sees exactly the same hard set, prefixes and pool. The sampling compute is recorded in
+mining/ledger.json and counted in every comparison.
+
+    python -m jaxprefix.main --config=configs/pope.py --config.job=mine --workdir=/tmp/pope
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import logging
+
+from jaxprefix.methods import pope, prefixrl
+from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.methods.probing import Prober, SamplingSpec
+
+HARD_SET, PREFIXES, TRACE_POOL, LEDGER = "hard_set.json", "prefixes.json", "trace_pool.jsonl", "ledger.json"
+
+
+def mining_dir(config, workdir: str) -> str:
+    return config.mining.get("dir") or os.path.join(workdir, "mining")
+
+
+def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
+    rollout = config.rollout
+    spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids)
+    return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
+                  rows_per_call=config.mining.rows_per_call,
+                  verifier_timeout_s=config.rewards.timeout_s)
+
+
+class Mining:
+    """Cached mining results of one directory, computed on first request."""
+
+    def __init__(self, config, policy, sets, directory: str):
+        self.config, self.policy, self.sets, self.dir = config, policy, sets, directory
+        os.makedirs(directory, exist_ok=True)
+        self.ledger = self._load_ledger(policy)
+        self.prober = make_prober(config, policy, self.ledger, sets.verifier)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.dir, name)
+
+    def _load_ledger(self, policy) -> ComputeLedger:
+        if os.path.exists(self._path(LEDGER)):
+            with open(self._path(LEDGER)) as f:
+                return ComputeLedger.from_dict(json.load(f))
+        return ComputeLedger(policy.model.config.num_params())
+
+    def _save(self, name: str, record) -> None:
+        with open(self._path(name), "w") as f:
+            json.dump(record, f, indent=1)
+        with open(self._path(LEDGER), "w") as f:
+            json.dump(self.ledger.to_dict(), f, indent=1)
+
+    def hard_set(self) -> pope.HardSet:
+        by_id = {p.id: p for p in self.sets.train}
+        if os.path.exists(self._path(HARD_SET)):
+            with open(self._path(HARD_SET)) as f:
+                record = json.load(f)
+            return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
+                                record["solve_counts"])
+        k = self.config.mining.k
+        hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
+                                  seed=self.config.seed)
+        logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
+                     len(self.sets.train), k)
+        self._save(HARD_SET, hard.to_json())
+        return hard
+
+    def prefixes(self, hard: pope.HardSet) -> dict:
+        if os.path.exists(self._path(PREFIXES)):
+            with open(self._path(PREFIXES)) as f:
+                return json.load(f)["shortest_units"]
+        m = self.config.mining
+        found = pope.shortest_solvable_prefixes(
+            self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
+            max_units=m.max_prefix_units, guidance=self.config.pope.guidance,
+            template=pope.TEMPLATES[self.config.pope.template], seed=self.config.seed + 1)
+        solved = sum(v is not None for v in found.values())
+        logging.info("shortest solvable prefix found for %d of %d hard problems", solved, len(found))
+        self._save(PREFIXES, {"samples": m.prefix_samples, "max_units": m.max_prefix_units,
+                              "shortest_units": found})
+        return found
+
+    def trace_pool(self, problems) -> prefixrl.TracePool:
+        path = self._path(TRACE_POOL)
+        pool_file = self.config.prefixrl.get("pool_path")
+        if pool_file:  # traces from elsewhere (another model): their sampling is not ours to count
+            return prefixrl.TracePool.load_jsonl(pool_file, self.policy.prompts)
+        if os.path.exists(path):
+            return prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
+        p = self.config.prefixrl
+        pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
+                                         samples_per_round=p.samples_per_round,
+                                         max_samples=p.max_samples, seed=self.config.seed + 2)
+        logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),
+                     sum(pool.samples_per_problem.values()))
+        pool.save_jsonl(path, self.policy.tokenizer)
+        self._save("trace_pool_stats.json", {"samples_per_problem": pool.samples_per_problem})
+        return pool
+
+
+def run_mine(config, workdir: str) -> dict:
+    """Computes (or reads) everything the configured method needs; returns a summary."""
+    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.jobs.problem_sets import load_problem_sets
+
+    policy = load_policy(config, workdir)
+    mining = Mining(config, policy, load_problem_sets(config.data), mining_dir(config, workdir))
+    hard = mining.hard_set()
+    summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}
+    if config.method == "pope":
+        found = mining.prefixes(hard)
+        summary["prefix_found"] = sum(v is not None for v in found.values())
+    if config.method == "prefixrl":
+        summary["pool"] = len(mining.trace_pool(hard.problems).traces)
+    summary["ledger"] = mining.ledger.to_dict()
+    return summary

@@ -1,0 +1,51 @@
+"""The problems a job trains and evaluates on, and the verifier that scores them.
+
+`config.data.source` names them:
+- 'carry_multiplication': the built-in demo task; training candidates and a held-out evaluation
+  set of hard problems (20 digits), plus easy ones for the "+ easy" ablation;
+- 'file': JSONL / parquet files (`path`, `eval_path`) with configurable field names;
+- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxprefix.data.problem import Problem
+
+SOURCES = ("carry_multiplication", "file", "reasoning_gym")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemSets:
+    train: list[Problem]
+    eval: list[Problem]
+    easy: list[Problem]
+    verifier: str
+
+
+def load_problem_sets(data) -> ProblemSets:
+    """Problem sets from `config.data`."""
+    if data.source == "carry_multiplication":
+        from jaxprefix.data.tasks import carry_multiplication as task
+
+        task.register_verifier()
+        train = task.hard_set(data.train_size, seed=data.seed)
+        held_out = task.hard_set(data.eval_size, seed=data.eval_seed)
+        easy = task.generate(data.get("easy_size", 0), digits=tuple(data.easy_digits),
+                             seed=data.seed + 1) if data.get("easy_size", 0) else []
+        return ProblemSets(train, held_out, easy, task.NAME)
+    if data.source == "file":
+        from jaxprefix.data import load_problems
+
+        fields = dict(question_field=data.question_field, solution_field=data.solution_field,
+                      answer_field=data.answer_field)
+        train = load_problems(data.path, **fields)[:data.train_size or None]
+        held_out = load_problems(data.eval_path, **fields) if data.eval_path else []
+        return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
+    if data.source == "reasoning_gym":
+        from jaxprefix.data import reasoning_gym_problems
+
+        train = reasoning_gym_problems(data.task, data.train_size, data.seed)
+        held_out = reasoning_gym_problems(data.task, data.eval_size, data.eval_seed)
+        return ProblemSets(train, held_out, [], "reasoning_gym")
+    raise ValueError(f"config.data.source={data.source!r}: expected one of {SOURCES}")

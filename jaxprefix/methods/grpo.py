@@ -1,0 +1,64 @@
+"""Plain on-policy GRPO batches, and the batch-building skeleton POPE and PrefixRL extend.
+
+A method decides, each step, which contexts the policy continues: here, B problems from the
+loader, each asked unguided. POPE and PrefixRL override `_contexts` to add guided or prefixed
+copies of the same problems; everything else (data order, evaluation, checkpointed state) is
+shared.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxprefix.data.loader import ProblemLoader
+from jaxprefix.data.problem import Problem
+from jaxprefix.rl.loop import RolloutRequest
+
+
+class GrpoMethod:
+    """Each step: `problems_per_step` problems, unguided, `n` samples each."""
+
+    name = "grpo"
+
+    def __init__(self, prompts, problems: Sequence[Problem], *, problems_per_step: int, n: int,
+                 seed: int, eval_problems: Sequence[Problem] = (), eval_n: int = 8,
+                 shard_index: int = 0, shard_count: int = 1):
+        if not problems:
+            raise ValueError(f"{self.name}: no training problems")
+        self.prompts = prompts
+        self.n = n
+        self.loader = ProblemLoader(list(problems), problems_per_step, seed,
+                                    shard_index=shard_index, shard_count=shard_count)
+        self.eval_problems = list(eval_problems)
+        self.eval_n = eval_n
+
+    def next_request(self, step: int) -> RolloutRequest:
+        batch = self.loader.next_batch()
+        contexts, problems, guided, prefixes = self._contexts(batch, step)
+        return RolloutRequest(contexts=contexts, problems=problems,
+                              tags={"guided": np.asarray(guided, bool)}, n=self.n,
+                              response_prefixes=prefixes)
+
+    def _contexts(self, batch: Sequence[Problem], step: int):
+        """(contexts, problems, guided flags, response prefixes) for one batch of problems."""
+        contexts = [self.prompts.question(p) for p in batch]
+        return contexts, list(batch), [False] * len(batch), [""] * len(batch)
+
+    def observe(self, request: RolloutRequest, rewards: np.ndarray) -> None:
+        """Per-step feedback ([C, n] rewards); plain GRPO keeps no state from it."""
+
+    def eval_requests(self) -> dict[str, RolloutRequest]:
+        """Held-out problems, unguided: the number every method is judged by."""
+        if not self.eval_problems:
+            return {}
+        contexts = [self.prompts.question(p) for p in self.eval_problems]
+        return {"eval": RolloutRequest(contexts=contexts, problems=list(self.eval_problems),
+                                       tags={"guided": np.zeros(len(contexts), bool)},
+                                       n=self.eval_n, response_prefixes=[""] * len(contexts))}
+
+    def state(self) -> dict:
+        return {"loader": self.loader.state()}
+
+    def restore(self, state: dict) -> None:
+        self.loader.restore(state["loader"])

@@ -1,0 +1,180 @@
+"""PrefixRL: on-policy RL on the continuations of successful off-policy traces (arXiv 2601.18795).
+
+Sampling FLOPs already spent are reused: a pool of successful traces, found by rejection sampling
+with the base policy (or loaded from another model's JSONL), supplies prefixes. The policy
+continues each prefix as its own unfinished answer and is trained on the continuation alone; the
+prefix is context, never trained on. Training only on prefixed problems still improves the
+unprefixed ones ("back-generalization").
+
+Pipeline:
+1. `build_trace_pool`: rounds of k samples for each problem still without a correct trace, until
+   one is found or `max_samples` is spent. Every sample is booked in the prober's ledger: the
+   papers compare methods at equal compute with this sampling included.
+2. `cut_points`: `prefixes_per_problem` cuts at uniform fractions in [lo, hi] of each trace's
+   tokens, drawn once per problem from the seed.
+3. `PrefixRLMethod`: each step, B problems from the pool, each as its prefixed contexts and
+   `unprefixed_copies` plain ones (3:1 by default).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import zlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxprefix.data.problem import DataError, Problem
+from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.methods.probing import Prober
+from jaxprefix.methods.prompting import with_response_prefix
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """A successful answer to one problem: its tokens and how many samples finding it took."""
+
+    problem_id: str
+    tokens: tuple
+    samples: int
+
+
+@dataclasses.dataclass
+class TracePool:
+    """Successful traces by problem id, and what the search for them cost."""
+
+    traces: dict
+    samples_per_problem: dict  # problem id -> samples drawn, found or not
+
+    def save_jsonl(self, path: str, tokenizer) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            for trace in self.traces.values():
+                f.write(json.dumps({"id": trace.problem_id, "tokens": list(trace.tokens),
+                                    "text": tokenizer.decode(list(trace.tokens)),
+                                    "samples": trace.samples}) + "\n")
+
+    @classmethod
+    def load_jsonl(cls, path: str, prompts=None) -> "TracePool":
+        """A pool written by `save_jsonl`, or traces from another model: `id` and `text` per line
+        (re-tokenised with `prompts.response` when there are no `tokens`)."""
+        if not os.path.exists(path):
+            raise DataError(f"{path}: trace pool file not found")
+        traces = {}
+        with open(path, encoding="utf-8") as f:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
+                if "id" not in record or not ("tokens" in record or "text" in record):
+                    raise DataError(f"{path}:{line_no}: expected fields 'id' and 'tokens' or 'text'")
+                tokens = record.get("tokens")
+                if tokens is None:
+                    if prompts is None:
+                        raise DataError(f"{path}:{line_no}: text-only trace needs a tokenizer")
+                    tokens = prompts.response(record["text"])
+                traces[str(record["id"])] = Trace(str(record["id"]), tuple(tokens),
+                                                  int(record.get("samples", 0)))
+        if not traces:
+            raise DataError(f"{path}: no traces")
+        return cls(traces, {i: t.samples for i, t in traces.items()})
+
+
+def build_trace_pool(prober: Prober, prompts, problems: Sequence[Problem], *,
+                     samples_per_round: int, max_samples: int, seed: int) -> TracePool:
+    """Rejection sampling: keep the first correct trace per problem, at most `max_samples` each."""
+    traces, spent = {}, {p.id: 0 for p in problems}
+    pending = list(problems)
+    round_index = 0
+    while pending:
+        result = prober.probe([prompts.question(p) for p in pending], pending, samples_per_round,
+                              seed=seed + round_index, keep_successes=True,
+                              description=f"trace pool round {round_index + 1}")
+        still = []
+        for problem, success in zip(pending, result.first_success):
+            spent[problem.id] += samples_per_round
+            if success is not None:
+                if success and success[-1] in prober.spec.stop_ids:
+                    success = success[:-1]  # the stop token is the policy's to write, not a prefix's
+                traces[problem.id] = Trace(problem.id, tuple(success), spent[problem.id])
+            elif spent[problem.id] + samples_per_round <= max_samples:
+                still.append(problem)
+        pending = still
+        round_index += 1
+    return TracePool(traces, spent)
+
+
+def cut_points(num_tokens: int, count: int, lo: float, hi: float,
+               rng: np.random.Generator) -> list[int]:
+    """`count` prefix lengths at uniform fractions in [lo, hi] of a trace of `num_tokens`.
+
+    Each keeps at least one token and leaves at least one to generate.
+    """
+    if not 0.0 <= lo <= hi <= 1.0:
+        raise ValueError(f"prefixrl cut fractions must satisfy 0 <= lo <= hi <= 1, got {lo}, {hi}")
+    fractions = rng.uniform(lo, hi, size=count)
+    return [int(np.clip(round(f * num_tokens), 1, max(1, num_tokens - 1))) for f in fractions]
+
+
+class PrefixRLMethod(GrpoMethod):
+    """Pool problems asked with prefixes of their traces, mixed with unprefixed copies."""
+
+    name = "prefixrl"
+
+    def __init__(self, prompts, problems: Sequence[Problem], pool: TracePool, *, schedule,
+                 prefixes_per_problem: int = 3, unprefixed_copies: int = 1,
+                 cut_range: tuple = (0.4, 0.8), seed: int, **kwargs):
+        in_pool = [p for p in problems if p.id in pool.traces]
+        if not in_pool:
+            raise ValueError("prefixrl: the trace pool holds no trace for any training problem")
+        super().__init__(prompts, in_pool, seed=seed, **kwargs)
+        self.pool, self.schedule = pool, schedule
+        self.unprefixed_copies = unprefixed_copies
+        self.cuts = {}
+        for problem in in_pool:
+            # Cuts drawn per problem from (seed, id): the same whatever the pool's order.
+            rng = np.random.default_rng([seed, zlib.crc32(problem.id.encode())])
+            tokens = pool.traces[problem.id].tokens
+            self.cuts[problem.id] = cut_points(len(tokens), prefixes_per_problem, *cut_range, rng)
+
+    def prefix_tokens(self, problem: Problem, j: int, step: int) -> tuple:
+        cut = self.cuts[problem.id][j]
+        length = self.schedule.length(f"{problem.id}/{j}", cut, step)
+        return self.pool.traces[problem.id].tokens[:length]
+
+    def _contexts(self, batch: Sequence[Problem], step: int):
+        contexts, problems, guided, prefixes = [], [], [], []
+        decode = self.prompts.tokenizer.decode
+        for problem in batch:
+            for j in range(len(self.cuts[problem.id])):
+                prefix = self.prefix_tokens(problem, j, step)
+                contexts.append(with_response_prefix(self.prompts, problem, prefix))
+                prefixes.append(decode(list(prefix)))
+                guided.append(True)
+                problems.append(problem)
+            contexts.extend([self.prompts.question(problem)] * self.unprefixed_copies)
+            prefixes.extend([""] * self.unprefixed_copies)
+            guided.extend([False] * self.unprefixed_copies)
+            problems.extend([problem] * self.unprefixed_copies)
+        return contexts, problems, guided, prefixes
+
+    def observe(self, request, rewards: np.ndarray) -> None:
+        keys, rows = [], []
+        seen: dict = {}
+        for i, (problem, is_prefixed) in enumerate(zip(request.problems, request.tags["guided"])):
+            if is_prefixed:
+                j = seen.get(problem.id, 0)
+                seen[problem.id] = j + 1
+                keys.append(f"{problem.id}/{j}")
+                rows.append(i)
+        self.schedule.observe(keys, rewards[rows])
+
+    def state(self) -> dict:
+        return super().state() | {"schedule": self.schedule.state()}
+
+    def restore(self, state: dict) -> None:
+        super().restore(state)
+        self.schedule.restore(state["schedule"])

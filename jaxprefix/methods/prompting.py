@@ -1,0 +1,98 @@
+"""Contexts from problems: the token ids a policy continues, unguided or with a response prefix.
+
+Two kinds of policy read problems differently:
+- `ChatPrompts`: an instruction-tuned LLM. The question is a user turn rendered by the model's own
+  chat template; guidance can be an instruction in the user turn (POPE) or the start of the
+  assistant's answer, left unfinished for the policy to continue (PrefixRL).
+- `TaskPrompts`: a tiny policy trained on a built-in task's raw text. It follows no instruction, so
+  guidance is always the start of its solution.
+
+Both give `question(problem)` (the unguided context) and `response(text)` (tokens that continue
+the assistant turn). A context with a response prefix is `SharedContext(question, prefix)`: the
+sampler prefills the question once however many prefixes of one problem a batch holds.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jaxprefix.data.problem import Problem
+from jaxprefix.sampling import SharedContext
+
+
+class ChatPrompts:
+    """Renders problems through the tokenizer's chat template (system prompt optional)."""
+
+    follows_instructions = True
+
+    def __init__(self, tokenizer, system_prompt: str | None = None):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+
+    def _messages(self, user_text: str) -> list[dict]:
+        messages = [{"role": "user", "content": user_text}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        return messages
+
+    def user_turn(self, text: str) -> list[int]:
+        """A conversation of one user turn, ending where the assistant starts to answer."""
+        rendered = self.tokenizer.apply_chat_template(self._messages(text), add_generation_prompt=True)
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
+
+    def question(self, problem: Problem) -> list[int]:
+        return self.user_turn(problem.question)
+
+    def response(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def render_unfinished(self, problem: Problem, response_text: str) -> str:
+        """The text of an unfinished assistant turn, as the chat template itself renders it."""
+        messages = self._messages(problem.question) + [{"role": "assistant", "content": response_text}]
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True)
+
+
+class TaskPrompts:
+    """A built-in task's raw text: the question, then the solution the policy writes."""
+
+    follows_instructions = False
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def user_turn(self, text: str) -> list[int]:
+        raise ValueError("a built-in task's policy follows no instructions: guide it with a "
+                         "solution prefix (pope.guidance='solution_prefix')")
+
+    def question(self, problem: Problem) -> list[int]:
+        return self.tokenizer.encode(problem.question)
+
+    def response(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+
+def with_response_prefix(prompts, problem: Problem, prefix: Sequence[int]) -> SharedContext:
+    """The problem's question followed by `prefix` tokens of an unfinished answer."""
+    return SharedContext(prompt=tuple(prompts.question(problem)), suffix=tuple(prefix))
+
+
+def oracle_units(problem: Problem) -> int:
+    """How many units an oracle prefix can take: solution steps where known, else lines."""
+    return len(problem.oracle_steps)
+
+
+def oracle_prefix_text(problem: Problem, units: int) -> str:
+    """The first `units` steps of the oracle solution, as the solution writes them."""
+    steps = problem.oracle_steps
+    if not 0 <= units <= len(steps):
+        raise ValueError(f"problem {problem.id}: an oracle prefix of {units} steps is out of "
+                         f"range 0..{len(steps)}")
+    return _step_separator(problem).join(steps[:units])
+
+
+def _step_separator(problem: Problem) -> str:
+    # Join steps the way the solution text joins them (built-in tasks write them back to back).
+    for separator in ("", "\n", " "):
+        if separator.join(problem.oracle_steps) == problem.solution:
+            return separator
+    return "\n"
