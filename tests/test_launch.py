@@ -1,4 +1,5 @@
 """launch/tpu.sh against a fake `gcloud` on PATH that records its arguments."""
+import importlib.util
 import json
 import os
 import pathlib
@@ -143,3 +144,60 @@ def test_watch_stops_when_the_run_has_ended(launch):
                          env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
   assert [c[3] for c in calls] == ["describe", "ssh"]
   assert "the run has ended" in result.stdout
+
+
+# ---- launch/capacity_plan.py ------------------------------------------------------------------
+
+def _capacity_plan():
+  """launch/capacity_plan.py is a script, not a package module: load it by path."""
+  if "capacity_plan" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("capacity_plan",
+                                                  REPO / "launch" / "capacity_plan.py")
+    sys.modules["capacity_plan"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["capacity_plan"])
+  return sys.modules["capacity_plan"]
+
+
+def test_capacity_plan_memory_matches_hand_counts():
+  cp = _capacity_plan()
+  from jaxprefix.models.config import ModelConfig
+  config = ModelConfig.from_hf(cp.QWEN3_4B)
+  # Qwen3-4B, tied: embed 151936*2560, 36 x (attn 2560*(4096+2*1024) + 4096*2560 + mlp 3*2560*9728
+  # + norms 2*2560 + qk-norms 2*128) + final norm 2560.
+  layer = 2560 * 6144 + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128
+  n = 151936 * 2560 + 36 * layer + 2560
+  assert config.num_params() == n  # 4.02B, the published size
+  run = cp.RunShape(n=4, problems=2, prompt_len=100, response_len=50, micro_batch=1,
+                    full_attention_scores=False)
+  mem = cp.memory(config, run)
+  assert mem["params"] == 2 * n and mem["gradients"] == 4 * n
+  assert mem["optimizer (AdamW mu, nu)"] == 8 * n
+  kv_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16
+  assert mem["KV cache (sampling)"] == kv_token * (2 * 100 + 8 * 50)  # prompts shared per context
+  assert mem["activations per chip (training)"] == 36 * 150 * 2560 * 2 + 150 * (
+      4 * 2560 + 3 * 9728 + 2 * 4096) * 4
+
+
+def test_capacity_plan_picks_the_smallest_slice_that_fits():
+  cp = _capacity_plan()
+  gib = cp.GiB
+  mem = {"params": 8 * gib, "reference params": 0, "gradients": 16 * gib,
+         "optimizer (AdamW mu, nu)": 32 * gib, "KV cache (sampling)": 200 * gib,
+         "activations per chip (training)": 3 * gib}
+  v6e = cp.ACCELERATORS[1]
+  # 32 GiB chips, 85% usable: 256 GiB over 8 chips is 32 per chip (too much); over 16 it is 16.
+  assert cp.smallest_slice(mem, v6e) == 16
+  # Without the KV cache: 56/4 + 3 = 17 GiB <= 27.2 fits on 4 chips, 56 + 3 on 1 does not.
+  assert cp.smallest_slice(mem, v6e, with_kv=False) == 4
+  assert cp.rollouts_per_wave(dict(mem), cp.RunShape(n=8, problems=25), v6e, 4) == int(
+      (4 * 0.85 * 32 - 56) / (200 / 200))
+  assert v6e.hosts(16) == 4 and v6e.hosts(8) == 1
+  assert cp.ACCELERATORS[2].slice_name(16) == "v5p-32"
+
+
+def test_capacity_plan_cli_reports_a_slice_and_rejects_bad_values(capsys):
+  cp = _capacity_plan()
+  cp.main(["--preset=pope", "--full_attention_scores=false"])
+  assert "| v6e | v6e-64 | 16 |" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="n=0: expected >= 1"):
+    cp.main(["--n=0"])

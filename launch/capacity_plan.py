@@ -1,0 +1,268 @@
+"""Capacity plan: memory, FLOPs and the smallest TPU slice for one RL step of a model and run shape.
+
+    python launch/capacity_plan.py --preset=pope
+    python launch/capacity_plan.py --model=/path/to/hf_dir --n=16 --problems=32 \
+        --prompt_len=1024 --response_len=4096
+
+Memory is counted per component and spread evenly over the chips (FSDP for parameters and
+optimizer state, data parallelism for the KV cache and activations). One RL step holds the
+training state throughout; sampling adds the KV cache of every rollout of the step (the sampler
+decodes the whole batch in one call, prompts shared per context), training adds the activations
+of one micro-batch per chip. FLOPs use ModelConfig.flops_per_token (2N per token plus attention
+against the context), forward only for sampling and x3 (x4 with remat) for the update.
+A slice fits when every chip's share is within HEADROOM of its HBM: XLA temporaries,
+fragmentation and compiled programs take the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxprefix.models.config import ModelConfig  # noqa: E402
+
+GiB = 2**30
+HEADROOM = 0.85
+BYTES = {"float32": 4, "bfloat16": 2}
+
+# Qwen3-4B's published config.json (the fields the plan needs).
+QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1_000_000)
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    tie_word_embeddings=True, rope_theta=100_000)
+MODELS = {"qwen3-4b": QWEN3_4B, "smollm2-135m": SMOLLM2_135M}
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+  name: str
+  hbm_gib: float
+  bf16_tflops: float       # peak dense bf16 matmul per chip
+  hbm_gbps: float          # HBM bandwidth per chip, GB/s
+  chips_per_host: int
+  sizes: tuple[int, ...]   # chip counts of the slice shapes on offer
+  single_host_chips: int   # the largest slice served by one host
+  cores_per_chip: int = 1  # v5p slice names count TensorCores (2 per chip)
+
+  def slice_name(self, chips: int) -> str:
+    return f"{self.name}-{chips * self.cores_per_chip}"
+
+  def hosts(self, chips: int) -> int:
+    return 1 if chips <= self.single_host_chips else chips // self.chips_per_host
+
+
+# Per-chip figures from the Cloud TPU system architecture pages.
+ACCELERATORS = (
+    Accelerator("v5litepod", 16, 197, 819, 4, (1, 4, 8, 16, 32, 64, 128, 256), 8),
+    Accelerator("v6e", 32, 918, 1640, 4, (1, 4, 8, 16, 32, 64, 128, 256), 8),
+    Accelerator("v5p", 95, 459, 2765, 4,
+                (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144), 4, cores_per_chip=2),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+  """One RL step: `problems` contexts, `n` rollouts each, lengths in tokens."""
+  n: int = 8
+  problems: int = 64
+  prompt_len: int = 1024           # question plus any guidance / prefix tokens
+  response_len: int = 16384
+  param_dtype: str = "bfloat16"
+  optimizer_dtype: str = "float32"  # AdamW moments and the gradient accumulator
+  kv_dtype: str = "bfloat16"
+  micro_batch: int = 1              # training sequences per chip per micro-step
+  remat: bool = True
+  reference_model: bool = False     # a frozen copy for the KL penalty
+  full_attention_scores: bool = True  # scores [heads, T, T] materialised (no flash kernel)
+
+  def __post_init__(self):
+    for field in ("n", "problems", "prompt_len", "response_len", "micro_batch"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"{field}={getattr(self, field)}: expected >= 1")
+    for field in ("param_dtype", "optimizer_dtype", "kv_dtype"):
+      if getattr(self, field) not in BYTES:
+        raise ValueError(f"{field}={getattr(self, field)!r}: expected one of {sorted(BYTES)}")
+
+  @property
+  def rollouts(self) -> int:
+    return self.n * self.problems
+
+
+PRESETS = {  # the paper-scale settings; prompt lengths include guidance or prefix tokens
+    "pope": ("qwen3-4b", RunShape(n=8, problems=64, prompt_len=2048, response_len=16384)),
+    "prefixrl": ("qwen3-4b", RunShape(n=8, problems=128, prompt_len=8192, response_len=16384)),
+    "isocompute-n8": ("qwen3-4b", RunShape(n=8, problems=512, prompt_len=1024, response_len=8192)),
+    "isocompute-n64": ("qwen3-4b", RunShape(n=64, problems=64, prompt_len=1024, response_len=8192)),
+    "isocompute-n512": ("qwen3-4b", RunShape(n=512, problems=8, prompt_len=1024, response_len=8192)),
+    "smoke": ("smollm2-135m", RunShape(n=4, problems=8, prompt_len=256, response_len=256,
+                                       param_dtype="float32")),
+}
+
+
+def memory(config: ModelConfig, run: RunShape) -> dict[str, float]:
+  """Bytes of each component of one RL step, summed over the whole slice."""
+  n_params = config.num_params()
+  p, o = BYTES[run.param_dtype], BYTES[run.optimizer_dtype]
+  kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * BYTES[run.kv_dtype]
+  seq = run.prompt_len + run.response_len
+  d, f = config.hidden_size, config.intermediate_size
+  # Remat keeps each layer's input; one layer at a time holds its full working set in f32.
+  residuals = config.num_layers * seq * d * p if run.remat else 0
+  layer = seq * (4 * d + 3 * f + 2 * config.num_heads * config.head_dim) * 4
+  if not run.remat:
+    layer *= config.num_layers
+  scores = config.num_heads * seq * seq * 4 if run.full_attention_scores else 0
+  return {
+      "params": n_params * p,
+      "reference params": n_params * p * run.reference_model,
+      "gradients": n_params * o,
+      "optimizer (AdamW mu, nu)": 2 * n_params * o,
+      # Shared prompts: each context's KV once, each rollout's completion KV on its own.
+      "KV cache (sampling)": kv_per_token * (run.problems * run.prompt_len
+                                             + run.rollouts * run.response_len),
+      "activations per chip (training)": run.micro_batch * (residuals + layer + scores),
+  }
+
+
+def flops(config: ModelConfig, run: RunShape) -> dict[str, float]:
+  """FLOPs of one step: sampling (prefill + decode) and the update (forward + backward)."""
+  p, r = run.prompt_len, run.response_len
+  prefill = run.problems * p * config.flops_per_token(p // 2)
+  decode = run.rollouts * r * config.flops_per_token(p + r // 2)
+  passes = 3 + run.remat + run.reference_model / 3  # fwd + bwd (2x) + remat's second forward
+  update = run.rollouts * (p + r) * config.flops_per_token((p + r) // 2) * passes
+  n = config.num_params(embeddings=False) + config.vocab_size * config.hidden_size
+  return {"sampling": prefill + decode, "update": update,
+          "sampling (2ND)": 2 * n * (run.problems * p + run.rollouts * r),
+          "update (6ND)": 6 * n * run.rollouts * (p + r)}
+
+
+STATE = ("params", "reference params", "gradients", "optimizer (AdamW mu, nu)")
+KV, ACTIVATIONS = "KV cache (sampling)", "activations per chip (training)"
+
+
+def per_chip_bytes(mem: dict[str, float], chips: int, *, with_kv: bool = True) -> float:
+  """Peak bytes on one chip: the training state always; then either the step's KV cache
+  (sampling) or one micro-batch of activations (training), never both at once."""
+  state = sum(mem[k] for k in STATE) / chips
+  return state + max(mem[KV] / chips if with_kv else 0.0, mem[ACTIVATIONS])
+
+
+def smallest_slice(mem: dict[str, float], accel: Accelerator, *, with_kv: bool = True):
+  """Fewest chips on which every chip's share fits in HEADROOM of its HBM (None: none)."""
+  for chips in accel.sizes:
+    if per_chip_bytes(mem, chips, with_kv=with_kv) <= HEADROOM * accel.hbm_gib * GiB:
+      return chips
+  return None
+
+
+def rollouts_per_wave(mem: dict[str, float], run: RunShape, accel: Accelerator, chips: int) -> int:
+  """Rollouts whose KV fits at once on `chips` next to the training state."""
+  free = chips * HEADROOM * accel.hbm_gib * GiB - sum(mem[k] for k in STATE)
+  per_rollout = mem[KV] / run.rollouts  # its completion plus its share of the prompt
+  return max(0, min(run.rollouts, int(free // per_rollout)))
+
+
+def plan(hf_config: dict, run: RunShape) -> dict:
+  """Everything the report prints, as plain numbers (bytes, FLOPs, chips)."""
+  config = ModelConfig.from_hf(hf_config, param_dtype=run.param_dtype)
+  mem, fl = memory(config, run), flops(config, run)
+  slices = {}
+  for accel in ACCELERATORS:
+    row = dict(train_only=None, whole_step=None)
+    train_chips = smallest_slice(mem, accel, with_kv=False)
+    if train_chips is not None:
+      row["train_only"] = dict(slice=accel.slice_name(train_chips), chips=train_chips,
+                               hosts=accel.hosts(train_chips),
+                               rollouts_per_wave=rollouts_per_wave(mem, run, accel, train_chips))
+    chips = smallest_slice(mem, accel)
+    if chips is not None:
+      peak = chips * accel.bf16_tflops * 1e12
+      # Decode is bandwidth-bound: each step, every chip reads all the weights (data-parallel
+      # decode) and, on average, half of its share of the KV cache.
+      decode_s = run.response_len * (mem["params"] + mem[KV] / 2 / chips) / (accel.hbm_gbps * 1e9)
+      row["whole_step"] = dict(
+          slice=accel.slice_name(chips), chips=chips, hosts=accel.hosts(chips),
+          per_chip_gib=per_chip_bytes(mem, chips) / GiB,
+          update_s_at_40pct_mfu=fl["update"] / (0.4 * peak),
+          sampling_s_at_40pct_mfu=fl["sampling"] / (0.4 * peak),
+          decode_s_bandwidth_bound=decode_s)
+    slices[accel.name] = row
+  return dict(params=config.num_params(), memory=mem, flops=fl, slices=slices)
+
+
+def report(name: str, hf_config: dict, run: RunShape) -> str:
+  result = plan(hf_config, run)
+  lines = [f"## {name}", "",
+           f"{hf_config.get('model_type')} {result['params'] / 1e9:.2f}B params; "
+           f"n={run.n} x {run.problems} problems = {run.rollouts} rollouts, prompt "
+           f"{run.prompt_len} + response {run.response_len} tokens; params {run.param_dtype}, "
+           f"AdamW state {run.optimizer_dtype}, KV {run.kv_dtype}, micro-batch "
+           f"{run.micro_batch}/chip, remat {run.remat}, full attention scores "
+           f"{run.full_attention_scores}",
+           "", "| memory (whole slice) | GiB |", "|---|---:|"]
+  lines += [f"| {k} | {v / GiB:,.1f} |" for k, v in result["memory"].items() if v]
+  lines += ["", "| FLOPs per step | with attention | 2ND / 6ND |", "|---|---:|---:|",
+            f"| sampling | {result['flops']['sampling']:.3g} | "
+            f"{result['flops']['sampling (2ND)']:.3g} |",
+            f"| update | {result['flops']['update']:.3g} | {result['flops']['update (6ND)']:.3g} |",
+            "", "| generation | whole step at once | hosts | GiB/chip | update s | sampling s "
+            "| decode s (HBM) | training only | rollouts per wave there |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+  for accel in ACCELERATORS:
+    row = result["slices"][accel.name]
+    largest = f"none up to {accel.slice_name(accel.sizes[-1])}"
+    whole, train = row["whole_step"], row["train_only"]
+    cells = [accel.name]
+    cells += ([whole["slice"], whole["hosts"], f"{whole['per_chip_gib']:.1f}",
+               f"{whole['update_s_at_40pct_mfu']:,.0f}",
+               f"{whole['sampling_s_at_40pct_mfu']:,.0f}",
+               f"{whole['decode_s_bandwidth_bound']:,.0f}"] if whole
+              else [largest, "", "", "", "", ""])
+    cells += [train["slice"], train["rollouts_per_wave"]] if train else [largest, ""]
+    lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+  lines += ["", "Times are lower bounds for one step on the whole-step slice: FLOPs at 40% of "
+            "peak bf16, decode at full HBM bandwidth."]
+  return "\n".join(lines)
+
+
+def load_hf_config(model: str) -> dict:
+  if model in MODELS:
+    return MODELS[model]
+  path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+  if not os.path.isfile(path):
+    raise SystemExit(f"--model={model!r}: expected one of {sorted(MODELS)}, an HF model "
+                     "directory or a config.json path")
+  with open(path) as f:
+    return json.load(f)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--preset", choices=sorted(PRESETS), help="paper-scale settings")
+  parser.add_argument("--model", help=f"{sorted(MODELS)}, an HF directory or config.json")
+  for field in dataclasses.fields(RunShape):
+    if field.type == "bool":
+      parser.add_argument(f"--{field.name}", type=lambda s: s.lower() in ("1", "true", "yes"))
+    else:
+      parser.add_argument(f"--{field.name}", type=int if field.type == "int" else str)
+  args = parser.parse_args(argv)
+  model, run = PRESETS[args.preset] if args.preset else ("qwen3-4b", RunShape())
+  model = args.model or model
+  changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunShape)
+             if getattr(args, f.name) is not None}
+  try:
+    run = dataclasses.replace(run, **changes)
+  except ValueError as e:
+    raise SystemExit(f"capacity_plan: {e}") from None
+  print(report(args.preset or model, load_hf_config(model), run))
+
+
+if __name__ == "__main__":
+  main()
