@@ -1,0 +1,23 @@
+"""POPE: hard problems asked guided by an oracle-solution prefix and plainly, mixed 1:1.
+
+    python -m jaxprefix.main --config=configs/pope.py                       # the CPU demo: SFT, mining,
+                                                                            # POPE vs GRPO, table + plots
+    python -m jaxprefix.main --config=configs/pope.py:demo_smoke --workdir=/tmp/demo_smoke
+    python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope  # POPE alone, demo task
+    python -m jaxprefix.main --config=configs/pope.py:smoke --workdir=/tmp/pope_smoke
+    python -m jaxprefix.main --config=configs/pope.py:smollm2 --workdir=/tmp/pope_smollm2
+    python -m jaxprefix.main --config=configs/pope.py:paper --workdir=gs://BUCKET/pope \
+        --config.model.path=gs://BUCKET/Qwen3-4B-Instruct-2507 --config.data.path=...
+
+Options as fields, e.g. `--config.pope.template=no_restate` (the paper's ablation),
+`--config.pope.easy_per_step=16` with `--config.data.easy_size=1024` (hard + easy),
+`--config.schedule.kind=adaptive` (shorten a problem's prefix once it is solved guided).
+"""
+from jaxprefix import run_config
+
+
+def get_config(arg: str = ""):
+    c, args = run_config.method_config(__file__, "pope", arg, extra_variants=("rl", "demo_smoke"))
+    # With no variant the command runs the whole demo pipeline (jobs/demo.py).
+    c.job = "demo" if args.variant in ("demo", "demo_smoke") else "rl"
+    return c

@@ -1,0 +1,59 @@
+"""jaxprefix entry point: a config file, a working directory, one job.
+
+    python -m jaxprefix.main --config=configs/pope.py                 # the CPU demo
+    python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
+    python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
+
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo); each is one function in
+jaxprefix/jobs/ that tests call directly. Without --workdir a run writes to runs/<config>-<variant>.
+Running the same command again in the same workdir resumes from the last checkpoint.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:variant].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and reports go.")
+flags.mark_flags_as_required(["config"])
+
+# job name -> (module in jaxprefix.jobs, function(config, workdir))
+JOBS = {
+    "sft": ("sft", "run_sft"),
+    "mine": ("mine", "run_mine"),
+    "rl": ("rl", "run_rl"),
+    "eval": ("evaluate", "run_eval"),
+    "sweep": ("isocompute", "run_sweep"),
+    "fit": ("isocompute", "run_fit"),
+    "demo": ("demo", "run_demo"),
+}
+
+
+def default_workdir(config_arg: str) -> str:
+    path, _, variant = config_arg.partition(":")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return os.path.join("runs", f"{name}-{(variant or 'demo').split(',')[0]}")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = _CONFIG.value
+    if config.job not in JOBS:
+        raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
+    from jaxprefix import distributed
+
+    distributed.initialize(config.distributed)
+    workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+    logging.info("job %s, workdir %s", config.job, workdir)
+    module, function = JOBS[config.job]
+    run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
+    run(config, workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,214 @@
+"""Every field a jaxprefix run reads, with its default: the base that each configs/*.py edits.
+
+A config file starts from `base_config()`, sets what its method and variant change, and returns
+it; main locks it, so a misspelt `--config.x=...` fails instead of being ignored. Defaults that
+are facts about the papers say so; unconfirmed details of a paper are fields with the stated
+value (see docs/ARCHITECTURE.md).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import ml_collections
+
+from jaxprefix import distributed
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo
+    c.method = "grpo"  # grpo | pope | prefixrl
+    c.seed = 0
+
+    # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
+    c.model = ml_collections.ConfigDict(dict(source="sft", path="", dtype="float32",
+                                             system_prompt=""))
+    # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
+    c.sft = ml_collections.ConfigDict()
+
+    # Problem sets (jobs/problem_sets.py).
+    c.data = ml_collections.ConfigDict(dict(
+        source="carry_multiplication", task="", path="", eval_path="", question_field="question",
+        solution_field="solution", answer_field="answer", verifier="math", train_size=256,
+        eval_size=128, seed=1, eval_seed=2, easy_size=0, easy_digits=(1, 10)))
+
+    # Sampling of training rollouts (and of mining, at the same settings).
+    c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
+                                               max_new_tokens=64))
+
+    # The learner (rl/train_step.py TrainConfig fields) and the loop.
+    c.train = ml_collections.ConfigDict(dict(
+        problems_per_step=32, total_steps=100, advantage="grpo", dynamic_sampling=False,
+        max_refill_rounds=2, learning_rate=1e-4, schedule="constant", warmup_steps=0,
+        decay_steps=1000, min_lr_ratio=0.0, b1=0.9, b2=0.999, adam_eps=1e-8, weight_decay=0.0,
+        max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
+        eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
+        kl_kind="k3", logprob_chunk=1024))
+
+    # Computed once before RL with the base policy (jobs/mine.py).
+    c.mining = ml_collections.ConfigDict(dict(
+        k=16,                  # hard = solved 0 of k (paper: k=128 at a 32k budget)
+        prefix_samples=8,      # m samples per prefix length in the shortest-prefix search
+        max_prefix_units=4,    # longest prefix tried, in oracle steps
+        rows_per_call=1024, dir=""))
+
+    c.pope = ml_collections.ConfigDict(dict(
+        guidance="instruction",  # or 'solution_prefix' for policies that follow no instruction
+        template="default",      # or 'no_restate' (the paper's ablation)
+        guided_copies=1, unguided_copies=1, easy_per_step=0))
+
+    c.prefixrl = ml_collections.ConfigDict(dict(
+        prefixes_per_problem=3, unprefixed_copies=1, cut_lo=0.4, cut_hi=0.8,
+        samples_per_round=64, max_samples=2500, pool_path=""))
+
+    # Prefix-length schedule (methods/schedules.py): fixed | annealed | adaptive.
+    c.schedule = ml_collections.ConfigDict(dict(
+        kind="fixed", steps=100, start_fraction=1.0, end_fraction=0.0, shape="linear",
+        window=16, threshold=0.5, stride=1, lengthen=False))
+
+    c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
+    c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
+    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    c.distributed = distributed.default_config()
+    c.isocompute = ml_collections.ConfigDict(dict(
+        budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",
+        eval_every_rollouts=1024))
+    return c
+
+
+def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
+    """'demo' or 'smollm2,seed=1' -> {'variant': ..., 'seed': 1}: a config file's variant string.
+
+    Values are parsed as int, float or bool where they look like one.
+    """
+    parsed = ml_collections.ConfigDict(defaults)
+    for i, part in enumerate(p for p in (arg or "").split(",") if p):
+        key, sep, value = part.partition("=")
+        if not sep:
+            if i:
+                raise ValueError(f"config argument {arg!r}: only the first item may be a bare "
+                                 f"variant name, got {part!r}")
+            key, value = "variant", part
+        parsed[key] = _literal(value)
+    return parsed
+
+
+def _literal(text: str):
+    if text in ("True", "False", "true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def sibling_config(this_file: str, name: str, arg: str = "") -> ml_collections.ConfigDict:
+    """`get_config(arg)` of another file in the same configs/ folder (e.g. sft.py for pope.py)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(this_file)), name)
+    spec = importlib.util.spec_from_file_location(f"jaxprefix_config_{name[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+# --- settings shared by the configs' variants -----------------------------------------------
+
+def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """The CPU demo (docs/DEMO_TASK.md): the tiny SFT policy on 20-digit carry multiplication.
+
+    Recipe from the feasibility study on this kind of machine: 8 samples per problem, Adam 1e-4
+    (3e-4 collapsed, 3e-5 too slow), one on-policy update per batch, temperature 1.
+    """
+    c.model.source = "sft"
+    c.sft = sft
+    c.data.source = "carry_multiplication"
+    c.data.train_size, c.data.eval_size = 256, 128
+    c.rollout.update(n=8, temperature=1.0, max_new_tokens=61)  # 20 steps of 3 tokens + <eos>
+    c.train.update(problems_per_step=32, total_steps=150, learning_rate=1e-4, max_grad_norm=1.0)
+    c.mining.update(k=16, prefix_samples=8, max_prefix_units=19)
+    c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
+    c.eval.update(every=50, n=16, ks=(1, 8, 16))
+    c.checkpoint.every = 50
+
+
+def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """Seconds on a CPU: every stage runs, nothing is expected to learn."""
+    demo_task(c, sft)
+    c.data.train_size, c.data.eval_size = 8, 4
+    c.rollout.n = 4
+    c.train.update(problems_per_step=4, total_steps=2)
+    c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
+    c.prefixrl.update(samples_per_round=4, max_samples=8)
+    c.eval.update(every=2, n=4, ks=(1, 4))
+    c.checkpoint.every = 1
+
+
+def smollm2(c: ml_collections.ConfigDict) -> None:
+    """A real model on CPU: SmolLM2-135M-Instruct (GGUF) on a reasoning-gym task. Slow."""
+    c.model.update(source="gguf", path="bundled",
+                   system_prompt="Please reason step by step, and put your final answer "
+                                 "within \\boxed{}.")
+    c.data.update(source="reasoning_gym", task="basic_arithmetic", train_size=64, eval_size=32,
+                  verifier="reasoning_gym")
+    c.rollout.update(n=4, temperature=0.8, max_new_tokens=192)
+    c.train.update(problems_per_step=2, total_steps=5, learning_rate=1e-6, max_grad_norm=0.3,
+                   weight_decay=0.01, advantage="dr_grpo", logprob_chunk=256)
+    c.mining.update(k=8, prefix_samples=4, max_prefix_units=4, rows_per_call=32)
+    c.pope.guidance = "instruction"
+    c.eval.update(every=5, n=4, ks=(1, 4))
+    c.checkpoint.every = 5
+
+
+def paper(c: ml_collections.ConfigDict) -> None:
+    """Paper scale on a TPU slice: Qwen3-4B-Instruct-2507 from an HF directory (paths as fields).
+
+    The authors' settings (papers.md; unconfirmed as the paper's): lr 1e-6 cosine, grad clip 0.3,
+    weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
+    """
+    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507", dtype="bfloat16",
+                   system_prompt="Please reason step by step, and put your final answer "
+                                 "within \\boxed{}.")
+    c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
+                  eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
+                  eval_size=0)
+    c.rollout.update(n=8, temperature=0.8, max_new_tokens=16384)
+    c.train.update(problems_per_step=64, total_steps=400, learning_rate=1e-6, schedule="cosine",
+                   warmup_steps=10, decay_steps=400, max_grad_norm=0.3, weight_decay=0.01,
+                   advantage="dr_grpo", num_minibatches=4, micro_batch_size=8, logprob_chunk=512)
+    c.mining.update(k=128, prefix_samples=8, max_prefix_units=8, rows_per_call=2048)
+    c.eval.update(every=25, n=16, ks=(1, 16))
+    c.checkpoint.every = 10
+    c.mesh.update(data=1, fsdp=-1, tensor=1)
+
+
+VARIANTS = ("demo", "smoke", "smollm2", "paper")
+
+
+def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
+    """(config, args) of `method` for the variant named first in `arg` (default 'demo').
+
+    demo / smoke use the demo task (smoke: seconds); smollm2 a real model on CPU; paper a TPU run.
+    `extra_variants` are names a config file handles itself on top of one of these.
+    """
+    args = parse_arg(arg, variant="demo")
+    known = VARIANTS + tuple(extra_variants)
+    if args.variant not in known:
+        raise ValueError(f"{os.path.basename(config_file)}: unknown variant {args.variant!r}; "
+                         f"expected one of {known}")
+    c = base_config()
+    c.method = method
+    if args.variant == "smoke" or args.variant.endswith("_smoke"):
+        smoke(c, sibling_config(config_file, "sft.py", "smoke"))
+    elif args.variant == "smollm2":
+        smollm2(c)
+    elif args.variant == "paper":
+        paper(c)
+    else:
+        demo_task(c, sibling_config(config_file, "sft.py", "demo"))
+    if "seed" in args:
+        c.seed = args.seed
+    return c, args
