@@ -197,3 +197,54 @@ def test_smollm2_tensors_equal_transformers(smollm2_ours, smollm2_transformers):
         assert config[key] == getattr(hf, key), key
     assert config["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps)
     assert config["rope_theta"] == hf.rope_parameters["rope_theta"]
+
+
+def transformers_llama(config, tensors):
+    """transformers' LlamaForCausalLM holding HF-named numpy `tensors`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hf_config = {k: v for k, v in config.items() if k not in ("model_type", "architectures")}
+    model = LlamaForCausalLM(LlamaConfig(**hf_config)).eval()
+    state = {k: torch.from_numpy(v) for k, v in tensors.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model
+
+
+def logits_both_ways(model, reference, ids):
+    import torch
+    ours = np.asarray(model(np.asarray([ids], dtype=np.int32)))[0]
+    with torch.no_grad():
+        theirs = reference(torch.tensor([ids])).logits[0].numpy()
+    return ours, theirs
+
+
+def test_tiny_from_gguf_logits_match_transformers(tiny):
+    # Rotary is where an un-undone permutation shows: logits differ from position 1 on.
+    path, originals = tiny
+    model, config = gguf_import.from_gguf(path)
+    hf_config, tensors = gguf_import.read_gguf(path)
+    assert config.num_layers == 2 and config.num_kv_heads == 2
+    reference = transformers_llama(hf_config, tensors)
+    ids = [3, 17, 5, 90, 41, 41, 8, 60, 2, 77]
+    ours, theirs = logits_both_ways(model, reference, ids)
+    np.testing.assert_allclose(ours, theirs, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers(smollm2_transformers):
+    from transformers import AutoTokenizer
+    path = gguf_import.bundled_smollm2_path()
+    model, _ = gguf_import.from_gguf(path)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path))
+    prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Solve: 12 * 7 = ",
+               "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"]
+    worst = 0.0
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ours, theirs = logits_both_ways(model, smollm2_transformers, ids)
+        np.testing.assert_array_equal(ours.argmax(-1), theirs.argmax(-1))
+        worst = max(worst, float(np.abs(ours - theirs).max()))
+    print(f"SmolLM2 GGUF: max |logit difference| vs transformers = {worst:.2e}")
+    assert worst < 1e-3

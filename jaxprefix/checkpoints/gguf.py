@@ -152,7 +152,8 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     for t in reader.tensors:
         hf_name = _hf_name(t.name, path)
         # GGUF lists dimensions fastest-first; numpy (and HF) slowest-first.
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        # A copy: unquantised tensors would otherwise be read-only views of the mapped file.
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
         if ".attn_q." in t.name:
             w = unpermute_rotary(w, config["num_attention_heads"])
@@ -164,14 +165,16 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
-def from_gguf(path: str | os.PathLike, dtype=None):
-    """(model, config) from a llama-architecture GGUF file; dtype defaults to float32."""
-    # Imported here so that reading GGUF files (tokenizers do) does not pull in the model.
+def from_gguf(path: str | os.PathLike, dtype=None, *, mesh=None):
+    """(model, config) from a llama-architecture GGUF file (see hf.load_hf_state); dtype defaults
+    to float32, and with `mesh` every parameter is placed with its target sharding."""
+    # Imported here so that reading GGUF files (tokenizers do) does not pull in jax and the model.
     import jax.numpy as jnp
-    from jaxprefix.checkpoints.hf import load_hf_state
+    from jaxprefix.models import load_hf_state  # (models first: it imports checkpoints.hf)
 
     hf_config, tensors = read_gguf(path)
-    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype)
+    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype, mesh=mesh,
+                         source=os.fspath(path))
 
 
 def bundled_smollm2_path() -> str:
