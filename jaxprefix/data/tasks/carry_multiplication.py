@@ -194,6 +194,14 @@ def _default_tokenizer():
     return _TOKENIZER
 
 
+def register_verifier() -> str:
+    """Registers `verify` with the rewards registry under NAME; returns NAME."""
+    from jaxprefix import rewards
+
+    rewards.register(NAME, verify)
+    return NAME
+
+
 def verify(completion_text: str, problem: Problem) -> float:
     """1.0 if question + completion is a complete correct solution in any notation, else 0.0.
 

@@ -1,0 +1,63 @@
+"""SFT of the tiny base policy of the demo task (one-digit multiplication with written carries).
+
+    python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo           # demo, ~2 min
+    python -m jaxprefix.main --config=configs/sft.py:smoke --workdir=/tmp/smoke    # seconds
+
+Training stops at the first evaluation point where the hard set is never solved in k samples
+(hard pass@k = 0 for the k POPE mines with) and the policy finishes hard problems given all but
+`steps_left` oracle steps at least `guided_floor` of the time. See docs/DEMO_TASK.md.
+"""
+
+import ml_collections
+
+from jaxprefix import distributed
+
+
+def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
+    variant = arg or "demo"
+    if variant not in ("demo", "smoke"):
+        raise ValueError(f"configs/sft.py: unknown variant {variant!r}; expected 'demo' or 'smoke'")
+    config = ml_collections.ConfigDict()
+    config.job = "sft"
+    config.seed = 0
+    config.distributed = distributed.default_config()
+
+    # 2 layers, width 64, 4 heads, MLP 4x: ~110K parameters, a few ms per step on one CPU core.
+    config.model = ml_collections.ConfigDict(dict(layers=2, width=64, heads=4, mlp_width=256))
+
+    # Every length 1..20 so all step positions are seen; multipliers 2..9 (1 is copying).
+    config.data = ml_collections.ConfigDict(dict(
+        batch_size=64, digits=(1, 20), multipliers=(2, 9), tens_first=0.5))
+
+    # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
+    config.lr = 1e-3
+    config.warmup_steps = 100
+    config.weight_decay = 1e-4
+    config.max_steps = 1500
+    # Each point costs one forward pass; sampling starts once the step accuracy passes a gate.
+    config.eval_start = 100
+    config.eval_every = 25
+
+    config.criterion = ml_collections.ConfigDict(dict(
+        k=16,                      # the mining k: hard pass@k must be exactly 0
+        hard_count=64,             # hard problems (20 digits x 6..9) measured at each point
+        hard_seed=10_000,          # distinct from the RL sets' seeds
+        steps_left=2,              # guided success is measured with this many steps left ...
+        guided_floor=0.25,         # ... and must reach this floor
+        guided_samples=8,
+        report_steps_left=(1, 2, 4),
+        # Sampling is skipped below this teacher-forced step accuracy p (guided ~ p^steps_left).
+        sample_from_step_accuracy=0.3))
+
+    if variant == "smoke":
+        config.data.batch_size = 16
+        config.max_steps = 40
+        config.warmup_steps = 10
+        config.eval_start = 40  # one evaluation, at the end
+        config.eval_every = 40
+        config.criterion.k = 2
+        config.criterion.hard_count = 4
+        config.criterion.guided_samples = 2
+        config.criterion.report_steps_left = (2,)
+        config.criterion.sample_from_step_accuracy = 0.0
+    return config

@@ -1,0 +1,221 @@
+"""SFT of the tiny demo policy, stopped by a measured criterion: the base model of the POPE demo.
+
+The base model must sit in a narrow window (docs/DEMO_TASK.md): good enough that a long oracle
+prefix lets it finish a hard problem (guided success >= a floor with r steps left), not so good
+that it ever solves a hard problem alone (hard pass@k = 0 for the mining k). That window moves
+with seed, learning rate and machine noise, so training evaluates at regular points and keeps the
+first point that meets the criterion, rather than trusting a step count.
+
+    python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo
+
+writes <workdir>/base/: config.json + model.safetensors (an ordinary HF directory),
+task_tokenizer.json (the character vocabulary) and sft_report.json (every evaluation point).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+from jaxprefix import models, sampling
+from jaxprefix.data.tasks import carry_multiplication as task
+
+REPORT = "sft_report.json"
+TOKENIZER = "task_tokenizer.json"
+
+
+def model_config(config, tokenizer) -> models.ModelConfig:
+    """The tiny llama-family policy: config.model gives layers, width, heads and MLP size."""
+    m = config.model
+    return models.ModelConfig(
+        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=m.width,
+        intermediate_size=m.mlp_width, num_layers=m.layers, num_heads=m.heads,
+        num_kv_heads=m.heads, head_dim=m.width // m.heads,
+        max_position_embeddings=task.SEQUENCE_LENGTH, eos_token_ids=(tokenizer.eos_id,),
+        pad_token_id=tokenizer.pad_id)
+
+
+def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, real-token mask, loss mask), each [batch, SEQUENCE_LENGTH], for one SFT step.
+
+    Problems mix every length 1..20 so every step position is seen; each step's notation is drawn
+    at random so the policy writes both (PrefixRL's traces then differ from the oracle).
+    """
+    data = config.data
+    seed = config.seed * 1_000_003 + step
+    problems = task.generate(data.batch_size, digits=tuple(data.digits),
+                             multipliers=tuple(data.multipliers), seed=seed)
+    rng = random.Random(seed)
+    tokens = np.full((len(problems), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
+    loss_mask = np.zeros(tokens.shape, np.float32)
+    for row, problem in enumerate(problems):
+        solution = task.sample_solution(problem, rng, data.tens_first)
+        ids, mask = task.training_ids(problem, solution, tokenizer)
+        tokens[row, :len(ids)] = ids
+        loss_mask[row, :len(ids)] = mask
+    return tokens, tokens != tokenizer.pad_id, loss_mask
+
+
+def masked_nll(model, tokens, real, loss_mask):
+    """Mean negative log-likelihood of the solution tokens (the question carries no loss)."""
+    logprobs, _ = models.token_logprobs(model, tokens, real)
+    return -(logprobs * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
+
+
+@nnx.jit
+def train_step(model, optimizer, tokens, real, loss_mask):
+    loss, grads = nnx.value_and_grad(masked_nll)(model, tokens, real, loss_mask)
+    optimizer.update(model, grads)
+    return loss
+
+
+@nnx.jit
+def _greedy_digits(model, tokens, real):
+    return jnp.argmax(model(tokens, mask=real), axis=-1)
+
+
+def step_accuracy(model, problems, tokenizer) -> float:
+    """Teacher-forced: the fraction of steps whose two digits are both the argmax, given the oracle
+    prefix. A policy with per-step accuracy p solves an N-step problem about p^N of the time."""
+    rows = [task.training_ids(p, p.solution, tokenizer)[0] for p in problems]
+    tokens = np.full((len(rows), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
+    for i, ids in enumerate(rows):
+        tokens[i, :len(ids)] = ids
+    predicted = np.asarray(_greedy_digits(model, tokens, tokens != tokenizer.pad_id))
+    correct = total = 0
+    for i, problem in enumerate(problems):
+        for step in range(len(problem.steps)):
+            first = task.QUESTION_LENGTH + task.STEP_LENGTH * step + 1  # after the marker
+            # logits at position t predict token t + 1
+            hits = predicted[i, first - 1:first + 1] == tokens[i, first:first + 2]
+            correct += bool(hits.all())
+            total += 1
+    return correct / max(total, 1)
+
+
+def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, seed: int) -> np.ndarray:
+    """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps."""
+    guided = [task.guided(p, prefix_steps) for p in problems]
+    contexts = [tokenizer.encode(p.question) for p in guided]
+    rollouts = sampling.generate(model, contexts, n=n, max_new_tokens=task.MAX_COMPLETION_LENGTH,
+                                 temperature=1.0, stop_ids=(tokenizer.eos_id,), seed=seed)
+    completions = rollouts.completions()
+    scores = [task.verify(tokenizer.decode(ids), guided[row // n])
+              for row, ids in enumerate(completions)]
+    return np.asarray(scores).reshape(len(problems), n).sum(axis=1)
+
+
+def evaluate(model, hard, tokenizer, criterion, seed: int) -> dict:
+    """The criterion measurements at one point: per-step accuracy, hard pass@k, guided success.
+
+    Sampling is skipped (None) while the teacher-forced step accuracy is under
+    `criterion.sample_from_step_accuracy`: guided success with r steps left is about p^r, so
+    below that gate the floor cannot be met, and the cheap forward pass saves minutes.
+    """
+    metrics = {"step_accuracy": step_accuracy(model, hard, tokenizer),
+               f"hard_pass@{criterion.k}": None, "hard_successes": None, "guided_success": None}
+    if metrics["step_accuracy"] < criterion.sample_from_step_accuracy:
+        return metrics
+    hard_successes = success_counts(model, hard, tokenizer, n=criterion.k, prefix_steps=0, seed=seed)
+    metrics[f"hard_pass@{criterion.k}"] = float((hard_successes > 0).mean())
+    metrics["hard_successes"] = int(hard_successes.sum())
+    metrics["guided_success"] = {}
+    for steps_left in sorted({*criterion.report_steps_left, criterion.steps_left}):
+        counts = success_counts(model, hard, tokenizer, n=criterion.guided_samples,
+                                prefix_steps=task.SLOTS - steps_left, seed=seed + steps_left)
+        metrics["guided_success"][str(steps_left)] = float(counts.mean() / criterion.guided_samples)
+    return metrics
+
+
+def meets_criterion(metrics: dict, criterion) -> bool:
+    """Hard pass@k = 0 and guided success with `steps_left` steps left at least the floor."""
+    return (metrics["hard_successes"] == 0
+            and metrics["guided_success"][str(criterion.steps_left)] >= criterion.guided_floor)
+
+
+def run_sft(config, workdir: str) -> str:
+    """Trains (or reuses) the base model; returns the path of <workdir>/base."""
+    path = os.path.join(workdir, "base")
+    report_path = os.path.join(path, REPORT)
+    settings = config.to_dict()
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            saved = json.load(f)["config"]
+        if saved != json.loads(json.dumps(settings)):
+            raise ValueError(f"{report_path}: a base model trained with another SFT config is "
+                             f"already there; remove {path} or use another --workdir")
+        return path
+
+    tokenizer = task.tokenizer()
+    model = models.Decoder(model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, config.lr, config.warmup_steps), optax.constant_schedule(config.lr)],
+        [config.warmup_steps])
+    optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=config.weight_decay),
+                              wrt=nnx.Param)
+    criterion = config.criterion
+    hard = task.hard_set(criterion.hard_count, seed=criterion.hard_seed)
+
+    evals, chosen, chosen_state, losses = [], None, None, []
+    start = time.time()
+    bar = tqdm.trange(1, config.max_steps + 1, desc="sft", dynamic_ncols=True)
+    for step in bar:
+        loss = train_step(model, optimizer, *map(jnp.asarray, training_batch(config, step, tokenizer)))
+        losses.append(float(loss))
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+        at_eval_point = step >= config.eval_start and step % config.eval_every == 0
+        if not (at_eval_point or step == config.max_steps):
+            continue
+        metrics = {"step": step, "loss": float(np.mean(losses[-config.eval_every:])),
+                   **evaluate(model, hard, tokenizer, criterion, seed=config.seed + step),
+                   "seconds": round(time.time() - start, 1)}
+        evals.append(metrics)
+        bar.write(json.dumps(metrics))
+        if metrics["hard_successes"] is None:
+            continue
+        if metrics["hard_successes"]:
+            break  # past the window: more training only makes hard problems easier
+        if chosen is None or _closer(metrics, chosen, criterion):
+            chosen, chosen_state = metrics, nnx.clone(model)
+        if meets_criterion(metrics, criterion):
+            break
+    bar.close()
+    if chosen is None:
+        raise RuntimeError(f"SFT: no evaluation point had hard pass@{criterion.k} = 0 after sampling "
+                           f"began (last: {evals[-1] if evals else None}); lower config.lr or "
+                           f"criterion.sample_from_step_accuracy, or raise config.max_steps")
+
+    os.makedirs(path, exist_ok=True)
+    models.save_pretrained(chosen_state, model_config(config, tokenizer), path)
+    with open(os.path.join(path, TOKENIZER), "w") as f:
+        json.dump({"symbols": list(task.SYMBOLS), "eos": task.EOS, "pad": task.PAD}, f)
+    report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
+              "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
+              "seconds": round(time.time() - start, 1), "config": settings}
+    with open(report_path, "w") as f:
+        json.dump(report, f, indent=1)
+    return path
+
+
+def _closer(metrics: dict, best: dict, criterion) -> bool:
+    """Among points with hard pass@k = 0, prefer the one with the higher guided success."""
+    key = str(criterion.steps_left)
+    return metrics["guided_success"][key] >= best["guided_success"][key]
+
+
+def load_base(path: str):
+    """(model, tokenizer) of a base directory written by run_sft."""
+    from jaxprefix.tokenizers import CharTokenizer
+
+    with open(os.path.join(path, TOKENIZER)) as f:
+        vocab = json.load(f)
+    return models.from_pretrained(path), CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])

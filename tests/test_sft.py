@@ -1,0 +1,89 @@
+"""SFT of the demo policy: the smoke run trains, saves an HF directory, reports, and is reused."""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxprefix import models
+from jaxprefix.data.tasks import carry_multiplication as task
+from jaxprefix.jobs import sft
+
+_CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "sft.py")
+
+
+def load_config(arg):
+    spec = importlib.util.spec_from_file_location("sft_config", _CONFIG)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg)
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("sft"))
+    config = load_config("smoke")
+    return config, workdir, sft.run_sft(config, workdir)
+
+
+def test_training_batch_masks_only_the_solution():
+    config = load_config("smoke")
+    tokenizer = task.tokenizer()
+    tokens, real, loss_mask = sft.training_batch(config, step=3, tokenizer=tokenizer)
+    assert tokens.shape == (config.data.batch_size, task.SEQUENCE_LENGTH)
+    assert not loss_mask[:, :task.QUESTION_LENGTH].any()  # the question carries no loss
+    for row in range(tokens.shape[0]):
+        text = tokenizer.decode(tokens[row][loss_mask[row] > 0].tolist())
+        question = tokenizer.decode(tokens[row, :task.QUESTION_LENGTH].tolist())
+        number = int(question[:task.SLOTS].rstrip(task.EMPTY)[::-1])
+        problem = task.make_problem(number, int(question[task.SLOTS + 1]))
+        assert task.verify(text, problem) == 1.0  # the trained-on text is a correct solution
+        assert real[row].sum() == task.QUESTION_LENGTH + loss_mask[row].sum()  # then padding
+    assert np.array_equal(tokens, sft.training_batch(config, 3, tokenizer)[0])  # deterministic
+
+
+def test_smoke_sft_lowers_loss_and_saves(smoke_run):
+    config, workdir, path = smoke_run
+    assert path == os.path.join(workdir, "base")
+    with open(os.path.join(path, sft.REPORT)) as f:
+        report = json.load(f)
+    losses = report["train_losses"]
+    assert len(losses) == config.max_steps
+    # Uniform guessing over the vocabulary costs log(17) = 2.83 nats; training must beat its start.
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2
+    point = report["evals"][-1]
+    assert {"step", "loss", "step_accuracy", "hard_successes", "guided_success"} <= set(point)
+    assert report["chosen_step"] in [e["step"] for e in report["evals"]]
+
+    model, tokenizer = sft.load_base(path)
+    assert tokenizer.vocab_size == model.config.vocab_size == len(task.SYMBOLS) + 2
+    hard = task.hard_set(config.criterion.hard_count, seed=config.criterion.hard_seed)
+    if report["chosen_step"] == report["evals"][-1]["step"]:
+        # The saved weights are the evaluated ones: the same teacher-forced accuracy.
+        assert sft.step_accuracy(model, hard, tokenizer) == pytest.approx(point["step_accuracy"])
+
+
+def test_existing_base_is_reused_and_a_different_config_refused(smoke_run):
+    config, workdir, path = smoke_run
+    stamp = os.path.getmtime(os.path.join(path, sft.REPORT))
+    assert sft.run_sft(config, workdir) == path
+    assert os.path.getmtime(os.path.join(path, sft.REPORT)) == stamp
+    other = load_config("smoke")
+    other.lr = 5e-4
+    with pytest.raises(ValueError, match="another SFT config"):
+        sft.run_sft(other, workdir)
+
+
+def test_criterion():
+    criterion = load_config("demo").criterion
+    point = {"hard_successes": 0, "guided_success": {"2": 0.3}}
+    assert sft.meets_criterion(point, criterion)
+    assert not sft.meets_criterion({**point, "hard_successes": 1}, criterion)
+    assert not sft.meets_criterion({**point, "guided_success": {"2": 0.2}}, criterion)
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="unknown variant"):
+        load_config("large")
