@@ -114,3 +114,77 @@ def test_bad_config_names_the_field(field, value, message):
 def test_unknown_field_is_rejected():
   with pytest.raises(ValueError, match="unknown field"):
     distributed.initialize(ml_collections.ConfigDict(dict(num_hosts=2)))
+
+
+# ---- the grpo smoke run: 2 processes x 4 devices end where 1 process x 8 devices ends ----------
+
+def _final_params(workdir: pathlib.Path) -> dict:
+  """The arrays of the latest checkpoint as host numpy (whatever mesh wrote them), by step."""
+  import jax
+  import orbax.checkpoint as ocp
+  steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps, f"no checkpoint under {workdir / 'checkpoints'}"
+  out = {}
+  for step in steps[-2:]:
+    path = workdir / "checkpoints" / str(step) / "arrays"
+    tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    out[step] = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+        restore_args=args))
+  return out
+
+
+def _main(workdir, devices, *distributed_flags):
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  return subprocess.Popen(
+      [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+       f"--workdir={workdir}", "--config.train.total_steps=2", "--config.checkpoint.every=1",
+       f"--config.distributed.num_cpu_devices={devices}", *distributed_flags],
+      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_all(procs, timeout_s):
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=timeout_s)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, out) in enumerate(zip(procs, outputs)):
+    assert p.returncode == 0, f"process {i} failed (rc {p.returncode}):\n{out[-4000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (REPO / "configs" / "grpo.py").exists()
+                    or not (REPO / "jaxprefix" / "jobs" / "rl.py").exists(),
+                    reason="needs configs/grpo.py and the rl job (jaxprefix/jobs/rl.py)")
+def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
+  one, two = tmp_path / "one_host", tmp_path / "two_hosts"
+  _wait_all([_main(one, 8)], timeout_s=600)
+  address = f"127.0.0.1:{_free_port()}"
+  _wait_all([_main(two, 4, f"--config.distributed.coordinator_address={address}",
+                   "--config.distributed.num_processes=2",
+                   f"--config.distributed.process_id={i}") for i in range(2)], timeout_s=600)
+  expected, got = _final_params(one), _final_params(two)
+  assert sorted(got) == sorted(expected)
+  last, previous = max(expected), min(expected)
+  flat_expected = dict(_flat(expected[last]))
+  flat_got = dict(_flat(got[last]))
+  assert flat_got.keys() == flat_expected.keys()
+  for key, value in flat_expected.items():
+    np.testing.assert_allclose(flat_got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+  # The comparison is sharp enough to see one training step.
+  flat_previous = dict(_flat(expected[previous]))
+  assert any(not np.allclose(flat_previous[k], v, rtol=1e-5, atol=1e-6)
+             for k, v in flat_expected.items() if k in flat_previous)
+
+
+def _flat(tree):
+  """{'['params']['w']': array} for every leaf."""
+  import jax
+  return [(jax.tree_util.keystr(path), np.asarray(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
