@@ -152,7 +152,8 @@ create() {
 }
 
 setup() {
-  local install="cd ~/jaxprefix && python3 -m pip install -q -U pip && python3 -m pip install -q -e \".[tpu]\""
+  # gcsfs: orbax (through etils.epath) and TensorBoard (through fsspec) write gs:// with it.
+  local install="cd ~/jaxprefix && python3 -m pip install -q -U pip && python3 -m pip install -q -e \".[tpu]\" gcsfs"
   if [[ -n "$repo" ]]; then
     local checkout=""
     [[ -n "$ref" ]] && checkout=" && git -C ~/jaxprefix checkout -q $(printf %q "$ref")"
@@ -160,7 +161,8 @@ setup() {
   else
     # Tracked and untracked-but-not-ignored files: what `git status` calls the working tree.
     local root tarball
-    root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+    root=$(git -C "$(dirname "$0")" rev-parse --show-toplevel 2>/dev/null) \
+      || die "setup copies the git checkout this script is in, and found none; pass --repo=URL"
     tarball="${TMPDIR:-/tmp}/jaxprefix-$$.tar.gz"
     echo "+ (cd $root && git ls-files -co --exclude-standard | tar czf $tarball -T -)"
     ((dry_run)) || (cd "$root" && git ls-files -co --exclude-standard -z | tar czf "$tarball" --null -T -)
