@@ -18,7 +18,7 @@ commands:
   run      start `python3 -m jaxprefix.main --config=C --workdir=W` on all workers, detached
   logs     stream worker 0's log
   status   print the slice state (READY, PREEMPTED, ...; queued: ACTIVE, SUSPENDED, ...)
-  stop     stop the run on all workers (the slice stays up)
+  stop     stop the run on all workers with SIGTERM: it checkpoints and exits; the slice stays
   resume   if the slice was preempted or is gone: delete it, create, setup, run again; the run
            resumes from the last checkpoint in the same --workdir
   watch    resume whenever needed, every --interval seconds, until the run has finished
@@ -182,7 +182,9 @@ run() {
 
 logs() { g compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=0 --command="tail -n 200 -F ${log_file}"; }
 
-stop() { ssh_all "pkill -INT -f 'python3 -m jaxprefix.main' || true"; }
+# '[p]ython3' matches the run but not the remote shell whose command line holds the pattern.
+# SIGTERM: the run saves a checkpoint and exits, as on preemption.
+stop() { ssh_all "pkill -TERM -f '[p]ython3 -m jaxprefix.main' || true"; }
 
 delete() {
   if ((queued)); then
@@ -194,7 +196,7 @@ delete() {
 
 run_alive() {  # is the run still going on worker 0?
   gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=0 \
-    --command="pgrep -f 'python3 -m jaxprefix.main' > /dev/null" > /dev/null 2>&1
+    --command="pgrep -f '[p]ython3 -m jaxprefix.main' > /dev/null" > /dev/null 2>&1
 }
 
 # What resume should do, on stdout: alive | ended | wait | create | recreate (reason on stderr).
