@@ -100,6 +100,15 @@ def test_env_variables_stand_in_for_flags(launch):
   assert calls == [["compute", "tpus", "tpu-vm", "delete", "envname", *WHERE, "--quiet"]]
 
 
+def test_logs_follow_worker_zero_and_stop_signals_all_workers(launch):
+  _, (logs,) = launch("logs", *WHERE)
+  assert logs[4:] == ["jaxprefix-ada", *WHERE, "--worker=0",
+                      "--command=tail -n 200 -F ~/jaxprefix.log"]
+  _, (stop,) = launch("stop", *WHERE)
+  assert stop[7:] == ["--worker=all",
+                      "--command=pkill -TERM -f '[p]ython3 -m jaxprefix.main' || true"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["create", "--zone=us-east5-b"], "missing GCP project"),
     (["up", "--project=my-proj", "--workdir=gs://b/r"], "missing zone"),
