@@ -157,7 +157,8 @@ def test_errors_name_file_and_expectation(tmp_path, tiny):
 def test_bundled_smollm2_metadata():
     path = gguf_import.bundled_smollm2_path()
     assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    config = gguf_import._hf_config(gguf_import.open_gguf(path), tied=True)
+    config = gguf_import.read_gguf_config(path)
+    assert config["tie_word_embeddings"] is True
     assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (
         30, 576, 1536)
     assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)

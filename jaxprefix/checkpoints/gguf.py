@@ -52,7 +52,8 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     try:
         reader = gguf.GGUFReader(path)
     except Exception as e:  # the reader fails in many ways on a cut-off header
-        raise ValueError(f"{path}: unreadable GGUF header, the file is truncated or corrupt ({e})") from e
+        raise ValueError(
+            f"{path}: unreadable GGUF header, the file is truncated or corrupt ({e})") from e
     size = os.path.getsize(path)
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
@@ -83,9 +84,15 @@ def _float32(value) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_config(reader: gguf.GGUFReader, tied: bool) -> dict:
+def _hf_config(reader: gguf.GGUFReader) -> dict:
     arch = _required(reader, "general.architecture")
-    meta = lambda key, default=None: metadata_value(reader, f"{arch}.{key}", default)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"{_filename(reader)}: GGUF architecture {arch!r} is not supported "
+                         f"(expected one of {SUPPORTED_ARCHITECTURES})")
+
+    def meta(key, default=None):
+        return metadata_value(reader, f"{arch}.{key}", default)
+
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     heads = int(_required(reader, f"{arch}.attention.head_count"))
     tokens = metadata_value(reader, "tokenizer.ggml.tokens")
@@ -104,7 +111,8 @@ def _hf_config(reader: gguf.GGUFReader, tied: bool) -> dict:
         "rope_scaling": None,
         "max_position_embeddings": int(_required(reader, f"{arch}.context_length")),
         "vocab_size": vocab_size,
-        "tie_word_embeddings": tied,
+        # llama.cpp writes no output tensor when the unembedding is the embedding.
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
@@ -114,7 +122,8 @@ def _hf_config(reader: gguf.GGUFReader, tied: bool) -> dict:
     }
     scaling = meta("rope.scaling.type")
     if scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+        factor = float(meta("rope.scaling.factor"))
+        config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     elif scaling not in (None, "none"):
         raise ValueError(f"{_filename(reader)}: rope scaling {scaling!r} is not supported "
                          "(expected none or linear)")
@@ -138,16 +147,16 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def read_gguf_config(path: str | os.PathLike) -> dict:
+    """The HF-style config dict of a llama-architecture GGUF file, without reading its tensors."""
+    return _hf_config(open_gguf(path))
+
+
 def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """(hf_config, tensors) of a llama-architecture GGUF file, tensors dequantised to float32."""
     path = os.fspath(path)
     reader = open_gguf(path)
-    arch = _required(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported "
-                         f"(expected one of {SUPPORTED_ARCHITECTURES})")
-    names = {t.name for t in reader.tensors}
-    config = _hf_config(reader, tied="output.weight" not in names)
+    config = _hf_config(reader)
     tensors = {}
     for t in reader.tensors:
         hf_name = _hf_name(t.name, path)

@@ -15,7 +15,8 @@ from jaxprefix.tokenizers.interface import Tokenizer
 from jaxprefix.tokenizers.sentencepiece_model import SentencePieceTokenizer
 
 _EXPECTED = ("an HF tokenizer directory (tokenizer.json, or tokenizer.model, with "
-             "tokenizer_config.json), a tokenizer.json, a SentencePiece .model file, or a .gguf file")
+             "tokenizer_config.json), a tokenizer.json, a SentencePiece .model file, "
+             "or a .gguf file")
 
 
 def _sentencepiece(model_file: str) -> SentencePieceTokenizer:

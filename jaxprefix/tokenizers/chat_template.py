@@ -25,7 +25,7 @@ _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class _GenerationBlock(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for masks; here it renders as is."""
+    """`{% generation %}...{% endgeneration %}` marks assistant text (for masks): rendered as is."""
 
     tags = {"generation"}
 
@@ -85,8 +85,8 @@ def render(template: str, messages, *, add_generation_prompt: bool = False,
             raise ValueError("continue_final_message needs a final message to continue, got none")
         final = messages[-1]["content"]
         if not isinstance(final, str):
-            raise ValueError("continue_final_message: the final message's content must be a string, "
-                             f"got {type(final).__name__}")
+            raise ValueError("continue_final_message: the final message's content must be a "
+                             f"string, got {type(final).__name__}")
         messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         add_generation_prompt = False
     text = compile_template(template).render(

@@ -1,5 +1,6 @@
-"""Tokenizers backed by the `tokenizers` library: an HF directory's tokenizer.json (and GGUF vocabularies,
-which gguf_vocab.py turns into the same kind of object)."""
+"""Tokenizers backed by the `tokenizers` library: an HF directory's tokenizer.json, plus the
+special tokens and chat template of its JSON/Jinja files. (gguf_vocab.py builds the same object
+from a GGUF vocabulary.)"""
 from __future__ import annotations
 
 import json

@@ -45,9 +45,9 @@ class Tokenizer(abc.ABC):
         (special tokens not added again, as in transformers), else the text.
         """
         if self.chat_template is None:
-            raise ValueError(f"{self.source}: this tokenizer has no chat template "
-                             "(expected tokenizer_config.json 'chat_template', a chat_template.jinja "
-                             "file, or GGUF tokenizer.chat_template)")
+            raise ValueError(f"{self.source}: this tokenizer has no chat template (expected "
+                             "tokenizer_config.json 'chat_template', a chat_template.jinja file, "
+                             "or GGUF tokenizer.chat_template)")
         text = chat_template.render(
             self.chat_template, messages,
             add_generation_prompt=add_generation_prompt and not continue_final_message,

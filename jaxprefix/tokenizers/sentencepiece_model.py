@@ -17,8 +17,8 @@ class SentencePieceTokenizer(Tokenizer):
     tokenizer_config.json beside the model) override the model's own bos/eos/unk/pad pieces.
     """
 
-    def __init__(self, model_file: str | os.PathLike, *, special_tokens: dict[str, str] | None = None,
-                 chat_template: str | None = None):
+    def __init__(self, model_file: str | os.PathLike, *,
+                 special_tokens: dict[str, str] | None = None, chat_template: str | None = None):
         self.source = os.fspath(model_file)
         if not os.path.isfile(self.source):
             raise FileNotFoundError(f"SentencePiece model not found: {self.source}")
