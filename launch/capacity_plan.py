@@ -1,6 +1,7 @@
 """Capacity plan: memory, FLOPs and the smallest TPU slice for one RL step of a model and run shape.
 
     python launch/capacity_plan.py --preset=pope
+    python launch/capacity_plan.py --config=configs/pope.py:paper --model=qwen3-4b
     python launch/capacity_plan.py --model=/path/to/hf_dir --n=16 --problems=32 \
         --prompt_len=1024 --response_len=4096
 
@@ -243,9 +244,37 @@ def load_hf_config(model: str) -> dict:
     return json.load(f)
 
 
+def from_run_config(spec: str, run: RunShape) -> tuple[str | None, RunShape]:
+  """(model, run shape) read from a jaxprefix config 'configs/x.py[:variant]' (base_config fields).
+
+  The model is known when the config names one this script can read: the bundled SmolLM2 GGUF
+  or a local HF directory; a gs:// path needs --model.
+  """
+  import importlib.util
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise SystemExit(f"--config={spec!r}: no such file {path!r}")
+  module_spec = importlib.util.spec_from_file_location("capacity_plan_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  c = module.get_config(arg)
+  run = dataclasses.replace(
+      run, n=c.rollout.n, problems=c.train.problems_per_step,
+      response_len=c.rollout.max_new_tokens, param_dtype=c.model.dtype,
+      reference_model=c.train.kl_coef > 0)
+  model = None
+  if c.model.source == "gguf" and c.model.path == "bundled":
+    model = "smollm2-135m"
+  elif c.model.source == "hf" and os.path.isdir(c.model.path):
+    model = c.model.path
+  return model, run
+
+
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--preset", choices=sorted(PRESETS), help="paper-scale settings")
+  parser.add_argument("--config", help="a jaxprefix config, configs/x.py[:variant]: n, problems "
+                      "per step, response length, dtype (flags below still override)")
   parser.add_argument("--model", help=f"{sorted(MODELS)}, an HF directory or config.json")
   for field in dataclasses.fields(RunShape):
     if field.type == "bool":
@@ -254,6 +283,12 @@ def main(argv=None) -> None:
       parser.add_argument(f"--{field.name}", type=int if field.type == "int" else str)
   args = parser.parse_args(argv)
   model, run = PRESETS[args.preset] if args.preset else ("qwen3-4b", RunShape())
+  name = args.preset or args.config
+  if args.config:
+    model, run = from_run_config(args.config, run)
+    if not (model or args.model):
+      raise SystemExit(f"--config={args.config}: its model is not readable from here; "
+                       f"pass --model (one of {sorted(MODELS)}, an HF directory or config.json)")
   model = args.model or model
   changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunShape)
              if getattr(args, f.name) is not None}
@@ -261,7 +296,7 @@ def main(argv=None) -> None:
     run = dataclasses.replace(run, **changes)
   except ValueError as e:
     raise SystemExit(f"capacity_plan: {e}") from None
-  print(report(args.preset or model, load_hf_config(model), run))
+  print(report(name or model, load_hf_config(model), run))
 
 
 if __name__ == "__main__":

@@ -236,3 +236,16 @@ def test_colab_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
   images = [o for cell in notebook.cells if cell.cell_type == "code"
             for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
   assert len(images) == 1  # the curves
+
+
+def test_capacity_plan_reads_the_run_shape_from_a_config():
+  cp = _capacity_plan()
+  from jaxprefix import run_config
+  spec = f"{REPO / 'configs' / 'grpo.py'}:smollm2"
+  model, run = cp.from_run_config(spec, cp.RunShape(prompt_len=333))
+  c = run_config.sibling_config(str(REPO / "configs" / "grpo.py"), "grpo.py", "smollm2")
+  assert model == "smollm2-135m"  # the bundled GGUF
+  assert (run.n, run.problems, run.response_len, run.param_dtype, run.prompt_len) == (
+      c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens, c.model.dtype, 333)
+  with pytest.raises(SystemExit, match="pass --model"):
+    cp.main([f"--config={REPO / 'configs' / 'grpo.py'}:paper"])
