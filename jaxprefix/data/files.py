@@ -45,7 +45,7 @@ class LoadReport:
     skipped: list[str]
 
 
-class _RecordError(Exception):
+class RecordError(Exception):
     """A bad record; the caller adds the file and location."""
 
 
@@ -82,13 +82,13 @@ def read_problem_file(
     problems, skipped, first_seen = [], [], {}
     for location, record in _records(path):
         try:
-            if isinstance(record, _RecordError):
+            if isinstance(record, RecordError):
                 raise record
-            problem = _to_problem(record, fields, source, require_solution)
+            problem = record_to_problem(record, fields, source, require_solution)
             if problem.id in first_seen:
-                raise _RecordError(f"field '{fields.id or 'id'}': duplicate id {problem.id!r} "
+                raise RecordError(f"field '{fields.id or 'id'}': duplicate id {problem.id!r} "
                                    f"(first seen at {first_seen[problem.id]})")
-        except _RecordError as e:
+        except RecordError as e:
             message = f"{path}:{location}: {e}"
             if not skip_invalid:
                 raise DataError(message) from None
@@ -105,8 +105,8 @@ def read_problem_file(
     return LoadReport(path, problems, skipped)
 
 
-def _records(path: str) -> Iterator[tuple[str, dict | _RecordError]]:
-    """(location, record) pairs; a record that cannot be decoded comes as a _RecordError."""
+def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
+    """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     suffix = os.path.splitext(path)[1].lower()
@@ -127,17 +127,17 @@ def _jsonl_records(path: str):
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                yield location, _RecordError(f"not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
+                yield location, RecordError(f"not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
                 continue
             if not text.strip():
                 continue
             try:
                 record = json.loads(text)
             except json.JSONDecodeError as e:
-                yield location, _RecordError(f"malformed JSON: {e.msg} at column {e.colno}")
+                yield location, RecordError(f"malformed JSON: {e.msg} at column {e.colno}")
                 continue
             if not isinstance(record, dict):
-                yield location, _RecordError(f"expected a JSON object, got {type(record).__name__}")
+                yield location, RecordError(f"expected a JSON object, got {type(record).__name__}")
                 continue
             yield location, record
 
@@ -163,7 +163,7 @@ def _json_records(path: str):
         if isinstance(record, dict):
             yield location, record
         else:
-            yield location, _RecordError(f"expected a JSON object, got {type(record).__name__}")
+            yield location, RecordError(f"expected a JSON object, got {type(record).__name__}")
 
 
 def _parquet_records(path: str):
@@ -196,9 +196,9 @@ def _question_text(value: Any, name: str) -> str:
         turns = [m.get("content") for m in value if m.get("role") == "user"]
         value = turns[-1] if turns else None
         if not isinstance(value, str):
-            raise _RecordError(f"field '{name}': a list of chat messages without a user turn of text")
+            raise RecordError(f"field '{name}': a list of chat messages without a user turn of text")
     if not isinstance(value, str) or not value.strip():
-        raise _RecordError(f"field '{name}': expected a non-empty string, got {_describe(value)}")
+        raise RecordError(f"field '{name}': expected a non-empty string, got {_describe(value)}")
     return value
 
 
@@ -206,22 +206,23 @@ def _answer_text(value: Any, name: str) -> str:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str) or not value.strip():
-        raise _RecordError(f"field '{name}': expected a non-empty string or a number, got {_describe(value)}")
+        raise RecordError(f"field '{name}': expected a non-empty string or a number, got {_describe(value)}")
     return value.strip()
 
 
 def _string_list(value: Any, name: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _RecordError(f"field '{name}': expected a list of strings, got {_describe(value)}")
+        raise RecordError(f"field '{name}': expected a list of strings, got {_describe(value)}")
     return tuple(value)
 
 
-def _to_problem(record: dict, fields: Fields, source: str, require_solution: bool) -> Problem:
+def record_to_problem(record: dict, fields: Fields, source: str, require_solution: bool = False) -> Problem:
+    """One decoded record as a Problem; raises RecordError (no location) when it is invalid."""
     def required(name):
         found, value = _lookup(record, name)
         if not found:
             present = ", ".join(map(str, record)) or "none"
-            raise _RecordError(f"field '{name}' is missing (fields present: {present})")
+            raise RecordError(f"field '{name}' is missing (fields present: {present})")
         return value
 
     question = _question_text(required(fields.question), fields.question)
@@ -236,17 +237,17 @@ def _to_problem(record: dict, fields: Fields, source: str, require_solution: boo
         elif isinstance(value, str) and value.strip():
             solution = value
         elif found and value is not None and not isinstance(value, str):
-            raise _RecordError(f"field '{fields.solution}': expected a string or a list of strings, "
+            raise RecordError(f"field '{fields.solution}': expected a string or a list of strings, "
                                f"got {_describe(value)}")
     if require_solution and solution is None:
-        raise _RecordError(f"field '{fields.solution}': an oracle solution is required (require_solution=True)")
+        raise RecordError(f"field '{fields.solution}': an oracle solution is required (require_solution=True)")
     if fields.steps is not None:
         steps = _string_list(required(fields.steps), fields.steps)
 
     if fields.id is not None:
         raw_id = required(fields.id)
         if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or str(raw_id) == "":
-            raise _RecordError(f"field '{fields.id}': expected a non-empty string or an integer id, "
+            raise RecordError(f"field '{fields.id}': expected a non-empty string or an integer id, "
                                f"got {_describe(raw_id)}")
         problem_id = str(raw_id)
     else:
