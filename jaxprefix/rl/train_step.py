@@ -149,8 +149,6 @@ class Learner:
     self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
     self._initial_params = params
     self.optimizer = make_optimizer(config)
-    self.schedule = learning_rate_schedule(config)
-    self._update = None
 
   @property
   def batch_shards(self) -> int:
@@ -198,107 +196,17 @@ class Learner:
     self.config.check_batch(rows, self.batch_shards)
     if self.config.kl_coef > 0 and "ref_logprobs" not in batch:
       raise ValueError("TrainConfig.kl_coef > 0 needs batch['ref_logprobs']")
-    if self._update is None:
-      state_shardings = jax.tree.map(lambda x: x.sharding, state)
-      self._update = jax.jit(self._update_fn, donate_argnums=0,
-                             out_shardings=(state_shardings, None))
     with self._mesh_context():
-      return self._update(state, self.place_batch(batch))
+      return _update(self.graphdef, self.config, self.mesh is not None, state, self.rest,
+                     self.place_batch(batch))
 
   def _mesh_context(self):
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-  # --- pure functions under jit --------------------------------------------------------------
 
-  def _token_logprobs(self, params, batch):
-    return _token_logprobs(self.graphdef, params, self.rest, batch, self.config.logprob_chunk)
-
-  def _micro_loss(self, params, micro, totals):
-    c = self.config
-    logp, entropy = self._token_logprobs(params, micro)
-    mask = micro["completion_mask"]
-    loss, stats = objectives.policy_loss(
-        logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
-        eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation,
-        max_len=c.max_len or None, ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef,
-        kl_kind=c.kl_kind, **totals)
-    stats["entropy_sum"] = (jax.lax.stop_gradient(entropy) * mask).sum()
-    return loss, stats
-
-  def _minibatch_grads(self, params, minibatch):
-    """Summed loss, gradient and stats over the micro-batches of one minibatch."""
-    mask = minibatch["completion_mask"]
-    totals = {"total_tokens": mask.sum(),
-              "total_sequences": ((mask.sum(-1) > 0).sum()
-                                  if self.config.aggregation == "seq_mean_token_mean"
-                                  else jnp.asarray(mask.shape[0] * mask.shape[1], jnp.float32))}
-    grad_fn = jax.value_and_grad(self._micro_loss, has_aux=True)
-
-    def body(carry, micro):
-      loss_sum, grad_sum, stats_sum = carry
-      if self.mesh is not None:
-        micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
-      (loss, stats), grads = grad_fn(params, micro, totals)
-      return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-              _combine_stats(stats_sum, stats)), None
-
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    first = jax.tree.map(lambda x: x[0], minibatch)
-    _, stats_shape = jax.eval_shape(self._micro_loss, params, first, totals)
-    init = (jnp.zeros((), jnp.float32), zeros, _empty_stats(stats_shape))
-    (loss, grads, stats), _ = jax.lax.scan(body, init, minibatch)
-    return loss, grads, stats
-
-  def _update_fn(self, state: TrainState, batch: dict):
-    c = self.config
-    rows = batch["tokens"].shape[0]
-    minibatch = rows // c.num_minibatches
-    micro = c.micro_batch_size or minibatch
-    arranged = jax.tree.map(
-        lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro), batch)
-    # Minibatch visited by each optimizer update: epochs passes over the minibatches.
-    order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
-
-    def one_update(carry, index):
-      params, opt_state, updates, skipped = carry
-      mb = jax.tree.map(lambda x: x[index], arranged)
-      loss, grads, stats = self._minibatch_grads(params, mb)
-      grad_norm = optax.tree.norm(grads)
-      ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-      deltas, new_opt = self.optimizer.update(grads, opt_state, params)
-      new_params = optax.apply_updates(params, deltas)
-      params = _tree_select(ok, new_params, params)
-      opt_state = _tree_select(ok, new_opt, opt_state)
-      carry = (params, opt_state, updates + ok, skipped + (~ok))
-      return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
-
-    init = (state.params, state.opt_state, state.updates, state.skipped)
-    (params, opt_state, updates, skipped), per_update = jax.lax.scan(one_update, init, order)
-    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
-                           updates=updates, skipped=skipped)
-    return new_state, self._summarise(per_update, updates, skipped - state.skipped)
-
-  def _summarise(self, per_update, updates, skipped_now):
-    stats = per_update["stats"]
-    first = jax.tree.map(lambda x: x[0], stats)
-    total = {k: (v.min() if k == "ratio_min" else v.max() if k.endswith("_max") else v.sum())
-             for k, v in stats.items()}
-    tokens = jnp.maximum(total["tokens"], 1.0)
-    ok = per_update["ok"]
-    finite_mean = lambda x: jnp.where(ok, x, 0.0).sum() / jnp.maximum(ok.sum(), 1)
-    metrics = objectives.finish_ratio_stats(total)
-    metrics.update({
-        "loss": finite_mean(per_update["loss"]),
-        "grad_norm": finite_mean(per_update["grad_norm"]),
-        "ratio/first_max_abs_dev": first["ratio_dev_max"],
-        "entropy": total["entropy_sum"] / tokens,
-        "kl": total["kl_sum"] / tokens,
-        "lr": self.schedule(updates),
-        "updates": updates,
-        "skipped_updates": skipped_now,
-        "tokens_trained": total["tokens"],
-    })
-    return metrics
+# --- pure functions under jit ----------------------------------------------------------------
+# Module level with the graph and settings static: learners of equal models and settings share
+# compiled code (a resumed run, a test suite).
 
 
 def _token_logprobs(graphdef, params, rest, batch, chunk_size):
@@ -307,10 +215,103 @@ def _token_logprobs(graphdef, params, rest, batch, chunk_size):
                         positions=batch["positions"], chunk_size=chunk_size)
 
 
-# Module level, static in the graph: learners of the same model share the compiled function.
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _policy_logprobs(graphdef, params, rest, batch, chunk_size):
   return _token_logprobs(graphdef, params, rest, batch, chunk_size)[0]
+
+
+def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
+  logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk)
+  mask = micro["completion_mask"]
+  loss, stats = objectives.policy_loss(
+      logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
+      eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation, max_len=c.max_len or None,
+      ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind, **totals)
+  stats["entropy_sum"] = (jax.lax.stop_gradient(entropy) * mask).sum()
+  return loss, stats
+
+
+def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch):
+  """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
+  minibatch; each micro-batch's loss is normalised by the minibatch's totals."""
+  mask = minibatch["completion_mask"]
+  if c.aggregation == "seq_mean_token_mean":
+    sequences = (mask.sum(-1) > 0).sum()
+  else:
+    sequences = mask.shape[0] * mask.shape[1]
+  totals = {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
+  loss_fn = functools.partial(_micro_loss, graphdef, c)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def body(carry, micro):
+    loss_sum, grad_sum, stats_sum = carry
+    if sharded:
+      micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
+    (loss, stats), grads = grad_fn(params, rest, micro, totals)
+    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
+            _combine_stats(stats_sum, stats)), None
+
+  first = jax.tree.map(lambda x: x[0], minibatch)
+  _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
+  init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+          _empty_stats(stats_shape))
+  (loss, grads, stats), _ = jax.lax.scan(body, init, minibatch)
+  return loss, grads, stats
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
+def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, batch: dict):
+  rows = batch["tokens"].shape[0]
+  minibatch = rows // c.num_minibatches
+  micro = c.micro_batch_size or minibatch
+  arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
+                          batch)
+  # Minibatch visited by each optimizer update: num_epochs passes over the minibatches.
+  order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
+  optimizer = make_optimizer(c)
+
+  def one_update(carry, index):
+    params, opt_state, updates, skipped = carry
+    mb = jax.tree.map(lambda x: x[index], arranged)
+    loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb)
+    grad_norm = optax.tree.norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    deltas, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, deltas)
+    # A non-finite step is never written: the old params and optimizer state carry on.
+    params = _tree_select(ok, new_params, params)
+    opt_state = _tree_select(ok, new_opt, opt_state)
+    carry = (params, opt_state, updates + ok, skipped + (~ok))
+    return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
+
+  init = (state.params, state.opt_state, state.updates, state.skipped)
+  (params, opt_state, updates, skipped), per_update = jax.lax.scan(one_update, init, order)
+  new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
+                         updates=updates, skipped=skipped)
+  return new_state, _summarise(c, per_update, updates, skipped - state.skipped)
+
+
+def _summarise(c: TrainConfig, per_update, updates, skipped_now):
+  stats = per_update["stats"]
+  first = jax.tree.map(lambda x: x[0], stats)
+  total = {k: (v.min() if k == "ratio_min" else v.max() if k.endswith("_max") else v.sum())
+           for k, v in stats.items()}
+  tokens = jnp.maximum(total["tokens"], 1.0)
+  ok = per_update["ok"]
+  finite_mean = lambda x: jnp.where(ok, x, 0.0).sum() / jnp.maximum(ok.sum(), 1)
+  metrics = objectives.finish_ratio_stats(total)
+  metrics.update({
+      "loss": finite_mean(per_update["loss"]),
+      "grad_norm": finite_mean(per_update["grad_norm"]),
+      "ratio/first_max_abs_dev": first["ratio_dev_max"],
+      "entropy": total["entropy_sum"] / tokens,
+      "kl": total["kl_sum"] / tokens,
+      "lr": learning_rate_schedule(c)(updates),
+      "updates": updates,
+      "skipped_updates": skipped_now,
+      "tokens_trained": total["tokens"],
+  })
+  return metrics
 
 
 def _combine_stats(acc, new):
