@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxprefix.models import Decoder, ModelConfig, from_pretrained, make_mesh, shard_model
-from jaxprefix.models import token_logprobs
+from jaxprefix.models import (Decoder, ModelConfig, from_pretrained, make_mesh, save_pretrained,
+                              shard_model, token_logprobs)
 from jaxprefix.sampling import SharedContext, generate
 from jaxprefix.sampling.sampler import TRACE_COUNTS
 from tests import tiny_checkpoints as tiny
@@ -41,7 +41,13 @@ def hf_greedy(hf_model, context, max_new_tokens, eos=None):
   return out[0, len(context):].tolist()
 
 
-@pytest.mark.parametrize('family', list(tiny.FAMILIES))
+# Every call below uses max_new_tokens in (16, 32] and contexts of at most 16 tokens, so calls
+# with the same batch shape share one compiled prefill and decode.
+FAMILIES = [f if f in ('llama', 'qwen2', 'qwen3', 'gemma3') else
+            pytest.param(f, marks=pytest.mark.slow) for f in tiny.FAMILIES]
+
+
+@pytest.mark.parametrize('family', FAMILIES)
 def test_greedy_matches_transformers(checkpoints, family):
   model, hf = checkpoints(family)
   contexts = [tiny.random_tokens(1, 7, seed=1)[0].tolist(),
@@ -53,10 +59,7 @@ def test_greedy_matches_transformers(checkpoints, family):
   assert not r.stopped.any()
 
 
-def test_logprobs_equal_teacher_forcing(checkpoints):
-  model, _ = checkpoints('qwen2')
-  contexts = [tiny.random_tokens(1, 5, seed=3)[0].tolist(), SharedContext([7, 8, 9], [10, 11])]
-  r = generate(model, contexts, n=4, max_new_tokens=20, temperature=1.0, top_k=50, seed=4)
+def _check_logprobs(model, r):
   reference, _ = token_logprobs(model, r.tokens, r.token_mask)
   reference = np.where(r.completion_mask, np.asarray(reference), 0.0)
   assert r.completion_mask.sum() == r.lengths.sum() > 0
@@ -66,38 +69,41 @@ def test_logprobs_equal_teacher_forcing(checkpoints):
     assert not r.completion_mask[row, :r.context_lengths[row]].any()
 
 
-def test_mixed_lengths_and_shared_prompts_match_each_context_alone(checkpoints):
+def test_sampled_logprobs_equal_teacher_forcing(checkpoints):
   model, _ = checkpoints('llama')
-  a, b, c = (tiny.random_tokens(1, length, seed=10 + length)[0].tolist() for length in (3, 9, 17))
-  alone = [generate(model, [ctx], n=1, max_new_tokens=24, temperature=0.0).completions()[0]
-           for ctx in (a, b, c)]
-  mixed = generate(model, [a, b, c], n=2, max_new_tokens=24, temperature=0.0).completions()
-  assert mixed == [alone[0]] * 2 + [alone[1]] * 2 + [alone[2]] * 2
-  # A shared prompt (b) with suffixes gives what the concatenated contexts give alone.
-  shared = generate(model, [SharedContext(b, a), SharedContext(b, c), SharedContext(b, []), c],
-                    n=1, max_new_tokens=24, temperature=0.0)
-  concatenated = [generate(model, [ctx], n=1, max_new_tokens=24, temperature=0.0).completions()[0]
-                  for ctx in (b + a, b + c)]
-  assert shared.completions() == concatenated + [alone[1], alone[2]]
-  assert shared.tokens[0, :len(b) + len(a)].tolist() == b + a
+  contexts = [tiny.random_tokens(1, 5, seed=3)[0].tolist(), [7, 8, 9, 10, 11]]
+  _check_logprobs(model, generate(model, contexts, n=4, max_new_tokens=20, seed=4))
+
+
+def test_mixed_lengths_and_shared_prompts_match_each_context_alone(checkpoints):
+  model, hf = checkpoints('llama')
+  a, b, c = (tiny.random_tokens(1, length, seed=10 + length)[0].tolist() for length in (3, 9, 7))
+  contexts = [a, b, c, SharedContext(b, a), SharedContext(b, c), SharedContext(b, [])]
+  r = generate(model, contexts, n=2, max_new_tokens=24, temperature=0.0)
+  alone = [hf_greedy(hf, ctx, 24) for ctx in (a, b, c, b + a, b + c, b)]
+  assert r.completions() == [x for x in alone for _ in range(2)]
+  assert r.tokens[6, :len(b) + len(a)].tolist() == b + a
+  np.testing.assert_array_equal(r.context_lengths[::2], [3, 9, 7, 12, 16, 9])
+  _check_logprobs(model, r)
 
 
 def test_stop_ids_end_samples(checkpoints):
   model, _ = checkpoints('llama')
-  context = tiny.random_tokens(1, 6, seed=5)[0].tolist()
-  greedy = generate(model, [context], n=1, max_new_tokens=16, temperature=0.0).completions()[0]
-  stop = greedy[4]
-  first = greedy.index(stop)
-  r = generate(model, [context], n=1, max_new_tokens=16, temperature=0.0, stop_ids=(3, stop))
-  assert r.completions()[0] == greedy[:first + 1] and r.stopped[0]
+  contexts = [tiny.random_tokens(1, 6, seed=5)[0].tolist(), [4, 4]]
+  greedy = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0)
+  stop = greedy.completions()[0][4]
+  first = greedy.completions()[0].index(stop)
+  r = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0,
+               stop_ids=(3, stop))
+  assert r.completions()[0] == greedy.completions()[0][:first + 1] and r.stopped[0]
   # Sampled, several stop ids: a stop id appears only as the last completion token.
-  stops = (5, 9, 17, 33, 65, 100)
-  r = generate(model, [context, [4, 4]], n=16, max_new_tokens=40, temperature=1.5, stop_ids=stops)
+  stops = (5, 9, 17, 33)
+  r = generate(model, contexts, n=4, max_new_tokens=NEW_TOKENS, temperature=1.5, stop_ids=stops)
   assert r.stopped.any() and not r.stopped.all()
   for row, completion in enumerate(r.completions()):
     hits = [i for i, t in enumerate(completion) if t in stops]
     assert hits == ([len(completion) - 1] if r.stopped[row] else []), row
-    assert r.stopped[row] or r.lengths[row] == 40
+    assert r.stopped[row] or r.lengths[row] == NEW_TOKENS
     end = r.context_lengths[row] + r.lengths[row]
     assert r.completion_mask[row].sum() == r.lengths[row]
     assert not r.completion_mask[row, end:].any() and not r.tokens[row, end:].any()
@@ -106,34 +112,38 @@ def test_stop_ids_end_samples(checkpoints):
 def test_same_seed_same_rollouts_whatever_the_padding(checkpoints):
   model, _ = checkpoints('llama')
   a, b, c = [5, 6, 7], [8, 9], [10, 11, 12, 13]
-  kwargs = dict(n=3, max_new_tokens=12, temperature=1.0, seed=7)
+  kwargs = dict(n=4, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=7)
   two = generate(model, [a, b], **kwargs)
   three = generate(model, [a, b, c], **kwargs)  # 3 contexts pad to 4, 2 do not pad
-  assert three.completions()[:6] == two.completions()
-  np.testing.assert_allclose(three.logprobs[:6, :two.tokens.shape[1]], two.logprobs, atol=1e-6)
+  assert three.completions()[:8] == two.completions()
+  np.testing.assert_allclose(three.logprobs[:8, :two.tokens.shape[1]], two.logprobs, atol=1e-6)
   other = generate(model, [a, b], **{**kwargs, 'seed': 8})
   assert other.completions() != two.completions()
-  assert len({tuple(x) for x in two.completions()[:3]}) > 1  # samples of a context differ
+  assert len({tuple(x) for x in two.completions()[:4]}) > 1  # samples of a context differ
 
 
 def test_same_bucket_calls_do_not_recompile(checkpoints):
   model, _ = checkpoints('llama')
-  generate(model, [[1] * 5, [2] * 3, [3] * 4], n=2, max_new_tokens=20, stop_ids=(2,), seed=1)
+  generate(model, [[1] * 5, [2] * 3, [3] * 4], n=4, max_new_tokens=20, stop_ids=(2,), top_p=0.9,
+           seed=1)
   before = dict(TRACE_COUNTS)
-  generate(model, [[4] * 9, [5] * 2, [6] * 11, [7]], n=2, max_new_tokens=30, stop_ids=(2, 3),
-           seed=2)
+  generate(model, [[4] * 9, [5] * 2, [6] * 11, [7]], n=4, max_new_tokens=30, stop_ids=(2, 3),
+           temperature=0.8, top_p=0.95, seed=2)
+  generate(model, [[4] * 9, [5] * 2, [6] * 11, [7]], n=4, max_new_tokens=30, temperature=1.2,
+           top_p=0.5, seed=2)
   assert dict(TRACE_COUNTS) == before
-  generate(model, [[4] * 20], n=2, max_new_tokens=30)  # a longer context bucket compiles anew
+  generate(model, [[4] * 20], n=4, max_new_tokens=30)  # a longer context bucket compiles anew
   assert TRACE_COUNTS['prefill'] == before['prefill'] + 1
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(checkpoints):
   model, _ = checkpoints('llama')
   contexts = [[5, 6, 7], [9, 10]]
-  greedy = generate(model, contexts, n=1, max_new_tokens=12, temperature=0.0).completions()
-  top1 = generate(model, contexts, n=3, max_new_tokens=12, temperature=2.0, top_k=1)
-  nucleus = generate(model, contexts, n=3, max_new_tokens=12, temperature=0.7, top_p=1e-6)
-  expected = [greedy[0]] * 3 + [greedy[1]] * 3
+  greedy = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0)
+  top1 = generate(model, contexts, n=4, max_new_tokens=NEW_TOKENS, temperature=2.0, top_k=1)
+  nucleus = generate(model, contexts, n=4, max_new_tokens=NEW_TOKENS, temperature=0.7,
+                     top_p=1e-6)
+  expected = [greedy.completions()[0]] * 4 + [greedy.completions()[1]] * 4
   assert top1.completions() == expected and nucleus.completions() == expected
 
 
@@ -145,7 +155,7 @@ def test_first_token_frequencies_match_softmax():
   context = [1, 2, 3, 4, 5]
   temperature = 0.05  # random-init logits are ~0.1 apart: sharpen them to a skewed target
   r = generate(model, [context], n=4096, max_new_tokens=1, temperature=temperature, seed=3)
-  logits = np.asarray(model(np.array([context]))[0, -1], np.float64) / temperature
+  logits = np.asarray(jax.jit(model)(np.array([context]))[0, -1], np.float64) / temperature
   probs = np.exp(logits - logits.max())
   probs /= probs.sum()
   counts = np.bincount(r.tokens[:, len(context)], minlength=8)
@@ -163,13 +173,10 @@ def test_first_token_frequencies_match_softmax():
 def test_sharded_matches_single_device(checkpoints, tmp_path, mesh_shape):
   model, _ = checkpoints('llama')
   contexts = [[5, 6, 7], SharedContext([8, 9, 10], [11]), SharedContext([8, 9, 10], [12, 13])]
-  kwargs = dict(n=4, max_new_tokens=16, temperature=1.0, seed=11, stop_ids=(2,))
+  kwargs = dict(n=4, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=11, stop_ids=(2,))
   reference = generate(model, contexts, **kwargs)
-  path = tmp_path / 'ckpt'
-  from jaxprefix.models import save_pretrained
-  save_pretrained(model, None, path)
-  mesh = make_mesh(*mesh_shape)
-  sharded = shard_model(from_pretrained(path), mesh)
+  save_pretrained(model, None, tmp_path / 'ckpt')
+  sharded = shard_model(from_pretrained(tmp_path / 'ckpt'), make_mesh(*mesh_shape))
   assert len(sharded.embed[...].sharding.device_set) == 8
   r = generate(sharded, contexts, **kwargs)
   assert r.completions() == reference.completions()

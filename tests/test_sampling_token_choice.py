@@ -16,7 +16,7 @@ LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3], np.float32)
 def _draw(settings, num=20000, logits=LOGITS, seed=0):
   logits_bv = jnp.broadcast_to(jnp.asarray(logits), (num, logits.shape[0]))
   keys = row_step_keys(jax.random.key(seed), jnp.arange(num), jnp.int32(0))
-  tokens, logprobs = jax.jit(choose_tokens, static_argnums=2)(logits_bv, keys, settings)
+  tokens, logprobs = jax.jit(choose_tokens)(logits_bv, keys, settings)
   return np.asarray(tokens), np.asarray(logprobs)
 
 
@@ -36,7 +36,7 @@ def _chi_square(tokens, probs):
 
 @pytest.mark.parametrize('temperature', [1.0, 0.6, 1.7])
 def test_frequencies_match_tempered_softmax(temperature):
-  tokens, logprobs = _draw(SamplingSettings(temperature=temperature))
+  tokens, logprobs = _draw(SamplingSettings.make(temperature=temperature))
   probs = _softmax(LOGITS.astype(np.float64) / temperature)
   stat, limit = _chi_square(tokens, probs)
   assert stat < limit, (stat, limit)
@@ -47,13 +47,13 @@ def test_frequencies_match_tempered_softmax(temperature):
 
 def test_chi_square_detects_a_wrong_temperature():
   # The check above can fail: samples at T=1 are far from the T=0.6 distribution.
-  tokens, _ = _draw(SamplingSettings(temperature=1.0))
+  tokens, _ = _draw(SamplingSettings.make(temperature=1.0))
   stat, limit = _chi_square(tokens, _softmax(LOGITS.astype(np.float64) / 0.6))
   assert stat > 10 * limit
 
 
 def test_top_k_frequencies_and_support():
-  tokens, logprobs = _draw(SamplingSettings(temperature=1.0, top_k=3))
+  tokens, logprobs = _draw(SamplingSettings.make(temperature=1.0, top_k=3))
   keep = np.argsort(-LOGITS)[:3]
   probs = np.zeros_like(LOGITS, dtype=np.float64)
   probs[keep] = _softmax(LOGITS[keep].astype(np.float64))
@@ -66,7 +66,7 @@ def test_top_k_frequencies_and_support():
 
 @pytest.mark.parametrize('top_p,top_k', [(0.7, 0), (0.9, 0), (0.8, 4), (0.01, 0)])
 def test_top_p_frequencies_and_support(top_p, top_k):
-  tokens, _ = _draw(SamplingSettings(temperature=0.8, top_p=top_p, top_k=top_k))
+  tokens, _ = _draw(SamplingSettings.make(temperature=0.8, top_p=top_p, top_k=top_k))
   scaled = LOGITS.astype(np.float64) / 0.8
   order = np.argsort(-scaled)
   if top_k:
@@ -86,19 +86,19 @@ def test_top_p_frequencies_and_support(top_p, top_k):
 
 def test_truncate_logits_by_hand():
   logits = jnp.array([[0.0, 3.0, 1.0, 2.0, -1.0]])
-  np.testing.assert_array_equal(np.isfinite(truncate_logits(logits, 2, 1.0))[0],
+  np.testing.assert_array_equal(np.isfinite(truncate_logits(logits, 2, None))[0],
                                 [False, True, False, True, False])
   # softmax = [.032 .644 .087 .237 .012]: mass .644 < .8, so .237 is needed too; .881 >= .8.
   np.testing.assert_array_equal(np.isfinite(truncate_logits(logits, 0, 0.8))[0],
                                 [False, True, False, True, False])
   np.testing.assert_array_equal(np.isfinite(truncate_logits(logits, 0, 0.6))[0],
                                 [False, True, False, False, False])
-  assert truncate_logits(logits, 0, 1.0) is logits
+  assert truncate_logits(logits, 0, None) is logits
 
 
 def test_greedy_is_argmax_with_logprob():
   logits = jax.random.normal(jax.random.key(1), (5, 11))
-  tokens, logprobs = choose_tokens(logits, None, SamplingSettings(temperature=0.0))
+  tokens, logprobs = choose_tokens(logits, None, SamplingSettings.make(temperature=0.0))
   np.testing.assert_array_equal(tokens, np.argmax(logits, -1))
   np.testing.assert_allclose(logprobs, np.max(jax.nn.log_softmax(logits), -1), rtol=1e-6)
 
@@ -116,8 +116,8 @@ def test_row_keys_depend_only_on_seed_row_and_step():
 
 def test_settings_reject_bad_values():
   with pytest.raises(ValueError, match='temperature'):
-    SamplingSettings(temperature=-1.0)
+    SamplingSettings.make(temperature=-1.0)
   with pytest.raises(ValueError, match='top_p'):
-    SamplingSettings(top_p=0.0)
+    SamplingSettings.make(top_p=0.0)
   with pytest.raises(ValueError, match='top_k'):
-    SamplingSettings(top_k=-2)
+    SamplingSettings.make(top_k=-2)

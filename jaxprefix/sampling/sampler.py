@@ -87,9 +87,9 @@ def _prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_pro
   return segments, state
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'settings'), donate_argnames=('state',))
-def _decode(graphdef, params, segments, state: DecodeState, seed_key, stop_ids, max_new_tokens,
-            *, settings: SamplingSettings) -> DecodeState:
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('state',))
+def _decode(graphdef, params, segments, state: DecodeState, settings: SamplingSettings, seed_key,
+            stop_ids, max_new_tokens) -> DecodeState:
   """Decodes until every row is done or max_new_tokens (a traced scalar) tokens are drawn."""
   TRACE_COUNTS['decode'] += 1
   row_ids = jnp.arange(state.inputs.shape[0], dtype=jnp.int32)
@@ -144,7 +144,7 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
   if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
     raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
-  settings = SamplingSettings(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+  settings = SamplingSettings.make(float(temperature), float(top_p), top_k)
   vocab_size = model.config.vocab_size
   stop_ids = tuple(int(t) for t in stop_ids)
   if any(not 0 <= t < vocab_size for t in stop_ids):
@@ -166,8 +166,8 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
   with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     segments, state = _prefill(graphdef, params, arrays, n=n, new_bucket=new_bucket,
                                gather_prompts=not lay.prompts_are_contexts)
-    state = _decode(graphdef, params, segments, state, jax.random.key(seed),
-                    jnp.asarray(stop_array), jnp.int32(max_new_tokens), settings=settings)
+    state = _decode(graphdef, params, segments, state, settings, jax.random.key(seed),
+                    jnp.asarray(stop_array), jnp.int32(max_new_tokens))
   num_rows = lay.num_contexts * n
   completions, logprobs, lengths, stopped = jax.device_get(
       (state.completions, state.logprobs, state.lengths, state.stopped))
