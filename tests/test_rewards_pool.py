@@ -1,0 +1,81 @@
+"""The verifier worker pool: timeouts hold, crashes score 0 and are counted, the pool survives."""
+
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+from jaxprefix import rewards
+from jaxprefix.data import Problem
+
+WORKERS = 2  # one shared pool for this module: start-up is paid once
+PROBLEM = Problem("p", "What is one half?", "1/2")
+
+
+# Verifiers for these tests: top-level, so worker processes import them by reference.
+def sleepy_verifier(text, problem):
+    if text == "slow":
+        time.sleep(60)
+    return 1.0
+
+
+def crashing_verifier(text, problem):
+    if text == "raise":
+        raise RuntimeError("verifier bug")
+    if text == "exit":
+        os._exit(3)  # the whole worker process dies
+    if text == "nan":
+        return math.nan
+    return 0.5
+
+
+rewards.register("test_sleepy", sleepy_verifier)
+rewards.register("test_crashing", crashing_verifier)
+
+
+def test_math_in_workers_matches_in_process():
+    texts = ["\\boxed{0.5}", "\\boxed{1/3}", "The answer is $\\frac{1}{2}$", "nothing"]
+    pooled, stats = rewards.score_batch("math", texts, [PROBLEM] * 4, workers=WORKERS)
+    local, _ = rewards.score_batch("math", texts, [PROBLEM] * 4, workers=0)
+    np.testing.assert_array_equal(pooled, [1.0, 0.0, 1.0, 0.0])
+    np.testing.assert_array_equal(pooled, local)
+    assert stats["timeouts"] == stats["errors"] == 0
+
+
+def test_timeout_holds_on_a_slow_answer():
+    rewards.score_batch("test_sleepy", ["warm"] * WORKERS, [PROBLEM] * WORKERS, workers=WORKERS)
+    start = time.perf_counter()
+    scores, stats = rewards.score_batch("test_sleepy", ["fast", "slow", "fast", "fast"], [PROBLEM] * 4,
+                                        timeout_s=1.0, workers=WORKERS)
+    elapsed = time.perf_counter() - start
+    assert scores.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert stats["timeouts"] == 1 and stats["errors"] == 0
+    assert elapsed < 10.0, elapsed  # not the 60 s the answer asks for
+
+
+def test_pathological_math_answer_times_out():
+    # sympy would try to evaluate this power tower for ever, in C, out of reach of signal.alarm.
+    texts = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{\\frac{1}{2}}"]
+    start = time.perf_counter()
+    scores, stats = rewards.score_batch("math", texts, [PROBLEM] * 2, timeout_s=2.0, workers=WORKERS)
+    assert scores.tolist() == [0.0, 1.0] and stats["timeouts"] == 1
+    assert time.perf_counter() - start < 20.0
+
+
+def test_crashes_score_zero_are_counted_and_the_pool_recovers():
+    texts = ["ok", "raise", "exit", "nan", "ok"]
+    scores, stats = rewards.score_batch("test_crashing", texts, [PROBLEM] * 5, workers=WORKERS)
+    assert scores.tolist() == [0.5, 0.0, 0.0, 0.0, 0.5]
+    assert stats["errors"] == 3 and stats["timeouts"] == 0
+    scores, stats = rewards.score_batch("test_crashing", ["ok"] * 3, [PROBLEM] * 3, workers=WORKERS)
+    assert scores.tolist() == [0.5] * 3 and stats["errors"] == 0
+
+
+def test_pool_is_shared_and_rejects_bad_sizes():
+    from jaxprefix.rewards.pool import VerifierPool, shared_pool
+
+    assert shared_pool(WORKERS) is shared_pool(WORKERS)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        VerifierPool(0)
