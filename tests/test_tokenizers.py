@@ -179,10 +179,12 @@ def sentencepiece_model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("spm")
     corpus = directory / "corpus.txt"
     corpus.write_text(CORPUS * 20)
+    # Llama 2 style: BPE, bytes as <0xXX> pieces, text kept as written (no normalisation).
     sentencepiece.SentencePieceTrainer.train(
         input=str(corpus), model_prefix=str(directory / "tokenizer"), vocab_size=400,
         model_type="bpe", character_coverage=1.0, byte_fallback=True, bos_id=1, eos_id=2,
-        unk_id=0, pad_id=3, minloglevel=2)
+        unk_id=0, pad_id=3, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        minloglevel=2)
     return directory / "tokenizer.model"
 
 
@@ -258,14 +260,44 @@ def test_load_errors(tmp_path):
     bad_model.write_bytes(b"\x00not a protobuf")
     with pytest.raises(ValueError, match="bad.model: not a SentencePiece model"):
         tokenizers.load(bad_model)
-    # A GGUF with a SentencePiece ('llama') vocabulary is refused with the alternative named.
-    path = str(tmp_path / "spm_vocab.gguf")
+    # A GGUF vocabulary of another kind (T5's unigram) is refused with the alternative named.
+    path = str(tmp_path / "t5_vocab.gguf")
+    write_gguf_vocabulary(path, "t5", ["<pad>", "</s>", "<unk>", "\u2581a"], [0.0] * 4, [3, 3, 2, 1])
+    with pytest.raises(ValueError, match=r"t5_vocab.gguf: GGUF tokenizer.ggml.model 't5' is not "
+                                         r"supported.*tokenizer.model"):
+        tokenizers.load(path)
+
+
+def write_gguf_vocabulary(path, kind, tokens, scores, types, bos=None, eos=None, unk=None):
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>", "\u2581a"])
+    writer.add_tokenizer_model(kind)
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    for add, token_id in ((writer.add_bos_token_id, bos), (writer.add_eos_token_id, eos),
+                          (writer.add_unk_token_id, unk)):
+        if token_id is not None:
+            add(token_id)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"spm_vocab.gguf: GGUF tokenizer.ggml.model is 'llama'"):
-        tokenizers.load(path)
+
+
+def test_gguf_sentencepiece_vocabulary_matches_processor(sentencepiece_model, tmp_path):
+    # The pieces, scores and types llama.cpp's converter writes for a tokenizer.model.
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_model))
+    n = sp.get_piece_size()
+    types = [3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i) else 1
+             for i in range(n)]
+    path = str(tmp_path / "spm_vocab.gguf")
+    write_gguf_vocabulary(path, "llama", [sp.id_to_piece(i) for i in range(n)],
+                          [sp.get_score(i) for i in range(n)], types,
+                          bos=sp.bos_id(), eos=sp.eos_id(), unk=sp.unk_id())
+    ours = tokenizers.load(path)
+    assert (ours.vocab_size, ours.bos_id, ours.eos_id) == (n, 1, 2)
+    for text in TEXTS + CORPUS.splitlines() + [" leading space", "a  b", "x\n y"]:
+        ids = ours.encode(text)
+        assert ids == sp.encode(text), text
+        assert ours.encode(text, add_special_tokens=True) == [1] + ids  # llama.cpp adds BOS
+        assert ours.decode(ids) == sp.decode(ids), text
