@@ -14,7 +14,9 @@ import os
 import shutil
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow_datasets as tfds
+from etils import epath
 
 from jaxprefix.data.files import Fields, RecordError, read_problem_file, record_to_problem
 from jaxprefix.data.problem import DataError, Problem
@@ -28,6 +30,13 @@ class JaxprefixProblems(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
     RELEASE_NOTES = {"1.0.0": "Problem records: id, question, answer, solution, steps, source, metadata."}
 
+    # TFDS finds a packaged builder's file through `importlib_resources` (not a dependency here);
+    # the file is known, so say it directly.
+    @tfds.core.utils.classproperty
+    @classmethod
+    def code_path(cls) -> epath.Path:
+        return epath.Path(__file__)
+
     def __init__(self, *, problems: Sequence[Problem] = (), **kwargs):
         self._problems = list(problems)
         super().__init__(**kwargs)
@@ -37,7 +46,7 @@ class JaxprefixProblems(tfds.core.GeneratorBasedBuilder):
         # Defined outside TFDS's own package, so `builder=self` (see docs/environment.md).
         return tfds.core.DatasetInfo(builder=self, description=__doc__, features=tfds.features.FeaturesDict({
             "id": text, "question": text, "answer": text,
-            "solution": text, "has_solution": tfds.features.Scalar(dtype="bool"),
+            "solution": text, "has_solution": tfds.features.Scalar(dtype=np.bool_),
             "steps": tfds.features.Sequence(text), "source": text,
             "metadata_json": text,
         }))

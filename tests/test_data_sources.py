@@ -1,0 +1,59 @@
+"""TFDS and reasoning-gym sources load small fixtures into Problems; the reasoning-gym verifier."""
+
+import os
+
+import pytest
+
+from jaxprefix import rewards
+from jaxprefix.data import DataError, load_problems
+from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems
+from jaxprefix.rewards.reasoning_gym import final_answer, reasoning_gym_verifier
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_tfds_round_trip_through_array_record(tmp_path):
+    from jaxprefix.data import tfds_source
+
+    path = os.path.join(FIXTURES, "math_problems.jsonl")
+    name = tfds_source.build_from_file(path, "fixture_math", tmp_path)
+    assert name == "jaxprefix_problems/fixture_math"
+    assert list((tmp_path / "jaxprefix_problems" / "fixture_math" / "1.0.0").glob("*.array_record*"))
+    loaded = tfds_source.tfds_problems(name, data_dir=tmp_path)
+    original = load_problems(path)
+    assert sorted(loaded, key=lambda p: p.id) == sorted(original, key=lambda p: p.id)
+    with pytest.raises(DataError, match="exists; pass overwrite=True"):
+        tfds_source.build_from_file(path, "fixture_math", tmp_path)
+    tfds_source.build_problem_dataset(original[:2], "fixture_math", tmp_path, overwrite=True)
+    assert len(tfds_source.tfds_problems(name, data_dir=tmp_path)) == 2
+    with pytest.raises(DataError, match="cannot be opened"):
+        tfds_source.tfds_problems("jaxprefix_problems/absent", data_dir=tmp_path)
+
+
+def test_reasoning_gym_problems_are_deterministic_with_oracle_text():
+    problems = reasoning_gym_problems("gsm_symbolic", size=3, seed=7)
+    assert [p.id for p in problems] == ["rg/gsm_symbolic/7/0", "rg/gsm_symbolic/7/1", "rg/gsm_symbolic/7/2"]
+    assert problems == reasoning_gym_problems("gsm_symbolic", size=3, seed=7)
+    assert all(p.solution and len(p.solution) > len(p.answer) for p in problems)  # answer_cot
+    assert problems[0].metadata["rg_task"] == "gsm_symbolic"
+    arithmetic = reasoning_gym_problems("basic_arithmetic", size=2, seed=1)
+    assert arithmetic[0].solution is None  # this generator writes no worked solution
+    with pytest.raises(DataError, match="cannot be created"):
+        reasoning_gym_problems("no_such_task", size=2, seed=0)
+
+
+def test_reasoning_gym_verifier_uses_the_generators_scoring():
+    [problem] = reasoning_gym_problems("basic_arithmetic", size=1, seed=1)
+    right = f"Thinking...\n<answer>{problem.answer}</answer>"
+    wrong = f"<answer>{int(problem.answer) + 1}</answer>"
+    assert reasoning_gym_verifier(right, problem) == 1.0
+    assert reasoning_gym_verifier(wrong, problem) == 0.0
+    assert reasoning_gym_verifier(f"so \\boxed{{{problem.answer}}}", problem) == 1.0
+    scores, stats = rewards.score_batch("reasoning_gym", [right, wrong], [problem] * 2, workers=0)
+    assert scores.tolist() == [1.0, 0.0] and stats["errors"] == 0
+
+
+def test_final_answer_prefers_tags_then_box_then_last_line():
+    assert final_answer("<answer>a</answer> \\boxed{b}") == "a"
+    assert final_answer("x \\boxed{b}\nmore") == "b"
+    assert final_answer("work\n 42 \n\n") == "42"
