@@ -249,25 +249,6 @@ def test_chat_template_input_errors():
         tok.apply_chat_template([{"content": "a"}])
 
 
-def test_load_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="tokenizer not found: .*missing.json"):
-        tokenizers.load(tmp_path / "missing.json")
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("a\nb\n")
-    with pytest.raises(ValueError, match=r"vocab.txt: unknown tokenizer format \(expected"):
-        tokenizers.load(vocab)
-    bad_model = tmp_path / "bad.model"
-    bad_model.write_bytes(b"\x00not a protobuf")
-    with pytest.raises(ValueError, match="bad.model: not a SentencePiece model"):
-        tokenizers.load(bad_model)
-    # A GGUF vocabulary of another kind (T5's unigram) is refused with the alternative named.
-    path = str(tmp_path / "t5_vocab.gguf")
-    write_gguf_vocabulary(path, "t5", ["<pad>", "</s>", "<unk>", "\u2581a"], [0.0] * 4, [3, 3, 2, 1])
-    with pytest.raises(ValueError, match=r"t5_vocab.gguf: GGUF tokenizer.ggml.model 't5' is not "
-                                         r"supported.*tokenizer.model"):
-        tokenizers.load(path)
-
-
 def write_gguf_vocabulary(path, kind, tokens, scores, types, bos=None, eos=None, unk=None):
     writer = gguf.GGUFWriter(path, "llama")
     writer.add_tokenizer_model(kind)
@@ -282,6 +263,26 @@ def write_gguf_vocabulary(path, kind, tokens, scores, types, bos=None, eos=None,
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="tokenizer not found: .*missing.json"):
+        tokenizers.load(tmp_path / "missing.json")
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("a\nb\n")
+    with pytest.raises(ValueError, match=r"vocab.txt: unknown tokenizer format \(expected"):
+        tokenizers.load(vocab)
+    bad_model = tmp_path / "bad.model"
+    bad_model.write_bytes(b"\x00not a protobuf")
+    with pytest.raises(ValueError, match="bad.model: not a SentencePiece model"):
+        tokenizers.load(bad_model)
+    # A GGUF vocabulary of another kind (T5's unigram) is refused with the alternative named.
+    path = str(tmp_path / "t5_vocab.gguf")
+    write_gguf_vocabulary(path, "t5", ["<pad>", "</s>", "<unk>", "\u2581a"], [0.0] * 4,
+                          [3, 3, 2, 1])
+    with pytest.raises(ValueError, match=r"t5_vocab.gguf: GGUF tokenizer.ggml.model 't5' is not "
+                                         r"supported.*tokenizer.model"):
+        tokenizers.load(path)
 
 
 def test_gguf_sentencepiece_vocabulary_matches_processor(sentencepiece_model, tmp_path):
