@@ -6,12 +6,21 @@ from jaxprefix.models.config import ModelConfig, Rope
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.models.sharding import make_mesh, shard_model
-from jaxprefix.checkpoints.hf import from_pretrained, load_hf_state, save_pretrained
+
+# jaxprefix.checkpoints imports this package, so its loaders are resolved on first use.
+_FROM_HF = ('from_pretrained', 'save_pretrained', 'load_hf_state')
+
+
+def __getattr__(name):
+  if name in _FROM_HF:
+    from jaxprefix.checkpoints import hf
+    return getattr(hf, name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def from_gguf(path, dtype=jnp.float32):
   """A Decoder from a GGUF file (llama architecture); see jaxprefix.checkpoints.gguf."""
-  from jaxprefix.checkpoints.gguf import from_gguf as load  # optional module, imported lazily
+  from jaxprefix.checkpoints.gguf import from_gguf as load  # pylint: disable=import-outside-toplevel
   return load(path, dtype)
 
 
