@@ -116,8 +116,9 @@ def test_tokenization_round_trip(problems):
 
 def test_verifier_is_registered():
     from jaxprefix import rewards
-    import jaxprefix.data.tasks  # noqa: F401  (registers)
 
+    assert task.register_verifier() == task.NAME
+    task.register_verifier()  # registering again is harmless
     problem = task.make_problem(47, 6)
-    fn = rewards.get(task.NAME)
-    assert fn("+24+82", problem) == 1.0 and fn("+24+81", problem) == 0.0
+    scores, _ = rewards.score_batch(task.NAME, ["+24+82<eos>", "+24+81", "^42+82"], [problem] * 3)
+    assert scores.tolist() == [1.0, 0.0, 1.0]
