@@ -157,3 +157,13 @@ def test_loader_restore_continues_the_same_order():
     assert [[p.id for p in resumed.next_batch()] for _ in range(4)] == expected
     with pytest.raises(ValueError, match="num_problems"):
         ProblemLoader(_problems(8), 3, seed=1).restore(state)
+
+
+def test_parquet_bad_row_names_row_and_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = str(tmp_path / "rows.parquet")
+    pq.write_table(pa.Table.from_pylist([{"question": "q1", "answer": [1]}, {"question": "q2", "answer": []}]), path)
+    with pytest.raises(DataError, match=r"rows.parquet:row 0: field 'answer': expected a non-empty string or a number"):
+        load_problems(path)

@@ -79,3 +79,18 @@ def test_pool_is_shared_and_rejects_bad_sizes():
     assert shared_pool(WORKERS) is shared_pool(WORKERS)
     with pytest.raises(ValueError, match="workers must be >= 1"):
         VerifierPool(0)
+
+
+def greedy_verifier(text, problem):
+    return float(len(bytearray(int(text))) > 0)
+
+
+def test_memory_cap_turns_a_huge_allocation_into_an_error():
+    from jaxprefix.rewards.pool import VerifierPool
+
+    pool = VerifierPool(1, memory_limit=2 << 30)
+    try:
+        scores, stats = pool.score(greedy_verifier, [str(3 << 30), "10"], [PROBLEM] * 2, timeout_s=30)
+    finally:
+        pool.close()
+    assert scores.tolist() == [0.0, 1.0] and stats["errors"] == 1

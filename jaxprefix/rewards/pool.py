@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import atexit
 import collections
+import ctypes
 import math
 import os
 import pickle
+import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -34,6 +37,9 @@ import numpy as np
 # for importing sympy and math-verify.
 PRELOAD = ("jaxprefix.rewards",)
 START_TIMEOUT_S = 120.0
+# Address-space cap per worker: an answer like 9^(9^9) makes sympy build ever larger integers,
+# and a capped worker fails with MemoryError (scored 0) instead of pushing the host into swap.
+MEMORY_LIMIT_BYTES = 8 << 30
 
 
 def default_workers() -> int:
@@ -44,12 +50,13 @@ def default_workers() -> int:
 class _Worker:
     """One verifier process and the parent's end of its socket."""
 
-    def __init__(self):
+    def __init__(self, memory_limit: int):
         parent_end, child_end = socket.socketpair()
         # The child must import what the parent can: tests, the demo task, user verifier modules.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.process = subprocess.Popen(
-            [sys.executable, "-c", f"from jaxprefix.rewards.pool import _serve; _serve({child_end.fileno()})"],
+            [sys.executable, "-c",
+             f"from jaxprefix.rewards.pool import _serve; _serve({child_end.fileno()}, {memory_limit})"],
             pass_fds=(child_end.fileno(),), env=env, stdin=subprocess.DEVNULL)
         child_end.close()
         self.conn = Connection(parent_end.detach())
@@ -65,15 +72,16 @@ class _Worker:
 class VerifierPool:
     """A fixed number of verifier processes; `score` keeps them all busy until a batch is done."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, memory_limit: int = MEMORY_LIMIT_BYTES):
         if workers < 1:
             raise ValueError(f"VerifierPool: workers must be >= 1, got {workers}")
-        self._workers = [_Worker() for _ in range(workers)]
+        self.memory_limit = memory_limit
+        self._workers = [_Worker(memory_limit) for _ in range(workers)]
         self.replaced = 0  # workers killed or crashed over the pool's life
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
-        fresh = _Worker()
+        fresh = _Worker(self.memory_limit)
         self._workers[self._workers.index(worker)] = fresh
         self.replaced += 1
         return fresh
@@ -175,9 +183,22 @@ def _as_reward(value: Any) -> float:
     return reward
 
 
-def _serve(fd: int):
+def _die_with_parent():
+    # A worker stuck in C on a pathological answer never reads its socket again; without this
+    # it would outlive a killed trainer. (Linux: PR_SET_PDEATHSIG = 1.)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def _serve(fd: int, memory_limit: int):
+    """A worker's loop: (index, pickled (fn, text, problem)) in, (status, index, reward) out."""
     import importlib
 
+    _die_with_parent()
+    if memory_limit > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     conn = Connection(fd)
     for module in PRELOAD:
         importlib.import_module(module)
