@@ -103,7 +103,7 @@ def test_accumulated_update_is_adam_sign_step_of_the_direct_gradient(one_minibat
   state, metrics, batch = assert_adam_sign_step(one_minibatch, "token_mean")
   assert int(state.step) == 1 and int(state.updates) == 1 and int(state.skipped) == 0
   assert 0 < float(metrics["ratio/first_max_abs_dev"]) < 1.0  # the injected noise shows
-  np.testing.assert_allclose(metrics["tokens_trained"], batch["completion_mask"].sum())
+  np.testing.assert_allclose(metrics["loss_tokens"], batch["completion_mask"].sum())
   np.testing.assert_allclose(metrics["lr"], 1e-3)
 
 

@@ -156,9 +156,13 @@ class Learner:
       return 1
     return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
+  def initial_params(self):
+    """A copy of the model's initial weights (e.g. the frozen KL reference)."""
+    return jax.tree.map(lambda x: x.copy(), self._initial_params)
+
   def init_state(self) -> TrainState:
     """A fresh state from the model's initial weights (copied: updates donate their input)."""
-    params = jax.tree.map(lambda x: x.copy(), self._initial_params)
+    params = self.initial_params()
     opt_state = jax.jit(self.optimizer.init)(params)
     zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
     state = TrainState(params=params, opt_state=opt_state, step=zero(), updates=zero(),
@@ -309,7 +313,7 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
       "lr": learning_rate_schedule(c)(updates),
       "updates": updates,
       "skipped_updates": skipped_now,
-      "tokens_trained": total["tokens"],
+      "loss_tokens": total["tokens"],
   })
   return metrics
 
