@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
@@ -76,6 +77,7 @@ class VerifierPool:
         if workers < 1:
             raise ValueError(f"VerifierPool: workers must be >= 1, got {workers}")
         self.memory_limit = memory_limit
+        self._lock = threading.Lock()
         self._workers = [_Worker(memory_limit) for _ in range(workers)]
         self.replaced = 0  # workers killed or crashed over the pool's life
 
@@ -89,11 +91,22 @@ class VerifierPool:
     def score(self, fn: Callable, texts: Sequence[str], problems: Sequence[Any],
               timeout_s: float) -> tuple[np.ndarray, dict[str, int]]:
         """Rewards [N] float32 in input order, and counts of timeouts and errors (which score 0)."""
+        with self._lock:  # one batch at a time: two callers would hand answers to one worker
+            busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (answer index, deadline)
+            try:
+                return self._score(fn, texts, problems, timeout_s, busy)
+            except BaseException:
+                # Interrupted (Ctrl-C, a pickling error): a busy worker would later answer an old
+                # question, so it goes.
+                for worker in list(busy):
+                    self._replace(worker)
+                raise
+
+    def _score(self, fn, texts, problems, timeout_s, busy):
         payloads = [pickle.dumps((fn, text, problem)) for text, problem in zip(texts, problems)]
         rewards = np.zeros(len(payloads), np.float32)
         counts = {"timeouts": 0, "errors": 0}
         todo = collections.deque(range(len(payloads)))
-        busy: dict[_Worker, tuple[int, float]] = {}  # worker -> (answer index, deadline)
 
         while todo or busy:
             for worker in self._workers:
