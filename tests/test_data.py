@@ -94,6 +94,11 @@ def test_bad_record_names_file_line_and_field(tmp_path, case):
     assert len(report.skipped) == 1 and line in report.skipped[0]
 
 
+def test_byte_order_mark_is_tolerated(tmp_path):
+    path = _write(tmp_path, "bom.jsonl", b"\xef\xbb\xbf" + GOOD)
+    assert load_problems(path)[0].question == "q1"
+
+
 def test_empty_file_and_all_invalid_and_unknown_suffix(tmp_path):
     with pytest.raises(DataError, match="empty"):
         load_problems(_write(tmp_path, "empty.jsonl", b"\n \n"))

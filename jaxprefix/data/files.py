@@ -125,7 +125,7 @@ def _jsonl_records(path: str):
         for number, raw in enumerate(f, start=1):
             location = f"line {number}"
             try:
-                text = raw.decode("utf-8")
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # tolerate a BOM
             except UnicodeDecodeError as e:
                 yield location, RecordError(f"not valid UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1})")
                 continue
@@ -146,7 +146,7 @@ def _json_records(path: str):
     with open(path, "rb") as f:
         raw = f.read()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise DataError(f"{path}:line {line}: not valid UTF-8 (byte {raw[e.start]:#04x})") from None
