@@ -66,5 +66,6 @@ def test_sharded_forward_equals_unsharded(tiny):
     assert model.k[...].sharding.spec == P(None, 'fsdp', None, None)
   with jax.set_mesh(mesh):  # activations constrained: batch over ('data', 'fsdp')
     got = np.asarray(forward(loaded, tokens, mask))
+    assert from_pretrained(tiny).o[...].sharding.spec == P(None, 'tensor', None, 'fsdp')
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   np.testing.assert_allclose(np.asarray(forward(moved, tokens, mask)), want, atol=1e-5, rtol=0)

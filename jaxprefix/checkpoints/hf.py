@@ -129,7 +129,9 @@ def _place(array: np.ndarray, variable: nnx.Variable, mesh) -> jax.Array:
     return jnp.asarray(array)
   axes = sharding.variable_axes(variable) or (None,) * array.ndim
   spec = sharding.logical_spec(axes, array.shape, dict(mesh.shape))
-  return jax.device_put(array, jax.sharding.NamedSharding(mesh, spec))
+  target = jax.sharding.NamedSharding(mesh, spec)
+  # Each device (on every host) copies only its own slice of the host array.
+  return jax.make_array_from_callback(array.shape, target, lambda index: array[index])
 
 
 def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.float32, *,
@@ -141,10 +143,11 @@ def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.flo
   """
   config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype)
   if mesh is None:
-    abstract = jax.sharding.get_abstract_mesh()
-    if not abstract.empty and set(sharding.MESH_AXES) <= set(abstract.axis_names):
-      raise ValueError('load_hf_state: pass the concrete mesh as mesh=... to shard on load')
-  model = nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(0)))
+    active = jax.sharding.get_mesh()
+    mesh = None if active.empty else active
+  # Shapes only; flax would read the logical names as mesh axes under an active mesh.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    model = nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(0)))
 
   def take(name: str, shape: tuple[int, ...], in_axes: int | None) -> np.ndarray:
     """HF tensor `name` in the Decoder layout `shape`; in_axes None means same layout."""

@@ -115,7 +115,7 @@ class Decoder(nnx.Module):
   def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None):
     c = self.config
     dtype = jnp.dtype(c.dtype)
-    x = self.embed[...].astype(dtype)[tokens]
+    x = self.embed[...][tokens].astype(dtype)
     if c.embed_scale:
       x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
     x = constrain(x, ('batch', 'length', 'act_embed'))
