@@ -22,6 +22,8 @@ import os
 
 import jax
 import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
 
 MODES = ("auto", "off")
 
@@ -126,3 +128,16 @@ def data_shard() -> tuple[int, int]:
 def is_primary() -> bool:
   """True on the one process that writes metrics, reports and other single-copy files."""
   return jax.process_index() == 0
+
+
+def to_host(tree):
+  """Host numpy copies of the arrays in `tree`, whole on every process.
+
+  `jax.device_get` refuses arrays with shards on other hosts' devices; those are gathered with
+  a collective, so every process must call this at the same point (as it runs the same program).
+  """
+  def fetch(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(fetch, tree)

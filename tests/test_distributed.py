@@ -39,7 +39,9 @@ WORKER = textwrap.dedent("""
     psum = jax.jit(jax.shard_map(
         lambda b: jax.lax.psum(b.sum(axis=0), ('data', 'fsdp')),
         mesh=mesh, in_specs=P(('data', 'fsdp')), out_specs=P()))(x)
+    host = distributed.to_host({'x': x, 'total': total})
     print('RESULT ' + json.dumps(dict(
+        gathered=host['x'].tolist(), gathered_total=float(host['total']),
         mode=mode, shard=[index, count], primary=distributed.is_primary(),
         devices=jax.device_count(), local_devices=jax.local_device_count(),
         processes=sorted({d.process_index for d in mesh.devices.flat}),
@@ -87,6 +89,8 @@ def test_two_processes_form_one_eight_device_mesh(tmp_path):
     assert r["processes"] == [0, 1]
     assert r["total"] == pytest.approx(float(full.sum()))
     np.testing.assert_allclose(r["psum"], full.sum(axis=0))
+    np.testing.assert_array_equal(r["gathered"], full)  # whole on each process
+    assert r["gathered_total"] == r["total"]
 
 
 def test_single_process_without_coordinator_starts_nothing():
