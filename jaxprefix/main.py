@@ -39,9 +39,17 @@ def default_workdir(config_arg: str) -> str:
     return os.path.join("runs", f"{name}-{(variant or 'demo').split(',')[0]}")
 
 
+class _OnlyOurInfo:
+    """Keeps INFO lines of jaxprefix and drops the libraries' (orbax logs every file it writes)."""
+
+    def filter(self, record) -> bool:
+        return record.levelno >= logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.get_absl_logger().addFilter(_OnlyOurInfo())
     config = _CONFIG.value
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")

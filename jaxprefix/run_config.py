@@ -48,6 +48,7 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(
+        train_on="all",        # GRPO's training problems: 'all' or the mined 'hard' set
         k=16,                  # hard = solved 0 of k (paper: k=128 at a 32k budget)
         prefix_samples=8,      # m samples per prefix length in the shortest-prefix search
         max_prefix_units=4,    # longest prefix tried, in oracle steps
@@ -63,9 +64,11 @@ def base_config() -> ml_collections.ConfigDict:
         samples_per_round=64, max_samples=2500, pool_path=""))
 
     # Prefix-length schedule (methods/schedules.py): fixed | annealed | adaptive.
+    # The fields of the chosen kind are in the block of that name.
     c.schedule = ml_collections.ConfigDict(dict(
-        kind="fixed", steps=100, start_fraction=1.0, end_fraction=0.0, shape="linear",
-        window=16, threshold=0.5, stride=1, lengthen=False))
+        kind="fixed",
+        annealed=dict(steps=100, start_fraction=1.0, end_fraction=0.0, shape="linear"),
+        adaptive=dict(window=16, threshold=0.5, stride=1, lengthen=False)))
 
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
@@ -129,7 +132,7 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     c.data.train_size, c.data.eval_size = 256, 128
     c.rollout.update(n=8, temperature=1.0, max_new_tokens=61)  # 20 steps of 3 tokens + <eos>
     c.train.update(problems_per_step=32, total_steps=150, learning_rate=1e-4, max_grad_norm=1.0)
-    c.mining.update(k=16, prefix_samples=8, max_prefix_units=19)
+    c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
     c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50

@@ -1,0 +1,81 @@
+"""The rl job: a policy, a problem set, a method, and the RL loop to `train.total_steps`.
+
+    python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope
+
+POPE and PrefixRL first mine what they need with the base policy (jobs/mine.py, cached in the
+mining directory); that sampling compute starts the run's ledger, so every FLOPs figure the run
+reports includes it. Running the command again resumes from the last checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from absl import logging
+
+from jaxprefix import distributed, models
+from jaxprefix.jobs.mine import Mining, mining_dir
+from jaxprefix.jobs.policy import load_policy
+from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.methods import pope, prefixrl
+from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.methods.schedules import make_schedule
+from jaxprefix.rl import loop
+
+METHODS = ("grpo", "pope", "prefixrl")
+
+
+def build_method(config, policy, sets, mining: Mining):
+    """The configured method over its training problems, mining first where it needs to."""
+    shard_index, shard_count = distributed.data_shard()
+    common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
+                  seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n,
+                  shard_index=shard_index, shard_count=shard_count)
+    schedule = make_schedule({"kind": config.schedule.kind,
+                              **config.schedule.get(config.schedule.kind, {})})
+    if config.method == "grpo":
+        train = mining.hard_set().problems if config.mining.train_on == "hard" else sets.train
+        return GrpoMethod(policy.prompts, train, **common)
+    if config.method == "pope":
+        hard = mining.hard_set()
+        p = config.pope
+        return pope.PopeMethod(
+            policy.prompts, hard.problems, mining.prefixes(hard), schedule=schedule,
+            guidance=p.guidance, template=pope.TEMPLATES[p.template],
+            guided_copies=p.guided_copies, unguided_copies=p.unguided_copies, easy=sets.easy,
+            easy_per_step=p.easy_per_step, **common)
+    if config.method == "prefixrl":
+        hard = mining.hard_set()
+        p = config.prefixrl
+        return prefixrl.PrefixRLMethod(
+            policy.prompts, hard.problems, mining.trace_pool(hard.problems), schedule=schedule,
+            prefixes_per_problem=p.prefixes_per_problem, unprefixed_copies=p.unprefixed_copies,
+            cut_range=(p.cut_lo, p.cut_hi), **common)
+    raise ValueError(f"config.method={config.method!r}: expected one of {METHODS}")
+
+
+def run_rl(config, workdir: str) -> dict:
+    """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
+    loop.validate(config)
+    policy = load_policy(config, workdir)
+    mesh = models.make_mesh(**config.mesh)
+    models.shard_model(policy.model, mesh)
+    sets = load_problem_sets(config.data)
+    mining = Mining(config, policy, sets, mining_dir(config, workdir))
+    method = build_method(config, policy, sets, mining)
+    # The run's ledger starts with what mining spent (restored from the checkpoint on resume).
+    ledger = ComputeLedger(policy.model.config.num_params(),
+                           extra_rollouts=mining.ledger.extra_rollouts,
+                           extra_flops=mining.ledger.extra_flops)
+    logging.info("%s: mining spent %.3g FLOPs", config.method, mining.ledger.extra_flops)
+    result = loop.train(config, workdir, method=method, model=policy.model,
+                        tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
+                        ledger=ledger)
+    if distributed.is_primary():
+        with open(os.path.join(workdir, "compute.json"), "w") as f:
+            json.dump(ledger.to_dict(), f, indent=1)
+    # The trained weights, for callers (the demo) that evaluate them next.
+    policy.model = result["learner"].model(result["state"])
+    return result | {"policy": policy, "ledger": ledger, "sets": sets, "mining": mining}
+
