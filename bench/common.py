@@ -185,10 +185,11 @@ def tunix_llama3(model, config, *, remat: bool = False):
   # Built abstractly, then every parameter replaced by ours: no random init of 135M weights.
   peer = nnx.eval_shape(lambda: tunix_llama.Llama3(tunix_config, rngs=nnx.Rngs(0)))
   ours = {name: np.asarray(getattr(model, name)[...]) for name in model.layer_names}
-  peer.embedder.input_embedding.value = jnp.asarray(model.embed[...])
-  peer.final_norm.w.value = jnp.asarray(model.final_norm[...])
+  # Through numpy: fresh buffers, so a step that donates one model's weights spares the other.
+  peer.embedder.input_embedding.value = jnp.asarray(np.asarray(model.embed[...]))
+  peer.final_norm.w.value = jnp.asarray(np.asarray(model.final_norm[...]))
   if not config.tie_word_embeddings:
-    peer.lm_head.w.value = jnp.asarray(model.lm_head[...]).T
+    peer.lm_head.w.value = jnp.asarray(np.asarray(model.lm_head[...]).T)
   # Our weights are already in Tunix's layouts: q [D, H, Dh], o [H, Dh, D], gate [D, F].
   for i, layer in enumerate(peer.layers):
     layer.input_layernorm.w.value = jnp.asarray(ours["attn_norm"][i])
