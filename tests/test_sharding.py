@@ -1,4 +1,4 @@
-"""Logical axes -> mesh, and the sharded forward on 8 simulated CPU devices equals the unsharded one."""
+"""Logical axes -> mesh axes; a sharded forward on 8 simulated CPU devices equals the unsharded."""
 import jax
 import numpy as np
 import pytest

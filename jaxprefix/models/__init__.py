@@ -20,7 +20,7 @@ def __getattr__(name):
 
 def from_gguf(path, dtype=jnp.float32):
   """A Decoder from a GGUF file (llama architecture); see jaxprefix.checkpoints.gguf."""
-  from jaxprefix.checkpoints.gguf import from_gguf as load  # pylint: disable=import-outside-toplevel
+  from jaxprefix.checkpoints.gguf import from_gguf as load  # optional module: import lazily
   return load(path, dtype)
 
 

@@ -59,7 +59,10 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
   return seen
 
 
-def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[tuple[jax.Array, jax.Array, jax.Array]],
+Segment = tuple[jax.Array, jax.Array, jax.Array]  # (k, v, pos) of one layer
+
+
+def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
            *, scale: float, window=None, logit_cap: float | None = None) -> jax.Array:
   """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
 

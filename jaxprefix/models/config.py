@@ -1,4 +1,6 @@
-"""ModelConfig: one frozen, hashable description of a decoder-only LM (Llama 3, Qwen2/3, Gemma 3, SmolLM2).
+"""ModelConfig: one frozen, hashable description of a decoder-only LM.
+
+Covers Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3 (text) and SmolLM2 (a tied-embedding Llama).
 
 It is static under jit, so every field is a Python scalar, string or tuple. `from_hf` reads a
 transformers config.json dict (old `rope_theta`/`rope_scaling` or new `rope_parameters` style);
