@@ -102,11 +102,9 @@ def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
   """Places every parameter of `model` on `mesh` by its logical axes (in place; returns it)."""
-  shardings = param_shardings(model, mesh)
-  state = nnx.state(model)
-  placed = jax.tree.map(
-      lambda v, s: v.replace(jax.device_put(v[...], s[...] if isinstance(s, nnx.Variable) else s)),
-      state, shardings, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  is_variable = lambda x: isinstance(x, nnx.Variable)
+  placed = jax.tree.map(lambda v, s: v.replace(jax.device_put(v[...], s)),
+                        nnx.state(model), param_shardings(model, mesh), is_leaf=is_variable)
   nnx.update(model, placed)
   return model
 
