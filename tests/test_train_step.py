@@ -114,6 +114,24 @@ def test_accumulation_per_aggregation(aggregation):
   assert_adam_sign_step(Learner(tiny_model(), config), aggregation)
 
 
+@pytest.mark.slow
+def test_kl_to_reference_enters_the_update():
+  config = dataclasses.replace(ONE_MINIBATCH, kl_coef=0.5, kl_kind="k3")
+  learner = Learner(tiny_model(), config)
+  state = learner.init_state()
+  batch = with_old_logprobs(rollout_batch(), learner, state)
+  with pytest.raises(ValueError, match="ref_logprobs"):
+    learner.update(state, batch)
+  # One minibatch: the policy is the sampler's, so ref - logp = -0.1 on every loss token.
+  batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
+  _, metrics = learner.update(state, batch)
+  k3 = np.exp(-0.1) + 0.1 - 1
+  np.testing.assert_allclose(metrics["kl"], k3, rtol=1e-4)
+  np.testing.assert_allclose(metrics["loss"], 0.5 * k3 - (
+      batch["advantages"][:, None] * batch["completion_mask"]).sum()
+      / batch["completion_mask"].sum(), rtol=1e-4)
+
+
 def test_sampler_logprobs_give_unit_ratio_on_first_minibatch(two_minibatches):
   state = two_minibatches.init_state()
   batch = with_old_logprobs(rollout_batch(), two_minibatches, state)

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -182,11 +183,13 @@ class Learner:
     return nnx.merge(self.graphdef, state.params, self.rest)
 
   def place_batch(self, batch: dict) -> dict:
-    """Host arrays -> device arrays sharded over the batch axes."""
+    """Host arrays -> device arrays sharded over the batch axes. With several processes each
+    passes its own rows, which together make the global batch."""
     if self.mesh is None:
       return {k: jnp.asarray(v) for k, v in batch.items()}
     sharding = NamedSharding(self.mesh, P(BATCH_AXES))
-    return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in batch.items()}
 
   def logprobs(self, params, batch: dict) -> jax.Array:
     """Per-token log-probs [B, T] of batch['tokens'] under `params` (e.g. a frozen reference)."""
