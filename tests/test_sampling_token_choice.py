@@ -45,6 +45,18 @@ def test_frequencies_match_tempered_softmax(temperature):
   np.testing.assert_allclose(logprobs, model_logprobs[tokens], rtol=1e-5, atol=1e-5)
 
 
+def test_inverse_cdf_across_blocks_and_excluded_tokens():
+  # 600 tokens = 3 CDF blocks; mass only on 8 tokens at block edges, every other logit -inf.
+  support = np.array([0, 3, 255, 256, 300, 511, 512, 599])
+  logits = np.full(600, -np.inf, np.float32)
+  logits[support] = LOGITS
+  tokens, _ = _draw(SamplingSettings.make(temperature=1.0), logits=logits)
+  probs = np.zeros(600)
+  probs[support] = _softmax(LOGITS.astype(np.float64))
+  stat, limit = _chi_square(tokens, probs)
+  assert stat < limit, (stat, limit)
+
+
 def test_chi_square_detects_a_wrong_temperature():
   # The check above can fail: samples at T=1 are far from the T=0.6 distribution.
   tokens, _ = _draw(SamplingSettings.make(temperature=1.0))

