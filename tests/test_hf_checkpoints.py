@@ -24,7 +24,7 @@ def llama_dir(tmp_path_factory):
 @pytest.mark.parametrize('family', ['llama', 'llama3_rope', 'qwen2', 'qwen3', 'gemma3'])
 def test_export_round_trip_through_transformers(tmp_path, family):
   src, _ = tc.save_checkpoint(family, tmp_path / 'src')
-  model = from_pretrained(src)
+  model, _ = from_pretrained(src)
   out = save_pretrained(model, model.config, tmp_path / 'out')
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(
       out, torch_dtype='float32', attn_implementation='eager').eval()
@@ -32,7 +32,7 @@ def test_export_round_trip_through_transformers(tmp_path, family):
   np.testing.assert_allclose(tc.hf_logits(reloaded, tokens), np.asarray(forward(model, tokens)),
                              atol=1e-4, rtol=0)
   # And our own reader gets back bit-identical weights.
-  again = from_pretrained(out)
+  again, _ = from_pretrained(out)
   for a, b in zip(jax_leaves(model), jax_leaves(again)):
     np.testing.assert_array_equal(a, b)
 
@@ -47,13 +47,13 @@ def test_sharded_index_checkpoint(tmp_path):
   assert (path / 'model.safetensors.index.json').is_file()
   assert len(list(path.glob('*.safetensors'))) > 1
   tokens = tc.random_tokens(1, 7)
-  np.testing.assert_allclose(np.asarray(forward(from_pretrained(path), tokens)),
+  np.testing.assert_allclose(np.asarray(forward(from_pretrained(path)[0], tokens)),
                              tc.hf_logits(hf, tokens), atol=1e-4, rtol=0)
 
 
 def test_bfloat16_load(llama_dir):
   path, hf = llama_dir
-  model = from_pretrained(path, dtype=jnp.bfloat16)
+  model, _ = from_pretrained(path, dtype=jnp.bfloat16)
   assert model.q[...].dtype == jnp.bfloat16 and model.config.dtype == 'bfloat16'
   tokens = tc.random_tokens(1, 7)
   np.testing.assert_allclose(np.asarray(forward(model, tokens)), tc.hf_logits(hf, tokens),

@@ -24,7 +24,7 @@ def checkpoints(tmp_path_factory):
   def get(family):
     if family not in cache:
       path, hf = tc.save_checkpoint(family, tmp_path_factory.mktemp(family))
-      cache[family] = (from_pretrained(path), hf)
+      cache[family] = (from_pretrained(path)[0], hf)
     return cache[family]
   return get
 

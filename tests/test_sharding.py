@@ -44,7 +44,7 @@ def tiny(tmp_path_factory):
 
 
 def test_parameters_carry_logical_axes(tiny):
-  model = from_pretrained(tiny)
+  model, _ = from_pretrained(tiny)
   assert sharding.variable_axes(model.q) == ('layers', 'embed', 'heads', 'head_dim')
   assert model.q.get_metadata()[sharding.METADATA_KEY] == ('layers', 'embed', 'heads', 'head_dim')
   assert sharding.variable_axes(model.embed) == ('vocab', 'embed')
@@ -54,11 +54,11 @@ def test_sharded_forward_equals_unsharded(tiny):
   tokens = tc.random_tokens(4, 9, seed=5)
   mask = np.ones(tokens.shape, bool)
   mask[1, :3] = False
-  want = np.asarray(forward(from_pretrained(tiny), tokens, mask))
+  want = np.asarray(forward(from_pretrained(tiny)[0], tokens, mask))
 
   mesh = make_mesh(data=-1, fsdp=2, tensor=4)
-  loaded = from_pretrained(tiny, mesh=mesh)         # placed shard by shard while loading
-  moved = shard_model(from_pretrained(tiny), mesh)  # placed after the fact
+  loaded, _ = from_pretrained(tiny, mesh=mesh)        # placed shard by shard while loading
+  moved = shard_model(from_pretrained(tiny)[0], mesh)  # placed after the fact
   for model in (loaded, moved):
     assert model.q[...].sharding.spec == P(None, 'fsdp', 'tensor', None)
     assert model.q[...].addressable_shards[0].data.shape == (2, 32, 1, 24)
@@ -66,6 +66,6 @@ def test_sharded_forward_equals_unsharded(tiny):
     assert model.k[...].sharding.spec == P(None, 'fsdp', None, None)
   with jax.set_mesh(mesh):  # activations constrained: batch over ('data', 'fsdp')
     got = np.asarray(forward(loaded, tokens, mask))
-    assert from_pretrained(tiny).o[...].sharding.spec == P(None, 'tensor', None, 'fsdp')
+    assert from_pretrained(tiny)[0].o[...].sharding.spec == P(None, 'tensor', None, 'fsdp')
   np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
   np.testing.assert_allclose(np.asarray(forward(moved, tokens, mask)), want, atol=1e-5, rtol=0)

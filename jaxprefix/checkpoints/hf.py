@@ -212,14 +212,13 @@ def read_hf_tensors(path) -> dict[str, np.ndarray]:
   return tensors
 
 
-def from_pretrained(path, dtype=jnp.float32, *, mesh=None) -> Decoder:
-  """A Decoder from an HF directory (config.json + safetensors); see load_hf_state."""
+def from_pretrained(path, dtype=jnp.float32, *, mesh=None) -> tuple[Decoder, ModelConfig]:
+  """(model, config) from an HF directory (config.json + safetensors); see load_hf_state."""
   path = pathlib.Path(path)
   if not path.is_dir():
     raise FileNotFoundError(f'{path}: not a checkpoint directory')
   hf_config = _read_json(path / 'config.json', 'config.json')
-  model, _ = load_hf_state(hf_config, read_hf_tensors(path), dtype, mesh=mesh, source=str(path))
-  return model
+  return load_hf_state(hf_config, read_hf_tensors(path), dtype, mesh=mesh, source=str(path))
 
 
 # --- export --------------------------------------------------------------------------------
