@@ -150,7 +150,8 @@ def round_seed(seed: int, step: int, round_index: int) -> int:
 # --- metrics --------------------------------------------------------------------------------
 
 def reward_metrics(scored: Scored) -> dict[str, float]:
-  """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided)."""
+  """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided), over the
+  method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
   r = scored.rewards
   out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
          "reward/verifier_failures": scored.verifier_failures}
