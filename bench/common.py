@@ -116,8 +116,16 @@ def print_load():
 
 
 def peak_rss_gib() -> float:
-  """This process's peak resident set size so far (ru_maxrss is in KiB on Linux)."""
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+  """This process's peak resident set size so far: VmHWM. Not ru_maxrss, which a child
+  started by fork + exec inherits from its parent's size at the fork."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as status:
+      for line in status:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 2 ** 20  # kB
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20  # KiB on Linux
 
 
 def report_peak_rss():
