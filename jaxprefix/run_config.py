@@ -31,7 +31,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(dict(
         source="carry_multiplication", task="", path="", eval_path="", question_field="question",
         solution_field="solution", answer_field="answer", verifier="math", train_size=256,
-        eval_size=128, seed=1, eval_seed=2, easy_size=0, easy_digits=(1, 10)))
+        eval_size=128, seed=1, eval_seed=2, digits=(20, 20), multipliers=(6, 9), easy_size=0,
+        easy_digits=(1, 10)))
 
     # Sampling of training rollouts (and of mining, at the same settings).
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
@@ -44,7 +45,7 @@ def base_config() -> ml_collections.ConfigDict:
         decay_steps=1000, min_lr_ratio=0.0, b1=0.9, b2=0.999, adam_eps=1e-8, weight_decay=0.0,
         max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
-        kl_kind="k3", logprob_chunk=1024))
+        kl_kind="k3", logprob_chunk=1024, mask_truncated=False))
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(
@@ -72,12 +73,13 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
+    # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
         budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",
-        eval_every_rollouts=1024))
+        eval_every_rollouts=1024, print_only=False))
     return c
 
 

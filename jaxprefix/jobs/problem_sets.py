@@ -2,7 +2,8 @@
 
 `config.data.source` names them:
 - 'carry_multiplication': the built-in demo task; training candidates and a held-out evaluation
-  set of hard problems (20 digits), plus easy ones for the "+ easy" ablation;
+  set (`digits`, `multipliers`; the demo's hard problems: 20 digits times 6..9), plus easy ones
+  for the "+ easy" ablation;
 - 'file': JSONL / parquet files (`path`, `eval_path`) with configurable field names;
 - 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed.
 """
@@ -29,8 +30,9 @@ def load_problem_sets(data) -> ProblemSets:
         from jaxprefix.data.tasks import carry_multiplication as task
 
         task.register_verifier()
-        train = task.hard_set(data.train_size, seed=data.seed)
-        held_out = task.hard_set(data.eval_size, seed=data.eval_seed)
+        shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers))
+        train = task.generate(data.train_size, seed=data.seed, **shape)
+        held_out = task.generate(data.eval_size, seed=data.eval_seed, **shape)
         easy = task.generate(data.get("easy_size", 0), digits=tuple(data.easy_digits),
                              seed=data.seed + 1) if data.get("easy_size", 0) else []
         return ProblemSets(train, held_out, easy, task.NAME)

@@ -1,0 +1,15 @@
+"""Evaluate a policy on held-out problems, unguided (and guided with mined POPE prefixes).
+
+    python -m jaxprefix.main --config=configs/eval.py --workdir=runs/pope-demo/pope
+    python -m jaxprefix.main --config=configs/eval.py:smollm2 --workdir=/tmp/pope_smollm2
+
+Loads the workdir's latest RL checkpoint (or the configured base model when there is none) and
+writes <workdir>/eval_report.json with pass@k, avg@k, best@k, worst@k and maj@k.
+"""
+from jaxprefix import run_config
+
+
+def get_config(arg: str = ""):
+    c, _ = run_config.method_config(__file__, "pope", arg)
+    c.job = "eval"
+    return c
