@@ -175,16 +175,26 @@ def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
                    f"--config.distributed.process_id={i}") for i in range(2)], timeout_s=600)
   expected, got = _final_params(one), _final_params(two)
   assert sorted(got) == sorted(expected)
-  last, previous = max(expected), min(expected)
-  flat_expected = dict(_flat(expected[last]))
-  flat_got = dict(_flat(got[last]))
+  last = max(expected)
+  flat_expected, flat_got = dict(_flat(expected[last])), dict(_flat(got[last]))
   assert flat_got.keys() == flat_expected.keys()
-  for key, value in flat_expected.items():
+  for key, value in flat_expected.items():  # params (SFT-trained base + RL), optimizer, RNG
     np.testing.assert_allclose(flat_got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-  # The comparison is sharp enough to see one training step.
-  flat_previous = dict(_flat(expected[previous]))
-  assert any(not np.allclose(flat_previous[k], v, rtol=1e-5, atol=1e-6)
-             for k, v in flat_expected.items() if k in flat_previous)
+  # The smoke run's groups all score 0 (grad_norm 0), so RL leaves the params as they were;
+  # the per-step metrics (rewards, lengths, entropy, ratios) show whether both runs sampled and
+  # scored the same rollouts.
+  records_one, records_two = _metrics(one), _metrics(two)
+  assert len(records_two) == len(records_one) == 2
+  for a, b in zip(records_two, records_one):
+    assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+  assert all(r["entropy"] > 0 for r in records_one)
+
+
+def _metrics(workdir: pathlib.Path) -> list[dict]:
+  """metrics.jsonl records without wall-clock figures."""
+  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+  return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+          for r in records]
 
 
 def _flat(tree):
