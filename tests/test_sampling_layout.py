@@ -42,6 +42,11 @@ def test_shared_prompt_is_laid_out_once():
   assert lay.full_contexts == [[1, 2, 3, 4, 5], [1, 2, 3, 6], [7, 8], [1, 2, 3]]
 
 
+def test_array_of_contexts():
+  lay = layout_contexts(np.array([[3, 4], [5, 6]], np.int32), vocab_size=10)
+  assert lay.full_contexts == [[3, 4], [5, 6]]
+
+
 @pytest.mark.parametrize('contexts,match', [
     ([], 'non-empty list'), ([[1], []], r'contexts\[1\] is empty'),
     ([[1, 12]], r'contexts\[0\] must hold integer token ids in \[0, 10\)'),

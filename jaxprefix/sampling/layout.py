@@ -93,6 +93,8 @@ def layout_contexts(contexts: Sequence[Context], vocab_size: int,
   `context_multiple`: the padded context count is also a multiple of this (so that rows divide
   evenly over data-parallel devices).
   """
+  if isinstance(contexts, np.ndarray) and contexts.ndim == 2:
+    contexts = list(contexts)  # a [C, S] array of equal-length contexts
   if isinstance(contexts, SharedContext) or not isinstance(contexts, Sequence) or not contexts:
     raise ValueError('contexts must be a non-empty list of token-id lists or SharedContext, got '
                      f'{type(contexts).__name__}')
