@@ -11,6 +11,7 @@ Running the same command again in the same workdir resumes from the last checkpo
 from __future__ import annotations
 
 import importlib
+import logging as std_logging  # absl's WARNING constant is its own verbosity, not a record level
 import os
 
 from absl import app, flags, logging
@@ -43,13 +44,13 @@ class _OnlyOurInfo:
     """Keeps INFO lines of jaxprefix and drops the libraries' (orbax logs every file it writes)."""
 
     def filter(self, record) -> bool:
-        return record.levelno >= logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
+        return record.levelno >= std_logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_logger().addFilter(_OnlyOurInfo())
+    logging.get_absl_handler().addFilter(_OnlyOurInfo())
     config = _CONFIG.value
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")

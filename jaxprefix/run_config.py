@@ -62,7 +62,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.prefixrl = ml_collections.ConfigDict(dict(
         prefixes_per_problem=3, unprefixed_copies=1, cut_lo=0.4, cut_hi=0.8,
-        samples_per_round=64, max_samples=2500, pool_path=""))
+        samples_per_round=64, max_samples=2500, pool_path="",
+        oracle_traces=False))  # True: oracle solutions as the traces, no rejection sampling
 
     # Prefix-length schedule (methods/schedules.py): fixed | annealed | adaptive.
     # The fields of the chosen kind are in the block of that name.
@@ -147,7 +148,8 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     c.rollout.n = 4
     c.train.update(problems_per_step=4, total_steps=2)
     c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
-    c.prefixrl.update(samples_per_round=4, max_samples=8)
+    # The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
+    c.prefixrl.update(samples_per_round=4, max_samples=8, oracle_traces=True)
     c.eval.update(every=2, n=4, ks=(1, 4))
     c.checkpoint.every = 1
 

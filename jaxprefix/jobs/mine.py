@@ -97,6 +97,8 @@ class Mining:
         pool_file = self.config.prefixrl.get("pool_path")
         if pool_file:  # traces from elsewhere (another model): their sampling is not ours to count
             return prefixrl.TracePool.load_jsonl(pool_file, self.policy.prompts)
+        if self.config.prefixrl.oracle_traces:
+            return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
         if os.path.exists(path):
             return prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
         p = self.config.prefixrl

@@ -28,10 +28,10 @@ METHODS = ("grpo", "pope", "prefixrl")
 
 def build_method(config, policy, sets, mining: Mining):
     """The configured method over its training problems, mining first where it needs to."""
-    shard_index, shard_count = distributed.data_shard()
+    # Every host builds the same global request (problem lists are small): the sampler and the
+    # learner then place their rows over the global mesh, and all hosts agree on every batch.
     common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
-                  seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n,
-                  shard_index=shard_index, shard_count=shard_count)
+                  seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
     schedule = make_schedule({"kind": config.schedule.kind,
                               **config.schedule.get(config.schedule.kind, {})})
     if config.method == "grpo":

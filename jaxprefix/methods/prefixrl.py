@@ -83,6 +83,14 @@ class TracePool:
         return cls(traces, {i: t.samples for i, t in traces.items()})
 
 
+def oracle_trace_pool(prompts, problems: Sequence[Problem]) -> TracePool:
+    """Oracle solutions as the traces: off-policy data that cost no sampling (smoke runs, or
+    comparing PrefixRL with POPE on the same privileged information)."""
+    traces = {p.id: Trace(p.id, tuple(prompts.response(p.solution)), 0)
+              for p in problems if p.solution}
+    return TracePool(traces, {i: 0 for i in traces})
+
+
 def build_trace_pool(prober: Prober, prompts, problems: Sequence[Problem], *,
                      samples_per_round: int, max_samples: int, seed: int) -> TracePool:
     """Rejection sampling: keep the first correct trace per problem, at most `max_samples` each."""
