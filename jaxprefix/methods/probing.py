@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxprefix import rewards, sampling
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.loop import completion_texts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,18 +42,6 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple = ()
-
-
-def completion_texts(tokenizer, rollouts: sampling.Rollouts, prefixes: Sequence[str] | None = None
-                     ) -> list[str]:
-    """Decoded completions, the stop token dropped, each after its context's response prefix."""
-    texts = []
-    for row, ids in enumerate(rollouts.completions()):
-        if rollouts.stopped[row]:
-            ids = ids[:-1]
-        prefix = prefixes[rollouts.group_ids[row]] if prefixes is not None else ""
-        texts.append(prefix + tokenizer.decode(list(ids)))
-    return texts
 
 
 class Prober:
