@@ -176,7 +176,8 @@ class PrefixRLMethod(GrpoMethod):
             if is_prefixed:
                 j = seen.get(problem.id, 0)
                 seen[problem.id] = j + 1
-                keys.append(f"{problem.id}/{j}")
+                # A batch crossing an epoch boundary may hold a problem twice: its cuts again.
+                keys.append(f"{problem.id}/{j % len(self.cuts[problem.id])}")
                 rows.append(i)
         self.schedule.observe(keys, rewards[rows])
 
