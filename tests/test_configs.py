@@ -1,0 +1,147 @@
+"""configs/*.py: every variant builds and passes the loop's checks; bad input is named.
+
+The command-line cases run `python -m jaxprefix.main` as a subprocess: a misspelt field and a
+value the loop rejects must both stop the run before anything is loaded or written.
+"""
+import glob
+import importlib
+import os
+import re
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from jaxprefix import main as entry
+from jaxprefix import run_config
+from jaxprefix.rl import loop
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(ROOT, "configs")
+# file -> (variant -> (job, method)); '' is the file's default variant.
+VARIANTS = {
+    "grpo.py": {v: ("rl", "grpo") for v in ("", "demo", "smoke", "smollm2", "paper")},
+    "prefixrl.py": {v: ("rl", "prefixrl") for v in ("", "demo", "smoke", "smollm2", "paper")},
+    "pope.py": {"": ("demo", "pope"), "demo": ("demo", "pope"), "demo_smoke": ("demo", "pope"),
+                "rl": ("rl", "pope"), "smoke": ("rl", "pope"), "smollm2": ("rl", "pope"),
+                "paper": ("rl", "pope")},
+    "eval.py": {v: ("eval", "pope") for v in ("", "demo", "smoke", "smollm2", "paper")},
+    "isocompute.py": {"": ("sweep", "grpo"), "smoke": ("sweep", "grpo"),
+                      "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),
+                      "fit": ("fit", "grpo")},
+    "sft.py": {"": ("sft", None), "demo": ("sft", None), "smoke": ("sft", None)},
+}
+
+
+def build(name: str, variant: str = "") -> ml_collections.ConfigDict:
+    return run_config.sibling_config(os.path.join(CONFIGS, name), name, variant)
+
+
+def test_every_config_file_is_covered():
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(CONFIGS, "*.py"))) == \
+        sorted(VARIANTS)
+
+
+@pytest.mark.parametrize("name,variant", [(n, v) for n, vs in VARIANTS.items() for v in vs])
+def test_variant_builds_and_passes_the_loop_checks(name, variant):
+    config = build(name, variant)
+    job, method = VARIANTS[name][variant]
+    assert config.job == job and config.get("method") == method
+    assert config.job in entry.JOBS
+    if job != "sft":
+        loop.validate(config)  # raises, naming the field, on any value the loop cannot run
+    if "smoke" in variant and job != "sft":
+        assert config.train.total_steps <= 3 and config.data.train_size <= 16
+        assert config.sft.max_steps == build("sft.py", "smoke").max_steps
+
+
+def test_every_job_resolves_to_a_function():
+    for job, (module, function) in entry.JOBS.items():
+        assert callable(getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)), job
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "sft.py"])
+def test_unknown_variant_is_named(name):
+    with pytest.raises(ValueError, match=rf"{re.escape(name)}: unknown variant 'smok'"):
+        build(name, "smok")
+
+
+def test_unknown_sft_variant_is_named():
+    with pytest.raises(ValueError, match="configs/sft.py: unknown variant 'paper'"):
+        build("sft.py", "paper")
+
+
+def test_parse_arg():
+    args = run_config.parse_arg("smollm2,seed=3")
+    assert args.variant == "smollm2" and args.seed == 3 and isinstance(args.seed, int)
+    args = run_config.parse_arg("lr=1e-4,flag=true,name=x", variant="demo")
+    assert (args.variant, args.lr, args.flag, args.name) == ("demo", 1e-4, True, "x")
+    assert run_config.parse_arg("", variant="demo").variant == "demo"
+    with pytest.raises(ValueError, match="only the first item may be a bare variant name"):
+        run_config.parse_arg("smoke,smollm2")
+
+
+def test_seed_argument_reaches_the_config():
+    assert build("grpo.py", "smoke,seed=3").seed == 3
+    assert build("pope.py", "rl").seed == 0
+
+
+def test_default_workdir():
+    assert entry.default_workdir("configs/pope.py:smoke,seed=1") == os.path.join("runs", "pope-smoke")
+    assert entry.default_workdir("configs/grpo.py") == os.path.join("runs", "grpo-demo")
+
+
+def docstring_commands():
+    """(file, variant, overrides) of every `python -m jaxprefix.main` line in a config's docs."""
+    for path in sorted(glob.glob(os.path.join(CONFIGS, "*.py"))):
+        with open(path) as f:
+            text = f.read()
+        for match in re.finditer(r"--config=configs/(\w+\.py)(?::([\w,=]+))?", text):
+            yield os.path.basename(path), match.group(1), match.group(2) or ""
+        for match in re.finditer(r"--config\.([\w.]+)=", text):
+            yield os.path.basename(path), None, match.group(1)
+
+
+@pytest.mark.parametrize("source,name,arg", list(docstring_commands()))
+def test_documented_commands_name_real_variants_and_fields(source, name, arg):
+    if name is not None:
+        build(name, arg)
+        return
+    config = build(source, "smoke")
+    node = config
+    for key in arg.split("."):
+        assert key in node, f"{source} documents --config.{arg}, which is no field"
+        node = node[key]
+
+
+def run_main(*flags, workdir):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "jaxprefix.main", f"--workdir={workdir}", *flags],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_locked_config_refuses_a_misspelt_field(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_main("--config=configs/grpo.py:smoke", "--config.train.nope=1", workdir=workdir)
+    assert result.returncode != 0
+    assert "nope" in result.stderr
+    assert not workdir.exists()
+
+
+def test_value_the_loop_rejects_fails_at_start(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_main("--config=configs/grpo.py:smoke", "--config.rollout.n=1", workdir=workdir)
+    assert result.returncode != 0
+    assert "config.rollout.n=1" in result.stderr
+    assert not workdir.exists()  # nothing trained, mined or written
+
+
+@pytest.mark.parametrize("field,value", [("train.aggregation", "bogus"), ("train.advantage", "ppo"),
+                                         ("rollout.temperature", -1.0), ("eval.every", -1)])
+def test_loop_names_the_rejected_field(field, value):
+    config = build("grpo.py", "smoke")
+    section, key = field.split(".")
+    config[section][key] = value
+    with pytest.raises(ValueError, match=re.escape(f"config.{field}={value!r}")):
+        loop.validate(config)
