@@ -31,6 +31,7 @@ JOBS = {
     "sweep": ("isocompute", "run_sweep"),
     "fit": ("isocompute", "run_fit"),
     "demo": ("demo", "run_demo"),
+    "results": ("results", "run_results"),
 }
 
 

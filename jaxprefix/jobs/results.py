@@ -1,0 +1,184 @@
+"""The results job: the papers' claims tested side by side on the demo task, as docs/RESULTS.md.
+
+    python -m jaxprefix.main --config=configs/results.py --workdir=runs/results
+
+Runs (each in its own workdir under --workdir, so an interrupted job resumes where it stopped):
+- GRPO, POPE and PrefixRL from one SFT base, `results.seeds` seeds each, at the same rollouts per
+  step and steps; PrefixRL's rejection sampling and the hard-set mining are in every FLOPs figure;
+- ablations at the first seed: POPE with the "do not restate" instruction, hard + easy problems
+  without guidance (ray interference), SFT on the oracle solutions then GRPO;
+- an IsoCompute mini-sweep over (n, B) with the fitted frontier.
+Then it writes the markdown report and PNG figures under `results.output_dir`. Nothing is tuned to
+an outcome: the report states what the runs measured, effect or not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from jaxprefix.jobs import isocompute as iso_jobs
+from jaxprefix.jobs.evaluate import evaluate_unguided
+from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
+from jaxprefix.jobs.policy import base_dir, load_policy
+from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.jobs.rl import run_rl
+from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.metrics import read_metrics
+
+
+def _run_config(config, name: str, method: str, seed: int, workdir: str):
+    """One run's config: the shared base and mining, this method and seed."""
+    c = config.copy_and_resolve_references()
+    c.job, c.method, c.seed = "rl", method, seed
+    c.model.path = base_dir(config, workdir)
+    c.mining.dir = mining_dir(config, workdir)
+    if method == "grpo" and name != "grpo_easy":
+        # Same rollouts per step as POPE's guided + unguided copies of half as many problems.
+        c.train.problems_per_step *= config.pope.guided_copies + config.pope.unguided_copies
+    if method == "prefixrl":
+        per_problem = config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
+        c.train.problems_per_step = max(1, c.train.problems_per_step
+                                        * (config.pope.guided_copies + config.pope.unguided_copies)
+                                        // per_problem)
+    if name == "pope_no_restate":
+        c.pope.template = "no_restate"
+    if name == "grpo_easy":
+        # Hard problems and as many easy ones, no guidance: the mix POPE's paper calls ray
+        # interference (POPE's batch builder with no guided copies).
+        c.pope.update(guided_copies=0, unguided_copies=1)
+        c.pope.easy_per_step = c.train.problems_per_step
+        c.data.easy_size = 1024
+    return c
+
+
+RUNS = {  # name -> method
+    "grpo": "grpo", "pope": "pope", "prefixrl": "prefixrl",
+    "pope_no_restate": "pope", "grpo_easy": "pope",
+}
+
+
+def run_results(config, workdir: str) -> dict:
+    os.makedirs(workdir, exist_ok=True)
+    policy = load_policy(config, workdir)
+    sets = load_problem_sets(config.data)
+    mining = Mining(config, policy, sets, mining_dir(config, workdir))
+    hard = mining.hard_set()
+    mining.prefixes(hard)
+    mining.trace_pool(hard.problems)
+    e = config.eval
+
+    def evaluate(model):
+        prober = make_prober(config, dataclasses.replace(policy, model=model),
+                             ComputeLedger(model.config.num_params()), sets.verifier)
+        return evaluate_unguided(prober, policy.prompts, sets.eval, n=e.n, ks=e.ks,
+                                 seed=config.seed + 7)
+
+    report = {"base": evaluate(policy.model), "hard": len(hard.problems),
+              "candidates": len(sets.train), "mining": mining.ledger.to_dict(), "runs": {}}
+    plan = [(name, seed) for seed in config.results.seeds for name in ("grpo", "pope", "prefixrl")]
+    if config.results.ablations:
+        plan += [(name, config.results.seeds[0]) for name in ("pope_no_restate", "grpo_easy")]
+    for name, seed in plan:
+        c = _run_config(config, name, RUNS[name], seed, workdir)
+        run_dir = os.path.join(workdir, f"{name}_seed{seed}")
+        out = run_rl(c, run_dir)
+        report["runs"][f"{name}_seed{seed}"] = {
+            "name": name, "seed": seed, "after": evaluate(out["policy"].model),
+            "ledger": out["ledger"].to_dict(), "curve": _curve(run_dir, e.ks[-1])}
+    if config.results.isocompute:
+        report["isocompute"] = iso_jobs.run_sweep(_iso_config(config), os.path.join(workdir, "iso"))
+    with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(report, f, indent=1, default=float)
+    write_report(report, config, workdir)
+    return report
+
+
+def _iso_config(config):
+    c = config.copy_and_resolve_references()
+    c.data.update(digits=(6, 12), multipliers=(2, 9))
+    return c
+
+
+def _curve(run_dir: str, k: int) -> list:
+    """(FLOPs including mining, held-out pass@k) at each evaluation of a run."""
+    with open(os.path.join(run_dir, "compute.json")) as f:
+        extra = json.load(f)["extra_flops"]
+    return [(r["flops/total"] + extra, r[f"eval/pass@{k}"]) for r in read_metrics(run_dir)
+            if f"eval/pass@{k}" in r]
+
+
+def summary_rows(report: dict, ks) -> list[str]:
+    """Mean and spread over seeds of the final unguided pass@k, per run name."""
+    by_name: dict = {}
+    for run in report["runs"].values():
+        by_name.setdefault(run["name"], []).append(run)
+    rows = []
+    for name, runs in by_name.items():
+        cells = []
+        for k in ks:
+            values = np.array([r["after"][f"pass@{k}"] for r in runs])
+            cells.append(f"{values.mean():.3f} ± {values.std():.3f}" if len(values) > 1
+                         else f"{values[0]:.3f}")
+        flops = np.mean([r["ledger"]["sampling_flops"] + r["ledger"]["update_flops"]
+                         + r["ledger"]["extra_flops"] for r in runs])
+        rows.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {flops:.3g} |")
+    return rows
+
+
+def write_report(report: dict, config, workdir: str) -> None:
+    out_dir = config.results.output_dir or workdir
+    os.makedirs(os.path.join(out_dir, "results"), exist_ok=True)
+    ks = config.eval.ks
+    base = report["base"]
+    lines = [
+        "# Results on the demo task",
+        "",
+        f"Generated by `python -m jaxprefix.main --config=configs/results.py --workdir={workdir}`.",
+        f"Held-out hard problems ({config.data.eval_size}), unguided, {config.eval.n} samples "
+        f"each. Hard set: {report['hard']} of {report['candidates']} candidates solved 0 of "
+        f"{config.mining.k} times by the base policy.",
+        "",
+        "| run | seeds | " + " | ".join(f"pass@{k}" for k in ks) + " | FLOPs (incl. mining) |",
+        "|---" * (len(ks) + 3) + "|",
+        "| base (SFT) | - | " + " | ".join(f"{base[f'pass@{k}']:.3f}" for k in ks) + " | 0 |",
+        *summary_rows(report, ks),
+        "",
+        "![held-out pass@k vs FLOPs](results/curves.png)",
+    ]
+    if "isocompute" in report:
+        lines += ["", "## IsoCompute mini-sweep", "",
+                  "![frontier](results/frontier.png) ![n*](results/n_star.png)"]
+    with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    _plot(report, os.path.join(out_dir, "results", "curves.png"), ks[-1])
+    if "isocompute" in report:
+        for name in ("frontier.png", "n_star.png"):
+            src = os.path.join(workdir, "iso", name)
+            if os.path.exists(src):
+                with open(src, "rb") as fin, open(os.path.join(out_dir, "results", name), "wb") as fout:
+                    fout.write(fin.read())
+
+
+def _plot(report: dict, path: str, k: int) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.subplots()
+    colors = {}
+    for key, run in report["runs"].items():
+        if not run["curve"]:
+            continue
+        color = colors.setdefault(run["name"], f"C{len(colors)}")
+        x, y = zip(*run["curve"])
+        ax.plot(x, y, marker="o", color=color, alpha=0.8,
+                label=run["name"] if run["seed"] == min(
+                    r["seed"] for r in report["runs"].values() if r["name"] == run["name"]) else None)
+    ax.set(xscale="log", xlabel="FLOPs (sampling + updates + mining)",
+           ylabel=f"held-out pass@{k} (unguided)", title="hard problems, demo task")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
