@@ -33,7 +33,6 @@ from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row
 # How often each jitted function was traced (compiled): tests check that it stays bounded.
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
-_ROWS = ('batch', None)
 _CACHE_KV = ('layers', 'batch', 'length', 'kv_heads', 'head_dim')
 
 
@@ -73,7 +72,10 @@ def _prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_pro
     segments += (suffix_kv,)
 
   num_rows = lay['valid'].shape[0] * n
-  rows = lambda x: _constrain_rows(jnp.repeat(x, n, axis=0))  # group-major: row = c * n + j
+
+  def rows(per_context):  # group-major: row c * n + j is sample j of context c
+    return _constrain_rows(jnp.repeat(per_context, n, axis=0))
+
   cache = KVCache.empty(model.config, num_rows, new_bucket)
   cache = cache.replace(k=constrain(cache.k, _CACHE_KV), v=constrain(cache.v, _CACHE_KV),
                         pos=_constrain_rows(cache.pos))
