@@ -1,0 +1,175 @@
+"""End-to-end smoke runs of every job, each as `python -m jaxprefix.main` in a fresh workdir.
+
+One smoke SFT base (configs/sft.py:smoke) is trained once per session and passed to every run
+with --config.model.path, so each run tests its own job and not the SFT again. Nothing here is
+expected to learn (the smoke policy is untrained); the checks are on what each job writes, and
+on counts that follow from the smoke configs by hand. The demo pipeline and the IsoCompute sweep
+are marked slow (`pytest -m slow tests/test_jobs.py`).
+"""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxprefix.rl.metrics import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The smoke configs (run_config.smoke): 8 training candidates, k=2 mining samples, 4 problems
+# a step, n=4 rollouts each, 2 steps, prefix search over 1..2 steps with 2 samples each.
+CANDIDATES, K, PROBLEMS_PER_STEP, N, STEPS, PREFIX_SAMPLES = 8, 2, 4, 4, 2, 2
+
+
+def run_main(config: str, workdir, *flags, timeout: int = 900):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "jaxprefix.main", f"--config={config}",
+                             f"--workdir={workdir}", *flags], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{config} failed:\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory):
+    """The smoke SFT policy: an HF directory every other run starts from."""
+    workdir = tmp_path_factory.mktemp("sft")
+    run_main("configs/sft.py:smoke", workdir)
+    path = workdir / "base"
+    assert {"config.json", "model.safetensors", "task_tokenizer.json",
+            "sft_report.json"} <= set(os.listdir(path))
+    return str(path)
+
+
+def rl_run(config: str, workdir, base: str, *flags):
+    run_main(config, workdir, f"--config.model.path={base}", *flags)
+    return str(workdir)
+
+
+@pytest.fixture(scope="module")
+def pope_run(base, tmp_path_factory):
+    return rl_run("configs/pope.py:smoke", tmp_path_factory.mktemp("pope"), base)
+
+
+def check_rl_outputs(workdir: str, steps: int, tags=()):
+    records = read_metrics(workdir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for record in records:
+        for key in ("reward/mean", "loss", *(f"reward/{t}" for t in tags)):
+            assert np.isfinite(record[key]), key
+    assert "eval/pass@1" in records[-1]  # eval.every = 2 in the smoke configs
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(os.path.join(workdir, "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("reward/mean")] == list(range(1, steps + 1))
+    for tag in tags:
+        assert len(events.Scalars(f"reward/{tag}")) == steps
+    checkpoints = sorted(int(s) for s in os.listdir(os.path.join(workdir, "checkpoints"))
+                         if s.isdigit())
+    assert checkpoints[-1] == steps  # checkpoint.every = 1, keep = 3
+    with open(os.path.join(workdir, "compute.json")) as f:
+        return records, json.load(f)
+
+
+def mining_rollouts(workdir: str) -> int:
+    """Rollouts mining must have drawn, counted from what it wrote: k per candidate, then m per
+    still-unsolved hard problem at each prefix length tried."""
+    with open(os.path.join(workdir, "mining", "hard_set.json")) as f:
+        hard = json.load(f)
+    assert hard["k"] == K and len(hard["solve_counts"]) == CANDIDATES
+    total = K * CANDIDATES
+    prefixes_file = os.path.join(workdir, "mining", "prefixes.json")
+    if os.path.exists(prefixes_file):
+        with open(prefixes_file) as f:
+            found = json.load(f)["shortest_units"]
+        assert sorted(found) == sorted(hard["hard_ids"])
+        for units in (1, 2):  # max_prefix_units = 2; every problem has 20 steps
+            total += PREFIX_SAMPLES * sum(u is None or u >= units for u in found.values())
+    return total
+
+
+def test_grpo_smoke_then_resume(base, tmp_path):
+    workdir = rl_run("configs/grpo.py:smoke", tmp_path / "grpo", base)
+    _, ledger = check_rl_outputs(workdir, STEPS, tags=("unguided",))
+    assert ledger["rollouts"] == STEPS * PROBLEMS_PER_STEP * N
+    assert ledger["extra_rollouts"] == mining_rollouts(workdir)  # train_on = 'hard'
+
+    rl_run("configs/grpo.py:smoke", workdir, base, "--config.train.total_steps=3")
+    records, ledger = check_rl_outputs(workdir, 3, tags=("unguided",))
+    assert ledger["rollouts"] == 3 * PROBLEMS_PER_STEP * N  # continued, not restarted
+    assert records[2]["tokens/sampled_total"] == sum(r["tokens/sampled"] for r in records)
+
+
+def test_pope_smoke(pope_run):
+    records, ledger = check_rl_outputs(pope_run, STEPS, tags=("guided", "unguided"))
+    # 1 guided + 1 unguided context per problem.
+    assert ledger["rollouts"] == STEPS * PROBLEMS_PER_STEP * 2 * N
+    assert ledger["extra_rollouts"] == mining_rollouts(pope_run)
+    assert ledger["extra_flops"] > 0
+
+
+def test_prefixrl_smoke(base, tmp_path):
+    workdir = rl_run("configs/prefixrl.py:smoke", tmp_path / "prefixrl", base)
+    _, ledger = check_rl_outputs(workdir, STEPS, tags=("guided", "unguided"))
+    # 3 prefixed + 1 plain context per problem; oracle traces cost no sampling.
+    assert ledger["rollouts"] == STEPS * PROBLEMS_PER_STEP * 4 * N
+    assert ledger["extra_rollouts"] == mining_rollouts(workdir)
+
+
+def test_eval_job_on_a_trained_workdir(pope_run, base):
+    run_main("configs/eval.py:smoke", pope_run, f"--config.model.path={base}")
+    with open(os.path.join(pope_run, "eval_report.json")) as f:
+        report = json.load(f)
+    assert report["step"] == STEPS and report["problems"] == 4  # the latest RL checkpoint
+    unguided = report["unguided"]
+    assert unguided["num_problems"] == 4 and unguided["num_samples"] == 4
+    for key in ("pass@1", "pass@4", "avg@4", "best@4", "worst@4"):
+        assert 0.0 <= unguided[key] <= 1.0, key
+    assert "guided_train" in report  # the workdir holds mined prefixes
+
+
+def check_png(path: str):
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_SIGNATURE, path
+    import matplotlib.image
+
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+
+
+@pytest.mark.slow  # ~90 s: base eval, POPE and GRPO runs, two evaluations
+def test_demo_pipeline_smoke(base, tmp_path):
+    workdir = tmp_path / "demo"
+    run_main("configs/pope.py:demo_smoke", workdir, f"--config.model.path={base}")
+    with open(workdir / "demo_report.json") as f:
+        report = json.load(f)
+    assert sorted(report["runs"]) == ["grpo", "pope"]
+    assert report["hard_set"]["candidates"] == CANDIDATES and report["hard_set"]["k"] == K
+    for run in report["runs"].values():
+        assert run["steps"] == STEPS and "pass@4" in run["after"]
+    # Compute-matched: GRPO takes twice the problems of POPE's 1 guided : 1 unguided batches.
+    assert report["runs"]["pope"]["ledger"]["rollouts"] == \
+        report["runs"]["grpo"]["ledger"]["rollouts"] == STEPS * PROBLEMS_PER_STEP * 2 * N
+    table = (workdir / "demo_report.md").read_text()
+    assert "| policy | pass@1 | pass@4 |" in table
+    assert "| base (SFT) |" in table and "| POPE (2 steps) |" in table and "| GRPO (2 steps) |" in table
+    check_png(str(workdir / "demo_curves.png"))
+    for method in ("pope", "grpo"):
+        assert [r["step"] for r in read_metrics(str(workdir / method))] == [1, 2]
+
+
+@pytest.mark.slow  # ~100 s: four GRPO runs, then the fit
+def test_isocompute_sweep_and_fit_smoke(base, tmp_path):
+    workdir = tmp_path / "iso"
+    run_main("configs/isocompute.py:smoke", workdir, f"--config.model.path={base}")
+    with open(workdir / "frontier.json") as f:
+        frontier = json.load(f)
+    # budgets (32, 64), ns (2, 4), batches (4, 8): each (n, B) runs once at the largest budget.
+    assert sorted((r["n"], r["batch"]) for r in frontier["runs"]) == [(2, 4), (2, 8), (4, 4), (4, 8)]
+    assert sorted(os.listdir(workdir / "runs")) == ["n2_b4", "n2_b8", "n4_b4", "n4_b8"]
+    assert {"points", "per_n", "envelope", "n_star"} <= set(frontier["fit"])
+    check_png(str(workdir / "frontier.png"))
+    check_png(str(workdir / "n_star.png"))
