@@ -31,6 +31,7 @@ VARIANTS = {
                       "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),
                       "fit": ("fit", "grpo")},
     "sft.py": {"": ("sft", None), "demo": ("sft", None), "smoke": ("sft", None)},
+    "results.py": {v: ("results", "pope") for v in ("", "demo", "smoke")},
 }
 
 
@@ -88,7 +89,8 @@ def test_seed_argument_reaches_the_config():
 
 
 def test_default_workdir():
-    assert entry.default_workdir("configs/pope.py:smoke,seed=1") == os.path.join("runs", "pope-smoke")
+    assert entry.default_workdir("configs/pope.py:smoke,seed=1") == \
+        os.path.join("runs", "pope-smoke")
     assert entry.default_workdir("configs/grpo.py") == os.path.join("runs", "grpo-demo")
 
 

@@ -155,7 +155,8 @@ def test_demo_pipeline_smoke(base, tmp_path):
         report["runs"]["grpo"]["ledger"]["rollouts"] == STEPS * PROBLEMS_PER_STEP * 2 * N
     table = (workdir / "demo_report.md").read_text()
     assert "| policy | pass@1 | pass@4 |" in table
-    assert "| base (SFT) |" in table and "| POPE (2 steps) |" in table and "| GRPO (2 steps) |" in table
+    for row in ("| base (SFT) |", "| POPE (2 steps) |", "| GRPO (2 steps) |"):
+        assert row in table, row
     check_png(str(workdir / "demo_curves.png"))
     for method in ("pope", "grpo"):
         assert [r["step"] for r in read_metrics(str(workdir / method))] == [1, 2]
@@ -168,7 +169,8 @@ def test_isocompute_sweep_and_fit_smoke(base, tmp_path):
     with open(workdir / "frontier.json") as f:
         frontier = json.load(f)
     # budgets (32, 64), ns (2, 4), batches (4, 8): each (n, B) runs once at the largest budget.
-    assert sorted((r["n"], r["batch"]) for r in frontier["runs"]) == [(2, 4), (2, 8), (4, 4), (4, 8)]
+    points = [(2, 4), (2, 8), (4, 4), (4, 8)]
+    assert sorted((r["n"], r["batch"]) for r in frontier["runs"]) == points
     assert sorted(os.listdir(workdir / "runs")) == ["n2_b4", "n2_b8", "n4_b4", "n4_b8"]
     assert {"points", "per_n", "envelope", "n_star"} <= set(frontier["fit"])
     check_png(str(workdir / "frontier.png"))

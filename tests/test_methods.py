@@ -257,7 +257,8 @@ def test_prefix_tokens_carry_no_loss(model, make):
     expected = np.zeros(batch["tokens"].shape[1], np.float32)
     expected[start:start + length] = 1.0
     np.testing.assert_array_equal(batch["completion_mask"][row], expected)
-    np.testing.assert_array_equal(rollouts.completion_mask[row], expected[:rollouts.tokens.shape[1]])
+    width = rollouts.tokens.shape[1]
+    np.testing.assert_array_equal(rollouts.completion_mask[row], expected[:width])
     assert batch["token_mask"][row].sum() == start + length
     prefixed_rows += isinstance(request.contexts[group], SharedContext) and bool(
         request.contexts[group].suffix)
@@ -283,10 +284,11 @@ def test_pope_adaptive_prefix_shortens_after_successes():
   method = pope_method(hard, units=3, schedule=AdaptivePrefix(window=2, threshold=0.5))
   request = method.next_request(0)
   guided = request.tags["guided"]
+  ids = [p.id for p in request.problems]
   step_rewards = np.zeros((len(request.contexts), 2))
-  step_rewards[[i for i, p in enumerate(request.problems) if p.id == hard[0].id and guided[i]]] = 1
+  step_rewards[[i for i, pid in enumerate(ids) if pid == hard[0].id and guided[i]]] = 1
   # Unguided successes say nothing of the prefix: hard[1]'s stays.
-  step_rewards[[i for i, p in enumerate(request.problems) if p.id == hard[1].id and not guided[i]]] = 1
+  step_rewards[[i for i, pid in enumerate(ids) if pid == hard[1].id and not guided[i]]] = 1
   method.observe(request, step_rewards)
   after = method.next_request(1)
   units = {p.id: len(c.suffix) // task.STEP_LENGTH
@@ -299,7 +301,8 @@ def test_prefixrl_adaptive_prefix_shortens_one_cut():
   first = PROBLEMS[0]
   request = method.next_request(0)
   step_rewards = np.zeros((len(request.contexts), 2))
-  rows = [i for i, p in enumerate(request.problems) if p.id == first.id and request.tags["guided"][i]]
+  guided = request.tags["guided"]
+  rows = [i for i, p in enumerate(request.problems) if p.id == first.id and guided[i]]
   step_rewards[rows[1]] = 1  # the second cut of the first problem succeeds
   method.observe(request, step_rewards)
   after = method.next_request(1)
