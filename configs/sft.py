@@ -25,9 +25,11 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     # 2 layers, width 64, 4 heads, MLP 4x: ~110K parameters, a few ms per step on one CPU core.
     config.model = ml_collections.ConfigDict(dict(layers=2, width=64, heads=4, mlp_width=256))
 
-    # Every length 1..20 so all step positions are seen; multipliers 2..9 (1 is copying).
+    # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
+    # first; multipliers 2..9 (1 is copying); each step's notation '^' with probability tens_first.
     config.data = ml_collections.ConfigDict(dict(
-        batch_size=64, digits=(1, 20), multipliers=(2, 9), tens_first=0.5))
+        batch_size=64, digits=(1, 20), full_length_fraction=0.5, multipliers=(2, 9),
+        tens_first=0.5))
 
     # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
     config.lr = 1e-3
@@ -35,7 +37,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     config.weight_decay = 1e-4
     config.max_steps = 1500
     # Each point costs one forward pass; sampling starts once the step accuracy passes a gate.
-    config.eval_start = 100
+    config.eval_start = 300
     config.eval_every = 25
 
     config.criterion = ml_collections.ConfigDict(dict(

@@ -46,13 +46,18 @@ def model_config(config, tokenizer) -> models.ModelConfig:
 def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, real-token mask, loss mask), each [batch, SEQUENCE_LENGTH], for one SFT step.
 
-    Problems mix every length 1..20 so every step position is seen; each step's notation is drawn
-    at random so the policy writes both (PrefixRL's traces then differ from the oracle).
+    Problems mix lengths 1..20, and a `full_length_fraction` of rows has all 20 digits: with
+    lengths uniform alone the last slot is trained on 5% of rows and stays far behind the first
+    (measured: 0.07 vs 0.75 probability of a right step at the same point). Each step's notation
+    is drawn at random so the policy writes both (PrefixRL's traces then differ from the oracle).
     """
     data = config.data
     seed = config.seed * 1_000_003 + step
-    problems = task.generate(data.batch_size, digits=tuple(data.digits),
-                             multipliers=tuple(data.multipliers), seed=seed)
+    full = round(data.batch_size * data.full_length_fraction)
+    problems = (task.generate(data.batch_size - full, digits=tuple(data.digits),
+                              multipliers=tuple(data.multipliers), seed=seed)
+                + task.generate(full, digits=(task.SLOTS, task.SLOTS),
+                                multipliers=tuple(data.multipliers), seed=seed + 10**12))
     rng = random.Random(seed)
     tokens = np.full((len(problems), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
     loss_mask = np.zeros(tokens.shape, np.float32)
@@ -113,7 +118,7 @@ def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, see
     return np.asarray(scores).reshape(len(problems), n).sum(axis=1)
 
 
-def evaluate(model, hard, tokenizer, criterion, seed: int) -> dict:
+def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool = False) -> dict:
     """The criterion measurements at one point: per-step accuracy, hard pass@k, guided success.
 
     Sampling is skipped (None) while the teacher-forced step accuracy is under
@@ -122,7 +127,7 @@ def evaluate(model, hard, tokenizer, criterion, seed: int) -> dict:
     """
     metrics = {"step_accuracy": step_accuracy(model, hard, tokenizer),
                f"hard_pass@{criterion.k}": None, "hard_successes": None, "guided_success": None}
-    if metrics["step_accuracy"] < criterion.sample_from_step_accuracy:
+    if metrics["step_accuracy"] < criterion.sample_from_step_accuracy and not always_sample:
         return metrics
     hard_successes = success_counts(model, hard, tokenizer, n=criterion.k, prefix_steps=0, seed=seed)
     metrics[f"hard_pass@{criterion.k}"] = float((hard_successes > 0).mean())
@@ -176,7 +181,8 @@ def run_sft(config, workdir: str) -> str:
         if not (at_eval_point or step == config.max_steps):
             continue
         metrics = {"step": step, "loss": float(np.mean(losses[-config.eval_every:])),
-                   **evaluate(model, hard, tokenizer, criterion, seed=config.seed + step),
+                   **evaluate(model, hard, tokenizer, criterion, seed=config.seed + step,
+                            always_sample=step == config.max_steps),
                    "seconds": round(time.time() - start, 1)}
         evals.append(metrics)
         bar.write(json.dumps(metrics))
@@ -218,4 +224,4 @@ def load_base(path: str):
 
     with open(os.path.join(path, TOKENIZER)) as f:
         vocab = json.load(f)
-    return models.from_pretrained(path), CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])
+    return models.from_pretrained(path)[0], CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])
