@@ -1,5 +1,6 @@
 """The demo task: generator, oracle solutions, notations, guidance and verifier agree."""
 
+import dataclasses
 import itertools
 import random
 
@@ -52,7 +53,7 @@ def test_oracle_scores_one_and_corrupted_answer_zero(problems):
         wrong = str((int(problem.solution[position]) + rng.randint(1, 9)) % 10)
         corrupted = problem.solution[:position] + wrong + problem.solution[position + 1:]
         assert task.verify(corrupted, problem) == 0.0
-        wrong_answer = problem.__class__(**{**problem.__dict__, "answer": str(int(problem.answer) + 1)})
+        wrong_answer = dataclasses.replace(problem, answer=str(int(problem.answer) + 1))
         assert task.verify(problem.solution, wrong_answer) == 0.0
 
 

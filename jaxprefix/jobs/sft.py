@@ -106,7 +106,8 @@ def step_accuracy(model, problems, tokenizer) -> float:
     return correct / max(total, 1)
 
 
-def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, seed: int) -> np.ndarray:
+def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int,
+                   seed: int) -> np.ndarray:
     """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps."""
     guided = [task.guided(p, prefix_steps) for p in problems]
     contexts = [tokenizer.encode(p.question) for p in guided]
@@ -129,7 +130,8 @@ def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool =
                f"hard_pass@{criterion.k}": None, "hard_successes": None, "guided_success": None}
     if metrics["step_accuracy"] < criterion.sample_from_step_accuracy and not always_sample:
         return metrics
-    hard_successes = success_counts(model, hard, tokenizer, n=criterion.k, prefix_steps=0, seed=seed)
+    hard_successes = success_counts(model, hard, tokenizer, n=criterion.k, prefix_steps=0,
+                                    seed=seed)
     metrics[f"hard_pass@{criterion.k}"] = float((hard_successes > 0).mean())
     metrics["hard_successes"] = int(hard_successes.sum())
     metrics["guided_success"] = {}
@@ -162,7 +164,8 @@ def run_sft(config, workdir: str) -> str:
     tokenizer = task.tokenizer()
     model = models.Decoder(model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
     schedule = optax.join_schedules(
-        [optax.linear_schedule(0.0, config.lr, config.warmup_steps), optax.constant_schedule(config.lr)],
+        [optax.linear_schedule(0.0, config.lr, config.warmup_steps),
+         optax.constant_schedule(config.lr)],
         [config.warmup_steps])
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=config.weight_decay),
                               wrt=nnx.Param)
@@ -173,7 +176,8 @@ def run_sft(config, workdir: str) -> str:
     start = time.time()
     bar = tqdm.trange(1, config.max_steps + 1, desc="sft", dynamic_ncols=True)
     for step in bar:
-        loss = train_step(model, optimizer, *map(jnp.asarray, training_batch(config, step, tokenizer)))
+        batch = training_batch(config, step, tokenizer)
+        loss = train_step(model, optimizer, *map(jnp.asarray, batch))
         losses.append(float(loss))
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
@@ -196,8 +200,9 @@ def run_sft(config, workdir: str) -> str:
             break
     bar.close()
     if chosen is None:
-        raise RuntimeError(f"SFT: no evaluation point had hard pass@{criterion.k} = 0 after sampling "
-                           f"began (last: {evals[-1] if evals else None}); lower config.lr or "
+        last = evals[-1] if evals else None
+        raise RuntimeError(f"SFT: no evaluation point had hard pass@{criterion.k} = 0 after "
+                           f"sampling began (last: {last}); lower config.lr or "
                            f"criterion.sample_from_step_accuracy, or raise config.max_steps")
 
     os.makedirs(path, exist_ok=True)
@@ -224,4 +229,5 @@ def load_base(path: str):
 
     with open(os.path.join(path, TOKENIZER)) as f:
         vocab = json.load(f)
-    return models.from_pretrained(path)[0], CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])
+    model, _ = models.from_pretrained(path)
+    return model, CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])

@@ -1,4 +1,5 @@
-"""Built-in procedural tasks with oracle solutions (`register_verifier()` registers each verifier)."""
+"""Built-in procedural tasks with oracle solutions; each module's `register_verifier()` registers
+its verifier with jaxprefix.rewards."""
 
 from jaxprefix.data.tasks import carry_multiplication
 

@@ -73,8 +73,9 @@ def make_problem(number: int, multiplier: int) -> Problem:
         raise ValueError(f"{NAME}: multiplier must be one digit 1..9, got {multiplier}")
     digits = [int(ch) for ch in reversed(str(number))]
     if number < 1 or len(digits) > SLOTS:
-        raise ValueError(f"{NAME}: number must have 1..{SLOTS} digits and be positive, got {number}")
-    question = "".join(map(str, digits)) + EMPTY * (SLOTS - len(digits)) + f"{TIMES}{multiplier}{EQUALS}"
+        raise ValueError(f"{NAME}: number must be positive with 1..{SLOTS} digits, got {number}")
+    slots = "".join(map(str, digits)) + EMPTY * (SLOTS - len(digits))
+    question = f"{slots}{TIMES}{multiplier}{EQUALS}"
     steps = tuple(write_step(s, c) for s, c in carry_steps(digits, multiplier))
     return Problem(
         id=f"{NAME}-{number}x{multiplier}",
@@ -87,8 +88,8 @@ def make_problem(number: int, multiplier: int) -> Problem:
     )
 
 
-def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS), multipliers: tuple[int, int] = (2, 9),
-             seed: int = 0) -> list[Problem]:
+def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
+             multipliers: tuple[int, int] = (2, 9), seed: int = 0) -> list[Problem]:
     """`count` problems, digit count N and multiplier d uniform in the inclusive ranges given.
 
     N is the difficulty knob: a problem is N identical steps, and a policy that gets one step right
@@ -198,7 +199,8 @@ def register_verifier() -> str:
     """Registers `verify` with the rewards registry under NAME; returns NAME."""
     from jaxprefix import rewards
 
-    rewards.register(NAME, verify, in_process=True)  # exact match on short strings: no worker needed
+    # Exact match on short strings: cheap and safe, so no worker process is needed.
+    rewards.register(NAME, verify, in_process=True)
     return NAME
 
 
