@@ -26,7 +26,7 @@ def checkpoints(tmp_path_factory):
   def get(family):
     if family not in out:
       path, hf = tiny.save_checkpoint(family, root / family)
-      out[family] = (from_pretrained(path), hf)
+      out[family] = (from_pretrained(path)[0], hf)
     return out[family]
   return get
 
@@ -85,6 +85,25 @@ def test_mixed_lengths_and_shared_prompts_match_each_context_alone(checkpoints):
   assert r.tokens[6, :len(b) + len(a)].tolist() == b + a
   np.testing.assert_array_equal(r.context_lengths[::2], [3, 9, 7, 12, 16, 9])
   _check_logprobs(model, r)
+
+
+def test_context_kv_is_held_once_not_per_sample(checkpoints):
+  """The decode reads one copy of each context's KV; only the new tokens' cache has n rows."""
+  from flax import nnx
+  from jaxprefix.sampling import sampler
+  from jaxprefix.sampling.layout import layout_contexts
+  model, _ = checkpoints('llama')
+  lay = layout_contexts([list(range(3, 15)), [5, 6, 7]], model.config.vocab_size)
+  arrays = {name: getattr(lay, name) for name in (
+      'prompt_tokens', 'prompt_positions', 'prompt_index', 'suffix_tokens', 'suffix_positions',
+      'last_tokens', 'last_positions', 'valid')}
+  graphdef, params = nnx.split(model)
+  segments, state = sampler._prefill(graphdef, params, arrays, n=4, new_bucket=NEW_TOKENS,
+                                     gather_prompts=False)
+  (context,) = segments
+  assert context.k.shape[1] == context.pos.shape[0] == 2  # groups: one per context
+  assert state.cache.k.shape[1:3] == (8, NEW_TOKENS)       # rows: one per sample
+  np.testing.assert_array_equal(np.asarray(context.pos)[0, :12], np.arange(11).tolist() + [-1])
 
 
 def test_stop_ids_end_samples(checkpoints):
@@ -176,7 +195,7 @@ def test_sharded_matches_single_device(checkpoints, tmp_path, mesh_shape):
   kwargs = dict(n=4, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=11, stop_ids=(2,))
   reference = generate(model, contexts, **kwargs)
   save_pretrained(model, None, tmp_path / 'ckpt')
-  sharded = shard_model(from_pretrained(tmp_path / 'ckpt'), make_mesh(*mesh_shape))
+  sharded = shard_model(from_pretrained(tmp_path / "ckpt")[0], make_mesh(*mesh_shape))
   assert len(sharded.embed[...].sharding.device_set) == 8
   r = generate(sharded, contexts, **kwargs)
   assert r.completions() == reference.completions()
