@@ -20,7 +20,7 @@ from flax import nnx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxprefix import rewards, sampling
+from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
@@ -270,7 +270,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
       if ref_params is not None:
         batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
       state, update_metrics = learner.update(state, batch)
-      update_metrics = jax.device_get(update_metrics)
+      update_metrics = distributed.to_host(update_metrics)
       update_seconds = time.perf_counter() - update_start
 
       sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())

@@ -183,13 +183,16 @@ class Learner:
     return nnx.merge(self.graphdef, state.params, self.rest)
 
   def place_batch(self, batch: dict) -> dict:
-    """Host arrays -> device arrays sharded over the batch axes. With several processes each
-    passes its own rows, which together make the global batch."""
+    """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole
+    global batch (the loop builds the same one everywhere) and places its own devices' rows."""
     if self.mesh is None:
       return {k: jnp.asarray(v) for k, v in batch.items()}
     sharding = NamedSharding(self.mesh, P(BATCH_AXES))
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-            for k, v in batch.items()}
+
+    def place(value):
+      value = np.asarray(value)
+      return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    return {k: place(v) for k, v in batch.items()}
 
   def logprobs(self, params, batch: dict) -> jax.Array:
     """Per-token log-probs [B, T] of batch['tokens'] under `params` (e.g. a frozen reference)."""

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxprefix import distributed
 from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.sharding import constrain
 from jaxprefix.sampling.layout import (MIN_NEW_TOKENS_BUCKET, Context, ContextLayout, bucket,
@@ -171,7 +172,8 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     state = _decode(graphdef, params, segments, state, settings, jax.random.key(seed),
                     jnp.asarray(stop_array), jnp.int32(max_new_tokens))
   num_rows = lay.num_contexts * n
-  completions, logprobs, lengths, stopped = jax.device_get(
+  # to_host, not device_get: on several hosts the rows live on other processes' devices too.
+  completions, logprobs, lengths, stopped = distributed.to_host(
       (state.completions, state.logprobs, state.lengths, state.stopped))
   return Rollouts.from_parts(lay.full_contexts, completions[:num_rows], logprobs[:num_rows],
                              lengths[:num_rows], stopped[:num_rows], n)
