@@ -8,6 +8,7 @@ positions only: a slot is visible when its position is >= 0 (filled), <= the que
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import flax.struct
@@ -67,34 +68,34 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
   """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
 
   Each segment is (k [G, S, Hkv, Dh], v [G, S, Hkv, Dh], pos [G, S]) with B divisible by G.
-  Scores are computed per segment with queries reshaped to [G, r, T, Hkv, H/Hkv, Dh] (no copy
-  of a segment's KV per row), concatenated along keys, and normalised by one f32 softmax.
+  Queries are reshaped to [G, r, T, Hkv, H/Hkv, Dh], so a segment's KV is never copied per row.
+  Each segment is normalised on its own and the partial results are merged by their running
+  maxima and sums (as flash attention merges blocks): one exact softmax over all keys, without
+  concatenating scores of segments laid out for different G. Scores are [G, Hkv, r, T, H/Hkv, S],
+  batch dimensions first, the layout XLA's dot kernels want (2-3x faster on CPU than keys in the
+  middle); only the small per-query statistics change layout.
   `window` (scalar, may be traced) limits the query-key position distance.
   """
   b, t, h, dh = q.shape
-  scores, values = [], []
+  partial = []  # per segment: (max, sum, unnormalised output), each per query row [B, T, Hkv, H/Hkv]
   for k, v, pos in segments:
     g, _, hkv, _ = k.shape
     if b % g:
       raise ValueError(f'{b} query rows cannot be split into {g} KV groups')
     r = b // g
     qg = q.reshape(g, r, t, hkv, h // hkv, dh)
-    s = jnp.einsum('grtkhd,gskd->grtkhs', qg, k.astype(q.dtype),
+    s = jnp.einsum('grtkhd,gskd->gkrths', qg, k.astype(q.dtype),
                    preferred_element_type=jnp.float32) * scale
     s = softcap(s, logit_cap)
-    seen = _visible(q_pos.reshape(g, r, t), pos, window)
-    s = jnp.where(seen[:, :, :, None, None, :], s, _MASKED)
-    scores.append(s.reshape(b, t, hkv, h // hkv, -1))
-    values.append(v)
-  lengths = [s.shape[-1] for s in scores]
-  probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1)
-  out = jnp.zeros((b, t, h, dh), jnp.float32)
-  start = 0
-  for v, n in zip(values, lengths):
-    g, _, hkv, _ = v.shape
-    p = probs[..., start:start + n].astype(q.dtype).reshape(g, b // g, t, hkv, h // hkv, n)
-    o = jnp.einsum('grtkhs,gskd->grtkhd', p, v.astype(q.dtype),
-                   preferred_element_type=jnp.float32)
-    out += o.reshape(b, t, h, dh)
-    start += n
-  return out.astype(q.dtype)
+    seen = _visible(q_pos.reshape(g, r, t), pos, window)  # [G, r, T, S]
+    s = jnp.where(seen[:, None, :, :, None, :], s, _MASKED)
+    peak = jax.lax.stop_gradient(s.max(axis=-1))  # any shift gives the same softmax
+    p = jnp.exp(s - peak[..., None])
+    o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
+                   preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
+    to_rows = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, t, hkv, h // hkv)
+    partial.append((to_rows(peak), to_rows(p.sum(axis=-1)), o))
+  peak = functools.reduce(jnp.maximum, [m for m, _, _ in partial])
+  total = sum(l * jnp.exp(m - peak) for m, l, _ in partial)
+  out = sum(o * jnp.exp(m - peak)[..., None] for m, _, o in partial)
+  return (out / total[..., None]).reshape(b, t, h, dh).astype(q.dtype)

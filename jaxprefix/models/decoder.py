@@ -170,7 +170,7 @@ class Decoder(nnx.Module):
       def step(x, xs):
         return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
       step = jax.checkpoint(step) if c.remat else step
-      x, (ks, vs) = jax.lax.scan(step, x, per_layer)
+      x, (ks, vs) = jax.lax.scan(step, x, per_layer, unroll=_unroll(c))
       kv = KVSegment(k=ks, v=vs, pos=positions)
     else:
       t = tokens.shape[1]
@@ -192,9 +192,18 @@ class Decoder(nnx.Module):
 
       step = jax.checkpoint(step) if c.remat else step
       per_layer['index'] = jnp.arange(c.num_layers)
-      (x, ks, vs), _ = jax.lax.scan(step, (x, cache.k, cache.v), per_layer)
+      (x, ks, vs), _ = jax.lax.scan(step, (x, cache.k, cache.v), per_layer, unroll=_unroll(c))
       kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
     return layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one), kv
+
+
+# A scan over layers compiles once however deep the model; on a few layers its loop costs more
+# than it saves (the demo's 2-layer policy trains ~1.7x faster unrolled on CPU).
+_UNROLL_UP_TO_LAYERS = 4
+
+
+def _unroll(config: ModelConfig) -> int:
+  return config.num_layers if config.num_layers <= _UNROLL_UP_TO_LAYERS else 1
 
 
 def unembed(h: jax.Array, unembedding: jax.Array, config: ModelConfig) -> jax.Array:
