@@ -16,6 +16,7 @@ def get_config(arg: str = ""):
     c, args = run_config.method_config(__file__, "grpo", arg, extra_variants=("fit",))
     c.job = "fit" if args.variant == "fit" else "sweep"
     c.data.update(digits=(6, 12), multipliers=(2, 9))
+    c.mining.train_on = "all"  # the sweep studies plain GRPO where it has signal: no hard-set mining
     if args.variant == "smoke" or args.variant.endswith("smoke"):
         c.isocompute.update(budgets=(32, 64), ns=(2, 4), batches=(4, 8), eval_every_rollouts=16)
     return c

@@ -22,7 +22,7 @@ from jaxprefix.jobs.evaluate import evaluate_unguided
 from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets
-from jaxprefix.jobs.rl import run_rl
+from jaxprefix.jobs.rl import check_method_settings, run_rl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
@@ -43,6 +43,7 @@ def method_config(config, method: str, mining_directory: str, base: str):
 
 
 def run_demo(config, workdir: str) -> dict:
+    check_method_settings(config)
     os.makedirs(workdir, exist_ok=True)
     policy = load_policy(config, workdir)
     sets = load_problem_sets(config.data)

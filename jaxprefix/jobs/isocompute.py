@@ -84,11 +84,16 @@ def run_fit(config, workdir: str) -> dict:
     if not runs:
         raise FileNotFoundError(f"{runs_dir(config, workdir)}: no finished sweep runs with "
                                 f"{REWARD!r} in their metrics.jsonl; run the sweep job first")
-    fit = isocompute.fit_frontier(runs)
     os.makedirs(workdir, exist_ok=True)
-    record = {"runs": [vars(r) for r in runs], "fit": fit.to_dict()}
+    record = {"runs": [vars(r) for r in runs], "fit": None}
+    try:
+        fit = isocompute.fit_frontier(runs)
+    except ValueError as e:  # e.g. every run flat at 0: no frontier to fit, and the file says so
+        record["reason"] = str(e)
+    else:
+        record["fit"] = fit.to_dict()
+        isocompute.plot_frontier(fit, os.path.join(workdir, "frontier.png"))
+        isocompute.plot_n_star(fit, os.path.join(workdir, "n_star.png"))
     with open(os.path.join(workdir, "frontier.json"), "w") as f:
         json.dump(record, f, indent=1)
-    isocompute.plot_frontier(fit, os.path.join(workdir, "frontier.png"))
-    isocompute.plot_n_star(fit, os.path.join(workdir, "n_star.png"))
     return record

@@ -117,6 +117,9 @@ def run_mine(config, workdir: str) -> dict:
     from jaxprefix.jobs.policy import load_policy
     from jaxprefix.jobs.problem_sets import load_problem_sets
 
+    from jaxprefix.jobs.rl import check_method_settings
+
+    check_method_settings(config)
     policy = load_policy(config, workdir)
     mining = Mining(config, policy, load_problem_sets(config.data), mining_dir(config, workdir))
     hard = mining.hard_set()

@@ -24,7 +24,7 @@ from jaxprefix.jobs.evaluate import evaluate_unguided
 from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets
-from jaxprefix.jobs.rl import run_rl
+from jaxprefix.jobs.rl import check_method_settings, run_rl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
@@ -61,6 +61,7 @@ RUNS = {  # name -> method
 
 
 def run_results(config, workdir: str) -> dict:
+    check_method_settings(config)
     os.makedirs(workdir, exist_ok=True)
     policy = load_policy(config, workdir)
     sets = load_problem_sets(config.data)
@@ -80,7 +81,10 @@ def run_results(config, workdir: str) -> dict:
               "candidates": len(sets.train), "mining": mining.ledger.to_dict(), "runs": {}}
     plan = [(name, seed) for seed in config.results.seeds for name in ("grpo", "pope", "prefixrl")]
     if config.results.ablations:
-        plan += [(name, config.results.seeds[0]) for name in ("pope_no_restate", "grpo_easy")]
+        # The instruction ablation needs a policy that reads instructions (not the demo's).
+        ablations = ["grpo_easy"] + (["pope_no_restate"] if config.pope.guidance == "instruction"
+                                     else [])
+        plan += [(name, config.results.seeds[0]) for name in ablations]
     for name, seed in plan:
         c = _run_config(config, name, RUNS[name], seed, workdir)
         run_dir = os.path.join(workdir, f"{name}_seed{seed}")
@@ -99,6 +103,7 @@ def run_results(config, workdir: str) -> dict:
 def _iso_config(config):
     c = config.copy_and_resolve_references()
     c.data.update(digits=(6, 12), multipliers=(2, 9))
+    c.mining.train_on = "all"
     return c
 
 

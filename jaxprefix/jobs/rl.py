@@ -26,14 +26,36 @@ from jaxprefix.rl import loop
 METHODS = ("grpo", "pope", "prefixrl")
 
 
+def check_method_settings(config) -> None:
+    """Fails before any model is loaded or problem mined when a method field is off."""
+    def need(ok, field, value, expected):
+        if not ok:
+            raise ValueError(f"config.{field}={value!r}: expected {expected}")
+    need(config.method in METHODS, "method", config.method, f"one of {METHODS}")
+    need(config.pope.guidance in pope.GUIDANCE_MODES, "pope.guidance", config.pope.guidance,
+         f"one of {pope.GUIDANCE_MODES}")
+    need(config.pope.template in pope.TEMPLATES, "pope.template", config.pope.template,
+         f"one of {tuple(pope.TEMPLATES)}")
+    p = config.prefixrl
+    need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "prefixrl.cut_lo/cut_hi", (p.cut_lo, p.cut_hi),
+         "0 <= cut_lo <= cut_hi <= 1")
+    need(config.mining.train_on in ("all", "hard"), "mining.train_on", config.mining.train_on,
+         "'all' or 'hard'")
+    _schedule(config)  # raises naming the schedule field
+
+
+def _schedule(config):
+    return make_schedule({"kind": config.schedule.kind,
+                          **config.schedule.get(config.schedule.kind, {})})
+
+
 def build_method(config, policy, sets, mining: Mining):
     """The configured method over its training problems, mining first where it needs to."""
     # Every host builds the same global request (problem lists are small): the sampler and the
     # learner then place their rows over the global mesh, and all hosts agree on every batch.
     common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
                   seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
-    schedule = make_schedule({"kind": config.schedule.kind,
-                              **config.schedule.get(config.schedule.kind, {})})
+    schedule = _schedule(config)
     if config.method == "grpo":
         train = mining.hard_set().problems if config.mining.train_on == "hard" else sets.train
         return GrpoMethod(policy.prompts, train, **common)
@@ -58,6 +80,7 @@ def build_method(config, policy, sets, mining: Mining):
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
     loop.validate(config)
+    check_method_settings(config)
     policy = load_policy(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)

@@ -87,7 +87,22 @@ def oracle_prefix_text(problem: Problem, units: int) -> str:
     if not 0 <= units <= len(steps):
         raise ValueError(f"problem {problem.id}: an oracle prefix of {units} steps is out of "
                          f"range 0..{len(steps)}")
+    if not problem.steps and problem.solution is not None:
+        return _leading_lines(problem.solution, units)
     return _step_separator(problem).join(steps[:units])
+
+
+def _leading_lines(text: str, count: int) -> str:
+    """`text` up to the end of its `count`-th non-empty line (blank lines inside kept)."""
+    if count == 0:
+        return ""
+    seen = 0
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        seen += bool(line.strip())
+        if seen == count:
+            return "\n".join(lines[:i + 1])
+    return text
 
 
 def _step_separator(problem: Problem) -> str:
