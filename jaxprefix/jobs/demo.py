@@ -13,61 +13,30 @@ Nothing here is tuned to a result: the numbers are whatever the runs measure.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 
-from jaxprefix.jobs.evaluate import evaluate_unguided
-from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
-from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets
-from jaxprefix.jobs.rl import check_method_settings, run_rl
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.jobs.rl import run_rl
+from jaxprefix.jobs.study import Study
 from jaxprefix.rl.metrics import read_metrics
 
 METHODS = ("pope", "grpo")
 
 
-def method_config(config, method: str, mining_directory: str, base: str):
-    """The demo's config for one method's RL run, compute-matched to POPE's batches."""
-    c = config.copy_and_resolve_references()
-    c.job, c.method = "rl", method
-    c.mining.dir = mining_directory
-    c.model.path = base
-    if method == "grpo":
-        # POPE asks each problem guided_copies + unguided_copies times: GRPO takes that many
-        # more problems, so both sample the same rollouts per step.
-        c.train.problems_per_step *= config.pope.guided_copies + config.pope.unguided_copies
-    return c
-
-
 def run_demo(config, workdir: str) -> dict:
-    check_method_settings(config)
     os.makedirs(workdir, exist_ok=True)
-    policy = load_policy(config, workdir)
-    sets = load_problem_sets(config.data)
-    mining = Mining(config, policy, sets, mining_dir(config, workdir))
-    hard = mining.hard_set()
-    mining.prefixes(hard)
-    e = config.eval
-    seed = config.seed + 7  # one seed for every evaluation, so before and after compare alike
-
-    def evaluate(model, name):
-        prober = make_prober(config, dataclasses.replace(policy, model=model),
-                             ComputeLedger(model.config.num_params()), sets.verifier)
-        return evaluate_unguided(prober, policy.prompts, sets.eval, n=e.n, ks=e.ks, seed=seed,
-                                 description=f"eval {name}")
-
-    report = {"hard_set": {"candidates": len(sets.train), "hard": len(hard.problems),
+    study = Study.prepare(config, workdir)
+    hard = study.hard
+    report = {"hard_set": {"candidates": len(study.sets.train), "hard": len(hard.problems),
                            "k": hard.k},
-              "eval_problems": len(sets.eval), "base": evaluate(policy.model, "base"), "runs": {}}
+              "eval_problems": len(study.sets.eval),
+              "base": study.evaluate(study.policy.model, "eval base"), "runs": {}}
     for method in METHODS:
         started = time.perf_counter()
-        out = run_rl(method_config(config, method, mining.dir, base_dir(config, workdir)),
-                     os.path.join(workdir, method))
+        out = run_rl(study.run_config(method), os.path.join(workdir, method))
         report["runs"][method] = {
-            "after": evaluate(out["policy"].model, method),
+            "after": study.evaluate(out["policy"].model, f"eval {method}"),
             "steps": out["step"],
             "ledger": out["ledger"].to_dict(),
             "seconds": time.perf_counter() - started,

@@ -13,36 +13,25 @@ an outcome: the report states what the runs measured, effect or not.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
 import numpy as np
 
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.jobs.evaluate import evaluate_unguided
-from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
-from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets
-from jaxprefix.jobs.rl import check_method_settings, run_rl
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.jobs.rl import run_rl
+from jaxprefix.jobs.study import Study
 from jaxprefix.rl.metrics import read_metrics
 
+RUNS = {  # name -> method
+    "grpo": "grpo", "pope": "pope", "prefixrl": "prefixrl",
+    "pope_no_restate": "pope", "grpo_easy": "pope",
+}
 
-def _run_config(config, name: str, method: str, seed: int, workdir: str):
-    """One run's config: the shared base and mining, this method and seed."""
-    c = config.copy_and_resolve_references()
-    c.job, c.method, c.seed = "rl", method, seed
-    c.model.path = base_dir(config, workdir)
-    c.mining.dir = mining_dir(config, workdir)
-    if method == "grpo" and name != "grpo_easy":
-        # Same rollouts per step as POPE's guided + unguided copies of half as many problems.
-        c.train.problems_per_step *= config.pope.guided_copies + config.pope.unguided_copies
-    if method == "prefixrl":
-        per_problem = config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
-        c.train.problems_per_step = max(1, c.train.problems_per_step
-                                        * (config.pope.guided_copies + config.pope.unguided_copies)
-                                        // per_problem)
+
+def _run_config(study: Study, name: str, seed: int):
+    """One run's config: the study's compute-matched method config plus the ablation's change."""
+    c = study.run_config(RUNS[name], seed)
     if name == "pope_no_restate":
         c.pope.template = "no_restate"
     if name == "grpo_easy":
@@ -54,31 +43,12 @@ def _run_config(config, name: str, method: str, seed: int, workdir: str):
     return c
 
 
-RUNS = {  # name -> method
-    "grpo": "grpo", "pope": "pope", "prefixrl": "prefixrl",
-    "pope_no_restate": "pope", "grpo_easy": "pope",
-}
-
-
 def run_results(config, workdir: str) -> dict:
-    check_method_settings(config)
     os.makedirs(workdir, exist_ok=True)
-    policy = load_policy(config, workdir)
-    sets = load_problem_sets(config.data)
-    mining = Mining(config, policy, sets, mining_dir(config, workdir))
-    hard = mining.hard_set()
-    mining.prefixes(hard)
-    mining.trace_pool(hard.problems)
-    e = config.eval
-
-    def evaluate(model):
-        prober = make_prober(config, dataclasses.replace(policy, model=model),
-                             ComputeLedger(model.config.num_params()), sets.verifier)
-        return evaluate_unguided(prober, policy.prompts, sets.eval, n=e.n, ks=e.ks,
-                                 seed=config.seed + 7)
-
-    report = {"base": evaluate(policy.model), "hard": len(hard.problems),
-              "candidates": len(sets.train), "mining": mining.ledger.to_dict(), "runs": {}}
+    study = Study.prepare(config, workdir, trace_pool=True)
+    report = {"base": study.evaluate(study.policy.model, "eval base"),
+              "hard": len(study.hard.problems), "candidates": len(study.sets.train),
+              "mining": study.mining.ledger.to_dict(), "runs": {}}
     plan = [(name, seed) for seed in config.results.seeds for name in ("grpo", "pope", "prefixrl")]
     if config.results.ablations:
         # The instruction ablation needs a policy that reads instructions (not the demo's).
@@ -86,12 +56,11 @@ def run_results(config, workdir: str) -> dict:
                                      else [])
         plan += [(name, config.results.seeds[0]) for name in ablations]
     for name, seed in plan:
-        c = _run_config(config, name, RUNS[name], seed, workdir)
         run_dir = os.path.join(workdir, f"{name}_seed{seed}")
-        out = run_rl(c, run_dir)
+        out = run_rl(_run_config(study, name, seed), run_dir)
         report["runs"][f"{name}_seed{seed}"] = {
-            "name": name, "seed": seed, "after": evaluate(out["policy"].model),
-            "ledger": out["ledger"].to_dict(), "curve": _curve(run_dir, e.ks[-1])}
+            "name": name, "seed": seed, "after": study.evaluate(out["policy"].model, name),
+            "ledger": out["ledger"].to_dict(), "curve": _curve(run_dir, config.eval.ks[-1])}
     if config.results.isocompute:
         report["isocompute"] = iso_jobs.run_sweep(_iso_config(config), os.path.join(workdir, "iso"))
     with open(os.path.join(workdir, "results.json"), "w") as f:

@@ -1,0 +1,67 @@
+"""Comparing methods from one base policy: what the demo and the results job share.
+
+Every method starts from the same base, trains on the same mined hard set, samples the same
+rollouts per step (POPE's batch sets the size: its problems times guided + unguided copies), and
+is evaluated unguided on the same held-out problems with the same seed, before and after.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxprefix.jobs.evaluate import evaluate_unguided
+from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
+from jaxprefix.jobs.policy import base_dir, load_policy
+from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.jobs.rl import check_method_settings
+from jaxprefix.methods.isocompute import ComputeLedger
+
+
+@dataclasses.dataclass
+class Study:
+    config: object
+    workdir: str
+    policy: object
+    sets: object
+    mining: Mining
+
+    @classmethod
+    def prepare(cls, config, workdir: str, *, trace_pool: bool = False) -> "Study":
+        """Base policy (trained if absent), problem sets, hard set, POPE prefixes [, trace pool]."""
+        check_method_settings(config)
+        policy = load_policy(config, workdir)
+        sets = load_problem_sets(config.data)
+        mining = Mining(config, policy, sets, mining_dir(config, workdir))
+        hard = mining.hard_set()
+        mining.prefixes(hard)
+        if trace_pool:
+            mining.trace_pool(hard.problems)
+        return cls(config, workdir, policy, sets, mining)
+
+    @property
+    def hard(self):
+        return self.mining.hard_set()
+
+    def evaluate(self, model, description: str = "eval") -> dict:
+        """Unguided pass@k and friends on the held-out problems; one seed for every model."""
+        e = self.config.eval
+        prober = make_prober(self.config, dataclasses.replace(self.policy, model=model),
+                             ComputeLedger(model.config.num_params()), self.sets.verifier)
+        return evaluate_unguided(prober, self.policy.prompts, self.sets.eval, n=e.n, ks=e.ks,
+                                 seed=self.config.seed + 7, description=description)
+
+    def run_config(self, method: str, seed: int | None = None):
+        """One method's RL config from the shared base and mining, at POPE's rollouts per step."""
+        config = self.config
+        c = config.copy_and_resolve_references()
+        c.job, c.method = "rl", method
+        c.seed = config.seed if seed is None else seed
+        c.model.path = base_dir(config, self.workdir)
+        c.mining.dir = self.mining.dir
+        contexts = config.train.problems_per_step * (config.pope.guided_copies
+                                                     + config.pope.unguided_copies)
+        if method == "grpo":
+            c.train.problems_per_step = contexts
+        elif method == "prefixrl":
+            per_problem = config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
+            c.train.problems_per_step = max(1, contexts // per_problem)
+        return c
