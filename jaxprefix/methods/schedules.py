@@ -31,13 +31,10 @@ def _check_state(state: Mapping, kind: str):
                      f'{state.get("kind")!r}')
 
 
-class FixedPrefix:
-  """The mined / cut prefix as is (POPE's and PrefixRL's default)."""
+class _StepOnly:
+  """A schedule that depends on the step alone: it learns nothing and its state is its kind."""
 
-  kind = 'fixed'
-
-  def length(self, key: str, base: int, step: int = 0) -> int:
-    return _check_base(base)
+  kind = ''
 
   def observe(self, keys: Sequence[str], rewards):
     pass
@@ -49,7 +46,17 @@ class FixedPrefix:
     _check_state(state, self.kind)
 
 
-class AnnealedPrefix:
+class FixedPrefix(_StepOnly):
+  """The mined / cut prefix as is (POPE's and PrefixRL's default)."""
+
+  kind = 'fixed'
+
+  def length(self, key: str, base: int, step: int = 0) -> int:
+    return _check_base(base)
+
+
+
+class AnnealedPrefix(_StepOnly):
   """Keep a fraction of each prefix that moves from `start_fraction` to `end_fraction` over
   `steps` RL steps (linearly or along a half cosine), then stays at `end_fraction`.
 
@@ -82,14 +89,6 @@ class AnnealedPrefix:
     # Round half up; the 1e-9 keeps exact halves like 10 * 0.35 from falling below .5 in floats.
     return min(base, math.floor(base * self.fraction(step) + 0.5 + 1e-9))
 
-  def observe(self, keys: Sequence[str], rewards):
-    pass
-
-  def state(self) -> dict:
-    return {'kind': self.kind}
-
-  def restore(self, state: Mapping):
-    _check_state(state, self.kind)
 
 
 class AdaptivePrefix:
