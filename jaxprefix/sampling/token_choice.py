@@ -47,20 +47,44 @@ def truncate_logits(logits_bv: jax.Array, top_k: int, top_p: jax.Array | None) -
   top_p (at least one token); the mass is that of the top-k-renormalised distribution, as in
   transformers' warpers.
   """
-  vocab = logits_bv.shape[-1]
-  if top_k == 0 and top_p is None:
-    return logits_bv
-  # Sorted (descending) candidate logits: only the top-k when k is set, so no full-vocab sort.
-  k = vocab if top_k == 0 else min(top_k, vocab)
-  sorted_bk, _ = jax.lax.top_k(logits_bv, k)
-  threshold_b = sorted_bk[:, -1]
-  if top_p is not None:
-    probs_bk = jax.nn.softmax(sorted_bk.astype(jnp.float32), axis=-1)
-    mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
-    kept_bk = mass_before_bk < top_p  # the first token always has mass_before 0: never empty
-    # The smallest kept logit: every token at or above it stays.
-    threshold_b = jnp.min(jnp.where(kept_bk, sorted_bk, jnp.inf), axis=-1)
+  if top_k == 0:
+    if top_p is None:
+      return logits_bv
+    threshold_b = _nucleus_floor(logits_bv, top_p)
+  else:
+    # Only the top-k are sorted (descending), so no full-vocabulary sort.
+    sorted_bk, _ = jax.lax.top_k(logits_bv, min(top_k, logits_bv.shape[-1]))
+    threshold_b = sorted_bk[:, -1]
+    if top_p is not None:
+      probs_bk = jax.nn.softmax(sorted_bk, axis=-1)
+      mass_before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk
+      kept_bk = mass_before_bk < top_p  # the first token always has mass_before 0: never empty
+      threshold_b = jnp.min(jnp.where(kept_bk, sorted_bk, jnp.inf), axis=-1)
   return jnp.where(logits_bv >= threshold_b[:, None], logits_bv, -jnp.inf)
+
+
+def _nucleus_floor(logits_bv: jax.Array, top_p: jax.Array, steps: int = 40) -> jax.Array:
+  """The smallest logit of each row's top-p nucleus, by bisection instead of a sort.
+
+  mass(t) = P(logit >= t) falls as t rises, and mass(t) >= top_p exactly when t <= the nucleus'
+  smallest logit, so bisection converges to it (to adjacent floats after ~30 halvings). A full
+  49k-vocabulary sort per step cost ~0.9 s at 64 rows on CPU; 40 masked sums cost a few ms.
+  """
+  probs_bv = jax.nn.softmax(logits_bv, axis=-1)
+  hi_b = jnp.max(logits_bv, axis=-1)
+  lo_b = jnp.min(jnp.where(jnp.isfinite(logits_bv), logits_bv, hi_b[:, None]), axis=-1)
+
+  def reaches_top_p(t_b):
+    return jnp.sum(jnp.where(logits_bv >= t_b[:, None], probs_bv, 0.0), axis=-1) >= top_p
+
+  def halve(_, bounds):  # invariant: lo feasible; hi infeasible unless it is the max itself
+    lo, hi = bounds
+    mid = (lo + hi) / 2
+    ok = reaches_top_p(mid)
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo_b, hi_b = jax.lax.fori_loop(0, steps, halve, (lo_b, hi_b))
+  return jnp.where(reaches_top_p(hi_b), hi_b, lo_b)
 
 
 def choose_tokens(logits_bv: jax.Array, keys_b: jax.Array,
