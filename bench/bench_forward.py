@@ -92,11 +92,11 @@ def main(argv=None):
   seconds = common.time_alternating(arms, args.repeats)
   calls_tokens = args.batch * args.length
   flops = config.flops_per_token(context_length=args.length) * calls_tokens
-  rates = common.print_table(
+  common.print_table(
       f"SmolLM2-135M forward, f32, B={args.batch} x T={args.length} "
       f"({flops / 1e12:.3f} TFLOP a call)", seconds, tokens=calls_tokens, flops=flops,
       peak_gflops=peak)
-  common.print_ratios(rates, [("ours", "tunix"), ("ours", "transformers")])
+  common.print_ratios(seconds, [("ours", "tunix"), ("ours", "transformers")])
   # The peak again: a change during the run means the box's load changed under us.
   print(f"matmul peak after: {common.matmul_peak_gflops():.1f} GFLOP/s")
   common.print_load()

@@ -212,11 +212,11 @@ def main(argv=None):
       rss = {arm: common.child_peak_rss_gib(__file__, child_args(args, model_name, arm))
              for arm in args.arms}
     batch_size, prompt, completion = args.shapes[model_name]
-    rates = common.print_table(
+    common.print_table(
         f"{model_name} train step (fwd+bwd+AdamW), f32, B={batch_size} x "
         f"T={prompt}+{completion} ({flops / 1e12:.3f} TFLOP a step)", seconds, tokens=tokens,
         flops=flops, peak_gflops=peak, rss_gib=rss)
-    common.print_ratios(rates, [("ours", "tunix")])
+    common.print_ratios(seconds, [("ours", "tunix")])
     del arms
   print(f"matmul peak after: {common.matmul_peak_gflops():.1f} GFLOP/s")
   common.print_load()

@@ -2,7 +2,8 @@
 
 - The same weights in each framework: SmolLM2-135M from the bundled GGUF as our Decoder, as
   Tunix's llama3 model (with the rope theta Tunix drops restored) and as a transformers model.
-- A fair clock: arms called in alternation, round after round, reported as median and spread.
+- A fair clock: arms called in alternation, round after round, reported as median, fastest
+  call and spread.
 - A yardstick measured in the same run: the jitted f32 2048^3 matmul, so achieved FLOP/s read
   as a fraction of what this (shared, noisy) CPU did at that moment.
 - Peak resident memory of one arm, measured in a child process that runs only that arm.
@@ -75,34 +76,33 @@ def summary(seconds: list) -> tuple[float, float]:
 
 
 def print_table(title: str, seconds: dict[str, list], *, tokens: int, flops: float,
-                peak_gflops: float, rss_gib: dict[str, float] | None = None) -> dict[str, float]:
-  """Prints one row per arm (median s, spread, tokens/s, GFLOP/s, % of the matmul peak, peak
-  RSS) for calls of `tokens` tokens and `flops` FLOPs each; returns tokens/s per arm."""
+                peak_gflops: float, rss_gib: dict[str, float] | None = None):
+  """Prints one row per arm (median and fastest s, spread, tokens/s, GFLOP/s and % of the
+  matmul peak at the median, peak RSS) for calls of `tokens` tokens and `flops` FLOPs each."""
   print(f"\n{title}")
-  header = f"{'arm':<14}{'median s':>10}{'spread':>8}{'n':>4}{'tokens/s':>11}{'GFLOP/s':>9}" \
-           f"{'% peak':>8}"
-  if rss_gib:
-    header += f"{'peak RSS GiB':>14}"
-  print(header)
-  rates = {}
+  header = (f"{'arm':<14}{'median s':>10}{'min s':>9}{'spread':>8}{'n':>4}{'tokens/s':>11}"
+            f"{'GFLOP/s':>9}{'% peak':>8}")
+  print(header + (f"{'peak RSS GiB':>14}" if rss_gib else ""))
   for name, samples in seconds.items():
     median, spread = summary(samples)
-    rates[name] = tokens / median
     gflops = flops / median / 1e9
-    row = (f"{name:<14}{median:>10.3f}{spread:>7.0%} {len(samples):>4}{rates[name]:>11.1f}"
-           f"{gflops:>9.1f}{gflops / peak_gflops:>8.0%}")
+    row = (f"{name:<14}{median:>10.3f}{min(samples):>9.3f}{spread:>7.0%} {len(samples):>4}"
+           f"{tokens / median:>11.1f}{gflops:>9.1f}{gflops / peak_gflops:>8.0%}")
     if rss_gib:
       rss = rss_gib.get(name)
       row += f"{rss:>14.2f}" if rss is not None else f"{'-':>14}"
     print(row)
-  return rates
 
 
-def print_ratios(rates: dict[str, float], pairs: list[tuple[str, str]]):
-  """Prints tokens/s ratios a/b (> 1: a is faster)."""
+def print_ratios(seconds: dict[str, list], pairs: list[tuple[str, str]]):
+  """Prints speed ratios a/b (> 1: a is faster) of arms doing the same work per call, from
+  the medians and from the fastest calls (the least disturbed on a busy box)."""
   for a, b in pairs:
-    if a in rates and b in rates:
-      print(f"ratio {a}/{b} (tokens/s): {rates[a] / rates[b]:.2f}")
+    if a in seconds and b in seconds:
+      by_median = statistics.median(seconds[b]) / statistics.median(seconds[a])
+      by_min = min(seconds[b]) / min(seconds[a])
+      print(f"ratio {a}/{b} (tokens/s): {by_median:.2f} from medians, {by_min:.2f} from "
+            f"fastest calls")
 
 
 def print_load():
