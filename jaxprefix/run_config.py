@@ -163,8 +163,11 @@ def smollm2(c: ml_collections.ConfigDict) -> None:
     c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=16, eval_size=16,
                   verifier="math_lenient")
     c.rollout.update(n=4, temperature=0.8, max_new_tokens=160)
+    # Remat and micro-batches of 8 rows: the update of 16 rows x 512 tokens needs 2.2 GiB of XLA
+    # temporaries (20.4 GiB without remat: every layer's attention scores kept for backward).
     c.train.update(problems_per_step=2, total_steps=3, learning_rate=1e-6, max_grad_norm=0.3,
-                   weight_decay=0.01, advantage="dr_grpo", logprob_chunk=256)
+                   weight_decay=0.01, advantage="dr_grpo", logprob_chunk=256, remat=True,
+                   micro_batch_size=8)
     c.mining.update(k=4, prefix_samples=4, max_prefix_units=4, rows_per_call=64)
     c.pope.guidance = "instruction"
     c.eval.update(every=3, n=4, ks=(1, 4))

@@ -182,6 +182,41 @@ def test_non_finite_gradient_skips_the_update_and_is_counted(two_minibatches):
   assert any(not np.array_equal(a, b) for a, b in zip(params_of(state), before))
 
 
+def test_remat_takes_the_same_step_and_leaves_the_sampler_graph_alone(one_minibatch):
+  remat = Learner(tiny_model(), dataclasses.replace(ONE_MINIBATCH, remat=True))
+  assert remat.model(remat.init_state()).config.remat is False  # the sampler's graph
+  state = one_minibatch.init_state()
+  batch = with_old_logprobs(rollout_batch(), one_minibatch, state, noise=0.1)
+  plain_state, plain = one_minibatch.update(state, batch)
+  remat_state, metrics = remat.update(remat.init_state(), batch)
+  for key in ("loss", "grad_norm", "entropy"):
+    np.testing.assert_allclose(metrics[key], plain[key], rtol=1e-5)
+  for a, b in zip(params_of(remat_state), params_of(plain_state)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_remat_keeps_one_layer_of_attention_scores():
+  """6 layers x [16 rows, 4 heads, 128, 128] f32 scores (1 MiB each) kept for backward without
+  remat; with it, the layers' inputs and one layer's recomputation."""
+  config = CONFIG.replace(num_layers=6)
+  rng = np.random.default_rng(0)
+  width = 128
+  batch = {"tokens": rng.integers(1, 64, (ROWS, width)).astype(np.int32),
+           "positions": np.tile(np.arange(width, dtype=np.int32), (ROWS, 1)),
+           "token_mask": np.ones((ROWS, width), bool),
+           "completion_mask": np.ones((ROWS, width), np.float32),
+           "old_logprobs": np.zeros((ROWS, width), np.float32),
+           "advantages": np.ones(ROWS, np.float32)}
+  model = Decoder(config, nnx.Rngs(0))
+  temp = {}
+  for remat in (False, True):
+    learner = Learner(model, TrainConfig(remat=remat))
+    temp[remat] = learner.memory_analysis(learner.init_state(), batch).temp_size_in_bytes
+  scores = ROWS * config.num_heads * width * width * 4
+  assert temp[False] > config.num_layers * scores  # 72 MB measured
+  assert temp[True] < temp[False] / 3  # 20 MB measured
+
+
 def test_invalid_settings_name_the_field():
   with pytest.raises(ValueError, match="eps_low"):
     TrainConfig(eps_low=-0.1)
