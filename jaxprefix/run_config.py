@@ -131,7 +131,7 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     """
     c.model.source = "sft"
     c.sft = sft
-    c.data.source = "carry_multiplication"
+    c.data.update(source="carry_multiplication", verifier="carry_multiplication")
     c.data.train_size, c.data.eval_size = 256, 128
     c.rollout.update(n=8, temperature=1.0, max_new_tokens=61)  # 20 steps of 3 tokens + <eos>
     c.train.update(problems_per_step=32, total_steps=150, learning_rate=1e-4, max_grad_norm=1.0)

@@ -21,11 +21,21 @@ class ProblemSets:
     train: list[Problem]
     eval: list[Problem]
     easy: list[Problem]
-    verifier: str
+    verifier: str  # config.data.verifier: the one name mining, training and evaluation all use
 
 
 def load_problem_sets(data) -> ProblemSets:
-    """Problem sets from `config.data`."""
+    """Problem sets from `config.data`; fails early when `data.verifier` is not a verifier."""
+    from jaxprefix import rewards
+
+    sets = _load(data)
+    if data.verifier not in rewards.names():
+        raise ValueError(f"config.data.verifier={data.verifier!r}: expected one of "
+                         f"{sorted(rewards.names())}")
+    return sets
+
+
+def _load(data) -> ProblemSets:
     if data.source == "carry_multiplication":
         from jaxprefix.data.tasks import carry_multiplication as task
 
@@ -35,7 +45,7 @@ def load_problem_sets(data) -> ProblemSets:
         held_out = task.generate(data.eval_size, seed=data.eval_seed, **shape)
         easy = task.generate(data.get("easy_size", 0), digits=tuple(data.easy_digits),
                              seed=data.seed + 1) if data.get("easy_size", 0) else []
-        return ProblemSets(train, held_out, easy, task.NAME)
+        return ProblemSets(train, held_out, easy, data.verifier)
     if data.source == "file":
         from jaxprefix.data import load_problems
 
@@ -49,5 +59,5 @@ def load_problem_sets(data) -> ProblemSets:
 
         train = reasoning_gym_problems(data.task, data.train_size, data.seed)
         held_out = reasoning_gym_problems(data.task, data.eval_size, data.eval_seed)
-        return ProblemSets(train, held_out, [], "reasoning_gym")
+        return ProblemSets(train, held_out, [], data.verifier)
     raise ValueError(f"config.data.source={data.source!r}: expected one of {SOURCES}")
