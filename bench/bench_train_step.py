@@ -23,7 +23,7 @@ Peak RSS per arm is measured in a child process that loads, compiles and runs on
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import gc
 import pathlib
 import sys
 
@@ -199,6 +199,20 @@ def build_arms(args, model_name: str):
   return arms, tokens, flops
 
 
+def print_peak_rss(args):
+  """Peak RSS of each (model, arm) in a child process, once the timed arms are freed here:
+  children that load, compile and run one arm once. A child that dies (e.g. killed when the
+  box runs out of memory) is reported, not fatal."""
+  print("\npeak RSS GiB of a child process running one arm (load, compile, 2 steps):")
+  for model_name in args.models:
+    for arm in args.arms:
+      try:
+        gib = f"{common.child_peak_rss_gib(__file__, child_args(args, model_name, arm)):.2f}"
+      except RuntimeError as error:
+        gib = f"failed: {str(error).splitlines()[0]}"
+      print(f"  {model_name:<10}{arm:<8}{gib}", flush=True)
+
+
 def main(argv=None):
   args = parse_args(argv)
   common.print_load()
@@ -207,19 +221,19 @@ def main(argv=None):
   for model_name in args.models:
     arms, tokens, flops = build_arms(args, model_name)
     seconds = common.time_alternating(arms, args.repeats)
-    rss = None
-    if args.rss:
-      rss = {arm: common.child_peak_rss_gib(__file__, child_args(args, model_name, arm))
-             for arm in args.arms}
+    del arms  # frees both arms' weights and optimizer states before the next model
+    gc.collect()
     batch_size, prompt, completion = args.shapes[model_name]
     common.print_table(
         f"{model_name} train step (fwd+bwd+AdamW), f32, B={batch_size} x "
         f"T={prompt}+{completion} ({flops / 1e12:.3f} TFLOP a step)", seconds, tokens=tokens,
-        flops=flops, peak_gflops=peak, rss_gib=rss)
+        flops=flops, peak_gflops=peak)
     common.print_ratios(seconds, [("ours", "tunix")])
-    del arms
+    sys.stdout.flush()
   print(f"matmul peak after: {common.matmul_peak_gflops():.1f} GFLOP/s")
   common.print_load()
+  if args.rss:
+    print_peak_rss(args)
   common.report_peak_rss()
 
 

@@ -76,21 +76,18 @@ def summary(seconds: list) -> tuple[float, float]:
 
 
 def print_table(title: str, seconds: dict[str, list], *, tokens: int, flops: float,
-                peak_gflops: float, rss_gib: dict[str, float] | None = None):
+                peak_gflops: float):
   """Prints one row per arm (median and fastest s, spread, tokens/s, GFLOP/s and % of the
-  matmul peak at the median, peak RSS) for calls of `tokens` tokens and `flops` FLOPs each."""
+  matmul peak at the median) for calls of `tokens` tokens and `flops` FLOPs each."""
   print(f"\n{title}")
   header = (f"{'arm':<14}{'median s':>10}{'min s':>9}{'spread':>8}{'n':>4}{'tokens/s':>11}"
             f"{'GFLOP/s':>9}{'% peak':>8}")
-  print(header + (f"{'peak RSS GiB':>14}" if rss_gib else ""))
+  print(header)
   for name, samples in seconds.items():
     median, spread = summary(samples)
     gflops = flops / median / 1e9
     row = (f"{name:<14}{median:>10.3f}{min(samples):>9.3f}{spread:>7.0%} {len(samples):>4}"
            f"{tokens / median:>11.1f}{gflops:>9.1f}{gflops / peak_gflops:>8.0%}")
-    if rss_gib:
-      rss = rss_gib.get(name)
-      row += f"{rss:>14.2f}" if rss is not None else f"{'-':>14}"
     print(row)
 
 
