@@ -14,8 +14,11 @@ from jaxprefix import run_config
 def get_config(arg: str = ""):
     c, args = run_config.method_config(__file__, "pope", arg)
     c.job = "results"
-    c.results = ml_collections.ConfigDict(dict(seeds=(0, 1, 2), ablations=True, isocompute=True,
-                                               output_dir="docs"))
+    c.results = ml_collections.ConfigDict(dict(
+        seeds=(0, 1, 2), isocompute=True, output_dir="docs",
+        # at the first seed: hard + easy without guidance (ray interference), PrefixRL on oracle
+        # solutions, POPE's "do not restate" instruction (instruction-following policies only)
+        ablations=("grpo_easy", "prefixrl_oracle", "pope_no_restate")))
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if args.variant == "smoke":
         c.results.update(seeds=(0,), output_dir="", isocompute=False)
