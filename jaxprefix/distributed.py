@@ -29,115 +29,115 @@ MODES = ("auto", "off")
 
 
 def default_config() -> ml_collections.ConfigDict:
-  """The `config.distributed` block with its defaults (single process unless on a TPU VM)."""
-  return ml_collections.ConfigDict(dict(
-      mode="auto",              # 'auto' (detect, see module doc) or 'off'
-      coordinator_address="",   # 'host:port' of process 0; setting it makes the cluster explicit
-      num_processes=1,          # explicit cluster only
-      process_id=0,             # explicit cluster only; differs per process
-      cpu_collectives="gloo",   # CPU cross-process collectives (jax's own choice is none)
-      num_cpu_devices=0,        # > 0: simulate this many CPU devices in each process
-      initialization_timeout_s=300,
-  ))
+    """The `config.distributed` block with its defaults (single process unless on a TPU VM)."""
+    return ml_collections.ConfigDict(dict(
+        mode="auto",              # 'auto' (detect, see module doc) or 'off'
+        coordinator_address="",   # 'host:port' of process 0; setting it makes the cluster explicit
+        num_processes=1,          # explicit cluster only
+        process_id=0,             # explicit cluster only; differs per process
+        cpu_collectives="gloo",   # CPU cross-process collectives (jax's own choice is none)
+        num_cpu_devices=0,        # > 0: simulate this many CPU devices in each process
+        initialization_timeout_s=300,
+    ))
 
 
 def on_cloud_tpu_vm() -> bool:
-  """True on a Cloud TPU VM host (TPU chips are exposed as /dev/accel* or /dev/vfio/<n>).
+    """True on a Cloud TPU VM host (TPU chips are exposed as /dev/accel* or /dev/vfio/<n>).
 
-  Colab's TPU runtime is a single-host VM whose metadata server lacks the slice description
-  JAX asks for, so it counts as a plain single process.
-  """
-  if "COLAB_RELEASE_TAG" in os.environ:
-    return False
-  return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+    Colab's TPU runtime is a single-host VM whose metadata server lacks the slice description
+    JAX asks for, so it counts as a plain single process.
+    """
+    if "COLAB_RELEASE_TAG" in os.environ:
+        return False
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
 
 
 def _validated(config) -> ml_collections.ConfigDict:
-  merged = default_config()
-  if config is not None:
-    unknown = set(config.keys()) - set(merged.keys())
-    if unknown:
-      raise ValueError(f"config.distributed: unknown field(s) {sorted(unknown)}; "
-                       f"expected some of {sorted(merged.keys())}")
-    merged.update(dict(config.items()))
-  if merged.mode not in MODES:
-    raise ValueError(f"config.distributed.mode={merged.mode!r}: expected one of {MODES}")
-  if merged.coordinator_address:
-    host, _, port = str(merged.coordinator_address).rpartition(":")
-    if not host or not port.isdigit():
-      raise ValueError(f"config.distributed.coordinator_address={merged.coordinator_address!r}: "
-                       "expected 'host:port', e.g. '10.0.0.2:8476'")
-    if int(merged.num_processes) < 1:
-      raise ValueError(f"config.distributed.num_processes={merged.num_processes}: expected >= 1")
-    if not 0 <= int(merged.process_id) < int(merged.num_processes):
-      raise ValueError(f"config.distributed.process_id={merged.process_id}: expected 0 <= id < "
-                       f"num_processes={merged.num_processes}")
-  if int(merged.num_cpu_devices) < 0:
-    raise ValueError(f"config.distributed.num_cpu_devices={merged.num_cpu_devices}: expected >= 0")
-  return merged
+    merged = default_config()
+    if config is not None:
+        unknown = set(config.keys()) - set(merged.keys())
+        if unknown:
+            raise ValueError(f"config.distributed: unknown field(s) {sorted(unknown)}; "
+                             f"expected some of {sorted(merged.keys())}")
+        merged.update(dict(config.items()))
+    if merged.mode not in MODES:
+        raise ValueError(f"config.distributed.mode={merged.mode!r}: expected one of {MODES}")
+    if merged.coordinator_address:
+        host, _, port = str(merged.coordinator_address).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"config.distributed.coordinator_address={merged.coordinator_address!r}: "
+                             "expected 'host:port', e.g. '10.0.0.2:8476'")
+        if int(merged.num_processes) < 1:
+            raise ValueError(f"config.distributed.num_processes={merged.num_processes}: expected >= 1")
+        if not 0 <= int(merged.process_id) < int(merged.num_processes):
+            raise ValueError(f"config.distributed.process_id={merged.process_id}: expected 0 <= id < "
+                             f"num_processes={merged.num_processes}")
+    if int(merged.num_cpu_devices) < 0:
+        raise ValueError(f"config.distributed.num_cpu_devices={merged.num_cpu_devices}: expected >= 0")
+    return merged
 
 
 def _set_before_backend(name: str, value) -> None:
-  try:
-    jax.config.update(name, value)
-  except RuntimeError as e:  # jax refuses once a backend exists
-    raise RuntimeError(f"config.distributed needs {name}={value!r}, but JAX was already used in "
-                       "this process; call jaxprefix.distributed.initialize before any other JAX "
-                       "call") from e
+    try:
+        jax.config.update(name, value)
+    except RuntimeError as e:  # jax refuses once a backend exists
+        raise RuntimeError(f"config.distributed needs {name}={value!r}, but JAX was already used in "
+                           "this process; call jaxprefix.distributed.initialize before any other JAX "
+                           "call") from e
 
 
 def initialize(config: ml_collections.ConfigDict | None = None) -> str:
-  """Starts the JAX distributed runtime as `config` (a `config.distributed` block) says.
+    """Starts the JAX distributed runtime as `config` (a `config.distributed` block) says.
 
-  Returns how the process runs: 'explicit' (coordinator address given), 'tpu' (Cloud TPU VM,
-  detected) or 'single' (one process, nothing started). Calling it again is harmless.
-  """
-  config = _validated(config)
-  if config.num_cpu_devices:
-    _set_before_backend("jax_num_cpu_devices", int(config.num_cpu_devices))
-  if jax.distributed.is_initialized():
-    return "explicit" if config.coordinator_address else "tpu"
-  if config.mode == "off":
-    return "single"
-  timeout = int(config.initialization_timeout_s)
-  if config.coordinator_address:
-    if config.cpu_collectives:
-      _set_before_backend("jax_cpu_collectives_implementation", config.cpu_collectives)
-    jax.distributed.initialize(
-        coordinator_address=config.coordinator_address,
-        num_processes=int(config.num_processes),
-        process_id=int(config.process_id),
-        initialization_timeout=timeout)
-    mode = "explicit"
-  elif on_cloud_tpu_vm():
-    jax.distributed.initialize(initialization_timeout=timeout)
-    mode = "tpu"
-  else:
-    return "single"
-  logging.info("jax.distributed (%s): process %d of %d, %d local of %d devices", mode,
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
-               jax.device_count())
-  return mode
+    Returns how the process runs: 'explicit' (coordinator address given), 'tpu' (Cloud TPU VM,
+    detected) or 'single' (one process, nothing started). Calling it again is harmless.
+    """
+    config = _validated(config)
+    if config.num_cpu_devices:
+        _set_before_backend("jax_num_cpu_devices", int(config.num_cpu_devices))
+    if jax.distributed.is_initialized():
+        return "explicit" if config.coordinator_address else "tpu"
+    if config.mode == "off":
+        return "single"
+    timeout = int(config.initialization_timeout_s)
+    if config.coordinator_address:
+        if config.cpu_collectives:
+            _set_before_backend("jax_cpu_collectives_implementation", config.cpu_collectives)
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator_address,
+            num_processes=int(config.num_processes),
+            process_id=int(config.process_id),
+            initialization_timeout=timeout)
+        mode = "explicit"
+    elif on_cloud_tpu_vm():
+        jax.distributed.initialize(initialization_timeout=timeout)
+        mode = "tpu"
+    else:
+        return "single"
+    logging.info("jax.distributed (%s): process %d of %d, %d local of %d devices", mode,
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count())
+    return mode
 
 
 def data_shard() -> tuple[int, int]:
-  """(index, count) of this host's shard of the data: each host reads only its own problems."""
-  return jax.process_index(), jax.process_count()
+    """(index, count) of this host's shard of the data: each host reads only its own problems."""
+    return jax.process_index(), jax.process_count()
 
 
 def is_primary() -> bool:
-  """True on the one process that writes metrics, reports and other single-copy files."""
-  return jax.process_index() == 0
+    """True on the one process that writes metrics, reports and other single-copy files."""
+    return jax.process_index() == 0
 
 
 def to_host(tree):
-  """Host numpy copies of the arrays in `tree`, whole on every process.
+    """Host numpy copies of the arrays in `tree`, whole on every process.
 
-  `jax.device_get` refuses arrays with shards on other hosts' devices; those are gathered with
-  a collective, so every process must call this at the same point (as it runs the same program).
-  """
-  def fetch(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-  return jax.tree.map(fetch, tree)
+    `jax.device_get` refuses arrays with shards on other hosts' devices; those are gathered with
+    a collective, so every process must call this at the same point (as it runs the same program).
+    """
+    def fetch(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(jax.device_get(x))
+    return jax.tree.map(fetch, tree)

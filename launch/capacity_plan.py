@@ -42,20 +42,20 @@ MODELS = {"qwen3-4b": QWEN3_4B, "smollm2-135m": SMOLLM2_135M}
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
-  name: str
-  hbm_gib: float
-  bf16_tflops: float       # peak dense bf16 matmul per chip
-  hbm_gbps: float          # HBM bandwidth per chip, GB/s
-  chips_per_host: int
-  sizes: tuple[int, ...]   # chip counts of the slice shapes on offer
-  single_host_chips: int   # the largest slice served by one host
-  cores_per_chip: int = 1  # v5p slice names count TensorCores (2 per chip)
+    name: str
+    hbm_gib: float
+    bf16_tflops: float       # peak dense bf16 matmul per chip
+    hbm_gbps: float          # HBM bandwidth per chip, GB/s
+    chips_per_host: int
+    sizes: tuple[int, ...]   # chip counts of the slice shapes on offer
+    single_host_chips: int   # the largest slice served by one host
+    cores_per_chip: int = 1  # v5p slice names count TensorCores (2 per chip)
 
-  def slice_name(self, chips: int) -> str:
-    return f"{self.name}-{chips * self.cores_per_chip}"
+    def slice_name(self, chips: int) -> str:
+        return f"{self.name}-{chips * self.cores_per_chip}"
 
-  def hosts(self, chips: int) -> int:
-    return 1 if chips <= self.single_host_chips else chips // self.chips_per_host
+    def hosts(self, chips: int) -> int:
+        return 1 if chips <= self.single_host_chips else chips // self.chips_per_host
 
 
 # Per-chip figures from the Cloud TPU system architecture pages.
@@ -69,30 +69,30 @@ ACCELERATORS = (
 
 @dataclasses.dataclass(frozen=True)
 class RunShape:
-  """One RL step: `problems` contexts, `n` rollouts each, lengths in tokens."""
-  n: int = 8
-  problems: int = 64
-  prompt_len: int = 1024           # question plus any guidance / prefix tokens
-  response_len: int = 16384
-  param_dtype: str = "bfloat16"
-  optimizer_dtype: str = "float32"  # AdamW moments and the gradient accumulator
-  kv_dtype: str = "bfloat16"
-  micro_batch: int = 1              # training sequences per chip per micro-step
-  remat: bool = True
-  reference_model: bool = False     # a frozen copy for the KL penalty
-  full_attention_scores: bool = True  # scores [heads, T, T] materialised (no flash kernel)
+    """One RL step: `problems` contexts, `n` rollouts each, lengths in tokens."""
+    n: int = 8
+    problems: int = 64
+    prompt_len: int = 1024           # question plus any guidance / prefix tokens
+    response_len: int = 16384
+    param_dtype: str = "bfloat16"
+    optimizer_dtype: str = "float32"  # AdamW moments and the gradient accumulator
+    kv_dtype: str = "bfloat16"
+    micro_batch: int = 1              # training sequences per chip per micro-step
+    remat: bool = True
+    reference_model: bool = False     # a frozen copy for the KL penalty
+    full_attention_scores: bool = True  # scores [heads, T, T] materialised (no flash kernel)
 
-  def __post_init__(self):
-    for field in ("n", "problems", "prompt_len", "response_len", "micro_batch"):
-      if getattr(self, field) < 1:
-        raise ValueError(f"{field}={getattr(self, field)}: expected >= 1")
-    for field in ("param_dtype", "optimizer_dtype", "kv_dtype"):
-      if getattr(self, field) not in BYTES:
-        raise ValueError(f"{field}={getattr(self, field)!r}: expected one of {sorted(BYTES)}")
+    def __post_init__(self):
+        for field in ("n", "problems", "prompt_len", "response_len", "micro_batch"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"{field}={getattr(self, field)}: expected >= 1")
+        for field in ("param_dtype", "optimizer_dtype", "kv_dtype"):
+            if getattr(self, field) not in BYTES:
+                raise ValueError(f"{field}={getattr(self, field)!r}: expected one of {sorted(BYTES)}")
 
-  @property
-  def rollouts(self) -> int:
-    return self.n * self.problems
+    @property
+    def rollouts(self) -> int:
+        return self.n * self.problems
 
 
 PRESETS = {  # the paper-scale settings; prompt lengths include guidance or prefix tokens
@@ -107,41 +107,41 @@ PRESETS = {  # the paper-scale settings; prompt lengths include guidance or pref
 
 
 def memory(config: ModelConfig, run: RunShape) -> dict[str, float]:
-  """Bytes of each component of one RL step, summed over the whole slice."""
-  n_params = config.num_params()
-  p, o = BYTES[run.param_dtype], BYTES[run.optimizer_dtype]
-  kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * BYTES[run.kv_dtype]
-  seq = run.prompt_len + run.response_len
-  d, f = config.hidden_size, config.intermediate_size
-  # Remat keeps each layer's input; one layer at a time holds its full working set in f32.
-  residuals = config.num_layers * seq * d * p if run.remat else 0
-  layer = seq * (4 * d + 3 * f + 2 * config.num_heads * config.head_dim) * 4
-  if not run.remat:
-    layer *= config.num_layers
-  scores = config.num_heads * seq * seq * 4 if run.full_attention_scores else 0
-  return {
-      "params": n_params * p,
-      "reference params": n_params * p * run.reference_model,
-      "gradients": n_params * o,
-      "optimizer (AdamW mu, nu)": 2 * n_params * o,
-      # Shared prompts: each context's KV once, each rollout's completion KV on its own.
-      "KV cache (sampling)": kv_per_token * (run.problems * run.prompt_len
-                                             + run.rollouts * run.response_len),
-      "activations per chip (training)": run.micro_batch * (residuals + layer + scores),
-  }
+    """Bytes of each component of one RL step, summed over the whole slice."""
+    n_params = config.num_params()
+    p, o = BYTES[run.param_dtype], BYTES[run.optimizer_dtype]
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * BYTES[run.kv_dtype]
+    seq = run.prompt_len + run.response_len
+    d, f = config.hidden_size, config.intermediate_size
+    # Remat keeps each layer's input; one layer at a time holds its full working set in f32.
+    residuals = config.num_layers * seq * d * p if run.remat else 0
+    layer = seq * (4 * d + 3 * f + 2 * config.num_heads * config.head_dim) * 4
+    if not run.remat:
+        layer *= config.num_layers
+    scores = config.num_heads * seq * seq * 4 if run.full_attention_scores else 0
+    return {
+        "params": n_params * p,
+        "reference params": n_params * p * run.reference_model,
+        "gradients": n_params * o,
+        "optimizer (AdamW mu, nu)": 2 * n_params * o,
+        # Shared prompts: each context's KV once, each rollout's completion KV on its own.
+        "KV cache (sampling)": kv_per_token * (run.problems * run.prompt_len
+                                               + run.rollouts * run.response_len),
+        "activations per chip (training)": run.micro_batch * (residuals + layer + scores),
+    }
 
 
 def flops(config: ModelConfig, run: RunShape) -> dict[str, float]:
-  """FLOPs of one step: sampling (prefill + decode) and the update (forward + backward)."""
-  p, r = run.prompt_len, run.response_len
-  prefill = run.problems * p * config.flops_per_token(p // 2)
-  decode = run.rollouts * r * config.flops_per_token(p + r // 2)
-  passes = 3 + run.remat + run.reference_model / 3  # fwd + bwd (2x) + remat's second forward
-  update = run.rollouts * (p + r) * config.flops_per_token((p + r) // 2) * passes
-  n = config.num_params(embeddings=False) + config.vocab_size * config.hidden_size
-  return {"sampling": prefill + decode, "update": update,
-          "sampling (2ND)": 2 * n * (run.problems * p + run.rollouts * r),
-          "update (6ND)": 6 * n * run.rollouts * (p + r)}
+    """FLOPs of one step: sampling (prefill + decode) and the update (forward + backward)."""
+    p, r = run.prompt_len, run.response_len
+    prefill = run.problems * p * config.flops_per_token(p // 2)
+    decode = run.rollouts * r * config.flops_per_token(p + r // 2)
+    passes = 3 + run.remat + run.reference_model / 3  # fwd + bwd (2x) + remat's second forward
+    update = run.rollouts * (p + r) * config.flops_per_token((p + r) // 2) * passes
+    n = config.num_params(embeddings=False) + config.vocab_size * config.hidden_size
+    return {"sampling": prefill + decode, "update": update,
+            "sampling (2ND)": 2 * n * (run.problems * p + run.rollouts * r),
+            "update (6ND)": 6 * n * run.rollouts * (p + r)}
 
 
 STATE = ("params", "reference params", "gradients", "optimizer (AdamW mu, nu)")
@@ -149,155 +149,155 @@ KV, ACTIVATIONS = "KV cache (sampling)", "activations per chip (training)"
 
 
 def per_chip_bytes(mem: dict[str, float], chips: int, *, with_kv: bool = True) -> float:
-  """Peak bytes on one chip: the training state always; then either the step's KV cache
-  (sampling) or one micro-batch of activations (training), never both at once."""
-  state = sum(mem[k] for k in STATE) / chips
-  return state + max(mem[KV] / chips if with_kv else 0.0, mem[ACTIVATIONS])
+    """Peak bytes on one chip: the training state always; then either the step's KV cache
+    (sampling) or one micro-batch of activations (training), never both at once."""
+    state = sum(mem[k] for k in STATE) / chips
+    return state + max(mem[KV] / chips if with_kv else 0.0, mem[ACTIVATIONS])
 
 
 def smallest_slice(mem: dict[str, float], accel: Accelerator, *, with_kv: bool = True):
-  """Fewest chips on which every chip's share fits in HEADROOM of its HBM (None: none)."""
-  for chips in accel.sizes:
-    if per_chip_bytes(mem, chips, with_kv=with_kv) <= HEADROOM * accel.hbm_gib * GiB:
-      return chips
-  return None
+    """Fewest chips on which every chip's share fits in HEADROOM of its HBM (None: none)."""
+    for chips in accel.sizes:
+        if per_chip_bytes(mem, chips, with_kv=with_kv) <= HEADROOM * accel.hbm_gib * GiB:
+            return chips
+    return None
 
 
 def rollouts_per_wave(mem: dict[str, float], run: RunShape, accel: Accelerator, chips: int) -> int:
-  """Rollouts whose KV fits at once on `chips` next to the training state."""
-  free = chips * HEADROOM * accel.hbm_gib * GiB - sum(mem[k] for k in STATE)
-  per_rollout = mem[KV] / run.rollouts  # its completion plus its share of the prompt
-  return max(0, min(run.rollouts, int(free // per_rollout)))
+    """Rollouts whose KV fits at once on `chips` next to the training state."""
+    free = chips * HEADROOM * accel.hbm_gib * GiB - sum(mem[k] for k in STATE)
+    per_rollout = mem[KV] / run.rollouts  # its completion plus its share of the prompt
+    return max(0, min(run.rollouts, int(free // per_rollout)))
 
 
 def plan(hf_config: dict, run: RunShape) -> dict:
-  """Everything the report prints, as plain numbers (bytes, FLOPs, chips)."""
-  config = ModelConfig.from_hf(hf_config, param_dtype=run.param_dtype)
-  mem, fl = memory(config, run), flops(config, run)
-  slices = {}
-  for accel in ACCELERATORS:
-    row = dict(train_only=None, whole_step=None)
-    train_chips = smallest_slice(mem, accel, with_kv=False)
-    if train_chips is not None:
-      row["train_only"] = dict(slice=accel.slice_name(train_chips), chips=train_chips,
-                               hosts=accel.hosts(train_chips),
-                               rollouts_per_wave=rollouts_per_wave(mem, run, accel, train_chips))
-    chips = smallest_slice(mem, accel)
-    if chips is not None:
-      peak = chips * accel.bf16_tflops * 1e12
-      # Decode is bandwidth-bound: each step, every chip reads all the weights (data-parallel
-      # decode) and, on average, half of its share of the KV cache.
-      decode_s = run.response_len * (mem["params"] + mem[KV] / 2 / chips) / (accel.hbm_gbps * 1e9)
-      row["whole_step"] = dict(
-          slice=accel.slice_name(chips), chips=chips, hosts=accel.hosts(chips),
-          per_chip_gib=per_chip_bytes(mem, chips) / GiB,
-          update_s_at_40pct_mfu=fl["update"] / (0.4 * peak),
-          sampling_s_at_40pct_mfu=fl["sampling"] / (0.4 * peak),
-          decode_s_bandwidth_bound=decode_s)
-    slices[accel.name] = row
-  return dict(params=config.num_params(), memory=mem, flops=fl, slices=slices)
+    """Everything the report prints, as plain numbers (bytes, FLOPs, chips)."""
+    config = ModelConfig.from_hf(hf_config, param_dtype=run.param_dtype)
+    mem, fl = memory(config, run), flops(config, run)
+    slices = {}
+    for accel in ACCELERATORS:
+        row = dict(train_only=None, whole_step=None)
+        train_chips = smallest_slice(mem, accel, with_kv=False)
+        if train_chips is not None:
+            row["train_only"] = dict(slice=accel.slice_name(train_chips), chips=train_chips,
+                                     hosts=accel.hosts(train_chips),
+                                     rollouts_per_wave=rollouts_per_wave(mem, run, accel, train_chips))
+        chips = smallest_slice(mem, accel)
+        if chips is not None:
+            peak = chips * accel.bf16_tflops * 1e12
+            # Decode is bandwidth-bound: each step, every chip reads all the weights (data-parallel
+            # decode) and, on average, half of its share of the KV cache.
+            decode_s = run.response_len * (mem["params"] + mem[KV] / 2 / chips) / (accel.hbm_gbps * 1e9)
+            row["whole_step"] = dict(
+                slice=accel.slice_name(chips), chips=chips, hosts=accel.hosts(chips),
+                per_chip_gib=per_chip_bytes(mem, chips) / GiB,
+                update_s_at_40pct_mfu=fl["update"] / (0.4 * peak),
+                sampling_s_at_40pct_mfu=fl["sampling"] / (0.4 * peak),
+                decode_s_bandwidth_bound=decode_s)
+        slices[accel.name] = row
+    return dict(params=config.num_params(), memory=mem, flops=fl, slices=slices)
 
 
 def report(name: str, hf_config: dict, run: RunShape) -> str:
-  result = plan(hf_config, run)
-  lines = [f"## {name}", "",
-           f"{hf_config.get('model_type')} {result['params'] / 1e9:.2f}B params; "
-           f"n={run.n} x {run.problems} problems = {run.rollouts} rollouts, prompt "
-           f"{run.prompt_len} + response {run.response_len} tokens; params {run.param_dtype}, "
-           f"AdamW state {run.optimizer_dtype}, KV {run.kv_dtype}, micro-batch "
-           f"{run.micro_batch}/chip, remat {run.remat}, full attention scores "
-           f"{run.full_attention_scores}",
-           "", "| memory (whole slice) | GiB |", "|---|---:|"]
-  lines += [f"| {k} | {v / GiB:,.1f} |" for k, v in result["memory"].items() if v]
-  lines += ["", "| FLOPs per step | with attention | 2ND / 6ND |", "|---|---:|---:|",
-            f"| sampling | {result['flops']['sampling']:.3g} | "
-            f"{result['flops']['sampling (2ND)']:.3g} |",
-            f"| update | {result['flops']['update']:.3g} | {result['flops']['update (6ND)']:.3g} |",
-            "", "| generation | whole step at once | hosts | GiB/chip | update s | sampling s "
-            "| decode s (HBM) | training only | rollouts per wave there |",
-            "|---|---|---:|---:|---:|---:|---:|---|---:|"]
-  for accel in ACCELERATORS:
-    row = result["slices"][accel.name]
-    largest = f"none up to {accel.slice_name(accel.sizes[-1])}"
-    whole, train = row["whole_step"], row["train_only"]
-    cells = [accel.name]
-    cells += ([whole["slice"], whole["hosts"], f"{whole['per_chip_gib']:.1f}",
-               f"{whole['update_s_at_40pct_mfu']:,.0f}",
-               f"{whole['sampling_s_at_40pct_mfu']:,.0f}",
-               f"{whole['decode_s_bandwidth_bound']:,.0f}"] if whole
-              else [largest, "", "", "", "", ""])
-    cells += [train["slice"], train["rollouts_per_wave"]] if train else [largest, ""]
-    lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-  lines += ["", "Times are lower bounds for one step on the whole-step slice: FLOPs at 40% of "
-            "peak bf16, decode at full HBM bandwidth."]
-  return "\n".join(lines)
+    result = plan(hf_config, run)
+    lines = [f"## {name}", "",
+             f"{hf_config.get('model_type')} {result['params'] / 1e9:.2f}B params; "
+             f"n={run.n} x {run.problems} problems = {run.rollouts} rollouts, prompt "
+             f"{run.prompt_len} + response {run.response_len} tokens; params {run.param_dtype}, "
+             f"AdamW state {run.optimizer_dtype}, KV {run.kv_dtype}, micro-batch "
+             f"{run.micro_batch}/chip, remat {run.remat}, full attention scores "
+             f"{run.full_attention_scores}",
+             "", "| memory (whole slice) | GiB |", "|---|---:|"]
+    lines += [f"| {k} | {v / GiB:,.1f} |" for k, v in result["memory"].items() if v]
+    lines += ["", "| FLOPs per step | with attention | 2ND / 6ND |", "|---|---:|---:|",
+              f"| sampling | {result['flops']['sampling']:.3g} | "
+              f"{result['flops']['sampling (2ND)']:.3g} |",
+              f"| update | {result['flops']['update']:.3g} | {result['flops']['update (6ND)']:.3g} |",
+              "", "| generation | whole step at once | hosts | GiB/chip | update s | sampling s "
+              "| decode s (HBM) | training only | rollouts per wave there |",
+              "|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    for accel in ACCELERATORS:
+        row = result["slices"][accel.name]
+        largest = f"none up to {accel.slice_name(accel.sizes[-1])}"
+        whole, train = row["whole_step"], row["train_only"]
+        cells = [accel.name]
+        cells += ([whole["slice"], whole["hosts"], f"{whole['per_chip_gib']:.1f}",
+                   f"{whole['update_s_at_40pct_mfu']:,.0f}",
+                   f"{whole['sampling_s_at_40pct_mfu']:,.0f}",
+                   f"{whole['decode_s_bandwidth_bound']:,.0f}"] if whole
+                  else [largest, "", "", "", "", ""])
+        cells += [train["slice"], train["rollouts_per_wave"]] if train else [largest, ""]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "Times are lower bounds for one step on the whole-step slice: FLOPs at 40% of "
+              "peak bf16, decode at full HBM bandwidth."]
+    return "\n".join(lines)
 
 
 def load_hf_config(model: str) -> dict:
-  if model in MODELS:
-    return MODELS[model]
-  path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-  if not os.path.isfile(path):
-    raise SystemExit(f"--model={model!r}: expected one of {sorted(MODELS)}, an HF model "
-                     "directory or a config.json path")
-  with open(path) as f:
-    return json.load(f)
+    if model in MODELS:
+        return MODELS[model]
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise SystemExit(f"--model={model!r}: expected one of {sorted(MODELS)}, an HF model "
+                         "directory or a config.json path")
+    with open(path) as f:
+        return json.load(f)
 
 
 def from_run_config(spec: str, run: RunShape) -> tuple[str | None, RunShape]:
-  """(model, run shape) read from a jaxprefix config 'configs/x.py[:variant]' (base_config fields).
+    """(model, run shape) read from a jaxprefix config 'configs/x.py[:variant]' (base_config fields).
 
-  The model is known when the config names one this script can read: the bundled SmolLM2 GGUF
-  or a local HF directory; a gs:// path needs --model.
-  """
-  import importlib.util
-  path, _, arg = spec.partition(":")
-  if not os.path.isfile(path):
-    raise SystemExit(f"--config={spec!r}: no such file {path!r}")
-  module_spec = importlib.util.spec_from_file_location("capacity_plan_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  c = module.get_config(arg)
-  run = dataclasses.replace(
-      run, n=c.rollout.n, problems=c.train.problems_per_step,
-      response_len=c.rollout.max_new_tokens, param_dtype=c.model.dtype,
-      reference_model=c.train.kl_coef > 0)
-  model = None
-  if c.model.source == "gguf" and c.model.path == "bundled":
-    model = "smollm2-135m"
-  elif c.model.source == "hf" and os.path.isdir(c.model.path):
-    model = c.model.path
-  return model, run
+    The model is known when the config names one this script can read: the bundled SmolLM2 GGUF
+    or a local HF directory; a gs:// path needs --model.
+    """
+    import importlib.util
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--config={spec!r}: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location("capacity_plan_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    c = module.get_config(arg)
+    run = dataclasses.replace(
+        run, n=c.rollout.n, problems=c.train.problems_per_step,
+        response_len=c.rollout.max_new_tokens, param_dtype=c.model.dtype,
+        reference_model=c.train.kl_coef > 0)
+    model = None
+    if c.model.source == "gguf" and c.model.path == "bundled":
+        model = "smollm2-135m"
+    elif c.model.source == "hf" and os.path.isdir(c.model.path):
+        model = c.model.path
+    return model, run
 
 
 def main(argv=None) -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--preset", choices=sorted(PRESETS), help="paper-scale settings")
-  parser.add_argument("--config", help="a jaxprefix config, configs/x.py[:variant]: n, problems "
-                      "per step, response length, dtype (flags below still override)")
-  parser.add_argument("--model", help=f"{sorted(MODELS)}, an HF directory or config.json")
-  for field in dataclasses.fields(RunShape):
-    if field.type == "bool":
-      parser.add_argument(f"--{field.name}", type=lambda s: s.lower() in ("1", "true", "yes"))
-    else:
-      parser.add_argument(f"--{field.name}", type=int if field.type == "int" else str)
-  args = parser.parse_args(argv)
-  model, run = PRESETS[args.preset] if args.preset else ("qwen3-4b", RunShape())
-  name = args.preset or args.config
-  if args.config:
-    model, run = from_run_config(args.config, run)
-    if not (model or args.model):
-      raise SystemExit(f"--config={args.config}: its model is not readable from here; "
-                       f"pass --model (one of {sorted(MODELS)}, an HF directory or config.json)")
-  model = args.model or model
-  changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunShape)
-             if getattr(args, f.name) is not None}
-  try:
-    run = dataclasses.replace(run, **changes)
-  except ValueError as e:
-    raise SystemExit(f"capacity_plan: {e}") from None
-  print(report(name or model, load_hf_config(model), run))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="paper-scale settings")
+    parser.add_argument("--config", help="a jaxprefix config, configs/x.py[:variant]: n, problems "
+                        "per step, response length, dtype (flags below still override)")
+    parser.add_argument("--model", help=f"{sorted(MODELS)}, an HF directory or config.json")
+    for field in dataclasses.fields(RunShape):
+        if field.type == "bool":
+            parser.add_argument(f"--{field.name}", type=lambda s: s.lower() in ("1", "true", "yes"))
+        else:
+            parser.add_argument(f"--{field.name}", type=int if field.type == "int" else str)
+    args = parser.parse_args(argv)
+    model, run = PRESETS[args.preset] if args.preset else ("qwen3-4b", RunShape())
+    name = args.preset or args.config
+    if args.config:
+        model, run = from_run_config(args.config, run)
+        if not (model or args.model):
+            raise SystemExit(f"--config={args.config}: its model is not readable from here; "
+                             f"pass --model (one of {sorted(MODELS)}, an HF directory or config.json)")
+    model = args.model or model
+    changes = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunShape)
+               if getattr(args, f.name) is not None}
+    try:
+        run = dataclasses.replace(run, **changes)
+    except ValueError as e:
+        raise SystemExit(f"capacity_plan: {e}") from None
+    print(report(name or model, load_hf_config(model), run))
 
 
 if __name__ == "__main__":
-  main()
+    main()

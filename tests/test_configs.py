@@ -152,18 +152,18 @@ def test_loop_names_the_rejected_field(field, value):
 @pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval"])
 @pytest.mark.parametrize("variant", ["", "smoke"])
 def test_training_verifier_accepts_oracle_solutions(name, variant):
-  """The verifier the loop trains with (config.data.verifier) scores the oracle solution 1.
+    """The verifier the loop trains with (config.data.verifier) scores the oracle solution 1.
 
-  Regression: the demo once trained with the 'math' verifier on carry-multiplication text while
-  mining used the task's own, so every training reward was 0 however good the rollouts were.
-  """
-  from jaxprefix import rewards
-  from jaxprefix.jobs.problem_sets import load_problem_sets
+    Regression: the demo once trained with the 'math' verifier on carry-multiplication text while
+    mining used the task's own, so every training reward was 0 however good the rollouts were.
+    """
+    from jaxprefix import rewards
+    from jaxprefix.jobs.problem_sets import load_problem_sets
 
-  config = run_config.sibling_config(os.path.join(CONFIGS, "x.py"), f"{name}.py", variant)
-  sets = load_problem_sets(config.data)
-  assert sets.verifier == config.data.verifier
-  problems = sets.eval[:4]
-  scores, _ = rewards.score_batch(config.data.verifier, [p.solution + "<eos>" for p in problems],
-                                  problems)
-  assert scores.tolist() == [1.0] * len(problems)
+    config = run_config.sibling_config(os.path.join(CONFIGS, "x.py"), f"{name}.py", variant)
+    sets = load_problem_sets(config.data)
+    assert sets.verifier == config.data.verifier
+    problems = sets.eval[:4]
+    scores, _ = rewards.score_batch(config.data.verifier, [p.solution + "<eos>" for p in problems],
+                                    problems)
+    assert scores.tolist() == [1.0] * len(problems)

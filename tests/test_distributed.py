@@ -51,54 +51,54 @@ WORKER = textwrap.dedent("""
 
 
 def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_two_processes_form_one_eight_device_mesh(tmp_path):
-  script = tmp_path / "worker.py"
-  script.write_text(WORKER)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # devices come from config
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  address = f"127.0.0.1:{_free_port()}"
-  procs = [subprocess.Popen([sys.executable, str(script), address, str(i)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=120)[0])
-  finally:
-    for p in procs:  # never leave a process waiting on a dead peer
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  results = []
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-    assert p.returncode == 0 and lines, f"process {i} failed (rc {p.returncode}):\n{out[-3000:]}"
-    results.append(json.loads(lines[-1][len("RESULT "):]))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # devices come from config
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, str(script), address, str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:  # never leave a process waiting on a dead peer
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"process {i} failed (rc {p.returncode}):\n{out[-3000:]}"
+        results.append(json.loads(lines[-1][len("RESULT "):]))
 
-  full = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) ** 2
-  for i, r in enumerate(results):
-    assert r["mode"] == "explicit"
-    assert r["shard"] == [i, 2]
-    assert r["primary"] == (i == 0)
-    assert (r["devices"], r["local_devices"]) == (8, 4)
-    assert r["processes"] == [0, 1]
-    assert r["total"] == pytest.approx(float(full.sum()))
-    np.testing.assert_allclose(r["psum"], full.sum(axis=0))
-    np.testing.assert_array_equal(r["gathered"], full)  # whole on each process
-    assert r["gathered_total"] == r["total"]
+    full = np.arange(8 * 3, dtype=np.float32).reshape(8, 3) ** 2
+    for i, r in enumerate(results):
+        assert r["mode"] == "explicit"
+        assert r["shard"] == [i, 2]
+        assert r["primary"] == (i == 0)
+        assert (r["devices"], r["local_devices"]) == (8, 4)
+        assert r["processes"] == [0, 1]
+        assert r["total"] == pytest.approx(float(full.sum()))
+        np.testing.assert_allclose(r["psum"], full.sum(axis=0))
+        np.testing.assert_array_equal(r["gathered"], full)  # whole on each process
+        assert r["gathered_total"] == r["total"]
 
 
 def test_single_process_without_coordinator_starts_nothing():
-  config = distributed.default_config()
-  config.mode = "off"
-  assert distributed.initialize(config) == "single"
-  assert distributed.data_shard() == (0, 1)
-  assert distributed.is_primary()
+    config = distributed.default_config()
+    config.mode = "off"
+    assert distributed.initialize(config) == "single"
+    assert distributed.data_shard() == (0, 1)
+    assert distributed.is_primary()
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -107,59 +107,59 @@ def test_single_process_without_coordinator_starts_nothing():
     ("mode", "always", "mode='always'"),
 ])
 def test_bad_config_names_the_field(field, value, message):
-  config = distributed.default_config()
-  config.coordinator_address = "127.0.0.1:1234"
-  config.num_processes = 2
-  config[field] = value
-  with pytest.raises(ValueError, match=message):
-    distributed.initialize(config)
+    config = distributed.default_config()
+    config.coordinator_address = "127.0.0.1:1234"
+    config.num_processes = 2
+    config[field] = value
+    with pytest.raises(ValueError, match=message):
+        distributed.initialize(config)
 
 
 def test_unknown_field_is_rejected():
-  with pytest.raises(ValueError, match="unknown field"):
-    distributed.initialize(ml_collections.ConfigDict(dict(num_hosts=2)))
+    with pytest.raises(ValueError, match="unknown field"):
+        distributed.initialize(ml_collections.ConfigDict(dict(num_hosts=2)))
 
 
 # ---- the grpo smoke run: 2 processes x 4 devices end where 1 process x 8 devices ends ----------
 
 def _final_params(workdir: pathlib.Path) -> dict:
-  """The arrays of the latest checkpoint as host numpy (whatever mesh wrote them), by step."""
-  import jax
-  import orbax.checkpoint as ocp
-  steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-  assert steps, f"no checkpoint under {workdir / 'checkpoints'}"
-  out = {}
-  for step in steps[-2:]:
-    path = workdir / "checkpoints" / str(step) / "arrays"
-    tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-    out[step] = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
-        restore_args=args))
-  return out
+    """The arrays of the latest checkpoint as host numpy (whatever mesh wrote them), by step."""
+    import jax
+    import orbax.checkpoint as ocp
+    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps, f"no checkpoint under {workdir / 'checkpoints'}"
+    out = {}
+    for step in steps[-2:]:
+        path = workdir / "checkpoints" / str(step) / "arrays"
+        tree = ocp.StandardCheckpointer().metadata(path).item_metadata.tree
+        args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+        out[step] = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
+            restore_args=args))
+    return out
 
 
 def _main(workdir, devices, *distributed_flags):
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  return subprocess.Popen(
-      [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
-       f"--workdir={workdir}", "--config.train.total_steps=2", "--config.checkpoint.every=1",
-       f"--config.distributed.num_cpu_devices={devices}", *distributed_flags],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    return subprocess.Popen(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+         f"--workdir={workdir}", "--config.train.total_steps=2", "--config.checkpoint.every=1",
+         f"--config.distributed.num_cpu_devices={devices}", *distributed_flags],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_all(procs, timeout_s):
-  outputs = []
-  try:
-    for p in procs:
-      outputs.append(p.communicate(timeout=timeout_s)[0])
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-        p.wait()
-  for i, (p, out) in enumerate(zip(procs, outputs)):
-    assert p.returncode == 0, f"process {i} failed (rc {p.returncode}):\n{out[-4000:]}"
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout_s)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for i, (p, out) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"process {i} failed (rc {p.returncode}):\n{out[-4000:]}"
 
 
 @pytest.mark.slow
@@ -167,38 +167,38 @@ def _wait_all(procs, timeout_s):
                     or not (REPO / "jaxprefix" / "jobs" / "rl.py").exists(),
                     reason="needs configs/grpo.py and the rl job (jaxprefix/jobs/rl.py)")
 def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
-  one, two = tmp_path / "one_host", tmp_path / "two_hosts"
-  _wait_all([_main(one, 8)], timeout_s=600)
-  address = f"127.0.0.1:{_free_port()}"
-  _wait_all([_main(two, 4, f"--config.distributed.coordinator_address={address}",
-                   "--config.distributed.num_processes=2",
-                   f"--config.distributed.process_id={i}") for i in range(2)], timeout_s=600)
-  expected, got = _final_params(one), _final_params(two)
-  assert sorted(got) == sorted(expected)
-  last = max(expected)
-  flat_expected, flat_got = dict(_flat(expected[last])), dict(_flat(got[last]))
-  assert flat_got.keys() == flat_expected.keys()
-  for key, value in flat_expected.items():  # params (SFT-trained base + RL), optimizer, RNG
-    np.testing.assert_allclose(flat_got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
-  # The smoke run's groups all score 0 (grad_norm 0), so RL leaves the params as they were;
-  # the per-step metrics (rewards, lengths, entropy, ratios) show whether both runs sampled and
-  # scored the same rollouts.
-  records_one, records_two = _metrics(one), _metrics(two)
-  assert len(records_two) == len(records_one) == 2
-  for a, b in zip(records_two, records_one):
-    assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
-  assert all(r["entropy"] > 0 for r in records_one)
+    one, two = tmp_path / "one_host", tmp_path / "two_hosts"
+    _wait_all([_main(one, 8)], timeout_s=600)
+    address = f"127.0.0.1:{_free_port()}"
+    _wait_all([_main(two, 4, f"--config.distributed.coordinator_address={address}",
+                     "--config.distributed.num_processes=2",
+                     f"--config.distributed.process_id={i}") for i in range(2)], timeout_s=600)
+    expected, got = _final_params(one), _final_params(two)
+    assert sorted(got) == sorted(expected)
+    last = max(expected)
+    flat_expected, flat_got = dict(_flat(expected[last])), dict(_flat(got[last]))
+    assert flat_got.keys() == flat_expected.keys()
+    for key, value in flat_expected.items():  # params (SFT-trained base + RL), optimizer, RNG
+        np.testing.assert_allclose(flat_got[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    # The smoke run's groups all score 0 (grad_norm 0), so RL leaves the params as they were;
+    # the per-step metrics (rewards, lengths, entropy, ratios) show whether both runs sampled and
+    # scored the same rollouts.
+    records_one, records_two = _metrics(one), _metrics(two)
+    assert len(records_two) == len(records_one) == 2
+    for a, b in zip(records_two, records_one):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+    assert all(r["entropy"] > 0 for r in records_one)
 
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:
-  """metrics.jsonl records without wall-clock figures."""
-  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
-  return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
-          for r in records]
+    """metrics.jsonl records without wall-clock figures."""
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+            for r in records]
 
 
 def _flat(tree):
-  """{'['params']['w']': array} for every leaf."""
-  import jax
-  return [(jax.tree_util.keystr(path), np.asarray(leaf))
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    """{'['params']['w']': array} for every leaf."""
+    import jax
+    return [(jax.tree_util.keystr(path), np.asarray(leaf))
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]

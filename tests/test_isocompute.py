@@ -10,89 +10,89 @@ from jaxprefix.methods import isocompute as ic
 
 
 def test_rollouts_and_ledger_by_hand():
-  assert ic.rollouts(batch=64, n=16, steps=100) == 102_400
-  ledger = ic.ComputeLedger(n_params=1_000)
-  # 2 problems x n=4: prompts of 10 tokens prefilled once each, 4 x 2 x 5 tokens generated.
-  ledger.record_sampling(rollouts=8, prefill_tokens=20, generated_tokens=40)
-  ledger.record_update(tokens=8 * 15)        # every rollout row: 10 context + 5 completion
-  ledger.record_extra_sampling(rollouts=100, tokens=3_000)
-  assert (ledger.rollouts, ledger.sampled_tokens, ledger.trained_tokens) == (8, 60, 120)
-  assert ledger.sampling_flops == 2 * 1_000 * 60 == 120_000
-  assert ledger.update_flops == 6 * 1_000 * 120 == 720_000
-  assert ledger.extra_flops == 2 * 1_000 * 3_000 and ledger.extra_rollouts == 100
-  assert ledger.total_flops == 120_000 + 720_000 + 6_000_000
-  back = ic.ComputeLedger.from_dict(json.loads(json.dumps(ledger.to_dict())))
-  assert back == ledger
-  with pytest.raises(ValueError, match='n_params'):
-    ic.ComputeLedger.from_dict({'rollouts': 3})
-  with pytest.raises(ValueError, match='positive'):
-    ic.ComputeLedger(n_params=0)
+    assert ic.rollouts(batch=64, n=16, steps=100) == 102_400
+    ledger = ic.ComputeLedger(n_params=1_000)
+    # 2 problems x n=4: prompts of 10 tokens prefilled once each, 4 x 2 x 5 tokens generated.
+    ledger.record_sampling(rollouts=8, prefill_tokens=20, generated_tokens=40)
+    ledger.record_update(tokens=8 * 15)        # every rollout row: 10 context + 5 completion
+    ledger.record_extra_sampling(rollouts=100, tokens=3_000)
+    assert (ledger.rollouts, ledger.sampled_tokens, ledger.trained_tokens) == (8, 60, 120)
+    assert ledger.sampling_flops == 2 * 1_000 * 60 == 120_000
+    assert ledger.update_flops == 6 * 1_000 * 120 == 720_000
+    assert ledger.extra_flops == 2 * 1_000 * 3_000 and ledger.extra_rollouts == 100
+    assert ledger.total_flops == 120_000 + 720_000 + 6_000_000
+    back = ic.ComputeLedger.from_dict(json.loads(json.dumps(ledger.to_dict())))
+    assert back == ledger
+    with pytest.raises(ValueError, match='n_params'):
+        ic.ComputeLedger.from_dict({'rollouts': 3})
+    with pytest.raises(ValueError, match='positive'):
+        ic.ComputeLedger(n_params=0)
 
 
 def test_allocation_monotone_saturating_and_within_budget():
-  budgets = [2 ** k for k in range(1, 31)] + [3 * 10 ** k for k in range(1, 9)]
-  allocs = {c: ic.allocate(c) for c in sorted(budgets)}
-  ns = [a.n for a in allocs.values()]
-  assert ns == sorted(ns)                                 # n never shrinks as budget grows
-  assert ns[-1] == 2 ** 7 and ns[0] == 2  # saturates at the ceiling; tiny budgets cap n
-  for c, a in allocs.items():
-    assert a.n & (a.n - 1) == 0 and a.steps >= 1
-    assert a.rollouts <= c and 2 * a.rollouts > c, (c, a)  # never over, never half wasted
-    assert a.batch == min(64, c // a.n)
-  # Large budgets go to M: B fixed, n saturated.
-  big = ic.allocate(2 ** 30)
-  assert (big.n, big.batch, big.steps) == (128, 64, 2 ** 30 // (128 * 64))
-  # The rule follows its curve: at the center, n = 2^(mid of floor and ceiling) rounded.
-  curve = ic.Sigmoid(floor=3, ceiling=9, center=20, width=1)
-  assert ic.allocate(2 ** 20, n_curve=curve, batch=32).n == 2 ** 6
-  assert ic.allocate(2 ** 20, n_curve=curve, batch=32, n_max=16).n == 16
-  with pytest.raises(ValueError, match='cannot fit n_min'):
-    ic.allocate(1)
+    budgets = [2 ** k for k in range(1, 31)] + [3 * 10 ** k for k in range(1, 9)]
+    allocs = {c: ic.allocate(c) for c in sorted(budgets)}
+    ns = [a.n for a in allocs.values()]
+    assert ns == sorted(ns)                                 # n never shrinks as budget grows
+    assert ns[-1] == 2 ** 7 and ns[0] == 2  # saturates at the ceiling; tiny budgets cap n
+    for c, a in allocs.items():
+        assert a.n & (a.n - 1) == 0 and a.steps >= 1
+        assert a.rollouts <= c and 2 * a.rollouts > c, (c, a)  # never over, never half wasted
+        assert a.batch == min(64, c // a.n)
+    # Large budgets go to M: B fixed, n saturated.
+    big = ic.allocate(2 ** 30)
+    assert (big.n, big.batch, big.steps) == (128, 64, 2 ** 30 // (128 * 64))
+    # The rule follows its curve: at the center, n = 2^(mid of floor and ceiling) rounded.
+    curve = ic.Sigmoid(floor=3, ceiling=9, center=20, width=1)
+    assert ic.allocate(2 ** 20, n_curve=curve, batch=32).n == 2 ** 6
+    assert ic.allocate(2 ** 20, n_curve=curve, batch=32, n_max=16).n == 16
+    with pytest.raises(ValueError, match='cannot fit n_min'):
+        ic.allocate(1)
 
 
 def test_allocate_from_config_and_lr():
-  cfg = {'n_floor': 1.0, 'n_ceiling': 5.0, 'n_center': 10.0, 'n_width': 0.5, 'batch': 16}
-  assert ic.allocate_from_config(2 ** 20, cfg) == ic.Allocation(n=32, batch=16, steps=2 ** 11)
-  with pytest.raises(ValueError, match='n_width'):
-    ic.allocate_from_config(100, {'n_width': 0.0})
-  assert ic.scaled_lr(1024) == pytest.approx(1e-6)
-  assert ic.scaled_lr(256) == pytest.approx(0.5e-6)
+    cfg = {'n_floor': 1.0, 'n_ceiling': 5.0, 'n_center': 10.0, 'n_width': 0.5, 'batch': 16}
+    assert ic.allocate_from_config(2 ** 20, cfg) == ic.Allocation(n=32, batch=16, steps=2 ** 11)
+    with pytest.raises(ValueError, match='n_width'):
+        ic.allocate_from_config(100, {'n_width': 0.0})
+    assert ic.scaled_lr(1024) == pytest.approx(1e-6)
+    assert ic.scaled_lr(256) == pytest.approx(0.5e-6)
 
 
 def test_sweep_grid_and_commands():
-  points = ic.sweep_grid([2 ** 10, 2 ** 12], ns=[4, 64], batches=[8, 32])
-  assert [(p.budget, p.n, p.batch, p.steps) for p in points] == [
-      (1024, 4, 8, 32), (1024, 4, 32, 8), (1024, 64, 8, 2),            # 64 x 32 > 1024: skipped
-      (4096, 4, 8, 128), (4096, 4, 32, 32), (4096, 64, 8, 8), (4096, 64, 32, 2)]
-  longest = ic.sweep_grid([2 ** 10, 2 ** 12], ns=[4, 64], batches=[8, 32], longest_only=True)
-  assert {p.budget for p in longest} == {4096} and len(longest) == 4
-  cmd = ic.sweep_command(points[0], config='configs/isocompute.py:smollm2',
-                         extra={'seed': 1})
-  assert shlex.split(cmd) == [
-      'python', '-m', 'jaxprefix.main', '--config=configs/isocompute.py:smollm2',
-      '--config.n=4', '--config.batch_problems=8', '--config.steps=32', '--config.seed=1',
-      '--workdir=runs/isocompute/n4_b8_m32']
+    points = ic.sweep_grid([2 ** 10, 2 ** 12], ns=[4, 64], batches=[8, 32])
+    assert [(p.budget, p.n, p.batch, p.steps) for p in points] == [
+        (1024, 4, 8, 32), (1024, 4, 32, 8), (1024, 64, 8, 2),            # 64 x 32 > 1024: skipped
+        (4096, 4, 8, 128), (4096, 4, 32, 32), (4096, 64, 8, 8), (4096, 64, 32, 2)]
+    longest = ic.sweep_grid([2 ** 10, 2 ** 12], ns=[4, 64], batches=[8, 32], longest_only=True)
+    assert {p.budget for p in longest} == {4096} and len(longest) == 4
+    cmd = ic.sweep_command(points[0], config='configs/isocompute.py:smollm2',
+                           extra={'seed': 1})
+    assert shlex.split(cmd) == [
+        'python', '-m', 'jaxprefix.main', '--config=configs/isocompute.py:smollm2',
+        '--config.n=4', '--config.batch_problems=8', '--config.steps=32', '--config.seed=1',
+        '--workdir=runs/isocompute/n4_b8_m32']
 
 
 def test_record_breaking_by_hand():
-  curve = [(1, 0.2), (2, 0.1), (3, 0.2), (4, 0.35), (5, 0.3), (6, 0.5), (7, 0.5)]
-  assert ic.record_breaking(curve) == [(1, 0.2), (4, 0.35), (6, 0.5)]
-  assert ic.record_breaking(reversed(curve)) == [(1, 0.2), (4, 0.35), (6, 0.5)]  # sorts first
-  assert ic.record_breaking([]) == []
+    curve = [(1, 0.2), (2, 0.1), (3, 0.2), (4, 0.35), (5, 0.3), (6, 0.5), (7, 0.5)]
+    assert ic.record_breaking(curve) == [(1, 0.2), (4, 0.35), (6, 0.5)]
+    assert ic.record_breaking(reversed(curve)) == [(1, 0.2), (4, 0.35), (6, 0.5)]  # sorts first
+    assert ic.record_breaking([]) == []
 
 
 def test_fit_sigmoid_recovers_known_parameters():
-  rng = np.random.default_rng(0)
-  true = ic.Sigmoid(floor=0.1, ceiling=0.7, center=14.0, width=1.5)
-  x = np.linspace(8, 22, 40)
-  fit = ic.fit_sigmoid(x, true(x) + rng.normal(0, 0.01, x.size), bounds=(0, 1))
-  np.testing.assert_allclose([fit.floor, fit.ceiling, fit.center, fit.width],
-                             [0.1, 0.7, 14.0, 1.5], atol=0.02, rtol=0.1)
-  # Monotone by construction: a falling cloud fits a flat line at its mean.
-  flat = ic.fit_sigmoid(x, 1.0 - x / 30.0)
-  assert flat.ceiling == pytest.approx(flat.floor) == pytest.approx(np.mean(1.0 - x / 30.0))
-  with pytest.raises(ValueError, match='distinct x'):
-    ic.fit_sigmoid([1.0, 1.0], [0.0, 1.0])
+    rng = np.random.default_rng(0)
+    true = ic.Sigmoid(floor=0.1, ceiling=0.7, center=14.0, width=1.5)
+    x = np.linspace(8, 22, 40)
+    fit = ic.fit_sigmoid(x, true(x) + rng.normal(0, 0.01, x.size), bounds=(0, 1))
+    np.testing.assert_allclose([fit.floor, fit.ceiling, fit.center, fit.width],
+                               [0.1, 0.7, 14.0, 1.5], atol=0.02, rtol=0.1)
+    # Monotone by construction: a falling cloud fits a flat line at its mean.
+    flat = ic.fit_sigmoid(x, 1.0 - x / 30.0)
+    assert flat.ceiling == pytest.approx(flat.floor) == pytest.approx(np.mean(1.0 - x / 30.0))
+    with pytest.raises(ValueError, match='distinct x'):
+        ic.fit_sigmoid([1.0, 1.0], [0.0, 1.0])
 
 
 # Per-n truth: larger n rises later but reaches higher (the paper's picture).
@@ -101,58 +101,58 @@ TRUE_CURVES = {4: ic.Sigmoid(0.05, 0.40, 11.0, 1.0), 16: ic.Sigmoid(0.05, 0.55, 
 
 
 def synthetic_runs(seed=0, noise=0.005):
-  rng = np.random.default_rng(seed)
-  runs = []
-  for n, curve in TRUE_CURVES.items():
-    for batch in (16, 64):
-      compute = n * batch * np.unique(np.geomspace(1, 2 ** 22 / (n * batch), 60).astype(int))
-      reward = curve(np.log2(compute)) + rng.normal(0, noise, compute.size)
-      runs.append({'n': n, 'batch': batch, 'compute': compute.tolist(),
-                   'reward': reward.tolist()})
-  return runs
+    rng = np.random.default_rng(seed)
+    runs = []
+    for n, curve in TRUE_CURVES.items():
+        for batch in (16, 64):
+            compute = n * batch * np.unique(np.geomspace(1, 2 ** 22 / (n * batch), 60).astype(int))
+            reward = curve(np.log2(compute)) + rng.normal(0, noise, compute.size)
+            runs.append({'n': n, 'batch': batch, 'compute': compute.tolist(),
+                         'reward': reward.tolist()})
+    return runs
 
 
 def test_fit_frontier_recovers_per_n_curves_and_n_star():
-  fit = ic.fit_frontier(synthetic_runs())
-  assert sorted(fit.per_n) == [4, 16, 64, 256]
-  for n, true in TRUE_CURVES.items():
-    got = fit.per_n[n]
-    assert abs(got.ceiling - true.ceiling) < 0.03, (n, got)
-    assert abs(got.center - true.center) < 0.3, (n, got)
-  # The envelope's n* matches the true curves' argmax wherever the winner is clear.
-  grid = np.asarray(fit.log_c)
-  true_values = np.stack([TRUE_CURVES[n](grid) for n in sorted(TRUE_CURVES)])
-  true_best = np.asarray(sorted(TRUE_CURVES))[true_values.argmax(0)]
-  sorted_values = np.sort(true_values, 0)
-  clear = sorted_values[-1] - sorted_values[-2] > 0.02
-  assert clear.sum() > len(grid) // 2
-  np.testing.assert_array_equal(np.asarray(fit.n_star)[clear], true_best[clear])
-  assert fit.n_star == sorted(fit.n_star) and fit.n_star[-1] == 256
-  s = fit.n_star_fit
-  assert s.floor <= 2.5 and s.ceiling >= 7.5 and s.width > 0
-  back = ic.FrontierFit.from_dict(json.loads(json.dumps(fit.to_dict())))
-  assert back == fit
+    fit = ic.fit_frontier(synthetic_runs())
+    assert sorted(fit.per_n) == [4, 16, 64, 256]
+    for n, true in TRUE_CURVES.items():
+        got = fit.per_n[n]
+        assert abs(got.ceiling - true.ceiling) < 0.03, (n, got)
+        assert abs(got.center - true.center) < 0.3, (n, got)
+    # The envelope's n* matches the true curves' argmax wherever the winner is clear.
+    grid = np.asarray(fit.log_c)
+    true_values = np.stack([TRUE_CURVES[n](grid) for n in sorted(TRUE_CURVES)])
+    true_best = np.asarray(sorted(TRUE_CURVES))[true_values.argmax(0)]
+    sorted_values = np.sort(true_values, 0)
+    clear = sorted_values[-1] - sorted_values[-2] > 0.02
+    assert clear.sum() > len(grid) // 2
+    np.testing.assert_array_equal(np.asarray(fit.n_star)[clear], true_best[clear])
+    assert fit.n_star == sorted(fit.n_star) and fit.n_star[-1] == 256
+    s = fit.n_star_fit
+    assert s.floor <= 2.5 and s.ceiling >= 7.5 and s.width > 0
+    back = ic.FrontierFit.from_dict(json.loads(json.dumps(fit.to_dict())))
+    assert back == fit
 
 
 def test_fit_n_star_recovers_a_known_sigmoid():
-  true = ic.Sigmoid(floor=3.0, ceiling=9.0, center=18.0, width=1.5)
-  log_c = np.linspace(10, 28, 200)
-  n_star = 2 ** np.round(true(log_c))        # what an envelope yields: powers of two
-  fit = ic.fit_n_star(log_c, n_star)
-  np.testing.assert_allclose([fit.floor, fit.ceiling, fit.center], [3.0, 9.0, 18.0], atol=0.15)
-  assert abs(fit.width - 1.5) < 0.3
+    true = ic.Sigmoid(floor=3.0, ceiling=9.0, center=18.0, width=1.5)
+    log_c = np.linspace(10, 28, 200)
+    n_star = 2 ** np.round(true(log_c))        # what an envelope yields: powers of two
+    fit = ic.fit_n_star(log_c, n_star)
+    np.testing.assert_allclose([fit.floor, fit.ceiling, fit.center], [3.0, 9.0, 18.0], atol=0.15)
+    assert abs(fit.width - 1.5) < 0.3
 
 
 def test_fit_frontier_errors():
-  with pytest.raises(ValueError, match='missing fields'):
-    ic.fit_frontier([{'n': 4, 'compute': [1]}])
-  with pytest.raises(ValueError, match='>= 2 record-breaking'):
-    ic.fit_frontier([{'n': 4, 'batch': 8, 'compute': [32], 'reward': [0.1]}])
+    with pytest.raises(ValueError, match='missing fields'):
+        ic.fit_frontier([{'n': 4, 'compute': [1]}])
+    with pytest.raises(ValueError, match='>= 2 record-breaking'):
+        ic.fit_frontier([{'n': 4, 'batch': 8, 'compute': [32], 'reward': [0.1]}])
 
 
 def test_plots_are_written(tmp_path):
-  fit = ic.fit_frontier(synthetic_runs())
-  for plot, name in ((ic.plot_frontier, 'frontier.png'), (ic.plot_n_star, 'n_star.png')):
-    path = tmp_path / name
-    plot(fit, str(path))
-    assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and path.stat().st_size > 10_000
+    fit = ic.fit_frontier(synthetic_runs())
+    for plot, name in ((ic.plot_frontier, 'frontier.png'), (ic.plot_n_star, 'n_star.png')):
+        path = tmp_path / name
+        plot(fit, str(path))
+        assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and path.stat().st_size > 10_000

@@ -36,77 +36,77 @@ FAKE_GCLOUD = textwrap.dedent(f"""\
 
 @pytest.fixture
 def launch(tmp_path):
-  bin_dir = tmp_path / "bin"
-  bin_dir.mkdir()
-  fake = bin_dir / "gcloud"
-  fake.write_text(FAKE_GCLOUD)
-  fake.chmod(0o755)
-  log = tmp_path / "gcloud.jsonl"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "gcloud"
+    fake.write_text(FAKE_GCLOUD)
+    fake.chmod(0o755)
+    log = tmp_path / "gcloud.jsonl"
 
-  def run(*args, env=None, check=True):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPREFIX_")}
-    full_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), USER="ada",
-                    TMPDIR=str(tmp_path), **(env or {}))
-    result = subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True,
-                            text=True, timeout=60)
-    if check:
-      assert result.returncode == 0, result.stderr
-    calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
-    log.unlink(missing_ok=True)
-    return result, calls
+    def run(*args, env=None, check=True):
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("JAXPREFIX_")}
+        full_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_LOG=str(log), USER="ada",
+                        TMPDIR=str(tmp_path), **(env or {}))
+        result = subprocess.run(["bash", str(SCRIPT), *args], env=full_env, capture_output=True,
+                                text=True, timeout=60)
+        if check:
+            assert result.returncode == 0, result.stderr
+        calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+        log.unlink(missing_ok=True)
+        return result, calls
 
-  return run
+    return run
 
 
 def test_up_creates_copies_installs_and_runs_on_all_workers(launch, tmp_path):
-  _, calls = launch("up", *WHERE, "--type=v5litepod-16", "--workdir=gs://bkt/run1",
-                    "--config=configs/grpo.py", "--", "--config.total_steps=100")
-  create, scp, setup, run = calls
-  assert create == ["compute", "tpus", "tpu-vm", "create", "jaxprefix-ada", *WHERE,
-                    "--accelerator-type=v5litepod-16", "--version=v2-alpha-tpuv5-lite"]
-  assert scp[:5] == ["compute", "tpus", "tpu-vm", "scp", scp[4]]
-  assert scp[5:] == ["jaxprefix-ada:~/jaxprefix.tar.gz", *WHERE, "--worker=all"]
-  assert setup[:8] == ["compute", "tpus", "tpu-vm", "ssh", "jaxprefix-ada", *WHERE,
-                       "--worker=all"]
-  assert 'pip install -q -e ".[tpu]"' in setup[8]
-  assert run[:8] == setup[:8]
-  assert run[8].startswith("--command=cd ~/jaxprefix && setsid nohup python3 -m jaxprefix.main "
-                           "--config=configs/grpo.py --workdir=gs://bkt/run1 "
-                           "--config.total_steps=100 > ~/jaxprefix.log")
-  # The copied code is this working tree (tracked and untracked, not ignored files).
-  with tarfile.open(str(tmp_path / "gcloud.jsonl") + ".tar.gz") as tar:
-    names = set(tar.getnames())
-  assert {"launch/tpu.sh", "jaxprefix/distributed.py", "setup.cfg"} <= names
-  assert not any("__pycache__" in n for n in names)
-  assert not list(tmp_path.glob("jaxprefix-*.tar.gz"))  # local tarball cleaned up
+    _, calls = launch("up", *WHERE, "--type=v5litepod-16", "--workdir=gs://bkt/run1",
+                      "--config=configs/grpo.py", "--", "--config.total_steps=100")
+    create, scp, setup, run = calls
+    assert create == ["compute", "tpus", "tpu-vm", "create", "jaxprefix-ada", *WHERE,
+                      "--accelerator-type=v5litepod-16", "--version=v2-alpha-tpuv5-lite"]
+    assert scp[:5] == ["compute", "tpus", "tpu-vm", "scp", scp[4]]
+    assert scp[5:] == ["jaxprefix-ada:~/jaxprefix.tar.gz", *WHERE, "--worker=all"]
+    assert setup[:8] == ["compute", "tpus", "tpu-vm", "ssh", "jaxprefix-ada", *WHERE,
+                         "--worker=all"]
+    assert 'pip install -q -e ".[tpu]"' in setup[8]
+    assert run[:8] == setup[:8]
+    assert run[8].startswith("--command=cd ~/jaxprefix && setsid nohup python3 -m jaxprefix.main "
+                             "--config=configs/grpo.py --workdir=gs://bkt/run1 "
+                             "--config.total_steps=100 > ~/jaxprefix.log")
+    # The copied code is this working tree (tracked and untracked, not ignored files).
+    with tarfile.open(str(tmp_path / "gcloud.jsonl") + ".tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"launch/tpu.sh", "jaxprefix/distributed.py", "setup.cfg"} <= names
+    assert not any("__pycache__" in n for n in names)
+    assert not list(tmp_path.glob("jaxprefix-*.tar.gz"))  # local tarball cleaned up
 
 
 def test_spot_queued_resource_waits_for_active_and_deletes_with_force(launch):
-  _, calls = launch("create", *WHERE, "--queued", "--spot", "--type=v6e-32",
-                    "--name=big", env=dict(FAKE_STATE="ACTIVE"))
-  assert calls[0] == ["compute", "tpus", "queued-resources", "create", "big", "--node-id=big",
-                      *WHERE, "--accelerator-type=v6e-32",
-                      "--runtime-version=v2-alpha-tpuv6e", "--spot"]
-  assert calls[1][:4] == ["compute", "tpus", "queued-resources", "describe"]
-  _, calls = launch("delete", *WHERE, "--queued", "--name=big")
-  assert calls == [["compute", "tpus", "queued-resources", "delete", "big", *WHERE, "--force",
-                    "--quiet"]]
+    _, calls = launch("create", *WHERE, "--queued", "--spot", "--type=v6e-32",
+                      "--name=big", env=dict(FAKE_STATE="ACTIVE"))
+    assert calls[0] == ["compute", "tpus", "queued-resources", "create", "big", "--node-id=big",
+                        *WHERE, "--accelerator-type=v6e-32",
+                        "--runtime-version=v2-alpha-tpuv6e", "--spot"]
+    assert calls[1][:4] == ["compute", "tpus", "queued-resources", "describe"]
+    _, calls = launch("delete", *WHERE, "--queued", "--name=big")
+    assert calls == [["compute", "tpus", "queued-resources", "delete", "big", *WHERE, "--force",
+                      "--quiet"]]
 
 
 def test_env_variables_stand_in_for_flags(launch):
-  env = dict(JAXPREFIX_PROJECT="my-proj", JAXPREFIX_ZONE="us-east5-b",
-             JAXPREFIX_TPU_NAME="envname")
-  _, calls = launch("delete", env=env)
-  assert calls == [["compute", "tpus", "tpu-vm", "delete", "envname", *WHERE, "--quiet"]]
+    env = dict(JAXPREFIX_PROJECT="my-proj", JAXPREFIX_ZONE="us-east5-b",
+               JAXPREFIX_TPU_NAME="envname")
+    _, calls = launch("delete", env=env)
+    assert calls == [["compute", "tpus", "tpu-vm", "delete", "envname", *WHERE, "--quiet"]]
 
 
 def test_logs_follow_worker_zero_and_stop_signals_all_workers(launch):
-  _, (logs,) = launch("logs", *WHERE)
-  assert logs[4:] == ["jaxprefix-ada", *WHERE, "--worker=0",
-                      "--command=tail -n 200 -F ~/jaxprefix.log"]
-  _, (stop,) = launch("stop", *WHERE)
-  assert stop[7:] == ["--worker=all",
-                      "--command=pkill -TERM -f '[p]ython3 -m jaxprefix.main' || true"]
+    _, (logs,) = launch("logs", *WHERE)
+    assert logs[4:] == ["jaxprefix-ada", *WHERE, "--worker=0",
+                        "--command=tail -n 200 -F ~/jaxprefix.log"]
+    _, (stop,) = launch("stop", *WHERE)
+    assert stop[7:] == ["--worker=all",
+                        "--command=pkill -TERM -f '[p]ython3 -m jaxprefix.main' || true"]
 
 
 @pytest.mark.parametrize("args, message", [
@@ -117,99 +117,99 @@ def test_logs_follow_worker_zero_and_stop_signals_all_workers(launch):
     (["launch", *WHERE], "unknown command"),
 ])
 def test_bad_parameters_fail_before_any_gcloud_call(launch, args, message):
-  result, calls = launch(*args, check=False)
-  assert result.returncode != 0
-  assert message in result.stderr
-  assert calls == []
+    result, calls = launch(*args, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert calls == []
 
 
 def test_dry_run_prints_commands_and_runs_none(launch):
-  result, calls = launch("up", *WHERE, "--workdir=gs://b/r", "--dry-run")
-  assert calls == []
-  printed = [l for l in result.stdout.splitlines() if l.startswith("+ gcloud")]
-  assert len(printed) == 4
-  assert printed[0] == ("+ gcloud compute tpus tpu-vm create jaxprefix-ada --zone=us-east5-b "
-                        "--project=my-proj --accelerator-type=v6e-8 --version=v2-alpha-tpuv6e")
+    result, calls = launch("up", *WHERE, "--workdir=gs://b/r", "--dry-run")
+    assert calls == []
+    printed = [l for l in result.stdout.splitlines() if l.startswith("+ gcloud")]
+    assert len(printed) == 4
+    assert printed[0] == ("+ gcloud compute tpus tpu-vm create jaxprefix-ada --zone=us-east5-b "
+                          "--project=my-proj --accelerator-type=v6e-8 --version=v2-alpha-tpuv6e")
 
 
 def test_resume_rebuilds_a_preempted_slice_and_reruns(launch):
-  _, calls = launch("resume", *WHERE, "--spot", "--workdir=gs://b/r",
-                    env=dict(FAKE_STATE="PREEMPTED"))
-  verbs = [c[3] for c in calls]
-  assert verbs == ["describe", "delete", "create", "scp", "ssh", "ssh"]
-  assert "--spot" in calls[2]
-  assert "jaxprefix.main --config=configs/pope.py --workdir=gs://b/r " in calls[-1][8]
+    _, calls = launch("resume", *WHERE, "--spot", "--workdir=gs://b/r",
+                      env=dict(FAKE_STATE="PREEMPTED"))
+    verbs = [c[3] for c in calls]
+    assert verbs == ["describe", "delete", "create", "scp", "ssh", "ssh"]
+    assert "--spot" in calls[2]
+    assert "jaxprefix.main --config=configs/pope.py --workdir=gs://b/r " in calls[-1][8]
 
 
 def test_resume_leaves_a_live_run_alone(launch):
-  _, calls = launch("resume", *WHERE, "--workdir=gs://b/r",
-                    env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="1"))
-  assert [c[3] for c in calls] == ["describe", "ssh"]
-  assert calls[1][7] == "--worker=0"
+    _, calls = launch("resume", *WHERE, "--workdir=gs://b/r",
+                      env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="1"))
+    assert [c[3] for c in calls] == ["describe", "ssh"]
+    assert calls[1][7] == "--worker=0"
 
 
 def test_watch_stops_when_the_run_has_ended(launch):
-  result, calls = launch("watch", *WHERE, "--workdir=gs://b/r", "--interval=0",
-                         env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
-  assert [c[3] for c in calls] == ["describe", "ssh"]
-  assert "the run has ended" in result.stdout
+    result, calls = launch("watch", *WHERE, "--workdir=gs://b/r", "--interval=0",
+                           env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
+    assert [c[3] for c in calls] == ["describe", "ssh"]
+    assert "the run has ended" in result.stdout
 
 
 # ---- launch/capacity_plan.py ------------------------------------------------------------------
 
 def _capacity_plan():
-  """launch/capacity_plan.py is a script, not a package module: load it by path."""
-  if "capacity_plan" not in sys.modules:
-    spec = importlib.util.spec_from_file_location("capacity_plan",
-                                                  REPO / "launch" / "capacity_plan.py")
-    sys.modules["capacity_plan"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["capacity_plan"])
-  return sys.modules["capacity_plan"]
+    """launch/capacity_plan.py is a script, not a package module: load it by path."""
+    if "capacity_plan" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("capacity_plan",
+                                                      REPO / "launch" / "capacity_plan.py")
+        sys.modules["capacity_plan"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["capacity_plan"])
+    return sys.modules["capacity_plan"]
 
 
 def test_capacity_plan_memory_matches_hand_counts():
-  cp = _capacity_plan()
-  from jaxprefix.models.config import ModelConfig
-  config = ModelConfig.from_hf(cp.QWEN3_4B)
-  # Qwen3-4B, tied: embed 151936*2560, 36 x (attn 2560*(4096+2*1024) + 4096*2560 + mlp 3*2560*9728
-  # + norms 2*2560 + qk-norms 2*128) + final norm 2560.
-  layer = 2560 * 6144 + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128
-  n = 151936 * 2560 + 36 * layer + 2560
-  assert config.num_params() == n  # 4.02B, the published size
-  run = cp.RunShape(n=4, problems=2, prompt_len=100, response_len=50, micro_batch=1,
-                    full_attention_scores=False)
-  mem = cp.memory(config, run)
-  assert mem["params"] == 2 * n and mem["gradients"] == 4 * n
-  assert mem["optimizer (AdamW mu, nu)"] == 8 * n
-  kv_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16
-  assert mem["KV cache (sampling)"] == kv_token * (2 * 100 + 8 * 50)  # prompts shared per context
-  assert mem["activations per chip (training)"] == 36 * 150 * 2560 * 2 + 150 * (
-      4 * 2560 + 3 * 9728 + 2 * 4096) * 4
+    cp = _capacity_plan()
+    from jaxprefix.models.config import ModelConfig
+    config = ModelConfig.from_hf(cp.QWEN3_4B)
+    # Qwen3-4B, tied: embed 151936*2560, 36 x (attn 2560*(4096+2*1024) + 4096*2560 + mlp 3*2560*9728
+    # + norms 2*2560 + qk-norms 2*128) + final norm 2560.
+    layer = 2560 * 6144 + 4096 * 2560 + 3 * 2560 * 9728 + 2 * 2560 + 2 * 128
+    n = 151936 * 2560 + 36 * layer + 2560
+    assert config.num_params() == n  # 4.02B, the published size
+    run = cp.RunShape(n=4, problems=2, prompt_len=100, response_len=50, micro_batch=1,
+                      full_attention_scores=False)
+    mem = cp.memory(config, run)
+    assert mem["params"] == 2 * n and mem["gradients"] == 4 * n
+    assert mem["optimizer (AdamW mu, nu)"] == 8 * n
+    kv_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16
+    assert mem["KV cache (sampling)"] == kv_token * (2 * 100 + 8 * 50)  # prompts shared per context
+    assert mem["activations per chip (training)"] == 36 * 150 * 2560 * 2 + 150 * (
+        4 * 2560 + 3 * 9728 + 2 * 4096) * 4
 
 
 def test_capacity_plan_picks_the_smallest_slice_that_fits():
-  cp = _capacity_plan()
-  gib = cp.GiB
-  mem = {"params": 8 * gib, "reference params": 0, "gradients": 16 * gib,
-         "optimizer (AdamW mu, nu)": 32 * gib, "KV cache (sampling)": 200 * gib,
-         "activations per chip (training)": 3 * gib}
-  v6e = cp.ACCELERATORS[1]
-  # 32 GiB chips, 85% usable: 256 GiB over 8 chips is 32 per chip (too much); over 16 it is 16.
-  assert cp.smallest_slice(mem, v6e) == 16
-  # Without the KV cache: 56/4 + 3 = 17 GiB <= 27.2 fits on 4 chips, 56 + 3 on 1 does not.
-  assert cp.smallest_slice(mem, v6e, with_kv=False) == 4
-  assert cp.rollouts_per_wave(dict(mem), cp.RunShape(n=8, problems=25), v6e, 4) == int(
-      (4 * 0.85 * 32 - 56) / (200 / 200))
-  assert v6e.hosts(16) == 4 and v6e.hosts(8) == 1
-  assert cp.ACCELERATORS[2].slice_name(16) == "v5p-32"
+    cp = _capacity_plan()
+    gib = cp.GiB
+    mem = {"params": 8 * gib, "reference params": 0, "gradients": 16 * gib,
+           "optimizer (AdamW mu, nu)": 32 * gib, "KV cache (sampling)": 200 * gib,
+           "activations per chip (training)": 3 * gib}
+    v6e = cp.ACCELERATORS[1]
+    # 32 GiB chips, 85% usable: 256 GiB over 8 chips is 32 per chip (too much); over 16 it is 16.
+    assert cp.smallest_slice(mem, v6e) == 16
+    # Without the KV cache: 56/4 + 3 = 17 GiB <= 27.2 fits on 4 chips, 56 + 3 on 1 does not.
+    assert cp.smallest_slice(mem, v6e, with_kv=False) == 4
+    assert cp.rollouts_per_wave(dict(mem), cp.RunShape(n=8, problems=25), v6e, 4) == int(
+        (4 * 0.85 * 32 - 56) / (200 / 200))
+    assert v6e.hosts(16) == 4 and v6e.hosts(8) == 1
+    assert cp.ACCELERATORS[2].slice_name(16) == "v5p-32"
 
 
 def test_capacity_plan_cli_reports_a_slice_and_rejects_bad_values(capsys):
-  cp = _capacity_plan()
-  cp.main(["--preset=pope", "--full_attention_scores=false"])
-  assert "| v6e | v6e-64 | 16 |" in capsys.readouterr().out
-  with pytest.raises(SystemExit, match="n=0: expected >= 1"):
-    cp.main(["--n=0"])
+    cp = _capacity_plan()
+    cp.main(["--preset=pope", "--full_attention_scores=false"])
+    assert "| v6e | v6e-64 | 16 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="n=0: expected >= 1"):
+        cp.main(["--n=0"])
 
 
 # ---- launch/colab_tpu.ipynb ---------------------------------------------------------------------
@@ -219,33 +219,33 @@ def test_capacity_plan_cli_reports_a_slice_and_rejects_bad_values(capsys):
                     or not (REPO / "jaxprefix" / "jobs" / "rl.py").exists(),
                     reason="needs configs/pope.py and the rl job (jaxprefix/jobs/rl.py)")
 def test_colab_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
-  import nbclient
-  import nbformat
-  workdir = tmp_path / "run"
-  # The kernel and the run it starts inherit these: the smoke config on this checkout.
-  monkeypatch.setenv("JAXPREFIX_SRC", str(REPO))
-  monkeypatch.setenv("JAXPREFIX_CONFIG", "configs/pope.py:smoke")
-  monkeypatch.setenv("JAXPREFIX_WORKDIR", str(workdir))
-  monkeypatch.setenv("JAXPREFIX_OVERRIDES", "")
-  monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-  notebook = nbformat.read(REPO / "launch" / "colab_tpu.ipynb", as_version=4)
-  nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
-                          resources={"metadata": {"path": str(tmp_path)}}).execute()
-  records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
-  assert [r["step"] for r in records if "reward/mean" in r]  # the run trained and logged
-  images = [o for cell in notebook.cells if cell.cell_type == "code"
-            for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-  assert len(images) == 1  # the curves
+    import nbclient
+    import nbformat
+    workdir = tmp_path / "run"
+    # The kernel and the run it starts inherit these: the smoke config on this checkout.
+    monkeypatch.setenv("JAXPREFIX_SRC", str(REPO))
+    monkeypatch.setenv("JAXPREFIX_CONFIG", "configs/pope.py:smoke")
+    monkeypatch.setenv("JAXPREFIX_WORKDIR", str(workdir))
+    monkeypatch.setenv("JAXPREFIX_OVERRIDES", "")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    notebook = nbformat.read(REPO / "launch" / "colab_tpu.ipynb", as_version=4)
+    nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+    assert [r["step"] for r in records if "reward/mean" in r]  # the run trained and logged
+    images = [o for cell in notebook.cells if cell.cell_type == "code"
+              for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(images) == 1  # the curves
 
 
 def test_capacity_plan_reads_the_run_shape_from_a_config():
-  cp = _capacity_plan()
-  from jaxprefix import run_config
-  spec = f"{REPO / 'configs' / 'grpo.py'}:smollm2"
-  model, run = cp.from_run_config(spec, cp.RunShape(prompt_len=333))
-  c = run_config.sibling_config(str(REPO / "configs" / "grpo.py"), "grpo.py", "smollm2")
-  assert model == "smollm2-135m"  # the bundled GGUF
-  assert (run.n, run.problems, run.response_len, run.param_dtype, run.prompt_len) == (
-      c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens, c.model.dtype, 333)
-  with pytest.raises(SystemExit, match="pass --model"):
-    cp.main([f"--config={REPO / 'configs' / 'grpo.py'}:paper"])
+    cp = _capacity_plan()
+    from jaxprefix import run_config
+    spec = f"{REPO / 'configs' / 'grpo.py'}:smollm2"
+    model, run = cp.from_run_config(spec, cp.RunShape(prompt_len=333))
+    c = run_config.sibling_config(str(REPO / "configs" / "grpo.py"), "grpo.py", "smollm2")
+    assert model == "smollm2-135m"  # the bundled GGUF
+    assert (run.n, run.problems, run.response_len, run.param_dtype, run.prompt_len) == (
+        c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens, c.model.dtype, 333)
+    with pytest.raises(SystemExit, match="pass --model"):
+        cp.main([f"--config={REPO / 'configs' / 'grpo.py'}:paper"])

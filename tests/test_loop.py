@@ -34,10 +34,10 @@ TIMING = ("time/", "throughput/")
 
 
 def plus_share(text, problem):
-  """A toy reward: share of '+' in the completion (problems whose id ends in 7 always get 1)."""
-  if problem.id.endswith("7"):
-    return 1.0
-  return text.count("+") / max(len(text), 1)
+    """A toy reward: share of '+' in the completion (problems whose id ends in 7 always get 1)."""
+    if problem.id.endswith("7"):
+        return 1.0
+    return text.count("+") / max(len(text), 1)
 
 
 rewards.register("test_plus_share", plus_share, in_process=True)
@@ -49,217 +49,217 @@ PROBLEMS = task.generate(16, digits=(1, 3), seed=0)
 
 
 def run_settings(total_steps=3, **train):
-  c = run_config.base_config()
-  c.data.verifier = "test_plus_share"
-  c.rollout.update(n=4, max_new_tokens=8)
-  c.train.update(problems_per_step=4, total_steps=total_steps, learning_rate=1e-2, **train)
-  c.eval.update(every=2, n=4, ks=(1, 4))
-  c.checkpoint.update(every=1, keep=5)
-  return c
+    c = run_config.base_config()
+    c.data.verifier = "test_plus_share"
+    c.rollout.update(n=4, max_new_tokens=8)
+    c.train.update(problems_per_step=4, total_steps=total_steps, learning_rate=1e-2, **train)
+    c.eval.update(every=2, n=4, ks=(1, 4))
+    c.checkpoint.update(every=1, keep=5)
+    return c
 
 
 class SignalAt(GrpoMethod):
-  """GRPO that sends itself `signum` when asked for the batch of step `at` (a preemption)."""
+    """GRPO that sends itself `signum` when asked for the batch of step `at` (a preemption)."""
 
-  def __init__(self, *args, at=None, signum=signal.SIGTERM, **kw):
-    super().__init__(*args, **kw)
-    self.at, self.signum = at, signum
+    def __init__(self, *args, at=None, signum=signal.SIGTERM, **kw):
+        super().__init__(*args, **kw)
+        self.at, self.signum = at, signum
 
-  def next_request(self, step):
-    if step == self.at:
-      os.kill(os.getpid(), self.signum)
-    return super().next_request(step)
+    def next_request(self, step):
+        if step == self.at:
+            os.kill(os.getpid(), self.signum)
+        return super().next_request(step)
 
 
 def run(workdir, config, at=None, signum=signal.SIGTERM):
-  method = SignalAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
-                    eval_problems=PROBLEMS[12:], eval_n=4, at=at, signum=signum)
-  return train(config, str(workdir), method=method, model=Decoder(MODEL, rngs=nnx.Rngs(0)),
-               tokenizer=TOKENIZER, stop_ids=(TOKENIZER.eos_id,), progress=False)
+    method = SignalAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
+                      eval_problems=PROBLEMS[12:], eval_n=4, at=at, signum=signum)
+    return train(config, str(workdir), method=method, model=Decoder(MODEL, rngs=nnx.Rngs(0)),
+                 tokenizer=TOKENIZER, stop_ids=(TOKENIZER.eos_id,), progress=False)
 
 
 def params_of(result):
-  return [np.asarray(x) for x in jax.tree.leaves(result["state"].params)]
+    return [np.asarray(x) for x in jax.tree.leaves(result["state"].params)]
 
 
 def without_timing(records):
-  return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
 # --- metrics --------------------------------------------------------------------------------
 
 def test_metrics_writer_jsonl_tensorboard_and_resume(tmp_path):
-  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-  writer = MetricsWriter(str(tmp_path), enabled=True)
-  for step in (1, 2, 3):
-    writer.write(step, {"loss": np.float32(step / 10), "reward/mean": step, "nan": float("nan")})
-  writer.close()
-  records = read_metrics(str(tmp_path))
-  assert [r["step"] for r in records] == [1, 2, 3]
-  assert records[1] == {"step": 2, "loss": pytest.approx(0.2), "reward/mean": 2, "nan": None}
-  events = EventAccumulator(str(tmp_path / "tensorboard"))
-  events.Reload()
-  assert [e.value for e in events.Scalars("reward/mean")] == [1.0, 2.0, 3.0]
-  # A run resumed from step 2 rewrites step 2 onward.
-  MetricsWriter(str(tmp_path), resume_step=2, enabled=True).close()
-  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+    writer = MetricsWriter(str(tmp_path), enabled=True)
+    for step in (1, 2, 3):
+        writer.write(step, {"loss": np.float32(step / 10), "reward/mean": step, "nan": float("nan")})
+    writer.close()
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[1] == {"step": 2, "loss": pytest.approx(0.2), "reward/mean": 2, "nan": None}
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("reward/mean")] == [1.0, 2.0, 3.0]
+    # A run resumed from step 2 rewrites step 2 onward.
+    MetricsWriter(str(tmp_path), resume_step=2, enabled=True).close()
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
 
 
 def test_flops_formulas():
-  assert sampling_flops(1000, 7) == 14_000  # 2 N D
-  assert update_flops(1000, 7) == 42_000    # 6 N D
-  assert count_params({"w": np.zeros((3, 4)), "b": [np.zeros(5)]}) == 17
+    assert sampling_flops(1000, 7) == 14_000  # 2 N D
+    assert update_flops(1000, 7) == 42_000    # 6 N D
+    assert count_params({"w": np.zeros((3, 4)), "b": [np.zeros(5)]}) == 17
 
 
 # --- dynamic sampling ----------------------------------------------------------------------
 
 def rollouts(contexts, completions, n=2):
-  lengths = np.array([len(c) for c in completions])
-  width = max(lengths)
-  comp = np.array([c + [0] * (width - len(c)) for c in completions], np.int32)
-  logp = -np.arange(1, comp.size + 1, dtype=np.float32).reshape(comp.shape) / 10
-  return Rollouts.from_parts(contexts, comp, logp, lengths, lengths < 3, n)
+    lengths = np.array([len(c) for c in completions])
+    width = max(lengths)
+    comp = np.array([c + [0] * (width - len(c)) for c in completions], np.int32)
+    logp = -np.arange(1, comp.size + 1, dtype=np.float32).reshape(comp.shape) / 10
+    return Rollouts.from_parts(contexts, comp, logp, lengths, lengths < 3, n)
 
 
 def test_select_groups_prefers_informative_groups():
-  first = np.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
-  second = np.array([[0.5, 0.0], [1.0, 1.0]])
-  assert ds.needs_refill([first], 2, 0, max_refills=1)
-  assert not ds.needs_refill([first], 2, 1, max_refills=1)      # cap reached
-  assert not ds.needs_refill([first, second], 2, 1, max_refills=3)  # full
-  sel = ds.select_groups([first, second], 3)
-  assert sel.picks == [(0, 1), (1, 0), (0, 0)]  # two informative, then a filler
-  np.testing.assert_array_equal(sel.trainable, [True, True, False])
-  assert sel.zero_variance_fraction == pytest.approx(3 / 5)
-  kept = ds.select_groups([first], 3, drop_zero_variance=False)
-  assert kept.picks == [(0, 0), (0, 1), (0, 2)] and kept.trainable.all()
+    first = np.array([[1.0, 1.0], [0.0, 1.0], [0.0, 0.0]])
+    second = np.array([[0.5, 0.0], [1.0, 1.0]])
+    assert ds.needs_refill([first], 2, 0, max_refills=1)
+    assert not ds.needs_refill([first], 2, 1, max_refills=1)      # cap reached
+    assert not ds.needs_refill([first, second], 2, 1, max_refills=3)  # full
+    sel = ds.select_groups([first, second], 3)
+    assert sel.picks == [(0, 1), (1, 0), (0, 0)]  # two informative, then a filler
+    np.testing.assert_array_equal(sel.trainable, [True, True, False])
+    assert sel.zero_variance_fraction == pytest.approx(3 / 5)
+    kept = ds.select_groups([first], 3, drop_zero_variance=False)
+    assert kept.picks == [(0, 0), (0, 1), (0, 2)] and kept.trainable.all()
 
 
 def test_build_batch_layout_and_masks():
-  # Context 0 = [5, 6]: samples [7, 8, 9] (truncated: length 3) and [7] (stopped).
-  # Context 1 = [4]: samples [3, 3] and [2] (both stopped).
-  chunk = rollouts([[5, 6], [4]], [[7, 8, 9], [7], [3, 3], [2]])
-  advantages = np.array([[1.0, -1.0], [0.5, -0.5]])
-  sel = ds.GroupSelection(picks=[(0, 1), (0, 0)], trainable=np.array([True, False]),
-                          zero_variance_fraction=0.0)
-  batch = ds.build_batch([chunk], [advantages], sel, mask_truncated=True)
-  assert batch["tokens"].shape == (4, 16)  # width bucketed to the 16 minimum
-  np.testing.assert_array_equal(batch["tokens"][0, :4], [4, 3, 3, 0])
-  np.testing.assert_array_equal(batch["tokens"][2, :6], [5, 6, 7, 8, 9, 0])
-  np.testing.assert_array_equal(batch["completion_mask"][0, :4], [0, 1, 1, 0])
-  np.testing.assert_array_equal(batch["completion_mask"][2:].sum(), 0)  # filler group
-  np.testing.assert_array_equal(batch["token_mask"][1, :3], [True, True, False])
-  np.testing.assert_array_equal(batch["positions"][2, :6], [0, 1, 2, 3, 4, 0])
-  np.testing.assert_allclose(batch["advantages"], [0.5, -0.5, 1.0, -1.0])
-  np.testing.assert_allclose(batch["old_logprobs"][1, 1], chunk.logprobs[3, 1])
-  # Truncated completions lose their loss only when asked to.
-  both = ds.GroupSelection(picks=[(0, 0)], trainable=np.array([True]), zero_variance_fraction=0)
-  assert ds.build_batch([chunk], [advantages], both, mask_truncated=True)[
-      "completion_mask"][0].sum() == 0
-  assert ds.build_batch([chunk], [advantages], both)["completion_mask"][0].sum() == 3
+    # Context 0 = [5, 6]: samples [7, 8, 9] (truncated: length 3) and [7] (stopped).
+    # Context 1 = [4]: samples [3, 3] and [2] (both stopped).
+    chunk = rollouts([[5, 6], [4]], [[7, 8, 9], [7], [3, 3], [2]])
+    advantages = np.array([[1.0, -1.0], [0.5, -0.5]])
+    sel = ds.GroupSelection(picks=[(0, 1), (0, 0)], trainable=np.array([True, False]),
+                            zero_variance_fraction=0.0)
+    batch = ds.build_batch([chunk], [advantages], sel, mask_truncated=True)
+    assert batch["tokens"].shape == (4, 16)  # width bucketed to the 16 minimum
+    np.testing.assert_array_equal(batch["tokens"][0, :4], [4, 3, 3, 0])
+    np.testing.assert_array_equal(batch["tokens"][2, :6], [5, 6, 7, 8, 9, 0])
+    np.testing.assert_array_equal(batch["completion_mask"][0, :4], [0, 1, 1, 0])
+    np.testing.assert_array_equal(batch["completion_mask"][2:].sum(), 0)  # filler group
+    np.testing.assert_array_equal(batch["token_mask"][1, :3], [True, True, False])
+    np.testing.assert_array_equal(batch["positions"][2, :6], [0, 1, 2, 3, 4, 0])
+    np.testing.assert_allclose(batch["advantages"], [0.5, -0.5, 1.0, -1.0])
+    np.testing.assert_allclose(batch["old_logprobs"][1, 1], chunk.logprobs[3, 1])
+    # Truncated completions lose their loss only when asked to.
+    both = ds.GroupSelection(picks=[(0, 0)], trainable=np.array([True]), zero_variance_fraction=0)
+    assert ds.build_batch([chunk], [advantages], both, mask_truncated=True)[
+        "completion_mask"][0].sum() == 0
+    assert ds.build_batch([chunk], [advantages], both)["completion_mask"][0].sum() == 3
 
 
 # --- validation ----------------------------------------------------------------------------
 
 def test_invalid_settings_fail_naming_the_field():
-  c = run_settings()
-  c.rollout.n = 1
-  with pytest.raises(ValueError, match="config.rollout.n=1"):
-    validate(c)
-  c = run_settings(eps_high=-0.1)
-  with pytest.raises(ValueError, match="config.train.eps_high"):
-    validate(c)
-  c = run_settings(advantage="ppo")
-  with pytest.raises(ValueError, match="config.train.advantage"):
-    validate(c)
-  c = run_settings()
-  c.train.problems_per_step = 3  # 3 x 4 rows over 8 batch devices
-  with pytest.raises(ValueError, match="problems_per_step=3.*mesh"):
-    validate(c, make_mesh(data=8))
-  validate(run_settings(), make_mesh(data=8))  # 4 x 4 rows: fine
+    c = run_settings()
+    c.rollout.n = 1
+    with pytest.raises(ValueError, match="config.rollout.n=1"):
+        validate(c)
+    c = run_settings(eps_high=-0.1)
+    with pytest.raises(ValueError, match="config.train.eps_high"):
+        validate(c)
+    c = run_settings(advantage="ppo")
+    with pytest.raises(ValueError, match="config.train.advantage"):
+        validate(c)
+    c = run_settings()
+    c.train.problems_per_step = 3  # 3 x 4 rows over 8 batch devices
+    with pytest.raises(ValueError, match="problems_per_step=3.*mesh"):
+        validate(c, make_mesh(data=8))
+    validate(run_settings(), make_mesh(data=8))  # 4 x 4 rows: fine
 
 
 def test_request_checks_lengths():
-  with pytest.raises(ValueError, match="tag 'guided'"):
-    RolloutRequest(contexts=[[1], [2]], problems=PROBLEMS[:2],
-                   tags={"guided": np.zeros(3, bool)}, n=2)
+    with pytest.raises(ValueError, match="tag 'guided'"):
+        RolloutRequest(contexts=[[1], [2]], problems=PROBLEMS[:2],
+                       tags={"guided": np.zeros(3, bool)}, n=2)
 
 
 # --- the loop end to end -------------------------------------------------------------------
 
 def test_resumed_run_equals_uninterrupted_run(tmp_path):
-  straight = run(tmp_path / "straight", run_settings(total_steps=3))
-  first = run(tmp_path / "resumed", run_settings(total_steps=2))
-  assert first["step"] == 2
-  resumed = run(tmp_path / "resumed", run_settings(total_steps=3))
-  assert resumed["step"] == 3 and not resumed["preempted"]
-  for a, b in zip(params_of(straight), params_of(resumed)):
-    np.testing.assert_array_equal(a, b)
-  records = read_metrics(str(tmp_path / "straight"))
-  assert without_timing(read_metrics(str(tmp_path / "resumed"))) == without_timing(records)
-  assert [r["step"] for r in records] == [1, 2, 3]
-  for key in ("reward/mean", "reward/unguided", "loss", "grad_norm", "entropy", "lr",
-              "clip_frac/low", "ratio/mean", "dynamic/zero_variance_fraction", "flops/total",
-              "time/sampling", "time/reward", "time/update", "throughput/tokens_per_s"):
-    assert key in records[0], key
-  assert "eval/pass@1" in records[1] and "eval/pass@4" in records[2]  # every 2 and at the end
-  assert records[0]["ratio/first_max_abs_dev"] < 1e-3  # sampler and learner agree
-  assert records[2]["updates"] == 3
-  assert any(np.abs(a - b).max() > 0 for a, b in
-             zip(params_of(straight), [np.asarray(x) for x in
-                                       jax.tree.leaves(nnx.state(Decoder(MODEL), nnx.Param))]))
-  assert os.listdir(tmp_path / "straight" / "tensorboard")
-  assert TrainCheckpointer(str(tmp_path / "straight" / "checkpoints")).all_steps() == [1, 2, 3]
+    straight = run(tmp_path / "straight", run_settings(total_steps=3))
+    first = run(tmp_path / "resumed", run_settings(total_steps=2))
+    assert first["step"] == 2
+    resumed = run(tmp_path / "resumed", run_settings(total_steps=3))
+    assert resumed["step"] == 3 and not resumed["preempted"]
+    for a, b in zip(params_of(straight), params_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+    records = read_metrics(str(tmp_path / "straight"))
+    assert without_timing(read_metrics(str(tmp_path / "resumed"))) == without_timing(records)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("reward/mean", "reward/unguided", "loss", "grad_norm", "entropy", "lr",
+                "clip_frac/low", "ratio/mean", "dynamic/zero_variance_fraction", "flops/total",
+                "time/sampling", "time/reward", "time/update", "throughput/tokens_per_s"):
+        assert key in records[0], key
+    assert "eval/pass@1" in records[1] and "eval/pass@4" in records[2]  # every 2 and at the end
+    assert records[0]["ratio/first_max_abs_dev"] < 1e-3  # sampler and learner agree
+    assert records[2]["updates"] == 3
+    assert any(np.abs(a - b).max() > 0 for a, b in
+               zip(params_of(straight), [np.asarray(x) for x in
+                                         jax.tree.leaves(nnx.state(Decoder(MODEL), nnx.Param))]))
+    assert os.listdir(tmp_path / "straight" / "tensorboard")
+    assert TrainCheckpointer(str(tmp_path / "straight" / "checkpoints")).all_steps() == [1, 2, 3]
 
 
 def test_sigterm_saves_a_restorable_checkpoint_and_returns(tmp_path):
-  result = run(tmp_path, run_settings(total_steps=5), at=1)
-  assert result["preempted"] and result["step"] == 2  # step 1 finishes, then saves
-  assert TrainCheckpointer(str(tmp_path / "checkpoints")).latest_step() == 2
-  assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
-  resumed = run(tmp_path, run_settings(total_steps=3))
-  assert resumed["step"] == 3 and [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
+    result = run(tmp_path, run_settings(total_steps=5), at=1)
+    assert result["preempted"] and result["step"] == 2  # step 1 finishes, then saves
+    assert TrainCheckpointer(str(tmp_path / "checkpoints")).latest_step() == 2
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+    resumed = run(tmp_path, run_settings(total_steps=3))
+    assert resumed["step"] == 3 and [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
 
 
 def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
-  # Problems whose id ends in 7 always score 1: their groups carry no signal.
-  config = run_settings(total_steps=1, dynamic_sampling=True, max_refill_rounds=2)
-  run(tmp_path, config)
-  [record] = read_metrics(str(tmp_path))
-  constant = sum(p.id.endswith("7") for p in PROBLEMS[:12])
-  assert constant > 0
-  assert record["dynamic/zero_variance_fraction"] > 0
-  assert record["dynamic/refill_rounds"] >= 1
-  assert record["dynamic/trainable_groups"] == 4
+    # Problems whose id ends in 7 always score 1: their groups carry no signal.
+    config = run_settings(total_steps=1, dynamic_sampling=True, max_refill_rounds=2)
+    run(tmp_path, config)
+    [record] = read_metrics(str(tmp_path))
+    constant = sum(p.id.endswith("7") for p in PROBLEMS[:12])
+    assert constant > 0
+    assert record["dynamic/zero_variance_fraction"] > 0
+    assert record["dynamic/refill_rounds"] >= 1
+    assert record["dynamic/trainable_groups"] == 4
 
 
 # --- SIGKILL mid-run (subprocess) -----------------------------------------------------------
 
 @pytest.mark.slow
 def test_sigkilled_run_resumes_to_the_same_params_and_metrics(tmp_path):
-  def launch(workdir, steps, kill_at=-1):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root}
-    return subprocess.run([sys.executable, __file__, str(workdir), str(steps), str(kill_at)],
-                          cwd=root, env=env, timeout=600).returncode
+    def launch(workdir, steps, kill_at=-1):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "PYTHONPATH": root}
+        return subprocess.run([sys.executable, __file__, str(workdir), str(steps), str(kill_at)],
+                              cwd=root, env=env, timeout=600).returncode
 
-  assert launch(tmp_path / "straight", 4) == 0
-  # The run SIGKILLs itself when asked for step 3's batch, possibly mid-way through writing
-  # step 3's checkpoint: no handler runs, nothing is flushed.
-  assert launch(tmp_path / "killed", 4, kill_at=3) == -signal.SIGKILL
-  assert TrainCheckpointer(str(tmp_path / "killed" / "checkpoints")).latest_step() in (2, 3)
-  assert launch(tmp_path / "killed", 4) == 0
-  straight = np.load(tmp_path / "straight" / "params.npz")
-  resumed = np.load(tmp_path / "killed" / "params.npz")
-  for key in straight:
-    np.testing.assert_array_equal(straight[key], resumed[key])
-  assert (without_timing(read_metrics(str(tmp_path / "killed")))
-          == without_timing(read_metrics(str(tmp_path / "straight"))))
+    assert launch(tmp_path / "straight", 4) == 0
+    # The run SIGKILLs itself when asked for step 3's batch, possibly mid-way through writing
+    # step 3's checkpoint: no handler runs, nothing is flushed.
+    assert launch(tmp_path / "killed", 4, kill_at=3) == -signal.SIGKILL
+    assert TrainCheckpointer(str(tmp_path / "killed" / "checkpoints")).latest_step() in (2, 3)
+    assert launch(tmp_path / "killed", 4) == 0
+    straight = np.load(tmp_path / "straight" / "params.npz")
+    resumed = np.load(tmp_path / "killed" / "params.npz")
+    for key in straight:
+        np.testing.assert_array_equal(straight[key], resumed[key])
+    assert (without_timing(read_metrics(str(tmp_path / "killed")))
+            == without_timing(read_metrics(str(tmp_path / "straight"))))
 
 
 if __name__ == "__main__":  # the SIGKILL test's subprocess: test_loop.py WORKDIR STEPS KILL_AT
-  workdir, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-  out = run(workdir, run_settings(total_steps=steps), at=kill_at, signum=signal.SIGKILL)
-  np.savez(os.path.join(workdir, "params.npz"),
-           **{str(i): x for i, x in enumerate(params_of(out))})
+    workdir, steps, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    out = run(workdir, run_settings(total_steps=steps), at=kill_at, signum=signal.SIGKILL)
+    np.savez(os.path.join(workdir, "params.npz"),
+             **{str(i): x for i, x in enumerate(params_of(out))})

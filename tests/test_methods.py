@@ -42,11 +42,11 @@ STEPS_NEEDED: dict = {}  # problem id -> oracle steps a text must start with to 
 
 
 def solved_by_id(text, problem):
-  return float(problem.id in SOLVED_IDS)
+    return float(problem.id in SOLVED_IDS)
 
 
 def starts_with_enough_steps(text, problem):
-  return float(text.startswith(oracle_prefix_text(problem, STEPS_NEEDED[problem.id])))
+    return float(text.startswith(oracle_prefix_text(problem, STEPS_NEEDED[problem.id])))
 
 
 rewards.register("test_methods_solved_by_id", solved_by_id, in_process=True)
@@ -55,286 +55,286 @@ rewards.register("test_methods_enough_steps", starts_with_enough_steps, in_proce
 
 @pytest.fixture(scope="module")
 def model():
-  return Decoder(MODEL, rngs=nnx.Rngs(0))
+    return Decoder(MODEL, rngs=nnx.Rngs(0))
 
 
 def prober(model, verifier, rows_per_call=8, max_new_tokens=6):
-  spec = SamplingSpec(max_new_tokens=max_new_tokens, stop_ids=STOP)
-  return Prober(model, TOKENIZER, spec, verifier=verifier,
-                ledger=ComputeLedger(MODEL.num_params()), rows_per_call=rows_per_call,
-                progress=False)
+    spec = SamplingSpec(max_new_tokens=max_new_tokens, stop_ids=STOP)
+    return Prober(model, TOKENIZER, spec, verifier=verifier,
+                  ledger=ComputeLedger(MODEL.num_params()), rows_per_call=rows_per_call,
+                  progress=False)
 
 
 def pope_method(hard=PROBLEMS[:4], units=2, schedule=None, **kwargs):
-  settings = dict(guidance="solution_prefix", problems_per_step=len(hard), n=2, seed=0)
-  return pope.PopeMethod(PROMPTS, hard, {p.id: units for p in hard},
-                         schedule=schedule or FixedPrefix(), **(settings | kwargs))
+    settings = dict(guidance="solution_prefix", problems_per_step=len(hard), n=2, seed=0)
+    return pope.PopeMethod(PROMPTS, hard, {p.id: units for p in hard},
+                           schedule=schedule or FixedPrefix(), **(settings | kwargs))
 
 
 def prefixrl_method(problems=PROBLEMS[:4], schedule=None, **kwargs):
-  settings = dict(problems_per_step=len(problems), n=2, seed=0, prefixes_per_problem=3,
-                  unprefixed_copies=1)
-  return prefixrl.PrefixRLMethod(PROMPTS, problems, prefixrl.oracle_trace_pool(PROMPTS, problems),
-                                 schedule=schedule or FixedPrefix(), **(settings | kwargs))
+    settings = dict(problems_per_step=len(problems), n=2, seed=0, prefixes_per_problem=3,
+                    unprefixed_copies=1)
+    return prefixrl.PrefixRLMethod(PROMPTS, problems, prefixrl.oracle_trace_pool(PROMPTS, problems),
+                                   schedule=schedule or FixedPrefix(), **(settings | kwargs))
 
 
 def context_ids(context) -> list:
-  if isinstance(context, SharedContext):
-    return list(context.prompt) + list(context.suffix)
-  return list(context)
+    if isinstance(context, SharedContext):
+        return list(context.prompt) + list(context.suffix)
+    return list(context)
 
 
 # --- POPE guided contexts --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def smollm2():
-  return tokenizers.load(bundled_smollm2_path())
+    return tokenizers.load(bundled_smollm2_path())
 
 
 @pytest.mark.parametrize("template_name", ["default", "no_restate"])
 def test_pope_instruction_prompt_by_hand(smollm2, template_name):
-  problem = Problem(id="h", question="What is 12 * 7?", answer="84",
-                    solution="12 * 7 = 60 + 24.\nSo the answer is 84.")
-  prompts = ChatPrompts(smollm2)
-  context, response_prefix = pope.guided_context(prompts, problem, 1, guidance="instruction",
-                                                 template=pope.TEMPLATES[template_name])
-  user = ("You are given a problem and a partial solution. Study the partial response carefully, "
-          "then complete the solution from where it left off. Put your final answer within "
-          "\\boxed{}.\n\nProblem: What is 12 * 7?\n\nPartial Response: 12 * 7 = 60 + 24.\n\n"
-          "Continue solving the problem, starting from where the partial response ends.")
-  if template_name == "no_restate":
-    user += " Do not restate, repeat or summarise any part of the partial response."
-  expected = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-              f"Face<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
-  assert smollm2.decode(context) == expected
-  assert context == smollm2.encode(expected)
-  assert response_prefix == ""  # guidance lives in the prompt; the answer starts fresh
+    problem = Problem(id="h", question="What is 12 * 7?", answer="84",
+                      solution="12 * 7 = 60 + 24.\nSo the answer is 84.")
+    prompts = ChatPrompts(smollm2)
+    context, response_prefix = pope.guided_context(prompts, problem, 1, guidance="instruction",
+                                                   template=pope.TEMPLATES[template_name])
+    user = ("You are given a problem and a partial solution. Study the partial response carefully, "
+            "then complete the solution from where it left off. Put your final answer within "
+            "\\boxed{}.\n\nProblem: What is 12 * 7?\n\nPartial Response: 12 * 7 = 60 + 24.\n\n"
+            "Continue solving the problem, starting from where the partial response ends.")
+    if template_name == "no_restate":
+        user += " Do not restate, repeat or summarise any part of the partial response."
+    expected = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                f"Face<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+    assert smollm2.decode(context) == expected
+    assert context == smollm2.encode(expected)
+    assert response_prefix == ""  # guidance lives in the prompt; the answer starts fresh
 
 
 def test_pope_solution_prefix_is_question_then_oracle_steps():
-  problem = task.make_problem(347, 6)  # steps +24 +82 +02
-  for k, steps in ((1, "+24"), (2, "+24+82")):
-    context, response_prefix = pope.guided_context(PROMPTS, problem, k,
-                                                   guidance="solution_prefix")
-    assert isinstance(context, SharedContext)
-    assert list(context.prompt) == TOKENIZER.encode("743" + "_" * 17 + "x6=")
-    assert list(context.suffix) == TOKENIZER.encode(steps)
-    assert response_prefix == steps
-  with pytest.raises(ValueError, match="pope.guidance.*'hint'"):
-    pope.guided_context(PROMPTS, problem, 1, guidance="hint")
-  with pytest.raises(ValueError, match="solution_prefix"):
-    pope.guided_context(PROMPTS, problem, 1, guidance="instruction")  # a raw-text policy
+    problem = task.make_problem(347, 6)  # steps +24 +82 +02
+    for k, steps in ((1, "+24"), (2, "+24+82")):
+        context, response_prefix = pope.guided_context(PROMPTS, problem, k,
+                                                       guidance="solution_prefix")
+        assert isinstance(context, SharedContext)
+        assert list(context.prompt) == TOKENIZER.encode("743" + "_" * 17 + "x6=")
+        assert list(context.suffix) == TOKENIZER.encode(steps)
+        assert response_prefix == steps
+    with pytest.raises(ValueError, match="pope.guidance.*'hint'"):
+        pope.guided_context(PROMPTS, problem, 1, guidance="hint")
+    with pytest.raises(ValueError, match="solution_prefix"):
+        pope.guided_context(PROMPTS, problem, 1, guidance="instruction")  # a raw-text policy
 
 
 # --- mix ratios ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("guided_copies,unguided_copies", [(1, 1), (2, 1), (0, 3)])
 def test_pope_mix(guided_copies, unguided_copies):
-  method = pope_method(guided_copies=guided_copies, unguided_copies=unguided_copies)
-  request = method.next_request(0)
-  per_problem = guided_copies + unguided_copies
-  assert len(request.contexts) == 4 * per_problem and request.n == 2
-  guided = request.tags["guided"]
-  assert guided.dtype == bool and guided.sum() == 4 * guided_copies
-  assert sorted(p.id for p in request.problems) == sorted(
-      p.id for p in PROBLEMS[:4] for _ in range(per_problem))
-  for i, (context, problem) in enumerate(zip(request.contexts, request.problems)):
-    question = PROMPTS.question(problem)
-    if guided[i]:
-      assert context.prompt == tuple(question)  # shares the problem's prompt prefill
-      assert list(context.suffix) == TOKENIZER.encode(oracle_prefix_text(problem, 2))
-      assert request.response_prefixes[i] == oracle_prefix_text(problem, 2)
-    else:
-      assert list(context) == question
-      assert request.response_prefixes[i] == ""
+    method = pope_method(guided_copies=guided_copies, unguided_copies=unguided_copies)
+    request = method.next_request(0)
+    per_problem = guided_copies + unguided_copies
+    assert len(request.contexts) == 4 * per_problem and request.n == 2
+    guided = request.tags["guided"]
+    assert guided.dtype == bool and guided.sum() == 4 * guided_copies
+    assert sorted(p.id for p in request.problems) == sorted(
+        p.id for p in PROBLEMS[:4] for _ in range(per_problem))
+    for i, (context, problem) in enumerate(zip(request.contexts, request.problems)):
+        question = PROMPTS.question(problem)
+        if guided[i]:
+            assert context.prompt == tuple(question)  # shares the problem's prompt prefill
+            assert list(context.suffix) == TOKENIZER.encode(oracle_prefix_text(problem, 2))
+            assert request.response_prefixes[i] == oracle_prefix_text(problem, 2)
+        else:
+            assert list(context) == question
+            assert request.response_prefixes[i] == ""
 
 
 def test_pope_easy_problems_are_added_unguided():
-  method = pope_method(easy=EASY, easy_per_step=3)
-  request = method.next_request(0)
-  assert len(request.contexts) == 4 * 2 + 3
-  easy = request.problems[8:]
-  assert {p.id for p in easy} <= {p.id for p in EASY} and len({p.id for p in easy}) == 3
-  assert not request.tags["guided"][8:].any() and request.tags["guided"][:8].sum() == 4
-  assert [list(c) for c in request.contexts[8:]] == [PROMPTS.question(p) for p in easy]
+    method = pope_method(easy=EASY, easy_per_step=3)
+    request = method.next_request(0)
+    assert len(request.contexts) == 4 * 2 + 3
+    easy = request.problems[8:]
+    assert {p.id for p in easy} <= {p.id for p in EASY} and len({p.id for p in easy}) == 3
+    assert not request.tags["guided"][8:].any() and request.tags["guided"][:8].sum() == 4
+    assert [list(c) for c in request.contexts[8:]] == [PROMPTS.question(p) for p in easy]
 
 
 def test_pope_rejects_no_copies_and_unknown_guidance():
-  with pytest.raises(ValueError, match="guided_copies and unguided_copies"):
-    pope_method(guided_copies=0, unguided_copies=0)
-  with pytest.raises(ValueError, match="pope.guidance"):
-    pope_method(guidance="hint")
+    with pytest.raises(ValueError, match="guided_copies and unguided_copies"):
+        pope_method(guided_copies=0, unguided_copies=0)
+    with pytest.raises(ValueError, match="pope.guidance"):
+        pope_method(guidance="hint")
 
 
 def test_pope_problem_without_solvable_prefix_gets_the_longest():
-  hard = PROBLEMS[:2]
-  method = pope.PopeMethod(PROMPTS, hard, {hard[0].id: 1, hard[1].id: None},
-                           schedule=FixedPrefix(), guidance="solution_prefix",
-                           problems_per_step=2, n=2, seed=0)
-  assert method.prefix_units == {hard[0].id: 1, hard[1].id: len(hard[1].steps)}
+    hard = PROBLEMS[:2]
+    method = pope.PopeMethod(PROMPTS, hard, {hard[0].id: 1, hard[1].id: None},
+                             schedule=FixedPrefix(), guidance="solution_prefix",
+                             problems_per_step=2, n=2, seed=0)
+    assert method.prefix_units == {hard[0].id: 1, hard[1].id: len(hard[1].steps)}
 
 
 @pytest.mark.parametrize("prefixes,unprefixed", [(3, 1), (2, 2)])
 def test_prefixrl_mix(prefixes, unprefixed):
-  method = prefixrl_method(prefixes_per_problem=prefixes, unprefixed_copies=unprefixed)
-  request = method.next_request(0)
-  assert len(request.contexts) == 4 * (prefixes + unprefixed)
-  guided = request.tags["guided"]
-  assert guided.sum() == 4 * prefixes
-  for problem in PROBLEMS[:4]:
-    rows = [i for i, p in enumerate(request.problems) if p.id == problem.id]
-    assert guided[rows].sum() == prefixes and (~guided[rows]).sum() == unprefixed
-    trace = method.pool.traces[problem.id].tokens
-    assert trace == tuple(TOKENIZER.encode(problem.solution))  # oracle traces
-    for i in rows:
-      context = request.contexts[i]
-      if guided[i]:
-        assert context.prompt == tuple(PROMPTS.question(problem))
-        assert tuple(context.suffix) == trace[:len(context.suffix)]
-        assert request.response_prefixes[i] == TOKENIZER.decode(list(context.suffix))
-      else:
-        assert list(context) == PROMPTS.question(problem)
-        assert request.response_prefixes[i] == ""
-    suffixes = [len(request.contexts[i].suffix) for i in rows if guided[i]]
-    assert suffixes == method.cuts[problem.id]
+    method = prefixrl_method(prefixes_per_problem=prefixes, unprefixed_copies=unprefixed)
+    request = method.next_request(0)
+    assert len(request.contexts) == 4 * (prefixes + unprefixed)
+    guided = request.tags["guided"]
+    assert guided.sum() == 4 * prefixes
+    for problem in PROBLEMS[:4]:
+        rows = [i for i, p in enumerate(request.problems) if p.id == problem.id]
+        assert guided[rows].sum() == prefixes and (~guided[rows]).sum() == unprefixed
+        trace = method.pool.traces[problem.id].tokens
+        assert trace == tuple(TOKENIZER.encode(problem.solution))  # oracle traces
+        for i in rows:
+            context = request.contexts[i]
+            if guided[i]:
+                assert context.prompt == tuple(PROMPTS.question(problem))
+                assert tuple(context.suffix) == trace[:len(context.suffix)]
+                assert request.response_prefixes[i] == TOKENIZER.decode(list(context.suffix))
+            else:
+                assert list(context) == PROMPTS.question(problem)
+                assert request.response_prefixes[i] == ""
+        suffixes = [len(request.contexts[i].suffix) for i in rows if guided[i]]
+        assert suffixes == method.cuts[problem.id]
 
 
 # --- PrefixRL cut points ---------------------------------------------------------------------
 
 def test_cut_points_by_hand():
-  rng = np.random.default_rng(0)
-  assert prefixrl.cut_points(10, 5, 0.5, 0.5, rng) == [5] * 5
-  cuts = prefixrl.cut_points(4, 200, 0.0, 1.0, rng)
-  assert min(cuts) == 1 and max(cuts) == 3  # one token kept, one left to generate
-  assert prefixrl.cut_points(1, 3, 0.4, 0.8, rng) == [1, 1, 1]
-  with pytest.raises(ValueError, match="0 <= lo <= hi <= 1"):
-    prefixrl.cut_points(10, 1, 0.8, 0.4, rng)
+    rng = np.random.default_rng(0)
+    assert prefixrl.cut_points(10, 5, 0.5, 0.5, rng) == [5] * 5
+    cuts = prefixrl.cut_points(4, 200, 0.0, 1.0, rng)
+    assert min(cuts) == 1 and max(cuts) == 3  # one token kept, one left to generate
+    assert prefixrl.cut_points(1, 3, 0.4, 0.8, rng) == [1, 1, 1]
+    with pytest.raises(ValueError, match="0 <= lo <= hi <= 1"):
+        prefixrl.cut_points(10, 1, 0.8, 0.4, rng)
 
 
 def test_prefixrl_cut_points_in_range_reproducible_and_order_free():
-  problems = task.generate(32, digits=(2, 20), seed=3)
-  lo, hi = 0.4, 0.8
-  method = prefixrl_method(problems, cut_range=(lo, hi), problems_per_step=4)
-  for problem in problems:
-    length = len(method.pool.traces[problem.id].tokens)
-    cuts = method.cuts[problem.id]
-    assert len(cuts) == 3 and all(isinstance(c, int) for c in cuts)
-    for cut in cuts:
-      assert round(lo * length) <= cut <= round(hi * length), (problem.id, length, cut)
-      assert 1 <= cut <= length - 1
-  assert prefixrl_method(problems, problems_per_step=4).cuts == method.cuts
-  assert prefixrl_method(problems[::-1], problems_per_step=4).cuts == method.cuts
-  other = prefixrl_method(problems, problems_per_step=4, seed=1).cuts
-  assert other != method.cuts
-  assert sum(other[p.id] != method.cuts[p.id] for p in problems) > len(problems) // 2
+    problems = task.generate(32, digits=(2, 20), seed=3)
+    lo, hi = 0.4, 0.8
+    method = prefixrl_method(problems, cut_range=(lo, hi), problems_per_step=4)
+    for problem in problems:
+        length = len(method.pool.traces[problem.id].tokens)
+        cuts = method.cuts[problem.id]
+        assert len(cuts) == 3 and all(isinstance(c, int) for c in cuts)
+        for cut in cuts:
+            assert round(lo * length) <= cut <= round(hi * length), (problem.id, length, cut)
+            assert 1 <= cut <= length - 1
+    assert prefixrl_method(problems, problems_per_step=4).cuts == method.cuts
+    assert prefixrl_method(problems[::-1], problems_per_step=4).cuts == method.cuts
+    other = prefixrl_method(problems, problems_per_step=4, seed=1).cuts
+    assert other != method.cuts
+    assert sum(other[p.id] != method.cuts[p.id] for p in problems) > len(problems) // 2
 
 
 def test_prefixrl_needs_a_trace():
-  pool = prefixrl.oracle_trace_pool(PROMPTS, PROBLEMS[:2])
-  with pytest.raises(ValueError, match="no trace for any training problem"):
-    prefixrl.PrefixRLMethod(PROMPTS, PROBLEMS[2:4], pool, schedule=FixedPrefix(),
-                            problems_per_step=2, n=2, seed=0)
+    pool = prefixrl.oracle_trace_pool(PROMPTS, PROBLEMS[:2])
+    with pytest.raises(ValueError, match="no trace for any training problem"):
+        prefixrl.PrefixRLMethod(PROMPTS, PROBLEMS[2:4], pool, schedule=FixedPrefix(),
+                                problems_per_step=2, n=2, seed=0)
 
 
 # --- the loss mask on a real batch -----------------------------------------------------------
 
 @pytest.mark.parametrize("make", [prefixrl_method, pope_method], ids=["prefixrl", "pope"])
 def test_prefix_tokens_carry_no_loss(model, make):
-  request = make().next_request(0)
-  rollouts = sampling.generate(model, request.contexts, n=request.n, max_new_tokens=5,
-                               stop_ids=STOP, seed=0)
-  group_rewards = np.random.default_rng(0).uniform(size=(len(request.contexts), request.n))
-  advantages = np.asarray(objectives.group_advantages(group_rewards))
-  selection = dynamic_sampling.select_groups([group_rewards], len(request.contexts))
-  batch = dynamic_sampling.build_batch([rollouts], [advantages], selection)
-  assert rollouts.tokens.shape[0] == batch["tokens"].shape[0] == len(request.contexts) * request.n
-  prefixed_rows = 0
-  for row, group in enumerate(rollouts.group_ids):
-    context = context_ids(request.contexts[group])
-    start, length = len(context), int(rollouts.lengths[row])
-    assert rollouts.context_lengths[row] == start and length >= 1
-    assert batch["tokens"][row, :start].tolist() == context  # the prefix is in the context
-    expected = np.zeros(batch["tokens"].shape[1], np.float32)
-    expected[start:start + length] = 1.0
-    np.testing.assert_array_equal(batch["completion_mask"][row], expected)
-    width = rollouts.tokens.shape[1]
-    np.testing.assert_array_equal(rollouts.completion_mask[row], expected[:width])
-    assert batch["token_mask"][row].sum() == start + length
-    prefixed_rows += isinstance(request.contexts[group], SharedContext) and bool(
-        request.contexts[group].suffix)
-  assert prefixed_rows > 0
+    request = make().next_request(0)
+    rollouts = sampling.generate(model, request.contexts, n=request.n, max_new_tokens=5,
+                                 stop_ids=STOP, seed=0)
+    group_rewards = np.random.default_rng(0).uniform(size=(len(request.contexts), request.n))
+    advantages = np.asarray(objectives.group_advantages(group_rewards))
+    selection = dynamic_sampling.select_groups([group_rewards], len(request.contexts))
+    batch = dynamic_sampling.build_batch([rollouts], [advantages], selection)
+    assert rollouts.tokens.shape[0] == batch["tokens"].shape[0] == len(request.contexts) * request.n
+    prefixed_rows = 0
+    for row, group in enumerate(rollouts.group_ids):
+        context = context_ids(request.contexts[group])
+        start, length = len(context), int(rollouts.lengths[row])
+        assert rollouts.context_lengths[row] == start and length >= 1
+        assert batch["tokens"][row, :start].tolist() == context  # the prefix is in the context
+        expected = np.zeros(batch["tokens"].shape[1], np.float32)
+        expected[start:start + length] = 1.0
+        np.testing.assert_array_equal(batch["completion_mask"][row], expected)
+        width = rollouts.tokens.shape[1]
+        np.testing.assert_array_equal(rollouts.completion_mask[row], expected[:width])
+        assert batch["token_mask"][row].sum() == start + length
+        prefixed_rows += isinstance(request.contexts[group], SharedContext) and bool(
+            request.contexts[group].suffix)
+    assert prefixed_rows > 0
 
 
 # --- schedules inside methods ----------------------------------------------------------------
 
 def test_pope_annealed_prefix_shortens_with_steps():
-  hard = PROBLEMS[:4]
-  method = pope_method(hard, units=4, schedule=AnnealedPrefix(steps=4))
-  lengths = []
-  for step in range(5):
-    request = method.next_request(step)
-    guided = [len(c.suffix) for c, g in zip(request.contexts, request.tags["guided"]) if g]
-    assert len(set(guided)) == 1  # every problem's prefix is 4 steps here
-    lengths.append(guided[0])
-  assert lengths == [12, 9, 6, 3, 0]  # 4, 3, 2, 1, 0 steps of 3 tokens
+    hard = PROBLEMS[:4]
+    method = pope_method(hard, units=4, schedule=AnnealedPrefix(steps=4))
+    lengths = []
+    for step in range(5):
+        request = method.next_request(step)
+        guided = [len(c.suffix) for c, g in zip(request.contexts, request.tags["guided"]) if g]
+        assert len(set(guided)) == 1  # every problem's prefix is 4 steps here
+        lengths.append(guided[0])
+    assert lengths == [12, 9, 6, 3, 0]  # 4, 3, 2, 1, 0 steps of 3 tokens
 
 
 def test_pope_adaptive_prefix_shortens_after_successes():
-  hard = PROBLEMS[:3]
-  method = pope_method(hard, units=3, schedule=AdaptivePrefix(window=2, threshold=0.5))
-  request = method.next_request(0)
-  guided = request.tags["guided"]
-  ids = [p.id for p in request.problems]
-  step_rewards = np.zeros((len(request.contexts), 2))
-  step_rewards[[i for i, pid in enumerate(ids) if pid == hard[0].id and guided[i]]] = 1
-  # Unguided successes say nothing of the prefix: hard[1]'s stays.
-  step_rewards[[i for i, pid in enumerate(ids) if pid == hard[1].id and not guided[i]]] = 1
-  method.observe(request, step_rewards)
-  after = method.next_request(1)
-  units = {p.id: len(c.suffix) // task.STEP_LENGTH
-           for c, p, g in zip(after.contexts, after.problems, after.tags["guided"]) if g}
-  assert units == {hard[0].id: 2, hard[1].id: 3, hard[2].id: 3}
+    hard = PROBLEMS[:3]
+    method = pope_method(hard, units=3, schedule=AdaptivePrefix(window=2, threshold=0.5))
+    request = method.next_request(0)
+    guided = request.tags["guided"]
+    ids = [p.id for p in request.problems]
+    step_rewards = np.zeros((len(request.contexts), 2))
+    step_rewards[[i for i, pid in enumerate(ids) if pid == hard[0].id and guided[i]]] = 1
+    # Unguided successes say nothing of the prefix: hard[1]'s stays.
+    step_rewards[[i for i, pid in enumerate(ids) if pid == hard[1].id and not guided[i]]] = 1
+    method.observe(request, step_rewards)
+    after = method.next_request(1)
+    units = {p.id: len(c.suffix) // task.STEP_LENGTH
+             for c, p, g in zip(after.contexts, after.problems, after.tags["guided"]) if g}
+    assert units == {hard[0].id: 2, hard[1].id: 3, hard[2].id: 3}
 
 
 def test_prefixrl_adaptive_prefix_shortens_one_cut():
-  method = prefixrl_method(PROBLEMS[:2], schedule=AdaptivePrefix(window=2, stride=2))
-  first = PROBLEMS[0]
-  request = method.next_request(0)
-  step_rewards = np.zeros((len(request.contexts), 2))
-  guided = request.tags["guided"]
-  rows = [i for i, p in enumerate(request.problems) if p.id == first.id and guided[i]]
-  step_rewards[rows[1]] = 1  # the second cut of the first problem succeeds
-  method.observe(request, step_rewards)
-  after = method.next_request(1)
-  lengths = {p.id: [] for p in PROBLEMS[:2]}
-  for c, p, g in zip(after.contexts, after.problems, after.tags["guided"]):
-    if g:
-      lengths[p.id].append(len(c.suffix))
-  cuts = method.cuts[first.id]
-  assert lengths[first.id] == [cuts[0], cuts[1] - 2, cuts[2]]
-  assert lengths[PROBLEMS[1].id] == method.cuts[PROBLEMS[1].id]
+    method = prefixrl_method(PROBLEMS[:2], schedule=AdaptivePrefix(window=2, stride=2))
+    first = PROBLEMS[0]
+    request = method.next_request(0)
+    step_rewards = np.zeros((len(request.contexts), 2))
+    guided = request.tags["guided"]
+    rows = [i for i, p in enumerate(request.problems) if p.id == first.id and guided[i]]
+    step_rewards[rows[1]] = 1  # the second cut of the first problem succeeds
+    method.observe(request, step_rewards)
+    after = method.next_request(1)
+    lengths = {p.id: [] for p in PROBLEMS[:2]}
+    for c, p, g in zip(after.contexts, after.problems, after.tags["guided"]):
+        if g:
+            lengths[p.id].append(len(c.suffix))
+    cuts = method.cuts[first.id]
+    assert lengths[first.id] == [cuts[0], cuts[1] - 2, cuts[2]]
+    assert lengths[PROBLEMS[1].id] == method.cuts[PROBLEMS[1].id]
 
 
 def test_prefixrl_adaptive_with_a_problem_twice_in_a_batch():
-  # 2 problems, 3 per step: the batch runs into the next epoch and repeats a problem.
-  method = prefixrl_method(PROBLEMS[:2], problems_per_step=3, schedule=AdaptivePrefix(window=4))
-  request = method.next_request(0)
-  ids = [p.id for p in request.problems]
-  twice = max(set(ids), key=ids.count)
-  assert ids.count(twice) == 2 * 4  # two occurrences of 3 prefixed + 1 plain
-  method.observe(request, np.ones((len(request.contexts), 2)))  # 2 x 2 successes per cut
-  after = method.next_request(1)
-  cuts = method.cuts[twice]
-  shortened = [len(c.suffix) for c, p, g in zip(after.contexts, after.problems,
-                                                 after.tags["guided"]) if g and p.id == twice]
-  assert shortened[:3] == [c - 1 for c in cuts]
+    # 2 problems, 3 per step: the batch runs into the next epoch and repeats a problem.
+    method = prefixrl_method(PROBLEMS[:2], problems_per_step=3, schedule=AdaptivePrefix(window=4))
+    request = method.next_request(0)
+    ids = [p.id for p in request.problems]
+    twice = max(set(ids), key=ids.count)
+    assert ids.count(twice) == 2 * 4  # two occurrences of 3 prefixed + 1 plain
+    method.observe(request, np.ones((len(request.contexts), 2)))  # 2 x 2 successes per cut
+    after = method.next_request(1)
+    cuts = method.cuts[twice]
+    shortened = [len(c.suffix) for c, p, g in zip(after.contexts, after.problems,
+                                                   after.tags["guided"]) if g and p.id == twice]
+    assert shortened[:3] == [c - 1 for c in cuts]
 
 
 # --- checkpointed state ----------------------------------------------------------------------
 
 def request_summary(request):
-  return ([context_ids(c) for c in request.contexts], [p.id for p in request.problems],
-          request.tags["guided"].tolist(), request.response_prefixes)
+    return ([context_ids(c) for c in request.contexts], [p.id for p in request.problems],
+            request.tags["guided"].tolist(), request.response_prefixes)
 
 
 @pytest.mark.parametrize("make", [
@@ -343,75 +343,75 @@ def request_summary(request):
     lambda: prefixrl_method(PROBLEMS, problems_per_step=3, schedule=AdaptivePrefix(window=2)),
 ], ids=["pope", "prefixrl"])
 def test_state_round_trip_gives_the_same_next_requests(make):
-  method = make()
-  for step in range(3):
-    request = method.next_request(step)
-    method.observe(request, np.ones((len(request.contexts), 2)))
-  state = json.loads(json.dumps(method.state()))  # as the checkpoint stores it
-  resumed = make()
-  resumed.restore(state)
-  assert request_summary(resumed.next_request(3)) == request_summary(method.next_request(3))
-  assert request_summary(resumed.next_request(4)) == request_summary(method.next_request(4))
-  fresh = make()
-  assert request_summary(fresh.next_request(3)) != request_summary(resumed.next_request(5))
+    method = make()
+    for step in range(3):
+        request = method.next_request(step)
+        method.observe(request, np.ones((len(request.contexts), 2)))
+    state = json.loads(json.dumps(method.state()))  # as the checkpoint stores it
+    resumed = make()
+    resumed.restore(state)
+    assert request_summary(resumed.next_request(3)) == request_summary(method.next_request(3))
+    assert request_summary(resumed.next_request(4)) == request_summary(method.next_request(4))
+    fresh = make()
+    assert request_summary(fresh.next_request(3)) != request_summary(resumed.next_request(5))
 
 
 # --- mining ----------------------------------------------------------------------------------
 
 def test_mine_hard_set_counts_and_ledger(model):
-  probe = prober(model, "test_methods_solved_by_id", rows_per_call=6)  # 3 problems per call
-  hard = pope.mine_hard_set(probe, PROMPTS, PROBLEMS, k=2, seed=0)
-  assert [p.id for p in hard.problems] == [p.id for p in PROBLEMS if p.id not in SOLVED_IDS]
-  assert hard.solve_counts == {p.id: 2 if p.id in SOLVED_IDS else 0 for p in PROBLEMS}
-  assert hard.to_json()["hard_ids"] == [p.id for p in hard.problems] and hard.k == 2
-  ledger = probe.ledger
-  assert ledger.extra_rollouts == len(PROBLEMS) * 2 and ledger.rollouts == 0
-  context_tokens = len(PROBLEMS) * 2 * task.QUESTION_LENGTH
-  assert (sampling_flops(MODEL.num_params(), context_tokens + len(PROBLEMS) * 2)
-          <= ledger.extra_flops
-          <= sampling_flops(MODEL.num_params(), context_tokens + len(PROBLEMS) * 2 * 6))
+    probe = prober(model, "test_methods_solved_by_id", rows_per_call=6)  # 3 problems per call
+    hard = pope.mine_hard_set(probe, PROMPTS, PROBLEMS, k=2, seed=0)
+    assert [p.id for p in hard.problems] == [p.id for p in PROBLEMS if p.id not in SOLVED_IDS]
+    assert hard.solve_counts == {p.id: 2 if p.id in SOLVED_IDS else 0 for p in PROBLEMS}
+    assert hard.to_json()["hard_ids"] == [p.id for p in hard.problems] and hard.k == 2
+    ledger = probe.ledger
+    assert ledger.extra_rollouts == len(PROBLEMS) * 2 and ledger.rollouts == 0
+    context_tokens = len(PROBLEMS) * 2 * task.QUESTION_LENGTH
+    assert (sampling_flops(MODEL.num_params(), context_tokens + len(PROBLEMS) * 2)
+            <= ledger.extra_flops
+            <= sampling_flops(MODEL.num_params(), context_tokens + len(PROBLEMS) * 2 * 6))
 
 
 def test_shortest_solvable_prefixes_by_hand(model):
-  four = [p for p in task.generate(40, digits=(4, 4), seed=7)][:4]
-  two = task.generate(1, digits=(2, 2), seed=8)[0]
-  problems = four + [two]
-  STEPS_NEEDED.update({four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: 4, two.id: 5})
-  probe = prober(model, "test_methods_enough_steps", rows_per_call=4)
-  found = pope.shortest_solvable_prefixes(probe, PROMPTS, problems, m=2, max_units=3,
-                                          guidance="solution_prefix", seed=0)
-  assert found == {four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: None, two.id: None}
-  # Pending per length: 1 step: all 5; 2 steps: 4 (four[0] solved); 3 steps: the 4-digit
-  # four[2], four[3] (two has only 2 steps). m = 2 samples each.
-  assert probe.ledger.extra_rollouts == (5 + 4 + 2) * 2
+    four = [p for p in task.generate(40, digits=(4, 4), seed=7)][:4]
+    two = task.generate(1, digits=(2, 2), seed=8)[0]
+    problems = four + [two]
+    STEPS_NEEDED.update({four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: 4, two.id: 5})
+    probe = prober(model, "test_methods_enough_steps", rows_per_call=4)
+    found = pope.shortest_solvable_prefixes(probe, PROMPTS, problems, m=2, max_units=3,
+                                            guidance="solution_prefix", seed=0)
+    assert found == {four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: None, two.id: None}
+    # Pending per length: 1 step: all 5; 2 steps: 4 (four[0] solved); 3 steps: the 4-digit
+    # four[2], four[3] (two has only 2 steps). m = 2 samples each.
+    assert probe.ledger.extra_rollouts == (5 + 4 + 2) * 2
 
 
 def test_build_trace_pool_respects_max_samples(model):
-  probe = prober(model, "test_methods_solved_by_id", max_new_tokens=4)
-  problems = PROBLEMS[:5]  # PROBLEMS[1] and PROBLEMS[4] are solved every time
-  pool = prefixrl.build_trace_pool(probe, PROMPTS, problems, samples_per_round=2, max_samples=5,
-                                   seed=0)
-  assert sorted(pool.traces) == sorted([PROBLEMS[1].id, PROBLEMS[4].id])
-  # Solved in round 1 (2 samples); unsolved ones draw 2 rounds (4 samples; a third would pass 5).
-  assert pool.samples_per_problem == {p.id: 2 if p.id in SOLVED_IDS else 4 for p in problems}
-  assert max(pool.samples_per_problem.values()) <= 5
-  assert probe.ledger.extra_rollouts == sum(pool.samples_per_problem.values()) == 2 * 2 + 3 * 4
-  for trace in pool.traces.values():
-    assert trace.samples == 2 and len(trace.tokens) <= 4
-    assert TOKENIZER.eos_id not in trace.tokens  # the stop token is the policy's to write
+    probe = prober(model, "test_methods_solved_by_id", max_new_tokens=4)
+    problems = PROBLEMS[:5]  # PROBLEMS[1] and PROBLEMS[4] are solved every time
+    pool = prefixrl.build_trace_pool(probe, PROMPTS, problems, samples_per_round=2, max_samples=5,
+                                     seed=0)
+    assert sorted(pool.traces) == sorted([PROBLEMS[1].id, PROBLEMS[4].id])
+    # Solved in round 1 (2 samples); unsolved ones draw 2 rounds (4 samples; a third would pass 5).
+    assert pool.samples_per_problem == {p.id: 2 if p.id in SOLVED_IDS else 4 for p in problems}
+    assert max(pool.samples_per_problem.values()) <= 5
+    assert probe.ledger.extra_rollouts == sum(pool.samples_per_problem.values()) == 2 * 2 + 3 * 4
+    for trace in pool.traces.values():
+        assert trace.samples == 2 and len(trace.tokens) <= 4
+        assert TOKENIZER.eos_id not in trace.tokens  # the stop token is the policy's to write
 
 
 def test_trace_pool_jsonl_round_trip(tmp_path):
-  pool = prefixrl.oracle_trace_pool(PROMPTS, PROBLEMS[:3])
-  path = str(tmp_path / "pool.jsonl")
-  pool.save_jsonl(path, TOKENIZER)
-  loaded = prefixrl.TracePool.load_jsonl(path, PROMPTS)
-  assert loaded.traces == pool.traces
-  text_only = tmp_path / "text.jsonl"
-  text_only.write_text(json.dumps({"id": PROBLEMS[0].id, "text": PROBLEMS[0].solution}) + "\n")
-  assert prefixrl.TracePool.load_jsonl(str(text_only), PROMPTS).traces[PROBLEMS[0].id].tokens == \
-      tuple(TOKENIZER.encode(PROBLEMS[0].solution))
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text('{"id": "x"}\n')
-  with pytest.raises(ValueError, match=r"bad.jsonl:1: expected fields 'id' and 'tokens' or 'text'"):
-    prefixrl.TracePool.load_jsonl(str(bad), PROMPTS)
+    pool = prefixrl.oracle_trace_pool(PROMPTS, PROBLEMS[:3])
+    path = str(tmp_path / "pool.jsonl")
+    pool.save_jsonl(path, TOKENIZER)
+    loaded = prefixrl.TracePool.load_jsonl(path, PROMPTS)
+    assert loaded.traces == pool.traces
+    text_only = tmp_path / "text.jsonl"
+    text_only.write_text(json.dumps({"id": PROBLEMS[0].id, "text": PROBLEMS[0].solution}) + "\n")
+    assert prefixrl.TracePool.load_jsonl(str(text_only), PROMPTS).traces[PROBLEMS[0].id].tokens == \
+        tuple(TOKENIZER.encode(PROBLEMS[0].solution))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected fields 'id' and 'tokens' or 'text'"):
+        prefixrl.TracePool.load_jsonl(str(bad), PROMPTS)

@@ -20,123 +20,123 @@ PER_TOKEN_SUM = -1.28 - 0.9 - 1.0 + 1.6 + 2.4
 
 
 def loss(aggregation, **kw):
-  return obj.policy_loss(jnp.asarray(LOGP), OLD, ADV, MASK, eps_low=0.2, eps_high=0.28,
-                         aggregation=aggregation, **kw)
+    return obj.policy_loss(jnp.asarray(LOGP), OLD, ADV, MASK, eps_low=0.2, eps_high=0.28,
+                           aggregation=aggregation, **kw)
 
 
 def test_grpo_advantages():
-  adv = obj.group_advantages(np.array([[1.0, 0, 0, 1], [1, 1, 1, 1]]), "grpo")
-  # mean .5, unbiased std sqrt(1/3): +-0.5 / 0.57735 = +-0.866025; constant group -> 0.
-  np.testing.assert_allclose(adv, [[0.866025, -0.866025, -0.866025, 0.866025], [0, 0, 0, 0]],
-                             atol=1e-5)
+    adv = obj.group_advantages(np.array([[1.0, 0, 0, 1], [1, 1, 1, 1]]), "grpo")
+    # mean .5, unbiased std sqrt(1/3): +-0.5 / 0.57735 = +-0.866025; constant group -> 0.
+    np.testing.assert_allclose(adv, [[0.866025, -0.866025, -0.866025, 0.866025], [0, 0, 0, 0]],
+                               atol=1e-5)
 
 
 def test_dr_grpo_and_rloo_advantages():
-  np.testing.assert_allclose(obj.group_advantages(np.array([[1.0, 0, 0, 1]]), "dr_grpo"),
-                             [[0.5, -0.5, -0.5, 0.5]])
-  # r_i minus the mean of the other two: 1 - 0, 0 - .5, 0 - .5
-  np.testing.assert_allclose(obj.group_advantages(np.array([[1.0, 0, 0]]), "rloo"),
-                             [[1.0, -0.5, -0.5]], atol=1e-6)
+    np.testing.assert_allclose(obj.group_advantages(np.array([[1.0, 0, 0, 1]]), "dr_grpo"),
+                               [[0.5, -0.5, -0.5, 0.5]])
+    # r_i minus the mean of the other two: 1 - 0, 0 - .5, 0 - .5
+    np.testing.assert_allclose(obj.group_advantages(np.array([[1.0, 0, 0]]), "rloo"),
+                               [[1.0, -0.5, -0.5]], atol=1e-6)
 
 
 def test_advantages_reject_bad_input():
-  with pytest.raises(ValueError, match="mode"):
-    obj.group_advantages(np.ones((2, 3)), "ppo")
-  with pytest.raises(ValueError, match="n >= 2"):
-    obj.group_advantages(np.ones((2, 1)))
+    with pytest.raises(ValueError, match="mode"):
+        obj.group_advantages(np.ones((2, 3)), "ppo")
+    with pytest.raises(ValueError, match="n >= 2"):
+        obj.group_advantages(np.ones((2, 1)))
 
 
 def test_token_mean_loss_and_stats():
-  value, stats = loss("token_mean")
-  np.testing.assert_allclose(value, PER_TOKEN_SUM / 5, atol=1e-5)
-  s = obj.finish_ratio_stats(stats)
-  np.testing.assert_allclose(s["clip_frac/low"], 1 / 5)   # r=.5 with A<0
-  np.testing.assert_allclose(s["clip_frac/high"], 1 / 5)  # r=1.5 with A>0
-  np.testing.assert_allclose(s["ratio/mean"], (1.5 + 0.9 + 1.0 + 0.5 + 1.2) / 5, atol=1e-6)
-  np.testing.assert_allclose(s["ratio/min"], 0.5, atol=1e-6)
-  np.testing.assert_allclose(s["ratio/max"], 1.5, atol=1e-6)  # the masked 5.0 is ignored
-  np.testing.assert_allclose(s["ratio/max_abs_dev"], 0.5, atol=1e-6)
+    value, stats = loss("token_mean")
+    np.testing.assert_allclose(value, PER_TOKEN_SUM / 5, atol=1e-5)
+    s = obj.finish_ratio_stats(stats)
+    np.testing.assert_allclose(s["clip_frac/low"], 1 / 5)   # r=.5 with A<0
+    np.testing.assert_allclose(s["clip_frac/high"], 1 / 5)  # r=1.5 with A>0
+    np.testing.assert_allclose(s["ratio/mean"], (1.5 + 0.9 + 1.0 + 0.5 + 1.2) / 5, atol=1e-6)
+    np.testing.assert_allclose(s["ratio/min"], 0.5, atol=1e-6)
+    np.testing.assert_allclose(s["ratio/max"], 1.5, atol=1e-6)  # the masked 5.0 is ignored
+    np.testing.assert_allclose(s["ratio/max_abs_dev"], 0.5, atol=1e-6)
 
 
 def test_seq_mean_token_mean_loss():
-  value, _ = loss("seq_mean_token_mean")
-  np.testing.assert_allclose(value, ((-1.28 - 0.9 - 1.0) / 3 + (1.6 + 2.4) / 2) / 2, atol=1e-5)
+    value, _ = loss("seq_mean_token_mean")
+    np.testing.assert_allclose(value, ((-1.28 - 0.9 - 1.0) / 3 + (1.6 + 2.4) / 2) / 2, atol=1e-5)
 
 
 def test_seq_mean_token_sum_norm_loss():
-  np.testing.assert_allclose(loss("seq_mean_token_sum_norm", max_len=4)[0],
-                             PER_TOKEN_SUM / (2 * 4), atol=1e-5)
-  np.testing.assert_allclose(loss("seq_mean_token_sum_norm")[0], PER_TOKEN_SUM / (2 * 3),
-                             atol=1e-5)
+    np.testing.assert_allclose(loss("seq_mean_token_sum_norm", max_len=4)[0],
+                               PER_TOKEN_SUM / (2 * 4), atol=1e-5)
+    np.testing.assert_allclose(loss("seq_mean_token_sum_norm")[0], PER_TOKEN_SUM / (2 * 3),
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", obj.AGGREGATIONS)
 def test_micro_batches_add_up_to_the_batch(mode):
-  full, _ = loss(mode)
-  totals = dict(total_tokens=MASK.sum(), total_sequences=2.0)
-  parts = [obj.policy_loss(jnp.asarray(LOGP[i:i + 1]), OLD[i:i + 1], ADV[i:i + 1],
-                           MASK[i:i + 1], eps_low=0.2, eps_high=0.28, aggregation=mode,
-                           **totals)[0] for i in range(2)]
-  np.testing.assert_allclose(sum(parts), full, atol=1e-6)
+    full, _ = loss(mode)
+    totals = dict(total_tokens=MASK.sum(), total_sequences=2.0)
+    parts = [obj.policy_loss(jnp.asarray(LOGP[i:i + 1]), OLD[i:i + 1], ADV[i:i + 1],
+                             MASK[i:i + 1], eps_low=0.2, eps_high=0.28, aggregation=mode,
+                             **totals)[0] for i in range(2)]
+    np.testing.assert_allclose(sum(parts), full, atol=1e-6)
 
 
 def test_gspo_sequence_ratio_value_and_gradient():
-  value, _ = loss("seq_mean_token_mean", ratio="sequence")
-  s0 = (1.5 * 0.9 * 1.0) ** (1 / 3)   # 1.10521, A=+1, inside the clip range
-  s1 = (0.5 * 1.2) ** 0.5             # 0.774597 < 0.8, A=-2 -> clipped: 2 * 0.8
-  np.testing.assert_allclose(value, (-s0 + 1.6) / 2, atol=1e-5)
+    value, _ = loss("seq_mean_token_mean", ratio="sequence")
+    s0 = (1.5 * 0.9 * 1.0) ** (1 / 3)   # 1.10521, A=+1, inside the clip range
+    s1 = (0.5 * 1.2) ** 0.5             # 0.774597 < 0.8, A=-2 -> clipped: 2 * 0.8
+    np.testing.assert_allclose(value, (-s0 + 1.6) / 2, atol=1e-5)
 
-  def gspo_reference(logp):  # the sequence-level objective, written directly
-    s = jnp.exp(obj.sequence_log_ratio(logp, OLD, MASK))
-    per_seq = -jnp.minimum(s * ADV, jnp.clip(s, 0.8, 1.28) * ADV)
-    return per_seq.mean()
+    def gspo_reference(logp):  # the sequence-level objective, written directly
+        s = jnp.exp(obj.sequence_log_ratio(logp, OLD, MASK))
+        per_seq = -jnp.minimum(s * ADV, jnp.clip(s, 0.8, 1.28) * ADV)
+        return per_seq.mean()
 
-  grad = jax.grad(lambda lp: loss_at(lp, "seq_mean_token_mean", ratio="sequence"))(LOGP)
-  np.testing.assert_allclose(grad, jax.grad(gspo_reference)(jnp.asarray(LOGP)), atol=1e-6)
-  assert s1 < 0.8
+    grad = jax.grad(lambda lp: loss_at(lp, "seq_mean_token_mean", ratio="sequence"))(LOGP)
+    np.testing.assert_allclose(grad, jax.grad(gspo_reference)(jnp.asarray(LOGP)), atol=1e-6)
+    assert s1 < 0.8
 
 
 def loss_at(logp, aggregation, **kw):
-  return obj.policy_loss(logp, OLD, ADV, MASK, eps_low=0.2, eps_high=0.28,
-                         aggregation=aggregation, **kw)[0]
+    return obj.policy_loss(logp, OLD, ADV, MASK, eps_low=0.2, eps_high=0.28,
+                           aggregation=aggregation, **kw)[0]
 
 
 def test_token_mean_gradient_matches_finite_differences():
-  # Ratios away from the clip edges so the loss is smooth around the point.
-  logp = np.log(np.array([[1.1, 0.9, 1.0], [3.0, 0.95, 1.05]], np.float32))
-  grad = np.asarray(jax.grad(lambda lp: loss_at(lp, "token_mean"))(jnp.asarray(logp)))
-  h = 1e-3
-  numeric = np.zeros_like(logp)
-  for idx in np.ndindex(*logp.shape):
-    up, down = logp.copy(), logp.copy()
-    up[idx] += h
-    down[idx] -= h
-    numeric[idx] = (loss_at(up, "token_mean") - loss_at(down, "token_mean")) / (2 * h)
-  np.testing.assert_allclose(grad, numeric, atol=2e-3)
-  assert grad[1, 0] == 0.0  # a prompt token gets no gradient
-  # d/dlogp of -r*A/5 at r: row 0 A=1 -> -r/5
-  np.testing.assert_allclose(grad[0], -np.array([1.1, 0.9, 1.0]) / 5, atol=1e-6)
+    # Ratios away from the clip edges so the loss is smooth around the point.
+    logp = np.log(np.array([[1.1, 0.9, 1.0], [3.0, 0.95, 1.05]], np.float32))
+    grad = np.asarray(jax.grad(lambda lp: loss_at(lp, "token_mean"))(jnp.asarray(logp)))
+    h = 1e-3
+    numeric = np.zeros_like(logp)
+    for idx in np.ndindex(*logp.shape):
+        up, down = logp.copy(), logp.copy()
+        up[idx] += h
+        down[idx] -= h
+        numeric[idx] = (loss_at(up, "token_mean") - loss_at(down, "token_mean")) / (2 * h)
+    np.testing.assert_allclose(grad, numeric, atol=2e-3)
+    assert grad[1, 0] == 0.0  # a prompt token gets no gradient
+    # d/dlogp of -r*A/5 at r: row 0 A=1 -> -r/5
+    np.testing.assert_allclose(grad[0], -np.array([1.1, 0.9, 1.0]) / 5, atol=1e-6)
 
 
 def test_kl_estimators():
-  logp = np.log(np.array([[0.5, 1.0]], np.float32))
-  ref = np.zeros((1, 2), np.float32)
-  np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k1"), [[np.log(0.5), 0.0]], atol=1e-6)
-  # d = log 2: 2 - log 2 - 1
-  np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k3"), [[1 - np.log(2), 0.0]], atol=1e-6)
-  with pytest.raises(ValueError, match="kind"):
-    obj.kl_penalty(logp, ref, "k2")
+    logp = np.log(np.array([[0.5, 1.0]], np.float32))
+    ref = np.zeros((1, 2), np.float32)
+    np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k1"), [[np.log(0.5), 0.0]], atol=1e-6)
+    # d = log 2: 2 - log 2 - 1
+    np.testing.assert_allclose(obj.kl_penalty(logp, ref, "k3"), [[1 - np.log(2), 0.0]], atol=1e-6)
+    with pytest.raises(ValueError, match="kind"):
+        obj.kl_penalty(logp, ref, "k2")
 
 
 def test_kl_term_enters_the_loss():
-  ref = LOGP + 0.1  # k3 per token: exp(.1) - .1 - 1
-  value, stats = loss("token_mean", ref_logp=ref, kl_coef=0.5, kl_kind="k3")
-  k3 = np.exp(0.1) - 0.1 - 1
-  np.testing.assert_allclose(value, PER_TOKEN_SUM / 5 + 0.5 * k3, atol=1e-5)
-  np.testing.assert_allclose(stats["kl_sum"], 5 * k3, atol=1e-5)
+    ref = LOGP + 0.1  # k3 per token: exp(.1) - .1 - 1
+    value, stats = loss("token_mean", ref_logp=ref, kl_coef=0.5, kl_kind="k3")
+    k3 = np.exp(0.1) - 0.1 - 1
+    np.testing.assert_allclose(value, PER_TOKEN_SUM / 5 + 0.5 * k3, atol=1e-5)
+    np.testing.assert_allclose(stats["kl_sum"], 5 * k3, atol=1e-5)
 
 
 def test_truncated_completions_carry_no_loss():
-  mask = obj.mask_truncated(jnp.asarray(MASK), np.array([True, False]))
-  np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 0]])
-  np.testing.assert_allclose(obj.masked_mean(jnp.asarray(RATIOS), mask), 3.4 / 3, atol=1e-6)
+    mask = obj.mask_truncated(jnp.asarray(MASK), np.array([True, False]))
+    np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 0]])
+    np.testing.assert_allclose(obj.masked_mean(jnp.asarray(RATIOS), mask), 3.4 / 3, atol=1e-6)

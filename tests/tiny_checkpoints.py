@@ -48,46 +48,46 @@ FAMILIES = {
 
 
 def hf_config(family: str, **overrides) -> transformers.PretrainedConfig:
-  config_cls, _, extra = FAMILIES[family]
-  return config_cls(**{**_COMMON, **extra, **overrides})
+    config_cls, _, extra = FAMILIES[family]
+    return config_cls(**{**_COMMON, **extra, **overrides})
 
 
 def hf_model(family: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
-  """A random f32 transformers model of `family` in eval mode, eager attention."""
-  _, model_cls, _ = FAMILIES[family]
-  config = hf_config(family, **overrides)
-  config._attn_implementation = 'eager'
-  torch.manual_seed(seed)
-  model = model_cls(config).to(torch.float32).eval()
-  gen = torch.Generator().manual_seed(seed + 1)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if name.endswith('norm.weight') or name.endswith('layernorm.weight') or name.endswith('bias'):
-        p.copy_(0.1 * torch.randn(p.shape, generator=gen) + (0.0 if 'gemma' in family else 1.0))
-      else:
-        p.copy_(0.08 * torch.randn(p.shape, generator=gen))
-  return model
+    """A random f32 transformers model of `family` in eval mode, eager attention."""
+    _, model_cls, _ = FAMILIES[family]
+    config = hf_config(family, **overrides)
+    config._attn_implementation = 'eager'
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith('norm.weight') or name.endswith('layernorm.weight') or name.endswith('bias'):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen) + (0.0 if 'gemma' in family else 1.0))
+            else:
+                p.copy_(0.08 * torch.randn(p.shape, generator=gen))
+    return model
 
 
 def save_checkpoint(family: str, path, seed: int = 0, max_shard_size=None, **overrides):
-  """Writes a tiny checkpoint directory; returns (path, the transformers model)."""
-  model = hf_model(family, seed, **overrides)
-  path = pathlib.Path(path)
-  kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
-  model.save_pretrained(path, safe_serialization=True, **kwargs)
-  return path, model
+    """Writes a tiny checkpoint directory; returns (path, the transformers model)."""
+    model = hf_model(family, seed, **overrides)
+    path = pathlib.Path(path)
+    kwargs = {} if max_shard_size is None else dict(max_shard_size=max_shard_size)
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path, model
 
 
 def hf_logits(model, tokens: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
-  """Reference logits [B, T, V] (f32 numpy); mask marks real tokens (left padding ok)."""
-  ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
-  kwargs = {}
-  if mask is not None:
-    m = torch.as_tensor(np.asarray(mask), dtype=torch.long)
-    kwargs = dict(attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0))
-  with torch.no_grad():
-    return model(input_ids=ids, **kwargs).logits.float().numpy()
+    """Reference logits [B, T, V] (f32 numpy); mask marks real tokens (left padding ok)."""
+    ids = torch.as_tensor(np.asarray(tokens), dtype=torch.long)
+    kwargs = {}
+    if mask is not None:
+        m = torch.as_tensor(np.asarray(mask), dtype=torch.long)
+        kwargs = dict(attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp(min=0))
+    with torch.no_grad():
+        return model(input_ids=ids, **kwargs).logits.float().numpy()
 
 
 def random_tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
-  return np.random.default_rng(seed).integers(3, VOCAB, size=(batch, length), dtype=np.int32)
+    return np.random.default_rng(seed).integers(3, VOCAB, size=(batch, length), dtype=np.int32)

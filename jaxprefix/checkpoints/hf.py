@@ -33,216 +33,216 @@ _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 # --- safetensors ---------------------------------------------------------------------------
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
-  """All tensors of one .safetensors file as numpy arrays (memory-mapped)."""
-  path = pathlib.Path(path)
-  size = path.stat().st_size
-  with open(path, 'rb') as f:
-    head = f.read(8)
-    if len(head) < 8:
-      raise ValueError(f'{path}: truncated safetensors file ({size} bytes, no header)')
-    (n,) = struct.unpack('<Q', head)
-    if 8 + n > size:
-      raise ValueError(f'{path}: truncated safetensors file: header of {n} bytes but the file '
-                       f'has {size}')
-    try:
-      header = json.loads(f.read(n))
-    except ValueError as e:
-      raise ValueError(f'{path}: safetensors header is not valid JSON ({e})') from None
-  header.pop('__metadata__', None)
-  data = np.memmap(path, dtype=np.uint8, mode='r', offset=8 + n) if size > 8 + n else None
-  out = {}
-  for name, info in header.items():
-    if info['dtype'] not in _DTYPES:
-      raise ValueError(f'{path}: tensor {name!r} has unsupported dtype {info["dtype"]}')
-    start, end = info['data_offsets']
-    if 8 + n + end > size:
-      raise ValueError(f'{path}: truncated safetensors file: tensor {name!r} ends at byte '
-                       f'{8 + n + end} but the file has {size}')
-    raw = data[start:end] if end > start else np.zeros(0, np.uint8)
-    out[name] = raw.view(_DTYPES[info['dtype']]).reshape(info['shape'])
-  return out
+    """All tensors of one .safetensors file as numpy arrays (memory-mapped)."""
+    path = pathlib.Path(path)
+    size = path.stat().st_size
+    with open(path, 'rb') as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f'{path}: truncated safetensors file ({size} bytes, no header)')
+        (n,) = struct.unpack('<Q', head)
+        if 8 + n > size:
+            raise ValueError(f'{path}: truncated safetensors file: header of {n} bytes but the file '
+                             f'has {size}')
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ValueError(f'{path}: safetensors header is not valid JSON ({e})') from None
+    header.pop('__metadata__', None)
+    data = np.memmap(path, dtype=np.uint8, mode='r', offset=8 + n) if size > 8 + n else None
+    out = {}
+    for name, info in header.items():
+        if info['dtype'] not in _DTYPES:
+            raise ValueError(f'{path}: tensor {name!r} has unsupported dtype {info["dtype"]}')
+        start, end = info['data_offsets']
+        if 8 + n + end > size:
+            raise ValueError(f'{path}: truncated safetensors file: tensor {name!r} ends at byte '
+                             f'{8 + n + end} but the file has {size}')
+        raw = data[start:end] if end > start else np.zeros(0, np.uint8)
+        out[name] = raw.view(_DTYPES[info['dtype']]).reshape(info['shape'])
+    return out
 
 
 def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
-  header, offset = {'__metadata__': {'format': 'pt'}}, 0
-  arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
-  for name, a in arrays.items():
-    header[name] = {'dtype': _NAMES[a.dtype], 'shape': list(a.shape),
-                    'data_offsets': [offset, offset + a.nbytes]}
-    offset += a.nbytes
-  blob = json.dumps(header).encode()
-  blob += b' ' * (-len(blob) % 8)  # data starts 8-byte aligned
-  with open(path, 'wb') as f:
-    f.write(struct.pack('<Q', len(blob)))
-    f.write(blob)
-    for a in arrays.values():
-      f.write(a.tobytes())
+    header, offset = {'__metadata__': {'format': 'pt'}}, 0
+    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    for name, a in arrays.items():
+        header[name] = {'dtype': _NAMES[a.dtype], 'shape': list(a.shape),
+                        'data_offsets': [offset, offset + a.nbytes]}
+        offset += a.nbytes
+    blob = json.dumps(header).encode()
+    blob += b' ' * (-len(blob) % 8)  # data starts 8-byte aligned
+    with open(path, 'wb') as f:
+        f.write(struct.pack('<Q', len(blob)))
+        f.write(blob)
+        for a in arrays.values():
+            f.write(a.tobytes())
 
 
 # --- name and layout mapping ---------------------------------------------------------------
 
 def _layer_table(config: ModelConfig) -> dict[str, tuple[str, int]]:
-  """Decoder layer weight -> (HF name under model.layers.{i}., input axes of a linear or 0)."""
-  gemma = config.sandwich_norms
-  table = {
-      'attn_norm': ('input_layernorm.weight', 0),
-      'q': ('self_attn.q_proj.weight', 1), 'k': ('self_attn.k_proj.weight', 1),
-      'v': ('self_attn.v_proj.weight', 1), 'o': ('self_attn.o_proj.weight', 2),
-      'mlp_norm': ('pre_feedforward_layernorm.weight' if gemma
-                   else 'post_attention_layernorm.weight', 0),
-      'gate': ('mlp.gate_proj.weight', 1), 'up': ('mlp.up_proj.weight', 1),
-      'down': ('mlp.down_proj.weight', 1),
-      'q_bias': ('self_attn.q_proj.bias', 0), 'k_bias': ('self_attn.k_proj.bias', 0),
-      'v_bias': ('self_attn.v_proj.bias', 0), 'o_bias': ('self_attn.o_proj.bias', 0),
-      'q_norm': ('self_attn.q_norm.weight', 0), 'k_norm': ('self_attn.k_norm.weight', 0),
-      'post_attn_norm': ('post_attention_layernorm.weight', 0),
-      'post_mlp_norm': ('post_feedforward_layernorm.weight', 0),
-  }
-  return table
+    """Decoder layer weight -> (HF name under model.layers.{i}., input axes of a linear or 0)."""
+    gemma = config.sandwich_norms
+    table = {
+        'attn_norm': ('input_layernorm.weight', 0),
+        'q': ('self_attn.q_proj.weight', 1), 'k': ('self_attn.k_proj.weight', 1),
+        'v': ('self_attn.v_proj.weight', 1), 'o': ('self_attn.o_proj.weight', 2),
+        'mlp_norm': ('pre_feedforward_layernorm.weight' if gemma
+                     else 'post_attention_layernorm.weight', 0),
+        'gate': ('mlp.gate_proj.weight', 1), 'up': ('mlp.up_proj.weight', 1),
+        'down': ('mlp.down_proj.weight', 1),
+        'q_bias': ('self_attn.q_proj.bias', 0), 'k_bias': ('self_attn.k_proj.bias', 0),
+        'v_bias': ('self_attn.v_proj.bias', 0), 'o_bias': ('self_attn.o_proj.bias', 0),
+        'q_norm': ('self_attn.q_norm.weight', 0), 'k_norm': ('self_attn.k_norm.weight', 0),
+        'post_attn_norm': ('post_attention_layernorm.weight', 0),
+        'post_mlp_norm': ('post_feedforward_layernorm.weight', 0),
+    }
+    return table
 
 
 def _top_table(config: ModelConfig) -> dict[str, str]:
-  table = {'embed': 'model.embed_tokens.weight', 'final_norm': 'model.norm.weight'}
-  if not config.tie_word_embeddings:
-    table['lm_head'] = 'lm_head.weight'
-  return table
+    table = {'embed': 'model.embed_tokens.weight', 'final_norm': 'model.norm.weight'}
+    if not config.tie_word_embeddings:
+        table['lm_head'] = 'lm_head.weight'
+    return table
 
 
 def _from_hf_layout(w: np.ndarray, in_axes: int, shape: tuple[int, ...]) -> np.ndarray:
-  # HF linears are [out, in]; the Decoder keeps [in..., out...] split per head.
-  return (w.T if in_axes else w).reshape(shape)
+    # HF linears are [out, in]; the Decoder keeps [in..., out...] split per head.
+    return (w.T if in_axes else w).reshape(shape)
 
 
 def _to_hf_layout(w: np.ndarray, in_axes: int) -> np.ndarray:
-  if not in_axes:
-    return w.reshape(-1)
-  return w.reshape(math.prod(w.shape[:in_axes]), -1).T
+    if not in_axes:
+        return w.reshape(-1)
+    return w.reshape(math.prod(w.shape[:in_axes]), -1).T
 
 
 # --- loading -------------------------------------------------------------------------------
 
 def _place(array: np.ndarray, variable: nnx.Variable, mesh) -> jax.Array:
-  """Device array of `variable`'s dtype; sharded by its logical axes when a mesh is given,
-  so each device receives only its shard."""
-  array = np.asarray(array).astype(variable.dtype, copy=False)
-  if mesh is None:
-    return jnp.asarray(array)
-  axes = sharding.variable_axes(variable) or (None,) * array.ndim
-  spec = sharding.logical_spec(axes, array.shape, dict(mesh.shape))
-  target = jax.sharding.NamedSharding(mesh, spec)
-  # Each device (on every host) copies only its own slice of the host array.
-  return jax.make_array_from_callback(array.shape, target, lambda index: array[index])
+    """Device array of `variable`'s dtype; sharded by its logical axes when a mesh is given,
+    so each device receives only its shard."""
+    array = np.asarray(array).astype(variable.dtype, copy=False)
+    if mesh is None:
+        return jnp.asarray(array)
+    axes = sharding.variable_axes(variable) or (None,) * array.ndim
+    spec = sharding.logical_spec(axes, array.shape, dict(mesh.shape))
+    target = jax.sharding.NamedSharding(mesh, spec)
+    # Each device (on every host) copies only its own slice of the host array.
+    return jax.make_array_from_callback(array.shape, target, lambda index: array[index])
 
 
 def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.float32, *,
                   mesh=None, source: str = 'checkpoint') -> tuple[Decoder, ModelConfig]:
-  """A Decoder holding HF-named weights `tensors` ({name: array}) of an HF config dict.
+    """A Decoder holding HF-named weights `tensors` ({name: array}) of an HF config dict.
 
-  `dtype` is both the parameter and compute dtype. With `mesh` (or under jax.set_mesh), every
-  parameter is placed with its target sharding. Errors name `source` and the tensor.
-  """
-  config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype)
-  if mesh is None:
-    active = jax.sharding.get_mesh()
-    mesh = None if active.empty else active
-  # Shapes only; flax would read the logical names as mesh axes under an active mesh.
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    model = nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(0)))
+    `dtype` is both the parameter and compute dtype. With `mesh` (or under jax.set_mesh), every
+    parameter is placed with its target sharding. Errors name `source` and the tensor.
+    """
+    config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype)
+    if mesh is None:
+        active = jax.sharding.get_mesh()
+        mesh = None if active.empty else active
+    # Shapes only; flax would read the logical names as mesh axes under an active mesh.
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+        model = nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(0)))
 
-  def take(name: str, shape: tuple[int, ...], in_axes: int | None) -> np.ndarray:
-    """HF tensor `name` in the Decoder layout `shape`; in_axes None means same layout."""
-    if name not in tensors:
-      raise ValueError(f'{source}: missing tensor {name!r}')
-    w = np.asarray(tensors[name])
-    if in_axes is None:
-      expected = shape
-    elif in_axes:
-      expected = (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
-    else:
-      expected = (math.prod(shape),)
-    if tuple(w.shape) != expected:
-      raise ValueError(f'{source}: tensor {name!r} has shape {tuple(w.shape)}, expected '
-                       f'{expected}')
-    return w if in_axes is None else _from_hf_layout(w, in_axes, shape)
+    def take(name: str, shape: tuple[int, ...], in_axes: int | None) -> np.ndarray:
+        """HF tensor `name` in the Decoder layout `shape`; in_axes None means same layout."""
+        if name not in tensors:
+            raise ValueError(f'{source}: missing tensor {name!r}')
+        w = np.asarray(tensors[name])
+        if in_axes is None:
+            expected = shape
+        elif in_axes:
+            expected = (math.prod(shape[in_axes:]), math.prod(shape[:in_axes]))
+        else:
+            expected = (math.prod(shape),)
+        if tuple(w.shape) != expected:
+            raise ValueError(f'{source}: tensor {name!r} has shape {tuple(w.shape)}, expected '
+                             f'{expected}')
+        return w if in_axes is None else _from_hf_layout(w, in_axes, shape)
 
-  for ours, hf_name in _top_table(config).items():
-    variable = getattr(model, ours)
-    variable.set_value(_place(take(hf_name, tuple(variable.shape), None), variable, mesh))
-  table = _layer_table(config)
-  for ours in model.layer_names:
-    hf_name, in_axes = table[ours]
-    variable = getattr(model, ours)
-    shape = tuple(variable.shape[1:])
-    stacked = np.stack([take(f'model.layers.{i}.{hf_name}', shape, in_axes)
-                        for i in range(config.num_layers)])
-    variable.set_value(_place(stacked, variable, mesh))
-  return model, config
+    for ours, hf_name in _top_table(config).items():
+        variable = getattr(model, ours)
+        variable.set_value(_place(take(hf_name, tuple(variable.shape), None), variable, mesh))
+    table = _layer_table(config)
+    for ours in model.layer_names:
+        hf_name, in_axes = table[ours]
+        variable = getattr(model, ours)
+        shape = tuple(variable.shape[1:])
+        stacked = np.stack([take(f'model.layers.{i}.{hf_name}', shape, in_axes)
+                            for i in range(config.num_layers)])
+        variable.set_value(_place(stacked, variable, mesh))
+    return model, config
 
 
 def _read_json(path: pathlib.Path, what: str) -> dict:
-  if not path.is_file():
-    raise FileNotFoundError(f'{path}: missing {what}')
-  try:
-    return json.loads(path.read_text())
-  except ValueError as e:
-    raise ValueError(f'{path}: not valid JSON ({e})') from None
+    if not path.is_file():
+        raise FileNotFoundError(f'{path}: missing {what}')
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f'{path}: not valid JSON ({e})') from None
 
 
 def read_hf_tensors(path) -> dict[str, np.ndarray]:
-  """Every tensor of an HF directory: model.safetensors, or the shards its index names."""
-  path = pathlib.Path(path)
-  index = path / 'model.safetensors.index.json'
-  if index.is_file():
-    weight_map = _read_json(index, 'safetensors index').get('weight_map')
-    if not isinstance(weight_map, dict):
-      raise ValueError(f'{index}: expected a "weight_map" object of tensor name -> file')
+    """Every tensor of an HF directory: model.safetensors, or the shards its index names."""
+    path = pathlib.Path(path)
+    index = path / 'model.safetensors.index.json'
+    if index.is_file():
+        weight_map = _read_json(index, 'safetensors index').get('weight_map')
+        if not isinstance(weight_map, dict):
+            raise ValueError(f'{index}: expected a "weight_map" object of tensor name -> file')
+        tensors = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise FileNotFoundError(f'{path / shard}: missing shard named in {index.name}')
+            tensors.update(read_safetensors(path / shard))
+        return tensors
+    files = sorted(path.glob('*.safetensors'))
+    if not files:
+        raise FileNotFoundError(f'{path}: no model.safetensors, *.safetensors or '
+                                f'model.safetensors.index.json')
     tensors = {}
-    for shard in sorted(set(weight_map.values())):
-      if not (path / shard).is_file():
-        raise FileNotFoundError(f'{path / shard}: missing shard named in {index.name}')
-      tensors.update(read_safetensors(path / shard))
+    for f in files:
+        tensors.update(read_safetensors(f))
     return tensors
-  files = sorted(path.glob('*.safetensors'))
-  if not files:
-    raise FileNotFoundError(f'{path}: no model.safetensors, *.safetensors or '
-                            f'model.safetensors.index.json')
-  tensors = {}
-  for f in files:
-    tensors.update(read_safetensors(f))
-  return tensors
 
 
 def from_pretrained(path, dtype=jnp.float32, *, mesh=None) -> tuple[Decoder, ModelConfig]:
-  """(model, config) from an HF directory (config.json + safetensors); see load_hf_state."""
-  path = pathlib.Path(path)
-  if not path.is_dir():
-    raise FileNotFoundError(f'{path}: not a checkpoint directory')
-  hf_config = _read_json(path / 'config.json', 'config.json')
-  return load_hf_state(hf_config, read_hf_tensors(path), dtype, mesh=mesh, source=str(path))
+    """(model, config) from an HF directory (config.json + safetensors); see load_hf_state."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f'{path}: not a checkpoint directory')
+    hf_config = _read_json(path / 'config.json', 'config.json')
+    return load_hf_state(hf_config, read_hf_tensors(path), dtype, mesh=mesh, source=str(path))
 
 
 # --- export --------------------------------------------------------------------------------
 
 def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
-  """The model's weights under HF names and layouts (numpy, parameter dtype)."""
-  config = model.config
-  out = {}
-  for ours, hf_name in _top_table(config).items():
-    out[hf_name] = np.asarray(jax.device_get(getattr(model, ours)[...]))
-  table = _layer_table(config)
-  for ours in model.layer_names:
-    hf_name, in_axes = table[ours]
-    stacked = np.asarray(jax.device_get(getattr(model, ours)[...]))
-    for i in range(config.num_layers):
-      out[f'model.layers.{i}.{hf_name}'] = _to_hf_layout(stacked[i], in_axes)
-  return out
+    """The model's weights under HF names and layouts (numpy, parameter dtype)."""
+    config = model.config
+    out = {}
+    for ours, hf_name in _top_table(config).items():
+        out[hf_name] = np.asarray(jax.device_get(getattr(model, ours)[...]))
+    table = _layer_table(config)
+    for ours in model.layer_names:
+        hf_name, in_axes = table[ours]
+        stacked = np.asarray(jax.device_get(getattr(model, ours)[...]))
+        for i in range(config.num_layers):
+            out[f'model.layers.{i}.{hf_name}'] = _to_hf_layout(stacked[i], in_axes)
+    return out
 
 
 def save_pretrained(model: Decoder, config: ModelConfig | None, path) -> pathlib.Path:
-  """Writes config.json + model.safetensors that transformers loads with the same logits."""
-  config = config or model.config
-  path = pathlib.Path(path)
-  os.makedirs(path, exist_ok=True)
-  (path / 'config.json').write_text(json.dumps(config.to_hf(), indent=2))
-  write_safetensors(path / 'model.safetensors', hf_tensors(model))
-  return path
+    """Writes config.json + model.safetensors that transformers loads with the same logits."""
+    config = config or model.config
+    path = pathlib.Path(path)
+    os.makedirs(path, exist_ok=True)
+    (path / 'config.json').write_text(json.dumps(config.to_hf(), indent=2))
+    write_safetensors(path / 'model.safetensors', hf_tensors(model))
+    return path

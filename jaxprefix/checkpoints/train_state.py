@@ -14,54 +14,54 @@ import orbax.checkpoint as ocp
 
 
 def abstract_like(tree):
-  """ShapeDtypeStructs carrying each leaf's sharding: the restore target of `tree`."""
-  def leaf(x):
-    sharding = getattr(x, "sharding", None)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-  return jax.tree.map(leaf, tree)
+    """ShapeDtypeStructs carrying each leaf's sharding: the restore target of `tree`."""
+    def leaf(x):
+        sharding = getattr(x, "sharding", None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(leaf, tree)
 
 
 class TrainCheckpointer:
-  """Saves and restores (arrays pytree, JSON dict) pairs under `directory`, keeping N latest.
+    """Saves and restores (arrays pytree, JSON dict) pairs under `directory`, keeping N latest.
 
-  Saves are asynchronous: `save` returns once the arrays are copied off the device, writing
-  goes on in the background; `wait()` blocks until it is on disk (call before exiting).
-  """
+    Saves are asynchronous: `save` returns once the arrays are copied off the device, writing
+    goes on in the background; `wait()` blocks until it is on disk (call before exiting).
+    """
 
-  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-    self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
-    self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=("arrays", "meta"))
+    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("arrays", "meta"))
 
-  def latest_step(self) -> int | None:
-    return self._manager.latest_step()
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return list(self._manager.all_steps())
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
 
-  def save(self, step: int, arrays, meta: dict | None = None) -> bool:
-    """Write checkpoint `step`; returns False when it already exists."""
-    if step in self._manager.all_steps():
-      return False
-    args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                              meta=ocp.args.JsonSave(dict(meta or {})))
-    return self._manager.save(step, args=args, force=True)
+    def save(self, step: int, arrays, meta: dict | None = None) -> bool:
+        """Write checkpoint `step`; returns False when it already exists."""
+        if step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                  meta=ocp.args.JsonSave(dict(meta or {})))
+        return self._manager.save(step, args=args, force=True)
 
-  def restore(self, like, step: int | None = None):
-    """(arrays shaped, typed and sharded like `like`, meta dict) of `step` (default latest)."""
-    step = self.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"no checkpoint under {self.directory}")
-    args = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract_like(like)),
-                              meta=ocp.args.JsonRestore())
-    restored = self._manager.restore(step, args=args)
-    return restored["arrays"], dict(restored["meta"] or {})
+    def restore(self, like, step: int | None = None):
+        """(arrays shaped, typed and sharded like `like`, meta dict) of `step` (default latest)."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {self.directory}")
+        args = ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract_like(like)),
+                                  meta=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        return restored["arrays"], dict(restored["meta"] or {})
 
-  def wait(self):
-    self._manager.wait_until_finished()
+    def wait(self):
+        self._manager.wait_until_finished()
 
-  def close(self):
-    self._manager.wait_until_finished()
-    self._manager.close()
+    def close(self):
+        self._manager.wait_until_finished()
+        self._manager.close()

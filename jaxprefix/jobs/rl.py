@@ -101,4 +101,3 @@ def run_rl(config, workdir: str) -> dict:
     # The trained weights, for callers (the demo) that evaluate them next.
     policy.model = result["learner"].model(result["state"])
     return result | {"policy": policy, "ledger": ledger, "sets": sets, "mining": mining}
-

@@ -26,63 +26,63 @@ from jaxprefix.rl.metrics import sampling_flops, update_flops  # 2 N D and 6 N D
 
 
 def rollouts(batch: int, n: int, steps: int) -> int:
-  """C = B * n * M: rollouts sampled by a run of `steps` updates on `batch` problems x `n`."""
-  return int(batch) * int(n) * int(steps)
+    """C = B * n * M: rollouts sampled by a run of `steps` updates on `batch` problems x `n`."""
+    return int(batch) * int(n) * int(steps)
 
 
 @dataclasses.dataclass
 class ComputeLedger:
-  """Running totals of what a run spent; saved in checkpoints via to_dict/from_dict.
+    """Running totals of what a run spent; saved in checkpoints via to_dict/from_dict.
 
-  `sampled_tokens` counts every token the sampler processed (prefilled context + generated), so
-  a shared prompt prefilled once counts once. `extra_*` is compute spent outside the RL loop
-  that a compute-matched comparison must still pay for, e.g. PrefixRL's rejection sampling.
-  """
+    `sampled_tokens` counts every token the sampler processed (prefilled context + generated), so
+    a shared prompt prefilled once counts once. `extra_*` is compute spent outside the RL loop
+    that a compute-matched comparison must still pay for, e.g. PrefixRL's rejection sampling.
+    """
 
-  n_params: int
-  rollouts: int = 0
-  sampled_tokens: int = 0
-  trained_tokens: int = 0
-  sampling_flops: float = 0.0
-  update_flops: float = 0.0
-  extra_rollouts: int = 0
-  extra_flops: float = 0.0
+    n_params: int
+    rollouts: int = 0
+    sampled_tokens: int = 0
+    trained_tokens: int = 0
+    sampling_flops: float = 0.0
+    update_flops: float = 0.0
+    extra_rollouts: int = 0
+    extra_flops: float = 0.0
 
-  def __post_init__(self):
-    if int(self.n_params) <= 0:
-      raise ValueError(f'ComputeLedger.n_params must be a positive parameter count, '
-                       f'got {self.n_params!r}')
+    def __post_init__(self):
+        if int(self.n_params) <= 0:
+            raise ValueError(f'ComputeLedger.n_params must be a positive parameter count, '
+                             f'got {self.n_params!r}')
 
-  def record_sampling(self, *, rollouts: int, prefill_tokens: int, generated_tokens: int):
-    tokens = int(prefill_tokens) + int(generated_tokens)
-    self.rollouts += int(rollouts)
-    self.sampled_tokens += tokens
-    self.sampling_flops += sampling_flops(self.n_params, tokens)
+    def record_sampling(self, *, rollouts: int, prefill_tokens: int, generated_tokens: int):
+        tokens = int(prefill_tokens) + int(generated_tokens)
+        self.rollouts += int(rollouts)
+        self.sampled_tokens += tokens
+        self.sampling_flops += sampling_flops(self.n_params, tokens)
 
-  def record_update(self, *, tokens: int):
-    """`tokens`: every token the update forwards (context + completion), masked or not."""
-    self.trained_tokens += int(tokens)
-    self.update_flops += update_flops(self.n_params, tokens)
+    def record_update(self, *, tokens: int):
+        """`tokens`: every token the update forwards (context + completion), masked or not."""
+        self.trained_tokens += int(tokens)
+        self.update_flops += update_flops(self.n_params, tokens)
 
-  def record_extra_sampling(self, *, rollouts: int, tokens: int):
-    self.extra_rollouts += int(rollouts)
-    self.extra_flops += sampling_flops(self.n_params, tokens)
+    def record_extra_sampling(self, *, rollouts: int, tokens: int):
+        self.extra_rollouts += int(rollouts)
+        self.extra_flops += sampling_flops(self.n_params, tokens)
 
-  @property
-  def total_flops(self) -> float:
-    return self.sampling_flops + self.update_flops + self.extra_flops
+    @property
+    def total_flops(self) -> float:
+        return self.sampling_flops + self.update_flops + self.extra_flops
 
-  def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
-  @classmethod
-  def from_dict(cls, d: Mapping) -> 'ComputeLedger':
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(d) - names or 'n_params' not in d:
-      raise ValueError(f'ComputeLedger.from_dict: expected n_params and fields among '
-                       f'{sorted(names)}, got {sorted(d)}')
-    cast = {f.name: float if f.type == 'float' else int for f in dataclasses.fields(cls)}
-    return cls(**{k: cast[k](v) for k, v in d.items()})
+    @classmethod
+    def from_dict(cls, d: Mapping) -> 'ComputeLedger':
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(d) - names or 'n_params' not in d:
+            raise ValueError(f'ComputeLedger.from_dict: expected n_params and fields among '
+                             f'{sorted(names)}, got {sorted(d)}')
+        cast = {f.name: float if f.type == 'float' else int for f in dataclasses.fields(cls)}
+        return cls(**{k: cast[k](v) for k, v in d.items()})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,70 +92,70 @@ class ComputeLedger:
 
 @dataclasses.dataclass(frozen=True)
 class Sigmoid:
-  """y = floor + (ceiling - floor) * sigmoid((x - center) / width); monotone for width > 0."""
+    """y = floor + (ceiling - floor) * sigmoid((x - center) / width); monotone for width > 0."""
 
-  floor: float
-  ceiling: float
-  center: float
-  width: float
+    floor: float
+    ceiling: float
+    center: float
+    width: float
 
-  def __call__(self, x):
-    z = (np.asarray(x, dtype=np.float64) - self.center) / self.width
-    return self.floor + (self.ceiling - self.floor) * _logistic(z)
+    def __call__(self, x):
+        z = (np.asarray(x, dtype=np.float64) - self.center) / self.width
+        return self.floor + (self.ceiling - self.floor) * _logistic(z)
 
-  def to_dict(self) -> dict:
-    return {k: float(v) for k, v in dataclasses.asdict(self).items()}
+    def to_dict(self) -> dict:
+        return {k: float(v) for k, v in dataclasses.asdict(self).items()}
 
-  @classmethod
-  def from_dict(cls, d: Mapping) -> 'Sigmoid':
-    return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls)})
+    @classmethod
+    def from_dict(cls, d: Mapping) -> 'Sigmoid':
+        return cls(**{f.name: float(d[f.name]) for f in dataclasses.fields(cls)})
 
 
 def _logistic(z):
-  return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free form of 1 / (1 + exp(-z))
+    return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free form of 1 / (1 + exp(-z))
 
 
 def fit_sigmoid(x: Sequence[float], y: Sequence[float], *,
                 bounds: tuple[float, float] | None = None) -> Sigmoid:
-  """Least-squares monotone (non-decreasing) sigmoid through (x, y).
+    """Least-squares monotone (non-decreasing) sigmoid through (x, y).
 
-  Variable projection: for each (center, width) on a grid, floor and span have a closed-form
-  least-squares solution (span clipped to >= 0, so the curve never decreases); the best grid
-  cell is refined by zooming in. Deterministic and numpy only. `bounds` (e.g. (0, 1) for a
-  reward) clip floor and ceiling.
-  """
-  x = np.asarray(x, dtype=np.float64).ravel()
-  y = np.asarray(y, dtype=np.float64).ravel()
-  if x.shape != y.shape:
-    raise ValueError(f'fit_sigmoid: x and y must have the same length, got {x.size} and {y.size}')
-  if np.unique(x).size < 2 or not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
-    raise ValueError(f'fit_sigmoid: need finite values at >= 2 distinct x, got x={x.tolist()}')
-  span_x = float(x.max() - x.min())
-  centers = np.linspace(x.min() - span_x, x.max() + span_x, 61)
-  log_widths = np.linspace(np.log(span_x / 200), np.log(span_x * 2), 41)
-  for _ in range(4):
-    best = _best_on_grid(x, y, centers, np.exp(log_widths), bounds)
-    dc, dw = centers[1] - centers[0], log_widths[1] - log_widths[0]
-    centers = np.linspace(best[2] - 2 * dc, best[2] + 2 * dc, 21)
-    log_widths = np.linspace(np.log(best[3]) - 2 * dw, np.log(best[3]) + 2 * dw, 21)
-  return Sigmoid(*map(float, best))
+    Variable projection: for each (center, width) on a grid, floor and span have a closed-form
+    least-squares solution (span clipped to >= 0, so the curve never decreases); the best grid
+    cell is refined by zooming in. Deterministic and numpy only. `bounds` (e.g. (0, 1) for a
+    reward) clip floor and ceiling.
+    """
+    x = np.asarray(x, dtype=np.float64).ravel()
+    y = np.asarray(y, dtype=np.float64).ravel()
+    if x.shape != y.shape:
+        raise ValueError(f'fit_sigmoid: x and y must have the same length, got {x.size} and {y.size}')
+    if np.unique(x).size < 2 or not (np.all(np.isfinite(x)) and np.all(np.isfinite(y))):
+        raise ValueError(f'fit_sigmoid: need finite values at >= 2 distinct x, got x={x.tolist()}')
+    span_x = float(x.max() - x.min())
+    centers = np.linspace(x.min() - span_x, x.max() + span_x, 61)
+    log_widths = np.linspace(np.log(span_x / 200), np.log(span_x * 2), 41)
+    for _ in range(4):
+        best = _best_on_grid(x, y, centers, np.exp(log_widths), bounds)
+        dc, dw = centers[1] - centers[0], log_widths[1] - log_widths[0]
+        centers = np.linspace(best[2] - 2 * dc, best[2] + 2 * dc, 21)
+        log_widths = np.linspace(np.log(best[3]) - 2 * dw, np.log(best[3]) + 2 * dw, 21)
+    return Sigmoid(*map(float, best))
 
 
 def _best_on_grid(x, y, centers, widths, bounds):
-  s = _logistic((x[None, None, :] - centers[:, None, None]) / widths[None, :, None])  # [C, W, P]
-  s_mean, y_mean = s.mean(-1, keepdims=True), y.mean()
-  var = ((s - s_mean) ** 2).sum(-1)
-  cov = ((s - s_mean) * (y - y_mean)).sum(-1)
-  span = np.where(var > 1e-12, cov / np.maximum(var, 1e-12), 0.0).clip(min=0.0)
-  floor = y_mean - span * s_mean[..., 0]
-  ceiling = floor + span
-  if bounds is not None:
-    floor = floor.clip(*bounds)
-    ceiling = np.maximum(ceiling.clip(*bounds), floor)
-  pred = floor[..., None] + (ceiling - floor)[..., None] * s
-  sse = ((pred - y) ** 2).sum(-1)
-  i, j = np.unravel_index(np.argmin(sse), sse.shape)
-  return floor[i, j], ceiling[i, j], centers[i], widths[j]
+    s = _logistic((x[None, None, :] - centers[:, None, None]) / widths[None, :, None])  # [C, W, P]
+    s_mean, y_mean = s.mean(-1, keepdims=True), y.mean()
+    var = ((s - s_mean) ** 2).sum(-1)
+    cov = ((s - s_mean) * (y - y_mean)).sum(-1)
+    span = np.where(var > 1e-12, cov / np.maximum(var, 1e-12), 0.0).clip(min=0.0)
+    floor = y_mean - span * s_mean[..., 0]
+    ceiling = floor + span
+    if bounds is not None:
+        floor = floor.clip(*bounds)
+        ceiling = np.maximum(ceiling.clip(*bounds), floor)
+    pred = floor[..., None] + (ceiling - floor)[..., None] * s
+    sse = ((pred - y) ** 2).sum(-1)
+    i, j = np.unravel_index(np.argmin(sse), sse.shape)
+    return floor[i, j], ceiling[i, j], centers[i], widths[j]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,56 +169,56 @@ DEFAULT_N_CURVE = Sigmoid(floor=2.0, ceiling=7.0, center=15.0, width=2.0)
 
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-  n: int      # rollouts per problem
-  batch: int  # problems per batch (B_p)
-  steps: int  # update steps (M)
+    n: int      # rollouts per problem
+    batch: int  # problems per batch (B_p)
+    steps: int  # update steps (M)
 
-  @property
-  def rollouts(self) -> int:
-    return rollouts(self.batch, self.n, self.steps)
+    @property
+    def rollouts(self) -> int:
+        return rollouts(self.batch, self.n, self.steps)
 
 
 def allocate(budget_rollouts: int, *, n_curve: Sigmoid = DEFAULT_N_CURVE, batch: int = 64,
              n_min: int = 2, n_max: int = 1024) -> Allocation:
-  """Split a budget of rollouts into (n, B, M) with n * B * M <= budget.
+    """Split a budget of rollouts into (n, B, M) with n * B * M <= budget.
 
-  n = 2^round(n_curve(log2 budget)) clipped to [n_min, n_max] (powers of two) and to the budget;
-  B = `batch` (the paper: anything in 32..1024 works; use a higher one on hard sets), cut to
-  what the budget allows; M = the rest, at least 1.
-  """
-  budget = int(budget_rollouts)
-  if budget < 1:
-    raise ValueError(f'allocate: budget_rollouts must be >= 1, got {budget_rollouts!r}')
-  if batch < 1 or not 1 <= n_min <= n_max:
-    raise ValueError(f'allocate: need batch >= 1 and 1 <= n_min <= n_max, got batch={batch}, '
-                     f'n_min={n_min}, n_max={n_max}')
-  lo, hi = math.ceil(math.log2(n_min)), math.floor(math.log2(n_max))
-  if budget < 2 ** lo or lo > hi:
-    raise ValueError(f'allocate: budget {budget} rollouts cannot fit n_min={n_min} '
-                     f'(n is a power of two in [n_min, n_max={n_max}])')
-  log2_n = min(max(round(float(n_curve(math.log2(budget)))), lo), hi)
-  n = min(2 ** log2_n, 2 ** math.floor(math.log2(budget)))  # a tiny budget caps n too
-  b = max(1, min(int(batch), budget // n))
-  return Allocation(n=n, batch=b, steps=max(1, budget // (n * b)))
+    n = 2^round(n_curve(log2 budget)) clipped to [n_min, n_max] (powers of two) and to the budget;
+    B = `batch` (the paper: anything in 32..1024 works; use a higher one on hard sets), cut to
+    what the budget allows; M = the rest, at least 1.
+    """
+    budget = int(budget_rollouts)
+    if budget < 1:
+        raise ValueError(f'allocate: budget_rollouts must be >= 1, got {budget_rollouts!r}')
+    if batch < 1 or not 1 <= n_min <= n_max:
+        raise ValueError(f'allocate: need batch >= 1 and 1 <= n_min <= n_max, got batch={batch}, '
+                         f'n_min={n_min}, n_max={n_max}')
+    lo, hi = math.ceil(math.log2(n_min)), math.floor(math.log2(n_max))
+    if budget < 2 ** lo or lo > hi:
+        raise ValueError(f'allocate: budget {budget} rollouts cannot fit n_min={n_min} '
+                         f'(n is a power of two in [n_min, n_max={n_max}])')
+    log2_n = min(max(round(float(n_curve(math.log2(budget)))), lo), hi)
+    n = min(2 ** log2_n, 2 ** math.floor(math.log2(budget)))  # a tiny budget caps n too
+    b = max(1, min(int(batch), budget // n))
+    return Allocation(n=n, batch=b, steps=max(1, budget // (n * b)))
 
 
 def allocate_from_config(budget_rollouts: int, config: Mapping) -> Allocation:
-  """`allocate` with fields of a config: n_floor, n_ceiling, n_center, n_width (log2 units),
-  batch, n_min, n_max; missing fields take allocate's defaults."""
-  get = lambda k, default: config[k] if k in config else default
-  curve = Sigmoid(floor=float(get('n_floor', DEFAULT_N_CURVE.floor)),
-                  ceiling=float(get('n_ceiling', DEFAULT_N_CURVE.ceiling)),
-                  center=float(get('n_center', DEFAULT_N_CURVE.center)),
-                  width=float(get('n_width', DEFAULT_N_CURVE.width)))
-  if curve.width <= 0:
-    raise ValueError(f'allocation config: n_width must be > 0, got {curve.width}')
-  return allocate(budget_rollouts, n_curve=curve, batch=int(get('batch', 64)),
-                  n_min=int(get('n_min', 2)), n_max=int(get('n_max', 1024)))
+    """`allocate` with fields of a config: n_floor, n_ceiling, n_center, n_width (log2 units),
+    batch, n_min, n_max; missing fields take allocate's defaults."""
+    get = lambda k, default: config[k] if k in config else default
+    curve = Sigmoid(floor=float(get('n_floor', DEFAULT_N_CURVE.floor)),
+                    ceiling=float(get('n_ceiling', DEFAULT_N_CURVE.ceiling)),
+                    center=float(get('n_center', DEFAULT_N_CURVE.center)),
+                    width=float(get('n_width', DEFAULT_N_CURVE.width)))
+    if curve.width <= 0:
+        raise ValueError(f'allocation config: n_width must be > 0, got {curve.width}')
+    return allocate(budget_rollouts, n_curve=curve, batch=int(get('batch', 64)),
+                    n_min=int(get('n_min', 2)), n_max=int(get('n_max', 1024)))
 
 
 def scaled_lr(batch_rollouts: int, *, base_lr: float = 1e-6, base_batch: int = 1024) -> float:
-  """Learning rate scaled by sqrt(batch): base_lr at base_batch rollouts per step (n * B_p)."""
-  return base_lr * math.sqrt(batch_rollouts / base_batch)
+    """Learning rate scaled by sqrt(batch): base_lr at base_batch rollouts per step (n * B_p)."""
+    return base_lr * math.sqrt(batch_rollouts / base_batch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,26 +228,26 @@ def scaled_lr(batch_rollouts: int, *, base_lr: float = 1e-6, base_batch: int = 1
 
 @dataclasses.dataclass(frozen=True)
 class SweepPoint:
-  budget: int
-  n: int
-  batch: int
-  steps: int
+    budget: int
+    n: int
+    batch: int
+    steps: int
 
 
 def sweep_grid(budgets: Iterable[int], ns: Iterable[int], batches: Iterable[int], *,
                longest_only: bool = False) -> list[SweepPoint]:
-  """Every (n, B) at every budget with M = budget // (n B) >= 1.
+    """Every (n, B) at every budget with M = budget // (n B) >= 1.
 
-  A run's eval curve already covers every smaller budget on its way, so `longest_only` keeps
-  only the largest budget of each (n, B): the cheapest sweep that still traces the frontier.
-  """
-  points = [SweepPoint(int(c), int(n), int(b), int(c) // (int(n) * int(b)))
-            for c in sorted(budgets) for n in sorted(ns) for b in sorted(batches)
-            if int(c) // (int(n) * int(b)) >= 1]
-  if longest_only:
-    last = {(p.n, p.batch): p for p in points}
-    points = [p for p in points if last[(p.n, p.batch)] is p]
-  return points
+    A run's eval curve already covers every smaller budget on its way, so `longest_only` keeps
+    only the largest budget of each (n, B): the cheapest sweep that still traces the frontier.
+    """
+    points = [SweepPoint(int(c), int(n), int(b), int(c) // (int(n) * int(b)))
+              for c in sorted(budgets) for n in sorted(ns) for b in sorted(batches)
+              if int(c) // (int(n) * int(b)) >= 1]
+    if longest_only:
+        last = {(p.n, p.batch): p for p in points}
+        points = [p for p in points if last[(p.n, p.batch)] is p]
+    return points
 
 
 # The config fields a sweep point sets; configs/isocompute.py must have these.
@@ -257,13 +257,13 @@ SWEEP_FIELDS = {'n': 'n', 'batch': 'batch_problems', 'steps': 'steps'}
 def sweep_command(point: SweepPoint, *, config: str = 'configs/isocompute.py',
                   workdir_root: str = 'runs/isocompute', fields: Mapping[str, str] = SWEEP_FIELDS,
                   extra: Mapping[str, object] = ()) -> str:
-  """The shell command that runs one sweep point."""
-  overrides = {fields['n']: point.n, fields['batch']: point.batch, fields['steps']: point.steps,
-               **dict(extra)}
-  workdir = f'{workdir_root}/n{point.n}_b{point.batch}_m{point.steps}'
-  args = [f'--config={config}'] + [f'--config.{k}={v}' for k, v in overrides.items()]
-  return ' '.join(['python', '-m', 'jaxprefix.main', *map(shlex.quote, args),
-                   shlex.quote(f'--workdir={workdir}')])
+    """The shell command that runs one sweep point."""
+    overrides = {fields['n']: point.n, fields['batch']: point.batch, fields['steps']: point.steps,
+                 **dict(extra)}
+    workdir = f'{workdir_root}/n{point.n}_b{point.batch}_m{point.steps}'
+    args = [f'--config={config}'] + [f'--config.{k}={v}' for k, v in overrides.items()]
+    return ' '.join(['python', '-m', 'jaxprefix.main', *map(shlex.quote, args),
+                     shlex.quote(f'--workdir={workdir}')])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,127 +273,127 @@ def sweep_command(point: SweepPoint, *, config: str = 'configs/isocompute.py',
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-  """One sweep run's eval curve: reward (e.g. avg@4) after `compute` rollouts."""
+    """One sweep run's eval curve: reward (e.g. avg@4) after `compute` rollouts."""
 
-  n: int
-  batch: int
-  compute: tuple[float, ...]
-  reward: tuple[float, ...]
+    n: int
+    batch: int
+    compute: tuple[float, ...]
+    reward: tuple[float, ...]
 
-  @classmethod
-  def from_dict(cls, d: Mapping) -> 'Run':
-    missing = {'n', 'batch', 'compute', 'reward'} - set(d)
-    if missing:
-      raise ValueError(f'Run: missing fields {sorted(missing)} in {sorted(d)}')
-    if len(d['compute']) != len(d['reward']):
-      raise ValueError(f'Run n={d["n"]} batch={d["batch"]}: compute and reward differ in length')
-    return cls(int(d['n']), int(d['batch']), tuple(map(float, d['compute'])),
-               tuple(map(float, d['reward'])))
+    @classmethod
+    def from_dict(cls, d: Mapping) -> 'Run':
+        missing = {'n', 'batch', 'compute', 'reward'} - set(d)
+        if missing:
+            raise ValueError(f'Run: missing fields {sorted(missing)} in {sorted(d)}')
+        if len(d['compute']) != len(d['reward']):
+            raise ValueError(f'Run n={d["n"]} batch={d["batch"]}: compute and reward differ in length')
+        return cls(int(d['n']), int(d['batch']), tuple(map(float, d['compute'])),
+                   tuple(map(float, d['reward'])))
 
 
 def record_breaking(curve: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
-  """The (compute, reward) points whose reward beats every point at lower compute."""
-  kept, best = [], -math.inf
-  for c, r in sorted(curve, key=lambda p: p[0]):
-    if r > best:
-      kept.append((float(c), float(r)))
-      best = r
-  return kept
+    """The (compute, reward) points whose reward beats every point at lower compute."""
+    kept, best = [], -math.inf
+    for c, r in sorted(curve, key=lambda p: p[0]):
+        if r > best:
+            kept.append((float(c), float(r)))
+            best = r
+    return kept
 
 
 def upper_envelope(fits: Mapping[int, Sigmoid], log_c: Sequence[float]):
-  """(best reward, argmax n) over the per-n fits at each log2 C."""
-  ns = sorted(fits)
-  values = np.stack([fits[n](log_c) for n in ns])  # [len(ns), len(log_c)]
-  best = values.argmax(0)
-  return values.max(0), np.asarray(ns)[best]
+    """(best reward, argmax n) over the per-n fits at each log2 C."""
+    ns = sorted(fits)
+    values = np.stack([fits[n](log_c) for n in ns])  # [len(ns), len(log_c)]
+    best = values.argmax(0)
+    return values.max(0), np.asarray(ns)[best]
 
 
 def fit_n_star(log_c: Sequence[float], n_star: Sequence[int]) -> Sigmoid:
-  """log2 n* as a monotone sigmoid in log2 C."""
-  return fit_sigmoid(log_c, np.log2(np.asarray(n_star, dtype=np.float64)))
+    """log2 n* as a monotone sigmoid in log2 C."""
+    return fit_sigmoid(log_c, np.log2(np.asarray(n_star, dtype=np.float64)))
 
 
 @dataclasses.dataclass(frozen=True)
 class FrontierFit:
-  points: dict[int, list[tuple[float, float]]]  # n -> record-breaking (log2 C, reward)
-  per_n: dict[int, Sigmoid]                     # n -> reward(log2 C)
-  log_c: list[float]                            # grid of the envelope
-  envelope: list[float]
-  n_star: list[int]
-  n_star_fit: Sigmoid | None                    # log2 n*(log2 C); None if n* never changes
+    points: dict[int, list[tuple[float, float]]]  # n -> record-breaking (log2 C, reward)
+    per_n: dict[int, Sigmoid]                     # n -> reward(log2 C)
+    log_c: list[float]                            # grid of the envelope
+    envelope: list[float]
+    n_star: list[int]
+    n_star_fit: Sigmoid | None                    # log2 n*(log2 C); None if n* never changes
 
-  def to_dict(self) -> dict:
-    return {'points': {str(n): [list(p) for p in v] for n, v in self.points.items()},
-            'per_n': {str(n): s.to_dict() for n, s in self.per_n.items()},
-            'log_c': list(self.log_c), 'envelope': list(self.envelope),
-            'n_star': list(self.n_star),
-            'n_star_fit': self.n_star_fit.to_dict() if self.n_star_fit else None}
+    def to_dict(self) -> dict:
+        return {'points': {str(n): [list(p) for p in v] for n, v in self.points.items()},
+                'per_n': {str(n): s.to_dict() for n, s in self.per_n.items()},
+                'log_c': list(self.log_c), 'envelope': list(self.envelope),
+                'n_star': list(self.n_star),
+                'n_star_fit': self.n_star_fit.to_dict() if self.n_star_fit else None}
 
-  @classmethod
-  def from_dict(cls, d: Mapping) -> 'FrontierFit':
-    return cls(points={int(n): [tuple(p) for p in v] for n, v in d['points'].items()},
-               per_n={int(n): Sigmoid.from_dict(s) for n, s in d['per_n'].items()},
-               log_c=list(d['log_c']), envelope=list(d['envelope']), n_star=list(d['n_star']),
-               n_star_fit=Sigmoid.from_dict(d['n_star_fit']) if d['n_star_fit'] else None)
+    @classmethod
+    def from_dict(cls, d: Mapping) -> 'FrontierFit':
+        return cls(points={int(n): [tuple(p) for p in v] for n, v in d['points'].items()},
+                   per_n={int(n): Sigmoid.from_dict(s) for n, s in d['per_n'].items()},
+                   log_c=list(d['log_c']), envelope=list(d['envelope']), n_star=list(d['n_star']),
+                   n_star_fit=Sigmoid.from_dict(d['n_star_fit']) if d['n_star_fit'] else None)
 
 
 def fit_frontier(runs: Iterable[Run | Mapping], *, grid_size: int = 64,
                  reward_bounds: tuple[float, float] = (0.0, 1.0)) -> FrontierFit:
-  """Sweep runs -> per-n reward sigmoids, their upper envelope, and the fitted n*(C).
+    """Sweep runs -> per-n reward sigmoids, their upper envelope, and the fitted n*(C).
 
-  Per run keep the record-breaking points; per n pool them over B and keep the record-breaking
-  ones of the pool (the best B at each compute); fit reward(log2 C) per n; the envelope over n
-  on a grid spanning the data gives n*(C), fitted as a sigmoid in log2 space.
-  """
-  pooled: dict[int, list] = {}
-  for run in runs:
-    run = run if isinstance(run, Run) else Run.from_dict(run)
-    if min(run.compute, default=1) <= 0:
-      raise ValueError(f'fit_frontier: run n={run.n} batch={run.batch} has compute <= 0')
-    pooled.setdefault(run.n, []).extend(record_breaking(zip(run.compute, run.reward)))
-  points = {n: [(math.log2(c), r) for c, r in record_breaking(p)] for n, p in pooled.items()}
-  points = {n: p for n, p in sorted(points.items()) if len(p) >= 2}
-  if not points:
-    raise ValueError('fit_frontier: need a run with >= 2 record-breaking points')
-  per_n = {n: fit_sigmoid(*zip(*p), bounds=reward_bounds) for n, p in points.items()}
-  all_x = [x for p in points.values() for x, _ in p]
-  log_c = np.linspace(min(all_x), max(all_x), grid_size)
-  envelope, n_star = upper_envelope(per_n, log_c)
-  n_star_fit = fit_n_star(log_c, n_star) if len(set(n_star.tolist())) > 1 else None
-  return FrontierFit(points, per_n, log_c.tolist(), envelope.tolist(),
-                     [int(n) for n in n_star], n_star_fit)
+    Per run keep the record-breaking points; per n pool them over B and keep the record-breaking
+    ones of the pool (the best B at each compute); fit reward(log2 C) per n; the envelope over n
+    on a grid spanning the data gives n*(C), fitted as a sigmoid in log2 space.
+    """
+    pooled: dict[int, list] = {}
+    for run in runs:
+        run = run if isinstance(run, Run) else Run.from_dict(run)
+        if min(run.compute, default=1) <= 0:
+            raise ValueError(f'fit_frontier: run n={run.n} batch={run.batch} has compute <= 0')
+        pooled.setdefault(run.n, []).extend(record_breaking(zip(run.compute, run.reward)))
+    points = {n: [(math.log2(c), r) for c, r in record_breaking(p)] for n, p in pooled.items()}
+    points = {n: p for n, p in sorted(points.items()) if len(p) >= 2}
+    if not points:
+        raise ValueError('fit_frontier: need a run with >= 2 record-breaking points')
+    per_n = {n: fit_sigmoid(*zip(*p), bounds=reward_bounds) for n, p in points.items()}
+    all_x = [x for p in points.values() for x, _ in p]
+    log_c = np.linspace(min(all_x), max(all_x), grid_size)
+    envelope, n_star = upper_envelope(per_n, log_c)
+    n_star_fit = fit_n_star(log_c, n_star) if len(set(n_star.tolist())) > 1 else None
+    return FrontierFit(points, per_n, log_c.tolist(), envelope.tolist(),
+                       [int(n) for n in n_star], n_star_fit)
 
 
 def plot_frontier(fit: FrontierFit, path: str):
-  """PNG: record-breaking points and fitted reward(C) per n, and their upper envelope."""
-  from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+    """PNG: record-breaking points and fitted reward(C) per n, and their upper envelope."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
 
-  fig = Figure(figsize=(7, 4.5))
-  ax = fig.add_subplot()
-  for n, pts in fit.points.items():
-    x, y = np.asarray(pts).T
-    line, = ax.plot(2.0 ** np.asarray(fit.log_c), fit.per_n[n](fit.log_c), label=f'n={n}')
-    ax.scatter(2.0 ** x, y, s=14, color=line.get_color())
-  ax.plot(2.0 ** np.asarray(fit.log_c), fit.envelope, 'k--', lw=2, label='envelope')
-  ax.set_xscale('log', base=2)
-  ax.set(xlabel='compute C (rollouts)', ylabel='reward', title='IsoCompute frontier')
-  ax.legend(fontsize=8)
-  fig.savefig(path, dpi=120, bbox_inches='tight')
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    for n, pts in fit.points.items():
+        x, y = np.asarray(pts).T
+        line, = ax.plot(2.0 ** np.asarray(fit.log_c), fit.per_n[n](fit.log_c), label=f'n={n}')
+        ax.scatter(2.0 ** x, y, s=14, color=line.get_color())
+    ax.plot(2.0 ** np.asarray(fit.log_c), fit.envelope, 'k--', lw=2, label='envelope')
+    ax.set_xscale('log', base=2)
+    ax.set(xlabel='compute C (rollouts)', ylabel='reward', title='IsoCompute frontier')
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches='tight')
 
 
 def plot_n_star(fit: FrontierFit, path: str):
-  """PNG: the envelope's n* at each compute and its sigmoid fit."""
-  from matplotlib.figure import Figure
+    """PNG: the envelope's n* at each compute and its sigmoid fit."""
+    from matplotlib.figure import Figure
 
-  fig = Figure(figsize=(7, 4.5))
-  ax = fig.add_subplot()
-  c = 2.0 ** np.asarray(fit.log_c)
-  ax.step(c, fit.n_star, where='mid', label='n* (envelope)')
-  if fit.n_star_fit is not None:
-    ax.plot(c, 2.0 ** fit.n_star_fit(fit.log_c), label='sigmoid fit')
-  ax.set_xscale('log', base=2)
-  ax.set_yscale('log', base=2)
-  ax.set(xlabel='compute C (rollouts)', ylabel='n*', title='compute-optimal n')
-  ax.legend(fontsize=8)
-  fig.savefig(path, dpi=120, bbox_inches='tight')
+    fig = Figure(figsize=(7, 4.5))
+    ax = fig.add_subplot()
+    c = 2.0 ** np.asarray(fit.log_c)
+    ax.step(c, fit.n_star, where='mid', label='n* (envelope)')
+    if fit.n_star_fit is not None:
+        ax.plot(c, 2.0 ** fit.n_star_fit(fit.log_c), label='sigmoid fit')
+    ax.set_xscale('log', base=2)
+    ax.set_yscale('log', base=2)
+    ax.set(xlabel='compute C (rollouts)', ylabel='n*', title='compute-optimal n')
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches='tight')

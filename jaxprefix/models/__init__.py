@@ -12,16 +12,16 @@ _FROM_HF = ('from_pretrained', 'save_pretrained', 'load_hf_state')
 
 
 def __getattr__(name):
-  if name in _FROM_HF:
-    from jaxprefix.checkpoints import hf
-    return getattr(hf, name)
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+    if name in _FROM_HF:
+        from jaxprefix.checkpoints import hf
+        return getattr(hf, name)
+    raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
 def from_gguf(path, dtype=jnp.float32):
-  """A Decoder from a GGUF file (llama architecture); see jaxprefix.checkpoints.gguf."""
-  from jaxprefix.checkpoints.gguf import from_gguf as load  # optional module: import lazily
-  return load(path, dtype)
+    """A Decoder from a GGUF file (llama architecture); see jaxprefix.checkpoints.gguf."""
+    from jaxprefix.checkpoints.gguf import from_gguf as load  # optional module: import lazily
+    return load(path, dtype)
 
 
 __all__ = ['Decoder', 'KVCache', 'KVSegment', 'ModelConfig', 'Rope', 'from_gguf',

@@ -24,40 +24,40 @@ _MASKED = -1e30
 
 @flax.struct.dataclass
 class KVSegment:
-  k: jax.Array    # [layers, G, S, Hkv, Dh]
-  v: jax.Array    # [layers, G, S, Hkv, Dh]
-  pos: jax.Array  # int32 [G, S], -1 marks an empty slot
+    k: jax.Array    # [layers, G, S, Hkv, Dh]
+    v: jax.Array    # [layers, G, S, Hkv, Dh]
+    pos: jax.Array  # int32 [G, S], -1 marks an empty slot
 
-  @property
-  def groups(self) -> int:
-    return self.pos.shape[0]
+    @property
+    def groups(self) -> int:
+        return self.pos.shape[0]
 
-  @property
-  def length(self) -> int:
-    return self.pos.shape[1]
+    @property
+    def length(self) -> int:
+        return self.pos.shape[1]
 
 
 @flax.struct.dataclass
 class KVCache(KVSegment):
-  """A KVSegment with one group per query row and a write index (int32 scalar)."""
-  index: jax.Array = None
+    """A KVSegment with one group per query row and a write index (int32 scalar)."""
+    index: jax.Array = None
 
-  @classmethod
-  def empty(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-    dtype = jnp.dtype(dtype or config.dtype)
-    shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               pos=jnp.full((batch, length), -1, jnp.int32), index=jnp.zeros((), jnp.int32))
+    @classmethod
+    def empty(cls, config: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
+        dtype = jnp.dtype(dtype or config.dtype)
+        shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   pos=jnp.full((batch, length), -1, jnp.int32), index=jnp.zeros((), jnp.int32))
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
-  """[G, r, T, S] bool: which slots each query sees. q_pos [G, r, T], k_pos [G, S]."""
-  q = q_pos[..., None]
-  k = k_pos[:, None, None, :]
-  seen = (k >= 0) & (k <= q)
-  if window is not None:
-    seen &= (q - k) < window
-  return seen
+    """[G, r, T, S] bool: which slots each query sees. q_pos [G, r, T], k_pos [G, S]."""
+    q = q_pos[..., None]
+    k = k_pos[:, None, None, :]
+    seen = (k >= 0) & (k <= q)
+    if window is not None:
+        seen &= (q - k) < window
+    return seen
 
 
 Segment = tuple[jax.Array, jax.Array, jax.Array]  # (k, v, pos) of one layer
@@ -65,37 +65,37 @@ Segment = tuple[jax.Array, jax.Array, jax.Array]  # (k, v, pos) of one layer
 
 def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
            *, scale: float, window=None, logit_cap: float | None = None) -> jax.Array:
-  """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
+    """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
 
-  Each segment is (k [G, S, Hkv, Dh], v [G, S, Hkv, Dh], pos [G, S]) with B divisible by G.
-  Queries are reshaped to [G, r, T, Hkv, H/Hkv, Dh], so a segment's KV is never copied per row.
-  Each segment is normalised on its own and the partial results are merged by their running
-  maxima and sums (as flash attention merges blocks): one exact softmax over all keys, without
-  concatenating scores of segments laid out for different G. Scores are [G, Hkv, r, T, H/Hkv, S],
-  batch dimensions first, the layout XLA's dot kernels want (2-3x faster on CPU than keys in the
-  middle); only the small per-query statistics change layout.
-  `window` (scalar, may be traced) limits the query-key position distance.
-  """
-  b, t, h, dh = q.shape
-  partial = []  # per segment: (max, sum, unnormalised output), each per query row [B, T, Hkv, H/Hkv]
-  for k, v, pos in segments:
-    g, _, hkv, _ = k.shape
-    if b % g:
-      raise ValueError(f'{b} query rows cannot be split into {g} KV groups')
-    r = b // g
-    qg = q.reshape(g, r, t, hkv, h // hkv, dh)
-    s = jnp.einsum('grtkhd,gskd->gkrths', qg, k.astype(q.dtype),
-                   preferred_element_type=jnp.float32) * scale
-    s = softcap(s, logit_cap)
-    seen = _visible(q_pos.reshape(g, r, t), pos, window)  # [G, r, T, S]
-    s = jnp.where(seen[:, None, :, :, None, :], s, _MASKED)
-    peak = jax.lax.stop_gradient(s.max(axis=-1))  # any shift gives the same softmax
-    p = jnp.exp(s - peak[..., None])
-    o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
-                   preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
-    to_rows = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, t, hkv, h // hkv)
-    partial.append((to_rows(peak), to_rows(p.sum(axis=-1)), o))
-  peak = functools.reduce(jnp.maximum, [m for m, _, _ in partial])
-  total = sum(l * jnp.exp(m - peak) for m, l, _ in partial)
-  out = sum(o * jnp.exp(m - peak)[..., None] for m, _, o in partial)
-  return (out / total[..., None]).reshape(b, t, h, dh).astype(q.dtype)
+    Each segment is (k [G, S, Hkv, Dh], v [G, S, Hkv, Dh], pos [G, S]) with B divisible by G.
+    Queries are reshaped to [G, r, T, Hkv, H/Hkv, Dh], so a segment's KV is never copied per row.
+    Each segment is normalised on its own and the partial results are merged by their running
+    maxima and sums (as flash attention merges blocks): one exact softmax over all keys, without
+    concatenating scores of segments laid out for different G. Scores are [G, Hkv, r, T, H/Hkv, S],
+    batch dimensions first, the layout XLA's dot kernels want (2-3x faster on CPU than keys in the
+    middle); only the small per-query statistics change layout.
+    `window` (scalar, may be traced) limits the query-key position distance.
+    """
+    b, t, h, dh = q.shape
+    partial = []  # per segment: (max, sum, unnormalised output), each per query row [B, T, Hkv, H/Hkv]
+    for k, v, pos in segments:
+        g, _, hkv, _ = k.shape
+        if b % g:
+            raise ValueError(f'{b} query rows cannot be split into {g} KV groups')
+        r = b // g
+        qg = q.reshape(g, r, t, hkv, h // hkv, dh)
+        s = jnp.einsum('grtkhd,gskd->gkrths', qg, k.astype(q.dtype),
+                       preferred_element_type=jnp.float32) * scale
+        s = softcap(s, logit_cap)
+        seen = _visible(q_pos.reshape(g, r, t), pos, window)  # [G, r, T, S]
+        s = jnp.where(seen[:, None, :, :, None, :], s, _MASKED)
+        peak = jax.lax.stop_gradient(s.max(axis=-1))  # any shift gives the same softmax
+        p = jnp.exp(s - peak[..., None])
+        o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
+                       preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
+        to_rows = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, t, hkv, h // hkv)
+        partial.append((to_rows(peak), to_rows(p.sum(axis=-1)), o))
+    peak = functools.reduce(jnp.maximum, [m for m, _, _ in partial])
+    total = sum(l * jnp.exp(m - peak) for m, l, _ in partial)
+    out = sum(o * jnp.exp(m - peak)[..., None] for m, _, o in partial)
+    return (out / total[..., None]).reshape(b, t, h, dh).astype(q.dtype)

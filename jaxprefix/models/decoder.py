@@ -23,178 +23,178 @@ _NO_WINDOW = np.iinfo(np.int32).max
 
 
 def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-  """Name -> (shape without the layer axis, logical axes) of each stacked layer weight."""
-  d, f, h, kv, dh = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-  shapes = {
-      'attn_norm': ((d,), ('norm',)),
-      'q': ((d, h, dh), ('embed', 'heads', 'head_dim')),
-      'k': ((d, kv, dh), ('embed', 'kv_heads', 'head_dim')),
-      'v': ((d, kv, dh), ('embed', 'kv_heads', 'head_dim')),
-      'o': ((h, dh, d), ('heads', 'head_dim', 'embed')),
-      'mlp_norm': ((d,), ('norm',)),
-      'gate': ((d, f), ('embed', 'mlp')),
-      'up': ((d, f), ('embed', 'mlp')),
-      'down': ((f, d), ('mlp', 'embed')),
-  }
-  if c.qkv_bias:
-    shapes.update(q_bias=((h, dh), ('heads', 'head_dim')),
-                  k_bias=((kv, dh), ('kv_heads', 'head_dim')),
-                  v_bias=((kv, dh), ('kv_heads', 'head_dim')))
-  if c.out_bias:
-    shapes['o_bias'] = ((d,), ('norm',))
-  if c.qk_norm:
-    shapes.update(q_norm=((dh,), ('head_dim',)), k_norm=((dh,), ('head_dim',)))
-  if c.sandwich_norms:
-    shapes.update(post_attn_norm=((d,), ('norm',)), post_mlp_norm=((d,), ('norm',)))
-  return shapes
+    """Name -> (shape without the layer axis, logical axes) of each stacked layer weight."""
+    d, f, h, kv, dh = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+    shapes = {
+        'attn_norm': ((d,), ('norm',)),
+        'q': ((d, h, dh), ('embed', 'heads', 'head_dim')),
+        'k': ((d, kv, dh), ('embed', 'kv_heads', 'head_dim')),
+        'v': ((d, kv, dh), ('embed', 'kv_heads', 'head_dim')),
+        'o': ((h, dh, d), ('heads', 'head_dim', 'embed')),
+        'mlp_norm': ((d,), ('norm',)),
+        'gate': ((d, f), ('embed', 'mlp')),
+        'up': ((d, f), ('embed', 'mlp')),
+        'down': ((f, d), ('mlp', 'embed')),
+    }
+    if c.qkv_bias:
+        shapes.update(q_bias=((h, dh), ('heads', 'head_dim')),
+                      k_bias=((kv, dh), ('kv_heads', 'head_dim')),
+                      v_bias=((kv, dh), ('kv_heads', 'head_dim')))
+    if c.out_bias:
+        shapes['o_bias'] = ((d,), ('norm',))
+    if c.qk_norm:
+        shapes.update(q_norm=((dh,), ('head_dim',)), k_norm=((dh,), ('head_dim',)))
+    if c.sandwich_norms:
+        shapes.update(post_attn_norm=((d,), ('norm',)), post_mlp_norm=((d,), ('norm',)))
+    return shapes
 
 
 class Decoder(nnx.Module):
-  """Decoder-only transformer; see ARCHITECTURE.md 'Model' for the call contracts."""
+    """Decoder-only transformer; see ARCHITECTURE.md 'Model' for the call contracts."""
 
-  def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None):
-    rngs = rngs if rngs is not None else nnx.Rngs(0)
-    self.config = config
-    c = config
-    dtype = jnp.dtype(c.param_dtype)
-    normal = nnx.initializers.normal(0.02)
-    # Gemma's norms scale by (1 + w): w = 0 is the identity there, w = 1 elsewhere.
-    norm_init = nnx.initializers.zeros if c.norm_plus_one else nnx.initializers.ones
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        c = config
+        dtype = jnp.dtype(c.param_dtype)
+        normal = nnx.initializers.normal(0.02)
+        # Gemma's norms scale by (1 + w): w = 0 is the identity there, w = 1 elsewhere.
+        norm_init = nnx.initializers.zeros if c.norm_plus_one else nnx.initializers.ones
 
-    def param(shape, axes, init):
-      return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+        def param(shape, axes, init):
+            return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
 
-    self.embed = param((c.vocab_size, c.hidden_size), ('vocab', 'embed'), normal)
-    self.layer_names = tuple(_layer_shapes(c))
-    for name, (shape, axes) in _layer_shapes(c).items():
-      init = norm_init if name.endswith('norm') else (
-          nnx.initializers.zeros if name.endswith('bias') else normal)
-      setattr(self, name, param((c.num_layers, *shape), ('layers', *axes), init))
-    self.final_norm = param((c.hidden_size,), ('norm',), norm_init)
-    if not c.tie_word_embeddings:
-      self.lm_head = param((c.vocab_size, c.hidden_size), ('vocab', 'embed'), normal)
+        self.embed = param((c.vocab_size, c.hidden_size), ('vocab', 'embed'), normal)
+        self.layer_names = tuple(_layer_shapes(c))
+        for name, (shape, axes) in _layer_shapes(c).items():
+            init = norm_init if name.endswith('norm') else (
+                nnx.initializers.zeros if name.endswith('bias') else normal)
+            setattr(self, name, param((c.num_layers, *shape), ('layers', *axes), init))
+        self.final_norm = param((c.hidden_size,), ('norm',), norm_init)
+        if not c.tie_word_embeddings:
+            self.lm_head = param((c.vocab_size, c.hidden_size), ('vocab', 'embed'), normal)
 
-  # --- public API ---------------------------------------------------------------------------
+    # --- public API ---------------------------------------------------------------------------
 
-  def __call__(self, tokens, positions=None, mask=None) -> jax.Array:
-    """Logits [B, T, V] (f32) of a (padded) batch; causal by position among valid tokens."""
-    return self.unembed(self.hidden(tokens, positions, mask))
+    def __call__(self, tokens, positions=None, mask=None) -> jax.Array:
+        """Logits [B, T, V] (f32) of a (padded) batch; causal by position among valid tokens."""
+        return self.unembed(self.hidden(tokens, positions, mask))
 
-  def hidden(self, tokens, positions=None, mask=None) -> jax.Array:
-    """Final-normed hidden states [B, T, D]."""
-    tokens = jnp.asarray(tokens, jnp.int32)
-    mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
-    if positions is None:
-      positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
-    positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-    h, _ = self._run(tokens, positions, (), None)
-    return h
+    def hidden(self, tokens, positions=None, mask=None) -> jax.Array:
+        """Final-normed hidden states [B, T, D]."""
+        tokens = jnp.asarray(tokens, jnp.int32)
+        mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
+        if positions is None:
+            positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
+        positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
+        h, _ = self._run(tokens, positions, (), None)
+        return h
 
-  def unembedding(self) -> jax.Array:
-    """The [V, D] unembedding matrix (the embedding table when tied)."""
-    return (self.embed if self.config.tie_word_embeddings else self.lm_head)[...]
+    def unembedding(self) -> jax.Array:
+        """The [V, D] unembedding matrix (the embedding table when tied)."""
+        return (self.embed if self.config.tie_word_embeddings else self.lm_head)[...]
 
-  def unembed(self, h: jax.Array) -> jax.Array:
-    return unembed(h, self.unembedding(), self.config)
+    def unembed(self, h: jax.Array) -> jax.Array:
+        return unembed(h, self.unembedding(), self.config)
 
-  def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
-             cache: KVCache | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
-    """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
+    def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
+               cache: KVCache | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
+        """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
-    A negative position marks a padding token: it is stored as an empty slot. Returns the new
-    tokens' KVSegment (cache=None) or the updated cache (index advanced by T).
-    """
-    tokens = jnp.asarray(tokens, jnp.int32)
-    positions = jnp.asarray(positions, jnp.int32)
-    positions = jnp.where(positions >= 0, positions, -1)
-    h, kv = self._run(tokens, positions, tuple(context), cache)
-    return self.unembed(h), kv
+        A negative position marks a padding token: it is stored as an empty slot. Returns the new
+        tokens' KVSegment (cache=None) or the updated cache (index advanced by T).
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        positions = jnp.asarray(positions, jnp.int32)
+        positions = jnp.where(positions >= 0, positions, -1)
+        h, kv = self._run(tokens, positions, tuple(context), cache)
+        return self.unembed(h), kv
 
-  # --- the one forward path -----------------------------------------------------------------
+    # --- the one forward path -----------------------------------------------------------------
 
-  def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None):
-    c = self.config
-    dtype = jnp.dtype(c.dtype)
-    x = self.embed[...][tokens].astype(dtype)
-    if c.embed_scale:
-      x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
-    x = constrain(x, ('batch', 'length', 'act_embed'))
+    def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None):
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        x = self.embed[...][tokens].astype(dtype)
+        if c.embed_scale:
+            x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
+        x = constrain(x, ('batch', 'length', 'act_embed'))
 
-    angles = layers.rope_angles(positions, layers.inverse_frequencies(c.rope, c.head_dim))
-    local_rope = c.local_rope or c.rope
-    local_angles = layers.rope_angles(positions, layers.inverse_frequencies(local_rope, c.head_dim))
-    sliding = np.asarray(c.is_sliding)
-    window = None
-    if sliding.any():
-      window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
+        angles = layers.rope_angles(positions, layers.inverse_frequencies(c.rope, c.head_dim))
+        local_rope = c.local_rope or c.rope
+        local_angles = layers.rope_angles(positions, layers.inverse_frequencies(local_rope, c.head_dim))
+        sliding = np.asarray(c.is_sliding)
+        window = None
+        if sliding.any():
+            window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
 
-    weights = {name: getattr(self, name)[...] for name in self.layer_names}
-    per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
-                     context=[(s.k, s.v) for s in context])
-    context_pos = [s.pos for s in context]
+        weights = {name: getattr(self, name)[...] for name in self.layer_names}
+        per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
+                         context=[(s.k, s.v) for s in context])
+        context_pos = [s.pos for s in context]
 
-    def layer(x, xs, kv_self):
-      """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
-      w = {n: a.astype(dtype) for n, a in xs['weights'].items()}
-      cos, sin = [jnp.where(xs['sliding'], l, g) for l, g in zip(local_angles, angles)]
-      h = layers.rms_norm(x, w['attn_norm'], c.rms_norm_eps, c.norm_plus_one)
-      q = jnp.einsum('btd,dhk->bthk', h, w['q'])
-      k = jnp.einsum('btd,dhk->bthk', h, w['k'])
-      v = jnp.einsum('btd,dhk->bthk', h, w['v'])
-      if c.qkv_bias:
-        q, k, v = q + w['q_bias'], k + w['k_bias'], v + w['v_bias']
-      if c.qk_norm:
-        q = layers.rms_norm(q, w['q_norm'], c.rms_norm_eps, c.norm_plus_one)
-        k = layers.rms_norm(k, w['k_norm'], c.rms_norm_eps, c.norm_plus_one)
-      q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-      q = constrain(q, ('batch', 'length', 'act_heads', None))
-      segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
-      own, new_kv = kv_self(k, v)
-      segments.append(own)
-      a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
-                 logit_cap=c.attn_logit_softcapping)
-      a = jnp.einsum('bthk,hkd->btd', a, w['o'])
-      if c.out_bias:
-        a = a + w['o_bias']
-      if c.sandwich_norms:
-        a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
-      x = x + a
-      h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-      m = layers.gated_mlp(h, w['gate'], w['up'], w['down'], c.activation)
-      if c.sandwich_norms:
-        m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-      x = constrain(x + m, ('batch', 'length', 'act_embed'))
-      return x, new_kv
+        def layer(x, xs, kv_self):
+            """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
+            w = {n: a.astype(dtype) for n, a in xs['weights'].items()}
+            cos, sin = [jnp.where(xs['sliding'], l, g) for l, g in zip(local_angles, angles)]
+            h = layers.rms_norm(x, w['attn_norm'], c.rms_norm_eps, c.norm_plus_one)
+            q = jnp.einsum('btd,dhk->bthk', h, w['q'])
+            k = jnp.einsum('btd,dhk->bthk', h, w['k'])
+            v = jnp.einsum('btd,dhk->bthk', h, w['v'])
+            if c.qkv_bias:
+                q, k, v = q + w['q_bias'], k + w['k_bias'], v + w['v_bias']
+            if c.qk_norm:
+                q = layers.rms_norm(q, w['q_norm'], c.rms_norm_eps, c.norm_plus_one)
+                k = layers.rms_norm(k, w['k_norm'], c.rms_norm_eps, c.norm_plus_one)
+            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
+            q = constrain(q, ('batch', 'length', 'act_heads', None))
+            segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
+            own, new_kv = kv_self(k, v)
+            segments.append(own)
+            a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
+                       logit_cap=c.attn_logit_softcapping)
+            a = jnp.einsum('bthk,hkd->btd', a, w['o'])
+            if c.out_bias:
+                a = a + w['o_bias']
+            if c.sandwich_norms:
+                a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
+            x = x + a
+            h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
+            m = layers.gated_mlp(h, w['gate'], w['up'], w['down'], c.activation)
+            if c.sandwich_norms:
+                m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
+            x = constrain(x + m, ('batch', 'length', 'act_embed'))
+            return x, new_kv
 
-    if cache is None:
-      def step(x, xs):
-        return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
-      step = jax.checkpoint(step) if c.remat else step
-      x, (ks, vs) = jax.lax.scan(step, x, per_layer, unroll=_unroll(c))
-      kv = KVSegment(k=ks, v=vs, pos=positions)
-    else:
-      t = tokens.shape[1]
-      cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
+        if cache is None:
+            def step(x, xs):
+                return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
+            step = jax.checkpoint(step) if c.remat else step
+            x, (ks, vs) = jax.lax.scan(step, x, per_layer, unroll=_unroll(c))
+            kv = KVSegment(k=ks, v=vs, pos=positions)
+        else:
+            t = tokens.shape[1]
+            cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
 
-      def step(carry, xs):
-        x, cache_k, cache_v = carry
-        i = xs['index']
+            def step(carry, xs):
+                x, cache_k, cache_v = carry
+                i = xs['index']
 
-        def write(k, v):
-          nonlocal cache_k, cache_v
-          at = (i, 0, cache.index, 0, 0)
-          cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
-          cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
-          return (cache_k[i], cache_v[i], cache_pos), None
+                def write(k, v):
+                    nonlocal cache_k, cache_v
+                    at = (i, 0, cache.index, 0, 0)
+                    cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
+                    cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+                    return (cache_k[i], cache_v[i], cache_pos), None
 
-        x, _ = layer(x, xs, write)
-        return (x, cache_k, cache_v), None
+                x, _ = layer(x, xs, write)
+                return (x, cache_k, cache_v), None
 
-      step = jax.checkpoint(step) if c.remat else step
-      per_layer['index'] = jnp.arange(c.num_layers)
-      (x, ks, vs), _ = jax.lax.scan(step, (x, cache.k, cache.v), per_layer, unroll=_unroll(c))
-      kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
-    return layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one), kv
+            step = jax.checkpoint(step) if c.remat else step
+            per_layer['index'] = jnp.arange(c.num_layers)
+            (x, ks, vs), _ = jax.lax.scan(step, (x, cache.k, cache.v), per_layer, unroll=_unroll(c))
+            kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
+        return layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one), kv
 
 
 # A scan over layers compiles once however deep the model; on a few layers its loop costs more
@@ -203,11 +203,11 @@ _UNROLL_UP_TO_LAYERS = 4
 
 
 def _unroll(config: ModelConfig) -> int:
-  return config.num_layers if config.num_layers <= _UNROLL_UP_TO_LAYERS else 1
+    return config.num_layers if config.num_layers <= _UNROLL_UP_TO_LAYERS else 1
 
 
 def unembed(h: jax.Array, unembedding: jax.Array, config: ModelConfig) -> jax.Array:
-  """Logits (f32) from final-normed hidden states and the [V, D] unembedding matrix."""
-  logits = jnp.einsum('...d,vd->...v', h, unembedding.astype(h.dtype),
-                      preferred_element_type=jnp.float32)
-  return layers.softcap(logits, config.final_logit_softcapping)
+    """Logits (f32) from final-normed hidden states and the [V, D] unembedding matrix."""
+    logits = jnp.einsum('...d,vd->...v', h, unembedding.astype(h.dtype),
+                        preferred_element_type=jnp.float32)
+    return layers.softcap(logits, config.final_logit_softcapping)

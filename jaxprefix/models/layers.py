@@ -15,63 +15,63 @@ from jaxprefix.models.config import Rope
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, plus_one: bool = False) -> jax.Array:
-  """x / rms(x) * w (Llama/Qwen) or * (1 + w) (Gemma), over the last axis, in f32."""
-  xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-  w = weight.astype(jnp.float32)
-  return (y * (1.0 + w if plus_one else w)).astype(x.dtype)
+    """x / rms(x) * w (Llama/Qwen) or * (1 + w) (Gemma), over the last axis, in f32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32)
+    return (y * (1.0 + w if plus_one else w)).astype(x.dtype)
 
 
 def inverse_frequencies(rope: Rope, head_dim: int) -> np.ndarray:
-  """Per-pair rotation frequencies [head_dim // 2], with linear or Llama 3.1 scaling."""
-  inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-  inv = inv.astype(np.float32)
-  if rope.kind == 'linear':
-    return (inv / rope.factor).astype(np.float32)
-  if rope.kind == 'llama3':
-    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
-    low_wavelen = rope.original_max_position / rope.low_freq_factor
-    high_wavelen = rope.original_max_position / rope.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
-    smooth = ((rope.original_max_position / wavelen - rope.low_freq_factor)
-              / (rope.high_freq_factor - rope.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, smoothed, scaled).astype(np.float32)
-  return inv
+    """Per-pair rotation frequencies [head_dim // 2], with linear or Llama 3.1 scaling."""
+    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    inv = inv.astype(np.float32)
+    if rope.kind == 'linear':
+        return (inv / rope.factor).astype(np.float32)
+    if rope.kind == 'llama3':
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = ((rope.original_max_position / wavelen - rope.low_freq_factor)
+                  / (rope.high_freq_factor - rope.low_freq_factor))
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled).astype(np.float32)
+    return inv
 
 
 def rope_angles(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [B, T, head_dim // 2] of each position."""
-  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
-  return jnp.cos(angles), jnp.sin(angles)
+    """cos, sin [B, T, head_dim // 2] of each position."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotates x [B, T, H, Dh] by position; halves convention (transformers' rotate_half)."""
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  cos, sin = cos[:, :, None, :], sin[:, :, None, :]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+    """Rotates x [B, T, H, Dh] by position; halves convention (transformers' rotate_half)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
 
 
 def activation_fn(name: str):
-  if name == 'silu':
-    return jax.nn.silu
-  if name == 'gelu_tanh':
-    return lambda x: jax.nn.gelu(x, approximate=True)
-  raise ValueError(f"unknown activation {name!r}: expected 'silu' or 'gelu_tanh'")
+    if name == 'silu':
+        return jax.nn.silu
+    if name == 'gelu_tanh':
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"unknown activation {name!r}: expected 'silu' or 'gelu_tanh'")
 
 
 def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
               activation: str) -> jax.Array:
-  """down(act(x @ gate) * (x @ up)); gate/up [D, F], down [F, D]."""
-  hidden = activation_fn(activation)(x @ gate) * (x @ up)
-  return hidden @ down
+    """down(act(x @ gate) * (x @ up)); gate/up [D, F], down [F, D]."""
+    hidden = activation_fn(activation)(x @ gate) * (x @ up)
+    return hidden @ down
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  """cap * tanh(x / cap) (Gemma's logit softcapping); identity when cap is None."""
-  return x if cap is None else jnp.tanh(x / cap) * cap
+    """cap * tanh(x / cap) (Gemma's logit softcapping); identity when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap

@@ -39,80 +39,80 @@ RULES: dict[str, tuple[str, ...]] = {
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-  """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 to take the remaining devices."""
-  devices = list(jax.devices() if devices is None else devices)
-  sizes = [data, fsdp, tensor]
-  if sizes.count(-1) > 1:
-    raise ValueError(f'make_mesh: at most one axis may be -1, got data={data} fsdp={fsdp} '
-                     f'tensor={tensor}')
-  known = math.prod(s for s in sizes if s != -1)
-  if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
-    raise ValueError(f'make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} does not divide '
-                     f'the {len(devices)} devices')
-  sizes = [len(devices) // known if s == -1 else s for s in sizes]
-  if math.prod(sizes) != len(devices):
-    raise ValueError(f'make_mesh: data x fsdp x tensor = {math.prod(sizes)} but there are '
-                     f'{len(devices)} devices')
-  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 to take the remaining devices."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1:
+        raise ValueError(f'make_mesh: at most one axis may be -1, got data={data} fsdp={fsdp} '
+                         f'tensor={tensor}')
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+        raise ValueError(f'make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} does not divide '
+                         f'the {len(devices)} devices')
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f'make_mesh: data x fsdp x tensor = {math.prod(sizes)} but there are '
+                         f'{len(devices)} devices')
+    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
 def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                  mesh_shape: dict[str, int] | None = None) -> PartitionSpec:
-  """PartitionSpec of an array with these logical axis names under RULES.
+    """PartitionSpec of an array with these logical axis names under RULES.
 
-  Given `shape` and `mesh_shape`, mesh axes absent from the mesh, already used, or not
-  dividing their dimension are dropped.
-  """
-  used: set[str] = set()
-  spec = []
-  for i, name in enumerate(names):
-    if name is not None and name not in RULES:
-      raise ValueError(f'logical axis {name!r} has no entry in sharding.RULES')
-    axes = []
-    size = 1
-    for axis in RULES.get(name, ()) if name else ():
-      if axis in used:
-        continue
-      if mesh_shape is not None:
-        n = mesh_shape.get(axis)
-        if n is None or (shape is not None and shape[i] % (size * n)):
-          continue
-        size *= n
-      axes.append(axis)
-    used.update(axes)
-    spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
-  return PartitionSpec(*spec)
+    Given `shape` and `mesh_shape`, mesh axes absent from the mesh, already used, or not
+    dividing their dimension are dropped.
+    """
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        if name is not None and name not in RULES:
+            raise ValueError(f'logical axis {name!r} has no entry in sharding.RULES')
+        axes = []
+        size = 1
+        for axis in RULES.get(name, ()) if name else ():
+            if axis in used:
+                continue
+            if mesh_shape is not None:
+                n = mesh_shape.get(axis)
+                if n is None or (shape is not None and shape[i] % (size * n)):
+                    continue
+                size *= n
+            axes.append(axis)
+        used.update(axes)
+        spec.append(tuple(axes) if len(axes) > 1 else (axes[0] if axes else None))
+    return PartitionSpec(*spec)
 
 
 def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
-  return variable.get_metadata().get(METADATA_KEY)
+    return variable.get_metadata().get(METADATA_KEY)
 
 
 def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
-  """NamedSharding of every variable of `model`, from its logical axis names."""
-  mesh_shape = dict(mesh.shape)
+    """NamedSharding of every variable of `model`, from its logical axis names."""
+    mesh_shape = dict(mesh.shape)
 
-  def one(variable):
-    axes = variable_axes(variable) or (None,) * len(variable.shape)
-    return NamedSharding(mesh, logical_spec(axes, variable.shape, mesh_shape))
+    def one(variable):
+        axes = variable_axes(variable) or (None,) * len(variable.shape)
+        return NamedSharding(mesh, logical_spec(axes, variable.shape, mesh_shape))
 
-  state = nnx.state(model)
-  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    state = nnx.state(model)
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> nnx.Module:
-  """Places every parameter of `model` on `mesh` by its logical axes (in place; returns it)."""
-  is_variable = lambda x: isinstance(x, nnx.Variable)
-  placed = jax.tree.map(lambda v, s: v.replace(jax.device_put(v[...], s)),
-                        nnx.state(model), param_shardings(model, mesh), is_leaf=is_variable)
-  nnx.update(model, placed)
-  return model
+    """Places every parameter of `model` on `mesh` by its logical axes (in place; returns it)."""
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    placed = jax.tree.map(lambda v, s: v.replace(jax.device_put(v[...], s)),
+                          nnx.state(model), param_shardings(model, mesh), is_leaf=is_variable)
+    nnx.update(model, placed)
+    return model
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """Sharding constraint by logical names under the mesh set with jax.set_mesh; else a no-op."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
-    return x
-  spec = logical_spec(names, x.shape, dict(mesh.shape))
-  return jax.lax.with_sharding_constraint(x, spec)
+    """Sharding constraint by logical names under the mesh set with jax.set_mesh; else a no-op."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = logical_spec(names, x.shape, dict(mesh.shape))
+    return jax.lax.with_sharding_constraint(x, spec)

@@ -29,321 +29,321 @@ from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
 
 @dataclasses.dataclass
 class RolloutRequest:
-  """What to sample: one problem and one value per tag for each context.
+    """What to sample: one problem and one value per tag for each context.
 
-  contexts: token-id lists or `SharedContext`s; tags: name -> array [C] (boolean tags such as
-  'guided' get their own reward curves); response_prefixes: per context, the text of an
-  unfinished answer the context ends with ('' for none): the verifier judges prefix + completion.
-  """
-  contexts: list
-  problems: list
-  tags: dict[str, np.ndarray]
-  n: int
-  response_prefixes: list[str] | None = None
+    contexts: token-id lists or `SharedContext`s; tags: name -> array [C] (boolean tags such as
+    'guided' get their own reward curves); response_prefixes: per context, the text of an
+    unfinished answer the context ends with ('' for none): the verifier judges prefix + completion.
+    """
+    contexts: list
+    problems: list
+    tags: dict[str, np.ndarray]
+    n: int
+    response_prefixes: list[str] | None = None
 
-  def __post_init__(self):
-    if len(self.contexts) != len(self.problems):
-      raise ValueError(f"RolloutRequest: {len(self.contexts)} contexts but "
-                       f"{len(self.problems)} problems")
-    for name, values in self.tags.items():
-      if len(values) != len(self.contexts):
-        raise ValueError(f"RolloutRequest: tag {name!r} has {len(values)} values for "
-                         f"{len(self.contexts)} contexts")
+    def __post_init__(self):
+        if len(self.contexts) != len(self.problems):
+            raise ValueError(f"RolloutRequest: {len(self.contexts)} contexts but "
+                             f"{len(self.problems)} problems")
+        for name, values in self.tags.items():
+            if len(values) != len(self.contexts):
+                raise ValueError(f"RolloutRequest: tag {name!r} has {len(values)} values for "
+                                 f"{len(self.contexts)} contexts")
 
 
 class Method(Protocol):
-  def next_request(self, step: int) -> RolloutRequest: ...
-  def observe(self, request: RolloutRequest, rewards: np.ndarray) -> None: ...
-  def eval_requests(self) -> dict[str, RolloutRequest]: ...
-  def state(self) -> dict: ...
-  def restore(self, state: dict) -> None: ...
+    def next_request(self, step: int) -> RolloutRequest: ...
+    def observe(self, request: RolloutRequest, rewards: np.ndarray) -> None: ...
+    def eval_requests(self) -> dict[str, RolloutRequest]: ...
+    def state(self) -> dict: ...
+    def restore(self, state: dict) -> None: ...
 
 
 # --- configuration --------------------------------------------------------------------------
 
 def train_config(config) -> TrainConfig:
-  """TrainConfig from `config.train` (its extra loop fields ignored); errors name config.train."""
-  fields = {f.name for f in dataclasses.fields(TrainConfig)}
-  values = {k: v for k, v in config.train.items() if k in fields}
-  if not values.get("max_len") and values.get("aggregation") == "seq_mean_token_sum_norm":
-    values["max_len"] = int(config.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
-  try:
-    return TrainConfig(**values)
-  except ValueError as e:
-    raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
+    """TrainConfig from `config.train` (its extra loop fields ignored); errors name config.train."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in config.train.items() if k in fields}
+    if not values.get("max_len") and values.get("aggregation") == "seq_mean_token_sum_norm":
+        values["max_len"] = int(config.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
+    try:
+        return TrainConfig(**values)
+    except ValueError as e:
+        raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
 
 
 def validate(config, mesh=None) -> TrainConfig:
-  """Checks the run's settings before anything is loaded; returns the learner's TrainConfig."""
-  def need(ok, field, value, expected):
-    if not ok:
-      raise ValueError(f"config.{field}={value!r}: expected {expected}")
-  t, r = config.train, config.rollout
-  need(t.advantage in objectives.ADVANTAGE_MODES, "train.advantage", t.advantage,
-       f"one of {objectives.ADVANTAGE_MODES}")
-  need(r.n >= 2, "rollout.n", r.n, f"n >= 2 samples per context: {t.advantage} advantages "
-       "compare the samples of a group")
-  need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
-  need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
-  need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
-  need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
-  need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")
-  need(config.checkpoint.every >= 1, "checkpoint.every", config.checkpoint.every, ">= 1")
-  need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
-  need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
-  learner_config = train_config(config)
-  shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-  rows = t.problems_per_step * r.n
-  try:
-    learner_config.check_batch(rows, shards)
-  except ValueError as e:
-    raise ValueError(f"config.train.problems_per_step={t.problems_per_step} x config.rollout.n="
-                     f"{r.n}: {e}") from None
-  return learner_config
+    """Checks the run's settings before anything is loaded; returns the learner's TrainConfig."""
+    def need(ok, field, value, expected):
+        if not ok:
+            raise ValueError(f"config.{field}={value!r}: expected {expected}")
+    t, r = config.train, config.rollout
+    need(t.advantage in objectives.ADVANTAGE_MODES, "train.advantage", t.advantage,
+         f"one of {objectives.ADVANTAGE_MODES}")
+    need(r.n >= 2, "rollout.n", r.n, f"n >= 2 samples per context: {t.advantage} advantages "
+         "compare the samples of a group")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
+    need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
+    need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
+    need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
+    need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")
+    need(config.checkpoint.every >= 1, "checkpoint.every", config.checkpoint.every, ">= 1")
+    need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
+    need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
+    learner_config = train_config(config)
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    rows = t.problems_per_step * r.n
+    try:
+        learner_config.check_batch(rows, shards)
+    except ValueError as e:
+        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} x config.rollout.n="
+                         f"{r.n}: {e}") from None
+    return learner_config
 
 
 # --- one round of sampling and scoring ------------------------------------------------------
 
 @dataclasses.dataclass
 class Scored:
-  request: RolloutRequest
-  rollouts: sampling.Rollouts
-  rewards: np.ndarray          # [C, n]
-  verifier_failures: int
-  seconds_sampling: float
-  seconds_reward: float
+    request: RolloutRequest
+    rollouts: sampling.Rollouts
+    rewards: np.ndarray          # [C, n]
+    verifier_failures: int
+    seconds_sampling: float
+    seconds_reward: float
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
-  """Each row's response prefix + its decoded completion, the stop token left out."""
-  texts = []
-  for row, ids in enumerate(rollouts.completions()):
-    ids = ids[:-1] if rollouts.stopped[row] else ids
-    prefix = prefixes[rollouts.group_ids[row]] if prefixes else ""
-    texts.append(prefix + tokenizer.decode(list(ids)))
-  return texts
+    """Each row's response prefix + its decoded completion, the stop token left out."""
+    texts = []
+    for row, ids in enumerate(rollouts.completions()):
+        ids = ids[:-1] if rollouts.stopped[row] else ids
+        prefix = prefixes[rollouts.group_ids[row]] if prefixes else ""
+        texts.append(prefix + tokenizer.decode(list(ids)))
+    return texts
 
 
 def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed: int,
                      stop_ids: Sequence[int]) -> Scored:
-  r = config.rollout
-  start = time.perf_counter()
-  rollouts = sampling.generate(model, request.contexts, n=request.n,
-                               max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                               top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed)
-  sampled = time.perf_counter()
-  texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
-  problems = [request.problems[g] for g in rollouts.group_ids]
-  scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
-                                      timeout_s=config.rewards.timeout_s,
-                                      workers=config.rewards.workers or None)
-  failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
-  return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                sampled - start, time.perf_counter() - sampled)
+    r = config.rollout
+    start = time.perf_counter()
+    rollouts = sampling.generate(model, request.contexts, n=request.n,
+                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                 top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed)
+    sampled = time.perf_counter()
+    texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
+    problems = [request.problems[g] for g in rollouts.group_ids]
+    scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
+                                        timeout_s=config.rewards.timeout_s,
+                                        workers=config.rewards.workers or None)
+    failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
+    return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
+                  sampled - start, time.perf_counter() - sampled)
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
-  """The sampler seed of one round: a pure function of (run seed, step, round)."""
-  return (seed * 1_000_003 + step * 64 + round_index) % (2**31 - 1)
+    """The sampler seed of one round: a pure function of (run seed, step, round)."""
+    return (seed * 1_000_003 + step * 64 + round_index) % (2**31 - 1)
 
 
 # --- metrics --------------------------------------------------------------------------------
 
 def reward_metrics(scored: Scored) -> dict[str, float]:
-  """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided), over the
-  method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
-  r = scored.rewards
-  out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
-         "reward/verifier_failures": scored.verifier_failures}
-  for name, values in scored.request.tags.items():
-    values = np.asarray(values)
-    if values.dtype != bool:
-      continue
-    for label, chosen in ((name, values), (f"un{name}", ~values)):
-      if chosen.any():
-        out[f"reward/{label}"] = float(r[chosen].mean())
-        out[f"solve_rate/{label}"] = float((r[chosen] > 0.5).any(1).mean())
-  return out
+    """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided), over the
+    method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
+    r = scored.rewards
+    out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
+           "reward/verifier_failures": scored.verifier_failures}
+    for name, values in scored.request.tags.items():
+        values = np.asarray(values)
+        if values.dtype != bool:
+            continue
+        for label, chosen in ((name, values), (f"un{name}", ~values)):
+            if chosen.any():
+                out[f"reward/{label}"] = float(r[chosen].mean())
+                out[f"solve_rate/{label}"] = float((r[chosen] > 0.5).any(1).mean())
+    return out
 
 
 def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> dict[str, float]:
-  """pass@k and friends on each of the method's (unguided) eval requests."""
-  from jaxprefix import evaluation
+    """pass@k and friends on each of the method's (unguided) eval requests."""
+    from jaxprefix import evaluation
 
-  out = {}
-  for name, request in method.eval_requests().items():
-    scored = sample_and_score(model, tokenizer, request, config, stop_ids=stop_ids,
-                              seed=round_seed(config.seed + 1, step, 0))
-    summary = evaluation.summarize(scored.rewards, config.eval.ks)
-    out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
-    out[f"{name}/reward_mean"] = float(scored.rewards.mean())
-  return out
+    out = {}
+    for name, request in method.eval_requests().items():
+        scored = sample_and_score(model, tokenizer, request, config, stop_ids=stop_ids,
+                                  seed=round_seed(config.seed + 1, step, 0))
+        summary = evaluation.summarize(scored.rewards, config.eval.ks)
+        out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
+        out[f"{name}/reward_mean"] = float(scored.rewards.mean())
+    return out
 
 
 # --- the loop -------------------------------------------------------------------------------
 
 class _Preemption:
-  """Turns SIGTERM into a flag checked between steps (main thread only)."""
+    """Turns SIGTERM into a flag checked between steps (main thread only)."""
 
-  def __init__(self):
-    self.requested = False
-    self._previous = None
+    def __init__(self):
+        self.requested = False
+        self._previous = None
 
-  def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    return self
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
 
-  def _handle(self, signum, frame):
-    self.requested = True
+    def _handle(self, signum, frame):
+        self.requested = True
 
-  def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-    return False
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
 
 
 def _state_arrays(state: TrainState) -> dict:
-  return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
 def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
           ledger=None, progress: bool = True) -> dict[str, Any]:
-  """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
+    """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
-  model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference.
-  ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
-  Returns {'step', 'preempted', 'metrics' (the last step's record)}.
-  """
-  learner_config = validate(config, mesh)
-  learner = Learner(model, learner_config, mesh)
-  n_params = model.config.num_params()
-  ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-  state = learner.init_state()
-  totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-  start = ckpt.latest_step()
-  if start is not None:
-    arrays, meta = ckpt.restore(_state_arrays(state))
-    state = TrainState(**arrays)
-    method.restore(meta["method"])
-    totals.update(meta["totals"])
-    if ledger is not None and meta.get("ledger"):
-      for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
-        setattr(ledger, k, v)
-  start = int(state.step)
-  writer = MetricsWriter(workdir, resume_step=start + 1)
-  ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
+    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference.
+    ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
+    Returns {'step', 'preempted', 'metrics' (the last step's record)}.
+    """
+    learner_config = validate(config, mesh)
+    learner = Learner(model, learner_config, mesh)
+    n_params = model.config.num_params()
+    ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
+    state = learner.init_state()
+    totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
+    start = ckpt.latest_step()
+    if start is not None:
+        arrays, meta = ckpt.restore(_state_arrays(state))
+        state = TrainState(**arrays)
+        method.restore(meta["method"])
+        totals.update(meta["totals"])
+        if ledger is not None and meta.get("ledger"):
+            for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
+                setattr(ledger, k, v)
+    start = int(state.step)
+    writer = MetricsWriter(workdir, resume_step=start + 1)
+    ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
-  def save(step):
-    meta = {"method": method.state(), "totals": totals, "seed": config.seed,
-            "ledger": ledger.to_dict() if ledger is not None else None}
-    ckpt.save(step, _state_arrays(state), meta)
+    def save(step):
+        meta = {"method": method.state(), "totals": totals, "seed": config.seed,
+                "ledger": ledger.to_dict() if ledger is not None else None}
+        ckpt.save(step, _state_arrays(state), meta)
 
-  total = int(config.train.total_steps)
-  record: dict[str, Any] = {}
-  bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
-  preempted = False
-  with _Preemption() as preemption:
-    for step in range(start, total):
-      step_start = time.perf_counter()
-      policy = learner.model(state)
-      request = method.next_request(step)
-      chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
-                                 seed=round_seed(config.seed, step, 0))]
-      method.observe(request, chunks[0].rewards)
-      target = len(request.contexts)
-      while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
-          [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
-        more = method.next_request(step)
-        chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
-                                       seed=round_seed(config.seed, step, len(chunks))))
-        method.observe(more, chunks[-1].rewards)
+    total = int(config.train.total_steps)
+    record: dict[str, Any] = {}
+    bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
+    preempted = False
+    with _Preemption() as preemption:
+        for step in range(start, total):
+            step_start = time.perf_counter()
+            policy = learner.model(state)
+            request = method.next_request(step)
+            chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
+                                       seed=round_seed(config.seed, step, 0))]
+            method.observe(request, chunks[0].rewards)
+            target = len(request.contexts)
+            while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
+                [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
+                more = method.next_request(step)
+                chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
+                                               seed=round_seed(config.seed, step, len(chunks))))
+                method.observe(more, chunks[-1].rewards)
 
-      advantages = [np.asarray(objectives.group_advantages(c.rewards, config.train.advantage))
-                    for c in chunks]
-      selection = dynamic_sampling.select_groups(
-          [c.rewards for c in chunks], target, drop_zero_variance=config.train.dynamic_sampling)
-      batch = dynamic_sampling.build_batch(
-          [c.rollouts for c in chunks], advantages, selection,
-          mask_truncated=config.train.get("mask_truncated", False))
-      update_start = time.perf_counter()
-      if ref_params is not None:
-        batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
-      state, update_metrics = learner.update(state, batch)
-      update_metrics = distributed.to_host(update_metrics)
-      update_seconds = time.perf_counter() - update_start
+            advantages = [np.asarray(objectives.group_advantages(c.rewards, config.train.advantage))
+                          for c in chunks]
+            selection = dynamic_sampling.select_groups(
+                [c.rewards for c in chunks], target, drop_zero_variance=config.train.dynamic_sampling)
+            batch = dynamic_sampling.build_batch(
+                [c.rollouts for c in chunks], advantages, selection,
+                mask_truncated=config.train.get("mask_truncated", False))
+            update_start = time.perf_counter()
+            if ref_params is not None:
+                batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
+            state, update_metrics = learner.update(state, batch)
+            update_metrics = distributed.to_host(update_metrics)
+            update_seconds = time.perf_counter() - update_start
 
-      sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
-                    for c in chunks)
-      forwarded = int(batch["token_mask"].sum()) * learner_config.num_epochs
-      flops_sampling = sampling_flops(n_params, sampled)
-      flops_update = update_flops(n_params, forwarded)
-      if ref_params is not None:
-        flops_update += sampling_flops(n_params, int(batch["token_mask"].sum()))
-      totals["tokens_sampled"] += sampled
-      totals["tokens_trained"] += forwarded
-      totals["flops"] += flops_sampling + flops_update
-      if ledger is not None:
-        for c in chunks:
-          ledger.record_sampling(rollouts=len(c.rollouts.lengths),
-                                 prefill_tokens=int(c.rollouts.context_lengths.sum()),
-                                 generated_tokens=int(c.rollouts.lengths.sum()))
-        ledger.record_update(tokens=forwarded)
+            sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
+                          for c in chunks)
+            forwarded = int(batch["token_mask"].sum()) * learner_config.num_epochs
+            flops_sampling = sampling_flops(n_params, sampled)
+            flops_update = update_flops(n_params, forwarded)
+            if ref_params is not None:
+                flops_update += sampling_flops(n_params, int(batch["token_mask"].sum()))
+            totals["tokens_sampled"] += sampled
+            totals["tokens_trained"] += forwarded
+            totals["flops"] += flops_sampling + flops_update
+            if ledger is not None:
+                for c in chunks:
+                    ledger.record_sampling(rollouts=len(c.rollouts.lengths),
+                                           prefill_tokens=int(c.rollouts.context_lengths.sum()),
+                                           generated_tokens=int(c.rollouts.lengths.sum()))
+                ledger.record_update(tokens=forwarded)
 
-      seconds = time.perf_counter() - step_start
-      record = reward_metrics(chunks[0])
-      record.update({k: float(v) for k, v in update_metrics.items()})
-      record.update({
-          "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
-          "dynamic/refill_rounds": len(chunks) - 1,
-          "dynamic/trainable_groups": int(selection.trainable.sum()),
-          "completion_length/mean": float(np.mean([c.rollouts.lengths.mean() for c in chunks])),
-          "truncated_fraction": float(np.mean([(~c.rollouts.stopped).mean() for c in chunks])),
-          "tokens/sampled": sampled,
-          "tokens/generated": sum(int(c.rollouts.lengths.sum()) for c in chunks),
-          "tokens/trained": forwarded,
-          "tokens/sampled_total": totals["tokens_sampled"],
-          "tokens/trained_total": totals["tokens_trained"],
-          "flops/sampling": flops_sampling,
-          "flops/update": flops_update,
-          "flops/total": totals["flops"],
-          "time/sampling": sum(c.seconds_sampling for c in chunks),
-          "time/reward": sum(c.seconds_reward for c in chunks),
-          "time/update": update_seconds,
-          "time/step": seconds,
-          "throughput/tokens_per_s": (sampled + forwarded) / max(seconds, 1e-9),
-          "throughput/update_tokens_per_s": forwarded / max(update_seconds, 1e-9),
-      })
-      done = step + 1
-      last = done == total
-      if config.eval.every and (done % config.eval.every == 0 or last):
-        eval_start = time.perf_counter()
-        record.update(evaluate(learner.model(state), tokenizer, method, config, step=done,
-                               stop_ids=stop_ids))
-        record["time/eval"] = time.perf_counter() - eval_start
-      writer.write(done, record)
-      bar.update(1)
-      bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
-      if done % config.checkpoint.every == 0 or last or preemption.requested:
-        save(done)
-      if preemption.requested:
-        preempted = True
-        break
-  bar.close()
-  writer.close()
-  ckpt.close()
-  return {"step": int(state.step), "preempted": preempted, "metrics": record,
-          "state": state, "learner": learner}
+            seconds = time.perf_counter() - step_start
+            record = reward_metrics(chunks[0])
+            record.update({k: float(v) for k, v in update_metrics.items()})
+            record.update({
+                "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
+                "dynamic/refill_rounds": len(chunks) - 1,
+                "dynamic/trainable_groups": int(selection.trainable.sum()),
+                "completion_length/mean": float(np.mean([c.rollouts.lengths.mean() for c in chunks])),
+                "truncated_fraction": float(np.mean([(~c.rollouts.stopped).mean() for c in chunks])),
+                "tokens/sampled": sampled,
+                "tokens/generated": sum(int(c.rollouts.lengths.sum()) for c in chunks),
+                "tokens/trained": forwarded,
+                "tokens/sampled_total": totals["tokens_sampled"],
+                "tokens/trained_total": totals["tokens_trained"],
+                "flops/sampling": flops_sampling,
+                "flops/update": flops_update,
+                "flops/total": totals["flops"],
+                "time/sampling": sum(c.seconds_sampling for c in chunks),
+                "time/reward": sum(c.seconds_reward for c in chunks),
+                "time/update": update_seconds,
+                "time/step": seconds,
+                "throughput/tokens_per_s": (sampled + forwarded) / max(seconds, 1e-9),
+                "throughput/update_tokens_per_s": forwarded / max(update_seconds, 1e-9),
+            })
+            done = step + 1
+            last = done == total
+            if config.eval.every and (done % config.eval.every == 0 or last):
+                eval_start = time.perf_counter()
+                record.update(evaluate(learner.model(state), tokenizer, method, config, step=done,
+                                       stop_ids=stop_ids))
+                record["time/eval"] = time.perf_counter() - eval_start
+            writer.write(done, record)
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
+            if done % config.checkpoint.every == 0 or last or preemption.requested:
+                save(done)
+            if preemption.requested:
+                preempted = True
+                break
+    bar.close()
+    writer.close()
+    ckpt.close()
+    return {"step": int(state.step), "preempted": preempted, "metrics": record,
+            "state": state, "learner": learner}
 
 
 def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
-  """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
-  or None (model untouched) when the workdir has no checkpoint."""
-  ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-  step = ckpt.latest_step()
-  if step is not None:
-    learner = Learner(model, train_config(config), mesh)
-    arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
-    nnx.update(model, arrays["params"])
-  ckpt.close()
-  return step
+    """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
+    or None (model untouched) when the workdir has no checkpoint."""
+    ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
+    step = ckpt.latest_step()
+    if step is not None:
+        learner = Learner(model, train_config(config), mesh)
+        arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
+        nnx.update(model, arrays["params"])
+    ckpt.close()
+    return step

@@ -16,157 +16,157 @@ KL_KINDS = ("k1", "k3")
 
 
 def group_advantages(rewards, mode: str = "grpo", eps: float = 1e-6):
-  """Advantages [G, n] of each sample relative to its group.
+    """Advantages [G, n] of each sample relative to its group.
 
-  grpo: (r - mean) / (std + eps), std unbiased (ddof=1) as in DeepSeekMath / TRL.
-  dr_grpo: r - mean (Dr. GRPO drops the std, which up-weights easy and hard groups).
-  rloo: r - mean of the other n-1 samples, i.e. n/(n-1) * (r - mean).
-  """
-  rewards = jnp.asarray(rewards, jnp.float32)
-  if rewards.ndim != 2 or rewards.shape[1] < 2:
-    raise ValueError(f"group_advantages: rewards must be [groups, n >= 2], got {rewards.shape}")
-  n = rewards.shape[1]
-  centred = rewards - rewards.mean(axis=1, keepdims=True)
-  if mode == "grpo":
-    return centred / (rewards.std(axis=1, ddof=1, keepdims=True) + eps)
-  if mode == "dr_grpo":
-    return centred
-  if mode == "rloo":
-    return centred * (n / (n - 1))
-  raise ValueError(f"group_advantages: mode must be one of {ADVANTAGE_MODES}, got {mode!r}")
+    grpo: (r - mean) / (std + eps), std unbiased (ddof=1) as in DeepSeekMath / TRL.
+    dr_grpo: r - mean (Dr. GRPO drops the std, which up-weights easy and hard groups).
+    rloo: r - mean of the other n-1 samples, i.e. n/(n-1) * (r - mean).
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    if rewards.ndim != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"group_advantages: rewards must be [groups, n >= 2], got {rewards.shape}")
+    n = rewards.shape[1]
+    centred = rewards - rewards.mean(axis=1, keepdims=True)
+    if mode == "grpo":
+        return centred / (rewards.std(axis=1, ddof=1, keepdims=True) + eps)
+    if mode == "dr_grpo":
+        return centred
+    if mode == "rloo":
+        return centred * (n / (n - 1))
+    raise ValueError(f"group_advantages: mode must be one of {ADVANTAGE_MODES}, got {mode!r}")
 
 
 def mask_truncated(completion_mask, stopped):
-  """Zero the loss mask of completions cut off at max_new_tokens (DAPO overlong filtering)."""
-  return completion_mask * jnp.asarray(stopped, completion_mask.dtype)[:, None]
+    """Zero the loss mask of completions cut off at max_new_tokens (DAPO overlong filtering)."""
+    return completion_mask * jnp.asarray(stopped, completion_mask.dtype)[:, None]
 
 
 def masked_mean(x, mask):
-  mask = mask.astype(x.dtype)
-  return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+    mask = mask.astype(x.dtype)
+    return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
 
 
 def sequence_log_ratio(logp, old_logp, mask):
-  """Per-sequence mean log importance ratio [B] over completion tokens (GSPO)."""
-  mask = mask.astype(logp.dtype)
-  return ((logp - old_logp) * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
+    """Per-sequence mean log importance ratio [B] over completion tokens (GSPO)."""
+    mask = mask.astype(logp.dtype)
+    return ((logp - old_logp) * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0)
 
 
 def importance_ratio(logp, old_logp, mask, level: str = "token"):
-  """Ratio pi/pi_old per token [B, T].
+    """Ratio pi/pi_old per token [B, T].
 
-  level='sequence' is GSPO-token: the value is the sequence ratio exp(mean log ratio), and the
-  gradient through token t is ratio * grad log pi(t), so with seq_mean_token_mean it equals GSPO.
-  """
-  if level == "token":
-    return jnp.exp(logp - old_logp)
-  if level == "sequence":
-    seq = jax.lax.stop_gradient(sequence_log_ratio(logp, old_logp, mask))
-    return jnp.exp(seq[:, None] + logp - jax.lax.stop_gradient(logp))
-  raise ValueError(f"importance_ratio: level must be one of {RATIO_LEVELS}, got {level!r}")
+    level='sequence' is GSPO-token: the value is the sequence ratio exp(mean log ratio), and the
+    gradient through token t is ratio * grad log pi(t), so with seq_mean_token_mean it equals GSPO.
+    """
+    if level == "token":
+        return jnp.exp(logp - old_logp)
+    if level == "sequence":
+        seq = jax.lax.stop_gradient(sequence_log_ratio(logp, old_logp, mask))
+        return jnp.exp(seq[:, None] + logp - jax.lax.stop_gradient(logp))
+    raise ValueError(f"importance_ratio: level must be one of {RATIO_LEVELS}, got {level!r}")
 
 
 def clipped_surrogate(ratio, advantages, eps_low: float, eps_high: float):
-  """PPO per-token loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A); separate eps (DAPO)."""
-  adv = advantages[:, None]
-  unclipped = ratio * adv
-  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
-  return -jnp.minimum(unclipped, clipped)
+    """PPO per-token loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A); separate eps (DAPO)."""
+    adv = advantages[:, None]
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    return -jnp.minimum(unclipped, clipped)
 
 
 def aggregate(per_token, mask, mode: str = "token_mean", *, max_len: int | None = None,
               total_tokens=None, total_sequences=None):
-  """Reduce a per-token loss [B, T] to a scalar; only mask=1 tokens count.
+    """Reduce a per-token loss [B, T] to a scalar; only mask=1 tokens count.
 
-  token_mean: sum / number of tokens (DAPO).
-  seq_mean_token_mean: mean over sequences of each sequence's token mean (GRPO paper).
-  seq_mean_token_sum_norm: sum / (sequences * max_len), a constant normaliser (Dr. GRPO).
-  total_tokens / total_sequences: normalisers of the whole minibatch when this call sees one
-  micro-batch of it, so that micro-batch losses (and gradients) add up to the minibatch's.
-  """
-  mask = mask.astype(per_token.dtype)
-  masked = per_token * mask
-  if mode == "token_mean":
-    denom = mask.sum() if total_tokens is None else total_tokens
-    return masked.sum() / jnp.maximum(denom, 1.0)
-  if mode == "seq_mean_token_mean":
-    tokens = mask.sum(-1)
-    per_seq = masked.sum(-1) / jnp.maximum(tokens, 1.0)
-    denom = (tokens > 0).sum() if total_sequences is None else total_sequences
-    return per_seq.sum() / jnp.maximum(denom, 1.0)
-  if mode == "seq_mean_token_sum_norm":
-    length = per_token.shape[1] if max_len is None else max_len
-    sequences = per_token.shape[0] if total_sequences is None else total_sequences
-    return masked.sum() / (jnp.maximum(sequences, 1.0) * length)
-  raise ValueError(f"aggregate: mode must be one of {AGGREGATIONS}, got {mode!r}")
+    token_mean: sum / number of tokens (DAPO).
+    seq_mean_token_mean: mean over sequences of each sequence's token mean (GRPO paper).
+    seq_mean_token_sum_norm: sum / (sequences * max_len), a constant normaliser (Dr. GRPO).
+    total_tokens / total_sequences: normalisers of the whole minibatch when this call sees one
+    micro-batch of it, so that micro-batch losses (and gradients) add up to the minibatch's.
+    """
+    mask = mask.astype(per_token.dtype)
+    masked = per_token * mask
+    if mode == "token_mean":
+        denom = mask.sum() if total_tokens is None else total_tokens
+        return masked.sum() / jnp.maximum(denom, 1.0)
+    if mode == "seq_mean_token_mean":
+        tokens = mask.sum(-1)
+        per_seq = masked.sum(-1) / jnp.maximum(tokens, 1.0)
+        denom = (tokens > 0).sum() if total_sequences is None else total_sequences
+        return per_seq.sum() / jnp.maximum(denom, 1.0)
+    if mode == "seq_mean_token_sum_norm":
+        length = per_token.shape[1] if max_len is None else max_len
+        sequences = per_token.shape[0] if total_sequences is None else total_sequences
+        return masked.sum() / (jnp.maximum(sequences, 1.0) * length)
+    raise ValueError(f"aggregate: mode must be one of {AGGREGATIONS}, got {mode!r}")
 
 
 def kl_penalty(logp, ref_logp, kind: str = "k3"):
-  """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1 / k3)."""
-  if kind == "k1":
-    return logp - ref_logp
-  if kind == "k3":
-    # exp(d) - d - 1 with d = ref - logp: unbiased, always >= 0, low variance.
-    d = ref_logp - logp
-    return jnp.exp(d) - d - 1.0
-  raise ValueError(f"kl_penalty: kind must be one of {KL_KINDS}, got {kind!r}")
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1 / k3)."""
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "k3":
+        # exp(d) - d - 1 with d = ref - logp: unbiased, always >= 0, low variance.
+        d = ref_logp - logp
+        return jnp.exp(d) - d - 1.0
+    raise ValueError(f"kl_penalty: kind must be one of {KL_KINDS}, got {kind!r}")
 
 
 def ratio_stats(ratio, advantages, mask, eps_low: float, eps_high: float):
-  """Token-weighted sums of the ratio diagnostics (sums, so micro-batches can be added).
+    """Token-weighted sums of the ratio diagnostics (sums, so micro-batches can be added).
 
-  clipped_low: tokens with A < 0 whose ratio fell below 1 - eps_low (gradient cut off);
-  clipped_high: tokens with A > 0 above 1 + eps_high.
-  """
-  m = mask.astype(jnp.float32)
-  r = jax.lax.stop_gradient(ratio).astype(jnp.float32)
-  adv = advantages[:, None]
-  low = (r < 1.0 - eps_low) & (adv < 0)
-  high = (r > 1.0 + eps_high) & (adv > 0)
-  big = jnp.finfo(jnp.float32).max
-  return {
-      "tokens": m.sum(),
-      "clip_low_sum": (low * m).sum(),
-      "clip_high_sum": (high * m).sum(),
-      "ratio_sum": (r * m).sum(),
-      "ratio_min": jnp.where(m > 0, r, big).min(),
-      "ratio_max": jnp.where(m > 0, r, -big).max(),
-      "ratio_dev_max": jnp.where(m > 0, jnp.abs(r - 1.0), 0.0).max(),
-  }
+    clipped_low: tokens with A < 0 whose ratio fell below 1 - eps_low (gradient cut off);
+    clipped_high: tokens with A > 0 above 1 + eps_high.
+    """
+    m = mask.astype(jnp.float32)
+    r = jax.lax.stop_gradient(ratio).astype(jnp.float32)
+    adv = advantages[:, None]
+    low = (r < 1.0 - eps_low) & (adv < 0)
+    high = (r > 1.0 + eps_high) & (adv > 0)
+    big = jnp.finfo(jnp.float32).max
+    return {
+        "tokens": m.sum(),
+        "clip_low_sum": (low * m).sum(),
+        "clip_high_sum": (high * m).sum(),
+        "ratio_sum": (r * m).sum(),
+        "ratio_min": jnp.where(m > 0, r, big).min(),
+        "ratio_max": jnp.where(m > 0, r, -big).max(),
+        "ratio_dev_max": jnp.where(m > 0, jnp.abs(r - 1.0), 0.0).max(),
+    }
 
 
 def finish_ratio_stats(sums):
-  """Turn summed diagnostics into means: clip fractions and ratio mean/min/max."""
-  tokens = jnp.maximum(sums["tokens"], 1.0)
-  return {
-      "clip_frac/low": sums["clip_low_sum"] / tokens,
-      "clip_frac/high": sums["clip_high_sum"] / tokens,
-      "clip_frac/total": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tokens,
-      "ratio/mean": sums["ratio_sum"] / tokens,
-      "ratio/min": sums["ratio_min"],
-      "ratio/max": sums["ratio_max"],
-      "ratio/max_abs_dev": sums["ratio_dev_max"],
-  }
+    """Turn summed diagnostics into means: clip fractions and ratio mean/min/max."""
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    return {
+        "clip_frac/low": sums["clip_low_sum"] / tokens,
+        "clip_frac/high": sums["clip_high_sum"] / tokens,
+        "clip_frac/total": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tokens,
+        "ratio/mean": sums["ratio_sum"] / tokens,
+        "ratio/min": sums["ratio_min"],
+        "ratio/max": sums["ratio_max"],
+        "ratio/max_abs_dev": sums["ratio_dev_max"],
+    }
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
                 eps_high: float = 0.2, ratio: str = "token", aggregation: str = "token_mean",
                 max_len: int | None = None, ref_logp=None, kl_coef: float = 0.0,
                 kl_kind: str = "k3", total_tokens=None, total_sequences=None):
-  """Clipped policy-gradient loss (+ optional KL to a frozen reference) and its diagnostics.
+    """Clipped policy-gradient loss (+ optional KL to a frozen reference) and its diagnostics.
 
-  Returns (loss scalar, stats) with stats summed over tokens (see `ratio_stats`) plus
-  'kl_sum' (masked sum of the per-token KL, 0 without a reference).
-  """
-  r = importance_ratio(logp, old_logp, mask, ratio)
-  per_token = clipped_surrogate(r, advantages, eps_low, eps_high)
-  kl_sum = jnp.zeros((), jnp.float32)
-  if ref_logp is not None:
-    kl = kl_penalty(logp, ref_logp, kl_kind)
-    per_token = per_token + kl_coef * kl
-    kl_sum = (jax.lax.stop_gradient(kl) * mask).sum()
-  loss = aggregate(per_token, mask, aggregation, max_len=max_len, total_tokens=total_tokens,
-                   total_sequences=total_sequences)
-  stats = ratio_stats(r, advantages, mask, eps_low, eps_high)
-  stats["kl_sum"] = kl_sum
-  return loss, stats
+    Returns (loss scalar, stats) with stats summed over tokens (see `ratio_stats`) plus
+    'kl_sum' (masked sum of the per-token KL, 0 without a reference).
+    """
+    r = importance_ratio(logp, old_logp, mask, ratio)
+    per_token = clipped_surrogate(r, advantages, eps_low, eps_high)
+    kl_sum = jnp.zeros((), jnp.float32)
+    if ref_logp is not None:
+        kl = kl_penalty(logp, ref_logp, kl_kind)
+        per_token = per_token + kl_coef * kl
+        kl_sum = (jax.lax.stop_gradient(kl) * mask).sum()
+    loss = aggregate(per_token, mask, aggregation, max_len=max_len, total_tokens=total_tokens,
+                     total_sequences=total_sequences)
+    stats = ratio_stats(r, advantages, mask, eps_low, eps_high)
+    stats["kl_sum"] = kl_sum
+    return loss, stats
