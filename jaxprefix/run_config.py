@@ -45,7 +45,8 @@ def base_config() -> ml_collections.ConfigDict:
         decay_steps=1000, min_lr_ratio=0.0, b1=0.9, b2=0.999, adam_eps=1e-8, weight_decay=0.0,
         max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
-        kl_kind="k3", logprob_chunk=1024, mask_truncated=False))
+        kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
+        remat=False))  # True: recompute each layer in the backward pass (large models)
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(
@@ -189,7 +190,8 @@ def paper(c: ml_collections.ConfigDict) -> None:
     c.rollout.update(n=8, temperature=0.8, max_new_tokens=16384)
     c.train.update(problems_per_step=64, total_steps=400, learning_rate=1e-6, schedule="cosine",
                    warmup_steps=10, decay_steps=400, max_grad_norm=0.3, weight_decay=0.01,
-                   advantage="dr_grpo", num_minibatches=4, micro_batch_size=8, logprob_chunk=512)
+                   advantage="dr_grpo", num_minibatches=4, micro_batch_size=8, logprob_chunk=512,
+                   remat=True)
     c.mining.update(k=128, prefix_samples=8, max_prefix_units=8, rows_per_call=2048)
     c.eval.update(every=25, n=16, ks=(1, 16))
     c.checkpoint.every = 10

@@ -22,34 +22,34 @@ ROWS, WIDTH = 16, 12
 
 
 def tiny_model(mesh=None):
-  model = Decoder(CONFIG, rngs=nnx.Rngs(0))
-  return model if mesh is None else shard_model(model, mesh)
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    return model if mesh is None else shard_model(model, mesh)
 
 
 def rollout_batch(seed=0):
-  """Rows: context (3-5 tokens), completion (2-6 tokens), right padding."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(1, CONFIG.vocab_size, (ROWS, WIDTH)).astype(np.int32)
-  context = rng.integers(3, 6, ROWS)
-  length = context + rng.integers(2, 7, ROWS)
-  cols = np.arange(WIDTH)[None]
-  token_mask = cols < length[:, None]
-  tokens = np.where(token_mask, tokens, 0)
-  completion = (cols >= context[:, None]) & token_mask
-  return {"tokens": tokens, "positions": np.where(token_mask, cols, 0).astype(np.int32),
-          "token_mask": token_mask, "completion_mask": completion.astype(np.float32),
-          "advantages": rng.normal(size=ROWS).astype(np.float32)}
+    """Rows: context (3-5 tokens), completion (2-6 tokens), right padding."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, CONFIG.vocab_size, (ROWS, WIDTH)).astype(np.int32)
+    context = rng.integers(3, 6, ROWS)
+    length = context + rng.integers(2, 7, ROWS)
+    cols = np.arange(WIDTH)[None]
+    token_mask = cols < length[:, None]
+    tokens = np.where(token_mask, tokens, 0)
+    completion = (cols >= context[:, None]) & token_mask
+    return {"tokens": tokens, "positions": np.where(token_mask, cols, 0).astype(np.int32),
+            "token_mask": token_mask, "completion_mask": completion.astype(np.float32),
+            "advantages": rng.normal(size=ROWS).astype(np.float32)}
 
 
 def with_old_logprobs(batch, learner, state, noise=0.0, seed=1):
-  """Old log-probs as the sampler would report them: the policy's own, perturbed by `noise`."""
-  logp = np.asarray(learner.logprobs(state.params, batch))
-  jitter = np.random.default_rng(seed).normal(size=logp.shape).astype(np.float32) * noise
-  return {**batch, "old_logprobs": (logp + jitter) * batch["completion_mask"]}
+    """Old log-probs as the sampler would report them: the policy's own, perturbed by `noise`."""
+    logp = np.asarray(learner.logprobs(state.params, batch))
+    jitter = np.random.default_rng(seed).normal(size=logp.shape).astype(np.float32) * noise
+    return {**batch, "old_logprobs": (logp + jitter) * batch["completion_mask"]}
 
 
 def params_of(state):
-  return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
 # Two learners compiled once per module: compilation dominates these tests' time.
@@ -61,168 +61,168 @@ TWO_MINIBATCHES = TrainConfig(learning_rate=1e-3, num_minibatches=2, micro_batch
 
 @pytest.fixture(scope="module")
 def one_minibatch():
-  return Learner(tiny_model(), ONE_MINIBATCH)
+    return Learner(tiny_model(), ONE_MINIBATCH)
 
 
 @pytest.fixture(scope="module")
 def two_minibatches():
-  return Learner(tiny_model(), TWO_MINIBATCHES)
+    return Learner(tiny_model(), TWO_MINIBATCHES)
 
 
 def direct_loss(learner, batch, aggregation="token_mean"):
-  """The loss written out from the pieces, whole batch at once, as a function of params."""
-  def loss(params):
-    model = nnx.merge(learner.graphdef, params, learner.rest)
-    logp, _ = token_logprobs(model, batch["tokens"], batch["token_mask"],
-                             positions=batch["positions"])
-    return objectives.policy_loss(logp, batch["old_logprobs"], batch["advantages"],
-                                  batch["completion_mask"], eps_low=0.2, eps_high=0.28,
-                                  aggregation=aggregation)[0]
-  return loss
+    """The loss written out from the pieces, whole batch at once, as a function of params."""
+    def loss(params):
+        model = nnx.merge(learner.graphdef, params, learner.rest)
+        logp, _ = token_logprobs(model, batch["tokens"], batch["token_mask"],
+                                 positions=batch["positions"])
+        return objectives.policy_loss(logp, batch["old_logprobs"], batch["advantages"],
+                                      batch["completion_mask"], eps_low=0.2, eps_high=0.28,
+                                      aggregation=aggregation)[0]
+    return loss
 
 
 def assert_adam_sign_step(learner, aggregation):
-  """4 accumulated micro-batches == the whole-batch gradient: Adam's first step moves every
-  weight by lr * sign(grad) (m / sqrt(v) = g / |g|)."""
-  state = learner.init_state()
-  before = params_of(state)
-  batch = with_old_logprobs(rollout_batch(), learner, state, noise=0.1)
-  loss, grads = jax.value_and_grad(direct_loss(learner, batch, aggregation))(state.params)
-  state, metrics = learner.update(state, batch)
-  np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
-  np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
-  lr = learner.config.learning_rate
-  for b, a, g in zip(before, params_of(state), jax.tree.leaves(grads)):
-    g = np.asarray(g)
-    big = np.abs(g) > 1e-6
-    np.testing.assert_allclose((a - b)[big], -lr * np.sign(g[big]), rtol=1e-3, atol=1e-7)
-  return state, metrics, batch
+    """4 accumulated micro-batches == the whole-batch gradient: Adam's first step moves every
+    weight by lr * sign(grad) (m / sqrt(v) = g / |g|)."""
+    state = learner.init_state()
+    before = params_of(state)
+    batch = with_old_logprobs(rollout_batch(), learner, state, noise=0.1)
+    loss, grads = jax.value_and_grad(direct_loss(learner, batch, aggregation))(state.params)
+    state, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+    lr = learner.config.learning_rate
+    for b, a, g in zip(before, params_of(state), jax.tree.leaves(grads)):
+        g = np.asarray(g)
+        big = np.abs(g) > 1e-6
+        np.testing.assert_allclose((a - b)[big], -lr * np.sign(g[big]), rtol=1e-3, atol=1e-7)
+    return state, metrics, batch
 
 
 def test_accumulated_update_is_adam_sign_step_of_the_direct_gradient(one_minibatch):
-  state, metrics, batch = assert_adam_sign_step(one_minibatch, "token_mean")
-  assert int(state.step) == 1 and int(state.updates) == 1 and int(state.skipped) == 0
-  assert 0 < float(metrics["ratio/first_max_abs_dev"]) < 1.0  # the injected noise shows
-  np.testing.assert_allclose(metrics["loss_tokens"], batch["completion_mask"].sum())
-  np.testing.assert_allclose(metrics["lr"], 1e-3)
+    state, metrics, batch = assert_adam_sign_step(one_minibatch, "token_mean")
+    assert int(state.step) == 1 and int(state.updates) == 1 and int(state.skipped) == 0
+    assert 0 < float(metrics["ratio/first_max_abs_dev"]) < 1.0  # the injected noise shows
+    np.testing.assert_allclose(metrics["loss_tokens"], batch["completion_mask"].sum())
+    np.testing.assert_allclose(metrics["lr"], 1e-3)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("aggregation", objectives.AGGREGATIONS[1:])
 def test_accumulation_per_aggregation(aggregation):
-  config = dataclasses.replace(ONE_MINIBATCH, aggregation=aggregation)
-  assert_adam_sign_step(Learner(tiny_model(), config), aggregation)
+    config = dataclasses.replace(ONE_MINIBATCH, aggregation=aggregation)
+    assert_adam_sign_step(Learner(tiny_model(), config), aggregation)
 
 
 @pytest.mark.slow
 def test_kl_to_reference_enters_the_update():
-  config = dataclasses.replace(ONE_MINIBATCH, kl_coef=0.5, kl_kind="k3")
-  learner = Learner(tiny_model(), config)
-  state = learner.init_state()
-  batch = with_old_logprobs(rollout_batch(), learner, state)
-  with pytest.raises(ValueError, match="ref_logprobs"):
-    learner.update(state, batch)
-  # One minibatch: the policy is the sampler's, so ref - logp = -0.1 on every loss token.
-  batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
-  _, metrics = learner.update(state, batch)
-  k3 = np.exp(-0.1) + 0.1 - 1
-  np.testing.assert_allclose(metrics["kl"], k3, rtol=1e-4)
-  np.testing.assert_allclose(metrics["loss"], 0.5 * k3 - (
-      batch["advantages"][:, None] * batch["completion_mask"]).sum()
-      / batch["completion_mask"].sum(), rtol=1e-4)
+    config = dataclasses.replace(ONE_MINIBATCH, kl_coef=0.5, kl_kind="k3")
+    learner = Learner(tiny_model(), config)
+    state = learner.init_state()
+    batch = with_old_logprobs(rollout_batch(), learner, state)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        learner.update(state, batch)
+    # One minibatch: the policy is the sampler's, so ref - logp = -0.1 on every loss token.
+    batch["ref_logprobs"] = batch["old_logprobs"] - 0.1
+    _, metrics = learner.update(state, batch)
+    k3 = np.exp(-0.1) + 0.1 - 1
+    np.testing.assert_allclose(metrics["kl"], k3, rtol=1e-4)
+    np.testing.assert_allclose(metrics["loss"], 0.5 * k3 - (
+        batch["advantages"][:, None] * batch["completion_mask"]).sum()
+        / batch["completion_mask"].sum(), rtol=1e-4)
 
 
 def test_sampler_logprobs_give_unit_ratio_on_first_minibatch(two_minibatches):
-  state = two_minibatches.init_state()
-  batch = with_old_logprobs(rollout_batch(), two_minibatches, state)
-  _, metrics = two_minibatches.update(state, batch)
-  assert float(metrics["ratio/first_max_abs_dev"]) < 1e-5
-  assert float(metrics["ratio/max_abs_dev"]) > 1e-5  # the second minibatch sees moved weights
-  assert int(metrics["updates"]) == 2
+    state = two_minibatches.init_state()
+    batch = with_old_logprobs(rollout_batch(), two_minibatches, state)
+    _, metrics = two_minibatches.update(state, batch)
+    assert float(metrics["ratio/first_max_abs_dev"]) < 1e-5
+    assert float(metrics["ratio/max_abs_dev"]) > 1e-5  # the second minibatch sees moved weights
+    assert int(metrics["updates"]) == 2
 
 
 def test_sharded_step_equals_single_device_step(two_minibatches):
-  state = two_minibatches.init_state()
-  batch = with_old_logprobs(rollout_batch(), two_minibatches, state, noise=0.05)
-  state, m_single = two_minibatches.update(state, batch)
+    state = two_minibatches.init_state()
+    batch = with_old_logprobs(rollout_batch(), two_minibatches, state, noise=0.05)
+    state, m_single = two_minibatches.update(state, batch)
 
-  mesh = make_mesh(data=1, fsdp=4, tensor=2)
-  sharded = Learner(tiny_model(mesh), TWO_MINIBATCHES, mesh)
-  sharded_state = sharded.init_state()
-  embed = sharded_state.params["embed"][...]
-  assert len(embed.sharding.device_set) == 8
-  sharded_state, m_sharded = sharded.update(sharded_state, batch)
-  assert sharded_state.params["embed"][...].sharding == embed.sharding  # stays in place
-  for key in ("loss", "grad_norm", "clip_frac/high", "entropy"):
-    np.testing.assert_allclose(m_sharded[key], m_single[key], rtol=1e-4, atol=1e-6)
-  for a, b in zip(params_of(sharded_state), params_of(state)):
-    np.testing.assert_allclose(a, b, atol=1e-5)
+    mesh = make_mesh(data=1, fsdp=4, tensor=2)
+    sharded = Learner(tiny_model(mesh), TWO_MINIBATCHES, mesh)
+    sharded_state = sharded.init_state()
+    embed = sharded_state.params["embed"][...]
+    assert len(embed.sharding.device_set) == 8
+    sharded_state, m_sharded = sharded.update(sharded_state, batch)
+    assert sharded_state.params["embed"][...].sharding == embed.sharding  # stays in place
+    for key in ("loss", "grad_norm", "clip_frac/high", "entropy"):
+        np.testing.assert_allclose(m_sharded[key], m_single[key], rtol=1e-4, atol=1e-6)
+    for a, b in zip(params_of(sharded_state), params_of(state)):
+        np.testing.assert_allclose(a, b, atol=1e-5)
 
 
 def test_non_finite_gradient_skips_the_update_and_is_counted(two_minibatches):
-  learner = two_minibatches
-  state = learner.init_state()
-  before = params_of(state)
-  batch = with_old_logprobs(rollout_batch(), learner, state)
-  # Rows are strided: row r = 4k + 2m + j is row k of micro-batch j of minibatch m, so rows 0
-  # and 2 poison both minibatches.
-  poisoned = {**batch, "advantages": batch["advantages"].copy()}
-  poisoned["advantages"][[0, 2]] = np.nan
-  state, metrics = learner.update(state, poisoned)
-  for a, b in zip(params_of(state), before):
-    np.testing.assert_array_equal(a, b)
-  assert int(state.skipped) == 2 and int(state.updates) == 0
-  assert int(metrics["skipped_updates"]) == 2
-  opt_leaves = [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
-  assert all(np.isfinite(x).all() for x in opt_leaves)
-  # Only the first minibatch poisoned: one update applied, one skipped.
-  poisoned["advantages"][2] = batch["advantages"][2]
-  state, metrics = learner.update(state, poisoned)
-  assert int(state.updates) == 1 and int(metrics["skipped_updates"]) == 1
-  assert any(not np.array_equal(a, b) for a, b in zip(params_of(state), before))
+    learner = two_minibatches
+    state = learner.init_state()
+    before = params_of(state)
+    batch = with_old_logprobs(rollout_batch(), learner, state)
+    # Rows are strided: row r = 4k + 2m + j is row k of micro-batch j of minibatch m, so rows 0
+    # and 2 poison both minibatches.
+    poisoned = {**batch, "advantages": batch["advantages"].copy()}
+    poisoned["advantages"][[0, 2]] = np.nan
+    state, metrics = learner.update(state, poisoned)
+    for a, b in zip(params_of(state), before):
+        np.testing.assert_array_equal(a, b)
+    assert int(state.skipped) == 2 and int(state.updates) == 0
+    assert int(metrics["skipped_updates"]) == 2
+    opt_leaves = [np.asarray(x) for x in jax.tree.leaves(state.opt_state)]
+    assert all(np.isfinite(x).all() for x in opt_leaves)
+    # Only the first minibatch poisoned: one update applied, one skipped.
+    poisoned["advantages"][2] = batch["advantages"][2]
+    state, metrics = learner.update(state, poisoned)
+    assert int(state.updates) == 1 and int(metrics["skipped_updates"]) == 1
+    assert any(not np.array_equal(a, b) for a, b in zip(params_of(state), before))
 
 
 def test_remat_takes_the_same_step_and_leaves_the_sampler_graph_alone(one_minibatch):
-  remat = Learner(tiny_model(), dataclasses.replace(ONE_MINIBATCH, remat=True))
-  assert remat.model(remat.init_state()).config.remat is False  # the sampler's graph
-  state = one_minibatch.init_state()
-  batch = with_old_logprobs(rollout_batch(), one_minibatch, state, noise=0.1)
-  plain_state, plain = one_minibatch.update(state, batch)
-  remat_state, metrics = remat.update(remat.init_state(), batch)
-  for key in ("loss", "grad_norm", "entropy"):
-    np.testing.assert_allclose(metrics[key], plain[key], rtol=1e-5)
-  for a, b in zip(params_of(remat_state), params_of(plain_state)):
-    np.testing.assert_allclose(a, b, atol=1e-6)
+    remat = Learner(tiny_model(), dataclasses.replace(ONE_MINIBATCH, remat=True))
+    assert remat.model(remat.init_state()).config.remat is False  # the sampler's graph
+    state = one_minibatch.init_state()
+    batch = with_old_logprobs(rollout_batch(), one_minibatch, state, noise=0.1)
+    plain_state, plain = one_minibatch.update(state, batch)
+    remat_state, metrics = remat.update(remat.init_state(), batch)
+    for key in ("loss", "grad_norm", "entropy"):
+        np.testing.assert_allclose(metrics[key], plain[key], rtol=1e-5)
+    for a, b in zip(params_of(remat_state), params_of(plain_state)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
 
 
 def test_remat_keeps_one_layer_of_attention_scores():
-  """6 layers x [16 rows, 4 heads, 128, 128] f32 scores (1 MiB each) kept for backward without
-  remat; with it, the layers' inputs and one layer's recomputation."""
-  config = CONFIG.replace(num_layers=6)
-  rng = np.random.default_rng(0)
-  width = 128
-  batch = {"tokens": rng.integers(1, 64, (ROWS, width)).astype(np.int32),
-           "positions": np.tile(np.arange(width, dtype=np.int32), (ROWS, 1)),
-           "token_mask": np.ones((ROWS, width), bool),
-           "completion_mask": np.ones((ROWS, width), np.float32),
-           "old_logprobs": np.zeros((ROWS, width), np.float32),
-           "advantages": np.ones(ROWS, np.float32)}
-  model = Decoder(config, nnx.Rngs(0))
-  temp = {}
-  for remat in (False, True):
-    learner = Learner(model, TrainConfig(remat=remat))
-    temp[remat] = learner.memory_analysis(learner.init_state(), batch).temp_size_in_bytes
-  scores = ROWS * config.num_heads * width * width * 4
-  assert temp[False] > config.num_layers * scores  # 72 MB measured
-  assert temp[True] < temp[False] / 3  # 20 MB measured
+    """6 layers x [16 rows, 4 heads, 128, 128] f32 scores (1 MiB each) kept for backward without
+    remat; with it, the layers' inputs and one layer's recomputation."""
+    config = CONFIG.replace(num_layers=6)
+    rng = np.random.default_rng(0)
+    width = 128
+    batch = {"tokens": rng.integers(1, 64, (ROWS, width)).astype(np.int32),
+             "positions": np.tile(np.arange(width, dtype=np.int32), (ROWS, 1)),
+             "token_mask": np.ones((ROWS, width), bool),
+             "completion_mask": np.ones((ROWS, width), np.float32),
+             "old_logprobs": np.zeros((ROWS, width), np.float32),
+             "advantages": np.ones(ROWS, np.float32)}
+    model = Decoder(config, nnx.Rngs(0))
+    temp = {}
+    for remat in (False, True):
+        learner = Learner(model, TrainConfig(remat=remat))
+        temp[remat] = learner.memory_analysis(learner.init_state(), batch).temp_size_in_bytes
+    scores = ROWS * config.num_heads * width * width * 4
+    assert temp[False] > config.num_layers * scores  # 72 MB measured
+    assert temp[True] < temp[False] / 3  # 20 MB measured
 
 
 def test_invalid_settings_name_the_field():
-  with pytest.raises(ValueError, match="eps_low"):
-    TrainConfig(eps_low=-0.1)
-  with pytest.raises(ValueError, match="aggregation"):
-    TrainConfig(aggregation="sum")
-  with pytest.raises(ValueError, match="num_minibatches"):
-    TrainConfig(num_minibatches=3).check_batch(16)
-  with pytest.raises(ValueError, match="mesh"):
-    TrainConfig(micro_batch_size=2).check_batch(16, batch_shards=4)
+    with pytest.raises(ValueError, match="eps_low"):
+        TrainConfig(eps_low=-0.1)
+    with pytest.raises(ValueError, match="aggregation"):
+        TrainConfig(aggregation="sum")
+    with pytest.raises(ValueError, match="num_minibatches"):
+        TrainConfig(num_minibatches=3).check_batch(16)
+    with pytest.raises(ValueError, match="mesh"):
+        TrainConfig(micro_batch_size=2).check_batch(16, batch_shards=4)

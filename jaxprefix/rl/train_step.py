@@ -30,210 +30,210 @@ BATCH_AXES = ("data", "fsdp")
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Optimizer, batching and loss settings of the learner (static under jit)."""
-  learning_rate: float = 1e-6
-  schedule: str = "constant"          # 'constant' | 'cosine' (after warmup)
-  warmup_steps: int = 0               # in optimizer updates
-  decay_steps: int = 1000             # cosine: updates from the end of warmup to the floor
-  min_lr_ratio: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.999
-  adam_eps: float = 1e-8
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  num_minibatches: int = 1            # optimizer updates per pass over the rollout batch
-  num_epochs: int = 1                 # passes over the rollout batch
-  micro_batch_size: int = 0           # rows per gradient-accumulation step; 0 = whole minibatch
-  eps_low: float = 0.2
-  eps_high: float = 0.2               # > eps_low is DAPO clip-higher
-  ratio: str = "token"                # 'token' | 'sequence' (GSPO)
-  aggregation: str = "token_mean"
-  max_len: int = 0                    # seq_mean_token_sum_norm normaliser; 0 = batch width
-  kl_coef: float = 0.0                # > 0 needs batch['ref_logprobs']
-  kl_kind: str = "k3"
-  logprob_chunk: int = 1024           # tokens per vocabulary-projection chunk in token_logprobs
-  # Recompute each decoder layer in the backward pass instead of keeping its activations
-  # (attention scores are [rows, heads, T, T] per layer): one more forward of compute, and
-  # SmolLM2-135M at 16 x 512 tokens needs 3.0 instead of 20.4 GiB of XLA temporaries.
-  remat: bool = False
+    """Optimizer, batching and loss settings of the learner (static under jit)."""
+    learning_rate: float = 1e-6
+    schedule: str = "constant"          # 'constant' | 'cosine' (after warmup)
+    warmup_steps: int = 0               # in optimizer updates
+    decay_steps: int = 1000             # cosine: updates from the end of warmup to the floor
+    min_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    num_minibatches: int = 1            # optimizer updates per pass over the rollout batch
+    num_epochs: int = 1                 # passes over the rollout batch
+    micro_batch_size: int = 0           # rows per gradient-accumulation step; 0 = whole minibatch
+    eps_low: float = 0.2
+    eps_high: float = 0.2               # > eps_low is DAPO clip-higher
+    ratio: str = "token"                # 'token' | 'sequence' (GSPO)
+    aggregation: str = "token_mean"
+    max_len: int = 0                    # seq_mean_token_sum_norm normaliser; 0 = batch width
+    kl_coef: float = 0.0                # > 0 needs batch['ref_logprobs']
+    kl_kind: str = "k3"
+    logprob_chunk: int = 1024           # tokens per vocabulary-projection chunk in token_logprobs
+    # Recompute each decoder layer in the backward pass instead of keeping its activations
+    # (attention scores are [rows, heads, T, T] per layer): one more forward of compute, and
+    # SmolLM2-135M at 16 x 512 tokens needs 3.0 instead of 20.4 GiB of XLA temporaries.
+    remat: bool = False
 
-  def __post_init__(self):
-    def need(ok, field, expected):
-      if not ok:
-        raise ValueError(f"TrainConfig.{field}={getattr(self, field)!r}: expected {expected}")
-    need(self.learning_rate >= 0, "learning_rate", ">= 0")
-    need(self.schedule in ("constant", "cosine"), "schedule", "'constant' or 'cosine'")
-    need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
-    need(self.decay_steps > 0, "decay_steps", "> 0")
-    need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
-    need(self.max_grad_norm > 0, "max_grad_norm", "> 0")
-    need(self.num_minibatches >= 1, "num_minibatches", ">= 1")
-    need(self.num_epochs >= 1, "num_epochs", ">= 1")
-    need(self.micro_batch_size >= 0, "micro_batch_size", ">= 0")
-    need(self.eps_low >= 0, "eps_low", ">= 0")
-    need(self.eps_high >= 0, "eps_high", ">= 0")
-    need(self.ratio in objectives.RATIO_LEVELS, "ratio", f"one of {objectives.RATIO_LEVELS}")
-    need(self.aggregation in objectives.AGGREGATIONS, "aggregation",
-         f"one of {objectives.AGGREGATIONS}")
-    need(self.kl_coef >= 0, "kl_coef", ">= 0")
-    need(self.kl_kind in objectives.KL_KINDS, "kl_kind", f"one of {objectives.KL_KINDS}")
-    need(self.logprob_chunk > 0, "logprob_chunk", "> 0")
+    def __post_init__(self):
+        def need(ok, field, expected):
+            if not ok:
+                raise ValueError(f"TrainConfig.{field}={getattr(self, field)!r}: expected {expected}")
+        need(self.learning_rate >= 0, "learning_rate", ">= 0")
+        need(self.schedule in ("constant", "cosine"), "schedule", "'constant' or 'cosine'")
+        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        need(self.decay_steps > 0, "decay_steps", "> 0")
+        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
+        need(self.max_grad_norm > 0, "max_grad_norm", "> 0")
+        need(self.num_minibatches >= 1, "num_minibatches", ">= 1")
+        need(self.num_epochs >= 1, "num_epochs", ">= 1")
+        need(self.micro_batch_size >= 0, "micro_batch_size", ">= 0")
+        need(self.eps_low >= 0, "eps_low", ">= 0")
+        need(self.eps_high >= 0, "eps_high", ">= 0")
+        need(self.ratio in objectives.RATIO_LEVELS, "ratio", f"one of {objectives.RATIO_LEVELS}")
+        need(self.aggregation in objectives.AGGREGATIONS, "aggregation",
+             f"one of {objectives.AGGREGATIONS}")
+        need(self.kl_coef >= 0, "kl_coef", ">= 0")
+        need(self.kl_kind in objectives.KL_KINDS, "kl_kind", f"one of {objectives.KL_KINDS}")
+        need(self.logprob_chunk > 0, "logprob_chunk", "> 0")
 
-  @property
-  def updates_per_batch(self) -> int:
-    return self.num_minibatches * self.num_epochs
+    @property
+    def updates_per_batch(self) -> int:
+        return self.num_minibatches * self.num_epochs
 
-  def check_batch(self, batch_size: int, batch_shards: int = 1):
-    """Raises unless `batch_size` rows split into minibatches and sharded micro-batches."""
-    if batch_size % self.num_minibatches:
-      raise ValueError(f"batch of {batch_size} rows is not divisible by "
-                       f"TrainConfig.num_minibatches={self.num_minibatches}")
-    minibatch = batch_size // self.num_minibatches
-    micro = self.micro_batch_size or minibatch
-    if minibatch % micro:
-      raise ValueError(f"minibatch of {minibatch} rows is not divisible by "
-                       f"TrainConfig.micro_batch_size={micro}")
-    if micro % batch_shards:
-      raise ValueError(f"micro-batch of {micro} rows is not divisible by the mesh's batch "
-                       f"axes {BATCH_AXES} ({batch_shards} devices)")
+    def check_batch(self, batch_size: int, batch_shards: int = 1):
+        """Raises unless `batch_size` rows split into minibatches and sharded micro-batches."""
+        if batch_size % self.num_minibatches:
+            raise ValueError(f"batch of {batch_size} rows is not divisible by "
+                             f"TrainConfig.num_minibatches={self.num_minibatches}")
+        minibatch = batch_size // self.num_minibatches
+        micro = self.micro_batch_size or minibatch
+        if minibatch % micro:
+            raise ValueError(f"minibatch of {minibatch} rows is not divisible by "
+                             f"TrainConfig.micro_batch_size={micro}")
+        if micro % batch_shards:
+            raise ValueError(f"micro-batch of {micro} rows is not divisible by the mesh's batch "
+                             f"axes {BATCH_AXES} ({batch_shards} devices)")
 
 
 def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
-  """Linear warmup from 0, then constant or cosine decay to min_lr_ratio * lr."""
-  lr = config.learning_rate
-  if config.schedule == "cosine":
-    after = optax.cosine_decay_schedule(lr, config.decay_steps, alpha=config.min_lr_ratio)
-  else:
-    after = optax.constant_schedule(lr)
-  if not config.warmup_steps:
-    return after
-  warmup = optax.linear_schedule(0.0, lr, config.warmup_steps)
-  return optax.join_schedules([warmup, after], [config.warmup_steps])
+    """Linear warmup from 0, then constant or cosine decay to min_lr_ratio * lr."""
+    lr = config.learning_rate
+    if config.schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, config.decay_steps, alpha=config.min_lr_ratio)
+    else:
+        after = optax.constant_schedule(lr)
+    if not config.warmup_steps:
+        return after
+    warmup = optax.linear_schedule(0.0, lr, config.warmup_steps)
+    return optax.join_schedules([warmup, after], [config.warmup_steps])
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on the schedule."""
-  return optax.chain(
-      optax.clip_by_global_norm(config.max_grad_norm),
-      optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                  eps=config.adam_eps, weight_decay=config.weight_decay))
+    """Global-norm clipping, then AdamW on the schedule."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.max_grad_norm),
+        optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
+                    eps=config.adam_eps, weight_decay=config.weight_decay))
 
 
 @struct.dataclass
 class TrainState:
-  """Everything the update changes. `step`: rollout batches seen; `updates`: optimizer updates
-  applied; `skipped`: updates refused for a non-finite loss or gradient."""
-  params: Any
-  opt_state: Any
-  step: jax.Array
-  updates: jax.Array
-  skipped: jax.Array
+    """Everything the update changes. `step`: rollout batches seen; `updates`: optimizer updates
+    applied; `skipped`: updates refused for a non-finite loss or gradient."""
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    updates: jax.Array
+    skipped: jax.Array
 
 
 def _tree_select(ok, new, old):
-  return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+    return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
 
 def _arrange(x, num_minibatches: int, num_micro: int, micro: int):
-  """[B, ...] -> [minibatches, micro-batches, micro, ...], rows strided over micro-batches so
-  that a contiguous block of rows (one device's shard) feeds every micro-batch."""
-  x = x.reshape((micro, num_minibatches, num_micro) + x.shape[1:])
-  return jnp.moveaxis(x, 0, 2)
+    """[B, ...] -> [minibatches, micro-batches, micro, ...], rows strided over micro-batches so
+    that a contiguous block of rows (one device's shard) feeds every micro-batch."""
+    x = x.reshape((micro, num_minibatches, num_micro) + x.shape[1:])
+    return jnp.moveaxis(x, 0, 2)
 
 
 class Learner:
-  """Owns the model's graph, the optimizer and the jitted update; state lives in TrainState.
+    """Owns the model's graph, the optimizer and the jitted update; state lives in TrainState.
 
-  `model` is an nnx Decoder already placed on `mesh` (models.sharding.shard_model) or on one
-  device when mesh is None.
-  """
+    `model` is an nnx Decoder already placed on `mesh` (models.sharding.shard_model) or on one
+    device when mesh is None.
+    """
 
-  def __init__(self, model: nnx.Module, config: TrainConfig, mesh=None):
-    self.config = config
-    self.mesh = mesh
-    self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
-    self._initial_params = params
-    # The learner's own graph; the sampler's (self.graphdef, via model()) stays as loaded.
-    self._train_graphdef = _remat_graph(model) if config.remat else self.graphdef
-    self.optimizer = make_optimizer(config)
+    def __init__(self, model: nnx.Module, config: TrainConfig, mesh=None):
+        self.config = config
+        self.mesh = mesh
+        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self._initial_params = params
+        # The learner's own graph; the sampler's (self.graphdef, via model()) stays as loaded.
+        self._train_graphdef = _remat_graph(model) if config.remat else self.graphdef
+        self.optimizer = make_optimizer(config)
 
-  @property
-  def batch_shards(self) -> int:
-    if self.mesh is None:
-      return 1
-    return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    @property
+    def batch_shards(self) -> int:
+        if self.mesh is None:
+            return 1
+        return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
-  def initial_params(self):
-    """A copy of the model's initial weights (e.g. the frozen KL reference)."""
-    return jax.tree.map(lambda x: x.copy(), self._initial_params)
+    def initial_params(self):
+        """A copy of the model's initial weights (e.g. the frozen KL reference)."""
+        return jax.tree.map(lambda x: x.copy(), self._initial_params)
 
-  def init_state(self) -> TrainState:
-    """A fresh state from the model's initial weights (copied: updates donate their input)."""
-    params = self.initial_params()
-    opt_state = jax.jit(self.optimizer.init)(params)
-    zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
-    state = TrainState(params=params, opt_state=opt_state, step=zero(), updates=zero(),
-                       skipped=zero())
-    # Commit every leaf: the update's outputs are committed, and an uncommitted first input
-    # would compile the update a second time. Leaves left on one device (counters, Adam's
-    # count) are replicated over the mesh.
-    return jax.device_put(state, jax.tree.map(self._placement, state))
+    def init_state(self) -> TrainState:
+        """A fresh state from the model's initial weights (copied: updates donate their input)."""
+        params = self.initial_params()
+        opt_state = jax.jit(self.optimizer.init)(params)
+        zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
+        state = TrainState(params=params, opt_state=opt_state, step=zero(), updates=zero(),
+                           skipped=zero())
+        # Commit every leaf: the update's outputs are committed, and an uncommitted first input
+        # would compile the update a second time. Leaves left on one device (counters, Adam's
+        # count) are replicated over the mesh.
+        return jax.device_put(state, jax.tree.map(self._placement, state))
 
-  def _placement(self, x):
-    if self.mesh is None or len(x.sharding.device_set) == self.mesh.size:
-      return x.sharding
-    return NamedSharding(self.mesh, P())
+    def _placement(self, x):
+        if self.mesh is None or len(x.sharding.device_set) == self.mesh.size:
+            return x.sharding
+        return NamedSharding(self.mesh, P())
 
-  def model(self, state: TrainState) -> nnx.Module:
-    """The policy with `state`'s parameters (for the sampler)."""
-    return nnx.merge(self.graphdef, state.params, self.rest)
+    def model(self, state: TrainState) -> nnx.Module:
+        """The policy with `state`'s parameters (for the sampler)."""
+        return nnx.merge(self.graphdef, state.params, self.rest)
 
-  def place_batch(self, batch: dict) -> dict:
-    """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole
-    global batch (the loop builds the same one everywhere) and places its own devices' rows."""
-    if self.mesh is None:
-      return {k: jnp.asarray(v) for k, v in batch.items()}
-    sharding = NamedSharding(self.mesh, P(BATCH_AXES))
+    def place_batch(self, batch: dict) -> dict:
+        """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole
+        global batch (the loop builds the same one everywhere) and places its own devices' rows."""
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        sharding = NamedSharding(self.mesh, P(BATCH_AXES))
 
-    def place(value):
-      value = np.asarray(value)
-      return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
-    return {k: place(v) for k, v in batch.items()}
+        def place(value):
+            value = np.asarray(value)
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+        return {k: place(v) for k, v in batch.items()}
 
-  def logprobs(self, params, batch: dict) -> jax.Array:
-    """Per-token log-probs [B, T] of batch['tokens'] under `params` (e.g. a frozen reference)."""
-    with self._mesh_context():
-      return _policy_logprobs(self._train_graphdef, params, self.rest, self.place_batch(batch),
-                              self.config.logprob_chunk)
+    def logprobs(self, params, batch: dict) -> jax.Array:
+        """Per-token log-probs [B, T] of batch['tokens'] under `params` (e.g. a frozen reference)."""
+        with self._mesh_context():
+            return _policy_logprobs(self._train_graphdef, params, self.rest, self.place_batch(batch),
+                                    self.config.logprob_chunk)
 
-  def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    """One rollout batch -> new state (the old one is donated) and scalar metrics."""
-    rows = batch["tokens"].shape[0]
-    self.config.check_batch(rows, self.batch_shards)
-    if self.config.kl_coef > 0 and "ref_logprobs" not in batch:
-      raise ValueError("TrainConfig.kl_coef > 0 needs batch['ref_logprobs']")
-    with self._mesh_context():
-      return _update(self._train_graphdef, self.config, self.mesh is not None, state, self.rest,
-                     self.place_batch(batch))
+    def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One rollout batch -> new state (the old one is donated) and scalar metrics."""
+        rows = batch["tokens"].shape[0]
+        self.config.check_batch(rows, self.batch_shards)
+        if self.config.kl_coef > 0 and "ref_logprobs" not in batch:
+            raise ValueError("TrainConfig.kl_coef > 0 needs batch['ref_logprobs']")
+        with self._mesh_context():
+            return _update(self._train_graphdef, self.config, self.mesh is not None, state, self.rest,
+                           self.place_batch(batch))
 
-  def memory_analysis(self, state: TrainState, batch: dict):
-    """XLA's compiled memory statistics of `update` for batches shaped like `batch`; nothing
-    runs. `temp_size_in_bytes` is what an update needs on top of its arguments."""
-    self.config.check_batch(batch["tokens"].shape[0], self.batch_shards)
-    with self._mesh_context():
-      lowered = _update.lower(self._train_graphdef, self.config, self.mesh is not None, state,
-                              self.rest, self.place_batch(batch))
-    return lowered.compile().memory_analysis()
+    def memory_analysis(self, state: TrainState, batch: dict):
+        """XLA's compiled memory statistics of `update` for batches shaped like `batch`; nothing
+        runs. `temp_size_in_bytes` is what an update needs on top of its arguments."""
+        self.config.check_batch(batch["tokens"].shape[0], self.batch_shards)
+        with self._mesh_context():
+            lowered = _update.lower(self._train_graphdef, self.config, self.mesh is not None, state,
+                                    self.rest, self.place_batch(batch))
+        return lowered.compile().memory_analysis()
 
-  def _mesh_context(self):
-    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+    def _mesh_context(self):
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
 
 def _remat_graph(model: nnx.Module):
-  """The graph of `model` with ModelConfig.remat on (a copy: `model` itself is unchanged)."""
-  copy = nnx.merge(*nnx.split(model))
-  copy.config = copy.config.replace(remat=True)
-  return nnx.split(copy, nnx.Param, ...)[0]
+    """The graph of `model` with ModelConfig.remat on (a copy: `model` itself is unchanged)."""
+    copy = nnx.merge(*nnx.split(model))
+    copy.config = copy.config.replace(remat=True)
+    return nnx.split(copy, nnx.Param, ...)[0]
 
 
 # --- pure functions under jit ----------------------------------------------------------------
@@ -242,118 +242,118 @@ def _remat_graph(model: nnx.Module):
 
 
 def _token_logprobs(graphdef, params, rest, batch, chunk_size):
-  model = nnx.merge(graphdef, params, rest)
-  return token_logprobs(model, batch["tokens"], batch["token_mask"],
-                        positions=batch["positions"], chunk_size=chunk_size)
+    model = nnx.merge(graphdef, params, rest)
+    return token_logprobs(model, batch["tokens"], batch["token_mask"],
+                          positions=batch["positions"], chunk_size=chunk_size)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _policy_logprobs(graphdef, params, rest, batch, chunk_size):
-  return _token_logprobs(graphdef, params, rest, batch, chunk_size)[0]
+    return _token_logprobs(graphdef, params, rest, batch, chunk_size)[0]
 
 
 def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
-  logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk)
-  mask = micro["completion_mask"]
-  loss, stats = objectives.policy_loss(
-      logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
-      eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation, max_len=c.max_len or None,
-      ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind, **totals)
-  stats["entropy_sum"] = (jax.lax.stop_gradient(entropy) * mask).sum()
-  return loss, stats
+    logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk)
+    mask = micro["completion_mask"]
+    loss, stats = objectives.policy_loss(
+        logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
+        eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation, max_len=c.max_len or None,
+        ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind, **totals)
+    stats["entropy_sum"] = (jax.lax.stop_gradient(entropy) * mask).sum()
+    return loss, stats
 
 
 def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch):
-  """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
-  minibatch; each micro-batch's loss is normalised by the minibatch's totals."""
-  mask = minibatch["completion_mask"]
-  if c.aggregation == "seq_mean_token_mean":
-    sequences = (mask.sum(-1) > 0).sum()
-  else:
-    sequences = mask.shape[0] * mask.shape[1]
-  totals = {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
-  loss_fn = functools.partial(_micro_loss, graphdef, c)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
+    minibatch; each micro-batch's loss is normalised by the minibatch's totals."""
+    mask = minibatch["completion_mask"]
+    if c.aggregation == "seq_mean_token_mean":
+        sequences = (mask.sum(-1) > 0).sum()
+    else:
+        sequences = mask.shape[0] * mask.shape[1]
+    totals = {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
+    loss_fn = functools.partial(_micro_loss, graphdef, c)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def body(carry, micro):
-    loss_sum, grad_sum, stats_sum = carry
-    if sharded:
-      micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
-    (loss, stats), grads = grad_fn(params, rest, micro, totals)
-    return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-            _combine_stats(stats_sum, stats)), None
+    def body(carry, micro):
+        loss_sum, grad_sum, stats_sum = carry
+        if sharded:
+            micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
+        (loss, stats), grads = grad_fn(params, rest, micro, totals)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
+                _combine_stats(stats_sum, stats)), None
 
-  first = jax.tree.map(lambda x: x[0], minibatch)
-  _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
-  init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
-          _empty_stats(stats_shape))
-  (loss, grads, stats), _ = jax.lax.scan(body, init, minibatch)
-  return loss, grads, stats
+    first = jax.tree.map(lambda x: x[0], minibatch)
+    _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
+    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+            _empty_stats(stats_shape))
+    (loss, grads, stats), _ = jax.lax.scan(body, init, minibatch)
+    return loss, grads, stats
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
 def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, batch: dict):
-  rows = batch["tokens"].shape[0]
-  minibatch = rows // c.num_minibatches
-  micro = c.micro_batch_size or minibatch
-  arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
-                          batch)
-  # Minibatch visited by each optimizer update: num_epochs passes over the minibatches.
-  order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
-  optimizer = make_optimizer(c)
+    rows = batch["tokens"].shape[0]
+    minibatch = rows // c.num_minibatches
+    micro = c.micro_batch_size or minibatch
+    arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
+                            batch)
+    # Minibatch visited by each optimizer update: num_epochs passes over the minibatches.
+    order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
+    optimizer = make_optimizer(c)
 
-  def one_update(carry, index):
-    params, opt_state, updates, skipped = carry
-    mb = jax.tree.map(lambda x: x[index], arranged)
-    loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb)
-    grad_norm = optax.tree.norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    deltas, new_opt = optimizer.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, deltas)
-    # A non-finite step is never written: the old params and optimizer state carry on.
-    params = _tree_select(ok, new_params, params)
-    opt_state = _tree_select(ok, new_opt, opt_state)
-    carry = (params, opt_state, updates + ok, skipped + (~ok))
-    return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
+    def one_update(carry, index):
+        params, opt_state, updates, skipped = carry
+        mb = jax.tree.map(lambda x: x[index], arranged)
+        loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb)
+        grad_norm = optax.tree.norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        deltas, new_opt = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, deltas)
+        # A non-finite step is never written: the old params and optimizer state carry on.
+        params = _tree_select(ok, new_params, params)
+        opt_state = _tree_select(ok, new_opt, opt_state)
+        carry = (params, opt_state, updates + ok, skipped + (~ok))
+        return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
 
-  init = (state.params, state.opt_state, state.updates, state.skipped)
-  (params, opt_state, updates, skipped), per_update = jax.lax.scan(one_update, init, order)
-  new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
-                         updates=updates, skipped=skipped)
-  return new_state, _summarise(c, per_update, updates, skipped - state.skipped)
+    init = (state.params, state.opt_state, state.updates, state.skipped)
+    (params, opt_state, updates, skipped), per_update = jax.lax.scan(one_update, init, order)
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
+                           updates=updates, skipped=skipped)
+    return new_state, _summarise(c, per_update, updates, skipped - state.skipped)
 
 
 def _summarise(c: TrainConfig, per_update, updates, skipped_now):
-  stats = per_update["stats"]
-  first = jax.tree.map(lambda x: x[0], stats)
-  total = {k: (v.min() if k == "ratio_min" else v.max() if k.endswith("_max") else v.sum())
-           for k, v in stats.items()}
-  tokens = jnp.maximum(total["tokens"], 1.0)
-  ok = per_update["ok"]
-  finite_mean = lambda x: jnp.where(ok, x, 0.0).sum() / jnp.maximum(ok.sum(), 1)
-  metrics = objectives.finish_ratio_stats(total)
-  metrics.update({
-      "loss": finite_mean(per_update["loss"]),
-      "grad_norm": finite_mean(per_update["grad_norm"]),
-      "ratio/first_max_abs_dev": first["ratio_dev_max"],
-      "entropy": total["entropy_sum"] / tokens,
-      "kl": total["kl_sum"] / tokens,
-      "lr": learning_rate_schedule(c)(updates),
-      "updates": updates,
-      "skipped_updates": skipped_now,
-      "loss_tokens": total["tokens"],
-  })
-  return metrics
+    stats = per_update["stats"]
+    first = jax.tree.map(lambda x: x[0], stats)
+    total = {k: (v.min() if k == "ratio_min" else v.max() if k.endswith("_max") else v.sum())
+             for k, v in stats.items()}
+    tokens = jnp.maximum(total["tokens"], 1.0)
+    ok = per_update["ok"]
+    finite_mean = lambda x: jnp.where(ok, x, 0.0).sum() / jnp.maximum(ok.sum(), 1)
+    metrics = objectives.finish_ratio_stats(total)
+    metrics.update({
+        "loss": finite_mean(per_update["loss"]),
+        "grad_norm": finite_mean(per_update["grad_norm"]),
+        "ratio/first_max_abs_dev": first["ratio_dev_max"],
+        "entropy": total["entropy_sum"] / tokens,
+        "kl": total["kl_sum"] / tokens,
+        "lr": learning_rate_schedule(c)(updates),
+        "updates": updates,
+        "skipped_updates": skipped_now,
+        "loss_tokens": total["tokens"],
+    })
+    return metrics
 
 
 def _combine_stats(acc, new):
-  return {k: (jnp.minimum(acc[k], v) if k == "ratio_min" else
-              jnp.maximum(acc[k], v) if k.endswith("_max") else acc[k] + v)
-          for k, v in new.items()}
+    return {k: (jnp.minimum(acc[k], v) if k == "ratio_min" else
+                jnp.maximum(acc[k], v) if k.endswith("_max") else acc[k] + v)
+            for k, v in new.items()}
 
 
 def _empty_stats(shapes):
-  big = jnp.finfo(jnp.float32).max
-  return {k: jnp.full(s.shape, big if k == "ratio_min" else -big if k.endswith("_max") else 0,
-                      s.dtype)
-          for k, s in shapes.items()}
+    big = jnp.finfo(jnp.float32).max
+    return {k: jnp.full(s.shape, big if k == "ratio_min" else -big if k.endswith("_max") else 0,
+                        s.dtype)
+            for k, s in shapes.items()}
