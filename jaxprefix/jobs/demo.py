@@ -73,11 +73,12 @@ def _write(report: dict, workdir: str, config) -> None:
     with open(os.path.join(workdir, "demo_report.json"), "w") as f:
         json.dump(report, f, indent=1)
     plot_curves(workdir, list(report["runs"]), os.path.join(workdir, "demo_curves.png"),
-                ks=config.eval.ks)
+                ks=config.eval.ks, base=report["base"])
 
 
-def plot_curves(workdir: str, methods, path: str, ks) -> None:
-    """Held-out pass@k and training rewards (guided apart from unguided) against steps."""
+def plot_curves(workdir: str, methods, path: str, ks, base: dict | None = None) -> None:
+    """Held-out pass@k (from the base's at step 0) and training rewards (guided apart from
+    unguided) against steps."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(11, 4))
@@ -85,7 +86,8 @@ def plot_curves(workdir: str, methods, path: str, ks) -> None:
     for method in methods:
         records = read_metrics(os.path.join(workdir, method))
         for k in ks[-1:]:
-            points = [(r["step"], r[f"eval/pass@{k}"]) for r in records if f"eval/pass@{k}" in r]
+            points = [(0, base[f"pass@{k}"])] if base else []
+            points += [(r["step"], r[f"eval/pass@{k}"]) for r in records if f"eval/pass@{k}" in r]
             if points:
                 left.plot(*zip(*points), marker="o", label=f"{method} pass@{k}")
         for tag in ("guided", "unguided"):
