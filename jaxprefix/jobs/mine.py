@@ -22,7 +22,8 @@ from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
 
-HARD_SET, PREFIXES, TRACE_POOL, LEDGER = "hard_set.json", "prefixes.json", "trace_pool.jsonl", "ledger.json"
+HARD_SET, PREFIXES, LEDGER = "hard_set.json", "prefixes.json", "ledger.json"
+TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
 
 
 def mining_dir(config, workdir: str) -> str:
@@ -100,7 +101,11 @@ class Mining:
         if self.config.prefixrl.oracle_traces:
             return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
         if os.path.exists(path):
-            return prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
+            pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
+            if os.path.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
+                with open(self._path(TRACE_POOL_STATS)) as f:
+                    pool.samples_per_problem = json.load(f)["samples_per_problem"]
+            return pool
         p = self.config.prefixrl
         pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
                                          samples_per_round=p.samples_per_round,
@@ -108,7 +113,7 @@ class Mining:
         logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),
                      sum(pool.samples_per_problem.values()))
         pool.save_jsonl(path, self.policy.tokenizer)
-        self._save("trace_pool_stats.json", {"samples_per_problem": pool.samples_per_problem})
+        self._save(TRACE_POOL_STATS, {"samples_per_problem": pool.samples_per_problem})
         return pool
 
 
