@@ -413,5 +413,5 @@ def test_trace_pool_jsonl_round_trip(tmp_path):
         tuple(TOKENIZER.encode(PROBLEMS[0].solution))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected fields 'id' and 'tokens' or 'text'"):
+    with pytest.raises(ValueError, match=r"bad.jsonl:line 1: expected fields 'id' and 'tokens' or 'text'"):
         prefixrl.TracePool.load_jsonl(str(bad), PROMPTS)

@@ -105,6 +105,17 @@ def read_problem_file(
     return LoadReport(path, problems, skipped)
 
 
+def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
+    """(location, record) of each record of a .jsonl / .json / .parquet file, for other readers
+    of such files (trace pools); a record that cannot be decoded raises a DataError naming the
+    file and the line."""
+    path = os.fspath(path)
+    for location, record in _records(path):
+        if isinstance(record, RecordError):
+            raise DataError(f"{path}:{location}: {record}")
+        yield location, record
+
+
 def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
     """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
     if not os.path.isfile(path):

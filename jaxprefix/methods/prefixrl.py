@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import zlib
 from collections.abc import Sequence
 
 import numpy as np
 
+from jaxprefix.data.files import read_records
 from jaxprefix.data.problem import DataError, Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.probing import Prober
@@ -56,28 +56,20 @@ class TracePool:
 
     @classmethod
     def load_jsonl(cls, path: str, prompts=None) -> "TracePool":
-        """A pool written by `save_jsonl`, or traces from another model: `id` and `text` per line
-        (re-tokenised with `prompts.response` when there are no `tokens`)."""
-        if not os.path.exists(path):
-            raise DataError(f"{path}: trace pool file not found")
+        """A pool written by `save_jsonl`, or traces from another model: `id` and `text` per record
+        (re-tokenised with `prompts.response` when there are no `tokens`); .jsonl, .json or
+        .parquet."""
         traces = {}
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
-                if "id" not in record or not ("tokens" in record or "text" in record):
-                    raise DataError(f"{path}:{line_no}: expected fields 'id' and 'tokens' or 'text'")
-                tokens = record.get("tokens")
-                if tokens is None:
-                    if prompts is None:
-                        raise DataError(f"{path}:{line_no}: text-only trace needs a tokenizer")
-                    tokens = prompts.response(record["text"])
-                traces[str(record["id"])] = Trace(str(record["id"]), tuple(tokens),
-                                                  int(record.get("samples", 0)))
+        for location, record in read_records(path):
+            if "id" not in record or not ("tokens" in record or "text" in record):
+                raise DataError(f"{path}:{location}: expected fields 'id' and 'tokens' or 'text'")
+            tokens = record.get("tokens")
+            if tokens is None:
+                if prompts is None:
+                    raise DataError(f"{path}:{location}: text-only trace needs a tokenizer")
+                tokens = prompts.response(record["text"])
+            traces[str(record["id"])] = Trace(str(record["id"]), tuple(tokens),
+                                              int(record.get("samples", 0)))
         if not traces:
             raise DataError(f"{path}: no traces")
         return cls(traces, {i: t.samples for i, t in traces.items()})
