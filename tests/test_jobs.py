@@ -172,6 +172,8 @@ def test_isocompute_sweep_and_fit_smoke(base, tmp_path):
     points = [(2, 4), (2, 8), (4, 4), (4, 8)]
     assert sorted((r["n"], r["batch"]) for r in frontier["runs"]) == points
     assert sorted(os.listdir(workdir / "runs")) == ["n2_b4", "n2_b8", "n4_b4", "n4_b8"]
-    assert {"points", "per_n", "envelope", "n_star"} <= set(frontier["fit"])
-    check_png(str(workdir / "frontier.png"))
-    check_png(str(workdir / "n_star.png"))
+    # The smoke base solves nothing, so every eval curve is flat at 0 and there is no frontier to
+    # fit: frontier.json says why (the fit itself is tested on known sigmoids in
+    # test_isocompute.py).
+    assert all(max(r["reward"]) == 0.0 for r in frontier["runs"])
+    assert frontier["fit"] is None and "record-breaking" in frontier["reason"]
