@@ -19,6 +19,7 @@ import time
 
 from jaxprefix.jobs.rl import run_rl
 from jaxprefix.jobs.study import Study
+from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 METHODS = ("pope", "grpo")
@@ -54,7 +55,7 @@ def table(report: dict, ks) -> str:
     lines.append("| base (SFT) | " + " | ".join(f"{base[k]:.3f}" for k in keys) + " | 0 | 0 |")
     for method, run in report["runs"].items():
         ledger = run["ledger"]
-        total = ledger["sampling_flops"] + ledger["update_flops"] + ledger["extra_flops"]
+        total = ComputeLedger.from_dict(ledger).total_flops
         lines.append(f"| {method.upper()} ({run['steps']} steps) | "
                      + " | ".join(f"{run['after'][k]:.3f}" for k in keys)
                      + f" | {ledger['rollouts']} | {total:.3g} |")

@@ -21,6 +21,7 @@ import numpy as np
 from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.jobs.rl import run_rl
 from jaxprefix.jobs.study import Study
+from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 RUNS = {  # name -> method
@@ -102,8 +103,7 @@ def summary_rows(report: dict, ks) -> list[str]:
             values = np.array([r["after"][f"pass@{k}"] for r in runs])
             cells.append(f"{values.mean():.3f} ± {values.std():.3f}" if len(values) > 1
                          else f"{values[0]:.3f}")
-        flops = np.mean([r["ledger"]["sampling_flops"] + r["ledger"]["update_flops"]
-                         + r["ledger"]["extra_flops"] for r in runs])
+        flops = np.mean([ComputeLedger.from_dict(r["ledger"]).total_flops for r in runs])
         rows.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {flops:.3g} |")
     return rows
 
