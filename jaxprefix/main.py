@@ -62,7 +62,13 @@ def main(argv):
     logging.info("job %s, workdir %s", config.job, workdir)
     module, function = JOBS[config.job]
     run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
-    run(config, workdir)
+    from jaxprefix.rl.loop import Preempted
+
+    try:
+        run(config, workdir)
+    except Preempted as e:
+        logging.warning("%s", e)
+        raise SystemExit(143)
 
 
 if __name__ == "__main__":

@@ -8,12 +8,15 @@ are marked slow (`pytest -m slow tests/test_jobs.py`).
 """
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,6 +104,30 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     records, ledger = check_rl_outputs(workdir, 3, tags=("unguided",))
     assert ledger["rollouts"] == 3 * PROBLEMS_PER_STEP * N  # continued, not restarted
     assert records[2]["tokens/sampled_total"] == sum(r["tokens/sampled"] for r in records)
+
+
+def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
+    """A preempted job (TPU maintenance, `timeout`) saves its step and exits 143, so a pipeline
+    of runs (demo, results) stops there rather than starting its next run."""
+    workdir = tmp_path / "grpo"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+         f"--workdir={workdir}", f"--config.model.path={base}",
+         "--config.train.total_steps=100000", "--config.checkpoint.every=100000"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.time() + 600
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None and time.time() < deadline, "no step was logged"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 143, stderr[-2000:]
+    assert "rerun the same command to resume" in stderr
+    last = read_metrics(str(workdir))[-1]["step"]
+    assert TrainCheckpointer(str(workdir / "checkpoints")).latest_step() == last
+    assert not (workdir / "compute.json").exists()  # written only by a finished run
 
 
 def test_pope_smoke(pope_run):

@@ -95,6 +95,9 @@ def run_rl(config, workdir: str) -> dict:
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
                         ledger=ledger)
+    if result["preempted"]:
+        raise loop.Preempted(f"{workdir}: stopped by SIGTERM at step {result['step']}, "
+                             f"checkpoint saved; rerun the same command to resume")
     if distributed.is_primary():
         with open(os.path.join(workdir, "compute.json"), "w") as f:
             json.dump(ledger.to_dict(), f, indent=1)

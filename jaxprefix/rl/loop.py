@@ -182,6 +182,13 @@ def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> dict[s
 
 # --- the loop -------------------------------------------------------------------------------
 
+class Preempted(Exception):
+    """A run stopped by SIGTERM after saving its checkpoint: rerun the same command to resume.
+
+    Jobs raise it so that a pipeline of runs (demo, results, sweep) stops instead of starting
+    the next run; main turns it into exit status 143 (128 + SIGTERM)."""
+
+
 class _Preemption:
     """Turns SIGTERM into a flag checked between steps (main thread only)."""
 
