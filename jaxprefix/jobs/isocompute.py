@@ -16,16 +16,19 @@ from __future__ import annotations
 import json
 import os
 
+from jaxprefix.jobs.policy import base_dir
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.metrics import read_metrics
 
 REWARD = "eval/avg@4"  # the paper's validation reward
 
 
-def point_config(config, point: isocompute.SweepPoint):
+def point_config(config, point: isocompute.SweepPoint, workdir: str):
     """The GRPO run of one sweep point: n rollouts, B problems, M steps, eval by rollouts."""
     c = config.copy_and_resolve_references()
     c.job, c.method = "rl", "grpo"
+    # Every point starts from one base: the sweep's own (<workdir>/base, trained once if absent).
+    c.model.path = base_dir(config, workdir)
     c.rollout.n = point.n
     c.train.problems_per_step = point.batch
     c.train.total_steps = point.steps
@@ -61,7 +64,8 @@ def run_sweep(config, workdir: str) -> dict:
                   + f" --workdir={point_workdir(runs_dir(config, workdir), point)}")
         return {"points": len(points)}
     for point in points:
-        run_rl(point_config(config, point), point_workdir(runs_dir(config, workdir), point))
+        run_rl(point_config(config, point, workdir),
+               point_workdir(runs_dir(config, workdir), point))
     return run_fit(config, workdir)
 
 

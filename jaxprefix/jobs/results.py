@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from jaxprefix.jobs import isocompute as iso_jobs
+from jaxprefix.jobs.policy import base_dir
 from jaxprefix.jobs.rl import run_rl
 from jaxprefix.jobs.study import Study
 from jaxprefix.methods.isocompute import ComputeLedger
@@ -69,15 +70,17 @@ def run_results(config, workdir: str) -> dict:
             "name": name, "seed": seed, "after": study.evaluate(out["policy"].model, name),
             "ledger": out["ledger"].to_dict(), "curve": _curve(run_dir, config.eval.ks[-1])}
     if config.results.isocompute:
-        report["isocompute"] = iso_jobs.run_sweep(_iso_config(config), os.path.join(workdir, "iso"))
+        report["isocompute"] = iso_jobs.run_sweep(_iso_config(study), os.path.join(workdir, "iso"))
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(report, f, indent=1, default=float)
     write_report(report, config, workdir)
     return report
 
 
-def _iso_config(config):
-    c = config.copy_and_resolve_references()
+def _iso_config(study: Study):
+    """The sweep's config: the study's base, mid-length problems where plain GRPO has signal."""
+    c = study.config.copy_and_resolve_references()
+    c.model.path = base_dir(study.config, study.workdir)
     c.data.update(digits=(6, 12), multipliers=(2, 9))
     c.mining.train_on = "all"
     return c
