@@ -17,8 +17,11 @@ def get_config(arg: str = ""):
     c.results = ml_collections.ConfigDict(dict(
         seeds=(0, 1, 2), isocompute=True, output_dir="docs",
         # at the first seed: hard + easy without guidance (ray interference), PrefixRL on oracle
-        # solutions, POPE's "do not restate" instruction (instruction-following policies only)
-        ablations=("grpo_easy", "prefixrl_oracle", "pope_no_restate")))
+        # solutions, SFT on oracle solutions then GRPO, POPE's "do not restate" instruction
+        # (instruction-following policies only)
+        ablations=("grpo_easy", "prefixrl_oracle", "sft_oracle", "pope_no_restate"),
+        # sft_oracle's warm start: Adam at the base SFT's rate over the hard training problems
+        sft_oracle=dict(epochs=10, batch_size=64, learning_rate=1e-3)))
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if args.variant == "smoke":
         c.results.update(seeds=(0,), output_dir="", isocompute=False)

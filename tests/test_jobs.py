@@ -167,7 +167,6 @@ def check_png(path: str):
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
 
 
-@pytest.mark.slow  # ~90 s: base eval, POPE and GRPO runs, two evaluations
 def test_demo_pipeline_smoke(base, tmp_path):
     workdir = tmp_path / "demo"
     run_main("configs/pope.py:demo_smoke", workdir, f"--config.model.path={base}")
@@ -187,6 +186,32 @@ def test_demo_pipeline_smoke(base, tmp_path):
     check_png(str(workdir / "demo_curves.png"))
     for method in ("pope", "grpo"):
         assert [r["step"] for r in read_metrics(str(workdir / method))] == [1, 2]
+
+
+def test_results_pipeline_smoke(base, tmp_path):
+    """Every run of the results job, the SFT warm start included, at smoke sizes: its files
+    exist and are well formed, and the warm start's SFT is charged in its run's FLOPs."""
+    workdir = tmp_path / "results"
+    run_main("configs/results.py:smoke", workdir, f"--config.model.path={base}")
+    with open(workdir / "results.json") as f:
+        report = json.load(f)
+    names = ["grpo", "pope", "prefixrl", "grpo_easy", "prefixrl_oracle", "sft_oracle"]
+    assert sorted(report["runs"]) == sorted(f"{name}_seed0" for name in names)
+    for run in report["runs"].values():
+        assert "pass@4" in run["after"] and run["curve"], run["name"]
+        assert read_metrics(str(workdir / f"{run['name']}_seed0"))[-1]["step"] == STEPS
+    with open(workdir / "sft_oracle_seed0" / "warm_start" / "warm_start.json") as f:
+        warm = json.load(f)
+    assert warm["flops"] > 0 and len(warm["losses"]) == warm["steps"] > 0
+    sft_run, grpo_run = report["runs"]["sft_oracle_seed0"], report["runs"]["grpo_seed0"]
+    assert "pass@4" in sft_run["warm_start"]
+    assert sft_run["ledger"]["extra_flops"] == pytest.approx(
+        grpo_run["ledger"]["extra_flops"] + warm["flops"])
+    text = (workdir / "RESULTS.md").read_text()
+    for name in names:
+        assert f"| {name} | 1 |" in text, name
+    assert "| sft_oracle: after SFT, before RL | 1 |" in text
+    check_png(str(workdir / "results" / "curves.png"))
 
 
 @pytest.mark.slow  # ~100 s: four GRPO runs, then the fit

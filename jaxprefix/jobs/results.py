@@ -19,15 +19,17 @@ import os
 import numpy as np
 
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.jobs.policy import base_dir
+from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.rl import run_rl
 from jaxprefix.jobs.study import Study
+from jaxprefix.jobs.warm_start import run_warm_start
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 RUNS = {  # name -> method
     "grpo": "grpo", "pope": "pope", "prefixrl": "prefixrl",
     "pope_no_restate": "pope", "grpo_easy": "pope", "prefixrl_oracle": "prefixrl",
+    "sft_oracle": "grpo",
 }
 
 
@@ -57,24 +59,41 @@ def run_results(config, workdir: str) -> dict:
               "hard": len(study.hard.problems), "candidates": len(study.sets.train),
               "mining": study.mining.ledger.to_dict(), "runs": {},
               "trace_pool": {"problems": len(pool.traces),
-                             "samples": int(sum(pool.samples_per_problem.values()))}}
+                             "samples": int(sum(pool.samples_per_problem.values())),
+                             "oracle": bool(config.prefixrl.oracle_traces)}}
     plan = [(name, seed) for seed in config.results.seeds for name in ("grpo", "pope", "prefixrl")]
     for name in config.results.ablations:
         # The instruction ablation needs a policy that reads instructions (not the demo's).
         if name != "pope_no_restate" or config.pope.guidance == "instruction":
             plan.append((name, config.results.seeds[0]))
     for name, seed in plan:
-        run_dir = os.path.join(workdir, f"{name}_seed{seed}")
-        out = run_rl(_run_config(study, name, seed), run_dir)
-        report["runs"][f"{name}_seed{seed}"] = {
-            "name": name, "seed": seed, "after": study.evaluate(out["policy"].model, name),
-            "ledger": out["ledger"].to_dict(), "curve": _curve(run_dir, config.eval.ks[-1])}
+        report["runs"][f"{name}_seed{seed}"] = _run(study, name, seed,
+                                                    os.path.join(workdir, f"{name}_seed{seed}"))
     if config.results.isocompute:
         report["isocompute"] = iso_jobs.run_sweep(_iso_config(study), os.path.join(workdir, "iso"))
     with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(report, f, indent=1, default=float)
     write_report(report, config, workdir)
     return report
+
+
+def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
+    """Trains one run (or finds it finished) and evaluates it; its record for the report."""
+    c = _run_config(study, name, seed)
+    record, warm_flops = {"name": name, "seed": seed}, 0.0
+    if name == "sft_oracle":
+        # SFT on the hard training problems' oracle solutions, then GRPO from there; the SFT
+        # updates are charged like mining, and the warm start is evaluated before RL too.
+        warm = run_warm_start(study.policy, c.model.path, study.hard.problems,
+                              os.path.join(run_dir, "warm_start"), seed=seed,
+                              **study.config.results.sft_oracle)
+        c.model.path, warm_flops = warm.path, warm.flops
+        record["warm_start"] = study.evaluate(load_policy(c, run_dir).model, f"eval {name} SFT")
+    out = run_rl(c, run_dir)
+    out["ledger"].extra_flops += warm_flops
+    return record | {"after": study.evaluate(out["policy"].model, f"eval {name}"),
+                     "ledger": out["ledger"].to_dict(),
+                     "curve": _curve(run_dir, study.config.eval.ks[-1], warm_flops)}
 
 
 def _iso_config(study: Study):
@@ -86,33 +105,42 @@ def _iso_config(study: Study):
     return c
 
 
-def _curve(run_dir: str, k: int) -> list:
-    """(FLOPs including mining, held-out pass@k) at each evaluation of a run."""
+def _curve(run_dir: str, k: int, extra_flops: float = 0.0) -> list:
+    """(FLOPs including mining and `extra_flops`, held-out pass@k) at each evaluation of a run."""
     with open(os.path.join(run_dir, "compute.json")) as f:
-        extra = json.load(f)["extra_flops"]
+        extra = json.load(f)["extra_flops"] + extra_flops
     return [(r["flops/total"] + extra, r[f"eval/pass@{k}"]) for r in read_metrics(run_dir)
             if f"eval/pass@{k}" in r]
 
 
 def summary_rows(report: dict, ks) -> list[str]:
-    """Mean and spread over seeds of the final unguided pass@k, per run name."""
+    """Mean and spread (std) over seeds of the final unguided pass@k, per run name; a warm
+    start's own row (after SFT, before RL) under its run."""
     by_name: dict = {}
     for run in report["runs"].values():
         by_name.setdefault(run["name"], []).append(run)
     rows = []
     for name, runs in by_name.items():
-        cells = []
-        for k in ks:
-            values = np.array([r["after"][f"pass@{k}"] for r in runs])
-            cells.append(f"{values.mean():.3f} ± {values.std():.3f}" if len(values) > 1
-                         else f"{values[0]:.3f}")
         flops = np.mean([ComputeLedger.from_dict(r["ledger"]).total_flops for r in runs])
-        rows.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + f" | {flops:.3g} |")
+        rows.append(f"| {name} | {len(runs)} | {_cells(runs, 'after', ks)} | {flops:.3g} |")
+        if "warm_start" in runs[0]:
+            rows.append(f"| {name}: after SFT, before RL | {len(runs)} | "
+                        f"{_cells(runs, 'warm_start', ks)} | - |")
     return rows
 
 
-def _final(report: dict, name: str, k: int) -> float | None:
-    values = [r["after"][f"pass@{k}"] for r in report["runs"].values() if r["name"] == name]
+def _cells(runs: list, key: str, ks) -> str:
+    cells = []
+    for k in ks:
+        values = np.array([r[key][f"pass@{k}"] for r in runs])
+        cells.append(f"{values.mean():.3f} ± {values.std():.3f}" if len(values) > 1
+                     else f"{values[0]:.3f}")
+    return " | ".join(cells)
+
+
+def _final(report: dict, name: str, k: int, key: str = "after") -> float | None:
+    values = [r[key][f"pass@{k}"] for r in report["runs"].values()
+              if r["name"] == name and key in r]
     return float(np.mean(values)) if values else None
 
 
@@ -121,17 +149,23 @@ def observations(report: dict, ks) -> list[str]:
     k = ks[-1]
     lines = []
     base = report["base"][f"pass@{k}"]
-    for name in ("grpo", "pope", "prefixrl", "prefixrl_oracle", "grpo_easy", "pope_no_restate"):
+    for name in RUNS:
         value = _final(report, name, k)
         if value is not None:
             change = "above" if value > base else "not above"
             lines.append(f"- {name}: held-out unguided pass@{k} {value:.3f}, {change} the base's "
                          f"{base:.3f}.")
+    warm = _final(report, "sft_oracle", k, "warm_start")
+    if warm is not None:
+        lines.append(f"- SFT on the oracle solutions alone (before RL): pass@{k} {warm:.3f}.")
     pope, grpo = _final(report, "pope", k), _final(report, "grpo", k)
     if pope is not None and grpo is not None:
         lines.append(f"- POPE - GRPO at the same rollouts: {pope - grpo:+.3f} pass@{k}.")
     pool = report.get("trace_pool")
-    if pool:
+    if pool and pool.get("oracle"):
+        lines.append("- PrefixRL's pool held the oracle solutions (prefixrl.oracle_traces): no "
+                     "rejection sampling was run.")
+    elif pool:
         lines.append(f"- PrefixRL's rejection sampling found a successful trace for "
                      f"{pool['problems']} of {report['hard']} hard problems in {pool['samples']:,} "
                      f"samples; that sampling is in PrefixRL's FLOPs above.")

@@ -1,0 +1,94 @@
+"""SFT on the oracle solutions of the hard set before RL: the warm start POPE's paper reports
+does not fix RL on hard problems (the results job's `sft_oracle` ablation).
+
+The warm-started policy is written next to the run as an ordinary model directory (the base's
+tokenizer files copied beside the new weights), so the RL run loads it like any base. Its update
+FLOPs (6 N D over every token forwarded) are returned so that comparisons can charge them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm
+from flax import nnx
+
+from jaxprefix import models
+from jaxprefix.jobs import sft
+from jaxprefix.methods.isocompute import update_flops
+
+REPORT = "warm_start.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    path: str      # the model directory RL starts from
+    flops: float   # what the SFT updates cost
+    report: dict
+
+
+def oracle_rows(policy, problems) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, real-token mask, loss mask) of question + oracle solution + <eos>, right-padded;
+    the loss is on the solution and <eos> only, as in RL where the question carries none."""
+    rows = []
+    for problem in problems:
+        if not problem.solution:
+            raise ValueError(f"problem {problem.id}: no oracle solution to train on")
+        context = policy.prompts.question(problem)
+        target = policy.prompts.response(problem.solution) + list(policy.stop_ids[:1])
+        rows.append((context + target, [0] * len(context) + [1] * len(target)))
+    width = max(len(ids) for ids, _ in rows)
+    tokens = np.zeros((len(rows), width), np.int32)  # padding is masked out by `real`
+    loss_mask = np.zeros(tokens.shape, np.float32)
+    real = np.zeros(tokens.shape, bool)
+    for i, (ids, mask) in enumerate(rows):
+        tokens[i, :len(ids)], loss_mask[i, :len(ids)], real[i, :len(ids)] = ids, mask, True
+    return tokens, real, loss_mask
+
+
+def run_warm_start(policy, base_path: str, problems, out_dir: str, *, epochs: int,
+                   batch_size: int, learning_rate: float, seed: int) -> WarmStart:
+    """Trains a copy of `policy.model` on the problems' oracle solutions (or reuses out_dir)."""
+    report_path = os.path.join(out_dir, REPORT)
+    if os.path.exists(report_path):
+        with open(report_path) as f:
+            report = json.load(f)
+        return WarmStart(out_dir, report["flops"], report)
+    if not os.path.isdir(base_path):
+        raise ValueError(f"warm start: the base {base_path!r} is not a model directory (a GGUF "
+                         f"file cannot take the new weights); convert it to an HF directory first")
+    tokens, real, loss_mask = oracle_rows(policy, problems)
+    model = nnx.clone(policy.model)
+    optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
+    rng = np.random.default_rng(seed)
+    batch_size = min(batch_size, len(tokens))
+    steps_per_epoch = len(tokens) // batch_size
+    n_params = model.config.num_params()
+    flops, losses = 0.0, []
+    for _ in tqdm.trange(epochs * steps_per_epoch, desc="sft on oracle solutions"):
+        if not losses or len(losses) % steps_per_epoch == 0:
+            order = rng.permutation(len(tokens))
+        rows = order[(len(losses) % steps_per_epoch) * batch_size:][:batch_size]
+        loss = sft.train_step(model, optimizer, jnp.asarray(tokens[rows]),
+                              jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
+        losses.append(float(loss))
+        flops += update_flops(n_params, int(real[rows].sum()))
+
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(base_path):  # tokenizer files; the weights are replaced below
+        if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
+            source = os.path.join(base_path, name)
+            if os.path.isfile(source):
+                shutil.copy(source, os.path.join(out_dir, name))
+    models.save_pretrained(model, None, out_dir)
+    report = {"problems": len(tokens), "epochs": epochs, "steps": len(losses),
+              "batch_size": batch_size, "learning_rate": learning_rate, "flops": flops,
+              "losses": losses}
+    with open(report_path, "w") as f:  # written last: its presence marks a finished warm start
+        json.dump(report, f, indent=1)
+    return WarmStart(out_dir, flops, report)
