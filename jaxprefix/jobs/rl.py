@@ -44,6 +44,18 @@ def check_method_settings(config) -> None:
     _schedule(config)  # raises naming the schedule field
 
 
+def contexts_per_step(config) -> int:
+    """The contexts one step of the configured method samples (n times each)."""
+    problems = config.train.problems_per_step
+    if config.method == "pope":
+        p = config.pope
+        return problems * (p.guided_copies + p.unguided_copies) + p.easy_per_step
+    if config.method == "prefixrl":
+        return problems * (config.prefixrl.prefixes_per_problem
+                           + config.prefixrl.unprefixed_copies)
+    return problems
+
+
 def _schedule(config):
     return make_schedule({"kind": config.schedule.kind,
                           **config.schedule.get(config.schedule.kind, {})})
@@ -79,8 +91,9 @@ def build_method(config, policy, sets, mining: Mining):
 
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
-    loop.validate(config)
     check_method_settings(config)
+    contexts = contexts_per_step(config)
+    loop.validate(config, contexts_per_step=contexts)
     policy = load_policy(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)
@@ -94,7 +107,7 @@ def run_rl(config, workdir: str) -> dict:
     logging.info("%s: mining spent %.3g FLOPs", config.method, mining.ledger.extra_flops)
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
-                        ledger=ledger)
+                        ledger=ledger, contexts_per_step=contexts)
     if result["preempted"]:
         raise loop.Preempted(f"{workdir}: stopped by SIGTERM at step {result['step']}, "
                              f"checkpoint saved; rerun the same command to resume")

@@ -73,8 +73,11 @@ def train_config(config) -> TrainConfig:
         raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
 
 
-def validate(config, mesh=None) -> TrainConfig:
-    """Checks the run's settings before anything is loaded; returns the learner's TrainConfig."""
+def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
+    """Checks the run's settings before anything is loaded; returns the learner's TrainConfig.
+
+    contexts_per_step: the contexts a step samples, n times each (default: one per problem; a
+    method with guided copies or prefixes has more)."""
     def need(ok, field, value, expected):
         if not ok:
             raise ValueError(f"config.{field}={value!r}: expected {expected}")
@@ -93,12 +96,12 @@ def validate(config, mesh=None) -> TrainConfig:
     need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
     learner_config = train_config(config)
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = t.problems_per_step * r.n
+    contexts = contexts_per_step or t.problems_per_step
     try:
-        learner_config.check_batch(rows, shards)
+        learner_config.check_batch(contexts * r.n, shards)
     except ValueError as e:
-        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} x config.rollout.n="
-                         f"{r.n}: {e}") from None
+        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} ({contexts} "
+                         f"contexts) x config.rollout.n={r.n}: {e}") from None
     return learner_config
 
 
@@ -215,14 +218,15 @@ def _state_arrays(state: TrainState) -> dict:
 
 
 def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
-          ledger=None, progress: bool = True) -> dict[str, Any]:
+          ledger=None, contexts_per_step: int | None = None,
+          progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference.
     ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
-    learner_config = validate(config, mesh)
+    learner_config = validate(config, mesh, contexts_per_step)
     learner = Learner(model, learner_config, mesh)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
