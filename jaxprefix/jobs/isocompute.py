@@ -14,6 +14,7 @@ written to frontier.json, frontier.png and n_star.png.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from jaxprefix.jobs.policy import base_dir
@@ -32,6 +33,9 @@ def point_config(config, point: isocompute.SweepPoint, workdir: str):
     c.rollout.n = point.n
     c.train.problems_per_step = point.batch
     c.train.total_steps = point.steps
+    if c.train.micro_batch_size:  # a micro-batch must divide the point's (possibly small) batch
+        rows = point.n * point.batch // c.train.num_minibatches
+        c.train.micro_batch_size = math.gcd(c.train.micro_batch_size, rows)
     c.eval.update(n=4, ks=(1, 4),
                   every=max(1, config.isocompute.eval_every_rollouts // (point.n * point.batch)))
     c.checkpoint.every = max(1, point.steps // 4)
