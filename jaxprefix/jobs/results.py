@@ -172,6 +172,29 @@ def observations(report: dict, ks) -> list[str]:
     return lines
 
 
+def isocompute_lines(sweep: dict, budgets) -> list[str]:
+    """Each (n, B) run's held-out avg@4 at each budget, and n* of the fitted frontier there."""
+    header = " | ".join(f"C = 2^{int(np.log2(b))}" for b in budgets)
+    lines = [f"GRPO, validation avg@4 after C rollouts (mid-length problems, one seed). "
+             f"Each (n, B) ran once to the largest budget.", "",
+             f"| n | B | {header} |", "|---" * (len(budgets) + 2) + "|"]
+    for run in sorted(sweep["runs"], key=lambda r: (r["n"], r["batch"])):
+        cells = []
+        for budget in budgets:
+            done = [reward for c, reward in zip(run["compute"], run["reward"]) if c <= budget]
+            cells.append(f"{done[-1]:.3f}" if done else "-")
+        lines.append(f"| {run['n']} | {run['batch']} | " + " | ".join(cells) + " |")
+    fit = sweep.get("fit")
+    if not fit:
+        return lines + ["", f"No frontier was fitted: {sweep.get('reason', 'no runs')}."]
+    log_c = np.asarray(fit["log_c"])
+    at = [int(np.argmin(np.abs(log_c - np.log2(b)))) for b in budgets]
+    lines += ["", "Fitted frontier: n* (the n on the upper envelope) " + ", ".join(
+        f"{fit['n_star'][i]} at 2^{int(np.log2(b))}" for i, b in zip(at, budgets))
+        + "; envelope reward " + ", ".join(f"{fit['envelope'][i]:.3f}" for i in at) + "."]
+    return lines
+
+
 def write_report(report: dict, config, workdir: str) -> None:
     out_dir = config.results.output_dir or workdir
     os.makedirs(os.path.join(out_dir, "results"), exist_ok=True)
@@ -198,6 +221,7 @@ def write_report(report: dict, config, workdir: str) -> None:
     ]
     if "isocompute" in report:
         lines += ["", "## IsoCompute mini-sweep", "",
+                  *isocompute_lines(report["isocompute"], config.isocompute.budgets), "",
                   "![frontier](results/frontier.png) ![n*](results/n_star.png)"]
     with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
