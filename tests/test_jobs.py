@@ -200,6 +200,15 @@ def test_results_pipeline_smoke(base, tmp_path):
     for run in report["runs"].values():
         assert "pass@4" in run["after"] and run["curve"], run["name"]
         assert read_metrics(str(workdir / f"{run['name']}_seed0"))[-1]["step"] == STEPS
+    # Each method pays for the mining it uses: GRPO the hard set, POPE also the prefix search,
+    # hard + easy (POPE with no guided copies) no prefixes, PrefixRL on oracle traces no pool.
+    with open(workdir / "mining" / "ledger.json") as f:
+        costs = {name: ledger["extra_rollouts"] for name, ledger in json.load(f).items()}
+    assert costs == {"hard_set": K * CANDIDATES, "prefixes": mining_rollouts(workdir) - K * CANDIDATES}
+    charged = {run["name"]: run["ledger"]["extra_rollouts"] for run in report["runs"].values()}
+    assert (charged["grpo"] == charged["prefixrl"] == charged["sft_oracle"] == charged["grpo_easy"]
+            == costs["hard_set"])
+    assert charged["pope"] == costs["hard_set"] + costs["prefixes"]
     with open(workdir / "sft_oracle_seed0" / "warm_start" / "warm_start.json") as f:
         warm = json.load(f)
     assert warm["flops"] > 0 and len(warm["losses"]) == warm["steps"] > 0

@@ -6,8 +6,9 @@
 
 Each result is written under the mining directory (`config.mining.dir`, default
 <workdir>/mining) and read back on the next run instead of sampled again, so a resumed or repeated
-run sees exactly the same hard set, prefixes and pool. The sampling compute is recorded in
-mining/ledger.json and counted in every comparison.
+run sees exactly the same hard set, prefixes and pool. The sampling compute of each artifact is
+recorded apart in mining/ledger.json, and each run is charged for the artifacts its method uses
+(GRPO does not pay for POPE's prefix search, nor POPE for PrefixRL's pool).
 
     python -m jaxprefix.main --config=configs/pope.py --config.job=mine --workdir=/tmp/pope
 """
@@ -24,6 +25,7 @@ from jaxprefix.methods.probing import Prober, SamplingSpec
 
 HARD_SET, PREFIXES, LEDGER = "hard_set.json", "prefixes.json", "ledger.json"
 TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
+ARTIFACTS = ("hard_set", "prefixes", "trace_pool")  # the keys of ledger.json
 
 
 def mining_dir(config, workdir: str) -> str:
@@ -45,23 +47,47 @@ class Mining:
     def __init__(self, config, policy, sets, directory: str):
         self.config, self.policy, self.sets, self.dir = config, policy, sets, directory
         os.makedirs(directory, exist_ok=True)
-        self.ledger = self._load_ledger(policy)
-        self.prober = make_prober(config, policy, self.ledger, sets.verifier)
+        self.costs = self._load_costs()
+        self.prober = make_prober(config, policy, self._new_ledger(), sets.verifier)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def _load_ledger(self, policy) -> ComputeLedger:
-        if os.path.exists(self._path(LEDGER)):
-            with open(self._path(LEDGER)) as f:
-                return ComputeLedger.from_dict(json.load(f))
-        return ComputeLedger(policy.model.config.num_params())
+    def _new_ledger(self) -> ComputeLedger:
+        return ComputeLedger(self.policy.model.config.num_params())
+
+    def _load_costs(self) -> dict[str, ComputeLedger]:
+        if not os.path.exists(self._path(LEDGER)):
+            return {}
+        with open(self._path(LEDGER)) as f:
+            record = json.load(f)
+        if set(record) - set(ARTIFACTS):
+            raise ValueError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
+                             f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
+                             f"older jaxprefix, which kept one total); remove {self.dir} to mine "
+                             f"again")
+        return {name: ComputeLedger.from_dict(d) for name, d in record.items()}
+
+    def _booking(self, artifact: str) -> None:
+        """Books the prober's next samples to `artifact`."""
+        self.prober.ledger = self.costs[artifact] = self._new_ledger()
 
     def _save(self, name: str, record) -> None:
         with open(self._path(name), "w") as f:
             json.dump(record, f, indent=1)
         with open(self._path(LEDGER), "w") as f:
-            json.dump(self.ledger.to_dict(), f, indent=1)
+            json.dump({k: v.to_dict() for k, v in self.costs.items()}, f, indent=1)
+
+    def cost(self, artifacts) -> ComputeLedger:
+        """What mining the named artifacts spent (those not mined yet cost nothing)."""
+        total = self._new_ledger()
+        for name in artifacts:
+            if name not in ARTIFACTS:
+                raise ValueError(f"mining artifact {name!r}: expected one of {ARTIFACTS}")
+            if name in self.costs:
+                total.extra_rollouts += self.costs[name].extra_rollouts
+                total.extra_flops += self.costs[name].extra_flops
+        return total
 
     def hard_set(self) -> pope.HardSet:
         by_id = {p.id: p for p in self.sets.train}
@@ -71,6 +97,7 @@ class Mining:
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
         k = self.config.mining.k
+        self._booking("hard_set")
         hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
                                   seed=self.config.seed)
         logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
@@ -83,6 +110,7 @@ class Mining:
             with open(self._path(PREFIXES)) as f:
                 return json.load(f)["shortest_units"]
         m = self.config.mining
+        self._booking("prefixes")
         found = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
             max_units=m.max_prefix_units, guidance=self.config.pope.guidance,
@@ -107,6 +135,7 @@ class Mining:
                     pool.samples_per_problem = json.load(f)["samples_per_problem"]
             return pool
         p = self.config.prefixrl
+        self._booking("trace_pool")
         pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
                                          samples_per_round=p.samples_per_round,
                                          max_samples=p.max_samples, seed=self.config.seed + 2)
@@ -134,5 +163,5 @@ def run_mine(config, workdir: str) -> dict:
         summary["prefix_found"] = sum(v is not None for v in found.values())
     if config.method == "prefixrl":
         summary["pool"] = len(mining.trace_pool(hard.problems).traces)
-    summary["ledger"] = mining.ledger.to_dict()
+    summary["ledger"] = {name: ledger.to_dict() for name, ledger in mining.costs.items()}
     return summary

@@ -57,7 +57,8 @@ def run_results(config, workdir: str) -> dict:
     pool = study.mining.trace_pool(study.hard.problems)
     report = {"base": study.evaluate(study.policy.model, "eval base"),
               "hard": len(study.hard.problems), "candidates": len(study.sets.train),
-              "mining": study.mining.ledger.to_dict(), "runs": {},
+              "mining": {name: ledger.to_dict() for name, ledger in study.mining.costs.items()},
+              "runs": {},
               "trace_pool": {"problems": len(pool.traces),
                              "samples": int(sum(pool.samples_per_problem.values())),
                              "oracle": bool(config.prefixrl.oracle_traces)}}

@@ -56,6 +56,18 @@ def contexts_per_step(config) -> int:
     return problems
 
 
+def mined_artifacts(config) -> tuple[str, ...]:
+    """The mining artifacts (jobs/mine.ARTIFACTS) the configured method trains on: its bill."""
+    hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
+    if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
+        return hard + (("prefixes",) if config.pope.guided_copies else ())
+    if config.method == "prefixrl":
+        p = config.prefixrl
+        own_pool = not (p.oracle_traces or p.get("pool_path"))  # else no sampling of ours
+        return hard + (("trace_pool",) if own_pool else ())
+    return hard
+
+
 def _schedule(config):
     return make_schedule({"kind": config.schedule.kind,
                           **config.schedule.get(config.schedule.kind, {})})
@@ -100,14 +112,14 @@ def run_rl(config, workdir: str) -> dict:
     sets = load_problem_sets(config.data)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     method = build_method(config, policy, sets, mining)
-    # The run's ledger starts with what mining spent (restored from the checkpoint on resume).
-    ledger = ComputeLedger(policy.model.config.num_params(),
-                           extra_rollouts=mining.ledger.extra_rollouts,
-                           extra_flops=mining.ledger.extra_flops)
-    logging.info("%s: mining spent %.3g FLOPs", config.method, mining.ledger.extra_flops)
+    mined = mining.cost(mined_artifacts(config))
+    ledger = ComputeLedger(policy.model.config.num_params())
+    logging.info("%s: mining spent %.3g FLOPs", config.method, mined.extra_flops)
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
                         ledger=ledger, contexts_per_step=contexts)
+    # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
+    ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:
         raise loop.Preempted(f"{workdir}: stopped by SIGTERM at step {result['step']}, "
                              f"checkpoint saved; rerun the same command to resume")
