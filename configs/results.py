@@ -16,7 +16,7 @@ def get_config(arg: str = ""):
     c.job = "results"
     c.results = ml_collections.ConfigDict(dict(
         seeds=(0, 1, 2), isocompute=True, output_dir="docs",
-        # at the first seed: hard + easy without guidance (ray interference), PrefixRL on oracle
+        # at every seed: hard + easy without guidance (ray interference), PrefixRL on oracle
         # solutions, SFT on oracle solutions then GRPO, POPE's "do not restate" instruction
         # (instruction-following policies only)
         ablations=("grpo_easy", "prefixrl_oracle", "sft_oracle", "pope_no_restate"),

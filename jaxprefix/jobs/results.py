@@ -5,8 +5,9 @@
 Runs (each in its own workdir under --workdir, so an interrupted job resumes where it stopped):
 - GRPO, POPE and PrefixRL from one SFT base, `results.seeds` seeds each, at the same rollouts per
   step and steps; PrefixRL's rejection sampling and the hard-set mining are in every FLOPs figure;
-- ablations at the first seed: POPE with the "do not restate" instruction, hard + easy problems
-  without guidance (ray interference), SFT on the oracle solutions then GRPO;
+- the ablations, at the same seeds: POPE with the "do not restate" instruction, hard + easy
+  problems without guidance (ray interference), PrefixRL's cuts on the oracle solutions, SFT on
+  the oracle solutions then GRPO;
 - an IsoCompute mini-sweep over (n, B) with the fitted frontier.
 Then it writes the markdown report and PNG figures under `results.output_dir`. Nothing is tuned to
 an outcome: the report states what the runs measured, effect or not.
@@ -62,11 +63,11 @@ def run_results(config, workdir: str) -> dict:
               "trace_pool": {"problems": len(pool.traces),
                              "samples": int(sum(pool.samples_per_problem.values())),
                              "oracle": bool(config.prefixrl.oracle_traces)}}
-    plan = [(name, seed) for seed in config.results.seeds for name in ("grpo", "pope", "prefixrl")]
-    for name in config.results.ablations:
-        # The instruction ablation needs a policy that reads instructions (not the demo's).
-        if name != "pope_no_restate" or config.pope.guidance == "instruction":
-            plan.append((name, config.results.seeds[0]))
+    # The instruction ablation needs a policy that reads instructions (not the demo's).
+    names = ["grpo", "pope", "prefixrl"] + [
+        name for name in config.results.ablations
+        if name != "pope_no_restate" or config.pope.guidance == "instruction"]
+    plan = [(name, seed) for name in names for seed in config.results.seeds]
     for name, seed in plan:
         report["runs"][f"{name}_seed{seed}"] = _run(study, name, seed,
                                                     os.path.join(workdir, f"{name}_seed{seed}"))
