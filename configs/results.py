@@ -1,6 +1,6 @@
 """Regenerates docs/RESULTS.md: GRPO vs POPE vs PrefixRL on the demo task, ablations, IsoCompute.
 
-    python -m jaxprefix.main --config=configs/results.py --workdir=runs/results     # about 1-2 h
+    python -m jaxprefix.main --config=configs/results.py --workdir=runs/results     # ~2 h, 2 cores
     python -m jaxprefix.main --config=configs/results.py:smoke --workdir=/tmp/results_smoke
 
 Not part of CI. Each run has its own workdir under --workdir: rerunning resumes, finished runs

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
+from jaxprefix.jobs.results import NOTES_MARKER
 from jaxprefix.rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,6 +193,9 @@ def test_results_pipeline_smoke(base, tmp_path):
     """Every run of the results job, the SFT warm start included, at smoke sizes: its files
     exist and are well formed, and the warm start's SFT is charged in its run's FLOPs."""
     workdir = tmp_path / "results"
+    workdir.mkdir()
+    notes = f"{NOTES_MARKER}\n## Notes\nwritten by hand\n"
+    (workdir / "RESULTS.md").write_text("# an older report\n\n" + notes)
     run_main("configs/results.py:smoke", workdir, f"--config.model.path={base}")
     with open(workdir / "results.json") as f:
         report = json.load(f)
@@ -217,6 +221,7 @@ def test_results_pipeline_smoke(base, tmp_path):
     assert sft_run["ledger"]["extra_flops"] == pytest.approx(
         grpo_run["ledger"]["extra_flops"] + warm["flops"])
     text = (workdir / "RESULTS.md").read_text()
+    assert text.endswith("\n" + notes) and "an older report" not in text  # notes kept
     for name in names:
         assert f"| {name} | 1 |" in text, name
     assert "| sft_oracle: after SFT, before RL | 1 |" in text

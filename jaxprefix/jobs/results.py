@@ -27,6 +27,7 @@ from jaxprefix.jobs.warm_start import run_warm_start
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
+NOTES_MARKER = "<!-- hand-written notes below: kept when the report is regenerated -->"
 RUNS = {  # name -> method
     "grpo": "grpo", "pope": "pope", "prefixrl": "prefixrl",
     "pope_no_restate": "pope", "grpo_easy": "pope", "prefixrl_oracle": "prefixrl",
@@ -234,8 +235,10 @@ def write_report(report: dict, config, workdir: str) -> None:
         lines += ["", "## IsoCompute mini-sweep", "",
                   *isocompute_lines(report["isocompute"], config.isocompute.budgets), "",
                   "![frontier](results/frontier.png) ![n*](results/n_star.png)"]
-    with open(os.path.join(out_dir, "RESULTS.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    path = os.path.join(out_dir, "RESULTS.md")
+    notes = _kept_notes(path)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
     _plot(report, os.path.join(out_dir, "results", "curves.png"), ks[-1])
     if "isocompute" in report:
         for name in ("frontier.png", "n_star.png"):
@@ -245,10 +248,20 @@ def write_report(report: dict, config, workdir: str) -> None:
                     fout.write(fin.read())
 
 
+def _kept_notes(path: str) -> str:
+    """The hand-written part of an existing report (from NOTES_MARKER on), which regenerating
+    keeps: the numbers above it change, so re-read the notes against them."""
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        text = f.read()
+    return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else ""
+
+
 def _plot(report: dict, path: str, k: int) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(8.5, 4.5))
     ax = fig.subplots()
     colors = {}
     for key, run in report["runs"].items():
@@ -262,6 +275,6 @@ def _plot(report: dict, path: str, k: int) -> None:
     ax.set(xscale="log", xlabel="FLOPs (sampling + updates + mining)",
            ylabel=f"held-out pass@{k} (unguided)", title="hard problems, demo task")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))  # outside: curves fill the axes
     fig.tight_layout()
     fig.savefig(path, dpi=110)
