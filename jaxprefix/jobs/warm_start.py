@@ -70,14 +70,16 @@ def run_warm_start(policy, base_path: str, problems, out_dir: str, *, epochs: in
     steps_per_epoch = len(tokens) // batch_size
     n_params = model.config.num_params()
     flops, losses = 0.0, []
-    for _ in tqdm.trange(epochs * steps_per_epoch, desc="sft on oracle solutions"):
-        if not losses or len(losses) % steps_per_epoch == 0:
+    with tqdm.tqdm(total=epochs * steps_per_epoch, desc="sft on oracle solutions") as bar:
+        for _ in range(epochs):
             order = rng.permutation(len(tokens))
-        rows = order[(len(losses) % steps_per_epoch) * batch_size:][:batch_size]
-        loss = sft.train_step(model, optimizer, jnp.asarray(tokens[rows]),
-                              jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
-        losses.append(float(loss))
-        flops += update_flops(n_params, int(real[rows].sum()))
+            for step in range(steps_per_epoch):
+                rows = order[step * batch_size:(step + 1) * batch_size]
+                loss = sft.train_step(model, optimizer, jnp.asarray(tokens[rows]),
+                                      jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
+                losses.append(float(loss))
+                flops += update_flops(n_params, int(real[rows].sum()))
+                bar.update(1)
 
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(base_path):  # tokenizer files; the weights are replaced below
