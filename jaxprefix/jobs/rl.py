@@ -44,16 +44,20 @@ def check_method_settings(config) -> None:
     _schedule(config)  # raises naming the schedule field
 
 
+def contexts_per_problem(config, method: str) -> int:
+    """How many contexts `method` asks of each training problem (POPE's guided and plain copies,
+    PrefixRL's prefixed and plain ones, GRPO's one)."""
+    if method == "pope":
+        return config.pope.guided_copies + config.pope.unguided_copies
+    if method == "prefixrl":
+        return config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
+    return 1
+
+
 def contexts_per_step(config) -> int:
     """The contexts one step of the configured method samples (n times each)."""
-    problems = config.train.problems_per_step
-    if config.method == "pope":
-        p = config.pope
-        return problems * (p.guided_copies + p.unguided_copies) + p.easy_per_step
-    if config.method == "prefixrl":
-        return problems * (config.prefixrl.prefixes_per_problem
-                           + config.prefixrl.unprefixed_copies)
-    return problems
+    contexts = config.train.problems_per_step * contexts_per_problem(config, config.method)
+    return contexts + (config.pope.easy_per_step if config.method == "pope" else 0)
 
 
 def mined_artifacts(config) -> tuple[str, ...]:

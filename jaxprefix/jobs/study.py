@@ -12,7 +12,7 @@ from jaxprefix.jobs.evaluate import evaluate_unguided
 from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets
-from jaxprefix.jobs.rl import check_method_settings
+from jaxprefix.jobs.rl import check_method_settings, contexts_per_problem
 from jaxprefix.methods.isocompute import ComputeLedger
 
 
@@ -57,11 +57,7 @@ class Study:
         c.seed = config.seed if seed is None else seed
         c.model.path = base_dir(config, self.workdir)
         c.mining.dir = self.mining.dir
-        contexts = config.train.problems_per_step * (config.pope.guided_copies
-                                                     + config.pope.unguided_copies)
-        if method == "grpo":
-            c.train.problems_per_step = contexts
-        elif method == "prefixrl":
-            per_problem = config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
-            c.train.problems_per_step = max(1, contexts // per_problem)
+        contexts = config.train.problems_per_step * contexts_per_problem(config, "pope")
+        if method != "pope":
+            c.train.problems_per_step = max(1, contexts // contexts_per_problem(config, method))
         return c
