@@ -22,8 +22,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
-    c.model = ml_collections.ConfigDict(dict(source="sft", path="", dtype="float32",
-                                             system_prompt=""))
+    # param_dtype: the weights the optimizer updates and its moments (master copy); dtype: the
+    # compute dtype of the forward/backward and of the sampler's copy of the weights.
+    c.model = ml_collections.ConfigDict(dict(source="sft", path="", param_dtype="float32",
+                                             dtype="float32", system_prompt=""))
     # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
     c.sft = ml_collections.ConfigDict()
 
@@ -184,7 +186,10 @@ def paper(c: ml_collections.ConfigDict) -> None:
     The authors' settings (papers.md; unconfirmed as the paper's): lr 1e-6 cosine, grad clip 0.3,
     weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
     """
-    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507", dtype="bfloat16",
+    # f32 master weights, bf16 compute: an AdamW step of 1e-6 is below bf16's resolution (a bf16
+    # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
+    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
+                   param_dtype="float32", dtype="bfloat16",
                    system_prompt="Please reason step by step, and put your final answer "
                                  "within \\boxed{}.")
     c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",

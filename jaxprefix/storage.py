@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -154,9 +155,16 @@ def write_atomic(path, data: bytes | str) -> None:
             os.remove(tmp)
 
 
-def write_json(path, value, indent: int | None = 1) -> None:
-    """`value` as JSON, written with `write_atomic`."""
-    write_atomic(path, json.dumps(value, indent=indent))
+def write_json(path, value, indent: int | None = 1, **dumps_options) -> None:
+    """`value` as JSON (json.dumps options such as default=), written with `write_atomic`."""
+    write_atomic(path, json.dumps(value, indent=indent, **dumps_options))
+
+
+def write_figure(path, figure, **savefig_options) -> None:
+    """A matplotlib figure as a PNG file, written with `write_atomic`."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", **savefig_options)
+    write_atomic(path, buffer.getvalue())
 
 
 def makedirs(path) -> None:
