@@ -17,7 +17,7 @@ from jaxprefix import distributed
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
 
@@ -77,6 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
+    # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
+    c.export = ml_collections.ConfigDict(dict(dtype=""))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))

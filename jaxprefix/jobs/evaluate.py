@@ -8,7 +8,6 @@ the mined POPE prefixes when the workdir has them. Writes <workdir>/eval_report.
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from jaxprefix import evaluation, storage
