@@ -12,7 +12,9 @@ has none and is not mistaken for a model.
 """
 from __future__ import annotations
 
+import jax
 from absl import logging
+from flax import nnx
 
 from jaxprefix import distributed, models, storage
 
@@ -36,6 +38,12 @@ def run_export(config, workdir: str) -> str:
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)
     step = restore_trained_params(policy.model, workdir, config, mesh)
+    if jax.process_count() > 1:  # every host gathers the shards it lacks; process 0 writes
+        from jax.experimental import multihost_utils
+
+        params = nnx.state(policy.model, nnx.Param)
+        nnx.update(policy.model, jax.tree.map(
+            lambda x: multihost_utils.process_allgather(x, tiled=True), params))
     path = export_dir(workdir)
     if distributed.is_primary():
         models.save_pretrained(policy.model, None, path, dtype=dtype, tokenizer=policy.tokenizer)

@@ -296,6 +296,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             batch = dynamic_sampling.build_batch(
                 [c.rollouts for c in chunks], advantages, selection,
                 mask_truncated=config.train.get("mask_truncated", False))
+            del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
