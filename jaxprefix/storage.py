@@ -9,7 +9,8 @@ What differs on GCS, and how this module hides it:
 - No append and no rename: `write_atomic` writes a whole object in one upload, which GCS makes
   visible all at once or not at all; locally it writes a temporary file and renames it, so a
   reader never sees half a file and a killed writer leaves the old one. Files that grow (metrics)
-  are rewritten whole. `rename` on GCS is a server-side copy then a delete (not atomic).
+  are rewritten whole. `rename` on GCS is a server-side copy then a delete (not atomic);
+  `create_exclusive` (write only if absent) is atomic on both, for lock files.
 - No memory map: `local_copy` downloads a remote file once into the cache directory
   (`$JAXPREFIX_CACHE`, default ~/.cache/jaxprefix), keyed by path, size and modification time,
   for readers that need a real file (GGUF, safetensors). Local paths are returned unchanged.
@@ -153,6 +154,27 @@ def write_atomic(path, data: bytes | str) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def create_exclusive(path, data: bytes | str) -> bool:
+    """Writes `path` only if it does not exist yet; False (nothing written) if it does. Atomic
+    against a concurrent creator: O_EXCL locally, a generation-0 precondition on GCS (one of two
+    machines racing wins) — the building block of a lock file."""
+    data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    try:
+        if is_remote(path):
+            import fsspec  # epath has no exclusive mode; fsspec's pipe_file has (gcsfs sends
+            # ifGenerationMatch=0 with the upload and raises FileExistsError on 412)
+
+            filesystem, _ = fsspec.core.url_to_fs(str(path))
+            filesystem.pipe_file(str(path), data, mode="create")
+        else:
+            makedirs(dirname(path) or ".")
+            with builtins.open(path, "xb") as f:
+                f.write(data)
+    except FileExistsError:
+        return False
+    return True
 
 
 def write_json(path, value, indent: int | None = 1, **dumps_options) -> None:
