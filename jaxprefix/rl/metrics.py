@@ -68,14 +68,13 @@ class MetricsWriter:
             step = resume_step or 0
             self._lines = [line + "\n" for line in storage.read_text(self.path).splitlines()
                            if line.strip() and json.loads(line).get("step", 0) < step]
-        storage.write_atomic(self.path, "".join(self._lines))
         name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
                 f"{os.getpid()}.{next(_EVENT_FILES)}")
         self._events_path = storage.join(workdir, "tensorboard", name)
         self._events = io.BytesIO()
         self._records = RecordWriter(self._events)
         self._add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
-        self.flush()
+        self.flush()  # the kept records, and an event file TensorBoard already recognises
 
     def _add_event(self, event) -> None:
         self._records.write(event.SerializeToString())
