@@ -38,7 +38,8 @@ def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
                         top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids)
     return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
-                  verifier_timeout_s=config.rewards.timeout_s)
+                  verifier_timeout_s=config.rewards.timeout_s,
+                  verifier_max_chars=config.rewards.max_chars)
 
 
 class Mining:

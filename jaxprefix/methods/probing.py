@@ -49,7 +49,7 @@ class Prober:
 
     def __init__(self, model, tokenizer, spec: SamplingSpec, *, verifier: str,
                  ledger: ComputeLedger, rows_per_call: int = 1024, verifier_timeout_s: float = 10.0,
-                 progress: bool = True):
+                 verifier_max_chars: int = rewards.MAX_CHARS, progress: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
@@ -57,6 +57,7 @@ class Prober:
         self.ledger = ledger
         self.rows_per_call = rows_per_call
         self.verifier_timeout_s = verifier_timeout_s
+        self.verifier_max_chars = verifier_max_chars
         self.progress = progress
 
     def probe(self, contexts: Sequence, problems: Sequence[Problem], k: int, *, seed: int,
@@ -86,8 +87,9 @@ class Prober:
             texts = completion_texts(self.tokenizer, rollouts, prefixes)
             row_problems = [problems[start + g] for g in rollouts.group_ids]
             scores, stats = rewards.score_batch(self.verifier, texts, row_problems,
-                                                timeout_s=self.verifier_timeout_s)
-            failures += int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
+                                                timeout_s=self.verifier_timeout_s,
+                                                max_chars=self.verifier_max_chars)
+            failures += stats["timeouts"] + stats["errors"] + stats["too_long"]
             chunk_correct = np.asarray(scores).reshape(stop - start, k) > 0.5
             correct[start:stop] = chunk_correct
             self._record(rollouts, extra_compute)

@@ -115,6 +115,7 @@ class Scored:
     verifier_failures: int
     seconds_sampling: float
     seconds_reward: float
+    too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
@@ -139,10 +140,11 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
     problems = [request.problems[g] for g in rollouts.group_ids]
     scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
                                         timeout_s=config.rewards.timeout_s,
-                                        workers=config.rewards.workers or None)
+                                        workers=config.rewards.workers or None,
+                                        max_chars=config.rewards.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled)
+                  sampled - start, time.perf_counter() - sampled, stats["too_long"])
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
@@ -157,7 +159,8 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
     r = scored.rewards
     out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
-           "reward/verifier_failures": scored.verifier_failures}
+           "reward/verifier_failures": scored.verifier_failures,
+           "reward/too_long": scored.too_long}
     for name, values in scored.request.tags.items():
         values = np.asarray(values)
         if values.dtype != bool:
