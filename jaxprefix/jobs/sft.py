@@ -25,8 +25,9 @@ import optax
 import tqdm
 from flax import nnx
 
-from jaxprefix import models, sampling
+from jaxprefix import models, sampling, storage
 from jaxprefix.data.tasks import carry_multiplication as task
+from jaxprefix.errors import ConfigError
 
 REPORT = "sft_report.json"
 TOKENIZER = "task_tokenizer.json"
@@ -157,8 +158,9 @@ def run_sft(config, workdir: str) -> str:
         with open(report_path) as f:
             saved = json.load(f)["config"]
         if saved != json.loads(json.dumps(settings)):
-            raise ValueError(f"{report_path}: a base model trained with another SFT config is "
-                             f"already there; remove {path} or use another --workdir")
+            raise ConfigError(f"{report_path}: a base model trained with another SFT config is "
+                              f"already there; expected the same config.sft, or remove {path}, "
+                              f"or use another --workdir")
         return path
 
     tokenizer = task.tokenizer()
@@ -212,9 +214,15 @@ def run_sft(config, workdir: str) -> str:
     report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
               "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
               "seconds": round(time.time() - start, 1), "config": settings}
-    with open(report_path, "w") as f:
-        json.dump(report, f, indent=1)
+    # Written last and atomically: its presence marks a whole base (is_complete), so a run
+    # killed while saving trains the base again instead of loading half of it.
+    storage.write_json(report_path, report)
     return path
+
+
+def is_complete(path: str) -> bool:
+    """A base directory run_sft finished writing (its report is written last)."""
+    return storage.exists(storage.join(path, REPORT))
 
 
 def _closer(metrics: dict, best: dict, criterion) -> bool:
@@ -225,9 +233,14 @@ def _closer(metrics: dict, best: dict, criterion) -> bool:
 
 def load_base(path: str):
     """(model, tokenizer) of a base directory written by run_sft."""
+    model, _ = models.from_pretrained(path)
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str):
+    """The character tokenizer of a base directory written by run_sft."""
     from jaxprefix.tokenizers import CharTokenizer
 
     with open(os.path.join(path, TOKENIZER)) as f:
         vocab = json.load(f)
-    model, _ = models.from_pretrained(path)
-    return model, CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])
+    return CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])

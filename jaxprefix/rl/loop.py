@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
+from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
@@ -235,9 +236,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-    start = ckpt.latest_step()
-    if start is not None:
-        arrays, meta = ckpt.restore(_state_arrays(state))
+    restored = recovery.restore_newest(ckpt, _state_arrays(state))  # a corrupt one: the one before
+    if restored is not None:
+        _, arrays, meta = restored
         state = TrainState(**arrays)
         method.restore(meta["method"])
         totals.update(meta["totals"])
@@ -354,10 +355,11 @@ def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None
     """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
     or None (model untouched) when the workdir has no checkpoint."""
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-    step = ckpt.latest_step()
-    if step is not None:
+    step = None
+    if ckpt.latest_step() is not None:
         learner = Learner(model, train_config(config), mesh)
-        arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
+        step, arrays, _ = recovery.restore_newest(ckpt, _state_arrays(learner.init_state()),
+                                                  move_aside=False)
         nnx.update(model, arrays["params"])
     ckpt.close()
     return step
