@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import traceback
 
 
 class UserError(Exception):
@@ -78,6 +79,16 @@ def check_free_space(path: str, needed: int) -> None:
         raise DiskFull(path, needed, free)
 
 
+def _importer(error: BaseException) -> str:
+    """'jaxprefix/data/files.py:161', the deepest frame of ours in the error's traceback."""
+    ours = [frame for frame in traceback.extract_tb(error.__traceback__)
+            if f"{os.sep}jaxprefix{os.sep}" in frame.filename]
+    if not ours:
+        return "the configured run"
+    path = ours[-1].filename
+    return f"{path[path.rindex(os.sep + 'jaxprefix' + os.sep) + 1:]}:{ours[-1].lineno}"
+
+
 def one_line(error: BaseException) -> str | None:
     """The line main prints for an anticipated failure, or None for a bug (keep the traceback)."""
     if isinstance(error, UserError):
@@ -90,8 +101,8 @@ def one_line(error: BaseException) -> str | None:
     elif isinstance(error, ModuleNotFoundError) and error.name and \
             not error.name.startswith("jaxprefix"):
         top = error.name.split(".")[0]
-        text = (f"missing package: {top} is not installed (pip install "
-                f"{_PIP_NAMES.get(top, top)}); the configured run needs it")
+        text = (f"missing package: {top} is not installed, and {_importer(error)} needs it for "
+                f"the configured run; expected it installed: pip install {_PIP_NAMES.get(top, top)}")
     else:
         return None
     first = text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -78,6 +78,10 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def _exit_with(line: str, status: int):
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):  # an open bar would share the error's line
+        bar.close()
     sys.stderr.write(line + "\n")
     sys.exit(status)
 

@@ -15,6 +15,7 @@ naming the array and both shapes, and nothing is moved.
 from __future__ import annotations
 
 import datetime
+import sys
 
 import jax
 from absl import logging
@@ -37,6 +38,7 @@ def restore_newest(ckpt, like, *, move_aside: bool = True):
         try:
             arrays, meta = ckpt.restore(like, step)
         except Exception as e:  # noqa: BLE001  (tensorstore, orbax and JSON errors alike)
+            _quiet_orphaned_callbacks()
             reason = _first_line(e)
             where = _move_aside(ckpt, step) if move_aside else None
             logging.error("checkpoint step %d at %s does not restore (%s)%s; trying the one "
@@ -91,6 +93,23 @@ def _named_leaves(tree):
         return str(entry)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return [("/".join(token(e) for e in path), leaf) for path, leaf in flat]
+
+
+def _quiet_orphaned_callbacks() -> None:
+    """A failed orbax restore leaves tensorstore futures whose callbacks reach that restore's
+    closed asyncio loop later, each printing a harmless 'RuntimeError: Event loop is closed'
+    traceback (dozens, after the run has moved on). Those exact ones are dropped."""
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orphaned_callbacks", False):
+        return
+
+    def hook(unraisable):
+        error = unraisable.exc_value
+        if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+            previous(unraisable)
+
+    hook.drops_orphaned_callbacks = True
+    sys.unraisablehook = hook
 
 
 def _first_line(error: BaseException) -> str:

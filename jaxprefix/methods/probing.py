@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxprefix import rewards, sampling
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl import boundaries
 from jaxprefix.rl.loop import completion_texts
 
 
@@ -79,6 +80,7 @@ class Prober:
         for chunk_index, start in enumerate(tqdm(chunks, desc=description, unit="chunk",
                                                  disable=not self.progress, leave=False)):
             stop = min(start + per_call, len(contexts))
+            boundaries.check_contexts(contexts[start:stop], vocab_size=self.model.config.vocab_size)
             rollouts = sampling.generate(
                 self.model, list(contexts[start:stop]), n=k, max_new_tokens=self.spec.max_new_tokens,
                 temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.rl import dynamic_sampling, objectives
+from jaxprefix.rl import boundaries, dynamic_sampling, objectives
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
 
@@ -133,9 +133,11 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
                      stop_ids: Sequence[int]) -> Scored:
     r = config.rollout
     start = time.perf_counter()
+    boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     rollouts = sampling.generate(model, request.contexts, n=request.n,
                                  max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                  top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed)
+    boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
@@ -284,6 +286,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
+            boundaries.check_batch(batch)
             state, update_metrics = learner.update(state, batch)
             update_metrics = distributed.to_host(update_metrics)
             update_seconds = time.perf_counter() - update_start
