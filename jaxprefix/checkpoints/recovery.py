@@ -31,6 +31,7 @@ def restore_newest(ckpt, like, *, move_aside: bool = True):
     """(step, arrays, meta) of the newest checkpoint of `ckpt` that restores onto `like`, or
     None when there is no checkpoint. With `move_aside=False` (readers such as the eval job,
     which must not rearrange a workdir a run may own) failing steps are only skipped."""
+    _quiet_orphaned_callbacks()
     failed = []
     for step in sorted(ckpt.all_steps(), reverse=True):
         path = storage.join(ckpt.directory, str(step))
@@ -38,7 +39,6 @@ def restore_newest(ckpt, like, *, move_aside: bool = True):
         try:
             arrays, meta = ckpt.restore(like, step)
         except Exception as e:  # noqa: BLE001  (tensorstore, orbax and JSON errors alike)
-            _quiet_orphaned_callbacks()
             reason = _first_line(e)
             where = _move_aside(ckpt, step) if move_aside else None
             logging.error("checkpoint step %d at %s does not restore (%s)%s; trying the one "
@@ -97,8 +97,8 @@ def _named_leaves(tree):
 
 def _quiet_orphaned_callbacks() -> None:
     """A failed orbax restore leaves tensorstore futures whose callbacks reach that restore's
-    closed asyncio loop later, each printing a harmless 'RuntimeError: Event loop is closed'
-    traceback (dozens, after the run has moved on). Those exact ones are dropped."""
+    closed asyncio loop, each printing a harmless 'RuntimeError: Event loop is closed' traceback
+    (dozens, around the one error that matters). Those exact ones are dropped."""
     previous = sys.unraisablehook
     if getattr(previous, "drops_orphaned_callbacks", False):
         return

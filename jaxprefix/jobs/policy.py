@@ -121,9 +121,7 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
 
             hf = read_gguf_config(path)
         tokenizer = tokenizers.load(path)
-    except FileNotFoundError as e:
-        raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
-    except ValueError as e:
+    except (FileNotFoundError, ValueError) as e:  # what the readers say, naming the file
         raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
     prompts = ChatPrompts(tokenizer, config.model.get("system_prompt") or None)
     return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)))

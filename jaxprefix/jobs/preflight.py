@@ -35,15 +35,14 @@ def check(config, workdir: str) -> None:
 
 def _read_problem_files(data) -> None:
     """Every record of the configured problem files (DataError naming file, line and field)."""
-    if data.source != "file":
+    if data.source != "file" or data.get("skip_invalid", False):  # nothing to fail on early
         return
     from jaxprefix.data import read_problem_file
 
     for path in (data.path, data.eval_path):
         if path:
             read_problem_file(path, question_field=data.question_field,
-                              answer_field=data.answer_field, solution_field=data.solution_field,
-                              skip_invalid=bool(data.get("skip_invalid", False)))
+                              answer_field=data.answer_field, solution_field=data.solution_field)
 
 
 def _as_config_error(check_fn, *args) -> None:
