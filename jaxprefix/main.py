@@ -4,9 +4,10 @@
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
-`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo); each is one function in
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, export); each is one function in
 jaxprefix/jobs/ that tests call directly. Without --workdir a run writes to runs/<config>-<variant>.
-Running the same command again in the same workdir resumes from the last checkpoint.
+Running the same command again in the same workdir resumes from the last checkpoint. The workdir
+and every path field may be local or gs:// (jaxprefix.storage).
 
 An anticipated failure (bad config field, data file, model, checkpoint, a workdir held by another
 run, a full disk, a missing package) prints one line, `error: <what>, <where>, <expected>`, and
@@ -39,6 +40,7 @@ JOBS = {
     "fit": ("isocompute", "run_fit"),
     "demo": ("demo", "run_demo"),
     "results": ("results", "run_results"),
+    "export": ("export", "run_export"),
 }
 
 READ_ONLY_JOBS = ("eval", "fit")  # they write their report, never checkpoints or metrics
@@ -55,6 +57,20 @@ class _OnlyOurInfo:
 
     def filter(self, record) -> bool:
         return record.levelno >= std_logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
+
+
+def remote_paths(config, workdir: str) -> list[str]:
+    """The workdir and every config string that is a URL (gs://...): what needs a storage backend."""
+    found = [workdir]
+
+    def visit(value):
+        if isinstance(value, str):
+            found.append(value)
+        elif hasattr(value, "items"):
+            for item in value.values():
+                visit(item)
+    visit(config)
+    return [p for p in found if "://" in p]
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -93,11 +109,16 @@ def main(argv):
     config = _CONFIG.value
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed, errors
+    from jaxprefix import distributed, errors, storage
 
     try:
-        distributed.initialize(config.distributed)
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+        for path in remote_paths(config, workdir):  # a missing client package or bucket
+            try:
+                storage.require_backend(path)
+            except ValueError as e:
+                raise errors.ConfigError(str(e)) from None
+        distributed.initialize(config.distributed)
         logging.info("job %s, workdir %s", config.job, workdir)
         from jaxprefix.jobs import preflight
 

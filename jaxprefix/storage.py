@@ -9,7 +9,8 @@ What differs on GCS, and how this module hides it:
 - No append and no rename: `write_atomic` writes a whole object in one upload, which GCS makes
   visible all at once or not at all; locally it writes a temporary file and renames it, so a
   reader never sees half a file and a killed writer leaves the old one. Files that grow (metrics)
-  are rewritten whole. `rename` on GCS is a server-side copy then a delete (not atomic).
+  are rewritten whole. `rename` on GCS is a server-side copy then a delete (not atomic);
+  `create_exclusive` (write only if absent) is atomic on both, for lock files.
 - No memory map: `local_copy` downloads a remote file once into the cache directory
   (`$JAXPREFIX_CACHE`, default ~/.cache/jaxprefix), keyed by path, size and modification time,
   for readers that need a real file (GGUF, safetensors). Local paths are returned unchanged.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import builtins
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -154,9 +156,37 @@ def write_atomic(path, data: bytes | str) -> None:
             os.remove(tmp)
 
 
-def write_json(path, value, indent: int | None = 1) -> None:
-    """`value` as JSON, written with `write_atomic`."""
-    write_atomic(path, json.dumps(value, indent=indent))
+def create_exclusive(path, data: bytes | str) -> bool:
+    """Writes `path` only if it does not exist yet; False (nothing written) if it does. Atomic
+    against a concurrent creator: O_EXCL locally, a generation-0 precondition on GCS (one of two
+    machines racing wins) — the building block of a lock file."""
+    data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    try:
+        if is_remote(path):
+            import fsspec  # epath has no exclusive mode; fsspec's pipe_file has (gcsfs sends
+            # ifGenerationMatch=0 with the upload and raises FileExistsError on 412)
+
+            filesystem, _ = fsspec.core.url_to_fs(str(path))
+            filesystem.pipe_file(str(path), data, mode="create")
+        else:
+            makedirs(dirname(path) or ".")
+            with builtins.open(path, "xb") as f:
+                f.write(data)
+    except FileExistsError:
+        return False
+    return True
+
+
+def write_json(path, value, indent: int | None = 1, **dumps_options) -> None:
+    """`value` as JSON (json.dumps options such as default=), written with `write_atomic`."""
+    write_atomic(path, json.dumps(value, indent=indent, **dumps_options))
+
+
+def write_figure(path, figure, **savefig_options) -> None:
+    """A matplotlib figure as a PNG file, written with `write_atomic`."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", **savefig_options)
+    write_atomic(path, buffer.getvalue())
 
 
 def makedirs(path) -> None:

@@ -15,8 +15,9 @@ While it runs, os.environ points the clients at it, so subprocesses started then
 
 Chosen over the pure-Python gcp-storage-emulator after trying both with gcsfs, epath and orbax:
 both serve uploads, listings and tensorstore's writes, but gcp-storage-emulator answers gcsfs's
-objects.moveTo with 501, which gcsfs retries for ~30 s before its copy-and-delete fallback, and it
-ignores generation preconditions; fake-gcs-server answers at once and honours them.
+objects.moveTo with 501, which gcsfs retries for ~30 s before its copy-and-delete fallback;
+fake-gcs-server answers at once (400, then the same fallback). fake-gcs-server honours
+ifGenerationMatch=0 on multipart uploads (storage.create_exclusive) but not on uploadType=media.
 """
 from __future__ import annotations
 

@@ -45,6 +45,15 @@ def test_open_for_writing_and_appending_lines(root):
         assert f.read() == "one\n"
 
 
+def test_create_exclusive_writes_once(root):
+    path = storage.join(root, "lock")
+    assert storage.create_exclusive(path, "first")
+    assert not storage.create_exclusive(path, "second")
+    assert storage.read_text(path) == "first"
+    storage.remove(path)
+    assert storage.create_exclusive(path, b"third") and storage.read_text(path) == "third"
+
+
 def test_write_atomic_leaves_no_temporary_file(tmp_path):
     path = str(tmp_path / "d" / "f.bin")
     storage.write_atomic(path, b"1" * 1000)

@@ -18,6 +18,8 @@ import numpy as np
 import gguf
 from gguf.quants import dequantize
 
+from jaxprefix import storage
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 BUNDLED_SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -65,16 +67,17 @@ class _Reader(gguf.GGUFReader):
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     """A reader for `path`, after checking that it is a complete GGUF file."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
+    local = storage.local_copy(path)  # the reader memory-maps a real file
     try:
-        reader = _Reader(path)
+        reader = _Reader(local)
     except _TensorDataCut as e:
-        size = os.path.getsize(path)
+        size = os.path.getsize(local)
         raise ValueError(f"{path}: truncated GGUF file: the header is whole but the tensor data is "
                          f"cut, {size} of {e.needed} bytes; expected the whole file (copy or "
                          f"download it again)") from None
@@ -196,16 +199,17 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
-def from_gguf(path: str | os.PathLike, dtype=None, *, mesh=None):
-    """(model, config) from a llama-architecture GGUF file (see hf.load_hf_state); dtype defaults
-    to float32, and with `mesh` every parameter is placed with its target sharding."""
+def from_gguf(path: str | os.PathLike, dtype=None, *, param_dtype=None, mesh=None):
+    """(model, config) from a llama-architecture GGUF file (see hf.load_hf_state for the dtypes);
+    dtype defaults to float32, and with `mesh` every parameter is placed with its target
+    sharding."""
     # Imported here so that reading GGUF files (tokenizers do) does not pull in jax and the model.
     import jax.numpy as jnp
     from jaxprefix.models import load_hf_state  # (models first: it imports checkpoints.hf)
 
     hf_config, tensors = read_gguf(path)
-    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype, mesh=mesh,
-                         source=os.fspath(path))
+    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype,
+                         param_dtype=param_dtype, mesh=mesh, source=os.fspath(path))
 
 
 def bundled_smollm2_path() -> str:

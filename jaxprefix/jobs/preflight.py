@@ -1,15 +1,14 @@
 """Validate before work: a bad input fails in seconds, with one line, and nothing written.
 
 `check(config, workdir)` reads and checks what the job will read, before any SFT, model load or
-compile: the config fields the job uses, the storage backends of its paths, the model directory
-(config.json, tensor index, every safetensors header and size) or GGUF file (header, tensor data
-length), the tokenizer, every record of the problem files and every prompt's length against the
-model's context, and the verifier. It writes nothing: main calls it before it locks the workdir.
-Every failure is a UserError, which main prints as one line.
+compile: the config fields the job uses, the model directory (config.json, tensor index, every
+safetensors header and size) or GGUF file (header, tensor data length), the tokenizer, every
+record of the problem files and every prompt's length against the model's context, and the
+verifier (main has checked the storage backends of every gs:// path first). It writes nothing:
+main calls it before it locks the workdir. Every failure is a UserError, one line from main.
 """
 from __future__ import annotations
 
-from jaxprefix import storage
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep")
@@ -59,14 +58,6 @@ def _check_settings(config, workdir: str) -> None:
     from jaxprefix.jobs.rl import check_method_settings, contexts_per_step
     from jaxprefix.rl import loop
 
-    for field, path in (("--workdir", workdir), ("config.model.path", config.model.get("path")),
-                        ("config.data.path", config.data.get("path")),
-                        ("config.data.eval_path", config.data.get("eval_path"))):
-        if path and path != "bundled":
-            try:
-                storage.require_backend(path)
-            except ValueError as e:
-                raise ConfigError(f"{field}: {e}") from None
     r = config.rewards
     if not r.timeout_s > 0:
         raise ConfigError(f"config.rewards.timeout_s={r.timeout_s!r}: expected > 0 seconds")
