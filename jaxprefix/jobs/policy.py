@@ -107,10 +107,9 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
     if source not in SOURCES:
         raise ConfigError(f"config.model.source={source!r}: expected one of {SOURCES}")
     try:
-        jnp.dtype(config.model.get("dtype", "float32"))
-    except TypeError:
-        raise ConfigError(f"config.model.dtype={config.model.dtype!r}: expected a dtype name "
-                          "such as 'float32' or 'bfloat16'") from None
+        model_dtypes(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if source == "sft":
         from jaxprefix.data.tasks import carry_multiplication as task
         from jaxprefix.jobs import sft

@@ -68,35 +68,38 @@ def load_problem_sets(data, limit: PromptLimit | None = None) -> ProblemSets:
     if limit is None:
         return sets
     skip = bool(data.get("skip_invalid", False))
-    kept, too_long = {}, []
+    kept, skipped = {}, []
     for name in ("train", "eval", "easy"):
         kept[name] = []
         for problem in getattr(sets, name):
             problem_where = where.get(problem.id, f"{data.source} problem {problem.id}")
-            length = _prompt_tokens(limit, problem, problem_where)
-            if length <= limit.max_tokens:
+            problem_error = _prompt_error(limit, problem, problem_where)
+            if problem_error is None:
                 kept[name].append(problem)
-                continue
-            message = (f"{problem_where}: a prompt of {length} tokens, longer than "
-                       f"{limit.max_tokens} ({limit.why}); expected shorter questions, or "
-                       f"data.skip_invalid=True to skip such problems (counted)")
-            if not skip:
-                raise DataError(message)
-            too_long.append(message)
-    if too_long:
-        logging.warning("skipped %d problems whose prompts are too long; first: %s",
-                        len(too_long), too_long[0])
+            elif skip:
+                skipped.append(problem_error)
+            else:
+                raise DataError(problem_error + "; or data.skip_invalid=True to skip such "
+                                                "problems (counted)")
+    if skipped:
+        logging.warning("skipped %d problems whose prompts the policy cannot take; first: %s",
+                        len(skipped), skipped[0])
     if not kept["train"] and sets.train:
-        raise DataError(f"every training problem was skipped as too long; first: {too_long[0]}")
-    return dataclasses.replace(sets, **kept, skipped=len(too_long))
+        raise DataError(f"every training problem was skipped; first: {skipped[0]}")
+    return dataclasses.replace(sets, **kept, skipped=len(skipped))
 
 
-def _prompt_tokens(limit: PromptLimit, problem: Problem, where: str) -> int:
+def _prompt_error(limit: PromptLimit, problem: Problem, where: str) -> str | None:
+    """Why the policy cannot take this problem's prompt, or None."""
     try:
-        return len(limit.prompts.question(problem))
+        length = len(limit.prompts.question(problem))
     except ValueError as e:  # a character the tokenizer has no token for (built-in tasks)
-        raise DataError(f"{where}: the question cannot be tokenized ({e}); expected text the "
-                        f"policy's tokenizer reads") from None
+        return (f"{where}: the question cannot be tokenized ({e}); expected text the policy's "
+                f"tokenizer reads")
+    if length > limit.max_tokens:
+        return (f"{where}: a prompt of {length} tokens, longer than {limit.max_tokens} "
+                f"({limit.why}); expected shorter questions")
+    return None
 
 
 def _load(data, where: dict) -> ProblemSets:
