@@ -2,8 +2,8 @@
 
 Two runs in one workdir interleave their metrics and write the same orbax temporary directory,
 which orbax deletes when it finds one: one run can destroy the other's checkpoint. So a run
-holds `<workdir>/lock.json` while it runs, a record of its owner (host, pid, start, command,
-heartbeat):
+holds `<workdir>/lock.json` while it runs, a record of its owner (host, pid, start, command;
+on gs:// a heartbeat time too):
 - locally, under an flock: the kernel drops it when the process dies, however it dies, so a
   lock file left by a killed run is free and is taken over (with a message naming that run);
 - on gs://, as an object created with a generation precondition (ifGenerationMatch=0: of two
@@ -48,17 +48,18 @@ def _now() -> float:
 def _owner() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)[:500], "heartbeat": _now()}
+            "command": " ".join(sys.argv)[:500]}
 
 
 def _describe(owner: dict) -> str:
-    age = _now() - float(owner.get("heartbeat", 0))
+    beat = (f"last heartbeat {(_now() - float(owner['heartbeat'])) / 60:.1f} min ago, "
+            if "heartbeat" in owner else "")
     return (f"host {owner.get('host')} pid {owner.get('pid')}, started {owner.get('started')}, "
-            f"last heartbeat {age / 60:.1f} min ago, command: {owner.get('command')}")
+            f"{beat}command: {owner.get('command')}")
 
 
 def _dead_here(owner: dict) -> bool:
-    """The owner ran on this host and its process is gone (or is this one, restarted)."""
+    """The owner ran on this host and its process is gone (a preempted VM restarting)."""
     if owner.get("host") != socket.gethostname():
         return False
     try:

@@ -214,23 +214,21 @@ def test_boundary_checks_name_the_array_that_is_off():
 
 # --- the SFT base: a save cut short is redone, not loaded -------------------------------------
 
-def test_sft_base_killed_mid_save_is_trained_again_not_loaded(tmp_path):
+def test_sft_base_whose_save_was_cut_short_is_trained_again_not_loaded(tmp_path):
     from jaxprefix.jobs import policy as policy_job, sft
 
     config = run_config.method_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo", "smoke")[0]
     config.sft.update(max_steps=2, eval_start=2, eval_every=2)  # an SFT of seconds
     workdir = tmp_path / "w"
     base = workdir / "base"
-    # What a run killed inside save_pretrained leaves: config.json first, then part of the
-    # weights, no report (written last).
-    base.mkdir(parents=True)
-    sft_config = config.sft
-    tokenizer = policy_job.check_policy_inputs(config, str(workdir)).tokenizer
-    (base / "config.json").write_text(json.dumps(sft.model_config(sft_config, tokenizer).to_hf()))
-    (base / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
-    assert not sft.is_complete(str(base))
+    # The weights cannot be written (a directory stands in their way): the save stops there, as
+    # a kill or a full disk would stop it.
+    (base / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(OSError):
+        policy_job.load_policy(config, str(workdir))
+    assert not sft.is_complete(str(base))  # config.json comes last; it used to come first
 
+    (base / "model.safetensors").rmdir()
     loaded = policy_job.load_policy(config, str(workdir))  # used to load the half-written base
-    assert sft.is_complete(str(base))
-    assert loaded.model.config.num_params() > 0
+    assert sft.is_complete(str(base)) and (base / sft.REPORT).exists()
     assert os.path.getsize(base / "model.safetensors") > 4 * loaded.model.config.num_params()

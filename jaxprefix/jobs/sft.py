@@ -212,15 +212,14 @@ def run_sft(config, workdir: str) -> str:
     report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
               "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
               "seconds": round(time.time() - start, 1), "config": settings}
-    # Written last and atomically: its presence marks a whole base (is_complete), so a run
-    # killed while saving trains the base again instead of loading half of it.
     storage.write_json(report_path, report)
     return path
 
 
 def is_complete(path: str) -> bool:
-    """A base directory run_sft finished writing (its report is written last)."""
-    return storage.exists(storage.join(path, REPORT))
+    """A whole base directory: save_pretrained writes config.json last, so a save cut short
+    (a kill, a full disk) leaves none, and the base is trained again instead of half loaded."""
+    return storage.exists(storage.join(path, "config.json"))
 
 
 def _closer(metrics: dict, best: dict, criterion) -> bool:
