@@ -231,4 +231,8 @@ def test_sft_base_whose_save_was_cut_short_is_trained_again_not_loaded(tmp_path)
     (base / "model.safetensors").rmdir()
     loaded = policy_job.load_policy(config, str(workdir))  # used to load the half-written base
     assert sft.is_complete(str(base)) and (base / sft.REPORT).exists()
-    assert os.path.getsize(base / "model.safetensors") > 4 * loaded.model.config.num_params()
+    weights = (base / "model.safetensors").read_bytes()
+    assert len(weights) > 4 * loaded.model.config.num_params()
+    # A base cut short by an older jaxprefix (config.json first, weights cut) is not whole either.
+    (base / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    assert not sft.is_complete(str(base))

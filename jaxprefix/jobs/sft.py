@@ -217,9 +217,18 @@ def run_sft(config, workdir: str) -> str:
 
 
 def is_complete(path: str) -> bool:
-    """A whole base directory: save_pretrained writes config.json last, so a save cut short
-    (a kill, a full disk) leaves none, and the base is trained again instead of half loaded."""
-    return storage.exists(storage.join(path, "config.json"))
+    """A whole base directory, else it is trained again instead of half loaded: save_pretrained
+    writes config.json last, so a save cut short (a kill, a full disk) leaves none; the weights'
+    headers and sizes are checked too (older jaxprefix wrote config.json first)."""
+    from jaxprefix.checkpoints import hf
+
+    if not storage.exists(storage.join(path, "config.json")):
+        return False
+    try:
+        hf.read_hf_tensors(path)  # headers and sizes; the tensors are memory-mapped, not read
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _closer(metrics: dict, best: dict, criterion) -> bool:
