@@ -20,6 +20,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
+    # Resuming refuses a change to a field that alters the run (run_identity.py) unless it is
+    # listed here: 'train.learning_rate,rollout.n' (a block name covers its fields).
+    c.allow_changes = ""
 
     # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
     # param_dtype: the weights the optimizer updates and its moments (master copy); dtype: the
@@ -34,7 +37,11 @@ def base_config() -> ml_collections.ConfigDict:
         source="carry_multiplication", task="", path="", eval_path="", question_field="question",
         solution_field="solution", answer_field="answer", verifier="math", train_size=256,
         eval_size=128, seed=1, eval_seed=2, digits=(20, 20), multipliers=(6, 9), easy_size=0,
-        easy_digits=(1, 10)))
+        easy_digits=(1, 10),
+        # Bad records and over-long prompts: refused (one line naming file and line), or skipped
+        # and counted with skip_invalid. Prompts must fit the model's context less
+        # rollout.max_new_tokens, and max_prompt_tokens when set (0: no cap of its own).
+        skip_invalid=False, max_prompt_tokens=0))
 
     # Sampling of training rollouts (and of mining, at the same settings).
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
@@ -80,8 +87,12 @@ def base_config() -> ml_collections.ConfigDict:
     # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
     c.export = ml_collections.ConfigDict(dict(dtype=""))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
-    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
+    # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
+    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
+    # is taken over.
+    c.workdir_lock = ml_collections.ConfigDict(dict(stale_minutes=10.0, heartbeat_s=60.0))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
         budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",

@@ -8,6 +8,7 @@ are marked slow (`pytest -m slow tests/test_jobs.py`).
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,19 @@ def base(tmp_path_factory):
     assert {"config.json", "model.safetensors", "task_tokenizer.json",
             "sft_report.json"} <= set(os.listdir(path))
     return str(path)
+
+
+def run_main_failing(config: str, workdir, *flags, timeout: int = 900):
+    """A run expected to stop on an anticipated failure: (exit status, its stderr lines other
+    than absl's log lines and progress bars)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "jaxprefix.main", f"--config={config}",
+                             f"--workdir={workdir}", *flags], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode != 0, "expected a failure"
+    lines = [line for line in result.stderr.replace("\r", "\n").splitlines()
+             if line.strip() and not re.match(r"[IWEF]\d{4} ", line) and "%|" not in line]
+    return result.returncode, lines
 
 
 def rl_run(config: str, workdir, base: str, *flags):
@@ -106,6 +120,15 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     assert ledger["rollouts"] == 3 * PROBLEMS_PER_STEP * N  # continued, not restarted
     assert records[2]["tokens/sampled_total"] == sum(r["tokens/sampled"] for r in records)
 
+    # Resuming under another learning rate used to continue silently, a different experiment.
+    status, lines = run_main_failing("configs/grpo.py:smoke", workdir, f"--config.model.path={base}",
+                                     "--config.train.total_steps=4",
+                                     "--config.train.learning_rate=3e-4")
+    assert status == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {workdir} was made by another config") and \
+        "train.learning_rate: 0.0001 -> 0.0003" in lines[0]
+    assert read_metrics(workdir)[-1]["step"] == 3  # nothing ran
+
 
 def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     """A preempted job (TPU maintenance, `timeout`) saves its step and exits 143, so a pipeline
@@ -122,6 +145,13 @@ def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     while not (metrics.exists() and metrics.read_text().strip()):
         assert process.poll() is None and time.time() < deadline, "no step was logged"
         time.sleep(0.5)
+    # A second run on the workdir used to interleave its steps with the first one's.
+    status, lines = run_main_failing("configs/grpo.py:smoke", workdir, f"--config.model.path={base}",
+                                     "--config.train.total_steps=100000",
+                                     "--config.checkpoint.every=100000")
+    assert status == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {os.path.abspath(workdir)} is in use by another run") \
+        and f"pid {process.pid}," in lines[0]
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 143, stderr[-2000:]
@@ -129,6 +159,45 @@ def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     last = read_metrics(str(workdir))[-1]["step"]
     assert TrainCheckpointer(str(workdir / "checkpoints")).latest_step() == last
     assert not (workdir / "compute.json").exists()  # written only by a finished run
+
+
+def test_misspelt_config_field_is_one_line(tmp_path):
+    status, lines = run_main_failing("configs/grpo.py:smoke", tmp_path / "w",
+                                     "--config.train.learnin_rate=1e-3")
+    assert status == 2 and lines == [
+        "error: --config.train.learnin_rate=1e-3: no such config field 'learnin_rate'; expected a "
+        "field of the config file (did you mean 'learning_rate'?)"]
+
+
+def test_malformed_data_file_fails_in_seconds_before_sft_writing_nothing(tmp_path):
+    # No --config.model.path: a run that got past the data would train its SFT base first.
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text('{"question": "2+2?", "answer": "4"}\n{"question": "3+3?", "answer": \n')
+    workdir = tmp_path / "w"
+    started = time.monotonic()
+    status, lines = run_main_failing("configs/grpo.py:smoke", workdir, "--config.data.source=file",
+                                     f"--config.data.path={bad}", "--config.data.verifier=math")
+    seconds = time.monotonic() - started
+    assert status == 1 and lines == [
+        f"error: {bad}:line 2: malformed JSON: Expecting value at column 1"], lines
+    assert seconds < 10, f"{seconds:.1f} s"  # the issue's bound, interpreter start included
+    assert not workdir.exists()
+
+
+def test_disk_full_names_the_path_and_the_bytes(base, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs is not allowed here")
+    try:
+        status, lines = run_main_failing("configs/grpo.py:smoke", disk / "run",
+                                         f"--config.model.path={base}")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert status == 1 and len(lines) == 1, lines
+    assert re.fullmatch(rf"error: disk full: {disk}/run/checkpoints needs [0-9.]+ MiB, [0-9.]+ "
+                        rf"KiB free there; free space or use another --workdir", lines[0]), lines
 
 
 def test_pope_smoke(pope_run):

@@ -42,6 +42,28 @@ _BLOCK_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+class _TensorDataCut(Exception):
+    def __init__(self, needed: int):
+        super().__init__(needed)
+        self.needed = needed
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that tells a cut in the tensor data from a cut in the header: it builds the
+    tensors (views of the mapped file) only after the whole header has been read."""
+
+    def _build_tensors(self, start_offs, fields):
+        needed = start_offs
+        for field in fields:
+            _, _, _, dims, raw_dtype, offset = field.parts
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+            n_bytes = int(np.prod(dims)) * type_size // block_size
+            needed = max(needed, int(start_offs + offset[0]) + n_bytes)
+        if needed > len(self.data):
+            raise _TensorDataCut(needed)
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     """A reader for `path`, after checking that it is a complete GGUF file."""
     path = os.fspath(path)
@@ -53,15 +75,15 @@ def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
         raise ValueError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
     local = storage.local_copy(path)  # the reader memory-maps a real file
     try:
-        reader = gguf.GGUFReader(local)
+        reader = _Reader(local)
+    except _TensorDataCut as e:
+        size = os.path.getsize(local)
+        raise ValueError(f"{path}: truncated GGUF file: the header is whole but the tensor data is "
+                         f"cut, {size} of {e.needed} bytes; expected the whole file (copy or "
+                         f"download it again)") from None
     except Exception as e:  # the reader fails in many ways on a cut-off header
         raise ValueError(
             f"{path}: unreadable GGUF header, the file is truncated or corrupt ({e})") from e
-    size = os.path.getsize(local)
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise ValueError(
-            f"{path}: truncated GGUF file, tensor data needs {end} bytes but the file has {size}")
     return reader
 
 

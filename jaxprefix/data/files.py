@@ -44,6 +44,7 @@ class LoadReport:
     path: str
     problems: list[Problem]
     skipped: list[str]
+    locations: list[str] = dataclasses.field(default_factory=list)  # per problem: 'line 7'
 
 
 class RecordError(Exception):
@@ -80,7 +81,7 @@ def read_problem_file(
     fields = Fields(question_field, answer_field, solution_field, id_field, steps_field)
     if source is None:
         source = storage.basename(path).split(".")[0]
-    problems, skipped, first_seen = [], [], {}
+    problems, skipped, first_seen, locations = [], [], {}, []
     for location, record in _records(path):
         try:
             if isinstance(record, RecordError):
@@ -97,13 +98,14 @@ def read_problem_file(
             continue
         first_seen[problem.id] = location
         problems.append(problem)
+        locations.append(location)
     if not problems:
         reason = f"all {len(skipped)} records invalid, first: {skipped[0]}" if skipped else "it is empty"
         raise DataError(f"{path}: no problems could be read ({reason})")
     if skipped:
         logging.warning("%s: skipped %d invalid records of %d; first: %s", path, len(skipped),
                         len(skipped) + len(problems), skipped[0])
-    return LoadReport(path, problems, skipped)
+    return LoadReport(path, problems, skipped, locations)
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:

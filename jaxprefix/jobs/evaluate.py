@@ -39,12 +39,13 @@ def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n:
 def run_eval(config, workdir: str) -> dict:
     from jaxprefix.jobs.mine import Mining, mining_dir
     from jaxprefix.jobs.policy import load_policy
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
     from jaxprefix.rl.loop import restore_trained_params
 
     policy = load_policy(config, workdir)
     step = restore_trained_params(policy.model, workdir, config)
-    sets = load_problem_sets(config.data)
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length))
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),

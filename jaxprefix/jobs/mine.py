@@ -36,7 +36,8 @@ def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
                         top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids)
     return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
-                  verifier_timeout_s=config.rewards.timeout_s)
+                  verifier_timeout_s=config.rewards.timeout_s,
+                  verifier_max_chars=config.rewards.max_chars)
 
 
 class Mining:
@@ -142,13 +143,15 @@ class Mining:
 def run_mine(config, workdir: str) -> dict:
     """Computes (or reads) everything the configured method needs; returns a summary."""
     from jaxprefix.jobs.policy import load_policy
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 
     from jaxprefix.jobs.rl import check_method_settings
 
     check_method_settings(config)
     policy = load_policy(config, workdir)
-    mining = Mining(config, policy, load_problem_sets(config.data), mining_dir(config, workdir))
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length))
+    mining = Mining(config, policy, sets, mining_dir(config, workdir))
     hard = mining.hard_set()
     summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}
     if config.method == "pope":

@@ -30,6 +30,10 @@ class Policy:
     def stop_ids(self) -> tuple:
         return (self.tokenizer.eos_id,)
 
+    @property
+    def context_length(self) -> int:
+        return self.model.config.max_position_embeddings
+
 
 def base_dir(config, workdir: str) -> str:
     return config.model.get("path") or storage.join(workdir, "base")
@@ -43,7 +47,7 @@ def load_policy(config, workdir: str) -> Policy:
         from jaxprefix.jobs import sft
 
         path = base_dir(config, workdir)
-        if not storage.exists(storage.join(path, "config.json")):  # written last: complete
+        if not sft.is_complete(path):  # absent, or its save was cut short: (re)train it
             sft.run_sft(config.sft, storage.dirname(path) or ".")
         model, tokenizer = sft.load_base(path, dtype, param_dtype)
         return Policy(model, tokenizer, TaskPrompts(tokenizer), source)
@@ -81,3 +85,79 @@ def _weights_path(config) -> str:
 
         return bundled_smollm2_path()
     return config.model.path
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyInputs:
+    """What the configured policy reads besides its weights, read before they are."""
+    tokenizer: object
+    prompts: object
+    context_length: int  # max_position_embeddings of the model's config
+
+
+def check_policy_inputs(config, workdir: str) -> PolicyInputs:
+    """The tokenizer, prompts and context length of `config.model`, with its model directory
+    (config.json, tensor index, every safetensors header and size) or GGUF file (header, tensor
+    data length) checked, without loading a weight. For source 'sft' whose base is not trained
+    yet, the base that SFT will build."""
+    from jaxprefix import storage
+    from jaxprefix.errors import ConfigError, ModelError
+
+    source = config.model.source
+    if source not in SOURCES:
+        raise ConfigError(f"config.model.source={source!r}: expected one of {SOURCES}")
+    try:
+        model_dtypes(config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if source == "sft":
+        from jaxprefix.data.tasks import carry_multiplication as task
+        from jaxprefix.jobs import sft
+
+        path = base_dir(config, workdir)
+        if sft.is_complete(path):
+            tokenizer = tokenizers.load(path)
+            hf = storage.read_json(storage.join(path, "config.json"))
+        else:
+            if not config.get("sft"):
+                raise ConfigError(f"config.sft is empty and {path} holds no trained base: "
+                                  "expected the SFT settings of configs/sft.py")
+            tokenizer = task.tokenizer()
+            try:
+                hf = sft.model_config(config.sft, tokenizer).to_hf()
+            except (ValueError, AttributeError, KeyError) as e:
+                raise ConfigError(f"config.sft.model: {e}") from None
+        return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]))
+    path = _weights_path(config)
+    try:
+        if source == "hf":
+            hf = _check_model_dir(path)
+        else:
+            from jaxprefix.checkpoints.gguf import read_gguf_config
+
+            hf = read_gguf_config(path)
+        tokenizer = tokenizers.load(path)
+    except (FileNotFoundError, ValueError) as e:  # what the readers say, naming the file
+        raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
+    prompts = ChatPrompts(tokenizer, config.model.get("system_prompt") or None)
+    return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)))
+
+
+def _check_model_dir(path: str) -> dict:
+    """The config dict of an HF directory, after checking that its architecture is supported
+    and (locally) that its tensor index, shards and every safetensors header and size are whole
+    (the tensors are memory-mapped, not read)."""
+    from jaxprefix import storage
+    from jaxprefix.checkpoints import hf
+
+    if not storage.isdir(path):
+        raise FileNotFoundError(f"{path}: not a model directory (expected config.json and "
+                                f"safetensors)")
+    config = storage.read_json(storage.join(path, "config.json"))
+    models.ModelConfig.from_hf(config)
+    if not storage.is_remote(path):
+        hf.read_hf_tensors(path)
+    elif not any(storage.exists(storage.join(path, name)) for name in
+                 ("model.safetensors", "model.safetensors.index.json")):
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return config

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import distributed, models, storage
+from jaxprefix import distributed, models, run_identity, storage, workdir_lock
 from jaxprefix.jobs.mine import Mining, mining_dir
 from jaxprefix.jobs.policy import load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.isocompute import ComputeLedger
@@ -103,15 +103,18 @@ def build_method(config, policy, sets, mining: Mining):
     raise ValueError(f"config.method={config.method!r}: expected one of {METHODS}")
 
 
+@workdir_lock.holds_workdir
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
     check_method_settings(config)
     contexts = contexts_per_step(config)
     loop.validate(config, contexts_per_step=contexts)
+    run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
     policy = load_policy(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)
-    sets = load_problem_sets(config.data)
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length))
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     method = build_method(config, policy, sets, mining)
     mined = mining.cost(mined_artifacts(config))

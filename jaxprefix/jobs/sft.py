@@ -28,6 +28,7 @@ from flax import nnx
 
 from jaxprefix import models, sampling, storage, tokenizers
 from jaxprefix.data.tasks import carry_multiplication as task
+from jaxprefix.errors import ConfigError
 
 REPORT = "sft_report.json"
 TOKENIZER = tokenizers.CHAR_VOCAB_FILE
@@ -157,8 +158,9 @@ def run_sft(config, workdir: str) -> str:
     if storage.exists(report_path):
         saved = storage.read_json(report_path)["config"]
         if saved != json.loads(json.dumps(settings)):
-            raise ValueError(f"{report_path}: a base model trained with another SFT config is "
-                             f"already there; remove {path} or use another --workdir")
+            raise ConfigError(f"{report_path}: a base model trained with another SFT config is "
+                              f"already there; expected the same config.sft, or remove {path}, "
+                              f"or use another --workdir")
         return path
 
     tokenizer = task.tokenizer()
@@ -212,6 +214,21 @@ def run_sft(config, workdir: str) -> str:
               "seconds": round(time.time() - start, 1), "config": settings}
     storage.write_json(report_path, report)
     return path
+
+
+def is_complete(path: str) -> bool:
+    """A whole base directory, else it is trained again instead of half loaded: save_pretrained
+    writes config.json last, so a save cut short (a kill, a full disk) leaves none; the weights'
+    headers and sizes are checked too (older jaxprefix wrote config.json first)."""
+    from jaxprefix.checkpoints import hf
+
+    if not storage.exists(storage.join(path, "config.json")):
+        return False
+    try:
+        hf.read_hf_tensors(path)  # headers and sizes; the tensors are memory-mapped, not read
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _closer(metrics: dict, best: dict, criterion) -> bool:

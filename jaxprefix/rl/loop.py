@@ -21,8 +21,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
+from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.rl import dynamic_sampling, objectives
+from jaxprefix.rl import boundaries, dynamic_sampling, objectives
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
@@ -133,6 +134,7 @@ class Scored:
     verifier_failures: int
     seconds_sampling: float
     seconds_reward: float
+    too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
@@ -149,18 +151,21 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
                      stop_ids: Sequence[int]) -> Scored:
     r = config.rollout
     start = time.perf_counter()
+    boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     rollouts = sampling.generate(model, request.contexts, n=request.n,
                                  max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                  top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed)
+    boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
     scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
                                         timeout_s=config.rewards.timeout_s,
-                                        workers=config.rewards.workers or None)
+                                        workers=config.rewards.workers or None,
+                                        max_chars=config.rewards.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled)
+                  sampled - start, time.perf_counter() - sampled, stats["too_long"])
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
@@ -175,7 +180,8 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
     r = scored.rewards
     out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
-           "reward/verifier_failures": scored.verifier_failures}
+           "reward/verifier_failures": scored.verifier_failures,
+           "reward/too_long": scored.too_long}
     for name, values in scored.request.tags.items():
         values = np.asarray(values)
         if values.dtype != bool:
@@ -251,9 +257,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-    start = ckpt.latest_step()
-    if start is not None:
-        arrays, meta = ckpt.restore(_state_arrays(state))
+    restored = recovery.restore_newest(ckpt, _state_arrays(state))  # a corrupt one: the one before
+    if restored is not None:
+        _, arrays, meta = restored
         state = TrainState(**arrays)
         method.restore(meta["method"])
         totals.update(meta["totals"])
@@ -300,6 +306,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
+            boundaries.check_batch(batch)
             state, update_metrics = learner.update(state, batch)
             update_metrics = distributed.to_host(update_metrics)
             update_seconds = time.perf_counter() - update_start
@@ -371,10 +378,11 @@ def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None
     """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
     or None (model untouched) when the workdir has no checkpoint."""
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-    step = ckpt.latest_step()
-    if step is not None:
+    step = None
+    if ckpt.latest_step() is not None:
         learner = Learner(model, train_config(config), mesh)
-        arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
+        step, arrays, _ = recovery.restore_newest(ckpt, _state_arrays(learner.init_state()),
+                                                  move_aside=False)
         nnx.update(model, arrays["params"])
     ckpt.close()
     return step
