@@ -46,7 +46,15 @@ def base_config() -> ml_collections.ConfigDict:
         max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
         kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
-        remat=False))  # True: recompute each layer in the backward pass (large models)
+        remat=False,  # True: recompute each layer in the backward pass (large models)
+        # LoRA (models/lora.py): rank 0 trains every weight; rank r > 0 trains only adapters of
+        # rank r on `targets` (scale alpha / r, as PEFT). alpha 32 at any rank, as in "LoRA
+        # without regret" (Schulman et al. 2025), and ~10x the full fine-tuning learning rate.
+        lora_rank=0,
+        # merged_sampling: sample with the adapters folded into the base (faster; a copy of the
+        # targeted weights while sampling), else apply them per token.
+        lora=dict(alpha=32.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                  merged_sampling=True)))
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
+from jaxprefix.models import lora, sharding
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
@@ -73,6 +74,27 @@ def train_config(config) -> TrainConfig:
         raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
 
 
+def lora_config(config) -> lora.LoraConfig | None:
+    """The adapters of `config.train.lora_rank` / `config.train.lora` (None: full fine-tuning)."""
+    rank, fields = config.train.get("lora_rank", 0), config.train.get("lora", {})
+    if rank == 0:
+        return None
+    try:
+        return lora.LoraConfig(rank, **fields)
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("LoraConfig.rank", "config.train.lora_rank")
+        raise ValueError(message.replace("LoraConfig.", "config.train.lora.")) from None
+
+
+def adapted(model, config, mesh=None):
+    """`model` with fresh adapters placed on `mesh` when the config asks for LoRA, else `model`."""
+    adapters = lora_config(config)
+    if adapters is None:
+        return model
+    model = lora.with_adapters(model, adapters, seed=config.seed)
+    return model if mesh is None else sharding.shard_model(model, mesh)
+
+
 def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
     """Checks the run's settings before anything is loaded; returns the learner's TrainConfig.
 
@@ -94,6 +116,7 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(config.checkpoint.every >= 1, "checkpoint.every", config.checkpoint.every, ">= 1")
     need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
     need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
+    lora_config(config)
     learner_config = train_config(config)
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     contexts = contexts_per_step or t.problems_per_step
@@ -222,12 +245,13 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
-    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference.
+    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
+      with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
-    learner = Learner(model, learner_config, mesh)
+    learner = Learner(adapted(model, config, mesh), learner_config, mesh)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
@@ -353,8 +377,12 @@ def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     step = ckpt.latest_step()
     if step is not None:
-        learner = Learner(model, train_config(config), mesh)
+        learner = Learner(adapted(model, config, mesh), train_config(config), mesh)
         arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
-        nnx.update(model, arrays["params"])
+        trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest)
+        if lora.has_adapters(trained):  # the adapters folded into the base, in its dtype
+            trained = lora.merged(trained)
+        nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                       nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param)))
     ckpt.close()
     return step
