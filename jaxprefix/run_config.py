@@ -84,7 +84,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
-    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
+    # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
+    # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
+    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, path=""))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -105,6 +106,39 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     records, ledger = check_rl_outputs(workdir, 3, tags=("unguided",))
     assert ledger["rollouts"] == 3 * PROBLEMS_PER_STEP * N  # continued, not restarted
     assert records[2]["tokens/sampled_total"] == sum(r["tokens/sampled"] for r in records)
+
+
+# A reward the untrained smoke policy earns some of, unevenly: the groups have variance, so the
+# adapters get gradients (the task's own verifier scores the smoke policy 0 everywhere).
+SHARE_OF_ONES = "def reward(completion, problem):\n    return completion.count('1') / max(len(completion), 1)\n"
+
+
+def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
+    reward_file = tmp_path / "elsewhere" / "my_rewards.py"
+    reward_file.parent.mkdir()
+    reward_file.write_text(SHARE_OF_ONES)
+    flags = ("--config.train.lora_rank=8", f"--config.rewards.path={reward_file}:reward",
+             "--config.eval.every=0")
+    straight = rl_run("configs/grpo.py:smoke", tmp_path / "straight", base, *flags)
+    resumed = rl_run("configs/grpo.py:smoke", tmp_path / "resumed", base, *flags,
+                     "--config.train.total_steps=1")
+    rl_run("configs/grpo.py:smoke", resumed, base, *flags)
+
+    timing = ("time/", "throughput/")
+    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
+               for r in read_metrics(straight)]
+    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
+                       for r in read_metrics(resumed)]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["reward/mean"] > 0 and r["grad_norm"] > 0 for r in records)  # the file's reward
+    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
+              for w in (straight, resumed)]
+    assert list(arrays[0]["params"]) == ["adapters"]  # checkpoints hold the adapters only
+    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
+    assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 14  # A and B of 7 projections
+    for path, value in flat[0].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
+    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in flat[0].items() if "_b" in str(p))
 
 
 def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):

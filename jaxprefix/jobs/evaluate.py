@@ -47,7 +47,7 @@ def run_eval(config, workdir: str) -> dict:
 
     policy = load_policy(config, workdir)
     step = restore_trained_params(policy.model, workdir, config)
-    sets = load_problem_sets(config.data)
+    sets = load_problem_sets(config.data, config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),

@@ -155,7 +155,8 @@ def run_mine(config, workdir: str) -> dict:
 
     check_method_settings(config)
     policy = load_policy(config, workdir)
-    mining = Mining(config, policy, load_problem_sets(config.data), mining_dir(config, workdir))
+    sets = load_problem_sets(config.data, config.rewards.path)
+    mining = Mining(config, policy, sets, mining_dir(config, workdir))
     hard = mining.hard_set()
     summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}
     if config.method == "pope":

@@ -24,15 +24,17 @@ class ProblemSets:
     verifier: str  # config.data.verifier: the one name mining, training and evaluation all use
 
 
-def load_problem_sets(data) -> ProblemSets:
-    """Problem sets from `config.data`; fails early when `data.verifier` is not a verifier."""
+def load_problem_sets(data, rewards_path: str = "") -> ProblemSets:
+    """Problem sets from `config.data`, scored by `data.verifier` or, when `rewards_path`
+    (config.rewards.path) names one, a function in a file; fails early when neither is a verifier."""
     from jaxprefix import rewards
 
-    sets = _load(data)
-    if data.verifier not in rewards.names():
+    verifier = rewards.verifier_name(rewards_path, data.verifier)
+    sets = _load(data)  # a built-in task registers its verifier here
+    if verifier not in rewards.names():
         raise ValueError(f"config.data.verifier={data.verifier!r}: expected one of "
                          f"{sorted(rewards.names())}")
-    return sets
+    return dataclasses.replace(sets, verifier=verifier)
 
 
 def _load(data) -> ProblemSets:

@@ -113,7 +113,7 @@ def run_rl(config, workdir: str) -> dict:
     policy = load_policy(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)
-    sets = load_problem_sets(config.data)
+    sets = load_problem_sets(config.data, config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     method = build_method(config, policy, sets, mining)
     mined = mining.cost(mined_artifacts(config))

@@ -29,7 +29,7 @@ class Study:
         """Base policy (trained if absent), problem sets, hard set, POPE prefixes [, trace pool]."""
         check_method_settings(config)
         policy = load_policy(config, workdir)
-        sets = load_problem_sets(config.data)
+        sets = load_problem_sets(config.data, config.rewards.path)
         mining = Mining(config, policy, sets, mining_dir(config, workdir))
         hard = mining.hard_set()
         mining.prefixes(hard)

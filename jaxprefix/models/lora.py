@@ -69,7 +69,7 @@ class LoraParam(nnx.Variable):
 
 
 class LoraDropoutKey(nnx.Variable):
-    """The PRNG key of adapter dropout: None (no dropout) except inside the learner's loss."""
+    """The PRNG key of adapter dropout, set only inside the learner's loss (set_dropout_key)."""
 
 
 class Adapters(nnx.Module):
@@ -90,7 +90,6 @@ class Adapters(nnx.Module):
             a_axes, b_axes = (axes[0], *axes[1:1 + n_in], None), (axes[0], None, *axes[1 + n_in:])
             setattr(self, f'{name}_a', LoraParam(a, out_sharding=a_axes, eager_sharding=False))
             setattr(self, f'{name}_b', LoraParam(b, out_sharding=b_axes, eager_sharding=False))
-        self.dropout_key = LoraDropoutKey(None)
 
     def factors(self) -> dict[str, tuple[jax.Array, jax.Array]]:
         """target -> (A, B), each stacked over layers."""
@@ -100,9 +99,8 @@ class Adapters(nnx.Module):
     def scan_inputs(self, num_layers: int) -> dict:
         """What the Decoder's layer scan slices per layer: the factors, and a dropout key each."""
         xs = {'factors': self.factors()}
-        key = self.dropout_key.get_value()
-        if key is not None and self.config.dropout > 0:
-            xs['dropout_keys'] = jax.random.split(key, num_layers)
+        if hasattr(self, 'dropout_key'):
+            xs['dropout_keys'] = jax.random.split(self.dropout_key[...], num_layers)
         return xs
 
 
@@ -155,7 +153,8 @@ def trainable(model: nnx.Module):
 
 
 def set_dropout_key(model: nnx.Module, key: jax.Array) -> None:
-    """Turns adapter dropout on for this (traced) model's forward passes, with `key`."""
+    """Turns adapter dropout on for this (traced) model's forward passes, with `key`; sampling
+    and scoring models have no key and so no dropout."""
     if has_adapters(model) and model.adapters.config.dropout > 0:
         model.adapters.dropout_key = LoraDropoutKey(key)  # a new Variable: this trace's own
 

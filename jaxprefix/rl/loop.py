@@ -117,6 +117,7 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
     need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
     lora_config(config)
+    rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     learner_config = train_config(config)
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     contexts = contexts_per_step or t.problems_per_step
@@ -160,7 +161,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
-    scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
+    verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
+    scores, stats = rewards.score_batch(verifier, texts, problems,
                                         timeout_s=config.rewards.timeout_s,
                                         workers=config.rewards.workers or None)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
