@@ -27,10 +27,11 @@ def base_config() -> ml_collections.ConfigDict:
     # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
     c.sft = ml_collections.ConfigDict()
 
-    # Problem sets (jobs/problem_sets.py).
+    # Problem sets (jobs/problem_sets.py); split / eval_split: of an 'hf' or 'tfds' dataset.
     c.data = ml_collections.ConfigDict(dict(
-        source="carry_multiplication", task="", path="", eval_path="", question_field="question",
-        solution_field="solution", answer_field="answer", verifier="math", train_size=256,
+        source="carry_multiplication", task="", path="", eval_path="", split="train", eval_split="",
+        question_field="question", solution_field="solution", answer_field="answer",
+        verifier="math", train_size=256,
         eval_size=128, seed=1, eval_seed=2, digits=(20, 20), multipliers=(6, 9), easy_size=0,
         easy_digits=(1, 10)))
 

@@ -22,7 +22,7 @@ from absl import logging
 
 from jaxprefix.data.problem import DataError, Problem, content_id
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,8 @@ class RecordError(Exception):
 
 
 def load_problems(path: str | os.PathLike, **options) -> list[Problem]:
-    """Problems of a .jsonl, .json or .parquet file; see `read_problem_file` for the options."""
+    """Problems of a .jsonl, .json, .parquet or .arrow file, or of a directory of them; see
+    `read_problem_file` for the options."""
     return read_problem_file(path, **options).problems
 
 
@@ -69,7 +70,9 @@ def read_problem_file(
     """Reads every record of `path` into a Problem; fields not used are kept as metadata.
 
     Args:
-      path: a .jsonl (one object per line), .json (a list of objects) or .parquet file.
+      path: a .jsonl (one object per line), .json (a list of objects), .parquet or .arrow (an
+        Arrow stream, as HF datasets' save_to_disk writes) file, or a directory: a save_to_disk
+        directory (its state.json lists the files) or any directory of such files (sorted).
       *_field: where the parts live in each record (dotted paths allowed).
       source: the problems' source name; defaults to the file name without its suffix.
       require_solution: a record without an oracle solution is invalid (POPE, PrefixRL need one).
@@ -118,6 +121,9 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
     """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
+    if os.path.isdir(path):
+        yield from _directory_records(path)
+        return
     if not os.path.isfile(path):
         raise DataError(f"{path}: no such file")
     suffix = os.path.splitext(path)[1].lower()
@@ -127,6 +133,8 @@ def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
         yield from _json_records(path)
     elif suffix == ".parquet":
         yield from _parquet_records(path)
+    elif suffix == ".arrow":
+        yield from _arrow_records(path)
     else:
         raise DataError(f"{path}: unknown file type {suffix!r}; expected one of {', '.join(SUFFIXES)}")
 
@@ -186,6 +194,47 @@ def _parquet_records(path: str):
         raise DataError(f"{path}: not a readable parquet file: {e}") from None
     for index, record in enumerate(table.to_pylist()):
         yield f"row {index}", record
+
+
+def _arrow_records(path: str):
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(path) as source:
+            table = pa.ipc.open_stream(source).read_all()
+    except Exception as e:  # pyarrow raises several types for files of another format
+        raise DataError(f"{path}: not a readable Arrow stream file: {e}") from None
+    for index, record in enumerate(table.to_pylist()):
+        yield f"row {index}", record
+
+
+def data_files(path: str) -> list[str]:
+    """The data files of a directory, relative to it: those a save_to_disk state.json lists, else
+    every file with a known suffix beneath it (hidden folders skipped), sorted."""
+    state = os.path.join(path, "state.json")
+    if os.path.isfile(state):
+        with open(state) as f:
+            return [entry["filename"] for entry in json.load(f)["_data_files"]]
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        with open(os.path.join(path, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+        raise DataError(f"{path}: a dataset with splits {', '.join(splits)}: read one split "
+                        f"(data.source=hf with data.split, or the split's directory)")
+    found = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found += [os.path.relpath(os.path.join(root, name), path) for name in files
+                  if os.path.splitext(name)[1].lower() in SUFFIXES]
+    return sorted(found)
+
+
+def _directory_records(path: str):
+    names = data_files(path)
+    if not names:
+        raise DataError(f"{path}: no data files ({', '.join(SUFFIXES)}) in this directory")
+    for name in names:
+        for location, record in _records(os.path.join(path, name)):
+            yield f"{name}:{location}", record
 
 
 def _lookup(record: dict, name: str) -> tuple[bool, Any]:

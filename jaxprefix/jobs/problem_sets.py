@@ -5,7 +5,12 @@
   set (`digits`, `multipliers`; the demo's hard problems: 20 digits times 6..9), plus easy ones
   for the "+ easy" ablation;
 - 'file': JSONL / parquet files (`path`, `eval_path`) with configurable field names;
-- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed.
+- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed;
+- 'hf': a local Hugging Face dataset (`path`: a save_to_disk directory, a hub snapshot of
+  parquet / JSON lines shards, or one file; data/hf_source.py), split `split`;
+- 'tfds': a prepared TFDS dataset directory (`path`, local or gs://), split `split`.
+For 'hf' and 'tfds' the evaluation set is split `eval_split` (default 'test') of `eval_path`
+(default `path`), read when either is set; field names as for files.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import dataclasses
 
 from jaxprefix.data.problem import Problem
 
-SOURCES = ("carry_multiplication", "file", "reasoning_gym")
+SOURCES = ("carry_multiplication", "file", "reasoning_gym", "hf", "tfds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +60,18 @@ def _load(data) -> ProblemSets:
                       answer_field=data.answer_field)
         train = load_problems(data.path, **fields)[:data.train_size or None]
         held_out = load_problems(data.eval_path, **fields) if data.eval_path else []
+        return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
+    if data.source in ("hf", "tfds"):
+        if data.source == "hf":
+            from jaxprefix.data.hf_source import hf_problems as read
+        else:
+            from jaxprefix.data.tfds_source import tfds_directory_problems as read
+        fields = dict(question_field=data.question_field, solution_field=data.solution_field,
+                      answer_field=data.answer_field)
+        train = read(data.path, data.split, **fields)[:data.train_size or None]
+        held_out = []
+        if data.eval_path or data.eval_split:
+            held_out = read(data.eval_path or data.path, data.eval_split or "test", **fields)
         return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
     if data.source == "reasoning_gym":
         from jaxprefix.data import reasoning_gym_problems
