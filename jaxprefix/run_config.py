@@ -83,6 +83,10 @@ def base_config() -> ml_collections.ConfigDict:
         adaptive=dict(window=16, threshold=0.5, stride=1, lengthen=False)))
 
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
+    # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
+    # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
+    c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
+                                               wandb_mode=""))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file

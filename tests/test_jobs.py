@@ -118,7 +118,8 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     reward_file.parent.mkdir()
     reward_file.write_text(SHARE_OF_ONES)
     flags = ("--config.train.lora_rank=8", f"--config.rewards.path={reward_file}:reward",
-             "--config.eval.every=0")
+             "--config.eval.every=0", "--config.metrics.wandb=True",
+             "--config.metrics.wandb_mode=offline")
     straight = rl_run("configs/grpo.py:smoke", tmp_path / "straight", base, *flags)
     resumed = rl_run("configs/grpo.py:smoke", tmp_path / "resumed", base, *flags,
                      "--config.train.total_steps=1")
@@ -139,6 +140,11 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     for path, value in flat[0].items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
     assert any(np.abs(np.asarray(v)).max() > 0 for p, v in flat[0].items() if "_b" in str(p))
+    from test_wandb_writer import logged
+
+    history, config = logged(resumed)  # W&B, offline: one run over both invocations
+    assert sorted(history) == [1, 2] and config["train"]["lora_rank"] == 8
+    assert history[2]["reward/mean"] == records[1]["reward/mean"]
 
 
 def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):

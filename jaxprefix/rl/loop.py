@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
-from jaxprefix.rl import dynamic_sampling, objectives
+from jaxprefix.rl import dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
 
@@ -269,6 +269,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 setattr(ledger, k, v)
     start = int(state.step)
     writer = MetricsWriter(workdir, resume_step=start + 1)
+    tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
     def save(step):
@@ -359,6 +360,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                                        stop_ids=stop_ids))
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
+            if tracker is not None:
+                tracker.write(done, record)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
@@ -368,6 +371,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 break
     bar.close()
     writer.close()
+    if tracker is not None:
+        tracker.close()
     ckpt.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
