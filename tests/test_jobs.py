@@ -146,6 +146,23 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     assert sorted(history) == [1, 2] and config["train"]["lora_rank"] == 8
     assert history[2]["reward/mean"] == records[1]["reward/mean"]
 
+    # What the eval and export jobs load: the trained adapters, or them folded into the base.
+    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.models import lora
+    from jaxprefix.rl.loop import restore_trained, restore_trained_params
+    from jaxprefix.run_config import sibling_config
+
+    config = sibling_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo.py", "smoke")
+    config.model.path, config.train.lora_rank = base, 8
+    policy = load_policy(config, resumed)
+    step, trained = restore_trained(policy.model, resumed, config)
+    assert step == STEPS and lora.has_adapters(trained) and not lora.has_adapters(policy.model)
+    tokens = np.arange(1, 13, dtype=np.int32).reshape(2, 6)
+    adapted_logits = np.asarray(trained(tokens))
+    assert np.abs(adapted_logits - np.asarray(policy.model(tokens))).max() > 0
+    assert restore_trained_params(policy.model, resumed, config) == STEPS
+    np.testing.assert_allclose(np.asarray(policy.model(tokens)), adapted_logits, atol=1e-4)
+
 
 def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     """A preempted job (TPU maintenance, `timeout`) saves its step and exits 143, so a pipeline

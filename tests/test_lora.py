@@ -93,8 +93,8 @@ def test_rl_updates_train_only_the_adapters(tmp_path):
     assert moments and {x.shape for x in moments} == adapter_shapes
     assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(state.params))
     # The sampler's policy has the adapters folded in and scores as the adapted model does.
-    policy = learner.model(state)
-    assert not lora.has_adapters(policy)
+    policy = learner.sampling_model(state)
+    assert not lora.has_adapters(policy) and lora.has_adapters(learner.model(state))
     merged_logp = np.asarray(learner.logprobs(state.params, batch))
     sampler_logp = token_logprobs(policy, batch["tokens"], batch["token_mask"],
                                   positions=batch["positions"])[0]

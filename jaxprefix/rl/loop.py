@@ -284,7 +284,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     with _Preemption() as preemption:
         for step in range(start, total):
             step_start = time.perf_counter()
-            policy = learner.model(state)
+            policy = learner.sampling_model(state)  # compute-dtype weights, cast once a step
             request = method.next_request(step)
             chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, 0))]
@@ -304,6 +304,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             batch = dynamic_sampling.build_batch(
                 [c.rollouts for c in chunks], advantages, selection,
                 mask_truncated=config.train.get("mask_truncated", False))
+            del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
@@ -356,8 +357,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                record.update(evaluate(learner.model(state), tokenizer, method, config, step=done,
-                                       stop_ids=stop_ids))
+                record.update(evaluate(learner.sampling_model(state), tokenizer, method, config,
+                                       step=done, stop_ids=stop_ids))
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
             if tracker is not None:
@@ -378,18 +379,28 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             "state": state, "learner": learner}
 
 
-def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
-    """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
-    or None (model untouched) when the workdir has no checkpoint."""
+def restore_trained(model, workdir: str, config, mesh=None):
+    """(step, policy) of the latest checkpoint of `workdir`: `model` with the checkpointed weights
+    (with train.lora_rank > 0, a copy of `model` carrying the trained adapters), or (None, model)
+    when the workdir has no checkpoint. `model` itself is left as it is."""
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     step = ckpt.latest_step()
+    trained = model
     if step is not None:
         learner = Learner(adapted(model, config, mesh), train_config(config), mesh)
         arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
-        trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest)
-        if lora.has_adapters(trained):  # the adapters folded into the base, in its dtype
-            trained = lora.merged(trained)
+        trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest, copy=True)
+    ckpt.close()
+    return step, trained
+
+
+def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
+    """Loads the latest checkpointed policy of `workdir` into `model` (in place; trained adapters
+    folded into its weights); returns its step, or None (model untouched) without a checkpoint."""
+    step, trained = restore_trained(model, workdir, config, mesh)
+    if lora.has_adapters(trained):
+        trained = lora.merged(trained)
+    if step is not None:
         nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype),
                                        nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param)))
-    ckpt.close()
     return step

@@ -189,9 +189,14 @@ class Learner:
         return NamedSharding(self.mesh, P())
 
     def model(self, state: TrainState) -> nnx.Module:
-        """The policy with `state`'s parameters (for the sampler). Adapters come folded into the
-        base (lora.merged; LoraConfig.merged_sampling=False applies them per token instead)."""
-        model = nnx.merge(self.graphdef, state.params, self.rest)
+        """The policy with `state`'s parameters (with adapters: the base and `state`'s adapters)."""
+        return nnx.merge(self.graphdef, state.params, self.rest)
+
+    def sampling_model(self, state: TrainState) -> nnx.Module:
+        """The policy for the sampler. Adapters come folded into the base once (lora.merged: a
+        copy of the targeted weights, freed after sampling), which decodes faster than applying
+        them per token (bench/bench_lora.py); LoraConfig.merged_sampling=False saves the copy."""
+        model = self.model(state)
         if lora.has_adapters(model) and model.adapters.config.merged_sampling:
             return lora.merged(model)
         return model
