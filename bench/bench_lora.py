@@ -1,4 +1,4 @@
-"""LoRA vs full fine-tuning on SmolLM2-135M (f32, CPU): the RL update, and how the sampler runs adapters.
+"""LoRA vs full fine-tuning on SmolLM2-135M (f32, CPU): the RL update; how the sampler runs adapters.
 
 Issue 15. Two parts, each timing its two arms in alternation in this one process:
   update   one Learner.update (fwd + bwd + AdamW) on the same GRPO rollout batch:

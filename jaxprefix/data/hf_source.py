@@ -1,4 +1,4 @@
-"""Problems from a local Hugging Face dataset, read with pyarrow (the `datasets` library is not needed).
+"""Problems from a local Hugging Face dataset, read with pyarrow (no need of the `datasets` library).
 
 `data.source=hf` with `data.path` one of:
 - a `save_to_disk` directory: a Dataset (state.json + Arrow files) or a DatasetDict
@@ -40,7 +40,8 @@ def hf_problems(path: str | os.PathLike, split: str = "train", **options) -> lis
     chosen = [name for name in every if _of_split(name, split)]
     if not chosen:
         raise DataError(f"{path}: no data files of split {split!r} (named {split}-*.parquet, "
-                        f"{split}.jsonl, ... or in a {split}/ folder) among {len(every)} data files")
+                        f"{split}.jsonl, ... or in a {split}/ folder) among {len(every)} "
+                        "data files")
     problems, seen = [], {}
     for name in chosen:
         for problem in read_problem_file(os.path.join(path, name), **options).problems:

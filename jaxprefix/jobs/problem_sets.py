@@ -31,7 +31,8 @@ class ProblemSets:
 
 def load_problem_sets(data, rewards_path: str = "") -> ProblemSets:
     """Problem sets from `config.data`, scored by `data.verifier` or, when `rewards_path`
-    (config.rewards.path) names one, a function in a file; fails early when neither is a verifier."""
+    (config.rewards.path) names one, a function in a file; fails early when neither is a
+    verifier."""
     from jaxprefix import rewards
 
     verifier = rewards.verifier_name(rewards_path, data.verifier)

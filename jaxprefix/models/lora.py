@@ -28,7 +28,7 @@ from flax import nnx
 from jaxprefix.models.sharding import variable_axes
 
 TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
-# How many leading (after the layer axis) axes of each weight are its inputs: o is [heads, head_dim, embed].
+# How many axes of each weight (after the layer axis) are its inputs: o is [heads, head_dim, embed].
 INPUT_AXES = {'q': 1, 'k': 1, 'v': 1, 'o': 2, 'gate': 1, 'up': 1, 'down': 1}
 # Adapters are trained in f32 (Adam's master weights) whatever the base's dtype; the forward
 # casts them to the compute dtype.
@@ -82,7 +82,7 @@ class Adapters(nnx.Module):
             axes = variable_axes(weight) or (None,) * weight.ndim
             n_in = INPUT_AXES[name]
             layers, ins, outs = weight.shape[0], weight.shape[1:1 + n_in], weight.shape[1 + n_in:]
-            # PEFT's (and LoRA-without-regret's) initialisation: A uniform within 1/sqrt(fan-in), B = 0.
+            # PEFT's initialisation: A uniform within 1/sqrt(fan-in), B = 0.
             bound = 1.0 / math.sqrt(math.prod(ins))
             a = jax.random.uniform(rngs.params(), (layers, *ins, config.rank), ADAPTER_DTYPE,
                                    -bound, bound)
@@ -110,14 +110,15 @@ def project(name: str, equation: str, x: jax.Array, weight: jax.Array, lora: dic
 
     `lora` is one layer's slice of `Adapters.scan_inputs` ({} without adapters)."""
     y = jnp.einsum(equation, x, weight)
-    if config is None or name not in lora.get('factors', {}):
+    if name not in lora.get('factors', {}):
         return y
     a, b = lora['factors'][name]
     if 'dropout_keys' in lora:
         key = jax.random.fold_in(lora['dropout_keys'], TARGETS.index(name))
         keep = jax.random.bernoulli(key, 1.0 - config.dropout, x.shape)
         x = jnp.where(keep, x / (1.0 - config.dropout), 0).astype(x.dtype)
-    u = jnp.tensordot(x, a.astype(x.dtype), axes=INPUT_AXES[name]) * jnp.asarray(config.scale, x.dtype)
+    u = jnp.tensordot(x, a.astype(x.dtype), axes=INPUT_AXES[name])  # [..., rank]
+    u = u * jnp.asarray(config.scale, x.dtype)
     return y + jnp.tensordot(u, b.astype(x.dtype), axes=1).astype(y.dtype)
 
 

@@ -9,8 +9,9 @@ score_answer) and `format` (a closed `\\boxed{}` is present). Others register th
 
 A function in a Python file needs no module: `--config.rewards.path=my_rewards.py:fn`
 (rewards/from_file.py; `verifier_name` resolves it). `in_process=True` marks a verifier cheap and
-safe (exact match on short strings): it runs in the calling process, without a timeout. Everything else runs in the shared worker pool, where a crash
-or a timeout scores 0 and is counted, never raised into the training loop.
+safe (exact match on short strings): it runs in the calling process, without a timeout.
+Everything else runs in the shared worker pool, where a crash or a timeout scores 0 and is
+counted, never raised into the training loop.
 """
 
 from __future__ import annotations

@@ -254,10 +254,10 @@ def _remat_graph(model: nnx.Module):
 # compiled code (a resumed run, a test suite).
 
 
-def _token_logprobs(graphdef, params, rest, batch, chunk_size, dropout_key=None):
+def _token_logprobs(graphdef, params, rest, batch, chunk_size):
     model = nnx.merge(graphdef, params, rest)
-    if dropout_key is not None:  # training: adapter dropout, when the model has some
-        lora.set_dropout_key(model, dropout_key)
+    if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
+        lora.set_dropout_key(model, batch["dropout_key"])
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
                           positions=batch["positions"], chunk_size=chunk_size)
 
@@ -267,8 +267,8 @@ def _policy_logprobs(graphdef, params, rest, batch, chunk_size):
     return _token_logprobs(graphdef, params, rest, batch, chunk_size)[0]
 
 
-def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals, dropout_key):
-    logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk, dropout_key)
+def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
+    logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk)
     mask = micro["completion_mask"]
     loss, stats = objectives.policy_loss(
         logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
@@ -278,7 +278,8 @@ def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals, dropout_k
     return loss, stats
 
 
-def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch, dropout_key):
+def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch,
+                     dropout_key):
     """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
     minibatch; each micro-batch's loss is normalised by the minibatch's totals. Micro-batch i
     draws its (adapter) dropout from fold_in(dropout_key, i)."""
@@ -296,13 +297,13 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
         micro, index = xs
         if sharded:
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
-        (loss, stats), grads = grad_fn(params, rest, micro, totals,
-                                       jax.random.fold_in(dropout_key, index))
+        micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
+        (loss, stats), grads = grad_fn(params, rest, micro, totals)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
                 _combine_stats(stats_sum, stats)), None
 
     first = jax.tree.map(lambda x: x[0], minibatch)
-    _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals, dropout_key)
+    _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
     init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
             _empty_stats(stats_shape))
     indices = jnp.arange(mask.shape[0])

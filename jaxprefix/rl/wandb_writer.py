@@ -1,4 +1,5 @@
-"""Weights & Biases as one more metrics sink (`metrics.wandb=True`), beside metrics.jsonl and TensorBoard.
+"""Weights & Biases as one more metrics sink (`metrics.wandb=True`) beside metrics.jsonl and
+TensorBoard.
 
 Process 0 logs each step's record and, once, the run's whole config. The W&B run lives in
 `<workdir>/wandb` and its id in `<workdir>/wandb_run_id`, so rerunning the command continues the
@@ -31,9 +32,9 @@ class WandbWriter:
             run_id = uuid.uuid4().hex[:12]
             with open(id_file, "w") as f:
                 f.write(run_id)
-        self.run = wandb.init(project=m.wandb_project, name=os.path.basename(os.path.abspath(workdir)),
-                              id=run_id, resume="allow", dir=workdir, mode=m.wandb_mode or None,
-                              config=config.to_dict())
+        self.run = wandb.init(project=m.wandb_project, id=run_id, resume="allow", dir=workdir,
+                              name=os.path.basename(os.path.abspath(workdir)),
+                              mode=m.wandb_mode or None, config=config.to_dict())
 
     def write(self, step: int, record: dict):
         values = {k: float(np.asarray(v)) for k, v in record.items()}
