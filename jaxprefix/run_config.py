@@ -173,12 +173,15 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 1
 
 
+# The system prompt of the real-model variants: their verifiers read the last \boxed{}.
+BOXED_ANSWER_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
 def smollm2(c: ml_collections.ConfigDict) -> None:
     """A real model on CPU: SmolLM2-135M-Instruct (GGUF) on reasoning-gym's gsm_symbolic, whose
     problems come with a worked solution (the oracle). Slow: minutes per step on 2 cores."""
     c.model.update(source="gguf", path="bundled",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+                   system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=16, eval_size=16,
                   verifier="math_lenient")
     c.rollout.update(n=4, temperature=0.8, max_new_tokens=160)
@@ -200,8 +203,7 @@ def paper(c: ml_collections.ConfigDict) -> None:
     weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
     """
     c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507", dtype="bfloat16",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+                   system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
                   eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
                   eval_size=0)
@@ -226,8 +228,7 @@ def colab(c: ml_collections.ConfigDict) -> None:
     heads. LoRA's learning rate is ~10x full fine-tuning's ("LoRA without regret").
     """
     c.model.update(source="hf", path="", dtype="bfloat16",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+                   system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=128, eval_size=64,
                   verifier="math_lenient")
     c.rollout.update(n=8, temperature=1.0, max_new_tokens=1024)
