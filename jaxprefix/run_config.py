@@ -17,13 +17,15 @@ from jaxprefix import distributed
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
 
     # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
-    c.model = ml_collections.ConfigDict(dict(source="sft", path="", dtype="float32",
-                                             system_prompt=""))
+    # param_dtype: the weights the optimizer updates and its moments (master copy); dtype: the
+    # compute dtype of the forward/backward and of the sampler's copy of the weights.
+    c.model = ml_collections.ConfigDict(dict(source="sft", path="", param_dtype="float32",
+                                             dtype="float32", system_prompt=""))
     # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
     c.sft = ml_collections.ConfigDict()
 
@@ -88,6 +90,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
                                                wandb_mode=""))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
+    # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
+    c.export = ml_collections.ConfigDict(dict(dtype=""))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
     # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
@@ -202,8 +206,10 @@ def paper(c: ml_collections.ConfigDict) -> None:
     The authors' settings (papers.md; unconfirmed as the paper's): lr 1e-6 cosine, grad clip 0.3,
     weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
     """
-    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507", dtype="bfloat16",
-                   system_prompt=BOXED_ANSWER_PROMPT)
+    # f32 master weights, bf16 compute: an AdamW step of 1e-6 is below bf16's resolution (a bf16
+    # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
+    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
+                   param_dtype="float32", dtype="bfloat16", system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
                   eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
                   eval_size=0)

@@ -9,13 +9,10 @@ transposed. Names are those `PeftModel.save_pretrained` writes:
 """
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-
 import jax
 import numpy as np
 
+from jaxprefix import storage
 from jaxprefix.checkpoints.hf import _layer_table, write_safetensors
 from jaxprefix.models import lora
 
@@ -58,12 +55,10 @@ def adapter_config(model, base_model_name_or_path: str = '') -> dict:
     }
 
 
-def save_peft_adapter(model, path, base_model_name_or_path: str = '') -> pathlib.Path:
-    """Writes `model`'s adapters as a PEFT adapter directory at `path`; returns it."""
-    tensors = peft_tensors(model)
-    path = pathlib.Path(path)
-    os.makedirs(path, exist_ok=True)
-    config = adapter_config(model, base_model_name_or_path)
-    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-    write_safetensors(path / ADAPTER_WEIGHTS, tensors)
-    return path
+def save_peft_adapter(model, path, base_model_name_or_path: str = '') -> str:
+    """Writes `model`'s adapters as a PEFT adapter directory at `path` (local or gs://; the
+    config last, so a cut-off write has none); returns the path."""
+    write_safetensors(storage.join(path, ADAPTER_WEIGHTS), peft_tensors(model))
+    storage.write_json(storage.join(path, ADAPTER_CONFIG),
+                       adapter_config(model, base_model_name_or_path), indent=2)
+    return str(path)

@@ -20,6 +20,7 @@ from typing import Any
 
 from absl import logging
 
+from jaxprefix import storage
 from jaxprefix.data.problem import DataError, Problem, content_id
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
@@ -81,7 +82,7 @@ def read_problem_file(
     path = os.fspath(path)
     fields = Fields(question_field, answer_field, solution_field, id_field, steps_field)
     if source is None:
-        source = os.path.basename(path).split(".")[0]
+        source = storage.basename(path).split(".")[0]
     problems, skipped, first_seen = [], [], {}
     for location, record in _records(path):
         try:
@@ -121,10 +122,10 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
     """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
-    if os.path.isdir(path):
+    if storage.isdir(path):
         yield from _directory_records(path)
         return
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise DataError(f"{path}: no such file")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
@@ -140,7 +141,7 @@ def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
 
 
 def _jsonl_records(path: str):
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             location = f"line {number}"
             try:
@@ -162,8 +163,7 @@ def _jsonl_records(path: str):
 
 
 def _json_records(path: str):
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = storage.read_bytes(path)
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -189,7 +189,7 @@ def _parquet_records(path: str):
     import pyarrow.parquet as pq  # only parquet users pay for the import
 
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(storage.local_copy(path))
     except Exception as e:  # pyarrow raises several types for corrupt or non-parquet files
         raise DataError(f"{path}: not a readable parquet file: {e}") from None
     for index, record in enumerate(table.to_pylist()):
@@ -200,7 +200,7 @@ def _arrow_records(path: str):
     import pyarrow as pa
 
     try:
-        with pa.memory_map(path) as source:
+        with pa.memory_map(storage.local_copy(path)) as source:
             table = pa.ipc.open_stream(source).read_all()
     except Exception as e:  # pyarrow raises several types for files of another format
         raise DataError(f"{path}: not a readable Arrow stream file: {e}") from None
@@ -209,23 +209,29 @@ def _arrow_records(path: str):
 
 
 def data_files(path: str) -> list[str]:
-    """The data files of a directory, relative to it: those a save_to_disk state.json lists, else
-    every file with a known suffix beneath it (hidden folders skipped), sorted."""
-    state = os.path.join(path, "state.json")
-    if os.path.isfile(state):
-        with open(state) as f:
-            return [entry["filename"] for entry in json.load(f)["_data_files"]]
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
-        with open(os.path.join(path, "dataset_dict.json")) as f:
-            splits = json.load(f).get("splits", [])
+    """The data files of a directory (local or gs://), relative to it: those a save_to_disk
+    state.json lists, else every file with a known suffix beneath it (hidden folders skipped),
+    sorted."""
+    state = storage.join(path, "state.json")
+    if storage.isfile(state):
+        return [entry["filename"] for entry in storage.read_json(state)["_data_files"]]
+    splits_file = storage.join(path, "dataset_dict.json")
+    if storage.isfile(splits_file):
+        splits = storage.read_json(splits_file).get("splits", [])
         raise DataError(f"{path}: a dataset with splits {', '.join(splits)}: read one split "
                         f"(data.source=hf with data.split, or the split's directory)")
-    found = []
-    for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.relpath(os.path.join(root, name), path) for name in files
-                  if os.path.splitext(name)[1].lower() in SUFFIXES]
-    return sorted(found)
+    return sorted(name for name in _walk(path) if os.path.splitext(name)[1].lower() in SUFFIXES)
+
+
+def _walk(path: str, prefix: str = "") -> Iterator[str]:
+    """Relative names of the files beneath `path`, hidden entries skipped."""
+    for name in storage.listdir(path):
+        if name.startswith("."):
+            continue
+        if storage.isdir(storage.join(path, name)):
+            yield from _walk(storage.join(path, name), f"{prefix}{name}/")
+        else:
+            yield prefix + name
 
 
 def _directory_records(path: str):
@@ -233,7 +239,7 @@ def _directory_records(path: str):
     if not names:
         raise DataError(f"{path}: no data files ({', '.join(SUFFIXES)}) in this directory")
     for name in names:
-        for location, record in _records(os.path.join(path, name)):
+        for location, record in _records(storage.join(path, name)):
             yield f"{name}:{location}", record
 
 

@@ -7,14 +7,14 @@
   each split, named by it (`data/train-00000-of-00001.parquet`, `test.jsonl`) or in a folder of
   its name (`train/`);
 - a single .parquet / .jsonl / .json / .arrow file.
-Field names are the file source's (`data.question_field`, ...).
+Local or gs:// (jaxprefix.storage). Field names are the file source's (`data.question_field`, ...).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
+from jaxprefix import storage
 from jaxprefix.data.files import data_files, read_problem_file
 from jaxprefix.data.problem import DataError, Problem
 
@@ -22,19 +22,18 @@ from jaxprefix.data.problem import DataError, Problem
 def hf_problems(path: str | os.PathLike, split: str = "train", **options) -> list[Problem]:
     """Problems of `split` of the dataset at `path`; `options` as for `read_problem_file`."""
     path = os.fspath(path)
-    if os.path.isfile(path):
+    if storage.isfile(path):
         return read_problem_file(path, **options).problems
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise DataError(f"{path}: no such dataset directory or file")
-    options.setdefault("source", os.path.basename(os.path.normpath(path)))
-    splits_file = os.path.join(path, "dataset_dict.json")
-    if os.path.isfile(splits_file):
-        with open(splits_file) as f:
-            splits = json.load(f).get("splits", [])
+    options.setdefault("source", storage.basename(str(path).rstrip("/")))
+    splits_file = storage.join(path, "dataset_dict.json")
+    if storage.isfile(splits_file):
+        splits = storage.read_json(splits_file).get("splits", [])
         if split not in splits:
             raise DataError(f"{path}: no split {split!r}; the dataset has {', '.join(splits)}")
-        return read_problem_file(os.path.join(path, split), **options).problems
-    if os.path.isfile(os.path.join(path, "state.json")):  # one save_to_disk Dataset
+        return read_problem_file(storage.join(path, split), **options).problems
+    if storage.isfile(storage.join(path, "state.json")):  # one save_to_disk Dataset
         return read_problem_file(path, **options).problems
     every = data_files(path)
     chosen = [name for name in every if _of_split(name, split)]
@@ -44,9 +43,9 @@ def hf_problems(path: str | os.PathLike, split: str = "train", **options) -> lis
                         "data files")
     problems, seen = [], {}
     for name in chosen:
-        for problem in read_problem_file(os.path.join(path, name), **options).problems:
+        for problem in read_problem_file(storage.join(path, name), **options).problems:
             if problem.id in seen:
-                raise DataError(f"{os.path.join(path, name)}: duplicate id {problem.id!r} "
+                raise DataError(f"{storage.join(path, name)}: duplicate id {problem.id!r} "
                                 f"(also in {seen[problem.id]})")
             seen[problem.id] = name
             problems.append(problem)
@@ -54,5 +53,5 @@ def hf_problems(path: str | os.PathLike, split: str = "train", **options) -> lis
 
 
 def _of_split(relative: str, split: str) -> bool:
-    *folders, name = relative.split(os.sep)
+    *folders, name = relative.split("/")
     return split in folders or re.match(rf"{re.escape(split)}([-_.]|$)", name) is not None

@@ -25,7 +25,7 @@ from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
-from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
+from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
 @dataclasses.dataclass
@@ -127,6 +127,25 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
         raise ValueError(f"config.train.problems_per_step={t.problems_per_step} ({contexts} "
                          f"contexts) x config.rollout.n={r.n}: {e}") from None
     return learner_config
+
+
+def check_update_resolution(model, learning_rate: float) -> None:
+    """Refuses to train weights held in a dtype too coarse for the learning rate: all-bf16 at
+    lr 1e-6 (the paper's) leaves nearly every weight unchanged, and nothing else would say so.
+    Refused rather than warned: the run would burn its whole budget learning nothing, and
+    float32 master weights (with bf16 compute) fix it at 4 more bytes per parameter. Only the
+    trained weights count: with LoRA the adapters (always f32), not the frozen base."""
+    if learning_rate <= 0:
+        return
+    frozen = frozen_fraction(nnx.state(model, lora.trainable(model)), learning_rate)
+    if frozen > 0.5:
+        dtype = model.config.param_dtype
+        raise ValueError(
+            f"config.model.param_dtype={dtype} with config.train.learning_rate={learning_rate:g}: "
+            f"{frozen:.0%} of the weights are too large for a step of {learning_rate:g} to change "
+            f"them in {dtype} (it rounds away), so the run would not train; use "
+            f"config.model.param_dtype=float32 (master weights; config.model.dtype stays the "
+            f"compute dtype)")
 
 
 # --- one round of sampling and scoring ------------------------------------------------------
@@ -253,7 +272,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
-    learner = Learner(adapted(model, config, mesh), learner_config, mesh)
+    model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
+    check_update_resolution(model, learner_config.learning_rate)
+    learner = Learner(model, learner_config, mesh)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
@@ -398,9 +419,15 @@ def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None
     """Loads the latest checkpointed policy of `workdir` into `model` (in place; trained adapters
     folded into its weights); returns its step, or None (model untouched) without a checkpoint."""
     step, trained = restore_trained(model, workdir, config, mesh)
+    if step is not None:
+        load_trained(model, trained)
+    return step
+
+
+def load_trained(model, trained) -> None:
+    """Puts the weights of `trained` (a restore_trained policy) into `model`, in `model`'s dtypes,
+    its adapters folded in (W + s A B)."""
     if lora.has_adapters(trained):
         trained = lora.merged(trained)
-    if step is not None:
-        nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype),
-                                       nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param)))
-    return step
+    nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                   nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param)))
