@@ -160,3 +160,48 @@ def test_peft_export_loads_onto_the_transformers_base_with_our_logits(family, tm
     with torch.no_grad():
         logits = merged.eval()(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(logits, theirs, atol=1e-4)
+
+
+def test_export_job_writes_the_peft_adapter_beside_the_merged_model(tmp_path):
+    """A LoRA workdir through `--config.job=export`: export/adapter/ on the transformers base
+    (peft) and the merged export/ (transformers alone) both give the trained policy's logits."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from jaxprefix import models, run_config, storage, tokenizers
+    from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+    from jaxprefix.checkpoints.train_state import TrainCheckpointer
+    from jaxprefix.jobs.export import run_export
+
+    tokenizer = tokenizers.load(bundled_smollm2_path())  # an export carries its tokenizer
+    shape = models.ModelConfig(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
+                               intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                               head_dim=8, tie_word_embeddings=True)
+    base = str(tmp_path / "base")
+    save_pretrained(models.Decoder(shape, rngs=nnx.Rngs(0)), shape, base, tokenizer=tokenizer)
+    config = run_config.base_config()
+    config.job = "export"
+    config.model.update(source="hf", path=base)
+    config.train.lora_rank, config.train.lora.alpha = RANK, 8.0
+    # What the RL loop checkpoints: the adapters (here random, i.e. trained) and their optimizer.
+    learner = Learner(loop.adapted(from_pretrained(base)[0], config), loop.train_config(config))
+    state = learner.init_state()
+    state = state.replace(params=jax.tree.map(
+        lambda x: 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), state.params))
+    workdir = str(tmp_path / "run")
+    ckpt = TrainCheckpointer(storage.join(workdir, "checkpoints"))
+    ckpt.save(3, {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+                  "updates": state.updates, "skipped": state.skipped}, {})
+    ckpt.close()
+    ours = np.asarray(learner.model(state)(TOKENS))
+
+    path = run_export(config, workdir)
+    with torch.no_grad():
+        base_model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        adapted = peft.PeftModel.from_pretrained(base_model, storage.join(path, "adapter")).eval()
+        with_adapter = adapted(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+        merged = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        merged_logits = merged.eval()(torch.tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(with_adapter, ours, atol=1e-4)
+    np.testing.assert_allclose(merged_logits, ours, atol=1e-4)
+    assert np.abs(ours - np.asarray(from_pretrained(base)[0](TOKENS))).max() > 1e-3
