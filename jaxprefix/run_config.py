@@ -32,10 +32,11 @@ def base_config() -> ml_collections.ConfigDict:
     # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
     c.sft = ml_collections.ConfigDict()
 
-    # Problem sets (jobs/problem_sets.py).
+    # Problem sets (jobs/problem_sets.py); split / eval_split: of an 'hf' or 'tfds' dataset.
     c.data = ml_collections.ConfigDict(dict(
-        source="carry_multiplication", task="", path="", eval_path="", question_field="question",
-        solution_field="solution", answer_field="answer", verifier="math", train_size=256,
+        source="carry_multiplication", task="", path="", eval_path="", split="train", eval_split="",
+        question_field="question", solution_field="solution", answer_field="answer",
+        verifier="math", train_size=256,
         eval_size=128, seed=1, eval_seed=2, digits=(20, 20), multipliers=(6, 9), easy_size=0,
         easy_digits=(1, 10),
         # Bad records and over-long prompts: refused (one line naming file and line), or skipped
@@ -55,7 +56,15 @@ def base_config() -> ml_collections.ConfigDict:
         max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
         kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
-        remat=False))  # True: recompute each layer in the backward pass (large models)
+        remat=False,  # True: recompute each layer in the backward pass (large models)
+        # LoRA (models/lora.py): rank 0 trains every weight; rank r > 0 trains only adapters of
+        # rank r on `targets` (scale alpha / r, as PEFT). alpha 32 at any rank, as in "LoRA
+        # without regret" (Schulman et al. 2025), and ~10x the full fine-tuning learning rate.
+        lora_rank=0,
+        # merged_sampling: sample with the adapters folded into the base (faster; a copy of the
+        # targeted weights while sampling), else apply them per token.
+        lora=dict(alpha=32.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                  merged_sampling=True)))
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(
@@ -83,12 +92,19 @@ def base_config() -> ml_collections.ConfigDict:
         adaptive=dict(window=16, threshold=0.5, stride=1, lengthen=False)))
 
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
+    # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
+    # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
+    c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
+                                               wandb_mode=""))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
     # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
     c.export = ml_collections.ConfigDict(dict(dtype=""))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
-    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000))
+    # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
+    # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
+    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
+                                               path=""))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
     # is taken over.
@@ -173,12 +189,15 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 1
 
 
+# The system prompt of the real-model variants: their verifiers read the last \boxed{}.
+BOXED_ANSWER_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
 def smollm2(c: ml_collections.ConfigDict) -> None:
     """A real model on CPU: SmolLM2-135M-Instruct (GGUF) on reasoning-gym's gsm_symbolic, whose
     problems come with a worked solution (the oracle). Slow: minutes per step on 2 cores."""
     c.model.update(source="gguf", path="bundled",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+                   system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=16, eval_size=16,
                   verifier="math_lenient")
     c.rollout.update(n=4, temperature=0.8, max_new_tokens=160)
@@ -202,9 +221,7 @@ def paper(c: ml_collections.ConfigDict) -> None:
     # f32 master weights, bf16 compute: an AdamW step of 1e-6 is below bf16's resolution (a bf16
     # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
     c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
-                   param_dtype="float32", dtype="bfloat16",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+                   param_dtype="float32", dtype="bfloat16", system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
                   eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
                   eval_size=0)
@@ -219,13 +236,37 @@ def paper(c: ml_collections.ConfigDict) -> None:
     c.mesh.update(data=1, fsdp=-1, tensor=1)
 
 
-VARIANTS = ("demo", "smoke", "smollm2", "paper")
+def colab(c: ml_collections.ConfigDict) -> None:
+    """One free TPU chip (Colab's v5e-1, 16 GiB HBM; unchanged on Kaggle's v5e-8, data-parallel):
+    LoRA RL of Qwen2.5-1.5B-Instruct (model.path: its HF directory; launch/colab_tpu.ipynb
+    downloads it) on reasoning-gym's gsm_symbolic, whose worked solutions are POPE's oracle.
+
+    The base stays frozen in bf16 (3.1 GB); adapters of rank 16 and their AdamW moments are 0.3%
+    of it. 16 contexts x 8 rollouts x 1k new tokens of KV cache is 3.8 GB with the model's 2 KV
+    heads. LoRA's learning rate is ~10x full fine-tuning's ("LoRA without regret").
+    """
+    c.model.update(source="hf", path="", dtype="bfloat16",
+                   system_prompt=BOXED_ANSWER_PROMPT)
+    c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=128, eval_size=64,
+                  verifier="math_lenient")
+    c.rollout.update(n=8, temperature=1.0, max_new_tokens=1024)
+    c.train.update(problems_per_step=8, total_steps=40, learning_rate=2e-5, max_grad_norm=1.0,
+                   advantage="dr_grpo", micro_batch_size=8, logprob_chunk=256, remat=True,
+                   lora_rank=16)
+    c.mining.update(k=8, prefix_samples=4, max_prefix_units=4, rows_per_call=256)
+    c.pope.guidance = "instruction"
+    c.eval.update(every=10, n=8, ks=(1, 8))
+    c.checkpoint.every = 5
+
+
+VARIANTS = ("demo", "smoke", "smollm2", "paper", "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
     """(config, args) of `method` for the variant named first in `arg` (default 'demo').
 
-    demo / smoke use the demo task (smoke: seconds); smollm2 a real model on CPU; paper a TPU run.
+    demo / smoke use the demo task (smoke: seconds); smollm2 a real model on CPU; paper a TPU run;
+    colab LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
     args = parse_arg(arg, variant="demo")
@@ -241,6 +282,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
         smollm2(c)
     elif args.variant == "paper":
         paper(c)
+    elif args.variant == "colab":
+        colab(c)
     else:
         demo_task(c, sibling_config(config_file, "sft.py", "demo"))
     if "seed" in args:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -128,6 +129,62 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     assert lines[0].startswith(f"error: {workdir} was made by another config") and \
         "train.learning_rate: 0.0001 -> 0.0003" in lines[0]
     assert read_metrics(workdir)[-1]["step"] == 3  # nothing ran
+
+
+# A reward the untrained smoke policy earns some of, unevenly: the groups have variance, so the
+# adapters get gradients (the task's own verifier scores the smoke policy 0 everywhere).
+SHARE_OF_ONES = "def reward(completion, problem):\n    return completion.count('1') / max(len(completion), 1)\n"
+
+
+def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
+    reward_file = tmp_path / "elsewhere" / "my_rewards.py"
+    reward_file.parent.mkdir()
+    reward_file.write_text(SHARE_OF_ONES)
+    flags = ("--config.train.lora_rank=8", f"--config.rewards.path={reward_file}:reward",
+             "--config.eval.every=0", "--config.metrics.wandb=True",
+             "--config.metrics.wandb_mode=offline")
+    straight = rl_run("configs/grpo.py:smoke", tmp_path / "straight", base, *flags)
+    resumed = rl_run("configs/grpo.py:smoke", tmp_path / "resumed", base, *flags,
+                     "--config.train.total_steps=1")
+    rl_run("configs/grpo.py:smoke", resumed, base, *flags)
+
+    timing = ("time/", "throughput/")
+    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
+               for r in read_metrics(straight)]
+    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
+                       for r in read_metrics(resumed)]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["reward/mean"] > 0 and r["grad_norm"] > 0 for r in records)  # the file's reward
+    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
+              for w in (straight, resumed)]
+    assert list(arrays[0]["params"]) == ["adapters"]  # checkpoints hold the adapters only
+    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
+    assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 14  # A and B of 7 projections
+    for path, value in flat[0].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
+    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in flat[0].items() if "_b" in str(p))
+    from test_wandb_writer import logged
+
+    history, config = logged(resumed)  # W&B, offline: one run over both invocations
+    assert sorted(history) == [1, 2] and config["train"]["lora_rank"] == 8
+    assert history[2]["reward/mean"] == records[1]["reward/mean"]
+
+    # What the eval and export jobs load: the trained adapters, or them folded into the base.
+    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.models import lora
+    from jaxprefix.rl.loop import restore_trained, restore_trained_params
+    from jaxprefix.run_config import sibling_config
+
+    config = sibling_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo.py", "smoke")
+    config.model.path, config.train.lora_rank = base, 8
+    policy = load_policy(config, resumed)
+    step, trained = restore_trained(policy.model, resumed, config)
+    assert step == STEPS and lora.has_adapters(trained) and not lora.has_adapters(policy.model)
+    tokens = np.arange(1, 13, dtype=np.int32).reshape(2, 6)
+    adapted_logits = np.asarray(trained(tokens))
+    assert np.abs(adapted_logits - np.asarray(policy.model(tokens))).max() > 0
+    assert restore_trained_params(policy.model, resumed, config) == STEPS
+    np.testing.assert_allclose(np.asarray(policy.model(tokens)), adapted_logits, atol=1e-4)
 
 
 def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):

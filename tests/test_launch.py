@@ -320,32 +320,6 @@ def test_capacity_plan_cli_reports_a_slice_and_rejects_bad_values(capsys):
         cp.main(["--n=0"])
 
 
-# ---- launch/colab_tpu.ipynb ---------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (REPO / "configs" / "pope.py").exists()
-                    or not (REPO / "jaxprefix" / "jobs" / "rl.py").exists(),
-                    reason="needs configs/pope.py and the rl job (jaxprefix/jobs/rl.py)")
-def test_colab_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
-    import nbclient
-    import nbformat
-    workdir = tmp_path / "run"
-    # The kernel and the run it starts inherit these: the smoke config on this checkout.
-    monkeypatch.setenv("JAXPREFIX_SRC", str(REPO))
-    monkeypatch.setenv("JAXPREFIX_CONFIG", "configs/pope.py:smoke")
-    monkeypatch.setenv("JAXPREFIX_WORKDIR", str(workdir))
-    monkeypatch.setenv("JAXPREFIX_OVERRIDES", "")
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    notebook = nbformat.read(REPO / "launch" / "colab_tpu.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
-    assert [r["step"] for r in records if "reward/mean" in r]  # the run trained and logged
-    images = [o for cell in notebook.cells if cell.cell_type == "code"
-              for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 1  # the curves
-
-
 def test_capacity_plan_reads_the_run_shape_from_a_config():
     cp = _capacity_plan()
     from jaxprefix import run_config

@@ -23,7 +23,7 @@ from absl import logging
 from jaxprefix import storage
 from jaxprefix.data.problem import DataError, Problem, content_id
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,8 @@ class RecordError(Exception):
 
 
 def load_problems(path: str | os.PathLike, **options) -> list[Problem]:
-    """Problems of a .jsonl, .json or .parquet file; see `read_problem_file` for the options."""
+    """Problems of a .jsonl, .json, .parquet or .arrow file, or of a directory of them; see
+    `read_problem_file` for the options."""
     return read_problem_file(path, **options).problems
 
 
@@ -71,7 +72,9 @@ def read_problem_file(
     """Reads every record of `path` into a Problem; fields not used are kept as metadata.
 
     Args:
-      path: a .jsonl (one object per line), .json (a list of objects) or .parquet file.
+      path: a .jsonl (one object per line), .json (a list of objects), .parquet or .arrow (an
+        Arrow stream, as HF datasets' save_to_disk writes) file, or a directory: a save_to_disk
+        directory (its state.json lists the files) or any directory of such files (sorted).
       *_field: where the parts live in each record (dotted paths allowed).
       source: the problems' source name; defaults to the file name without its suffix.
       require_solution: a record without an oracle solution is invalid (POPE, PrefixRL need one).
@@ -121,6 +124,9 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
     """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
+    if storage.isdir(path):
+        yield from _directory_records(path)
+        return
     if not storage.isfile(path):
         raise DataError(f"{path}: no such file")
     suffix = os.path.splitext(path)[1].lower()
@@ -130,6 +136,8 @@ def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
         yield from _json_records(path)
     elif suffix == ".parquet":
         yield from _parquet_records(path)
+    elif suffix == ".arrow":
+        yield from _arrow_records(path)
     else:
         raise DataError(f"{path}: unknown file type {suffix!r}; expected one of {', '.join(SUFFIXES)}")
 
@@ -188,6 +196,53 @@ def _parquet_records(path: str):
         raise DataError(f"{path}: not a readable parquet file: {e}") from None
     for index, record in enumerate(table.to_pylist()):
         yield f"row {index}", record
+
+
+def _arrow_records(path: str):
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(storage.local_copy(path)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+    except Exception as e:  # pyarrow raises several types for files of another format
+        raise DataError(f"{path}: not a readable Arrow stream file: {e}") from None
+    for index, record in enumerate(table.to_pylist()):
+        yield f"row {index}", record
+
+
+def data_files(path: str) -> list[str]:
+    """The data files of a directory (local or gs://), relative to it: those a save_to_disk
+    state.json lists, else every file with a known suffix beneath it (hidden folders skipped),
+    sorted."""
+    state = storage.join(path, "state.json")
+    if storage.isfile(state):
+        return [entry["filename"] for entry in storage.read_json(state)["_data_files"]]
+    splits_file = storage.join(path, "dataset_dict.json")
+    if storage.isfile(splits_file):
+        splits = storage.read_json(splits_file).get("splits", [])
+        raise DataError(f"{path}: a dataset with splits {', '.join(splits)}: read one split "
+                        f"(data.source=hf with data.split, or the split's directory)")
+    return sorted(name for name in _walk(path) if os.path.splitext(name)[1].lower() in SUFFIXES)
+
+
+def _walk(path: str, prefix: str = "") -> Iterator[str]:
+    """Relative names of the files beneath `path`, hidden entries skipped."""
+    for name in storage.listdir(path):
+        if name.startswith("."):
+            continue
+        if storage.isdir(storage.join(path, name)):
+            yield from _walk(storage.join(path, name), f"{prefix}{name}/")
+        else:
+            yield prefix + name
+
+
+def _directory_records(path: str):
+    names = data_files(path)
+    if not names:
+        raise DataError(f"{path}: no data files ({', '.join(SUFFIXES)}) in this directory")
+    for name in names:
+        for location, record in _records(storage.join(path, name)):
+            yield f"{name}:{location}", record
 
 
 def _lookup(record: dict, name: str) -> tuple[bool, Any]:

@@ -45,7 +45,8 @@ def run_eval(config, workdir: str) -> dict:
     policy = load_policy(config, workdir)
     step = restore_trained_params(policy.model, workdir, config)
     sets = load_problem_sets(config.data,
-                             prompt_limit(config, policy.prompts, policy.context_length))
+                             prompt_limit(config, policy.prompts, policy.context_length),
+                             config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),

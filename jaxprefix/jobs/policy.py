@@ -76,6 +76,8 @@ def model_dtypes(config) -> tuple[str, str]:
         if name not in FLOAT_DTYPES:
             raise ValueError(f"config.model.{field}={value!r}: expected one of {FLOAT_DTYPES}")
         out.append(name)
+    if config.get("train") and config.train.get("lora_rank", 0):
+        return out[0], out[0]  # LoRA: the base is frozen in the compute dtype, no master copy
     return out[0], out[1]
 
 

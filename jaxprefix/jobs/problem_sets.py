@@ -5,7 +5,12 @@
   set (`digits`, `multipliers`; the demo's hard problems: 20 digits times 6..9), plus easy ones
   for the "+ easy" ablation;
 - 'file': JSONL / parquet files (`path`, `eval_path`) with configurable field names;
-- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed.
+- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed;
+- 'hf': a local Hugging Face dataset (`path`: a save_to_disk directory, a hub snapshot of
+  parquet / JSON lines shards, or one file; data/hf_source.py), split `split`;
+- 'tfds': a prepared TFDS dataset directory (`path`, local or gs://), split `split`.
+For 'hf' and 'tfds' the evaluation set is split `eval_split` (default 'test') of `eval_path`
+(default `path`), read when either is set; field names as for files.
 
 With a `PromptLimit`, a problem whose prompt (as the policy reads it) does not fit the model's
 context with room for the completion, or `data.max_prompt_tokens`, is refused with its file and
@@ -20,7 +25,7 @@ from absl import logging
 from jaxprefix.data.problem import DataError, Problem
 from jaxprefix.errors import ConfigError
 
-SOURCES = ("carry_multiplication", "file", "reasoning_gym")
+SOURCES = ("carry_multiplication", "file", "reasoning_gym", "hf", "tfds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +60,21 @@ def prompt_limit(config, prompts, context_length: int) -> PromptLimit:
                                       f"config.rollout.max_new_tokens={new_tokens}")
 
 
-def load_problem_sets(data, limit: PromptLimit | None = None) -> ProblemSets:
-    """Problem sets from `config.data`; fails early when `data.verifier` is not a verifier, and,
-    with `limit`, on a prompt too long for the policy (skipped with data.skip_invalid)."""
+def load_problem_sets(data, limit: PromptLimit | None = None,
+                      rewards_path: str = "") -> ProblemSets:
+    """Problem sets from `config.data`, scored by `data.verifier` or, when `rewards_path`
+    (config.rewards.path) names one, a function in a file; fails early when neither is a
+    verifier, and, with `limit`, on a prompt too long for the policy (skipped with
+    data.skip_invalid)."""
     from jaxprefix import rewards
 
+    verifier = rewards.verifier_name(rewards_path, data.verifier)
     where: dict[str, str] = {}  # problem id -> 'file:line N' for problems read from files
-    sets = _load(data, where)
-    if data.verifier not in rewards.names():
+    sets = _load(data, where)  # a built-in task registers its verifier here
+    if verifier not in rewards.names():
         raise ConfigError(f"config.data.verifier={data.verifier!r}: expected one of "
                           f"{sorted(rewards.names())}")
+    sets = dataclasses.replace(sets, verifier=verifier)
     if limit is None:
         return sets
     skip = bool(data.get("skip_invalid", False))
@@ -128,6 +138,18 @@ def _load(data, where: dict) -> ProblemSets:
                          for p, location in zip(report.problems, report.locations))
         train = reports[0].problems[:data.train_size or None]
         held_out = reports[1].problems if data.eval_path else []
+        return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
+    if data.source in ("hf", "tfds"):
+        if data.source == "hf":
+            from jaxprefix.data.hf_source import hf_problems as read
+        else:
+            from jaxprefix.data.tfds_source import tfds_directory_problems as read
+        fields = dict(question_field=data.question_field, solution_field=data.solution_field,
+                      answer_field=data.answer_field)
+        train = read(data.path, data.split, **fields)[:data.train_size or None]
+        held_out = []
+        if data.eval_path or data.eval_split:
+            held_out = read(data.eval_path or data.path, data.eval_split or "test", **fields)
         return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
     if data.source == "reasoning_gym":
         from jaxprefix.data import reasoning_gym_problems

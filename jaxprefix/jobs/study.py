@@ -30,7 +30,8 @@ class Study:
         check_method_settings(config)
         policy = load_policy(config, workdir)
         sets = load_problem_sets(config.data,
-                                 prompt_limit(config, policy.prompts, policy.context_length))
+                                 prompt_limit(config, policy.prompts, policy.context_length),
+                                 config.rewards.path)
         mining = Mining(config, policy, sets, mining_dir(config, workdir))
         hard = mining.hard_set()
         mining.prefixes(hard)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers
+from jaxprefix.models import layers, lora
 from jaxprefix.models.attention import KVCache, KVSegment, attend
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
@@ -129,18 +129,25 @@ class Decoder(nnx.Module):
             window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
 
         weights = {name: getattr(self, name)[...] for name in self.layer_names}
+        adapters = self.adapters if lora.has_adapters(self) else None
+        lora_config = adapters.config if adapters is not None else None
         per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
-                         context=[(s.k, s.v) for s in context])
+                         context=[(s.k, s.v) for s in context],
+                         lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
         context_pos = [s.pos for s in context]
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
             w = {n: a.astype(dtype) for n, a in xs['weights'].items()}
+
+            def project(name, equation, x):
+                return lora.project(name, equation, x, w[name], xs['lora'], lora_config)
+
             cos, sin = [jnp.where(xs['sliding'], l, g) for l, g in zip(local_angles, angles)]
             h = layers.rms_norm(x, w['attn_norm'], c.rms_norm_eps, c.norm_plus_one)
-            q = jnp.einsum('btd,dhk->bthk', h, w['q'])
-            k = jnp.einsum('btd,dhk->bthk', h, w['k'])
-            v = jnp.einsum('btd,dhk->bthk', h, w['v'])
+            q = project('q', 'btd,dhk->bthk', h)
+            k = project('k', 'btd,dhk->bthk', h)
+            v = project('v', 'btd,dhk->bthk', h)
             if c.qkv_bias:
                 q, k, v = q + w['q_bias'], k + w['k_bias'], v + w['v_bias']
             if c.qk_norm:
@@ -153,14 +160,14 @@ class Decoder(nnx.Module):
             segments.append(own)
             a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
                        logit_cap=c.attn_logit_softcapping)
-            a = jnp.einsum('bthk,hkd->btd', a, w['o'])
+            a = project('o', 'bthk,hkd->btd', a)
             if c.out_bias:
                 a = a + w['o_bias']
             if c.sandwich_norms:
                 a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = x + a
             h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            m = layers.gated_mlp(h, w['gate'], w['up'], w['down'], c.activation)
+            m = layers.gated_mlp(h, project, c.activation)
             if c.sandwich_norms:
                 m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = constrain(x + m, ('batch', 'length', 'act_embed'))

@@ -7,12 +7,14 @@ score_answer) and `format` (a closed `\\boxed{}` is present). Others register th
 
     rewards.register("my_task", my_task_verifier, in_process=True)
 
-`in_process=True` marks a verifier cheap and safe (exact match on short strings): it runs in the
-calling process, still under the timeout (an interval timer interrupts it, on the main thread).
-Everything else runs in the shared worker pool, where a crash or a timeout scores 0 and is
-counted, never raised into the training loop. Policy output is untrusted: a completion longer
-than `max_chars` is scored 0 without being read, and counted; the built-in verifiers are linear
-in the text besides (tests/test_rewards.py feeds each a megabyte of unclosed `\\boxed{`).
+A function in a Python file needs no module: `--config.rewards.path=my_rewards.py:fn`
+(rewards/from_file.py; `verifier_name` resolves it). `in_process=True` marks a verifier cheap and
+safe (exact match on short strings): it runs in the calling process, still under the timeout (an
+interval timer interrupts it, on the main thread). Everything else runs in the shared worker
+pool, where a crash or a timeout scores 0 and is counted, never raised into the training loop.
+Policy output is untrusted: a completion longer than `max_chars` is scored 0 without being read,
+and counted; the built-in verifiers are linear in the text besides (tests/test_rewards.py feeds
+each a megabyte of unclosed `\\boxed{`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxprefix.data.problem import Problem
+from jaxprefix.rewards import from_file
 from jaxprefix.rewards.exact import exact_match
 from jaxprefix.rewards.math import format_reward, math_reward, math_verifier, math_verifier_lenient
 from jaxprefix.rewards.pool import VerifierPool, close_pools, default_workers, shared_pool
@@ -67,6 +70,17 @@ def register(name: str, fn: Verifier, *, in_process: bool = False, overwrite: bo
             raise ValueError(f"verifier {name!r}: {fn!r} cannot be sent to worker processes ({e}); "
                              "use a top-level function of an importable module") from e
     _REGISTRY[name] = _Entry(fn, in_process)
+
+
+def verifier_name(path: str, default: str) -> str:
+    """The verifier a run scores with: the function of `path` ('FILE.py:FUNCTION', the config's
+    rewards.path), registered under its absolute spec on first use, or `default` when path is ''."""
+    if not path:
+        return default
+    verifier = from_file.load(path)
+    if verifier.spec not in _REGISTRY:
+        register(verifier.spec, verifier)
+    return verifier.spec
 
 
 def get(name: str) -> Verifier:
@@ -180,5 +194,5 @@ register("reasoning_gym", reasoning_gym_verifier)
 
 __all__ = [
     "Verifier", "VerifierPool", "close_pools", "default_workers", "exact_match", "format_reward",
-    "get", "math_reward", "names", "register", "score_batch",
+    "get", "math_reward", "names", "register", "score_batch", "verifier_name",
 ]

@@ -23,7 +23,8 @@ from tqdm.auto import tqdm
 from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.rl import boundaries, dynamic_sampling, objectives
+from jaxprefix.models import lora, sharding
+from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
@@ -74,6 +75,27 @@ def train_config(config) -> TrainConfig:
         raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
 
 
+def lora_config(config) -> lora.LoraConfig | None:
+    """The adapters of `config.train.lora_rank` / `config.train.lora` (None: full fine-tuning)."""
+    rank, fields = config.train.get("lora_rank", 0), config.train.get("lora", {})
+    if rank == 0:
+        return None
+    try:
+        return lora.LoraConfig(rank, **fields)
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("LoraConfig.rank", "config.train.lora_rank")
+        raise ValueError(message.replace("LoraConfig.", "config.train.lora.")) from None
+
+
+def adapted(model, config, mesh=None):
+    """`model` with fresh adapters placed on `mesh` when the config asks for LoRA, else `model`."""
+    adapters = lora_config(config)
+    if adapters is None:
+        return model
+    model = lora.with_adapters(model, adapters, seed=config.seed)
+    return model if mesh is None else sharding.shard_model(model, mesh)
+
+
 def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
     """Checks the run's settings before anything is loaded; returns the learner's TrainConfig.
 
@@ -95,6 +117,8 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(config.checkpoint.every >= 1, "checkpoint.every", config.checkpoint.every, ">= 1")
     need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
     need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
+    lora_config(config)
+    rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     learner_config = train_config(config)
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     contexts = contexts_per_step or t.problems_per_step
@@ -110,10 +134,11 @@ def check_update_resolution(model, learning_rate: float) -> None:
     """Refuses to train weights held in a dtype too coarse for the learning rate: all-bf16 at
     lr 1e-6 (the paper's) leaves nearly every weight unchanged, and nothing else would say so.
     Refused rather than warned: the run would burn its whole budget learning nothing, and
-    float32 master weights (with bf16 compute) fix it at 4 more bytes per parameter."""
+    float32 master weights (with bf16 compute) fix it at 4 more bytes per parameter. Only the
+    trained weights count: with LoRA the adapters (always f32), not the frozen base."""
     if learning_rate <= 0:
         return
-    frozen = frozen_fraction(nnx.state(model, nnx.Param), learning_rate)
+    frozen = frozen_fraction(nnx.state(model, lora.trainable(model)), learning_rate)
     if frozen > 0.5:
         dtype = model.config.param_dtype
         raise ValueError(
@@ -159,7 +184,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
-    scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
+    verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
+    scores, stats = rewards.score_batch(verifier, texts, problems,
                                         timeout_s=config.rewards.timeout_s,
                                         workers=config.rewards.workers or None,
                                         max_chars=config.rewards.max_chars)
@@ -246,11 +272,13 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
-    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference.
+    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
+      with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
+    model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
     n_params = model.config.num_params()
@@ -268,6 +296,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 setattr(ledger, k, v)
     start = int(state.step)
     writer = MetricsWriter(workdir, resume_step=start + 1)
+    tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
     def save(step):
@@ -360,6 +389,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                                        step=done, stop_ids=stop_ids))
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
+            if tracker is not None:
+                tracker.write(done, record)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
@@ -369,20 +400,42 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 break
     bar.close()
     writer.close()
+    if tracker is not None:
+        tracker.close()
     ckpt.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
 
 
-def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
-    """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
-    or None (model untouched) when the workdir has no checkpoint."""
+def restore_trained(model, workdir: str, config, mesh=None):
+    """(step, policy) of the latest checkpoint of `workdir`: `model` with the checkpointed weights
+    (with train.lora_rank > 0, a copy of `model` carrying the trained adapters), or (None, model)
+    when the workdir has no checkpoint. `model` itself is left as it is."""
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     step = None
+    trained = model
     if ckpt.latest_step() is not None:
-        learner = Learner(model, train_config(config), mesh)
+        learner = Learner(adapted(model, config, mesh), train_config(config), mesh)
         step, arrays, _ = recovery.restore_newest(ckpt, _state_arrays(learner.init_state()),
                                                   move_aside=False)
-        nnx.update(model, arrays["params"])
+        trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest, copy=True)
     ckpt.close()
+    return step, trained
+
+
+def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
+    """Loads the latest checkpointed policy of `workdir` into `model` (in place; trained adapters
+    folded into its weights); returns its step, or None (model untouched) without a checkpoint."""
+    step, trained = restore_trained(model, workdir, config, mesh)
+    if step is not None:
+        load_trained(model, trained)
     return step
+
+
+def load_trained(model, trained) -> None:
+    """Puts the weights of `trained` (a restore_trained policy) into `model`, in `model`'s dtypes,
+    its adapters folded in (W + s A B)."""
+    if lora.has_adapters(trained):
+        trained = lora.merged(trained)
+    nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                   nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param)))

@@ -27,6 +27,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.rl import objectives
 
@@ -150,14 +151,15 @@ class Learner:
     """Owns the model's graph, the optimizer and the jitted update; state lives in TrainState.
 
     `model` is an nnx Decoder already placed on `mesh` (models.sharding.shard_model) or on one
-    device when mesh is None.
+    device when mesh is None. With adapters (models.lora) only they are trained, held in the
+    optimizer state and checkpointed; the base stays frozen in `rest`.
     """
 
     def __init__(self, model: nnx.Module, config: TrainConfig, mesh=None):
         self.config = config
         self.mesh = mesh
         self.compute_dtype = jnp.dtype(model.config.dtype)
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.graphdef, params, self.rest = nnx.split(model, lora.trainable(model), ...)
         self._initial_params = params
         # The learner's own graph; the sampler's (self.graphdef, via model()) stays as loaded.
         self._train_graphdef = _remat_graph(model) if config.remat else self.graphdef
@@ -170,7 +172,9 @@ class Learner:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     def initial_params(self):
-        """A copy of the model's initial weights (e.g. the frozen KL reference)."""
+        """A copy of the model's initial trained weights (e.g. the frozen KL reference). With
+        adapters these are the initial adapters, whose B = 0 makes the policy exactly its base:
+        the reference then costs no copy of the base."""
         return jax.tree.map(lambda x: x.copy(), self._initial_params)
 
     def init_state(self) -> TrainState:
@@ -191,13 +195,20 @@ class Learner:
         return NamedSharding(self.mesh, P())
 
     def model(self, state: TrainState) -> nnx.Module:
-        """The policy with `state`'s parameters (the master weights, in param_dtype)."""
+        """The policy with `state`'s parameters (the master weights, in param_dtype; with
+        adapters, the frozen base and `state`'s adapters)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
     def sampling_model(self, state: TrainState) -> nnx.Module:
         """The policy for the sampler: `state`'s weights cast to the compute dtype (a new bf16
         copy of f32 master weights, same shardings), or the weights themselves when they are
-        already in it. Cast once per step; the sampler then reads half the bytes."""
+        already in it. Cast once per step; the sampler then reads half the bytes. Adapters come
+        folded into the (compute-dtype) base instead (lora.merged: a copy of the targeted weights,
+        freed after sampling), which decodes faster than applying them per token
+        (bench/bench_lora.py); LoraConfig.merged_sampling=False applies them and saves the copy."""
+        model = self.model(state)
+        if lora.has_adapters(model):
+            return lora.merged(model) if model.adapters.config.merged_sampling else model
         params = _cast_floats(state.params, self.compute_dtype)
         return nnx.merge(self.graphdef, params, self.rest)
 
@@ -275,7 +286,7 @@ def _remat_graph(model: nnx.Module):
     """The graph of `model` with ModelConfig.remat on (a copy: `model` itself is unchanged)."""
     copy = nnx.merge(*nnx.split(model))
     copy.config = copy.config.replace(remat=True)
-    return nnx.split(copy, nnx.Param, ...)[0]
+    return nnx.split(copy, lora.trainable(copy), ...)[0]
 
 
 # --- pure functions under jit ----------------------------------------------------------------
@@ -285,6 +296,8 @@ def _remat_graph(model: nnx.Module):
 
 def _token_logprobs(graphdef, params, rest, batch, chunk_size):
     model = nnx.merge(graphdef, params, rest)
+    if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
+        lora.set_dropout_key(model, batch["dropout_key"])
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
                           positions=batch["positions"], chunk_size=chunk_size)
 
@@ -305,9 +318,11 @@ def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
     return loss, stats
 
 
-def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch):
+def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch,
+                     dropout_key):
     """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
-    minibatch; each micro-batch's loss is normalised by the minibatch's totals."""
+    minibatch; each micro-batch's loss is normalised by the minibatch's totals. Micro-batch i
+    draws its (adapter) dropout from fold_in(dropout_key, i)."""
     mask = minibatch["completion_mask"]
     if c.aggregation == "seq_mean_token_mean":
         sequences = (mask.sum(-1) > 0).sum()
@@ -317,10 +332,12 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     loss_fn = functools.partial(_micro_loss, graphdef, c)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def body(carry, micro):
+    def body(carry, xs):
         loss_sum, grad_sum, stats_sum = carry
+        micro, index = xs
         if sharded:
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
+        micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
         (loss, stats), grads = grad_fn(params, rest, micro, totals)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
                 _combine_stats(stats_sum, stats)), None
@@ -329,7 +346,8 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
     init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
             _empty_stats(stats_shape))
-    (loss, grads, stats), _ = jax.lax.scan(body, init, minibatch)
+    indices = jnp.arange(mask.shape[0])
+    (loss, grads, stats), _ = jax.lax.scan(body, init, (minibatch, indices))
     return loss, grads, stats
 
 
@@ -343,11 +361,15 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     # Minibatch visited by each optimizer update: num_epochs passes over the minibatches.
     order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
     optimizer = make_optimizer(c)
+    # Dropout masks: a function of (step, update, micro-batch), so a resumed run draws the same.
+    step_key = jax.random.fold_in(jax.random.key(0), state.step)
 
-    def one_update(carry, index):
+    def one_update(carry, xs):
         params, opt_state, updates, skipped = carry
+        position, index = xs
         mb = jax.tree.map(lambda x: x[index], arranged)
-        loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb)
+        loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb,
+                                              jax.random.fold_in(step_key, position))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         deltas, new_opt = optimizer.update(grads, opt_state, params)
@@ -359,7 +381,8 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
         return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
 
     init = (state.params, state.opt_state, state.updates, state.skipped)
-    (params, opt_state, updates, skipped), per_update = jax.lax.scan(one_update, init, order)
+    (params, opt_state, updates, skipped), per_update = jax.lax.scan(
+        one_update, init, (jnp.arange(order.size), order))
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                            updates=updates, skipped=skipped)
     return new_state, _summarise(c, per_update, updates, skipped - state.skipped)
