@@ -39,7 +39,9 @@ class KVSegment:
 
 @flax.struct.dataclass
 class KVCache(KVSegment):
-    """A KVSegment with one group per query row and a write index (int32 scalar)."""
+    """A KVSegment with one group per query row and a write column: `index` is an int32 scalar
+    (every row writes at the same column) or int32 [B] (row b writes at column index[b]: rows of
+    the continuous sampler, each at its own token count)."""
     index: jax.Array = None
 
     @classmethod
@@ -48,6 +50,19 @@ class KVCache(KVSegment):
         shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    pos=jnp.full((batch, length), -1, jnp.int32), index=jnp.zeros((), jnp.int32))
+
+
+def take_groups(x: jax.Array, rows: jax.Array) -> jax.Array:
+    """Group rows[d, i] of block d, for each query row d * s + i: x [G, ...] -> [D * s, ...].
+
+    The G groups are D contiguous blocks (one per device that holds rows) and each row picks
+    within its own block, so the gather stays on the device that holds both (a batched gather
+    over D, which XLA's SPMD partitioner splits without communication).
+    """
+    d, s = rows.shape
+    blocks = x.reshape(d, x.shape[0] // d, *x.shape[1:])
+    picked = jax.vmap(lambda block, index: block[index])(blocks, rows)
+    return picked.reshape(d * s, *x.shape[1:])
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix.models import layers
-from jaxprefix.models.attention import KVCache, KVSegment, attend
+from jaxprefix.models.attention import KVCache, KVSegment, attend, take_groups
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
 
@@ -87,7 +87,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _ = self._run(tokens, positions, (), None)
+        h, _ = self._run(tokens, positions, (), None, None)
         return h
 
     def unembedding(self) -> jax.Array:
@@ -98,21 +98,25 @@ class Decoder(nnx.Module):
         return unembed(h, self.unembedding(), self.config)
 
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
-               cache: KVCache | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
+               cache: KVCache | None = None,
+               context_rows: jax.Array | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
         """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
         A negative position marks a padding token: it is stored as an empty slot. Returns the new
-        tokens' KVSegment (cache=None) or the updated cache (index advanced by T).
+        tokens' KVSegment (cache=None) or the updated cache (index advanced by T). Context groups
+        are read group-major, or, given `context_rows` int32 [D, B/D], query row d * B/D + i reads
+        group rows[d, i] of the d-th block of G/D groups (`attention.take_groups`).
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         positions = jnp.where(positions >= 0, positions, -1)
-        h, kv = self._run(tokens, positions, tuple(context), cache)
+        h, kv = self._run(tokens, positions, tuple(context), cache, context_rows)
         return self.unembed(h), kv
 
     # --- the one forward path -----------------------------------------------------------------
 
-    def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None):
+    def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
+             context_rows: jax.Array | None):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -132,6 +136,8 @@ class Decoder(nnx.Module):
         per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
                          context=[(s.k, s.v) for s in context])
         context_pos = [s.pos for s in context]
+        if context_rows is not None:
+            context_pos = [take_groups(p, context_rows) for p in context_pos]
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
@@ -148,7 +154,11 @@ class Decoder(nnx.Module):
                 k = layers.rms_norm(k, w['k_norm'], c.rms_norm_eps, c.norm_plus_one)
             q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
             q = constrain(q, ('batch', 'length', 'act_heads', None))
-            segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
+            context_kv = xs['context']
+            if context_rows is not None:  # this layer's context KV of each row: [B, S, Hkv, Dh]
+                context_kv = [(take_groups(ck, context_rows), take_groups(cv, context_rows))
+                              for ck, cv in context_kv]
+            segments = [(ck, cv, cp) for (ck, cv), cp in zip(context_kv, context_pos)]
             own, new_kv = kv_self(k, v)
             segments.append(own)
             a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
@@ -174,7 +184,23 @@ class Decoder(nnx.Module):
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
             t = tokens.shape[1]
-            cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
+            if cache.index.ndim == 0:  # one write column for every row: a slice update
+                cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
+
+                def put(stacked, i, new):
+                    return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
+                                                        (i, 0, cache.index, 0, 0))
+            else:  # row b writes its new tokens at columns index[b] .. index[b] + T - 1
+                # vmapped over rows: a scatter whose row dimension XLA shards without gathering.
+                cache_pos = jax.vmap(jax.lax.dynamic_update_slice)(
+                    cache.pos, positions, cache.index[:, None])
+
+                def put(stacked, i, new):
+                    def one_row(row_cache, row_new, column):  # [L, S, ...], [T, ...]
+                        return jax.lax.dynamic_update_slice(
+                            row_cache, row_new[None].astype(row_cache.dtype), (i, column, 0, 0))
+                    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(stacked, new,
+                                                                          cache.index)
 
             def step(carry, xs):
                 x, cache_k, cache_v = carry
@@ -182,9 +208,7 @@ class Decoder(nnx.Module):
 
                 def write(k, v):
                     nonlocal cache_k, cache_v
-                    at = (i, 0, cache.index, 0, 0)
-                    cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
-                    cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+                    cache_k, cache_v = put(cache_k, i, k), put(cache_v, i, v)
                     return (cache_k[i], cache_v[i], cache_pos), None
 
                 x, _ = layer(x, xs, write)
