@@ -19,6 +19,7 @@ import os
 
 from absl import logging
 
+from jaxprefix import sampling
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
@@ -35,7 +36,8 @@ def mining_dir(config, workdir: str) -> str:
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
     rollout = config.rollout
     spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids)
+                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids,
+                        **sampling.memory_settings(rollout))
     return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
                   verifier_timeout_s=config.rewards.timeout_s)

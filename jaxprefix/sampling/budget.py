@@ -77,11 +77,12 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
             tokens = _schedule(shards, s, per_block, n).kv_tokens(context_length, new_bucket)
             return tokens * bytes_per_token <= kv_budget_bytes
         if not fits_budget(1):
-            need = _schedule(shards, 1, per_block, n).kv_tokens(context_length, new_bucket)
+            least = _schedule(shards, 1, per_block, n)
+            need = least.kv_tokens(context_length, new_bucket) * bytes_per_token
             raise ValueError(
-                f'kv_budget_bytes={kv_budget_bytes} holds no row: one row of {new_bucket} new '
-                f'tokens and one context of {context_length} tokens on each of {shards} row '
-                f'devices need {need * bytes_per_token} bytes')
+                f'kv_budget_bytes={kv_budget_bytes} holds no row: {shards} row device(s) x (one '
+                f'row of {new_bucket} new tokens + {least.context_slots} context(s) of '
+                f'{context_length} tokens) need {need} bytes')
         low, high = 1, row_slots  # the most rows that fit: bisection (fits_budget is monotone)
         while low < high:
             mid = (low + high + 1) // 2
@@ -102,13 +103,15 @@ def free_device_memory(devices=None) -> int | None:
     return total
 
 
-def kv_budget_from_config(budget_gib: float, devices=None) -> int | None:
-    """`rollout.kv_budget_gib` in bytes: 0 means DEFAULT_FREE_MEMORY_SHARE of the devices' free
-    memory, or no bound where the devices report none (CPU)."""
-    if budget_gib < 0:
-        raise ValueError(f'config.rollout.kv_budget_gib={budget_gib!r}: expected >= 0 '
-                         '(0: half the free accelerator memory)')
+def memory_settings(rollout, devices=None) -> dict:
+    """generate()'s max_rows_in_flight and kv_budget_bytes from a config's `rollout` block:
+    max_rows_in_flight 0 means no cap; kv_budget_gib 0 means DEFAULT_FREE_MEMORY_SHARE of the
+    devices' free memory, or no bound where the devices report none (CPU)."""
+    budget_gib = float(rollout.kv_budget_gib)
     if budget_gib:
-        return int(budget_gib * 2**30)
-    free = free_device_memory(devices)
-    return None if free is None else int(free * DEFAULT_FREE_MEMORY_SHARE)
+        budget = int(budget_gib * 2**30)
+    else:
+        free = free_device_memory(devices)
+        budget = None if free is None else int(free * DEFAULT_FREE_MEMORY_SHARE)
+    return dict(max_rows_in_flight=int(rollout.max_rows_in_flight) or None,
+                kv_budget_bytes=budget)
