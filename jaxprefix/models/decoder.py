@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix.models import layers
-from jaxprefix.models.attention import KVCache, KVSegment, attend, take_groups
+from jaxprefix.models.attention import KVCache, KVSegment, attend, take_groups, write_columns
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
 
@@ -191,16 +191,10 @@ class Decoder(nnx.Module):
                     return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
                                                         (i, 0, cache.index, 0, 0))
             else:  # row b writes its new tokens at columns index[b] .. index[b] + T - 1
-                # vmapped over rows: a scatter whose row dimension XLA shards without gathering.
-                cache_pos = jax.vmap(jax.lax.dynamic_update_slice)(
-                    cache.pos, positions, cache.index[:, None])
+                cache_pos = write_columns(cache.pos[None], 0, positions, cache.index)[0]
 
                 def put(stacked, i, new):
-                    def one_row(row_cache, row_new, column):  # [L, S, ...], [T, ...]
-                        return jax.lax.dynamic_update_slice(
-                            row_cache, row_new[None].astype(row_cache.dtype), (i, column, 0, 0))
-                    return jax.vmap(one_row, in_axes=(1, 0, 0), out_axes=1)(stacked, new,
-                                                                          cache.index)
+                    return write_columns(stacked, i, new, cache.index)
 
             def step(carry, xs):
                 x, cache_k, cache_v = carry

@@ -60,8 +60,8 @@ class ContextSlots:
 
 @flax.struct.dataclass
 class Outputs:
-    """Per block: [D, R, T] and [D, R], R = contexts per block x n; row m*n + j of block d is sample
-    j of the block's context m."""
+    """[D * R, T] and [D * R], R = contexts per block x n: row (d * C/D + m) * n + j is sample j
+    of block d's context m, i.e. rows in request order."""
     completions: jax.Array  # int32
     logprobs: jax.Array     # f32
     lengths: jax.Array      # int32
@@ -162,6 +162,13 @@ def _wants_contexts(contexts: dict, state: LoopState, *, n: int, admit: int) -> 
     return jnp.any((pending > 0) & ((free >= jnp.minimum(admit, pending)) | starving))
 
 
+def _count_per_slot(slot: jax.Array, counted: jax.Array, num_slots: int) -> jax.Array:
+    """[K] how many rows with `counted` set point at each context slot (a one-hot sum: XLA's CPU
+    scatters are slow when vmapped over blocks)."""
+    hits = (slot[:, None] == jnp.arange(num_slots)) & counted[:, None]
+    return hits.sum(axis=0, dtype=jnp.int32)
+
+
 def _fill_rows(rows: RowSlots, slots: ContextSlots, n: int):
     """One block: each idle row slot takes the next queued sample (resident contexts in slot
     order, samples in order). Returns (rows, slots, which slots took a new row)."""
@@ -176,14 +183,14 @@ def _fill_rows(rows: RowSlots, slots: ContextSlots, n: int):
     rows = RowSlots(context_slot=new(source, rows.context_slot), sample=new(sample, rows.sample),
                     t=new(0, rows.t), token=new(slots.last_token[source], rows.token),
                     position=new(slots.last_position[source], rows.position))
-    admitted = slots.admitted + jnp.zeros_like(slots.admitted).at[source].add(take)
+    admitted = slots.admitted + _count_per_slot(source, take, waiting.shape[0])
     return rows, slots.replace(admitted=admitted), take
 
 
 def _finish_rows(slots: ContextSlots, rows: RowSlots, finished: jax.Array, n: int) -> ContextSlots:
     """One block: counts stopped samples per context and frees contexts whose n samples stopped."""
-    at = jnp.where(finished, rows.context_slot, slots.finished.shape[0])  # past the end: dropped
-    counts = slots.finished + jnp.zeros_like(slots.finished).at[at].add(1, mode='drop')
+    counts = slots.finished + _count_per_slot(rows.context_slot, finished,
+                                              slots.finished.shape[0])
     freed = (slots.context >= 0) & (counts == n)
     return slots.replace(context=jnp.where(freed, -1, slots.context),
                          admitted=jnp.where(freed, 0, slots.admitted),
@@ -208,10 +215,10 @@ def _initial_state(model, contexts: dict, *, n, shards, row_slots, context_slots
                     token=ints((d, s)), position=ints((d, s)))
     slots = ContextSlots(context=ints((d, k), -1), admitted=ints((d, k)), finished=ints((d, k)),
                          last_token=ints((d, k)), last_position=ints((d, k)))
-    r = per_block * n
-    out = Outputs(completions=ints((d, r, new_bucket)),
-                  logprobs=jnp.zeros((d, r, new_bucket), jnp.float32), lengths=ints((d, r)),
-                  stopped=jnp.zeros((d, r), bool))
+    rows_total = d * per_block * n
+    out = Outputs(completions=ints((rows_total, new_bucket)),
+                  logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
+                  lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
     return LoopState(rows=_constrain_blocks(rows), contexts=_constrain_blocks(slots),
                      next_context=ints((d,)), store=tuple(store), cache=cache,
                      out=_constrain_blocks(out))
@@ -261,15 +268,12 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         t = rows.t + 1
         finished = active & (hit_stop | (t >= max_new_tokens))
 
-        out, r = state.out, state.out.lengths.shape[1]
-        at = jnp.where(active, context * n + rows.sample, r)  # r: past the end, dropped
-        put_token = lambda table, value: _per_block(
-            lambda tb, a, c, v: tb.at[a, c].set(v, mode='drop'), table, at, rows.t, value)
-        put_row = lambda table, value: _per_block(
-            lambda tb, a, v: tb.at[a].set(v, mode='drop'), table, at, value)
-        out = Outputs(completions=put_token(out.completions, tokens),
-                      logprobs=put_token(out.logprobs, logprobs),
-                      lengths=put_row(out.lengths, t), stopped=put_row(out.stopped, hit_stop))
+        out = state.out
+        at = jnp.where(active, row_ids, out.lengths.shape[0])  # past the end: dropped
+        out = Outputs(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
+                      logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
+                      lengths=out.lengths.at[at].set(t, mode='drop'),
+                      stopped=out.stopped.at[at].set(hit_stop, mode='drop'))
         slots = _per_block(functools.partial(_finish_rows, n=n), slots, rows, finished)
         rows = rows.replace(context_slot=jnp.where(finished, -1, rows.context_slot),
                             t=jnp.where(finished, 0, t), token=tokens,
@@ -280,5 +284,4 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     state = _initial_state(model, contexts, n=n, shards=d, row_slots=row_slots,
                            context_slots=context_slots, new_bucket=new_bucket)
     out = jax.lax.while_loop(keep_going, one_step, state).out
-    flat = lambda x: x.reshape(-1, *x.shape[2:])  # blocks are contiguous: row order
-    return flat(out.completions), flat(out.logprobs), flat(out.lengths), flat(out.stopped)
+    return out.completions, out.logprobs, out.lengths, out.stopped
