@@ -87,7 +87,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _ = self._run(tokens, positions, (), None, None)
+        h, _ = self._run(tokens, positions, (), None, None, None)
         return h
 
     def unembedding(self) -> jax.Array:
@@ -97,26 +97,35 @@ class Decoder(nnx.Module):
     def unembed(self, h: jax.Array) -> jax.Array:
         return unembed(h, self.unembedding(), self.config)
 
+    def layer_weights(self) -> list[dict[str, jax.Array]]:
+        """Each layer's weights as arrays of their own, for `extend(layer_weights=...)`."""
+        stacked = {name: getattr(self, name)[...] for name in self.layer_names}
+        return [{name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers)]
+
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
-               cache: KVCache | None = None,
-               context_rows: jax.Array | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
+               cache: KVCache | None = None, context_rows: jax.Array | None = None,
+               layer_weights: Sequence[dict] | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
         """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
         A negative position marks a padding token: it is stored as an empty slot. Returns the new
         tokens' KVSegment (cache=None) or the updated cache (index advanced by T). Context groups
         are read group-major, or, given `context_rows` int32 [D, B/D], query row d * B/D + i reads
         group rows[d, i] of the d-th block of G/D groups (`attention.take_groups`).
+        `layer_weights` (from `layer_weights()`, taken outside a decode loop) runs the layers one
+        by one on those arrays instead of scanning the stacked weights: XLA's CPU backend copies
+        each layer's slice of a stacked weight before its matmul, which triples the weight reads
+        of a memory-bound decode step (TPU fuses the slice into the matmul).
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         positions = jnp.where(positions >= 0, positions, -1)
-        h, kv = self._run(tokens, positions, tuple(context), cache, context_rows)
+        h, kv = self._run(tokens, positions, tuple(context), cache, context_rows, layer_weights)
         return self.unembed(h), kv
 
     # --- the one forward path -----------------------------------------------------------------
 
     def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
-             context_rows: jax.Array | None):
+             context_rows: jax.Array | None, layer_weights: Sequence[dict] | None):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -132,9 +141,21 @@ class Decoder(nnx.Module):
         if sliding.any():
             window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
 
-        weights = {name: getattr(self, name)[...] for name in self.layer_names}
-        per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
+        per_layer = dict(sliding=jnp.asarray(sliding), window=window,
                          context=[(s.k, s.v) for s in context])
+        if layer_weights is None:
+            per_layer['weights'] = {name: getattr(self, name)[...] for name in self.layer_names}
+
+        def over_layers(step, carry):
+            """scan(step, carry, per_layer), or a Python loop over the given layer weights."""
+            if layer_weights is None:
+                return jax.lax.scan(step, carry, per_layer, unroll=_unroll(c))
+            outs = []
+            for i, weights in enumerate(layer_weights):
+                xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
+                carry, out = step(carry, xs)
+                outs.append(out)
+            return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
         context_pos = [s.pos for s in context]
         if context_rows is not None:
             context_pos = [take_groups(p, context_rows) for p in context_pos]
@@ -180,7 +201,7 @@ class Decoder(nnx.Module):
             def step(x, xs):
                 return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
             step = jax.checkpoint(step) if c.remat else step
-            x, (ks, vs) = jax.lax.scan(step, x, per_layer, unroll=_unroll(c))
+            x, (ks, vs) = over_layers(step, x)
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
             t = tokens.shape[1]
@@ -210,7 +231,7 @@ class Decoder(nnx.Module):
 
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
-            (x, ks, vs), _ = jax.lax.scan(step, (x, cache.k, cache.v), per_layer, unroll=_unroll(c))
+            (x, ks, vs), _ = over_layers(step, (x, cache.k, cache.v))
             kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
         return layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one), kv
 

@@ -225,17 +225,19 @@ def _initial_state(model, contexts: dict, *, n, shards, row_slots, context_slots
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'shards', 'row_slots',
-                                             'context_slots', 'admit', 'new_bucket'))
+                                             'context_slots', 'admit', 'new_bucket',
+                                             'hoist_layers'))
 def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key,
                       stop_ids, max_new_tokens, *, n: int, shards: int, row_slots: int,
-                      context_slots: int, admit: int, new_bucket: int):
-    """Samples n continuations of each context of `contexts` (layout arrays, one row per context,
-    see sampler.context_arrays) with row_slots x shards rows in flight.
+                      context_slots: int, admit: int, new_bucket: int, hoist_layers: bool = False):
+    """Samples n continuations of each context of `contexts` (layout arrays, one row per context)
+    with row_slots x shards rows in flight; hoist_layers as in static.decode.
 
     Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
     """
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
+    layer_weights = model.layer_weights() if hoist_layers else None
     d = shards
     num_contexts = contexts['valid'].shape[0]
     block_start = jnp.arange(d, dtype=jnp.int32)[:, None] * (num_contexts // d)
@@ -258,7 +260,8 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         active = rows.context_slot >= 0
         reading = jnp.maximum(rows.context_slot, 0)
         logits, cache = model.extend(rows.token.reshape(-1, 1), rows.position.reshape(-1, 1),
-                                     context=state.store, cache=cache, context_rows=reading)
+                                     context=state.store, cache=cache, context_rows=reading,
+                                     layer_weights=layer_weights)
         context = jnp.take_along_axis(slots.context, reading, axis=1)  # within the block
         row_ids = (block_start + context) * n + rows.sample
         keys = row_step_keys(seed_key, row_ids.reshape(-1), rows.t.reshape(-1))

@@ -61,6 +61,7 @@ class _Request:
     stop_ids: np.ndarray
     max_new_tokens: int
     seed: int
+    hoist_layers: bool  # the decode runs on CPU (see Decoder.extend's layer_weights)
 
 
 def _params_mesh(params) -> jax.sharding.Mesh | None:
@@ -70,6 +71,15 @@ def _params_mesh(params) -> jax.sharding.Mesh | None:
         if isinstance(sharding, jax.sharding.NamedSharding):
             return sharding.mesh
     return None
+
+
+def _platform(params) -> str:
+    """The platform the parameters live on (abstract ones: that of their sharding's devices)."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, 'sharding', None)
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
 
 
 def _rows_per_device(mesh) -> int:
@@ -112,7 +122,7 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
     if schedule is not None and lay.valid.shape[0] % shards:
         lay = layout_contexts(contexts, config.vocab_size, shards)
     return _Request(graphdef, params, mesh, lay, schedule, int(n), new_bucket, settings,
-                    stop_array, int(max_new_tokens), int(seed))
+                    stop_array, int(max_new_tokens), int(seed), _platform(params) == 'cpu')
 
 
 def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
@@ -135,12 +145,16 @@ def _prefill_program(req: _Request) -> Program:
 
 
 def _sampling_args(req: _Request) -> tuple:
-    return (req.settings, jax.random.key(req.seed), req.stop_ids, np.int32(req.max_new_tokens))
+    key = jax.random.key(req.seed)
+    if isinstance(jax.tree.leaves(req.params)[0], jax.ShapeDtypeStruct):
+        # abstract_programs may target devices this host lacks: the key's shape, replicated.
+        key = _abstract(jax.eval_shape(jax.random.key, req.seed), req.mesh)
+    return (req.settings, key, req.stop_ids, np.int32(req.max_new_tokens))
 
 
 def _decode_program(req: _Request, segments, state) -> Program:
     return Program(static.decode, (req.graphdef, req.params, segments, state,
-                                   *_sampling_args(req)), {})
+                                   *_sampling_args(req)), dict(hoist_layers=req.hoist_layers))
 
 
 def _continuous_program(req: _Request) -> Program:
@@ -149,7 +163,8 @@ def _continuous_program(req: _Request) -> Program:
                    (req.graphdef, req.params, _layout_arrays(req.layout, True),
                     *_sampling_args(req)),
                    dict(n=req.n, shards=s.shards, row_slots=s.row_slots,
-                        context_slots=s.context_slots, admit=s.admit, new_bucket=req.new_bucket))
+                        context_slots=s.context_slots, admit=s.admit, new_bucket=req.new_bucket,
+                        hoist_layers=req.hoist_layers))
 
 
 def _mesh_scope(mesh):
@@ -190,11 +205,14 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
 
 
 def _abstract(tree, mesh):
-    """ShapeDtypeStructs of tree's arrays; with a mesh, sharded as the programs exchange them."""
+    """ShapeDtypeStructs of tree's arrays; with a mesh, sharded as the programs exchange them
+    (mesh axes of size 1 left out, as XLA leaves them out of the shardings it returns)."""
+    sizes = {} if mesh is None else {a: s for a, s in mesh.shape.items() if s > 1}
+
     def one(x):
         sharding = None
         if mesh is not None:
-            spec = logical_spec(static.row_names(x), x.shape, dict(mesh.shape))
+            spec = logical_spec(static.row_names(x), x.shape, sizes)
             sharding = jax.sharding.NamedSharding(mesh, spec)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     return jax.tree.map(one, tree)

@@ -81,12 +81,17 @@ def prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prom
     return jax.tree.map(lambda x: constrain(x, row_names(x)), (segments, state))
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('state',))
+@functools.partial(jax.jit, static_argnames=('graphdef', 'hoist_layers'),
+                   donate_argnames=('state',))
 def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSettings, seed_key,
-            stop_ids, max_new_tokens) -> DecodeState:
-    """Decodes until every row is done or max_new_tokens (a traced scalar) tokens are drawn."""
+           stop_ids, max_new_tokens, *, hoist_layers: bool = False) -> DecodeState:
+    """Decodes until every row is done or max_new_tokens (a traced scalar) tokens are drawn.
+
+    hoist_layers: slice each layer's weights once, before the loop (Decoder.layer_weights).
+    """
     TRACE_COUNTS['decode'] += 1
     row_ids = jnp.arange(state.inputs.shape[0], dtype=jnp.int32)
+    layer_weights = nnx.merge(graphdef, params).layer_weights() if hoist_layers else None
 
     def keep_going(s: DecodeState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
@@ -94,7 +99,7 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
     def one_step(s: DecodeState) -> DecodeState:
         model = nnx.merge(graphdef, params)
         logits, cache = model.extend(s.inputs[:, None], s.positions[:, None], context=segments,
-                                     cache=s.cache)
+                                     cache=s.cache, layer_weights=layer_weights)
         keys = row_step_keys(seed_key, row_ids, s.step)
         tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
         active = ~s.done
