@@ -145,10 +145,11 @@ def _prefill_program(req: _Request) -> Program:
 
 
 def _sampling_args(req: _Request) -> tuple:
-    key = jax.random.key(req.seed)
     if isinstance(jax.tree.leaves(req.params)[0], jax.ShapeDtypeStruct):
         # abstract_programs may target devices this host lacks: the key's shape, replicated.
         key = _abstract(jax.eval_shape(jax.random.key, req.seed), req.mesh)
+    else:
+        key = jax.random.key(req.seed)
     return (req.settings, key, req.stop_ids, np.int32(req.max_new_tokens))
 
 
