@@ -45,8 +45,12 @@ def base_config() -> ml_collections.ConfigDict:
         skip_invalid=False, max_prompt_tokens=0))
 
     # Sampling of training rollouts (and of mining, at the same settings).
+    # max_rows_in_flight: rows decoded at once (0: as many as kv_budget_gib holds, all when it
+    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: half of the memory
+    # accelerators report free, unbounded on CPU). Neither changes the rollouts, only the speed.
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
-                                               max_new_tokens=64))
+                                               max_new_tokens=64, max_rows_in_flight=0,
+                                               kv_budget_gib=0.0))
 
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     c.train = ml_collections.ConfigDict(dict(

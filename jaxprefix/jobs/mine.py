@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import storage
+from jaxprefix import sampling, storage
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
@@ -33,7 +33,8 @@ def mining_dir(config, workdir: str) -> str:
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
     rollout = config.rollout
     spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids)
+                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids,
+                        **sampling.memory_settings(rollout))
     return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
                   verifier_timeout_s=config.rewards.timeout_s,

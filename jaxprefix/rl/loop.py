@@ -111,6 +111,10 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
          "compare the samples of a group")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
     need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
+    need(r.max_rows_in_flight >= 0, "rollout.max_rows_in_flight", r.max_rows_in_flight,
+         ">= 0 (0: set by rollout.kv_budget_gib)")
+    need(r.kv_budget_gib >= 0, "rollout.kv_budget_gib", r.kv_budget_gib,
+         ">= 0 (0: half the free accelerator memory)")
     need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
     need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
     need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")
@@ -179,7 +183,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     rollouts = sampling.generate(model, request.contexts, n=request.n,
                                  max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                 top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed)
+                                 top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed,
+                                 **sampling.memory_settings(r))
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
