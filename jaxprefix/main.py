@@ -4,7 +4,7 @@
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
-`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo); each is one function in
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, compile); each is one function in
 jaxprefix/jobs/ that tests call directly. Without --workdir a run writes to runs/<config>-<variant>.
 Running the same command again in the same workdir resumes from the last checkpoint.
 """
@@ -32,6 +32,7 @@ JOBS = {
     "fit": ("isocompute", "run_fit"),
     "demo": ("demo", "run_demo"),
     "results": ("results", "run_results"),
+    "compile": ("compile", "run_compile"),
 }
 
 

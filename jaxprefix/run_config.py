@@ -17,7 +17,7 @@ from jaxprefix import distributed
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | compile
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
 
@@ -37,6 +37,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Sampling of training rollouts (and of mining, at the same settings).
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
                                                max_new_tokens=64))
+    # Sampler rows decoded at once (each holds its KV cache); 0 = every row of a step at once.
+    c.rollout.max_rows_in_flight = 0
 
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     c.train = ml_collections.ConfigDict(dict(
@@ -78,6 +80,11 @@ def base_config() -> ml_collections.ConfigDict:
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # The compile job (jobs/compile.py): a TPU type (v6e-8, v5litepod-16, v5p-32), a slice count,
+    # the longest context in tokens (prompt plus guidance or prefix), the HBM share kept free,
+    # and optionally a config.json to use when the model path's is not readable from here.
+    c.compile = ml_collections.ConfigDict(dict(topology="", slices=1, context_length=1024,
+                                               headroom=0.1, model_config=""))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
         budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",
@@ -199,6 +206,7 @@ def paper(c: ml_collections.ConfigDict) -> None:
     c.eval.update(every=25, n=16, ks=(1, 16))
     c.checkpoint.every = 10
     c.mesh.update(data=1, fsdp=-1, tensor=1)
+    c.compile.context_length = 2048  # problem plus oracle-solution guidance (assumed)
 
 
 VARIANTS = ("demo", "smoke", "smollm2", "paper")

@@ -7,6 +7,7 @@ leading 'layers' axis and the layers run under lax.scan, so a 30-layer model com
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers
+from jaxprefix.models import layers, tpu_attention
 from jaxprefix.models.attention import KVCache, KVSegment, attend
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
@@ -132,6 +133,10 @@ class Decoder(nnx.Module):
         per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
                          context=[(s.k, s.v) for s in context])
         context_pos = [s.pos for s in context]
+        # Without a cache the new tokens attend to each other: T x T scores, too large to
+        # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
+        attend_fn = attend if cache is not None else functools.partial(
+            tpu_attention.attend, sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
@@ -151,8 +156,8 @@ class Decoder(nnx.Module):
             segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
             own, new_kv = kv_self(k, v)
             segments.append(own)
-            a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
-                       logit_cap=c.attn_logit_softcapping)
+            a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
+                          logit_cap=c.attn_logit_softcapping)
             a = jnp.einsum('bthk,hkd->btd', a, w['o'])
             if c.out_bias:
                 a = a + w['o_bias']
