@@ -35,12 +35,14 @@ REPORT = 'compile.json'
 
 def run_compile(config, workdir: str) -> dict:
     """Compiles the run's programs for config.compile.topology; writes compile.json, prints the
-    table, and raises SystemExit (one line) when a program does not fit."""
+    table, and raises SystemExit (one line) when a program does not fit.
+
+    A topology naming only a generation ('v6e') tries its slices from the smallest up and
+    reports the first on which everything fits: the slice to rent."""
     c = config.compile
-    slice_ = topology.slice_type(c.topology) if c.topology else None
-    if slice_ is None:
+    if not c.topology:
         raise ValueError('config.compile.topology is empty: expected a TPU type such as v6e-8, '
-                         'v5litepod-16 or v5p-32')
+                         'v5litepod-16 or v5p-32, or a generation (v6e) for the smallest fit')
     if c.slices < 1:
         raise ValueError(f'config.compile.slices={c.slices}: expected >= 1')
     if not 0 <= c.headroom < 1:
@@ -49,10 +51,55 @@ def run_compile(config, workdir: str) -> dict:
         raise ValueError(f'config.compile.context_length={c.context_length}: expected the longest '
                          'context (prompt plus guidance or prefix) in tokens, >= 1')
     rl_job.check_method_settings(config)
-    contexts = rl_job.contexts_per_step(config)
     model_config = run_model_config(config)
+    generation = c.topology.strip()
+    candidates = (topology.generation_slices(generation)
+                  if generation in topology.CHIPS or generation in topology.ALIASES
+                  else [topology.slice_type(generation)])
+    search, report = [], None
+    for slice_ in candidates:
+        try:
+            report = compile_for(config, model_config, slice_)
+        except ValueError as e:  # the run's batch does not split over this many chips
+            if len(candidates) == 1:
+                raise
+            search.append({'topology': slice_.name, 'fits': False, 'why': str(e)})
+            continue
+        search.append({'topology': slice_.name, 'fits': report['fits'],
+                       'why': '' if report['fits'] else _shortfall(report)})
+        if report['fits']:
+            break
+    if report is None:
+        raise ValueError(f'config.compile.topology={c.topology!r}: the run fits no slice size '
+                         f'(tried {", ".join(s["topology"] for s in search)})')
+    if len(candidates) > 1:
+        report['search'] = search
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, REPORT), 'w') as f:
+        json.dump(report, f, indent=1)
+    print(table(report))
+    if not report['fits']:
+        raise SystemExit(f"compile: {_shortfall(report)}; see {os.path.join(workdir, REPORT)}")
+    if len(candidates) > 1:
+        print(f"smallest {generation} slice that fits: {report['topology']}")
+    return report
 
+
+def _shortfall(report: dict) -> str:
+    worst = max(report['programs'].values(),
+                key=lambda p: p['hbm_bytes_per_chip'] / p['usable_bytes'])
+    over = (worst['hbm_bytes_per_chip'] - worst['usable_bytes']) / GiB
+    return (f"{worst['name']} does not fit {report['topology']}: it needs "
+            f"{worst['hbm_bytes_per_chip'] / GiB:.1f} GiB per chip, {over:.1f} GiB over the "
+            f"{worst['usable_bytes'] / GiB:.1f} GiB usable ({1 - report['headroom']:.0%} of "
+            f"{worst['hbm_capacity_bytes'] / GiB:.0f} GiB)")
+
+
+def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType) -> dict:
+    """compile.json's content for one slice type (times config.compile.slices)."""
+    c = config.compile
     start = time.perf_counter()
+    contexts = rl_job.contexts_per_step(config)
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
     train = loop.validate(config, mesh, contexts)
     r = config.rollout
@@ -75,9 +122,10 @@ def run_compile(config, workdir: str) -> dict:
 
     chip = slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
-    report = {
+    return {
         'topology': slice_.name, 'slices': c.slices, 'chips': mesh.size,
         'hosts': slice_.hosts * c.slices, 'mesh': dict(mesh.shape),
+        'fits': all(p['fits'] for p in rows),
         'chip': {'generation': chip.generation, 'hbm_bytes': chip.hbm_bytes,
                  'peak_bf16_flops': chip.peak_bf16_flops,
                  'hbm_bytes_per_s': chip.hbm_bytes_per_s, 'ici_bytes_per_s': chip.ici_bytes_per_s},
@@ -95,20 +143,6 @@ def run_compile(config, workdir: str) -> dict:
         'programs': {p['name']: p for p in rows},
         'compile_seconds': time.perf_counter() - start,
     }
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, REPORT), 'w') as f:
-        json.dump(report, f, indent=1)
-    print(table(report))
-    worst = max(rows, key=lambda p: p['hbm_bytes_per_chip'] / p['usable_bytes'])
-    if not all(p['fits'] for p in rows):
-        over = (worst['hbm_bytes_per_chip'] - worst['usable_bytes']) / GiB
-        raise SystemExit(
-            f"compile: {worst['name']} does not fit {slice_.name}: it needs "
-            f"{worst['hbm_bytes_per_chip'] / GiB:.1f} GiB per chip, "
-            f"{over:.1f} GiB over the {worst['usable_bytes'] / GiB:.1f} GiB usable "
-            f"({1 - c.headroom:.0%} of {chip.hbm_bytes / GiB:.0f} GiB); see "
-            f"{os.path.join(workdir, REPORT)}")
-    return report
 
 
 def run_model_config(config) -> ModelConfig:

@@ -255,15 +255,24 @@ class HloCost:
         rhs = arrays(table.get(ins.operands[1], '')) if len(ins.operands) > 1 else []
         if not labels or not rhs:
             return 0.0
-        lhs_labels, rhs_labels, _ = labels.groups()
-        rhs_dims = rhs[0][1]
+        lhs_labels, _, out_labels = labels.groups()
+        out_dims = out[0][1]
         groups = re.search(r'feature_group_count=(\d+)', ins.attrs)
         contract = lhs_dims[lhs_labels.index('f')] // (int(groups.group(1)) if groups else 1)
-        window = math.prod(rhs_dims[i] for i, l in enumerate(rhs_labels) if l.isdigit())
         batch_groups = re.search(r'batch_group_count=(\d+)', ins.attrs)
         if batch_groups:  # weight-gradient form: each output sums over its batch group too
             contract *= lhs_dims[lhs_labels.index('b')] // int(batch_groups.group(1))
-        return 2.0 * out_elements * contract * window
+        # Spatial dimensions: count only (output, window) pairs that land on real input, not on
+        # padding (TPU matmuls are often convolutions with a padded window).
+        spatial = [l for l in out_labels if l.isdigit()]
+        window = _window(ins.attrs, len(spatial))
+        pairs = 1
+        out_spatial = 1
+        for d, label in enumerate(spatial):
+            n_in, n_out = lhs_dims[lhs_labels.index(label)], out_dims[out_labels.index(label)]
+            pairs *= _window_pairs(n_in, n_out, *(w[d] for w in window))
+            out_spatial *= n_out
+        return 2.0 * out_elements / max(out_spatial, 1) * pairs * contract
 
     def _collective(self, computation: str, ins: Instruction, kind: str) -> dict:
         sizes = [_DTYPE_BYTES.get(d, 4) * math.prod(s) for d, s in arrays(ins.shape)]
@@ -291,16 +300,36 @@ class HloCost:
                 and limit.opcode == 'constant'):
             return None
         value = re.fullmatch(r'\s*(-?\d+)\s*', limit.args)
-        start = self._initial_value(computation, ins, counter)
-        return max(0, int(value.group(1)) - start) if value else None
-
-    def _initial_value(self, computation: str, ins: Instruction, counter: Instruction) -> int:
-        """The loop counter's value on entry when it is a constant (XLA's loops start at 0)."""
         index = re.search(r'index=(\d+)', counter.attrs)
+        if not (value and index):
+            return None
+        start = self._initial_value(computation, ins, int(index.group(1)))
+        step = self._counter_step(_attr(ins.attrs, 'body'), int(index.group(1)))
+        return max(0, -(-(int(value.group(1)) - start) // step)) if step else None
+
+    def _counter_step(self, body: str, index: int) -> int | None:
+        """What the loop body adds to tuple element `index` (the counter) each iteration."""
+        instructions = self.computations.get(body, [])
+        table = {i.name: i for i in instructions}
+        root = instructions[-1] if instructions else None
+        if root is None or root.opcode != 'tuple' or index >= len(root.operands):
+            return None
+        update = table.get(root.operands[index])
+        if update is None or update.opcode != 'add':
+            return None
+        for name in update.operands:
+            operand = table.get(name)
+            if operand is not None and operand.opcode == 'constant':
+                number = re.fullmatch(r'\s*(-?\d+)\s*', operand.args)
+                return int(number.group(1)) if number and int(number.group(1)) > 0 else None
+        return None
+
+    def _initial_value(self, computation: str, ins: Instruction, index: int) -> int:
+        """The loop counter's value on entry when it is a constant (XLA's loops start at 0)."""
         table = {i.name: i for i in self.computations[computation]}
         init = table.get(ins.operands[0]) if ins.operands else None
-        if index and init is not None and init.opcode == 'tuple':
-            value = table.get(init.operands[int(index.group(1))])
+        if init is not None and init.opcode == 'tuple' and index < len(init.operands):
+            value = table.get(init.operands[index])
             while value is not None and value.opcode == 'copy':
                 value = table.get(value.operands[0])
             if value is not None and value.opcode == 'constant':
@@ -313,6 +342,33 @@ class HloCost:
 def _attr(attrs: str, key: str) -> str:
     match = re.search(rf'\b{key}=%?([\w.\-]+)', attrs)
     return match.group(1) if match else ''
+
+
+def _window(attrs: str, dims: int) -> tuple[list, list, list, list, list]:
+    """(sizes, low pads, strides, lhs dilations, rhs dilations) of a convolution's window."""
+    match = re.search(r'window=\{([^}]*)\}', attrs)
+    fields = dict(f.split('=', 1) for f in match.group(1).split()) if match else {}
+    per_dim = lambda key, default: ([int(x.split('_')[0]) for x in fields[key].split('x')]
+                                    if key in fields else [default] * dims)
+    return (per_dim('size', 1), per_dim('pad', 0), per_dim('stride', 1), per_dim('lhs_dilate', 1),
+            per_dim('rhs_dilate', 1))
+
+
+def _window_pairs(n_in: int, n_out: int, size: int, low: int, stride: int, lhs_dilation: int,
+                  rhs_dilation: int) -> int:
+    """How many (output position, window offset) pairs of one spatial dimension read an input
+    element rather than padding."""
+    last = (n_in - 1) * lhs_dilation
+    total = 0
+    for k in range(size):
+        shift = k * rhs_dilation - low  # input index of output 0 at this offset
+        if lhs_dilation == 1:  # outputs o with 0 <= o * stride + shift <= last
+            first, final = -(-max(0, -shift) // stride), (last - shift) // stride
+            total += max(0, min(final, n_out - 1) - first + 1)
+        else:
+            total += sum(1 for o in range(n_out) if 0 <= o * stride + shift <= last
+                         and (o * stride + shift) % lhs_dilation == 0)
+    return total
 
 
 def _op_name(attrs: str) -> str:
