@@ -4,9 +4,10 @@
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
-`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, compile); each is one function in
-jaxprefix/jobs/ that tests call directly. Without --workdir a run writes to runs/<config>-<variant>.
-Running the same command again in the same workdir resumes from the last checkpoint.
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, export,
+compile); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
+run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
+and every path field may be local or gs:// (jaxprefix.storage).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ JOBS = {
     "fit": ("isocompute", "run_fit"),
     "demo": ("demo", "run_demo"),
     "results": ("results", "run_results"),
+    "export": ("export", "run_export"),
     "compile": ("compile", "run_compile"),
 }
 
@@ -49,6 +51,20 @@ class _OnlyOurInfo:
         return record.levelno >= std_logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
 
 
+def remote_paths(config, workdir: str) -> list[str]:
+    """The workdir and every config string that is a URL (gs://...): what needs a storage backend."""
+    found = [workdir]
+
+    def visit(value):
+        if isinstance(value, str):
+            found.append(value)
+        elif hasattr(value, "items"):
+            for item in value.values():
+                visit(item)
+    visit(config)
+    return [p for p in found if "://" in p]
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -56,10 +72,15 @@ def main(argv):
     config = _CONFIG.value
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed
+    from jaxprefix import distributed, storage
 
-    distributed.initialize(config.distributed)
     workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+    try:  # before any work: a missing client package or bucket is a one-line error
+        for path in remote_paths(config, workdir):
+            storage.require_backend(path)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    distributed.initialize(config.distributed)
     logging.info("job %s, workdir %s", config.job, workdir)
     module, function = JOBS[config.job]
     run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)

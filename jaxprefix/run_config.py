@@ -17,13 +17,15 @@ from jaxprefix import distributed
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | compile
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export | compile
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
 
     # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
-    c.model = ml_collections.ConfigDict(dict(source="sft", path="", dtype="float32",
-                                             system_prompt=""))
+    # param_dtype: the weights the optimizer updates and its moments (master copy); dtype: the
+    # compute dtype of the forward/backward and of the sampler's copy of the weights.
+    c.model = ml_collections.ConfigDict(dict(source="sft", path="", param_dtype="float32",
+                                             dtype="float32", system_prompt=""))
     # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
     c.sft = ml_collections.ConfigDict()
 
@@ -77,6 +79,8 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
+    # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
+    c.export = ml_collections.ConfigDict(dict(dtype=""))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
@@ -191,7 +195,10 @@ def paper(c: ml_collections.ConfigDict) -> None:
     The authors' settings (papers.md; unconfirmed as the paper's): lr 1e-6 cosine, grad clip 0.3,
     weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
     """
-    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507", dtype="bfloat16",
+    # f32 master weights, bf16 compute: an AdamW step of 1e-6 is below bf16's resolution (a bf16
+    # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
+    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
+                   param_dtype="float32", dtype="bfloat16",
                    system_prompt="Please reason step by step, and put your final answer "
                                  "within \\boxed{}.")
     c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",

@@ -131,7 +131,8 @@ def test_small_run_compiles_for_four_chips_with_sane_figures(tmp_path):
         assert program['roofline']['seconds'] > 0
     decode = report['programs']['sampler decode']
     assert decode['assumed_trip_count'] == 61  # the decode loop runs up to max_new_tokens
-    assert decode['resident_bytes'] == pytest.approx(2 * params, rel=0.01)  # Adam's moments
+    # The training state stays while the sampler runs: master weights and Adam's two moments.
+    assert decode['resident_bytes'] == pytest.approx(3 * params, rel=0.01)
 
 
 def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
@@ -152,10 +153,8 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     from jaxprefix.run_config import sibling_config
 
     config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'pope.py', 'paper')
-    with config.unlocked():
-        config.model.param_dtype = 'float32'
-        config.model.dtype = 'bfloat16'
-        config.job = 'compile'
-        config.compile.topology = 'v6e-8'
+    assert (config.model.param_dtype, config.model.dtype) == ('float32', 'bfloat16')
+    config.job = 'compile'
+    config.compile.topology = 'v6e-8'
     report = run_compile(config, str(tmp_path))
     assert all(p['fits'] for p in report['programs'].values())

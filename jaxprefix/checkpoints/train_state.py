@@ -12,6 +12,8 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from jaxprefix import storage
+
 
 def abstract_like(tree):
     """ShapeDtypeStructs carrying each leaf's sharding: the restore target of `tree`."""
@@ -29,7 +31,9 @@ class TrainCheckpointer:
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+        # orbax wants an absolute path; a gs:// URL already is one (abspath would mangle it).
+        self.directory = directory if storage.is_remote(directory) else os.path.abspath(directory)
+        storage.require_backend(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options,

@@ -20,6 +20,7 @@ from typing import Any
 
 from absl import logging
 
+from jaxprefix import storage
 from jaxprefix.data.problem import DataError, Problem, content_id
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -78,7 +79,7 @@ def read_problem_file(
     path = os.fspath(path)
     fields = Fields(question_field, answer_field, solution_field, id_field, steps_field)
     if source is None:
-        source = os.path.basename(path).split(".")[0]
+        source = storage.basename(path).split(".")[0]
     problems, skipped, first_seen = [], [], {}
     for location, record in _records(path):
         try:
@@ -118,7 +119,7 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
     """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise DataError(f"{path}: no such file")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
@@ -132,7 +133,7 @@ def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
 
 
 def _jsonl_records(path: str):
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             location = f"line {number}"
             try:
@@ -154,8 +155,7 @@ def _jsonl_records(path: str):
 
 
 def _json_records(path: str):
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = storage.read_bytes(path)
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -181,7 +181,7 @@ def _parquet_records(path: str):
     import pyarrow.parquet as pq  # only parquet users pay for the import
 
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(storage.local_copy(path))
     except Exception as e:  # pyarrow raises several types for corrupt or non-parquet files
         raise DataError(f"{path}: not a readable parquet file: {e}") from None
     for index, record in enumerate(table.to_pylist()):

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from jaxprefix import storage
 from jaxprefix.data.files import Fields, RecordError, read_problem_file, record_to_problem
 from jaxprefix.data.problem import DataError, Problem
 
@@ -76,11 +76,11 @@ def build_problem_dataset(problems: Sequence[Problem], name: str, data_dir: str 
         raise DataError(f"build_problem_dataset({name!r}): no problems to write")
     builder = JaxprefixProblems(problems=problems, data_dir=os.fspath(data_dir),
                                 config=tfds.core.BuilderConfig(name=name), file_format="array_record")
-    if os.path.exists(builder.data_dir):
+    if storage.exists(builder.data_dir):
         if not overwrite:
             raise DataError(f"{builder.data_dir}: TFDS dataset {BUILDER_NAME}/{name} exists; "
                             "pass overwrite=True to rebuild it")
-        shutil.rmtree(builder.data_dir)
+        storage.rmtree(builder.data_dir)
     builder.download_and_prepare()
     return f"{BUILDER_NAME}/{name}"
 

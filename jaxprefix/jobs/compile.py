@@ -22,6 +22,7 @@ import jax
 from absl import logging
 
 from jaxprefix.jobs import rl as rl_job
+from jaxprefix.jobs.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
@@ -110,15 +111,18 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType) -
     model = programs.abstract_model(model_config, mesh)
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
-    compiled, state = _timed('learner update', lambda: programs.learner_programs(
+    compiled, learner, state = _timed('learner update', lambda: programs.learner_programs(
         model, train, mesh, step))
-    resident = programs.bytes_per_chip((state.opt_state, state.step, state.updates, state.skipped))
-    note = 'optimizer state (the sampler reads the parameters as an argument)'
+    # While the sampler runs on its compute-dtype copy of the weights, the training state (master
+    # weights, optimizer moments) stays in HBM.
+    sampler_model = programs.sampling_model(learner, state)
+    resident = programs.bytes_per_chip(state)
+    note = 'training state: master weights and optimizer moments'
     if train.kl_coef > 0:
         resident += programs.bytes_per_chip(state.params)
-        note += ' and the KL reference parameters'
+        note += ', KL reference weights'
     compiled += _timed('sampler', lambda: programs.sampler_programs(
-        model, mesh, step, resident_bytes=resident, resident_note=note))
+        sampler_model, mesh, step, resident_bytes=resident, resident_note=note))
 
     chip = slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
@@ -147,15 +151,14 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType) -
 
 def run_model_config(config) -> ModelConfig:
     """The run's ModelConfig from config.json facts alone (no weights are read)."""
-    m = config.model
-    param_dtype = m.get('param_dtype') or m.dtype
-    if m.source == 'sft':
+    dtype, param_dtype = model_dtypes(config)
+    if config.model.source == 'sft':
         from jaxprefix.data.tasks import carry_multiplication as task
         from jaxprefix.jobs import sft
 
         return sft.model_config(config.sft, task.tokenizer()).replace(
-            param_dtype=param_dtype, dtype=m.dtype)
-    return ModelConfig.from_hf(hf_config(config), param_dtype=param_dtype, dtype=m.dtype)
+            param_dtype=param_dtype, dtype=dtype)
+    return ModelConfig.from_hf(hf_config(config), param_dtype=param_dtype, dtype=dtype)
 
 
 def hf_config(config) -> dict:
@@ -262,7 +265,7 @@ def table(report: dict) -> str:
     lines += ['', f"Per chip and per call, on {report['topology']} chips of "
               f"{report['chip']['hbm_bytes'] / GiB:.0f} GiB (fits: within "
               f"{1 - report['headroom']:.0%}). HBM = arguments + outputs - donated + temporaries + "
-              "code + resident (the optimizer state, in HBM while the sampler runs). Roofline "
+              "code + resident (the training state, in HBM while the sampler runs). Roofline "
               "seconds per call = max(compute s, HBM s); ICI s (collectives) shown beside it. "
               f"One step's roofline: {step['roofline_seconds']:,.0f} s."]
     return '\n'.join(lines)

@@ -8,12 +8,9 @@ the mined POPE prefixes when the workdir has them. Writes <workdir>/eval_report.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
-from jaxprefix import evaluation
+from jaxprefix import evaluation, storage
 from jaxprefix.methods import pope
 from jaxprefix.methods.probing import Prober
 
@@ -53,17 +50,15 @@ def run_eval(config, workdir: str) -> dict:
     report = {"step": step, "problems": len(sets.eval),
               "unguided": evaluate_unguided(mining.prober, policy.prompts, sets.eval, n=e.n,
                                             ks=e.ks, seed=config.seed + 7)}
-    prefixes_file = os.path.join(mining.dir, "prefixes.json")
-    if os.path.exists(prefixes_file):
+    prefixes_file = storage.join(mining.dir, "prefixes.json")
+    if storage.exists(prefixes_file):
         # Mined on the training problems: guided eval measures the training set's guided skill.
-        with open(prefixes_file) as f:
-            units = json.load(f)["shortest_units"]
+        units = storage.read_json(prefixes_file)["shortest_units"]
         hard = [p for p in sets.train if p.id in units]
         report["guided_train"] = evaluate_guided(
             mining.prober, policy.prompts, hard, units, n=e.n, ks=e.ks,
             guidance=config.pope.guidance, template=pope.TEMPLATES[config.pope.template],
             seed=config.seed + 8)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "eval_report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=lambda x: np.asarray(x).tolist())
+    storage.write_json(storage.join(workdir, "eval_report.json"), report,
+                       default=lambda x: np.asarray(x).tolist())
     return report

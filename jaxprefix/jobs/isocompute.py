@@ -13,10 +13,9 @@ written to frontier.json, frontier.png and n_star.png.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 
+from jaxprefix import storage
 from jaxprefix.jobs.policy import base_dir
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.metrics import read_metrics
@@ -43,7 +42,7 @@ def point_config(config, point: isocompute.SweepPoint, workdir: str):
 
 
 def point_workdir(runs_dir: str, point: isocompute.SweepPoint) -> str:
-    return os.path.join(runs_dir, f"n{point.n}_b{point.batch}")
+    return storage.join(runs_dir, f"n{point.n}_b{point.batch}")
 
 
 def sweep_points(config) -> list:
@@ -52,7 +51,7 @@ def sweep_points(config) -> list:
 
 
 def runs_dir(config, workdir: str) -> str:
-    return config.isocompute.runs_dir or os.path.join(workdir, "runs")
+    return config.isocompute.runs_dir or storage.join(workdir, "runs")
 
 
 def run_sweep(config, workdir: str) -> dict:
@@ -92,7 +91,6 @@ def run_fit(config, workdir: str) -> dict:
     if not runs:
         raise FileNotFoundError(f"{runs_dir(config, workdir)}: no finished sweep runs with "
                                 f"{REWARD!r} in their metrics.jsonl; run the sweep job first")
-    os.makedirs(workdir, exist_ok=True)
     record = {"runs": [vars(r) for r in runs], "fit": None}
     try:
         fit = isocompute.fit_frontier(runs)
@@ -100,8 +98,7 @@ def run_fit(config, workdir: str) -> dict:
         record["reason"] = str(e)
     else:
         record["fit"] = fit.to_dict()
-        isocompute.plot_frontier(fit, os.path.join(workdir, "frontier.png"))
-        isocompute.plot_n_star(fit, os.path.join(workdir, "n_star.png"))
-    with open(os.path.join(workdir, "frontier.json"), "w") as f:
-        json.dump(record, f, indent=1)
+        isocompute.plot_frontier(fit, storage.join(workdir, "frontier.png"))
+        isocompute.plot_n_star(fit, storage.join(workdir, "n_star.png"))
+    storage.write_json(storage.join(workdir, "frontier.json"), record)
     return record

@@ -14,11 +14,9 @@ recorded apart in mining/ledger.json, and each run is charged for the artifacts 
 """
 from __future__ import annotations
 
-import json
-import os
-
 from absl import logging
 
+from jaxprefix import storage
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
@@ -29,7 +27,7 @@ ARTIFACTS = ("hard_set", "prefixes", "trace_pool")  # the keys of ledger.json
 
 
 def mining_dir(config, workdir: str) -> str:
-    return config.mining.get("dir") or os.path.join(workdir, "mining")
+    return config.mining.get("dir") or storage.join(workdir, "mining")
 
 
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
@@ -46,21 +44,19 @@ class Mining:
 
     def __init__(self, config, policy, sets, directory: str):
         self.config, self.policy, self.sets, self.dir = config, policy, sets, directory
-        os.makedirs(directory, exist_ok=True)
         self.costs = self._load_costs()
         self.prober = make_prober(config, policy, self._new_ledger(), sets.verifier)
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.dir, name)
+        return storage.join(self.dir, name)
 
     def _new_ledger(self) -> ComputeLedger:
         return ComputeLedger(self.policy.model.config.num_params())
 
     def _load_costs(self) -> dict[str, ComputeLedger]:
-        if not os.path.exists(self._path(LEDGER)):
+        if not storage.exists(self._path(LEDGER)):
             return {}
-        with open(self._path(LEDGER)) as f:
-            record = json.load(f)
+        record = storage.read_json(self._path(LEDGER))
         if set(record) - set(ARTIFACTS):
             raise ValueError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
                              f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
@@ -73,10 +69,9 @@ class Mining:
         self.prober.ledger = self.costs[artifact] = self._new_ledger()
 
     def _save(self, name: str, record) -> None:
-        with open(self._path(name), "w") as f:
-            json.dump(record, f, indent=1)
-        with open(self._path(LEDGER), "w") as f:
-            json.dump({k: v.to_dict() for k, v in self.costs.items()}, f, indent=1)
+        # The artifact first, then its cost: a run killed between the two mines it again.
+        storage.write_json(self._path(name), record)
+        storage.write_json(self._path(LEDGER), {k: v.to_dict() for k, v in self.costs.items()})
 
     def cost(self, artifacts) -> ComputeLedger:
         """What mining the named artifacts spent (those not mined yet cost nothing)."""
@@ -91,9 +86,8 @@ class Mining:
 
     def hard_set(self) -> pope.HardSet:
         by_id = {p.id: p for p in self.sets.train}
-        if os.path.exists(self._path(HARD_SET)):
-            with open(self._path(HARD_SET)) as f:
-                record = json.load(f)
+        if storage.exists(self._path(HARD_SET)):
+            record = storage.read_json(self._path(HARD_SET))
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
         k = self.config.mining.k
@@ -106,9 +100,8 @@ class Mining:
         return hard
 
     def prefixes(self, hard: pope.HardSet) -> dict:
-        if os.path.exists(self._path(PREFIXES)):
-            with open(self._path(PREFIXES)) as f:
-                return json.load(f)["shortest_units"]
+        if storage.exists(self._path(PREFIXES)):
+            return storage.read_json(self._path(PREFIXES))["shortest_units"]
         m = self.config.mining
         self._booking("prefixes")
         found = pope.shortest_solvable_prefixes(
@@ -128,11 +121,11 @@ class Mining:
             return prefixrl.TracePool.load_jsonl(pool_file, self.policy.prompts)
         if self.config.prefixrl.oracle_traces:
             return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
-        if os.path.exists(path):
+        if storage.exists(path):
             pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
-            if os.path.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
-                with open(self._path(TRACE_POOL_STATS)) as f:
-                    pool.samples_per_problem = json.load(f)["samples_per_problem"]
+            if storage.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
+                stats = storage.read_json(self._path(TRACE_POOL_STATS))
+                pool.samples_per_problem = stats["samples_per_problem"]
             return pool
         p = self.config.prefixrl
         self._booking("trace_pool")

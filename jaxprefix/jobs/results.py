@@ -14,11 +14,10 @@ an outcome: the report states what the runs measured, effect or not.
 """
 from __future__ import annotations
 
-import json
-import os
 
 import numpy as np
 
+from jaxprefix import storage
 from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.rl import run_rl
@@ -54,7 +53,6 @@ def _run_config(study: Study, name: str, seed: int):
 
 
 def run_results(config, workdir: str) -> dict:
-    os.makedirs(workdir, exist_ok=True)
     study = Study.prepare(config, workdir, trace_pool=True)
     pool = study.mining.trace_pool(study.hard.problems)
     report = {"base": study.evaluate(study.policy.model, "eval base"),
@@ -71,11 +69,10 @@ def run_results(config, workdir: str) -> dict:
     plan = [(name, seed) for name in names for seed in config.results.seeds]
     for name, seed in plan:
         report["runs"][f"{name}_seed{seed}"] = _run(study, name, seed,
-                                                    os.path.join(workdir, f"{name}_seed{seed}"))
+                                                    storage.join(workdir, f"{name}_seed{seed}"))
     if config.results.isocompute:
-        report["isocompute"] = iso_jobs.run_sweep(_iso_config(study), os.path.join(workdir, "iso"))
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(report, f, indent=1, default=float)
+        report["isocompute"] = iso_jobs.run_sweep(_iso_config(study), storage.join(workdir, "iso"))
+    storage.write_json(storage.join(workdir, "results.json"), report, default=float)
     write_report(report, config, workdir)
     return report
 
@@ -88,7 +85,7 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
         # SFT on the hard training problems' oracle solutions, then GRPO from there; the SFT
         # updates are charged like mining, and the warm start is evaluated before RL too.
         warm = run_warm_start(study.policy, c.model.path, study.hard.problems,
-                              os.path.join(run_dir, "warm_start"), seed=seed,
+                              storage.join(run_dir, "warm_start"), seed=seed,
                               **study.config.results.sft_oracle)
         c.model.path, warm_flops = warm.path, warm.flops
         record["warm_start"] = study.evaluate(load_policy(c, run_dir).model, f"eval {name} SFT")
@@ -110,8 +107,7 @@ def _iso_config(study: Study):
 
 def _curve(run_dir: str, k: int, extra_flops: float = 0.0) -> list:
     """(FLOPs including mining and `extra_flops`, held-out pass@k) at each evaluation of a run."""
-    with open(os.path.join(run_dir, "compute.json")) as f:
-        extra = json.load(f)["extra_flops"] + extra_flops
+    extra = storage.read_json(storage.join(run_dir, "compute.json"))["extra_flops"] + extra_flops
     return [(r["flops/total"] + extra, r[f"eval/pass@{k}"]) for r in read_metrics(run_dir)
             if f"eval/pass@{k}" in r]
 
@@ -206,7 +202,6 @@ def isocompute_lines(sweep: dict, budgets) -> list[str]:
 
 def write_report(report: dict, config, workdir: str) -> None:
     out_dir = config.results.output_dir or workdir
-    os.makedirs(os.path.join(out_dir, "results"), exist_ok=True)
     ks = config.eval.ks
     base = report["base"]
     lines = [
@@ -235,26 +230,23 @@ def write_report(report: dict, config, workdir: str) -> None:
         lines += ["", "## IsoCompute mini-sweep", "",
                   *isocompute_lines(report["isocompute"], config.isocompute.budgets), "",
                   "![frontier](results/frontier.png) ![n*](results/n_star.png)"]
-    path = os.path.join(out_dir, "RESULTS.md")
+    path = storage.join(out_dir, "RESULTS.md")
     notes = _kept_notes(path)
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
-    _plot(report, os.path.join(out_dir, "results", "curves.png"), ks[-1])
+    storage.write_atomic(path, "\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
+    _plot(report, storage.join(out_dir, "results", "curves.png"), ks[-1])
     if "isocompute" in report:
         for name in ("frontier.png", "n_star.png"):
-            src = os.path.join(workdir, "iso", name)
-            if os.path.exists(src):
-                with open(src, "rb") as fin, open(os.path.join(out_dir, "results", name), "wb") as fout:
-                    fout.write(fin.read())
+            src = storage.join(workdir, "iso", name)
+            if storage.exists(src):
+                storage.write_atomic(storage.join(out_dir, "results", name), storage.read_bytes(src))
 
 
 def _kept_notes(path: str) -> str:
     """The hand-written part of an existing report (from NOTES_MARKER on), which regenerating
     keeps: the numbers above it change, so re-read the notes against them."""
-    if not os.path.exists(path):
+    if not storage.exists(path):
         return ""
-    with open(path) as f:
-        text = f.read()
+    text = storage.read_text(path)
     return text[text.index(NOTES_MARKER):] if NOTES_MARKER in text else ""
 
 
@@ -277,4 +269,4 @@ def _plot(report: dict, path: str, k: int) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))  # outside: curves fill the axes
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    storage.write_figure(path, fig, dpi=110)

@@ -8,12 +8,10 @@ reports includes it. Running the command again resumes from the last checkpoint.
 """
 from __future__ import annotations
 
-import json
-import os
 
 from absl import logging
 
-from jaxprefix import distributed, models
+from jaxprefix import distributed, models, storage
 from jaxprefix.jobs.mine import Mining, mining_dir
 from jaxprefix.jobs.policy import load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets
@@ -128,8 +126,7 @@ def run_rl(config, workdir: str) -> dict:
         raise loop.Preempted(f"{workdir}: stopped by SIGTERM at step {result['step']}, "
                              f"checkpoint saved; rerun the same command to resume")
     if distributed.is_primary():
-        with open(os.path.join(workdir, "compute.json"), "w") as f:
-            json.dump(ledger.to_dict(), f, indent=1)
+        storage.write_json(storage.join(workdir, "compute.json"), ledger.to_dict())
     # The trained weights, for callers (the demo) that evaluate them next.
     policy.model = result["learner"].model(result["state"])
     return result | {"policy": policy, "ledger": ledger, "sets": sets, "mining": mining}

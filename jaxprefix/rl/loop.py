@@ -24,7 +24,7 @@ from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
-from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
+from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
 @dataclasses.dataclass
@@ -103,6 +103,24 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
         raise ValueError(f"config.train.problems_per_step={t.problems_per_step} ({contexts} "
                          f"contexts) x config.rollout.n={r.n}: {e}") from None
     return learner_config
+
+
+def check_update_resolution(model, learning_rate: float) -> None:
+    """Refuses to train weights held in a dtype too coarse for the learning rate: all-bf16 at
+    lr 1e-6 (the paper's) leaves nearly every weight unchanged, and nothing else would say so.
+    Refused rather than warned: the run would burn its whole budget learning nothing, and
+    float32 master weights (with bf16 compute) fix it at 4 more bytes per parameter."""
+    if learning_rate <= 0:
+        return
+    frozen = frozen_fraction(nnx.state(model, nnx.Param), learning_rate)
+    if frozen > 0.5:
+        dtype = model.config.param_dtype
+        raise ValueError(
+            f"config.model.param_dtype={dtype} with config.train.learning_rate={learning_rate:g}: "
+            f"{frozen:.0%} of the weights are too large for a step of {learning_rate:g} to change "
+            f"them in {dtype} (it rounds away), so the run would not train; use "
+            f"config.model.param_dtype=float32 (master weights; config.model.dtype stays the "
+            f"compute dtype)")
 
 
 # --- one round of sampling and scoring ------------------------------------------------------
@@ -227,6 +245,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
+    check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
@@ -257,7 +276,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     with _Preemption() as preemption:
         for step in range(start, total):
             step_start = time.perf_counter()
-            policy = learner.model(state)
+            policy = learner.sampling_model(state)  # compute-dtype weights, cast once a step
             request = method.next_request(step)
             chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, 0))]
@@ -277,6 +296,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             batch = dynamic_sampling.build_batch(
                 [c.rollouts for c in chunks], advantages, selection,
                 mask_truncated=config.train.get("mask_truncated", False))
+            del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
@@ -329,8 +349,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                record.update(evaluate(learner.model(state), tokenizer, method, config, step=done,
-                                       stop_ids=stop_ids))
+                record.update(evaluate(learner.sampling_model(state), tokenizer, method, config,
+                                       step=done, stop_ids=stop_ids))
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
             bar.update(1)

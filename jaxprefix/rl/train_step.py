@@ -7,6 +7,11 @@ sum is exactly the minibatch gradient. Old log-probs come from the sampler; on t
 minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` measures how far
 sampler and learner disagree. A non-finite loss or gradient leaves params and optimizer state
 untouched and is counted in `TrainState.skipped`.
+
+Mixed precision: params and the AdamW moments stay in the model's `param_dtype` (float32 master
+weights); each layer casts its weights to the compute `dtype` (bfloat16 on TPU) inside the
+forward, so gradients arrive in param_dtype. The sampler gets `sampling_model`: a compute-dtype
+copy of the weights, cast once per RL step.
 """
 from __future__ import annotations
 
@@ -152,6 +157,7 @@ class Learner:
     def __init__(self, model: nnx.Module, config: TrainConfig, mesh=None):
         self.config = config
         self.mesh = mesh
+        self.compute_dtype = jnp.dtype(model.config.dtype)
         self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
         self._initial_params = params
         # The learner's own graph; the sampler's (self.graphdef, via model()) stays as loaded.
@@ -187,8 +193,15 @@ class Learner:
         return NamedSharding(self.mesh, P())
 
     def model(self, state: TrainState) -> nnx.Module:
-        """The policy with `state`'s parameters (for the sampler)."""
+        """The policy with `state`'s parameters (the master weights, in param_dtype)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
+
+    def sampling_model(self, state: TrainState) -> nnx.Module:
+        """The policy for the sampler: `state`'s weights cast to the compute dtype (a new bf16
+        copy of f32 master weights, same shardings), or the weights themselves when they are
+        already in it. Cast once per step; the sampler then reads half the bytes."""
+        params = _cast_floats(state.params, self.compute_dtype)
+        return nnx.merge(self.graphdef, params, self.rest)
 
     def place_batch(self, batch: dict) -> dict:
         """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole
@@ -256,6 +269,35 @@ class Learner:
 
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_to(params, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params)
+
+
+def _cast_floats(params, dtype):
+    if all(x.dtype == dtype for x in jax.tree.leaves(params)
+           if jnp.issubdtype(x.dtype, jnp.floating)):
+        return params
+    return _cast_to(params, dtype)
+
+
+def frozen_fraction(params, learning_rate: float) -> float:
+    """Share of the floating-point weights that an update of size `learning_rate` cannot move:
+    nonzero w whose dtype's spacing around w is more than twice lr, so that w + lr rounds back to
+    w (bfloat16 keeps 8 significant bits: a weight of 0.02 moves by steps of 1.2e-4). An AdamW
+    step is about lr per weight, so a large share means training stalls silently."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    frozen = total = 0
+    for x in leaves:
+        w = x.astype(jnp.float32)
+        _, exponent = jnp.frexp(w)  # |w| = m * 2^exponent, m in [0.5, 1)
+        half_spacing = jnp.ldexp(jnp.float32(jnp.finfo(x.dtype).eps / 4), exponent)
+        frozen += int(jnp.sum((w != 0) & (half_spacing > learning_rate)))
+        total += x.size
+    return frozen / max(total, 1)
 
 
 def _remat_graph(model: nnx.Module):

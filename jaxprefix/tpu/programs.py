@@ -98,8 +98,8 @@ def bytes_per_chip(tree) -> float:
 
 
 def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
-    """([the update over one step's batch (rows x learner width), compiled], the abstract
-    TrainState it updates)."""
+    """([the update over one step's batch (rows x learner width), compiled], the Learner, the
+    abstract TrainState it updates)."""
     learner = Learner(model, train, mesh)
     state = learner.abstract_state()
     rows, width = step.rows, step.learner_width
@@ -119,7 +119,17 @@ def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
               f'{rows // train.num_minibatches // micro} micro-batches of {micro} rows, '
               f'remat {train.remat}, log-prob chunk {train.logprob_chunk}')
     return [compile_program('learner update', learner.lower_update(state, batch),
-                            resident_bytes=resident, resident_note=note, shapes=shapes)], state
+                            resident_bytes=resident, resident_note=note, shapes=shapes)], learner, state
+
+
+def sampling_model(learner: Learner, state) -> nnx.Module:
+    """Learner.sampling_model for an abstract state: the weights in the compute dtype, sharded
+    like the master weights (a new copy when the two dtypes differ)."""
+    compute = learner.compute_dtype
+    cast = lambda x: jax.ShapeDtypeStruct(
+        x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+        sharding=x.sharding)
+    return nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest)
 
 
 def sampler_programs(model, mesh, step: StepShape, *, resident_bytes: float,
