@@ -14,13 +14,11 @@ within (1 - compile.headroom) of HBM; otherwise one line names the program and t
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
-import jax
 from absl import logging
 
+from jaxprefix import storage
 from jaxprefix.jobs import rl as rl_job
 from jaxprefix.jobs.policy import model_dtypes
 from jaxprefix.models import published
@@ -60,7 +58,7 @@ def run_compile(config, workdir: str) -> dict:
     search, report = [], None
     for slice_ in candidates:
         try:
-            report = compile_for(config, model_config, slice_)
+            report = compile_for(config, model_config, slice_, workdir)
         except ValueError as e:  # the run's batch does not split over this many chips
             if len(candidates) == 1:
                 raise
@@ -75,12 +73,10 @@ def run_compile(config, workdir: str) -> dict:
                          f'(tried {", ".join(s["topology"] for s in search)})')
     if len(candidates) > 1:
         report['search'] = search
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, REPORT), 'w') as f:
-        json.dump(report, f, indent=1)
+    storage.write_json(storage.join(workdir, REPORT), report)
     print(table(report))
     if not report['fits']:
-        raise SystemExit(f"compile: {_shortfall(report)}; see {os.path.join(workdir, REPORT)}")
+        raise SystemExit(f"compile: {_shortfall(report)}; see {storage.join(workdir, REPORT)}")
     if len(candidates) > 1:
         print(f"smallest {generation} slice that fits: {report['topology']}")
     return report
@@ -96,8 +92,10 @@ def _shortfall(report: dict) -> str:
             f"{worst['hbm_capacity_bytes'] / GiB:.0f} GiB)")
 
 
-def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType) -> dict:
-    """compile.json's content for one slice type (times config.compile.slices)."""
+def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
+                workdir: str) -> dict:
+    """compile.json's content for one slice type (times config.compile.slices); each compiled
+    program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look."""
     c = config.compile
     start = time.perf_counter()
     contexts = rl_job.contexts_per_step(config)
@@ -126,6 +124,11 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType) -
 
     chip = slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
+    for p in compiled:
+        if p.compiled is not None:
+            storage.write_atomic(storage.join(workdir, 'hlo', slice_.name,
+                                              p.name.replace(' ', '_') + '.txt'),
+                                 p.compiled.as_text())
     return {
         'topology': slice_.name, 'slices': c.slices, 'chips': mesh.size,
         'hosts': slice_.hosts * c.slices, 'mesh': dict(mesh.shape),
@@ -166,18 +169,19 @@ def hf_config(config) -> dict:
     else the shipped config.json of a model of that name."""
     m, given = config.model, config.compile.model_config
     if given:
-        with open(given) as f:
-            return json.load(f)
+        return storage.read_json(given)
     path = m.path
-    if m.source == 'gguf':
-        from jaxprefix.checkpoints import gguf
+    try:
+        if m.source == 'gguf':
+            from jaxprefix.checkpoints import gguf
 
-        path = gguf.bundled_smollm2_path() if path == 'bundled' else path
-        if os.path.isfile(path):
-            return gguf.read_gguf_config(path)
-    elif os.path.isfile(os.path.join(path, 'config.json')):
-        with open(os.path.join(path, 'config.json')) as f:
-            return json.load(f)
+            path = gguf.bundled_smollm2_path() if path == 'bundled' else path
+            if storage.isfile(path):
+                return gguf.read_gguf_config(storage.local_copy(path))
+        elif path and storage.isfile(storage.join(path, 'config.json')):
+            return storage.read_json(storage.join(path, 'config.json'))
+    except Exception as e:  # noqa: BLE001 - an unreachable bucket: fall back to the shipped copy
+        logging.info('compile: %s not readable here (%s); looking for a shipped config', path, e)
     shipped = published.hf_config(path)
     if shipped is None:
         raise ValueError(f'config.model.path={path!r}: no config.json readable there and no '

@@ -16,7 +16,6 @@ result per chip), reported beside it, not added.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import re
 from typing import Callable
@@ -144,16 +143,18 @@ class HloCost:
         self.num_devices = num_devices
         self.unknown_trip_count = unknown_trip_count
         self.kernel_flops = kernel_flops
+        self._costs: dict[str, Cost] = {}
 
     def total(self) -> Cost:
         return self._cost(self.entry)
 
-    @functools.lru_cache(maxsize=None)
     def _cost(self, computation: str) -> Cost:
-        cost = Cost()
-        for ins in self.computations.get(computation, []):
-            cost.add(self._instruction(computation, ins))
-        return cost
+        if computation not in self._costs:
+            cost = Cost()
+            for ins in self.computations.get(computation, []):
+                cost.add(self._instruction(computation, ins))
+            self._costs[computation] = cost
+        return self._costs[computation]
 
     def _instruction(self, computation: str, ins: Instruction) -> Cost:
         cost = Cost()
@@ -195,6 +196,8 @@ class HloCost:
             cost.flops = flops or 0.0
         if op in _SLICING:
             cost.bytes = 2 * shape_bytes(ins.shape)
+        elif 'custom_call_target="AllocateBuffer"' in ins.attrs:
+            cost.bytes = 0.0  # reserves memory, moves none
         elif op == 'copy-start':
             cost.bytes = 2 * self._operand_bytes(computation, ins.operands)
         elif op == 'dynamic-update-slice':
