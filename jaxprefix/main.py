@@ -4,9 +4,9 @@
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
-`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, export); each is one
-function in jaxprefix/jobs/ that tests call directly. Without --workdir a run writes to runs/<config>-<variant>.
-Running the same command again in the same workdir resumes from the last checkpoint. The workdir
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, export,
+compile); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
+run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
 and every path field may be local or gs:// (jaxprefix.storage).
 
 An anticipated failure (bad config field, data file, model, checkpoint, a workdir held by another
@@ -41,6 +41,7 @@ JOBS = {
     "demo": ("demo", "run_demo"),
     "results": ("results", "run_results"),
     "export": ("export", "run_export"),
+    "compile": ("compile", "run_compile"),
 }
 
 READ_ONLY_JOBS = ("eval", "fit")  # they write their report, never checkpoints or metrics

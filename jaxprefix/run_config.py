@@ -17,7 +17,7 @@ from jaxprefix import distributed
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export | compile
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
     # Resuming refuses a change to a field that alters the run (run_identity.py) unless it is
@@ -113,6 +113,11 @@ def base_config() -> ml_collections.ConfigDict:
     # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
     # is taken over.
     c.workdir_lock = ml_collections.ConfigDict(dict(stale_minutes=10.0, heartbeat_s=60.0))
+    # The compile job (jobs/compile.py): a TPU type (v6e-8, v5litepod-16, v5p-32), a slice count,
+    # the longest context in tokens (prompt plus guidance or prefix), the HBM share kept free,
+    # and optionally a config.json to use when the model path's is not readable from here.
+    c.compile = ml_collections.ConfigDict(dict(topology="", slices=1, context_length=1024,
+                                               headroom=0.1, model_config=""))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
         budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",
@@ -238,6 +243,7 @@ def paper(c: ml_collections.ConfigDict) -> None:
     c.eval.update(every=25, n=16, ks=(1, 16))
     c.checkpoint.every = 10
     c.mesh.update(data=1, fsdp=-1, tensor=1)
+    c.compile.context_length = 2048  # problem plus oracle-solution guidance (assumed)
 
 
 def colab(c: ml_collections.ConfigDict) -> None:

@@ -14,6 +14,12 @@ the weights in it; training adds the activations of one micro-batch per chip. FL
 against the context), forward only for sampling and x3 (x4 with remat) for the update.
 A slice fits when every chip's share is within HEADROOM of its HBM: XLA temporaries,
 fragmentation and compiled programs take the rest.
+
+This is a first look by formula, for every generation at once and in a second. It gives way to
+the compile job (jobs/compile.py; `launch/tpu.sh check --type=v6e-8 --config=...`), which
+compiles the run's actual programs for a slice with the TPU compiler and reads their memory and
+cost back: where the two disagree, the compile job is right. Chip figures come from the same
+table (jaxprefix/tpu/topology.py).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxprefix.models.config import ModelConfig  # noqa: E402
+from jaxprefix.tpu.topology import CHIPS  # noqa: E402
 
 GiB = 2**30
 HEADROOM = 0.85
@@ -59,13 +66,11 @@ class Accelerator:
         return 1 if chips <= self.single_host_chips else chips // self.chips_per_host
 
 
-# Per-chip figures from the Cloud TPU system architecture pages.
-ACCELERATORS = (
-    Accelerator("v5litepod", 16, 197, 819, 4, (1, 4, 8, 16, 32, 64, 128, 256), 8),
-    Accelerator("v6e", 32, 918, 1640, 4, (1, 4, 8, 16, 32, 64, 128, 256), 8),
-    Accelerator("v5p", 95, 459, 2765, 4,
-                (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144), 4, cores_per_chip=2),
-)
+# Per-chip figures (cited there) from jaxprefix.tpu.topology, under gcloud's type names.
+ACCELERATORS = tuple(
+    Accelerator(name, c.hbm_bytes / GiB, c.peak_bf16_flops / 1e12, c.hbm_bytes_per_s / 1e9,
+                c.chips_per_host, tuple(sorted(c.shapes)), c.single_host_chips, c.cores_per_chip)
+    for name, c in (("v5litepod", CHIPS["v5e"]), ("v6e", CHIPS["v6e"]), ("v5p", CHIPS["v5p"])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +86,9 @@ class RunShape:
     micro_batch: int = 1              # training sequences per chip per micro-step
     remat: bool = True
     reference_model: bool = False     # a frozen copy for the KL penalty
-    full_attention_scores: bool = True  # scores [heads, T, T] materialised (no flash kernel)
+    # Scores [heads, T, T] materialised per layer: what the learner did before its attention
+    # became blockwise (CPU/GPU) and splash (TPU); kept to show what that cost.
+    full_attention_scores: bool = False
 
     def __post_init__(self):
         for field in ("n", "problems", "prompt_len", "response_len", "micro_batch"):
@@ -247,7 +254,8 @@ def report(name: str, hf_config: dict, run: RunShape) -> str:
         cells += [train["slice"], train["rollouts_per_wave"]] if train else [largest, ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "Times are lower bounds for one step on the whole-step slice: FLOPs at 40% of "
-              "peak bf16, decode at full HBM bandwidth."]
+              "peak bf16, decode at full HBM bandwidth. Before renting, compile the run for the "
+              "slice: launch/tpu.sh check --type=<slice> --config=<config> (the compile job)."]
     return "\n".join(lines)
 
 

@@ -13,6 +13,9 @@ usage() {
 usage: launch/tpu.sh COMMAND [flags] [-- extra jaxprefix.main flags]
 
 commands:
+  check    before renting: compile the run for --type on this machine (no TPU needed, minutes)
+           and say whether every program fits its HBM; a generation (--type=v6e) finds the
+           smallest slice that fits (the compile job: docs/SCALING.md)
   create   create the TPU VM slice (or a queued resource with --queued; wait until ACTIVE)
   setup    copy this checkout (or git clone --repo) to every worker; create a Python 3.11
            virtual environment there (~/jaxprefix-venv, with uv) and pip install -e '.[tpu]'
@@ -89,9 +92,16 @@ while (($#)); do
 done
 
 case "$command" in
-  create|setup|run|logs|status|stop|resume|watch|up|delete) ;;
-  *) die "unknown command '$command'; expected one of create setup run logs status stop resume watch up delete" ;;
+  check|create|setup|run|logs|status|stop|resume|watch|up|delete) ;;
+  *) die "unknown command '$command'; expected one of check create setup run logs status stop resume watch up delete" ;;
 esac
+if [[ "$command" == check ]]; then  # runs here, with no cloud project: the TPU compiler only
+  main=(python3 -m jaxprefix.main "--config=$config" --config.job=compile
+        "--config.compile.topology=$tpu_type" "--workdir=${TMPDIR:-/tmp}/jaxprefix-compile-$tpu_type")
+  printf '+'; for arg in "${main[@]}" "${extra[@]}"; do printf ' %q' "$arg"; done; printf '\n'
+  ((dry_run)) || exec "${main[@]}" "${extra[@]}"
+  exit 0
+fi
 [[ -n "$project" ]] || die "missing GCP project: pass --project=P or set JAXPREFIX_PROJECT"
 [[ -n "$zone" ]] || die "missing zone: pass --zone=Z (e.g. us-east5-b) or set JAXPREFIX_ZONE"
 if [[ -z "$runtime" ]]; then

@@ -332,3 +332,15 @@ def test_capacity_plan_reads_the_run_shape_from_a_config():
                                 c.model.param_dtype, c.model.dtype, 333)
     with pytest.raises(SystemExit, match="pass --model"):
         cp.main([f"--config={REPO / 'configs' / 'grpo.py'}:paper"])
+
+
+def test_check_compiles_here_without_cloud_flags(launch):
+    """`check` needs no project or zone and calls no gcloud: it runs the compile job locally
+    for the type (or the generation) asked."""
+    result, calls = launch("check", "--type=v6e", "--config=configs/pope.py:paper", "--dry-run",
+                           "--", "--config.compile.slices=2")
+    assert calls == []
+    command = result.stdout.strip().splitlines()[-1]
+    assert command.startswith("+ python3 -m jaxprefix.main --config=configs/pope.py:paper "
+                              "--config.job=compile --config.compile.topology=v6e ")
+    assert command.endswith("--config.compile.slices=2")

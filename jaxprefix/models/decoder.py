@@ -7,6 +7,7 @@ leading 'layers' axis and the layers run under lax.scan, so a 30-layer model com
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers, lora
+from jaxprefix.models import layers, lora, tpu_attention
 from jaxprefix.models.attention import KVCache, KVSegment, attend, take_groups, write_columns
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
@@ -162,6 +163,10 @@ class Decoder(nnx.Module):
         context_pos = [s.pos for s in context]
         if context_rows is not None:
             context_pos = [take_groups(p, context_rows) for p in context_pos]
+        # Without a cache the new tokens attend to each other: T x T scores, too large to
+        # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
+        attend_fn = attend if cache is not None else functools.partial(
+            tpu_attention.attend, sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
@@ -189,8 +194,8 @@ class Decoder(nnx.Module):
             segments = [(ck, cv, cp) for (ck, cv), cp in zip(context_kv, context_pos)]
             own, new_kv = kv_self(k, v)
             segments.append(own)
-            a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
-                       logit_cap=c.attn_logit_softcapping)
+            a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
+                          logit_cap=c.attn_logit_softcapping)
             a = project('o', 'bthk,hkd->btd', a)
             if c.out_bias:
                 a = a + w['o_bias']

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
+from jaxprefix.models.sharding import constrain_params
 from jaxprefix.rl import objectives
 
 BATCH_AXES = ("data", "fsdp")
@@ -180,7 +181,8 @@ class Learner:
     def init_state(self) -> TrainState:
         """A fresh state from the model's initial weights (copied: updates donate their input)."""
         params = self.initial_params()
-        opt_state = jax.jit(self.optimizer.init)(params)
+        with self._mesh_context():
+            opt_state = self._init_optimizer()(params)
         zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
         state = TrainState(params=params, opt_state=opt_state, step=zero(), updates=zero(),
                            skipped=zero())
@@ -243,11 +245,38 @@ class Learner:
     def memory_analysis(self, state: TrainState, batch: dict):
         """XLA's compiled memory statistics of `update` for batches shaped like `batch`; nothing
         runs. `temp_size_in_bytes` is what an update needs on top of its arguments."""
+        return self.lower_update(state, self.place_batch(batch)).compile().memory_analysis()
+
+    def lower_update(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
+        """The update lowered for `state` and placed `batch`, which may be abstract (sharded
+        jax.ShapeDtypeStructs: abstract_state(), the compile job's batch); nothing runs."""
         self.config.check_batch(batch["tokens"].shape[0], self.batch_shards)
         with self._mesh_context():
-            lowered = _update.lower(self._train_graphdef, self.config, self.mesh is not None, state,
-                                    self.rest, self.place_batch(batch))
-        return lowered.compile().memory_analysis()
+            return _update.lower(self._train_graphdef, self.config, self.mesh is not None, state,
+                                 self.rest, batch)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of init_state()'s result, allocating nothing, for a model
+        whose parameters are sharded jax.ShapeDtypeStructs (built with nnx.eval_shape)."""
+        params = self._initial_params
+        # The optimizer state's shardings are those init_state gets; compiling the tiny init
+        # program is the faithful way to learn them. Leaves left on one device (Adam's count)
+        # are replicated over the mesh, as there.
+        with self._mesh_context():
+            compiled = self._init_optimizer().lower(params).compile()
+        replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
+        shardings = jax.tree.map(
+            lambda s: s if replicated is None or len(s.device_set) == self.mesh.size else replicated,
+            compiled.output_shardings)
+        opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 jax.eval_shape(self.optimizer.init, params), shardings)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        return TrainState(params=params, opt_state=opt_state, step=scalar, updates=scalar,
+                          skipped=scalar)
+
+    def _init_optimizer(self):
+        """jit of optimizer.init with the moments sharded like the parameters (under the mesh)."""
+        return jax.jit(lambda params: constrain_params(self.optimizer.init(params)))
 
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
@@ -339,12 +368,13 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
         micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
         (loss, stats), grads = grad_fn(params, rest, micro, totals)
+        grads = constrain_params(grads)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
                 _combine_stats(stats_sum, stats)), None
 
     first = jax.tree.map(lambda x: x[0], minibatch)
     _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
-    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+    init = (jnp.zeros((), jnp.float32), constrain_params(jax.tree.map(jnp.zeros_like, params)),
             _empty_stats(stats_shape))
     indices = jnp.arange(mask.shape[0])
     (loss, grads, stats), _ = jax.lax.scan(body, init, (minibatch, indices))
