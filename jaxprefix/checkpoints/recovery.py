@@ -115,6 +115,7 @@ def _quiet_orphaned_callbacks() -> None:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     line = text[0] if text else type(error).__name__
+    line = line.split(" See full TensorStore details")[0]  # a spec dump, no help to a reader
     return f"{type(error).__name__}: {line[:300]}{'...' if len(line) > 300 else ''}"
 
 
