@@ -46,7 +46,12 @@ def base_config() -> ml_collections.ConfigDict:
         max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
         kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
-        remat=False))  # True: recompute each layer in the backward pass (large models)
+        remat=False,  # True: recompute each layer in the backward pass (large models)
+        # Log-probs and loss of softmax(logits / rollout.temperature) (TRL, verl, Tunix); False
+        # scores the raw model (T = 1) whatever the sampling temperature.
+        logprobs_at_sampling_temperature=True,
+        entropy_coef=0.0,  # > 0: entropy bonus (a baseline POPE reports failing on hard problems)
+        pass_k=4))  # the k of advantage='pass_at_k' (Pass@k Training, Chen et al. 2025)
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(

@@ -67,6 +67,10 @@ def train_config(config) -> TrainConfig:
     values = {k: v for k, v in config.train.items() if k in fields}
     if not values.get("max_len") and values.get("aggregation") == "seq_mean_token_sum_norm":
         values["max_len"] = int(config.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
+    # Score the distribution the rollouts were drawn from (greedy sampling: the raw model).
+    sampling_t = float(config.rollout.temperature)
+    if config.train.get("logprobs_at_sampling_temperature", True) and sampling_t > 0:
+        values["temperature"] = sampling_t
     try:
         return TrainConfig(**values)
     except ValueError as e:
@@ -86,6 +90,9 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
          f"one of {objectives.ADVANTAGE_MODES}")
     need(r.n >= 2, "rollout.n", r.n, f"n >= 2 samples per context: {t.advantage} advantages "
          "compare the samples of a group")
+    if t.advantage == "pass_at_k":
+        need(1 <= t.get("pass_k", 1) <= r.n, "train.pass_k", t.get("pass_k"),
+             f"1 <= pass_k <= rollout.n={r.n}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
     need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
     need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
@@ -270,8 +277,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                                                seed=round_seed(config.seed, step, len(chunks))))
                 method.observe(more, chunks[-1].rewards)
 
-            advantages = [np.asarray(objectives.group_advantages(c.rewards, config.train.advantage))
-                          for c in chunks]
+            advantages = [np.asarray(objectives.group_advantages(
+                c.rewards, config.train.advantage, k=config.train.get("pass_k", 1))) for c in chunks]
             selection = dynamic_sampling.select_groups(
                 [c.rewards for c in chunks], target, drop_zero_variance=config.train.dynamic_sampling)
             batch = dynamic_sampling.build_batch(
