@@ -51,7 +51,8 @@ def base_config() -> ml_collections.ConfigDict:
         # scores the raw model (T = 1) whatever the sampling temperature.
         logprobs_at_sampling_temperature=True,
         entropy_coef=0.0,  # > 0: entropy bonus (a baseline POPE reports failing on hard problems)
-        pass_k=4))  # the k of advantage='pass_at_k' (Pass@k Training, Chen et al. 2025)
+        pass_k=4,  # the k of advantage='pass_at_k' (Pass@k Training, Chen et al. 2025)
+        flops_budget=0.0))  # > 0: stop before a step would pass this many RL FLOPs
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(
@@ -64,11 +65,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.pope = ml_collections.ConfigDict(dict(
         guidance="instruction",  # or 'solution_prefix' for policies that follow no instruction
         template="default",      # or 'no_restate' (the paper's ablation)
+        # The longest prefix searched, as a fraction of the oracle solution (a published summary
+        # says the authors' prefixes reach about a quarter; unconfirmed). Never the whole one.
+        max_prefix_fraction=0.25,
+        unsolved="drop",  # no solvable prefix within the cap: 'drop' it, or 'longest' (tried)
         guided_copies=1, unguided_copies=1, easy_per_step=0))
 
     c.prefixrl = ml_collections.ConfigDict(dict(
         prefixes_per_problem=3, unprefixed_copies=1, cut_lo=0.4, cut_hi=0.8,
-        samples_per_round=64, max_samples=2500, pool_path="",
+        samples_per_round=64, max_samples=2500,
+        pool_path="",     # another model's traces (id + text or tokens), verified on load
+        pool_flops=0.0,   # what generating pool_path cost, when declared: charged to the run
         oracle_traces=False))  # True: oracle solutions as the traces, no rejection sampling
 
     # Prefix-length schedule (methods/schedules.py): fixed | annealed | adaptive.
@@ -78,15 +85,24 @@ def base_config() -> ml_collections.ConfigDict:
         annealed=dict(steps=100, start_fraction=1.0, end_fraction=0.0, shape="linear"),
         adaptive=dict(window=16, threshold=0.5, stride=1, lengthen=False)))
 
-    c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
+    # hard_set: also evaluate on the mined training hard set, unguided (hard_set/* metrics).
+    c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
-        budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",
-        eval_every_rollouts=1024, print_only=False))
+        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
+        budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), seeds=(0,), runs_dir="",
+        eval_every_rollouts=1024, print_only=False,
+        config_arg="",  # the --config its printed commands start from (configs/isocompute.py)
+        # Learning rate of a run with R = n * B rollouts a step: train.learning_rate at
+        # lr_reference_rollouts, times (R / reference)^(0 | 1/2 | 1) for constant | sqrt | linear.
+        lr_rule="sqrt", lr_reference_rollouts=512,
+        # An rl run allocated by the rule: budget > 0 sets n, B and M (and the lr by lr_rule) from
+        # the fitted curve in frontier_path (a fit job's frontier.json; '' = the default curve).
+        budget=0.0, budget_unit="rollouts", frontier_path="", batch=0, n_min=2, n_max=1024))
     return c
 
 
@@ -120,8 +136,13 @@ def _literal(text: str):
 
 def sibling_config(this_file: str, name: str, arg: str = "") -> ml_collections.ConfigDict:
     """`get_config(arg)` of another file in the same configs/ folder (e.g. sft.py for pope.py)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(this_file)), name)
-    spec = importlib.util.spec_from_file_location(f"jaxprefix_config_{name[:-3]}", path)
+    return from_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name), arg)
+
+
+def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:
+    """`get_config(arg)` of a config file, as `--config=path:arg` would load it."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"jaxprefix_config_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg)
@@ -145,7 +166,10 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     c.train.update(problems_per_step=32, total_steps=150, learning_rate=1e-4, max_grad_norm=1.0,
                    micro_batch_size=64)
     c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
-    c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
+    # Guidance in the prompt (the base's SFT taught it the hint block). Searched up to the whole
+    # solution but its last step: difficulty here is p^(steps left), so a quarter of the
+    # solution leaves p^15 (docs/DEMO_TASK.md); RESULTS.md runs the caps 1/4, 1/2 and 1.
+    c.pope.max_prefix_fraction = 1.0
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50
 
@@ -157,6 +181,8 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     c.rollout.n = 4
     c.train.update(problems_per_step=4, total_steps=2, micro_batch_size=16)  # 32 rows a step
     c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
+    # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE still runs.
+    c.pope.unsolved = "longest"
     # The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
     c.prefixrl.update(samples_per_round=4, max_samples=8, oracle_traces=True)
     c.eval.update(every=2, n=4, ks=(1, 4))

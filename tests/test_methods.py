@@ -166,12 +166,91 @@ def test_pope_rejects_no_copies_and_unknown_guidance():
         pope_method(guidance="hint")
 
 
-def test_pope_problem_without_solvable_prefix_gets_the_longest():
-    hard = PROBLEMS[:2]
-    method = pope.PopeMethod(PROMPTS, hard, {hard[0].id: 1, hard[1].id: None},
-                             schedule=FixedPrefix(), guidance="solution_prefix",
-                             problems_per_step=2, n=2, seed=0)
-    assert method.prefix_units == {hard[0].id: 1, hard[1].id: len(hard[1].steps)}
+def test_prefix_limit_caps_by_units_fraction_and_never_the_whole_solution():
+    twenty = task.hard_set(1)[0]
+    assert pope.prefix_limit(twenty, max_units=19) == 19
+    assert pope.prefix_limit(twenty, max_units=19, max_fraction=0.25) == 5
+    assert pope.prefix_limit(twenty, max_units=19, max_fraction=0.5) == 10
+    assert pope.prefix_limit(twenty, max_units=30) == 19  # 20 would hand over the answer
+    assert pope.prefix_limit(twenty, max_units=4, max_fraction=0.5) == 4
+    assert pope.prefix_limit(task.make_problem(7, 3), max_units=19) == 0  # one step: nothing
+
+
+def test_pope_drops_problems_without_a_solvable_prefix_and_counts_them():
+    hard = PROBLEMS[:3]  # 4..6 steps each
+    found = {hard[0].id: 1, hard[1].id: None, hard[2].id: 2}
+    method = pope.PopeMethod(PROMPTS, hard, found, schedule=FixedPrefix(),
+                             guidance="solution_prefix", problems_per_step=2, n=2, seed=0)
+    assert method.prefix_units == {hard[0].id: 1, hard[2].id: 2}
+    assert method.dropped == [hard[1].id]
+    request = method.next_request(0)
+    assert hard[1].id not in {p.id for p in request.problems}
+    with pytest.raises(ValueError, match="none of the 1 hard problems has a solvable prefix"):
+        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(),
+                        guidance="solution_prefix", problems_per_step=1, n=2, seed=0)
+
+
+def test_pope_longest_fallback_never_guides_with_the_whole_solution():
+    hard = PROBLEMS[:3]
+    method = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),
+                             guidance="solution_prefix", unsolved="longest", max_units=19,
+                             max_fraction=0.5, problems_per_step=3, n=2, seed=0)
+    for problem in hard:  # the longest prefix the search tried: half the steps, rounded down
+        assert method.prefix_units[problem.id] == len(problem.steps) // 2 < len(problem.steps)
+    uncapped = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),
+                               guidance="solution_prefix", unsolved="longest", max_units=99,
+                               problems_per_step=3, n=2, seed=0)
+    assert all(uncapped.prefix_units[p.id] == len(p.steps) - 1 for p in hard)
+    request = uncapped.next_request(0)
+    for context, problem, guided in zip(request.contexts, request.problems, request.tags["guided"]):
+        if guided:  # the forced prefix stops a step short of the whole solution
+            assert TOKENIZER.decode(list(context.suffix)) == "".join(problem.steps[:-1])
+
+
+# --- POPE with the guidance in the prompt, on the demo task's policy -------------------------
+
+HINTED = TaskPrompts(TOKENIZER, task.hinted)
+
+
+def test_pope_instruction_on_the_demo_task_puts_the_partial_solution_in_the_prompt():
+    problem = task.make_problem(347, 6)  # steps: 7*6 = 42 -> (2, 4); 4*6+4 = 28; 3*6+2 = 20
+    context, response_prefix = pope.guided_context(HINTED, problem, 2, guidance="instruction")
+    # The sum digits of the 2 given steps in 20 slots, then their carries, then the question.
+    assert TOKENIZER.decode(context) == ("28" + "_" * 18 + "42" + "_" * 18 + "|"
+                                         + "743" + "_" * 17 + "x6=")
+    assert response_prefix == ""  # the answer is the policy's own, scored alone
+    assert task.verify("+24+82+02", problem) == 1.0  # ... and it must be the whole solution
+    assert task.verify("+02", problem) == 0.0
+
+
+def test_instruction_mode_guided_prompt_carries_no_loss(model):
+    hard = PROBLEMS[:4]
+    method = pope.PopeMethod(HINTED, hard, {p.id: 2 for p in hard}, schedule=FixedPrefix(),
+                             guidance="instruction", problems_per_step=4, n=2, seed=0)
+    request = method.next_request(0)
+    rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5, stop_ids=STOP,
+                                 seed=0)
+    rewards = np.random.default_rng(0).uniform(size=(len(request.contexts), 2))
+    selection = dynamic_sampling.select_groups([rewards], len(request.contexts))
+    batch = dynamic_sampling.build_batch(
+        [rollouts], [np.asarray(objectives.group_advantages(rewards))], selection)
+    guided_rows = 0
+    for row, group in enumerate(rollouts.group_ids):
+        problem, context = request.problems[group], list(request.contexts[group])
+        start = len(context)
+        assert batch["tokens"][row, :start].tolist() == context
+        assert not batch["completion_mask"][row, :start].any()  # the prompt: no loss
+        assert batch["completion_mask"][row, start:start + rollouts.lengths[row]].all()
+        if request.tags["guided"][group]:
+            guided_rows += 1
+            hint = TOKENIZER.decode(context[:task.HINT_LENGTH])
+            steps = problem.steps[:2]  # '+sc': the partial solution, sum digits then carries
+            assert hint[:2] + hint[task.SLOTS:task.SLOTS + 2] == "".join(
+                s[1] for s in steps) + "".join(s[2] for s in steps)
+            assert request.response_prefixes[group] == ""
+        else:
+            assert context == PROMPTS.question(problem)
+    assert guided_rows == 4 * 2
 
 
 @pytest.mark.parametrize("prefixes,unprefixed", [(3, 1), (2, 2)])
@@ -378,12 +457,26 @@ def test_shortest_solvable_prefixes_by_hand(model):
     problems = four + [two]
     STEPS_NEEDED.update({four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: 4, two.id: 5})
     probe = prober(model, "test_methods_enough_steps", rows_per_call=4)
-    found = pope.shortest_solvable_prefixes(probe, PROMPTS, problems, m=2, max_units=3,
-                                            guidance="solution_prefix", seed=0)
-    assert found == {four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: None, two.id: None}
-    # Pending per length: 1 step: all 5; 2 steps: 4 (four[0] solved); 3 steps: the 4-digit
-    # four[2], four[3] (two has only 2 steps). m = 2 samples each.
-    assert probe.ledger.extra_rollouts == (5 + 4 + 2) * 2
+    search = pope.shortest_solvable_prefixes(probe, PROMPTS, problems, m=2, max_units=3,
+                                             guidance="solution_prefix", seed=0)
+    assert search.shortest == {four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: None,
+                               two.id: None}
+    # Pending per length: 1 step: all 5; 2 steps: the four 4-digit minus four[0] (two's limit
+    # is 1 step: 2 would be its whole solution); 3 steps: four[2], four[3]. m = 2 samples each.
+    assert probe.ledger.extra_rollouts == (5 + 3 + 2) * 2
+    # The answers kept are whole solutions: the forced prefix, then the policy's continuation.
+    for pid, units in search.shortest.items():
+        if units:
+            text = TOKENIZER.decode(search.answers[pid])
+            assert text.startswith(oracle_prefix_text(next(p for p in problems if p.id == pid),
+                                                      units))
+    assert pope.revealed_fractions(problems, search.shortest) == [1 / 4, 2 / 4, 3 / 4]
+    # A cap of half the solution: at most 2 of 4 steps, so four[2] (needs 3) finds none.
+    capped = pope.shortest_solvable_prefixes(prober(model, "test_methods_enough_steps"), PROMPTS,
+                                             problems, m=2, max_units=3, max_fraction=0.5,
+                                             guidance="solution_prefix", seed=0)
+    assert capped.shortest == {four[0].id: 1, four[1].id: 2, four[2].id: None, four[3].id: None,
+                               two.id: None}
 
 
 def test_build_trace_pool_respects_max_samples(model):

@@ -28,19 +28,29 @@ def smoke_run(tmp_path_factory):
     return config, workdir, sft.run_sft(config, workdir)
 
 
-def test_training_batch_masks_only_the_solution():
-    config = load_config("smoke")
+def test_training_batch_masks_only_the_solution_and_hints_some_prompts():
+    config = load_config("demo")
     tokenizer = task.tokenizer()
     tokens, real, loss_mask = sft.training_batch(config, step=3, tokenizer=tokenizer)
     assert tokens.shape == (config.data.batch_size, task.SEQUENCE_LENGTH)
-    assert not loss_mask[:, :task.QUESTION_LENGTH].any()  # the question carries no loss
+    hinted = 0
     for row in range(tokens.shape[0]):
         text = tokenizer.decode(tokens[row][loss_mask[row] > 0].tolist())
-        question = tokenizer.decode(tokens[row, :task.QUESTION_LENGTH].tolist())
+        prompt_length = int(np.argmax(loss_mask[row] > 0))  # the prompt carries no loss
+        prompt = tokenizer.decode(tokens[row, :prompt_length].tolist())
+        assert prompt_length in (task.QUESTION_LENGTH, task.HINT_LENGTH + task.QUESTION_LENGTH)
+        question = prompt[-task.QUESTION_LENGTH:]
         number = int(question[:task.SLOTS].rstrip(task.EMPTY)[::-1])
         problem = task.make_problem(number, int(question[task.SLOTS + 1]))
-        assert task.verify(text, problem) == 1.0  # the trained-on text is a correct solution
-        assert real[row].sum() == task.QUESTION_LENGTH + loss_mask[row].sum()  # then padding
+        assert task.verify(text, problem) == 1.0  # the target is the whole, correct solution
+        if prompt_length > task.QUESTION_LENGTH:  # a hint: the first k steps as (sum, carry)
+            hinted += 1
+            k = len(prompt[:task.SLOTS].rstrip(task.EMPTY))
+            assert 1 <= k < max(2, len(problem.steps))
+            assert prompt[:task.HINT_LENGTH] == task.hint_block(problem, k)
+        assert real[row].sum() == prompt_length + loss_mask[row].sum()  # then padding
+    # hinted_fraction 0.5 of 64 rows: binomial, 0 or 64 would mean the mix is broken.
+    assert 16 <= hinted <= 48
     assert np.array_equal(tokens, sft.training_batch(config, 3, tokenizer)[0])  # deterministic
 
 

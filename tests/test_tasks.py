@@ -123,3 +123,19 @@ def test_verifier_is_registered():
     problem = task.make_problem(47, 6)
     scores, _ = rewards.score_batch(task.NAME, ["+24+82<eos>", "+24+81", "^42+82"], [problem] * 3)
     assert scores.tolist() == [1.0, 0.0, 1.0]
+
+
+def test_hinted_problem_by_hand():
+    problem = task.make_problem(347, 6)  # steps +24 +82 +02
+    hinted = task.hinted(problem, 2)
+    assert hinted.question == "28" + "_" * 18 + "42" + "_" * 18 + "|" + problem.question
+    assert len(hinted.question) == task.HINT_LENGTH + task.QUESTION_LENGTH
+    assert hinted.steps == problem.steps and hinted.answer == problem.answer
+    # The answer is the whole solution, in any notation; the hint changes nothing it must be.
+    assert task.verify("+24^28+02", hinted) == task.verify("+24^28+02", problem) == 1.0
+    assert task.verify("+02", hinted) == 0.0
+    assert task.hinted(problem, 0) is problem
+    with pytest.raises(ValueError, match="out of range 1..3"):
+        task.hinted(problem, 4)
+    with pytest.raises(ValueError, match="already has steps"):
+        task.hinted(task.guided(problem, 1), 1)

@@ -45,8 +45,11 @@ def load_policy(config, workdir: str) -> Policy:
         path = base_dir(config, workdir)
         if not os.path.exists(os.path.join(path, "config.json")):
             sft.run_sft(config.sft, os.path.dirname(path.rstrip("/")) or ".")
+        from jaxprefix.data.tasks import carry_multiplication as task
+
         model, tokenizer = sft.load_base(path)
-        return Policy(model, tokenizer, TaskPrompts(tokenizer), source)
+        # The base's SFT taught it the task's hint block: POPE can guide it in the prompt.
+        return Policy(model, tokenizer, TaskPrompts(tokenizer, task.hinted), source)
     if source == "hf":
         model, _ = models.from_pretrained(config.model.path, dtype)
     elif source == "gguf":

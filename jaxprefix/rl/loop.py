@@ -258,6 +258,11 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
         ckpt.save(step, _state_arrays(state), meta)
 
     total = int(config.train.total_steps)
+    # A FLOPs budget (IsoCompute allocations) ends the run before a step like the last one
+    # would pass it; a run that stopped so stays stopped when resumed.
+    flops_budget = float(config.train.get("flops_budget", 0.0))
+    if totals.get("budget_spent"):
+        total = start
     record: dict[str, Any] = {}
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
@@ -333,7 +338,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 "throughput/update_tokens_per_s": forwarded / max(update_seconds, 1e-9),
             })
             done = step + 1
-            last = done == total
+            if flops_budget and totals["flops"] + flops_sampling + flops_update > flops_budget:
+                totals["budget_spent"] = True
+            last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
                 record.update(evaluate(learner.model(state), tokenizer, method, config, step=done,
@@ -346,6 +353,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 save(done)
             if preemption.requested:
                 preempted = True
+                break
+            if last:
                 break
     bar.close()
     writer.close()

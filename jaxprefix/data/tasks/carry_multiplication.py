@@ -16,13 +16,19 @@ every step), as PrefixRL's mined traces differ from a reference solution, while 
 underneath is the same. The verifier is exact: every step must be right and nothing may follow
 the last one, so neither guessing nor stopping early earns reward. See docs/DEMO_TASK.md.
 
-Guidance: the tiny policy follows no instruction, so a guided problem is the problem whose text
-continues with the first oracle steps; `guided(problem, k)` builds it and the verifier reads the
-given steps back from its question. Score a guided context against `guided(problem, k)`.
+Guidance comes in two forms, as POPE's does on an LLM (docs/DEMO_TASK.md):
+- in the prompt (`hinted(problem, k)`, POPE's 'instruction' mode): a hint block holding the first
+  k steps precedes the question, and the policy writes the WHOLE solution itself (it may copy the
+  given steps); the hint is prompt, never trained on, and the answer is scored as is;
+- as the start of the answer (`guided(problem, k)`, 'solution_prefix'): the question continues
+  with the first k oracle steps and the policy writes the rest; the verifier reads the given steps
+  back from the question.
+The SFT base is trained on both the plain and the hinted format, so it reads a hint.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -33,13 +39,20 @@ SLOTS = 20  # digit slots of the question; the most digits a problem can have
 EMPTY = "_"  # an unused digit slot
 TIMES, EQUALS = "x", "="
 SUM_FIRST, TENS_FIRST = "+", "^"  # the two notations of a step
+HINT_END = "|"  # closes the hint block of a hinted question
 EOS, PAD = "<eos>", "<pad>"
-SYMBOLS = tuple("0123456789") + (EMPTY, TIMES, EQUALS, SUM_FIRST, TENS_FIRST)
+SYMBOLS = tuple("0123456789") + (EMPTY, TIMES, EQUALS, SUM_FIRST, TENS_FIRST, HINT_END)
 QUESTION_LENGTH = SLOTS + 3
 STEP_LENGTH = 3
+# A hint block: the sum digits s_i of the given steps in SLOTS slots, then their carries c_i in
+# SLOTS slots ('_' for steps not given), then HINT_END. Laid out like the question's digit slots,
+# so answer step i finds s_i and c_i at distances that grow by 2 a step, as it finds a_i: the
+# lookup the policy already does, shifted. One token per digit keeps a hinted sequence within
+# 128 tokens, the learner's width bucket.
+HINT_LENGTH = 2 * SLOTS + 1
 # Longest completion: every step, then <eos>.
 MAX_COMPLETION_LENGTH = SLOTS * STEP_LENGTH + 1
-SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
+SEQUENCE_LENGTH = HINT_LENGTH + QUESTION_LENGTH + MAX_COMPLETION_LENGTH  # a hinted one: 125
 
 
 def tokenizer():
@@ -115,8 +128,46 @@ def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
     return generate(count, digits=(SLOTS, SLOTS), multipliers=(6, 9), seed=seed)
 
 
+def hint_block(problem: Problem, steps: int) -> str:
+    """The hint of the first `steps` steps of `problem`: their sum digits, then their carries."""
+    digits, multiplier, given = _parse_question(problem.question)
+    if given:
+        raise ValueError(f"{NAME}: {problem.id} already has steps in its question; hint the "
+                         f"original problem")
+    if not 0 < steps <= len(digits):
+        raise ValueError(f"{NAME}: a hint of {steps} steps is out of range 1..{len(digits)} for "
+                         f"{problem.id}")
+    given = carry_steps(digits, multiplier)[:steps]
+    pad = EMPTY * (SLOTS - steps)
+    return ("".join(str(s) for s, _ in given) + pad + "".join(str(c) for _, c in given) + pad
+            + HINT_END)
+
+
+def hinted(problem: Problem, steps: int) -> Problem:
+    """The problem with its first `steps` steps given in the prompt (POPE's 'instruction' mode).
+
+    The question is the hint block then the original question; the solution is the whole
+    solution, which the policy writes itself (copying the given steps or not). Scored like the
+    original: `verify` ignores a hint block.
+    """
+    if steps == 0:
+        return problem
+    return dataclasses.replace(
+        problem, id=f"{problem.id}/hint{steps}",
+        question=hint_block(problem, steps) + problem.question,
+        metadata={**problem.metadata, "hint_steps": steps, "base_id": problem.id})
+
+
+def _strip_hint(question: str) -> str:
+    if len(question) >= HINT_LENGTH and question[HINT_LENGTH - 1] == HINT_END:
+        return question[HINT_LENGTH:]
+    return question
+
+
 def _parse_question(question: str) -> tuple[list[int], int, list[str]]:
-    """Digits of a, the multiplier, and the steps already given after '=' (guided problems)."""
+    """Digits of a, the multiplier, and the steps already given after '=' (guided problems).
+    A hint block in front (hinted problems) is skipped: it changes nothing the answer must be."""
+    question = _strip_hint(question)
     head, given = question[:QUESTION_LENGTH], question[QUESTION_LENGTH:]
     slots = head[:SLOTS]
     number = slots.rstrip(EMPTY)
