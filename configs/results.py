@@ -10,12 +10,12 @@ import ml_collections
 
 from jaxprefix import run_config
 
-# The study: POPE at three prefix caps and its forced-prefix ablation, the papers' failing
-# baselines, PrefixRL's limit case and its own regime against its SFT baseline.
-# In this order: an interrupted study has spent its time on the first.
+# The study: POPE at three prefix caps, the papers' baselines that fail on hard problems, and
+# PrefixRL in its own regime against its SFT baseline. Left out for the 2-core budget (each is a
+# RUNS entry of jobs/results.py, run with --config.results.runs=...): pope_solution_prefix (the
+# forced-prefix ablation), prefixrl (the 20-digit limit case), prefixrl_oracle, sft_oracle.
 RUNS = ("grpo", "pope_cap1", "pope_cap0.5", "pope_cap0.25", "prefixrl_regime",
-        "sft_traces_regime", "grpo_entropy", "grpo_pass_at_k", "grpo_easy", "sft_guided",
-        "pope_solution_prefix", "prefixrl")
+        "sft_traces_regime", "grpo_entropy", "grpo_pass_at_k", "grpo_easy", "sft_guided")
 
 
 def get_config(arg: str = ""):

@@ -109,14 +109,15 @@ def run_results(config, workdir: str) -> dict:
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}
     report = {"runs": {}}
-    for name in names:
-        if RUNS[name].regime not in studies:
-            studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
-                                                                           workdir)
-        study = studies[RUNS[name].regime]
-        for seed in config.results.seeds:
+    # Seed-major: an interrupted study has answered every question at its first seeds.
+    for seed in config.results.seeds:
+        for name in names:
+            if RUNS[name].regime not in studies:
+                studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
+                                                                               workdir)
             key = f"{name}_seed{seed}"
-            report["runs"][key] = _run(study, name, seed, os.path.join(workdir, key))
+            report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
+                                       os.path.join(workdir, key))
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
     report["studies"] = {name: _study_record(study) for name, study in studies.items()}
     if config.results.isocompute:
