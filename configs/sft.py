@@ -31,13 +31,13 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     # read POPE's guidance; the target is still the whole solution).
     config.data = ml_collections.ConfigDict(dict(
         batch_size=64, digits=(1, 20), full_length_fraction=0.5, multipliers=(2, 9),
-        tens_first=0.5, hinted_fraction=0.5))
+        tens_first=0.5, hinted_fraction=0.25))
 
     # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
     config.lr = 1e-3
     config.warmup_steps = 100
     config.weight_decay = 1e-4
-    config.max_steps = 1500
+    config.max_steps = 2500
     # Each point costs one forward pass; sampling starts once the step accuracy passes a gate.
     config.eval_start = 300
     config.eval_every = 25

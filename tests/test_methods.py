@@ -117,7 +117,7 @@ def test_pope_solution_prefix_is_question_then_oracle_steps():
         context, response_prefix = pope.guided_context(PROMPTS, problem, k,
                                                        guidance="solution_prefix")
         assert isinstance(context, SharedContext)
-        assert list(context.prompt) == TOKENIZER.encode("743" + "_" * 17 + "x6=")
+        assert list(context.prompt) == TOKENIZER.encode(task.EMPTY_HINT + "743" + "_" * 17 + "x6=")
         assert list(context.suffix) == TOKENIZER.encode(steps)
         assert response_prefix == steps
     with pytest.raises(ValueError, match="pope.guidance.*'hint'"):
@@ -218,6 +218,7 @@ def test_pope_instruction_on_the_demo_task_puts_the_partial_solution_in_the_prom
     # The sum digits of the 2 given steps in 20 slots, then their carries, then the question.
     assert TOKENIZER.decode(context) == ("28" + "_" * 18 + "42" + "_" * 18 + "|"
                                          + "743" + "_" * 17 + "x6=")
+    assert TOKENIZER.decode(PROMPTS.question(problem)) == task.EMPTY_HINT + "743" + "_" * 17 + "x6="
     assert response_prefix == ""  # the answer is the policy's own, scored alone
     assert task.verify("+24+82+02", problem) == 1.0  # ... and it must be the whole solution
     assert task.verify("+02", problem) == 0.0

@@ -94,7 +94,9 @@ def run_config(study: Study, name: str, seed: int):
     if name == "grpo_easy":  # as many easy problems as POPE asks guided copies of hard ones
         c.pope.easy_per_step = c.train.problems_per_step
     if spec.regime == "prefixrl":
-        c.eval.hard_set = True  # the training reward PrefixRL's paper plots, unguided
+        # The training reward PrefixRL's paper plots against FLOPs, unguided, 5 times a run.
+        c.eval.hard_set = True
+        c.eval.every = max(1, c.train.total_steps // 5)
     return c
 
 
@@ -155,10 +157,19 @@ def _study_record(study: Study) -> dict:
     return record
 
 
+RECORD = "results_record.json"  # a finished run's record: evaluated once, read back after
+
+
 def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
     """Trains one run (or finds it finished) and evaluates it; its record for the report."""
     spec = RUNS[name]
     c = run_config(study, name, seed)
+    saved = os.path.join(run_dir, RECORD)
+    if os.path.exists(saved):
+        with open(saved) as f:
+            record = json.load(f)
+        if record.get("steps") == c.train.total_steps:
+            return record
     record, warm_flops = {"name": name, "seed": seed}, 0.0
     if spec.method == "pope" and c.pope.guided_copies:
         kept = _pope_problems(study, c)
@@ -180,12 +191,15 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
         record["warm_start_examples"] = warm.report["problems"]
     out = run_rl(c, run_dir)
     out["ledger"].extra_flops += warm_flops
-    return record | {
-        "after": study.evaluate(out["policy"].model, f"eval {name}"),
-        "after_hard_set": study.evaluate(out["policy"].model, f"eval {name}, hard set",
-                                         study.hard.problems),
-        "ledger": out["ledger"].to_dict(), "warm_flops": warm_flops,
-        "curve": _curve(run_dir, warm_flops)}
+    record |= {"steps": out["step"],
+               "after": study.evaluate(out["policy"].model, f"eval {name}"),
+               "after_hard_set": study.evaluate(out["policy"].model, f"eval {name}, hard set",
+                                                study.hard.problems),
+               "ledger": out["ledger"].to_dict(), "warm_flops": warm_flops,
+               "curve": _curve(run_dir, warm_flops)}
+    with open(saved, "w") as f:
+        json.dump(record, f, indent=1, default=float)
+    return record
 
 
 def _pope_problems(study: Study, c) -> int:
