@@ -21,10 +21,13 @@ import functools
 import importlib.util
 import os
 import statistics
+import sys
 import tempfile
-import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
 
 ARMS = ('jaxprefix', 'tunix', 'transformers')
 
@@ -120,14 +123,19 @@ def transformers_arm(hf_dir, context, new_tokens):
   return run
 
 
-def timed(run, n, repeats):
-  run(n, seed=0)  # compile / warm up at this shape
-  times, tokens = [], 0
-  for r in range(repeats):
-    start = time.perf_counter()
-    tokens = run(n, seed=r + 1)
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), (max(times) - min(times)), tokens
+def timed(runners, n, repeats):
+  """{arm: (median s, spread s, tokens of the last call)}: each arm compiled at this shape, then
+  `repeats` rounds calling every arm once, in an order rotated each round (bench/common.py)."""
+  tokens = {arm: run(n, seed=0) for arm, run in runners.items()}  # compile / warm up
+  seeds = iter(range(1, 1 + repeats * len(runners)))
+
+  def call(arm):
+    def once():
+      tokens[arm] = runners[arm](n, seed=next(seeds))
+    return once
+
+  seconds = common.time_alternating({arm: call(arm) for arm in runners}, repeats)
+  return {arm: (statistics.median(s), max(s) - min(s), tokens[arm]) for arm, s in seconds.items()}
 
 
 def main():
@@ -163,12 +171,12 @@ def main():
     else:
       runners[arm] = transformers_arm(hf_dir, context, args.new)
 
+  common.print_load()
   print(f'SmolLM2-135M f32 CPU, context {len(context)} tokens, {args.new} new tokens, '
-        f'median of {args.repeats}')
+        f'median of {args.repeats} alternating rounds')
   results = {}
   for n in ns:
-    for arm, run in runners.items():  # arms alternate within each n
-      seconds, spread, tokens = timed(run, n, args.repeats)
+    for arm, (seconds, spread, tokens) in timed(runners, n, args.repeats).items():
       results[arm, n] = seconds
       print(f'  n={n:3d} {arm:12s} {seconds:8.2f} s (spread {spread:.2f})  '
             f'{tokens / seconds:8.1f} tok/s', flush=True)
@@ -180,6 +188,7 @@ def main():
     if 8 in ns and 64 in ns:
       print(f'jaxprefix time(n=64) / time(n=8): '
             f'{results["jaxprefix", 64] / results["jaxprefix", 8]:.2f} (target < 4)')
+  common.print_load()
 
 
 if __name__ == '__main__':

@@ -26,6 +26,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
+from jaxprefix import storage
+
 MAJ_SUBSETS = 2000
 
 
@@ -182,9 +184,4 @@ def evaluate_completions(problems: Sequence, completions: Sequence[Sequence[str]
 
 def write_report(path: str | os.PathLike, report: dict) -> None:
     """Writes `report` as indented JSON, atomically (a reader never sees half a report)."""
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    storage.write_atomic(os.fspath(path), json.dumps(report, indent=2, sort_keys=True))

@@ -4,15 +4,22 @@
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
-`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo); each is one function in
-jaxprefix/jobs/ that tests call directly. Without --workdir a run writes to runs/<config>-<variant>.
-Running the same command again in the same workdir resumes from the last checkpoint.
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, export,
+compile); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
+run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
+and every path field may be local or gs:// (jaxprefix.storage).
+
+An anticipated failure (bad config field, data file, model, checkpoint, a workdir held by another
+run, a full disk, a missing package) prints one line, `error: <what>, <where>, <expected>`, and
+exits 1 (2 for a bad command line); a traceback means a bug, or `--verbose`.
 """
 from __future__ import annotations
 
 import importlib
 import logging as std_logging  # absl's WARNING constant is its own verbosity, not a record level
 import os
+import re
+import sys
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -20,6 +27,7 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:variant].",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and reports go.")
+_VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for anticipated failures too.")
 flags.mark_flags_as_required(["config"])
 
 # job name -> (module in jaxprefix.jobs, function(config, workdir))
@@ -32,7 +40,11 @@ JOBS = {
     "fit": ("isocompute", "run_fit"),
     "demo": ("demo", "run_demo"),
     "results": ("results", "run_results"),
+    "export": ("export", "run_export"),
+    "compile": ("compile", "run_compile"),
 }
+
+READ_ONLY_JOBS = ("eval", "fit")  # they write their report, never checkpoints or metrics
 
 
 def default_workdir(config_arg: str) -> str:
@@ -48,6 +60,49 @@ class _OnlyOurInfo:
         return record.levelno >= std_logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
 
 
+def remote_paths(config, workdir: str) -> list[str]:
+    """The workdir and every config string that is a URL (gs://...): what needs a storage backend."""
+    found = [workdir]
+
+    def visit(value):
+        if isinstance(value, str):
+            found.append(value)
+        elif hasattr(value, "items"):
+            for item in value.values():
+                visit(item)
+    visit(config)
+    return [p for p in found if "://" in p]
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad --config or --config.<field> reported as one line."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:  # a value of the wrong type, a config file that raised
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        head = lines[0].rstrip(":")
+        reason = lines[-1] if len(lines) > 1 else ""
+        _exit_with(f"error: {head}{': ' + reason if reason else ''}", 2)
+    except (AttributeError, KeyError) as e:  # ml_collections on a field the config lacks
+        text = str(e).replace("\\'", "'")
+        field = re.search(r"'(\w+)'", text)
+        field = field.group(1) if field else ""
+        arg = next((a for a in argv if a.startswith("--config.")
+                    and field in a.split("=", 1)[0].split(".")), "--config")
+        hint = re.search(r'Did you mean "(\w+)"', text)
+        _exit_with(f"error: {arg}: no such config field {field!r}; expected a field of the "
+                   f"config file{f' (did you mean {hint.group(1)!r}?)' if hint else ''}", 2)
+
+
+def _exit_with(line: str, status: int):
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):  # an open bar would share the error's line
+        bar.close()
+    sys.stderr.write(line + "\n")
+    sys.exit(status)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -55,21 +110,40 @@ def main(argv):
     config = _CONFIG.value
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed
-
-    distributed.initialize(config.distributed)
-    workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
-    logging.info("job %s, workdir %s", config.job, workdir)
-    module, function = JOBS[config.job]
-    run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
-    from jaxprefix.rl.loop import Preempted
+    from jaxprefix import distributed, errors, storage
 
     try:
-        run(config, workdir)
-    except Preempted as e:
-        logging.warning("%s", e)
-        raise SystemExit(143)
+        workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+        for path in remote_paths(config, workdir):  # a missing client package or bucket
+            try:
+                storage.require_backend(path)
+            except ValueError as e:
+                raise errors.ConfigError(str(e)) from None
+        distributed.initialize(config.distributed)
+        logging.info("job %s, workdir %s", config.job, workdir)
+        from jaxprefix.jobs import preflight
+
+        preflight.check(config, workdir)  # reads every input; writes nothing
+        module, function = JOBS[config.job]
+        run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
+        from jaxprefix import workdir_lock
+        from jaxprefix.rl.loop import Preempted
+
+        try:
+            if config.job in READ_ONLY_JOBS:  # may read a workdir while its run goes on
+                run(config, workdir)
+            else:
+                with workdir_lock.hold(workdir, config):
+                    run(config, workdir)
+        except Preempted as e:
+            logging.warning("%s", e)
+            raise SystemExit(143)
+    except Exception as e:  # noqa: BLE001  (an anticipated failure is one line; a bug re-raises)
+        line = errors.one_line(e)
+        if line is None or _VERBOSE.value:
+            raise
+        _exit_with(line, 1)
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

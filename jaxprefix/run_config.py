@@ -17,26 +17,40 @@ from jaxprefix import distributed
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo
+    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export | compile
     c.method = "grpo"  # grpo | pope | prefixrl
     c.seed = 0
+    # Resuming refuses a change to a field that alters the run (run_identity.py) unless it is
+    # listed here: 'train.learning_rate,rollout.n' (a block name covers its fields).
+    c.allow_changes = ""
 
     # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
-    c.model = ml_collections.ConfigDict(dict(source="sft", path="", dtype="float32",
-                                             system_prompt=""))
+    # param_dtype: the weights the optimizer updates and its moments (master copy); dtype: the
+    # compute dtype of the forward/backward and of the sampler's copy of the weights.
+    c.model = ml_collections.ConfigDict(dict(source="sft", path="", param_dtype="float32",
+                                             dtype="float32", system_prompt=""))
     # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
     c.sft = ml_collections.ConfigDict()
 
-    # Problem sets (jobs/problem_sets.py).
+    # Problem sets (jobs/problem_sets.py); split / eval_split: of an 'hf' or 'tfds' dataset.
     c.data = ml_collections.ConfigDict(dict(
-        source="carry_multiplication", task="", path="", eval_path="", question_field="question",
-        solution_field="solution", answer_field="answer", verifier="math", train_size=256,
+        source="carry_multiplication", task="", path="", eval_path="", split="train", eval_split="",
+        question_field="question", solution_field="solution", answer_field="answer",
+        verifier="math", train_size=256,
         eval_size=128, seed=1, eval_seed=2, digits=(20, 20), multipliers=(6, 9), easy_size=0,
-        easy_digits=(1, 10)))
+        easy_digits=(1, 10),
+        # Bad records and over-long prompts: refused (one line naming file and line), or skipped
+        # and counted with skip_invalid. Prompts must fit the model's context less
+        # rollout.max_new_tokens, and max_prompt_tokens when set (0: no cap of its own).
+        skip_invalid=False, max_prompt_tokens=0))
 
     # Sampling of training rollouts (and of mining, at the same settings).
+    # max_rows_in_flight: rows decoded at once (0: as many as kv_budget_gib holds, all when it
+    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: half of the memory
+    # accelerators report free, unbounded on CPU). Neither changes the rollouts, only the speed.
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
-                                               max_new_tokens=64))
+                                               max_new_tokens=64, max_rows_in_flight=0,
+                                               kv_budget_gib=0.0))
 
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     c.train = ml_collections.ConfigDict(dict(
@@ -52,7 +66,15 @@ def base_config() -> ml_collections.ConfigDict:
         logprobs_at_sampling_temperature=True,
         entropy_coef=0.0,  # > 0: entropy bonus (a baseline POPE reports failing on hard problems)
         pass_k=4,  # the k of advantage='pass_at_k' (Pass@k Training, Chen et al. 2025)
-        flops_budget=0.0))  # > 0: stop before a step would pass this many RL FLOPs
+        flops_budget=0.0,  # > 0: stop before a step would pass this many RL FLOPs
+        # LoRA (models/lora.py): rank 0 trains every weight; rank r > 0 trains only adapters of
+        # rank r on `targets` (scale alpha / r, as PEFT). alpha 32 at any rank, as in "LoRA
+        # without regret" (Schulman et al. 2025), and ~10x the full fine-tuning learning rate.
+        lora_rank=0,
+        # merged_sampling: sample with the adapters folded into the base (faster; a copy of the
+        # targeted weights while sampling), else apply them per token.
+        lora=dict(alpha=32.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
+                  merged_sampling=True)))
 
     # Computed once before RL with the base policy (jobs/mine.py).
     c.mining = ml_collections.ConfigDict(dict(
@@ -87,10 +109,28 @@ def base_config() -> ml_collections.ConfigDict:
 
     # hard_set: also evaluate on the mined training hard set, unguided (hard_set/* metrics).
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
+    # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
+    # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
+    c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
+                                               wandb_mode=""))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
+    # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
+    c.export = ml_collections.ConfigDict(dict(dtype=""))
     # workers 0: the verifier's default (a process pool for math, in-process for exact match).
-    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0))
+    # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
+    # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
+    # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
+    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
+                                               path=""))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+    # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
+    # is taken over.
+    c.workdir_lock = ml_collections.ConfigDict(dict(stale_minutes=10.0, heartbeat_s=60.0))
+    # The compile job (jobs/compile.py): a TPU type (v6e-8, v5litepod-16, v5p-32), a slice count,
+    # the longest context in tokens (prompt plus guidance or prefix), the HBM share kept free,
+    # and optionally a config.json to use when the model path's is not readable from here.
+    c.compile = ml_collections.ConfigDict(dict(topology="", slices=1, context_length=1024,
+                                               headroom=0.1, model_config=""))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
         # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
@@ -189,12 +229,15 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 1
 
 
+# The system prompt of the real-model variants: their verifiers read the last \boxed{}.
+BOXED_ANSWER_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
 def smollm2(c: ml_collections.ConfigDict) -> None:
     """A real model on CPU: SmolLM2-135M-Instruct (GGUF) on reasoning-gym's gsm_symbolic, whose
     problems come with a worked solution (the oracle). Slow: minutes per step on 2 cores."""
     c.model.update(source="gguf", path="bundled",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+                   system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=16, eval_size=16,
                   verifier="math_lenient")
     c.rollout.update(n=4, temperature=0.8, max_new_tokens=160)
@@ -215,9 +258,10 @@ def paper(c: ml_collections.ConfigDict) -> None:
     The authors' settings (papers.md; unconfirmed as the paper's): lr 1e-6 cosine, grad clip 0.3,
     weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
     """
-    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507", dtype="bfloat16",
-                   system_prompt="Please reason step by step, and put your final answer "
-                                 "within \\boxed{}.")
+    # f32 master weights, bf16 compute: an AdamW step of 1e-6 is below bf16's resolution (a bf16
+    # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
+    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
+                   param_dtype="float32", dtype="bfloat16", system_prompt=BOXED_ANSWER_PROMPT)
     c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
                   eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
                   eval_size=0)
@@ -230,15 +274,40 @@ def paper(c: ml_collections.ConfigDict) -> None:
     c.eval.update(every=25, n=16, ks=(1, 16))
     c.checkpoint.every = 10
     c.mesh.update(data=1, fsdp=-1, tensor=1)
+    c.compile.context_length = 2048  # problem plus oracle-solution guidance (assumed)
 
 
-VARIANTS = ("demo", "smoke", "smollm2", "paper")
+def colab(c: ml_collections.ConfigDict) -> None:
+    """One free TPU chip (Colab's v5e-1, 16 GiB HBM; unchanged on Kaggle's v5e-8, data-parallel):
+    LoRA RL of Qwen2.5-1.5B-Instruct (model.path: its HF directory; launch/colab_tpu.ipynb
+    downloads it) on reasoning-gym's gsm_symbolic, whose worked solutions are POPE's oracle.
+
+    The base stays frozen in bf16 (3.1 GB); adapters of rank 16 and their AdamW moments are 0.3%
+    of it. 16 contexts x 8 rollouts x 1k new tokens of KV cache is 3.8 GB with the model's 2 KV
+    heads. LoRA's learning rate is ~10x full fine-tuning's ("LoRA without regret").
+    """
+    c.model.update(source="hf", path="", dtype="bfloat16",
+                   system_prompt=BOXED_ANSWER_PROMPT)
+    c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=128, eval_size=64,
+                  verifier="math_lenient")
+    c.rollout.update(n=8, temperature=1.0, max_new_tokens=1024)
+    c.train.update(problems_per_step=8, total_steps=40, learning_rate=2e-5, max_grad_norm=1.0,
+                   advantage="dr_grpo", micro_batch_size=8, logprob_chunk=256, remat=True,
+                   lora_rank=16)
+    c.mining.update(k=8, prefix_samples=4, max_prefix_units=4, rows_per_call=256)
+    c.pope.guidance = "instruction"
+    c.eval.update(every=10, n=8, ks=(1, 8))
+    c.checkpoint.every = 5
+
+
+VARIANTS = ("demo", "smoke", "smollm2", "paper", "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
     """(config, args) of `method` for the variant named first in `arg` (default 'demo').
 
-    demo / smoke use the demo task (smoke: seconds); smollm2 a real model on CPU; paper a TPU run.
+    demo / smoke use the demo task (smoke: seconds); smollm2 a real model on CPU; paper a TPU run;
+    colab LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
     args = parse_arg(arg, variant="demo")
@@ -254,6 +323,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
         smollm2(c)
     elif args.variant == "paper":
         paper(c)
+    elif args.variant == "colab":
+        colab(c)
     else:
         demo_task(c, sibling_config(config_file, "sft.py", "demo"))
     if "seed" in args:

@@ -7,12 +7,19 @@
 
 Memory is counted per component and spread evenly over the chips (FSDP for parameters and
 optimizer state, data parallelism for the KV cache and activations). One RL step holds the
-training state throughout; sampling adds the KV cache of every rollout of the step (the sampler
-decodes the whole batch in one call, prompts shared per context), training adds the activations
-of one micro-batch per chip. FLOPs use ModelConfig.flops_per_token (2N per token plus attention
+training state throughout (master weights, gradients and AdamW moments, all in param_dtype);
+sampling adds the KV cache of every rollout of the step (the sampler decodes the whole batch in
+one call, prompts shared per context) and, when the compute dtype differs, the sampler's copy of
+the weights in it; training adds the activations of one micro-batch per chip. FLOPs use ModelConfig.flops_per_token (2N per token plus attention
 against the context), forward only for sampling and x3 (x4 with remat) for the update.
 A slice fits when every chip's share is within HEADROOM of its HBM: XLA temporaries,
 fragmentation and compiled programs take the rest.
+
+This is a first look by formula, for every generation at once and in a second. It gives way to
+the compile job (jobs/compile.py; `launch/tpu.sh check --type=v6e-8 --config=...`), which
+compiles the run's actual programs for a slice with the TPU compiler and reads their memory and
+cost back: where the two disagree, the compile job is right. Chip figures come from the same
+table (jaxprefix/tpu/topology.py).
 """
 from __future__ import annotations
 
@@ -25,10 +32,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxprefix.models.config import ModelConfig  # noqa: E402
+from jaxprefix.tpu.topology import CHIPS  # noqa: E402
 
 GiB = 2**30
 HEADROOM = 0.85
-BYTES = {"float32": 4, "bfloat16": 2}
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # Qwen3-4B's published config.json (the fields the plan needs).
 QWEN3_4B = dict(model_type="qwen3", vocab_size=151936, hidden_size=2560, intermediate_size=9728,
@@ -58,13 +66,11 @@ class Accelerator:
         return 1 if chips <= self.single_host_chips else chips // self.chips_per_host
 
 
-# Per-chip figures from the Cloud TPU system architecture pages.
-ACCELERATORS = (
-    Accelerator("v5litepod", 16, 197, 819, 4, (1, 4, 8, 16, 32, 64, 128, 256), 8),
-    Accelerator("v6e", 32, 918, 1640, 4, (1, 4, 8, 16, 32, 64, 128, 256), 8),
-    Accelerator("v5p", 95, 459, 2765, 4,
-                (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 6144), 4, cores_per_chip=2),
-)
+# Per-chip figures (cited there) from jaxprefix.tpu.topology, under gcloud's type names.
+ACCELERATORS = tuple(
+    Accelerator(name, c.hbm_bytes / GiB, c.peak_bf16_flops / 1e12, c.hbm_bytes_per_s / 1e9,
+                c.chips_per_host, tuple(sorted(c.shapes)), c.single_host_chips, c.cores_per_chip)
+    for name, c in (("v5litepod", CHIPS["v5e"]), ("v6e", CHIPS["v6e"]), ("v5p", CHIPS["v5p"])))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,19 +80,21 @@ class RunShape:
     problems: int = 64
     prompt_len: int = 1024           # question plus any guidance / prefix tokens
     response_len: int = 16384
-    param_dtype: str = "bfloat16"
-    optimizer_dtype: str = "float32"  # AdamW moments and the gradient accumulator
+    param_dtype: str = "float32"      # master weights; the gradients and AdamW moments follow it
+    compute_dtype: str = "bfloat16"   # forward/backward, the sampler's copy of the weights
     kv_dtype: str = "bfloat16"
     micro_batch: int = 1              # training sequences per chip per micro-step
     remat: bool = True
     reference_model: bool = False     # a frozen copy for the KL penalty
-    full_attention_scores: bool = True  # scores [heads, T, T] materialised (no flash kernel)
+    # Scores [heads, T, T] materialised per layer: what the learner did before its attention
+    # became blockwise (CPU/GPU) and splash (TPU); kept to show what that cost.
+    full_attention_scores: bool = False
 
     def __post_init__(self):
         for field in ("n", "problems", "prompt_len", "response_len", "micro_batch"):
             if getattr(self, field) < 1:
                 raise ValueError(f"{field}={getattr(self, field)}: expected >= 1")
-        for field in ("param_dtype", "optimizer_dtype", "kv_dtype"):
+        for field in ("param_dtype", "compute_dtype", "kv_dtype"):
             if getattr(self, field) not in BYTES:
                 raise ValueError(f"{field}={getattr(self, field)!r}: expected one of {sorted(BYTES)}")
 
@@ -102,28 +110,37 @@ PRESETS = {  # the paper-scale settings; prompt lengths include guidance or pref
     "isocompute-n64": ("qwen3-4b", RunShape(n=64, problems=64, prompt_len=1024, response_len=8192)),
     "isocompute-n512": ("qwen3-4b", RunShape(n=512, problems=8, prompt_len=1024, response_len=8192)),
     "smoke": ("smollm2-135m", RunShape(n=4, problems=8, prompt_len=256, response_len=256,
-                                       param_dtype="float32")),
+                                       compute_dtype="float32")),
 }
+
+
+def bytes_per_param(run: RunShape) -> dict[str, int]:
+    """Bytes per parameter of each copy of the weights a step holds (docs/SCALING.md's table)."""
+    p, c = BYTES[run.param_dtype], BYTES[run.compute_dtype]
+    return {"params": p, "gradients": p, "AdamW mu + nu": 2 * p,
+            "sampler copy": c if run.param_dtype != run.compute_dtype else 0,
+            "reference params": p * run.reference_model}  # the KL reference: initial weights
 
 
 def memory(config: ModelConfig, run: RunShape) -> dict[str, float]:
     """Bytes of each component of one RL step, summed over the whole slice."""
     n_params = config.num_params()
-    p, o = BYTES[run.param_dtype], BYTES[run.optimizer_dtype]
+    per_param = bytes_per_param(run)
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * BYTES[run.kv_dtype]
     seq = run.prompt_len + run.response_len
     d, f = config.hidden_size, config.intermediate_size
     # Remat keeps each layer's input; one layer at a time holds its full working set in f32.
-    residuals = config.num_layers * seq * d * p if run.remat else 0
+    residuals = config.num_layers * seq * d * BYTES[run.compute_dtype] if run.remat else 0
     layer = seq * (4 * d + 3 * f + 2 * config.num_heads * config.head_dim) * 4
     if not run.remat:
         layer *= config.num_layers
     scores = config.num_heads * seq * seq * 4 if run.full_attention_scores else 0
     return {
-        "params": n_params * p,
-        "reference params": n_params * p * run.reference_model,
-        "gradients": n_params * o,
-        "optimizer (AdamW mu, nu)": 2 * n_params * o,
+        "params": n_params * per_param["params"],
+        "reference params": n_params * per_param["reference params"],
+        "gradients": n_params * per_param["gradients"],
+        "optimizer (AdamW mu, nu)": n_params * per_param["AdamW mu + nu"],
+        "sampler copy (compute dtype)": n_params * per_param["sampler copy"],
         # Shared prompts: each context's KV once, each rollout's completion KV on its own.
         "KV cache (sampling)": kv_per_token * (run.problems * run.prompt_len
                                                + run.rollouts * run.response_len),
@@ -146,13 +163,16 @@ def flops(config: ModelConfig, run: RunShape) -> dict[str, float]:
 
 STATE = ("params", "reference params", "gradients", "optimizer (AdamW mu, nu)")
 KV, ACTIVATIONS = "KV cache (sampling)", "activations per chip (training)"
+SAMPLER_COPY = "sampler copy (compute dtype)"
 
 
 def per_chip_bytes(mem: dict[str, float], chips: int, *, with_kv: bool = True) -> float:
-    """Peak bytes on one chip: the training state always; then either the step's KV cache
-    (sampling) or one micro-batch of activations (training), never both at once."""
+    """Peak bytes on one chip: the training state always; then either sampling (the step's KV
+    cache and the sampler's copy of the weights) or one micro-batch of activations (training),
+    never both at once."""
     state = sum(mem[k] for k in STATE) / chips
-    return state + max(mem[KV] / chips if with_kv else 0.0, mem[ACTIVATIONS])
+    sampling = (mem[KV] if with_kv else 0.0) + mem.get(SAMPLER_COPY, 0.0)
+    return state + max(sampling / chips, mem[ACTIVATIONS])
 
 
 def smallest_slice(mem: dict[str, float], accel: Accelerator, *, with_kv: bool = True):
@@ -165,14 +185,15 @@ def smallest_slice(mem: dict[str, float], accel: Accelerator, *, with_kv: bool =
 
 def rollouts_per_wave(mem: dict[str, float], run: RunShape, accel: Accelerator, chips: int) -> int:
     """Rollouts whose KV fits at once on `chips` next to the training state."""
-    free = chips * HEADROOM * accel.hbm_gib * GiB - sum(mem[k] for k in STATE)
+    free = (chips * HEADROOM * accel.hbm_gib * GiB - sum(mem[k] for k in STATE)
+            - mem.get(SAMPLER_COPY, 0.0))
     per_rollout = mem[KV] / run.rollouts  # its completion plus its share of the prompt
     return max(0, min(run.rollouts, int(free // per_rollout)))
 
 
 def plan(hf_config: dict, run: RunShape) -> dict:
     """Everything the report prints, as plain numbers (bytes, FLOPs, chips)."""
-    config = ModelConfig.from_hf(hf_config, param_dtype=run.param_dtype)
+    config = ModelConfig.from_hf(hf_config, param_dtype=run.param_dtype, dtype=run.compute_dtype)
     mem, fl = memory(config, run), flops(config, run)
     slices = {}
     for accel in ACCELERATORS:
@@ -187,7 +208,8 @@ def plan(hf_config: dict, run: RunShape) -> dict:
             peak = chips * accel.bf16_tflops * 1e12
             # Decode is bandwidth-bound: each step, every chip reads all the weights (data-parallel
             # decode) and, on average, half of its share of the KV cache.
-            decode_s = run.response_len * (mem["params"] + mem[KV] / 2 / chips) / (accel.hbm_gbps * 1e9)
+            weights = mem[SAMPLER_COPY] or mem["params"]  # what the sampler reads
+            decode_s = run.response_len * (weights + mem[KV] / 2 / chips) / (accel.hbm_gbps * 1e9)
             row["whole_step"] = dict(
                 slice=accel.slice_name(chips), chips=chips, hosts=accel.hosts(chips),
                 per_chip_gib=per_chip_bytes(mem, chips) / GiB,
@@ -200,13 +222,16 @@ def plan(hf_config: dict, run: RunShape) -> dict:
 
 def report(name: str, hf_config: dict, run: RunShape) -> str:
     result = plan(hf_config, run)
+    per_param = bytes_per_param(run)
     lines = [f"## {name}", "",
              f"{hf_config.get('model_type')} {result['params'] / 1e9:.2f}B params; "
              f"n={run.n} x {run.problems} problems = {run.rollouts} rollouts, prompt "
-             f"{run.prompt_len} + response {run.response_len} tokens; params {run.param_dtype}, "
-             f"AdamW state {run.optimizer_dtype}, KV {run.kv_dtype}, micro-batch "
-             f"{run.micro_batch}/chip, remat {run.remat}, full attention scores "
+             f"{run.prompt_len} + response {run.response_len} tokens; master weights, gradients "
+             f"and AdamW state {run.param_dtype}, compute {run.compute_dtype}, KV {run.kv_dtype}, "
+             f"micro-batch {run.micro_batch}/chip, remat {run.remat}, full attention scores "
              f"{run.full_attention_scores}",
+             "", "Bytes per parameter: " + " + ".join(
+                 f"{k} {v}" for k, v in per_param.items() if v) + f" = {sum(per_param.values())}",
              "", "| memory (whole slice) | GiB |", "|---|---:|"]
     lines += [f"| {k} | {v / GiB:,.1f} |" for k, v in result["memory"].items() if v]
     lines += ["", "| FLOPs per step | with attention | 2ND / 6ND |", "|---|---:|---:|",
@@ -229,7 +254,8 @@ def report(name: str, hf_config: dict, run: RunShape) -> str:
         cells += [train["slice"], train["rollouts_per_wave"]] if train else [largest, ""]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "Times are lower bounds for one step on the whole-step slice: FLOPs at 40% of "
-              "peak bf16, decode at full HBM bandwidth."]
+              "peak bf16, decode at full HBM bandwidth. Before renting, compile the run for the "
+              "slice: launch/tpu.sh check --type=<slice> --config=<config> (the compile job)."]
     return "\n".join(lines)
 
 
@@ -260,8 +286,8 @@ def from_run_config(spec: str, run: RunShape) -> tuple[str | None, RunShape]:
     c = module.get_config(arg)
     run = dataclasses.replace(
         run, n=c.rollout.n, problems=c.train.problems_per_step,
-        response_len=c.rollout.max_new_tokens, param_dtype=c.model.dtype,
-        reference_model=c.train.kl_coef > 0)
+        response_len=c.rollout.max_new_tokens, param_dtype=c.model.param_dtype,
+        compute_dtype=c.model.dtype, kv_dtype=c.model.dtype, reference_model=c.train.kl_coef > 0)
     model = None
     if c.model.source == "gguf" and c.model.path == "bundled":
         model = "smollm2-135m"

@@ -13,9 +13,14 @@ usage() {
 usage: launch/tpu.sh COMMAND [flags] [-- extra jaxprefix.main flags]
 
 commands:
+  check    before renting: compile the run for --type on this machine (no TPU needed, minutes)
+           and say whether every program fits its HBM; a generation (--type=v6e) finds the
+           smallest slice that fits (the compile job: docs/SCALING.md)
   create   create the TPU VM slice (or a queued resource with --queued; wait until ACTIVE)
-  setup    copy this checkout (or git clone --repo) to every worker; pip install -e '.[tpu]'
-  run      start `python3 -m jaxprefix.main --config=C --workdir=W` on all workers, detached
+  setup    copy this checkout (or git clone --repo) to every worker; create a Python 3.11
+           virtual environment there (~/jaxprefix-venv, with uv) and pip install -e '.[tpu]'
+  run      start `python3 -m jaxprefix.main --config=C --workdir=W` in that environment on all
+           workers, detached
   logs     stream worker 0's log
   status   print the slice state (READY, PREEMPTED, ...; queued: ACTIVE, SUSPENDED, ...)
   stop     stop the run on all workers with SIGTERM: it checkpoints and exits; the slice stays
@@ -87,9 +92,16 @@ while (($#)); do
 done
 
 case "$command" in
-  create|setup|run|logs|status|stop|resume|watch|up|delete) ;;
-  *) die "unknown command '$command'; expected one of create setup run logs status stop resume watch up delete" ;;
+  check|create|setup|run|logs|status|stop|resume|watch|up|delete) ;;
+  *) die "unknown command '$command'; expected one of check create setup run logs status stop resume watch up delete" ;;
 esac
+if [[ "$command" == check ]]; then  # runs here, with no cloud project: the TPU compiler only
+  main=(python3 -m jaxprefix.main "--config=$config" --config.job=compile
+        "--config.compile.topology=$tpu_type" "--workdir=${TMPDIR:-/tmp}/jaxprefix-compile-$tpu_type")
+  printf '+'; for arg in "${main[@]}" "${extra[@]}"; do printf ' %q' "$arg"; done; printf '\n'
+  ((dry_run)) || exec "${main[@]}" "${extra[@]}"
+  exit 0
+fi
 [[ -n "$project" ]] || die "missing GCP project: pass --project=P or set JAXPREFIX_PROJECT"
 [[ -n "$zone" ]] || die "missing zone: pass --zone=Z (e.g. us-east5-b) or set JAXPREFIX_ZONE"
 if [[ -z "$runtime" ]]; then
@@ -108,6 +120,7 @@ fi
 
 where=(--zone="$zone" --project="$project")
 log_file='~/jaxprefix.log'
+venv='~/jaxprefix-venv'
 
 # ---- gcloud, printed and (unless --dry-run) run --------------------------------------------
 quote() {  # a shell word a user can paste: bare when plain, else in single quotes
@@ -152,8 +165,15 @@ create() {
 }
 
 setup() {
-  # gcsfs: orbax (through etils.epath) and TensorBoard (through fsspec) write gs:// with it.
-  local install="cd ~/jaxprefix && python3 -m pip install -q -U pip && python3 -m pip install -q -e \".[tpu]\" gcsfs"
+  # jax 0.10.2, flax and orbax need Python >= 3.11, and the TPU VM images this script picks
+  # (Ubuntu 22.04: tpu-ubuntu2204-base, v2-alpha-tpuv5-lite, v2-alpha-tpuv6e, v2-alpha-tpuv5)
+  # ship python3 3.10. So every worker gets its own environment: uv (from PyPI, into the user's
+  # site; --break-system-packages only where an image marks its python3 externally managed)
+  # creates it with a CPython 3.11 that uv downloads when the image has none, and installs
+  # jaxprefix[tpu] (jax[tpu] with libtpu, gcsfs for gs://) into it. Any image with python3,
+  # pip and internet access works the same way.
+  local uv='~/.local/bin/uv'
+  local install="cd ~/jaxprefix && { python3 -m pip install -q --user uv || python3 -m pip install -q --user --break-system-packages uv; } && rm -rf ${venv} && ${uv} venv -q --python 3.11 ${venv} && ${uv} pip install -q --python ${venv}/bin/python -e \".[tpu]\""
   if [[ -n "$repo" ]]; then
     local checkout=""
     [[ -n "$ref" ]] && checkout=" && git -C ~/jaxprefix checkout -q $(printf %q "$ref")"
@@ -175,7 +195,7 @@ setup() {
 run() {
   # The same command on every worker: jax.distributed finds the slice from the TPU metadata.
   # Detached (setsid nohup), so a dropped ssh session does not kill the run; `logs` follows it.
-  local main="python3 -m jaxprefix.main --config=$(printf %q "$config") --workdir=$(printf %q "$workdir")"
+  local main="${venv}/bin/python3 -m jaxprefix.main --config=$(printf %q "$config") --workdir=$(printf %q "$workdir")"
   ((${#extra[@]})) && main+=$(printf ' %q' "${extra[@]}")
   ssh_all "cd ~/jaxprefix && setsid nohup ${main} > ${log_file} 2>&1 < /dev/null &"
 }

@@ -6,3 +6,18 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# gcsfs reads this once, at import: tests only ever talk to the emulator (tests/gcs_emulator.py),
+# which has no Storage Control API for gcsfs's bucket-type probe to wait on.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A GCS server on 127.0.0.1 (tests/gcs_emulator.py) with bucket 'bucket'; os.environ points
+    gcsfs, etils.epath and tensorstore (orbax) at it while the session lasts, subprocesses too."""
+    from tests.gcs_emulator import GcsEmulator
+
+    with GcsEmulator(buckets=("bucket",)) as emulator:
+        yield emulator

@@ -8,12 +8,14 @@ are marked slow (`pytest -m slow tests/test_jobs.py`).
 """
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -47,6 +49,19 @@ def base(tmp_path_factory):
     assert {"config.json", "model.safetensors", "task_tokenizer.json",
             "sft_report.json"} <= set(os.listdir(path))
     return str(path)
+
+
+def run_main_failing(config: str, workdir, *flags, timeout: int = 900):
+    """A run expected to stop on an anticipated failure: (exit status, its stderr lines other
+    than absl's log lines and progress bars)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "jaxprefix.main", f"--config={config}",
+                             f"--workdir={workdir}", *flags], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode != 0, "expected a failure"
+    lines = [line for line in result.stderr.replace("\r", "\n").splitlines()
+             if line.strip() and not re.match(r"[IWEF]\d{4} ", line) and "%|" not in line]
+    return result.returncode, lines
 
 
 def rl_run(config: str, workdir, base: str, *flags):
@@ -108,6 +123,71 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     assert ledger["rollouts"] == 3 * PROBLEMS_PER_STEP * N  # continued, not restarted
     assert records[2]["tokens/sampled_total"] == sum(r["tokens/sampled"] for r in records)
 
+    # Resuming under another learning rate used to continue silently, a different experiment.
+    status, lines = run_main_failing("configs/grpo.py:smoke", workdir, f"--config.model.path={base}",
+                                     "--config.train.total_steps=4",
+                                     "--config.train.learning_rate=3e-4")
+    assert status == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {workdir} was made by another config") and \
+        "train.learning_rate: 0.0001 -> 0.0003" in lines[0]
+    assert read_metrics(workdir)[-1]["step"] == 3  # nothing ran
+
+
+# A reward the untrained smoke policy earns some of, unevenly: the groups have variance, so the
+# adapters get gradients (the task's own verifier scores the smoke policy 0 everywhere).
+SHARE_OF_ONES = "def reward(completion, problem):\n    return completion.count('1') / max(len(completion), 1)\n"
+
+
+def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
+    reward_file = tmp_path / "elsewhere" / "my_rewards.py"
+    reward_file.parent.mkdir()
+    reward_file.write_text(SHARE_OF_ONES)
+    flags = ("--config.train.lora_rank=8", f"--config.rewards.path={reward_file}:reward",
+             "--config.eval.every=0", "--config.metrics.wandb=True",
+             "--config.metrics.wandb_mode=offline")
+    straight = rl_run("configs/grpo.py:smoke", tmp_path / "straight", base, *flags)
+    resumed = rl_run("configs/grpo.py:smoke", tmp_path / "resumed", base, *flags,
+                     "--config.train.total_steps=1")
+    rl_run("configs/grpo.py:smoke", resumed, base, *flags)
+
+    timing = ("time/", "throughput/")
+    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
+               for r in read_metrics(straight)]
+    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
+                       for r in read_metrics(resumed)]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert all(r["reward/mean"] > 0 and r["grad_norm"] > 0 for r in records)  # the file's reward
+    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
+              for w in (straight, resumed)]
+    assert list(arrays[0]["params"]) == ["adapters"]  # checkpoints hold the adapters only
+    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
+    assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 14  # A and B of 7 projections
+    for path, value in flat[0].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
+    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in flat[0].items() if "_b" in str(p))
+    from test_wandb_writer import logged
+
+    history, config = logged(resumed)  # W&B, offline: one run over both invocations
+    assert sorted(history) == [1, 2] and config["train"]["lora_rank"] == 8
+    assert history[2]["reward/mean"] == records[1]["reward/mean"]
+
+    # What the eval and export jobs load: the trained adapters, or them folded into the base.
+    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.models import lora
+    from jaxprefix.rl.loop import restore_trained, restore_trained_params
+    from jaxprefix.run_config import sibling_config
+
+    config = sibling_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo.py", "smoke")
+    config.model.path, config.train.lora_rank = base, 8
+    policy = load_policy(config, resumed)
+    step, trained = restore_trained(policy.model, resumed, config)
+    assert step == STEPS and lora.has_adapters(trained) and not lora.has_adapters(policy.model)
+    tokens = np.arange(1, 13, dtype=np.int32).reshape(2, 6)
+    adapted_logits = np.asarray(trained(tokens))
+    assert np.abs(adapted_logits - np.asarray(policy.model(tokens))).max() > 0
+    assert restore_trained_params(policy.model, resumed, config) == STEPS
+    np.testing.assert_allclose(np.asarray(policy.model(tokens)), adapted_logits, atol=1e-4)
+
 
 def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     """A preempted job (TPU maintenance, `timeout`) saves its step and exits 143, so a pipeline
@@ -124,6 +204,13 @@ def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     while not (metrics.exists() and metrics.read_text().strip()):
         assert process.poll() is None and time.time() < deadline, "no step was logged"
         time.sleep(0.5)
+    # A second run on the workdir used to interleave its steps with the first one's.
+    status, lines = run_main_failing("configs/grpo.py:smoke", workdir, f"--config.model.path={base}",
+                                     "--config.train.total_steps=100000",
+                                     "--config.checkpoint.every=100000")
+    assert status == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"error: {os.path.abspath(workdir)} is in use by another run") \
+        and f"pid {process.pid}," in lines[0]
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 143, stderr[-2000:]
@@ -131,6 +218,45 @@ def test_sigterm_saves_and_exits_143_instead_of_finishing(base, tmp_path):
     last = read_metrics(str(workdir))[-1]["step"]
     assert TrainCheckpointer(str(workdir / "checkpoints")).latest_step() == last
     assert not (workdir / "compute.json").exists()  # written only by a finished run
+
+
+def test_misspelt_config_field_is_one_line(tmp_path):
+    status, lines = run_main_failing("configs/grpo.py:smoke", tmp_path / "w",
+                                     "--config.train.learnin_rate=1e-3")
+    assert status == 2 and lines == [
+        "error: --config.train.learnin_rate=1e-3: no such config field 'learnin_rate'; expected a "
+        "field of the config file (did you mean 'learning_rate'?)"]
+
+
+def test_malformed_data_file_fails_in_seconds_before_sft_writing_nothing(tmp_path):
+    # No --config.model.path: a run that got past the data would train its SFT base first.
+    bad = tmp_path / "problems.jsonl"
+    bad.write_text('{"question": "2+2?", "answer": "4"}\n{"question": "3+3?", "answer": \n')
+    workdir = tmp_path / "w"
+    started = time.monotonic()
+    status, lines = run_main_failing("configs/grpo.py:smoke", workdir, "--config.data.source=file",
+                                     f"--config.data.path={bad}", "--config.data.verifier=math")
+    seconds = time.monotonic() - started
+    assert status == 1 and lines == [
+        f"error: {bad}:line 2: malformed JSON: Expecting value at column 1"], lines
+    assert seconds < 10, f"{seconds:.1f} s"  # the issue's bound, interpreter start included
+    assert not workdir.exists()
+
+
+def test_disk_full_names_the_path_and_the_bytes(base, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs is not allowed here")
+    try:
+        status, lines = run_main_failing("configs/grpo.py:smoke", disk / "run",
+                                         f"--config.model.path={base}")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert status == 1 and len(lines) == 1, lines
+    assert re.fullmatch(rf"error: disk full: {disk}/run/checkpoints needs [0-9.]+ MiB, [0-9.]+ "
+                        rf"KiB free there; free space or use another --workdir", lines[0]), lines
 
 
 def test_pope_smoke(pope_run):

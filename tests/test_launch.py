@@ -60,7 +60,7 @@ def launch(tmp_path):
 
 def test_up_creates_copies_installs_and_runs_on_all_workers(launch, tmp_path):
     _, calls = launch("up", *WHERE, "--type=v5litepod-16", "--workdir=gs://bkt/run1",
-                      "--config=configs/grpo.py", "--", "--config.total_steps=100")
+                      "--config=configs/grpo.py", "--", "--config.train.total_steps=100")
     create, scp, setup, run = calls
     assert create == ["compute", "tpus", "tpu-vm", "create", "jaxprefix-ada", *WHERE,
                       "--accelerator-type=v5litepod-16", "--version=v2-alpha-tpuv5-lite"]
@@ -68,11 +68,14 @@ def test_up_creates_copies_installs_and_runs_on_all_workers(launch, tmp_path):
     assert scp[5:] == ["jaxprefix-ada:~/jaxprefix.tar.gz", *WHERE, "--worker=all"]
     assert setup[:8] == ["compute", "tpus", "tpu-vm", "ssh", "jaxprefix-ada", *WHERE,
                          "--worker=all"]
-    assert 'pip install -q -e ".[tpu]"' in setup[8]
+    # A Python 3.11 environment made by uv, whatever python3 the image has, and the install in it.
+    assert "python3 -m pip install -q --user uv" in setup[8]
+    assert "~/.local/bin/uv venv -q --python 3.11 ~/jaxprefix-venv && " in setup[8]
+    assert '~/.local/bin/uv pip install -q --python ~/jaxprefix-venv/bin/python -e ".[tpu]"' in setup[8]
     assert run[:8] == setup[:8]
-    assert run[8].startswith("--command=cd ~/jaxprefix && setsid nohup python3 -m jaxprefix.main "
-                             "--config=configs/grpo.py --workdir=gs://bkt/run1 "
-                             "--config.total_steps=100 > ~/jaxprefix.log")
+    assert run[8].startswith("--command=cd ~/jaxprefix && setsid nohup ~/jaxprefix-venv/bin/python3 "
+                             "-m jaxprefix.main --config=configs/grpo.py --workdir=gs://bkt/run1 "
+                             "--config.train.total_steps=100 > ~/jaxprefix.log")
     # The copied code is this working tree (tracked and untracked, not ignored files).
     with tarfile.open(str(tmp_path / "gcloud.jsonl") + ".tar.gz") as tar:
         names = set(tar.getnames())
@@ -155,6 +158,105 @@ def test_watch_stops_when_the_run_has_ended(launch):
     assert "the run has ended" in result.stdout
 
 
+def test_python_requires_matches_the_pinned_packages():
+    """setup.cfg's python_requires is the highest floor among the pins that declare one."""
+    import configparser
+    import importlib.metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    ours = cfg["options"]["python_requires"].strip()
+    floors = []
+    for line in cfg["options"]["install_requires"].split():
+        if "==" in line:
+            name = line.split("==")[0]
+            requires = importlib.metadata.metadata(name).get("Requires-Python")
+            if requires:
+                floors += [s.version for s in SpecifierSet(requires) if s.operator == ">="]
+    highest = max(floors, key=lambda v: tuple(int(p) for p in v.split(".")))
+    assert ours == f">={highest}", (ours, highest)  # jax 0.10.2, flax, orbax: >=3.11
+
+
+# ---- docs/LAUNCH.md: every command is run here or checked ----------------------------------------
+
+def launch_md_commands() -> list[str]:
+    """The commands of docs/LAUNCH.md's bash blocks (continuations joined, comments dropped)."""
+    text = (REPO / "docs" / "LAUNCH.md").read_text()
+    commands = []
+    for block in text.split("```bash\n")[1:]:
+        body = block.split("```")[0].replace("\\\n", " ")
+        for line in body.splitlines():
+            line = line.split("  #")[0].strip()
+            if line and not line.startswith("#"):
+                commands.append(" ".join(line.split()))
+    return commands
+
+
+def check_config_overrides(config: str, overrides) -> None:
+    """Parses --config=C plus the overrides exactly as jaxprefix.main does (a locked config:
+    an unknown field such as --config.total_steps raises)."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    path, _, variant = config.partition(":")
+    argv = ["main", f"--config={REPO / path}" + (f":{variant}" if variant else ""), *overrides]
+    values = flags.FlagValues()
+    # sys_argv: config_flags defines the override flags it finds there, as main's does.
+    config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True,
+                                    sys_argv=argv)
+    values(argv)
+    assert values.config is not None
+
+
+# Commands of other programs that LAUNCH.md shows the user (their own documentation is the check).
+EXTERNAL = ("gcloud ", "export ", "tensorboard ")
+
+
+def test_every_launch_md_command_runs_against_the_fake_gcloud(launch):
+    import shlex
+
+    commands = launch_md_commands()
+    env = {}
+    for command in commands:
+        if command.startswith("export "):
+            env.update(part.split("=", 1) for part in shlex.split(command)[1:])
+    env = {k: v.replace("$USER", "ada") for k, v in env.items()}
+    checked = 0
+    for command in commands:
+        words = shlex.split(command.replace("$JAXPREFIX_WORKDIR", env["JAXPREFIX_WORKDIR"]))
+        if words[0] == "launch/tpu.sh":
+            before, _, after = command.partition(" -- ")
+            result, calls = launch(*shlex.split(before)[1:], *(["--", *shlex.split(after)]
+                                                             if after else []),
+                                   env=dict(env, FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
+            assert calls, command
+            if words[1] in ("up", "run"):
+                flags = shlex.split(after) if after else []
+                config = next((w.split("=", 1)[1] for w in words if w.startswith("--config=")),
+                              "configs/pope.py")
+                check_config_overrides(config, flags)
+                assert f"--workdir={env['JAXPREFIX_WORKDIR']}" in calls[-1][-1]
+        elif words[:2] == ["python", "launch/capacity_plan.py"]:
+            result = subprocess.run([sys.executable, *words[1:]], cwd=REPO, capture_output=True,
+                                    text=True, timeout=300)
+            assert result.returncode == 0, (command, result.stderr[-2000:])
+        elif words[:3] == ["python", "-m", "jaxprefix.main"]:
+            config = next(w.split("=", 1)[1] for w in words if w.startswith("--config="))
+            check_config_overrides(config, [w for w in words[3:] if w.startswith("--config.")])
+        else:
+            assert command.startswith(EXTERNAL), f"unchecked command in LAUNCH.md: {command}"
+            continue
+        checked += 1
+    assert checked >= 12
+
+
+def test_check_config_overrides_rejects_an_unknown_field():
+    with pytest.raises(Exception, match="total_steps"):
+        check_config_overrides("configs/pope.py", ["--config.total_steps=500"])
+
+
 # ---- launch/capacity_plan.py ------------------------------------------------------------------
 
 def _capacity_plan():
@@ -179,8 +281,14 @@ def test_capacity_plan_memory_matches_hand_counts():
     run = cp.RunShape(n=4, problems=2, prompt_len=100, response_len=50, micro_batch=1,
                       full_attention_scores=False)
     mem = cp.memory(config, run)
-    assert mem["params"] == 2 * n and mem["gradients"] == 4 * n
+    # f32 master weights, gradients and AdamW moments; a bf16 copy of the weights for sampling.
+    assert mem["params"] == 4 * n and mem["gradients"] == 4 * n
     assert mem["optimizer (AdamW mu, nu)"] == 8 * n
+    assert mem["sampler copy (compute dtype)"] == 2 * n
+    assert sum(cp.bytes_per_param(run).values()) == 18
+    assert sum(cp.bytes_per_param(cp.RunShape(compute_dtype="float32")).values()) == 16
+    all_bf16 = cp.RunShape(param_dtype="bfloat16", compute_dtype="bfloat16")
+    assert sum(cp.bytes_per_param(all_bf16).values()) == 8
     kv_token = 2 * 36 * 8 * 128 * 2  # K and V, layers, KV heads, head_dim, bf16
     assert mem["KV cache (sampling)"] == kv_token * (2 * 100 + 8 * 50)  # prompts shared per context
     assert mem["activations per chip (training)"] == 36 * 150 * 2560 * 2 + 150 * (
@@ -212,32 +320,6 @@ def test_capacity_plan_cli_reports_a_slice_and_rejects_bad_values(capsys):
         cp.main(["--n=0"])
 
 
-# ---- launch/colab_tpu.ipynb ---------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.skipif(not (REPO / "configs" / "pope.py").exists()
-                    or not (REPO / "jaxprefix" / "jobs" / "rl.py").exists(),
-                    reason="needs configs/pope.py and the rl job (jaxprefix/jobs/rl.py)")
-def test_colab_notebook_runs_top_to_bottom_on_cpu(tmp_path, monkeypatch):
-    import nbclient
-    import nbformat
-    workdir = tmp_path / "run"
-    # The kernel and the run it starts inherit these: the smoke config on this checkout.
-    monkeypatch.setenv("JAXPREFIX_SRC", str(REPO))
-    monkeypatch.setenv("JAXPREFIX_CONFIG", "configs/pope.py:smoke")
-    monkeypatch.setenv("JAXPREFIX_WORKDIR", str(workdir))
-    monkeypatch.setenv("JAXPREFIX_OVERRIDES", "")
-    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    notebook = nbformat.read(REPO / "launch" / "colab_tpu.ipynb", as_version=4)
-    nbclient.NotebookClient(notebook, timeout=900, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
-    assert [r["step"] for r in records if "reward/mean" in r]  # the run trained and logged
-    images = [o for cell in notebook.cells if cell.cell_type == "code"
-              for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 1  # the curves
-
-
 def test_capacity_plan_reads_the_run_shape_from_a_config():
     cp = _capacity_plan()
     from jaxprefix import run_config
@@ -245,7 +327,20 @@ def test_capacity_plan_reads_the_run_shape_from_a_config():
     model, run = cp.from_run_config(spec, cp.RunShape(prompt_len=333))
     c = run_config.sibling_config(str(REPO / "configs" / "grpo.py"), "grpo.py", "smollm2")
     assert model == "smollm2-135m"  # the bundled GGUF
-    assert (run.n, run.problems, run.response_len, run.param_dtype, run.prompt_len) == (
-        c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens, c.model.dtype, 333)
+    assert (run.n, run.problems, run.response_len, run.param_dtype, run.compute_dtype,
+            run.prompt_len) == (c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens,
+                                c.model.param_dtype, c.model.dtype, 333)
     with pytest.raises(SystemExit, match="pass --model"):
         cp.main([f"--config={REPO / 'configs' / 'grpo.py'}:paper"])
+
+
+def test_check_compiles_here_without_cloud_flags(launch):
+    """`check` needs no project or zone and calls no gcloud: it runs the compile job locally
+    for the type (or the generation) asked."""
+    result, calls = launch("check", "--type=v6e", "--config=configs/pope.py:paper", "--dry-run",
+                           "--", "--config.compile.slices=2")
+    assert calls == []
+    command = result.stdout.strip().splitlines()[-1]
+    assert command.startswith("+ python3 -m jaxprefix.main --config=configs/pope.py:paper "
+                              "--config.job=compile --config.compile.topology=v6e ")
+    assert command.endswith("--config.compile.slices=2")

@@ -222,6 +222,54 @@ def test_sigterm_saves_a_restorable_checkpoint_and_returns(tmp_path):
     assert resumed["step"] == 3 and [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2, 3]
 
 
+def _truncate_an_array_file(checkpoint_dir) -> str:
+    """Cuts one array data file of a checkpoint to 10 bytes (a disk error, a copy cut short)."""
+    data = sorted(os.path.join(d, f) for d, _, files in os.walk(checkpoint_dir / "arrays")
+                  for f in files if os.sep + "d" + os.sep in os.path.join(d, f) + os.sep
+                  or os.path.basename(d) == "d")
+    os.truncate(data[0], 10)
+    return data[0]
+
+
+def test_truncated_latest_checkpoint_falls_back_to_the_one_before_and_ends_the_same(tmp_path):
+    straight = run(tmp_path / "straight", run_settings(total_steps=4))
+    run(tmp_path / "resumed", run_settings(total_steps=3))
+    _truncate_an_array_file(tmp_path / "resumed" / "checkpoints" / "3")
+    resumed = run(tmp_path / "resumed", run_settings(total_steps=4))  # used to fail every time
+    for a, b in zip(params_of(straight), params_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert (without_timing(read_metrics(str(tmp_path / "resumed")))
+            == without_timing(read_metrics(str(tmp_path / "straight"))))
+    aside = os.listdir(tmp_path / "resumed" / "checkpoints.unrestorable")
+    assert len(aside) == 1 and aside[0].startswith("3-")  # moved, not deleted
+    assert TrainCheckpointer(str(tmp_path / "resumed" / "checkpoints")).all_steps() == [1, 2, 3, 4]
+
+
+def test_no_restorable_checkpoint_stops_with_one_message(tmp_path):
+    from jaxprefix.errors import CheckpointError
+
+    run(tmp_path, run_settings(total_steps=2))
+    for step in ("1", "2"):
+        _truncate_an_array_file(tmp_path / "checkpoints" / step)
+    with pytest.raises(CheckpointError, match=r"no checkpoint under .* restores: step 2 .*; step 1 "):
+        run(tmp_path, run_settings(total_steps=3))
+    assert sorted(os.listdir(tmp_path / "checkpoints.unrestorable"))[0].startswith("1-")
+
+
+def test_checkpoint_of_another_model_is_refused_by_shape_and_left_in_place(tmp_path):
+    from jaxprefix.errors import CheckpointError
+
+    run(tmp_path, run_settings(total_steps=1))
+    method = GrpoMethod(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
+                        eval_problems=PROBLEMS[12:], eval_n=4)
+    wider = MODEL.replace(hidden_size=64, head_dim=16)
+    with pytest.raises(CheckpointError, match=r"checkpoints/1: array .* was saved with shape "
+                                              r".*32.*, this run's model has .*64"):
+        train(run_settings(total_steps=2), str(tmp_path), method=method,
+              model=Decoder(wider, rngs=nnx.Rngs(0)), tokenizer=TOKENIZER, progress=False)
+    assert TrainCheckpointer(str(tmp_path / "checkpoints")).all_steps() == [1]
+
+
 def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):
     # Problems whose id ends in 7 always score 1: their groups carry no signal.
     config = run_settings(total_steps=1, dynamic_sampling=True, max_refill_rounds=2)

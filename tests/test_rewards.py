@@ -100,3 +100,70 @@ def test_in_process_scoring_counts_errors():
     assert scores.tolist() == [0.0] and stats["errors"] == 1  # not a reasoning-gym problem
     with pytest.raises(ValueError, match="2 texts but 1 problems"):
         rewards.score_batch("exact", ["a", "b"], problems[:1])
+
+
+# --- untrusted output: every verifier bounded -----------------------------------------------
+
+ADVERSARIAL = {  # a megabyte each, the shapes that made extraction quadratic
+    "unclosed boxes": "\\boxed{" * ((1 << 20) // len("\\boxed{")),
+    "unclosed answer tags": "<answer>" * ((1 << 20) // len("<answer>")),
+}
+
+
+def _problem_for(name):
+    from jaxprefix.data import reasoning_gym_problems
+    from jaxprefix.data.tasks import carry_multiplication as task
+
+    if name == "reasoning_gym":
+        return reasoning_gym_problems("gsm_symbolic", 1, 0)[0]
+    if name == task.register_verifier():
+        return task.generate(1, seed=0)[0]
+    return Problem("p", "q", "1")
+
+
+@pytest.mark.parametrize("kind", sorted(ADVERSARIAL))
+def test_every_verifier_scores_a_megabyte_of_adversarial_output_within_the_timeout(kind):
+    # In this process, so the verifier's own time counts (no worker start-up); the interval
+    # timer turns a verifier past 10 s into a counted timeout, where it used to run for hours.
+    text = ADVERSARIAL[kind]
+    from jaxprefix.data.tasks import carry_multiplication as task
+
+    for name in sorted({*rewards.names(), task.register_verifier()}):
+        if name.startswith(("anon", "test_", "slow")):
+            continue  # verifiers registered by tests
+        problem = _problem_for(name)
+        rewards.score_batch(name, ["1"], [problem], workers=0)  # one-time set-up is not scoring
+        scores, stats = rewards.score_batch(name, [text], [problem], timeout_s=10.0, workers=0,
+                                            max_chars=0)
+        assert stats["timeouts"] == 0 and stats["too_long"] == 0, (name, stats)
+        assert scores.tolist() == [0.0] or name == "reasoning_gym", (name, scores)
+
+
+def test_last_boxed_and_answer_tags_pair_like_before():
+    from jaxprefix.rewards.reasoning_gym import final_answer
+
+    assert last_boxed("\\boxed{1}\\boxed{2") == "1"  # an unclosed last box: the one before
+    assert last_boxed("}\\boxed{x}}") == "x"
+    assert last_boxed("\\fbox {a{b}c}") == "a{b}c"
+    assert final_answer("<answer>1</answer> <answer>2</answer> <answer>3") == "2"
+    assert final_answer("<answer>a<answer>b</answer>") == "a<answer>b"
+
+
+def slow_verifier(text, problem):
+    while True:  # pure Python: the interval timer interrupts it
+        pass
+
+
+def test_in_process_verifier_past_its_timeout_scores_zero_and_is_counted():
+    rewards.register("slow_in_process", slow_verifier, in_process=True, overwrite=True)
+    problem = Problem("p", "q", "1")
+    scores, stats = rewards.score_batch("slow_in_process", ["a", "b"], [problem] * 2,
+                                        timeout_s=0.2)
+    assert scores.tolist() == [0.0, 0.0] and stats["timeouts"] == 2
+
+
+def test_completions_over_the_length_cap_score_zero_unread_and_are_counted():
+    problem = Problem("p", "q", "1")
+    scores, stats = rewards.score_batch("exact", ["\\boxed{1}" + " " * 100, "\\boxed{1}"],
+                                        [problem] * 2, max_chars=50)
+    assert scores.tolist() == [0.0, 1.0] and stats["too_long"] == 1

@@ -152,7 +152,7 @@ def test_hf_directory_matches_transformers(hf_directory):
 
 
 def test_hf_directory_errors(tmp_path, hf_directory):
-    with pytest.raises(FileNotFoundError, match="no tokenizer.json or tokenizer.model"):
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json, tokenizer.model or task_tokenizer.json"):
         tokenizers.load(tmp_path)
     broken = tmp_path / "broken"
     shutil.copytree(hf_directory, broken)

@@ -18,6 +18,8 @@ import numpy as np
 import gguf
 from gguf.quants import dequantize
 
+from jaxprefix import storage
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 BUNDLED_SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -40,25 +42,48 @@ _BLOCK_NAMES = {
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+class _TensorDataCut(Exception):
+    def __init__(self, needed: int):
+        super().__init__(needed)
+        self.needed = needed
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that tells a cut in the tensor data from a cut in the header: it builds the
+    tensors (views of the mapped file) only after the whole header has been read."""
+
+    def _build_tensors(self, start_offs, fields):
+        needed = start_offs
+        for field in fields:
+            _, _, _, dims, raw_dtype, offset = field.parts
+            block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(raw_dtype[0])]
+            n_bytes = int(np.prod(dims)) * type_size // block_size
+            needed = max(needed, int(start_offs + offset[0]) + n_bytes)
+        if needed > len(self.data):
+            raise _TensorDataCut(needed)
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
     """A reader for `path`, after checking that it is a complete GGUF file."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ValueError(f"{path}: not a GGUF file (expected magic b'GGUF', found {magic!r})")
+    local = storage.local_copy(path)  # the reader memory-maps a real file
     try:
-        reader = gguf.GGUFReader(path)
+        reader = _Reader(local)
+    except _TensorDataCut as e:
+        size = os.path.getsize(local)
+        raise ValueError(f"{path}: truncated GGUF file: the header is whole but the tensor data is "
+                         f"cut, {size} of {e.needed} bytes; expected the whole file (copy or "
+                         f"download it again)") from None
     except Exception as e:  # the reader fails in many ways on a cut-off header
         raise ValueError(
             f"{path}: unreadable GGUF header, the file is truncated or corrupt ({e})") from e
-    size = os.path.getsize(path)
-    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise ValueError(
-            f"{path}: truncated GGUF file, tensor data needs {end} bytes but the file has {size}")
     return reader
 
 
@@ -174,16 +199,17 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
-def from_gguf(path: str | os.PathLike, dtype=None, *, mesh=None):
-    """(model, config) from a llama-architecture GGUF file (see hf.load_hf_state); dtype defaults
-    to float32, and with `mesh` every parameter is placed with its target sharding."""
+def from_gguf(path: str | os.PathLike, dtype=None, *, param_dtype=None, mesh=None):
+    """(model, config) from a llama-architecture GGUF file (see hf.load_hf_state for the dtypes);
+    dtype defaults to float32, and with `mesh` every parameter is placed with its target
+    sharding."""
     # Imported here so that reading GGUF files (tokenizers do) does not pull in jax and the model.
     import jax.numpy as jnp
     from jaxprefix.models import load_hf_state  # (models first: it imports checkpoints.hf)
 
     hf_config, tensors = read_gguf(path)
-    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype, mesh=mesh,
-                         source=os.fspath(path))
+    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype,
+                         param_dtype=param_dtype, mesh=mesh, source=os.fspath(path))
 
 
 def bundled_smollm2_path() -> str:

@@ -4,14 +4,15 @@
 too. The Decoder keeps layer weights stacked ([layers, ...]) with projections split per head,
 so each HF tensor is transposed / reshaped and stacked here. Safetensors are read and written
 by a small reader of the format (8-byte header size, JSON header, raw little-endian data), so
-bf16 works through ml_dtypes and a truncated file is reported precisely.
+bf16 works through ml_dtypes and a truncated file is reported precisely. Directories may be local
+or on gs:// (jaxprefix.storage): a remote safetensors file is read from a local copy in the cache
+directory (memory-mapped), and every file is written whole, config.json last, so a directory whose
+config.json exists is complete.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import pathlib
 import struct
 
 import jax
@@ -20,6 +21,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jaxprefix import storage
 from jaxprefix.models import sharding
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
@@ -33,10 +35,11 @@ _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 # --- safetensors ---------------------------------------------------------------------------
 
 def read_safetensors(path) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as numpy arrays (memory-mapped)."""
-    path = pathlib.Path(path)
-    size = path.stat().st_size
-    with open(path, 'rb') as f:
+    """All tensors of one .safetensors file as numpy arrays (memory-mapped; a remote file from its
+    local copy in the cache directory)."""
+    local = storage.local_copy(path)
+    size = storage.size(local)
+    with open(local, 'rb') as f:
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f'{path}: truncated safetensors file ({size} bytes, no header)')
@@ -49,7 +52,7 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
         except ValueError as e:
             raise ValueError(f'{path}: safetensors header is not valid JSON ({e})') from None
     header.pop('__metadata__', None)
-    data = np.memmap(path, dtype=np.uint8, mode='r', offset=8 + n) if size > 8 + n else None
+    data = np.memmap(local, dtype=np.uint8, mode='r', offset=8 + n) if size > 8 + n else None
     out = {}
     for name, info in header.items():
         if info['dtype'] not in _DTYPES:
@@ -64,6 +67,8 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
 
 
 def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+    """One .safetensors file (local or gs://), streamed tensor by tensor (no copy of the whole
+    model in memory); a reader trusts it once config.json is written after it."""
     header, offset = {'__metadata__': {'format': 'pt'}}, 0
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     for name, a in arrays.items():
@@ -72,11 +77,11 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
         offset += a.nbytes
     blob = json.dumps(header).encode()
     blob += b' ' * (-len(blob) % 8)  # data starts 8-byte aligned
-    with open(path, 'wb') as f:
+    with storage.open(path, 'wb') as f:
         f.write(struct.pack('<Q', len(blob)))
         f.write(blob)
         for a in arrays.values():
-            f.write(a.tobytes())
+            f.write(a.reshape(-1).view(np.uint8).data if a.size else b'')
 
 
 # --- name and layout mapping ---------------------------------------------------------------
@@ -135,13 +140,15 @@ def _place(array: np.ndarray, variable: nnx.Variable, mesh) -> jax.Array:
 
 
 def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.float32, *,
-                  mesh=None, source: str = 'checkpoint') -> tuple[Decoder, ModelConfig]:
+                  param_dtype=None, mesh=None,
+                  source: str = 'checkpoint') -> tuple[Decoder, ModelConfig]:
     """A Decoder holding HF-named weights `tensors` ({name: array}) of an HF config dict.
 
-    `dtype` is both the parameter and compute dtype. With `mesh` (or under jax.set_mesh), every
-    parameter is placed with its target sharding. Errors name `source` and the tensor.
+    `dtype` is the compute dtype; `param_dtype` the dtype the weights are stored (and trained)
+    in, by default `dtype`. With `mesh` (or under jax.set_mesh), every parameter is placed with
+    its target sharding. Errors name `source` and the tensor.
     """
-    config = ModelConfig.from_hf(hf_config, param_dtype=dtype, dtype=dtype)
+    config = ModelConfig.from_hf(hf_config, param_dtype=param_dtype or dtype, dtype=dtype)
     if mesh is None:
         active = jax.sharding.get_mesh()
         mesh = None if active.empty else active
@@ -179,30 +186,29 @@ def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.flo
     return model, config
 
 
-def _read_json(path: pathlib.Path, what: str) -> dict:
-    if not path.is_file():
+def _read_json(path: str, what: str) -> dict:
+    if not storage.isfile(path):
         raise FileNotFoundError(f'{path}: missing {what}')
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f'{path}: not valid JSON ({e})') from None
+    return storage.read_json(path)
 
 
 def read_hf_tensors(path) -> dict[str, np.ndarray]:
     """Every tensor of an HF directory: model.safetensors, or the shards its index names."""
-    path = pathlib.Path(path)
-    index = path / 'model.safetensors.index.json'
-    if index.is_file():
+    path = str(path)
+    index = storage.join(path, 'model.safetensors.index.json')
+    if storage.isfile(index):
         weight_map = _read_json(index, 'safetensors index').get('weight_map')
         if not isinstance(weight_map, dict):
             raise ValueError(f'{index}: expected a "weight_map" object of tensor name -> file')
         tensors = {}
         for shard in sorted(set(weight_map.values())):
-            if not (path / shard).is_file():
-                raise FileNotFoundError(f'{path / shard}: missing shard named in {index.name}')
-            tensors.update(read_safetensors(path / shard))
+            shard_path = storage.join(path, shard)
+            if not storage.isfile(shard_path):
+                raise FileNotFoundError(f'{shard_path}: missing shard named in '
+                                        f'model.safetensors.index.json')
+            tensors.update(read_safetensors(shard_path))
         return tensors
-    files = sorted(path.glob('*.safetensors'))
+    files = storage.glob(path, '*.safetensors')
     if not files:
         raise FileNotFoundError(f'{path}: no model.safetensors, *.safetensors or '
                                 f'model.safetensors.index.json')
@@ -212,37 +218,71 @@ def read_hf_tensors(path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def from_pretrained(path, dtype=jnp.float32, *, mesh=None) -> tuple[Decoder, ModelConfig]:
-    """(model, config) from an HF directory (config.json + safetensors); see load_hf_state."""
-    path = pathlib.Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f'{path}: not a checkpoint directory')
-    hf_config = _read_json(path / 'config.json', 'config.json')
-    return load_hf_state(hf_config, read_hf_tensors(path), dtype, mesh=mesh, source=str(path))
+def from_pretrained(path, dtype=jnp.float32, *, param_dtype=None,
+                    mesh=None) -> tuple[Decoder, ModelConfig]:
+    """(model, config) from an HF directory (config.json + safetensors, local or gs://); see
+    load_hf_state for the dtypes."""
+    path = str(path)
+    if not storage.isdir(path):
+        raise FileNotFoundError(f'{path}: not a checkpoint directory (or it is empty)')
+    hf_config = _read_json(storage.join(path, 'config.json'), 'config.json')
+    return load_hf_state(hf_config, read_hf_tensors(path), dtype, param_dtype=param_dtype,
+                         mesh=mesh, source=path)
 
 
 # --- export --------------------------------------------------------------------------------
 
-def hf_tensors(model: Decoder) -> dict[str, np.ndarray]:
-    """The model's weights under HF names and layouts (numpy, parameter dtype)."""
+def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
+    """The model's weights under HF names and layouts (numpy, in `dtype`, default the
+    parameter dtype)."""
     config = model.config
+
+    def host(variable) -> np.ndarray:
+        array = np.asarray(jax.device_get(variable[...]))
+        return array if dtype is None else array.astype(jnp.dtype(dtype))
     out = {}
     for ours, hf_name in _top_table(config).items():
-        out[hf_name] = np.asarray(jax.device_get(getattr(model, ours)[...]))
+        out[hf_name] = host(getattr(model, ours))
     table = _layer_table(config)
     for ours in model.layer_names:
         hf_name, in_axes = table[ours]
-        stacked = np.asarray(jax.device_get(getattr(model, ours)[...]))
+        stacked = host(getattr(model, ours))
         for i in range(config.num_layers):
             out[f'model.layers.{i}.{hf_name}'] = _to_hf_layout(stacked[i], in_axes)
     return out
 
 
-def save_pretrained(model: Decoder, config: ModelConfig | None, path) -> pathlib.Path:
-    """Writes config.json + model.safetensors that transformers loads with the same logits."""
+def generation_config(config: ModelConfig) -> dict:
+    """generation_config.json: the stop tokens (and pad) that generate() of transformers and
+    vLLM read; sampling settings are left to them."""
+    eos = list(config.eos_token_ids)
+    out = {}
+    if eos:
+        out['eos_token_id'] = eos[0] if len(eos) == 1 else eos
+    if config.bos_token_id is not None:
+        out['bos_token_id'] = config.bos_token_id
+    if config.pad_token_id is not None:
+        out['pad_token_id'] = config.pad_token_id
+    return out
+
+
+def save_pretrained(model: Decoder, config: ModelConfig | None, path, *, dtype=None,
+                    tokenizer=None) -> str:
+    """Writes an HF directory (local or gs://) that from_pretrained, tokenizers.load and
+    transformers read back with the same logits: model.safetensors in `dtype` (default the
+    parameter dtype), the tokenizer's files (when given), generation_config.json, and
+    config.json last, so a directory holding config.json is complete."""
     config = config or model.config
-    path = pathlib.Path(path)
-    os.makedirs(path, exist_ok=True)
-    (path / 'config.json').write_text(json.dumps(config.to_hf(), indent=2))
-    write_safetensors(path / 'model.safetensors', hf_tensors(model))
+    if dtype is not None:
+        config = config.replace(param_dtype=jnp.dtype(dtype).name)
+    path = str(path)
+    storage.makedirs(path)
+    write_safetensors(storage.join(path, 'model.safetensors'), hf_tensors(model, dtype))
+    if tokenizer is not None:
+        from jaxprefix import tokenizers  # lazily: tokenizers import checkpoints.gguf
+
+        tokenizers.save(tokenizer, path)
+    storage.write_json(storage.join(path, 'generation_config.json'), generation_config(config),
+                       indent=2)
+    storage.write_json(storage.join(path, 'config.json'), config.to_hf(), indent=2)
     return path

@@ -12,6 +12,8 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from jaxprefix import errors, storage
+
 
 def abstract_like(tree):
     """ShapeDtypeStructs carrying each leaf's sharding: the restore target of `tree`."""
@@ -29,7 +31,9 @@ class TrainCheckpointer:
     """
 
     def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
-        self.directory = os.path.abspath(directory)
+        # orbax wants an absolute path; a gs:// URL already is one (abspath would mangle it).
+        self.directory = directory if storage.is_remote(directory) else os.path.abspath(directory)
+        storage.require_backend(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
@@ -42,9 +46,11 @@ class TrainCheckpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, arrays, meta: dict | None = None) -> bool:
-        """Write checkpoint `step`; returns False when it already exists."""
+        """Write checkpoint `step`; returns False when it already exists. Raises DiskFull, before
+        writing anything, when the local disk cannot take the arrays' bytes."""
         if step in self._manager.all_steps():
             return False
+        errors.check_free_space(self.directory, sum(x.nbytes for x in jax.tree.leaves(arrays)))
         args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                   meta=ocp.args.JsonSave(dict(meta or {})))
         return self._manager.save(step, args=args, force=True)
@@ -61,6 +67,10 @@ class TrainCheckpointer:
 
     def wait(self):
         self._manager.wait_until_finished()
+
+    def reload(self):
+        """Forget what orbax knew of the directory (a step was moved out of it)."""
+        self._manager.reload()
 
     def close(self):
         self._manager.wait_until_finished()

@@ -20,9 +20,10 @@ from typing import Any
 
 from absl import logging
 
+from jaxprefix import storage
 from jaxprefix.data.problem import DataError, Problem, content_id
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,7 @@ class LoadReport:
     path: str
     problems: list[Problem]
     skipped: list[str]
+    locations: list[str] = dataclasses.field(default_factory=list)  # per problem: 'line 7'
 
 
 class RecordError(Exception):
@@ -50,7 +52,8 @@ class RecordError(Exception):
 
 
 def load_problems(path: str | os.PathLike, **options) -> list[Problem]:
-    """Problems of a .jsonl, .json or .parquet file; see `read_problem_file` for the options."""
+    """Problems of a .jsonl, .json, .parquet or .arrow file, or of a directory of them; see
+    `read_problem_file` for the options."""
     return read_problem_file(path, **options).problems
 
 
@@ -69,7 +72,9 @@ def read_problem_file(
     """Reads every record of `path` into a Problem; fields not used are kept as metadata.
 
     Args:
-      path: a .jsonl (one object per line), .json (a list of objects) or .parquet file.
+      path: a .jsonl (one object per line), .json (a list of objects), .parquet or .arrow (an
+        Arrow stream, as HF datasets' save_to_disk writes) file, or a directory: a save_to_disk
+        directory (its state.json lists the files) or any directory of such files (sorted).
       *_field: where the parts live in each record (dotted paths allowed).
       source: the problems' source name; defaults to the file name without its suffix.
       require_solution: a record without an oracle solution is invalid (POPE, PrefixRL need one).
@@ -78,8 +83,8 @@ def read_problem_file(
     path = os.fspath(path)
     fields = Fields(question_field, answer_field, solution_field, id_field, steps_field)
     if source is None:
-        source = os.path.basename(path).split(".")[0]
-    problems, skipped, first_seen = [], [], {}
+        source = storage.basename(path).split(".")[0]
+    problems, skipped, first_seen, locations = [], [], {}, []
     for location, record in _records(path):
         try:
             if isinstance(record, RecordError):
@@ -96,13 +101,14 @@ def read_problem_file(
             continue
         first_seen[problem.id] = location
         problems.append(problem)
+        locations.append(location)
     if not problems:
         reason = f"all {len(skipped)} records invalid, first: {skipped[0]}" if skipped else "it is empty"
         raise DataError(f"{path}: no problems could be read ({reason})")
     if skipped:
         logging.warning("%s: skipped %d invalid records of %d; first: %s", path, len(skipped),
                         len(skipped) + len(problems), skipped[0])
-    return LoadReport(path, problems, skipped)
+    return LoadReport(path, problems, skipped, locations)
 
 
 def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
@@ -118,7 +124,10 @@ def read_records(path: str | os.PathLike) -> Iterator[tuple[str, dict]]:
 
 def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
     """(location, record) pairs; a record that cannot be decoded comes as a RecordError."""
-    if not os.path.isfile(path):
+    if storage.isdir(path):
+        yield from _directory_records(path)
+        return
+    if not storage.isfile(path):
         raise DataError(f"{path}: no such file")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".jsonl":
@@ -127,12 +136,14 @@ def _records(path: str) -> Iterator[tuple[str, dict | RecordError]]:
         yield from _json_records(path)
     elif suffix == ".parquet":
         yield from _parquet_records(path)
+    elif suffix == ".arrow":
+        yield from _arrow_records(path)
     else:
         raise DataError(f"{path}: unknown file type {suffix!r}; expected one of {', '.join(SUFFIXES)}")
 
 
 def _jsonl_records(path: str):
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             location = f"line {number}"
             try:
@@ -154,8 +165,7 @@ def _jsonl_records(path: str):
 
 
 def _json_records(path: str):
-    with open(path, "rb") as f:
-        raw = f.read()
+    raw = storage.read_bytes(path)
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -181,11 +191,58 @@ def _parquet_records(path: str):
     import pyarrow.parquet as pq  # only parquet users pay for the import
 
     try:
-        table = pq.read_table(path)
+        table = pq.read_table(storage.local_copy(path))
     except Exception as e:  # pyarrow raises several types for corrupt or non-parquet files
         raise DataError(f"{path}: not a readable parquet file: {e}") from None
     for index, record in enumerate(table.to_pylist()):
         yield f"row {index}", record
+
+
+def _arrow_records(path: str):
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(storage.local_copy(path)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+    except Exception as e:  # pyarrow raises several types for files of another format
+        raise DataError(f"{path}: not a readable Arrow stream file: {e}") from None
+    for index, record in enumerate(table.to_pylist()):
+        yield f"row {index}", record
+
+
+def data_files(path: str) -> list[str]:
+    """The data files of a directory (local or gs://), relative to it: those a save_to_disk
+    state.json lists, else every file with a known suffix beneath it (hidden folders skipped),
+    sorted."""
+    state = storage.join(path, "state.json")
+    if storage.isfile(state):
+        return [entry["filename"] for entry in storage.read_json(state)["_data_files"]]
+    splits_file = storage.join(path, "dataset_dict.json")
+    if storage.isfile(splits_file):
+        splits = storage.read_json(splits_file).get("splits", [])
+        raise DataError(f"{path}: a dataset with splits {', '.join(splits)}: read one split "
+                        f"(data.source=hf with data.split, or the split's directory)")
+    return sorted(name for name in _walk(path) if os.path.splitext(name)[1].lower() in SUFFIXES)
+
+
+def _walk(path: str, prefix: str = "") -> Iterator[str]:
+    """Relative names of the files beneath `path`, hidden entries skipped."""
+    for name in storage.listdir(path):
+        if name.startswith("."):
+            continue
+        if storage.isdir(storage.join(path, name)):
+            yield from _walk(storage.join(path, name), f"{prefix}{name}/")
+        else:
+            yield prefix + name
+
+
+def _directory_records(path: str):
+    names = data_files(path)
+    if not names:
+        raise DataError(f"{path}: no data files ({', '.join(SUFFIXES)}) in this directory")
+    for name in names:
+        for location, record in _records(storage.join(path, name)):
+            yield f"{name}:{location}", record
 
 
 def _lookup(record: dict, name: str) -> tuple[bool, Any]:

@@ -14,8 +14,10 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from jaxprefix.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A source could not be read as Problem records; the message names file, line and field."""
 
 

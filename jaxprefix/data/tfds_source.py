@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Sequence
 
 import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from jaxprefix import storage
 from jaxprefix.data.files import Fields, RecordError, read_problem_file, record_to_problem
 from jaxprefix.data.problem import DataError, Problem
 
@@ -76,11 +76,11 @@ def build_problem_dataset(problems: Sequence[Problem], name: str, data_dir: str 
         raise DataError(f"build_problem_dataset({name!r}): no problems to write")
     builder = JaxprefixProblems(problems=problems, data_dir=os.fspath(data_dir),
                                 config=tfds.core.BuilderConfig(name=name), file_format="array_record")
-    if os.path.exists(builder.data_dir):
+    if storage.exists(builder.data_dir):
         if not overwrite:
             raise DataError(f"{builder.data_dir}: TFDS dataset {BUILDER_NAME}/{name} exists; "
                             "pass overwrite=True to rebuild it")
-        shutil.rmtree(builder.data_dir)
+        storage.rmtree(builder.data_dir)
     builder.download_and_prepare()
     return f"{BUILDER_NAME}/{name}"
 
@@ -125,6 +125,27 @@ def tfds_problems(name: str, data_dir: str | os.PathLike | None = None, split: s
         raise DataError(f"TFDS dataset {name!r} (data_dir={data_dir}, split={split!r}) "
                         f"cannot be opened: {e}") from e
     fields = Fields(question_field, answer_field, solution_field, id_field)
+    return _problems_of(source, f"TFDS {name}[{split}]", name.split("/")[0], fields)
+
+
+def tfds_directory_problems(path: str | os.PathLike, split: str = "train", *,
+                            question_field: str = "question", answer_field: str = "answer",
+                            solution_field: str | None = "solution",
+                            id_field: str | None = None) -> list[Problem]:
+    """Problems of a prepared TFDS dataset directory, local or gs:// (the folder holding its
+    dataset_info.json, e.g. DATA_DIR/jaxprefix_problems/my_set/1.0.0), as `tfds_problems`."""
+    path = os.fspath(path)
+    try:
+        builder = tfds.builder_from_directory(path)
+        source = builder.as_data_source(split=split)
+    except Exception as e:  # a missing directory, no dataset_info.json, an unknown split
+        raise DataError(f"TFDS dataset directory {path} (split={split!r}) cannot be opened: "
+                        f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    fields = Fields(question_field, answer_field, solution_field, id_field)
+    return _problems_of(source, f"TFDS {path}[{split}]", builder.name, fields)
+
+
+def _problems_of(source, label: str, source_name: str, fields: Fields) -> list[Problem]:
     problems, seen = [], set()
     for index in range(len(source)):
         record = _decoded(source[index])
@@ -132,11 +153,11 @@ def tfds_problems(name: str, data_dir: str | os.PathLike | None = None, split: s
             if "metadata_json" in record and "has_solution" in record:
                 problem = _stored_problem(record)
             else:
-                problem = record_to_problem(record, fields, source=name.split("/")[0])
+                problem = record_to_problem(record, fields, source=source_name)
         except (RecordError, KeyError, TypeError) as e:
-            raise DataError(f"TFDS {name}[{split}]:record {index}: {e}") from None
+            raise DataError(f"{label}:record {index}: {e}") from None
         if problem.id in seen:
-            raise DataError(f"TFDS {name}[{split}]:record {index}: duplicate id {problem.id!r}")
+            raise DataError(f"{label}:record {index}: duplicate id {problem.id!r}")
         seen.add(problem.id)
         problems.append(problem)
     return problems

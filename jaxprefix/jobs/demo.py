@@ -14,12 +14,11 @@ Nothing here is tuned to a result: the numbers are whatever the runs measure.
 """
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
 
+from jaxprefix import storage
 from jaxprefix.jobs.rl import run_rl
 from jaxprefix.jobs.study import Study
 from jaxprefix.methods.isocompute import ComputeLedger
@@ -29,7 +28,6 @@ METHODS = ("pope", "grpo")
 
 
 def run_demo(config, workdir: str) -> dict:
-    os.makedirs(workdir, exist_ok=True)
     study = Study.prepare(config, workdir)
     hard = study.hard
     search = study.mining.prefix_search(hard)
@@ -43,7 +41,7 @@ def run_demo(config, workdir: str) -> dict:
               "base": study.evaluate(study.policy.model, "eval base"), "runs": {}}
     for method in METHODS:
         started = time.perf_counter()
-        out = run_rl(study.run_config(method), os.path.join(workdir, method))
+        out = run_rl(study.run_config(method), storage.join(workdir, method))
         report["runs"][method] = {
             "after": study.evaluate(out["policy"].model, f"eval {method}"),
             "steps": out["step"],
@@ -84,11 +82,9 @@ def _write(report: dict, workdir: str, config) -> None:
                else "guided by the longest prefix tried") + ".\n\n"
             + table(report, config.eval.ks) + "\n")
     print("\n" + text)
-    with open(os.path.join(workdir, "demo_report.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(workdir, "demo_report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    plot_curves(workdir, list(report["runs"]), os.path.join(workdir, "demo_curves.png"),
+    storage.write_atomic(storage.join(workdir, "demo_report.md"), text)
+    storage.write_json(storage.join(workdir, "demo_report.json"), report)
+    plot_curves(workdir, list(report["runs"]), storage.join(workdir, "demo_curves.png"),
                 ks=config.eval.ks, base=report["base"])
 
 
@@ -100,7 +96,7 @@ def plot_curves(workdir: str, methods, path: str, ks, base: dict | None = None) 
     fig = Figure(figsize=(11, 4))
     left, right = fig.subplots(1, 2)
     for method in methods:
-        records = read_metrics(os.path.join(workdir, method))
+        records = read_metrics(storage.join(workdir, method))
         for k in ks[-1:]:
             points = [(0, base[f"pass@{k}"])] if base else []
             points += [(r["step"], r[f"eval/pass@{k}"]) for r in records if f"eval/pass@{k}" in r]
@@ -116,4 +112,4 @@ def plot_curves(workdir: str, methods, path: str, ks, base: dict | None = None) 
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    storage.write_figure(path, fig, dpi=110)

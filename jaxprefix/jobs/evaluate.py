@@ -8,12 +8,9 @@ the mined POPE prefixes when the workdir has them. Writes <workdir>/eval_report.
 """
 from __future__ import annotations
 
-import json
-import os
-
 import numpy as np
 
-from jaxprefix import evaluation
+from jaxprefix import evaluation, storage
 from jaxprefix.methods import pope
 from jaxprefix.methods.probing import Prober
 
@@ -42,28 +39,28 @@ def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n:
 def run_eval(config, workdir: str) -> dict:
     from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
     from jaxprefix.jobs.policy import load_policy
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
     from jaxprefix.rl.loop import restore_trained_params
 
     policy = load_policy(config, workdir)
     step = restore_trained_params(policy.model, workdir, config)
-    sets = load_problem_sets(config.data)
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length),
+                             config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),
               "unguided": evaluate_unguided(mining.prober, policy.prompts, sets.eval, n=e.n,
                                             ks=e.ks, seed=config.seed + 7)}
-    prefixes_file = os.path.join(mining.dir, f"{prefix_search(config)}.json")
-    if os.path.exists(prefixes_file):
+    prefixes_file = storage.join(mining.dir, f"{prefix_search(config)}.json")
+    if storage.exists(prefixes_file):
         # Mined on the training problems: guided eval measures the training set's guided skill.
-        with open(prefixes_file) as f:
-            units = json.load(f)["shortest_units"]
+        units = storage.read_json(prefixes_file)["shortest_units"]
         hard = [p for p in sets.train if p.id in units]
         report["guided_train"] = evaluate_guided(
             mining.prober, policy.prompts, hard, units, n=e.n, ks=e.ks,
             guidance=config.pope.guidance, template=pope.TEMPLATES[config.pope.template],
             seed=config.seed + 8)
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "eval_report.json"), "w") as f:
-        json.dump(report, f, indent=1, default=lambda x: np.asarray(x).tolist())
+    storage.write_json(storage.join(workdir, "eval_report.json"), report,
+                       default=lambda x: np.asarray(x).tolist())
     return report

@@ -18,13 +18,11 @@ written to frontier.json (with the allocation rule a config can name), frontier.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
 import numpy as np
 
-from jaxprefix import run_config
+from jaxprefix import run_config, storage
 from jaxprefix.jobs.policy import base_dir
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.metrics import read_metrics
@@ -76,7 +74,7 @@ def point_config(config, point: isocompute.SweepPoint, seed: int, workdir: str):
 
 
 def point_workdir(runs_dir: str, point: isocompute.SweepPoint, seed: int) -> str:
-    return os.path.join(runs_dir, f"n{point.n}_b{point.batch}_s{seed}")
+    return storage.join(runs_dir, f"n{point.n}_b{point.batch}_s{seed}")
 
 
 def sweep_points(config) -> list:
@@ -85,7 +83,7 @@ def sweep_points(config) -> list:
 
 
 def runs_dir(config, workdir: str) -> str:
-    return config.isocompute.runs_dir or os.path.join(workdir, "runs")
+    return config.isocompute.runs_dir or storage.join(workdir, "runs")
 
 
 def _leaves(config, prefix: str = "") -> dict:
@@ -170,7 +168,6 @@ def run_fit(config, workdir: str) -> dict:
     if not collected:
         raise FileNotFoundError(f"{runs_dir(config, workdir)}: no finished sweep runs with "
                                 f"{REWARD!r} in their metrics.jsonl; run the sweep job first")
-    os.makedirs(workdir, exist_ok=True)
     seeds = sorted({seed for seed, _, _ in collected})
     mean = mean_over_seeds([run for _, run, _ in collected])
     record = {"runs": [vars(run) | {"seed": seed} for seed, run, _ in collected],
@@ -182,10 +179,9 @@ def run_fit(config, workdir: str) -> dict:
         fit = isocompute.FrontierFit.from_dict(record["fit"])
         record["allocation"] = isocompute.allocation_rule(fit, mean) | {
             "flops_per_rollout": float(np.mean([f for _, _, f in collected]))}
-        isocompute.plot_frontier(fit, os.path.join(workdir, "frontier.png"))
-        isocompute.plot_n_star(fit, os.path.join(workdir, "n_star.png"))
-    with open(os.path.join(workdir, FRONTIER), "w") as f:
-        json.dump(record, f, indent=1)
+        isocompute.plot_frontier(fit, storage.join(workdir, "frontier.png"))
+        isocompute.plot_n_star(fit, storage.join(workdir, "n_star.png"))
+    storage.write_json(storage.join(workdir, FRONTIER), record)
     return record
 
 
@@ -201,8 +197,10 @@ def load_rule(config) -> Rule:
     iso = config.isocompute
     if not iso.frontier_path:
         return Rule(isocompute.DEFAULT_N_CURVE, iso.batch or 64, None)
-    with open(iso.frontier_path) as f:
-        allocation = json.load(f).get("allocation")
+    if not storage.exists(iso.frontier_path):
+        raise ValueError(f"config.isocompute.frontier_path={iso.frontier_path!r}: no such file; "
+                         f"expected a fit job's frontier.json")
+    allocation = storage.read_json(iso.frontier_path).get("allocation")
     if not allocation:
         raise ValueError(f"config.isocompute.frontier_path={iso.frontier_path!r}: that fit found "
                          f"no frontier (its 'reason' says why), so it holds no allocation rule")

@@ -16,11 +16,9 @@ recorded apart in mining/ledger.json, and each run is charged for the artifacts 
 """
 from __future__ import annotations
 
-import json
-import os
-
 from absl import logging
 
+from jaxprefix import sampling, storage
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
@@ -43,16 +41,18 @@ def _artifact_kind(name: str) -> str:
 
 
 def mining_dir(config, workdir: str) -> str:
-    return config.mining.get("dir") or os.path.join(workdir, "mining")
+    return config.mining.get("dir") or storage.join(workdir, "mining")
 
 
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
     rollout = config.rollout
     spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids)
+                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids,
+                        **sampling.memory_settings(rollout))
     return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
-                  verifier_timeout_s=config.rewards.timeout_s)
+                  verifier_timeout_s=config.rewards.timeout_s,
+                  verifier_max_chars=config.rewards.max_chars)
 
 
 class Mining:
@@ -60,21 +60,19 @@ class Mining:
 
     def __init__(self, config, policy, sets, directory: str):
         self.config, self.policy, self.sets, self.dir = config, policy, sets, directory
-        os.makedirs(directory, exist_ok=True)
         self.costs = self._load_costs()
         self.prober = make_prober(config, policy, self._new_ledger(), sets.verifier)
 
     def _path(self, name: str) -> str:
-        return os.path.join(self.dir, name)
+        return storage.join(self.dir, name)
 
     def _new_ledger(self) -> ComputeLedger:
         return ComputeLedger(self.policy.model.config.num_params())
 
     def _load_costs(self) -> dict[str, ComputeLedger]:
-        if not os.path.exists(self._path(LEDGER)):
+        if not storage.exists(self._path(LEDGER)):
             return {}
-        with open(self._path(LEDGER)) as f:
-            record = json.load(f)
+        record = storage.read_json(self._path(LEDGER))
         if {_artifact_kind(k) for k in record} - set(ARTIFACTS):
             raise ValueError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
                              f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
@@ -87,13 +85,12 @@ class Mining:
         self.prober.ledger = self.costs[artifact] = self._new_ledger()
 
     def _save(self, name: str, record) -> None:
-        with open(self._path(name), "w") as f:
-            json.dump(record, f, indent=1)
+        # The artifact first, then its cost: a run killed between the two mines it again.
+        storage.write_json(self._path(name), record)
         # Merged with what is on disk: another Mining of this directory (a run with another
         # prefix cap) may have booked an artifact since this one was read.
         self.costs = self._load_costs() | self.costs
-        with open(self._path(LEDGER), "w") as f:
-            json.dump({k: v.to_dict() for k, v in self.costs.items()}, f, indent=1)
+        storage.write_json(self._path(LEDGER), {k: v.to_dict() for k, v in self.costs.items()})
 
     def cost(self, artifacts) -> ComputeLedger:
         """What mining the named artifacts spent (those not mined yet cost nothing)."""
@@ -108,9 +105,8 @@ class Mining:
 
     def hard_set(self) -> pope.HardSet:
         by_id = {p.id: p for p in self.sets.train}
-        if os.path.exists(self._path(HARD_SET)):
-            with open(self._path(HARD_SET)) as f:
-                record = json.load(f)
+        if storage.exists(self._path(HARD_SET)):
+            record = storage.read_json(self._path(HARD_SET))
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
         k = self.config.mining.k
@@ -134,9 +130,8 @@ class Mining:
         settings = {"samples": m.prefix_samples, "max_units": m.max_prefix_units,
                     "max_fraction": cap}
         path = self._path(f"{name}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                record = json.load(f)
+        if storage.exists(path):
+            record = storage.read_json(path)
             if {k: record[k] for k in settings} != settings:
                 raise ValueError(f"{path}: searched with {({k: record[k] for k in settings})}, "
                                  f"the config asks {settings} (mining.prefix_samples, "
@@ -182,11 +177,11 @@ class Mining:
             return self._imported_pool(pool_file, problems)
         if self.config.prefixrl.oracle_traces:
             return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
-        if os.path.exists(path):
+        if storage.exists(path):
             pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
-            if os.path.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
-                with open(self._path(TRACE_POOL_STATS)) as f:
-                    pool.samples_per_problem = json.load(f)["samples_per_problem"]
+            if storage.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
+                stats = storage.read_json(self._path(TRACE_POOL_STATS))
+                pool.samples_per_problem = stats["samples_per_problem"]
             return pool
         p = self.config.prefixrl
         self._booking("trace_pool")
@@ -203,13 +198,16 @@ class Mining:
 def run_mine(config, workdir: str) -> dict:
     """Computes (or reads) everything the configured method needs; returns a summary."""
     from jaxprefix.jobs.policy import load_policy
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 
     from jaxprefix.jobs.rl import check_method_settings
 
     check_method_settings(config)
     policy = load_policy(config, workdir)
-    mining = Mining(config, policy, load_problem_sets(config.data), mining_dir(config, workdir))
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length),
+                             config.rewards.path)
+    mining = Mining(config, policy, sets, mining_dir(config, workdir))
     hard = mining.hard_set()
     summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}
     if config.method == "pope":

@@ -5,15 +5,27 @@
   set (`digits`, `multipliers`; the demo's hard problems: 20 digits times 6..9), plus easy ones
   for the "+ easy" ablation;
 - 'file': JSONL / parquet files (`path`, `eval_path`) with configurable field names;
-- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed.
+- 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed;
+- 'hf': a local Hugging Face dataset (`path`: a save_to_disk directory, a hub snapshot of
+  parquet / JSON lines shards, or one file; data/hf_source.py), split `split`;
+- 'tfds': a prepared TFDS dataset directory (`path`, local or gs://), split `split`.
+For 'hf' and 'tfds' the evaluation set is split `eval_split` (default 'test') of `eval_path`
+(default `path`), read when either is set; field names as for files.
+
+With a `PromptLimit`, a problem whose prompt (as the policy reads it) does not fit the model's
+context with room for the completion, or `data.max_prompt_tokens`, is refused with its file and
+line, or skipped and counted with `data.skip_invalid` (which also skips bad records of files).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxprefix.data.problem import Problem
+from absl import logging
 
-SOURCES = ("carry_multiplication", "file", "reasoning_gym")
+from jaxprefix.data.problem import DataError, Problem
+from jaxprefix.errors import ConfigError
+
+SOURCES = ("carry_multiplication", "file", "reasoning_gym", "hf", "tfds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,20 +34,85 @@ class ProblemSets:
     eval: list[Problem]
     easy: list[Problem]
     verifier: str  # config.data.verifier: the one name mining, training and evaluation all use
+    skipped: int = 0  # problems left out for their prompt length (data.skip_invalid)
 
 
-def load_problem_sets(data) -> ProblemSets:
-    """Problem sets from `config.data`; fails early when `data.verifier` is not a verifier."""
+@dataclasses.dataclass(frozen=True)
+class PromptLimit:
+    """At most `max_tokens` prompt tokens, as `prompts.question` renders a problem; `why` says
+    where the number comes from."""
+    prompts: object
+    max_tokens: int
+    why: str
+
+
+def prompt_limit(config, prompts, context_length: int) -> PromptLimit:
+    """The model's context less room for the completion, or data.max_prompt_tokens if smaller."""
+    new_tokens = config.rollout.max_new_tokens
+    room = context_length - new_tokens
+    if room < 1:
+        raise ConfigError(f"config.rollout.max_new_tokens={new_tokens}: expected fewer than the "
+                          f"model's context of {context_length} tokens, with room for a prompt")
+    cap = config.data.get("max_prompt_tokens", 0)
+    if cap and cap < room:
+        return PromptLimit(prompts, cap, f"config.data.max_prompt_tokens={cap}")
+    return PromptLimit(prompts, room, f"the model's context of {context_length} tokens less "
+                                      f"config.rollout.max_new_tokens={new_tokens}")
+
+
+def load_problem_sets(data, limit: PromptLimit | None = None,
+                      rewards_path: str = "") -> ProblemSets:
+    """Problem sets from `config.data`, scored by `data.verifier` or, when `rewards_path`
+    (config.rewards.path) names one, a function in a file; fails early when neither is a
+    verifier, and, with `limit`, on a prompt too long for the policy (skipped with
+    data.skip_invalid)."""
     from jaxprefix import rewards
 
-    sets = _load(data)
-    if data.verifier not in rewards.names():
-        raise ValueError(f"config.data.verifier={data.verifier!r}: expected one of "
-                         f"{sorted(rewards.names())}")
-    return sets
+    verifier = rewards.verifier_name(rewards_path, data.verifier)
+    where: dict[str, str] = {}  # problem id -> 'file:line N' for problems read from files
+    sets = _load(data, where)  # a built-in task registers its verifier here
+    if verifier not in rewards.names():
+        raise ConfigError(f"config.data.verifier={data.verifier!r}: expected one of "
+                          f"{sorted(rewards.names())}")
+    sets = dataclasses.replace(sets, verifier=verifier)
+    if limit is None:
+        return sets
+    skip = bool(data.get("skip_invalid", False))
+    kept, skipped = {}, []
+    for name in ("train", "eval", "easy"):
+        kept[name] = []
+        for problem in getattr(sets, name):
+            problem_where = where.get(problem.id, f"{data.source} problem {problem.id}")
+            problem_error = _prompt_error(limit, problem, problem_where)
+            if problem_error is None:
+                kept[name].append(problem)
+            elif skip:
+                skipped.append(problem_error)
+            else:
+                raise DataError(problem_error + "; or data.skip_invalid=True to skip such "
+                                                "problems (counted)")
+    if skipped:
+        logging.warning("skipped %d problems whose prompts the policy cannot take; first: %s",
+                        len(skipped), skipped[0])
+    if not kept["train"] and sets.train:
+        raise DataError(f"every training problem was skipped; first: {skipped[0]}")
+    return dataclasses.replace(sets, **kept, skipped=len(skipped))
 
 
-def _load(data) -> ProblemSets:
+def _prompt_error(limit: PromptLimit, problem: Problem, where: str) -> str | None:
+    """Why the policy cannot take this problem's prompt, or None."""
+    try:
+        length = len(limit.prompts.question(problem))
+    except ValueError as e:  # a character the tokenizer has no token for (built-in tasks)
+        return (f"{where}: the question cannot be tokenized ({e}); expected text the policy's "
+                f"tokenizer reads")
+    if length > limit.max_tokens:
+        return (f"{where}: a prompt of {length} tokens, longer than {limit.max_tokens} "
+                f"({limit.why}); expected shorter questions")
+    return None
+
+
+def _load(data, where: dict) -> ProblemSets:
     if data.source == "carry_multiplication":
         from jaxprefix.data.tasks import carry_multiplication as task
 
@@ -47,12 +124,32 @@ def _load(data) -> ProblemSets:
                              seed=data.seed + 1) if data.get("easy_size", 0) else []
         return ProblemSets(train, held_out, easy, data.verifier)
     if data.source == "file":
-        from jaxprefix.data import load_problems
+        from jaxprefix.data import read_problem_file
 
+        if not data.path:
+            raise ConfigError("config.data.path='': expected a .jsonl, .json or .parquet file "
+                              "of training problems (data.source='file')")
+        fields = dict(question_field=data.question_field, solution_field=data.solution_field,
+                      answer_field=data.answer_field,
+                      skip_invalid=bool(data.get("skip_invalid", False)))
+        reports = [read_problem_file(p, **fields) for p in (data.path, data.eval_path) if p]
+        for report in reports:
+            where.update((p.id, f"{report.path}:{location}")
+                         for p, location in zip(report.problems, report.locations))
+        train = reports[0].problems[:data.train_size or None]
+        held_out = reports[1].problems if data.eval_path else []
+        return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
+    if data.source in ("hf", "tfds"):
+        if data.source == "hf":
+            from jaxprefix.data.hf_source import hf_problems as read
+        else:
+            from jaxprefix.data.tfds_source import tfds_directory_problems as read
         fields = dict(question_field=data.question_field, solution_field=data.solution_field,
                       answer_field=data.answer_field)
-        train = load_problems(data.path, **fields)[:data.train_size or None]
-        held_out = load_problems(data.eval_path, **fields) if data.eval_path else []
+        train = read(data.path, data.split, **fields)[:data.train_size or None]
+        held_out = []
+        if data.eval_path or data.eval_split:
+            held_out = read(data.eval_path or data.path, data.eval_split or "test", **fields)
         return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
     if data.source == "reasoning_gym":
         from jaxprefix.data import reasoning_gym_problems
@@ -60,4 +157,4 @@ def _load(data) -> ProblemSets:
         train = reasoning_gym_problems(data.task, data.train_size, data.seed)
         held_out = reasoning_gym_problems(data.task, data.eval_size, data.eval_seed)
         return ProblemSets(train, held_out, [], data.verifier)
-    raise ValueError(f"config.data.source={data.source!r}: expected one of {SOURCES}")
+    raise ConfigError(f"config.data.source={data.source!r}: expected one of {SOURCES}")

@@ -19,10 +19,9 @@ outcome: the report states what the runs measured, effect or not.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 
+from jaxprefix import storage
 from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.jobs import results_report
 from jaxprefix.jobs.mine import LEDGER
@@ -101,7 +100,6 @@ def run_config(study: Study, name: str, seed: int):
 
 
 def run_results(config, workdir: str) -> dict:
-    os.makedirs(workdir, exist_ok=True)
     names = [n for n in config.results.runs
              if n != "pope_no_restate" or config.model.source != "sft"]  # reads no English
     unknown = sorted(set(names) - set(RUNS))
@@ -119,13 +117,12 @@ def run_results(config, workdir: str) -> dict:
                                                                                workdir)
             key = f"{name}_seed{seed}"
             report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
-                                       os.path.join(workdir, key))
+                                       storage.join(workdir, key))
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
     report["studies"] = {name: _study_record(study) for name, study in studies.items()}
     if config.results.isocompute:
-        report["isocompute"] = _isocompute(studies["hard"], os.path.join(workdir, "iso"))
-    with open(os.path.join(workdir, "results.json"), "w") as f:
-        json.dump(report, f, indent=1, default=float)
+        report["isocompute"] = _isocompute(studies["hard"], storage.join(workdir, "iso"))
+    storage.write_json(storage.join(workdir, "results.json"), report, default=float)
     results_report.write_report(report, config, workdir, RUNS)
     return report
 
@@ -138,8 +135,7 @@ def _study_record(study: Study) -> dict:
               "base_hard_set": study.evaluate(study.policy.model, "eval base on the hard set",
                                               study.hard.problems),
               "mining": {}}
-    with open(os.path.join(study.mining.dir, LEDGER)) as f:
-        record["mining"] = json.load(f)
+    record["mining"] = storage.read_json(storage.join(study.mining.dir, LEDGER))
     if "trace_pool" in record["mining"]:
         pool = study.mining.trace_pool(study.hard.problems)
         samples = pool.samples_per_problem
@@ -148,8 +144,7 @@ def _study_record(study: Study) -> dict:
     searches = {}
     for name in record["mining"]:
         if name.startswith("prefixes_"):
-            with open(os.path.join(study.mining.dir, f"{name}.json")) as f:
-                search = json.load(f)
+            search = storage.read_json(storage.join(study.mining.dir, f"{name}.json"))
             searches[name] = {"found": sum(v is not None for v in search["shortest_units"].values()),
                               "revealed_fractions": search["revealed_fractions"],
                               "answers": len(search["answers"])}
@@ -164,10 +159,9 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
     """Trains one run (or finds it finished) and evaluates it; its record for the report."""
     spec = RUNS[name]
     c = run_config(study, name, seed)
-    saved = os.path.join(run_dir, RECORD)
-    if os.path.exists(saved):
-        with open(saved) as f:
-            record = json.load(f)
+    saved = storage.join(run_dir, RECORD)
+    if storage.exists(saved):
+        record = storage.read_json(saved)
         if record.get("steps") == c.train.total_steps:
             return record
     record, warm_flops = {"name": name, "seed": seed}, 0.0
@@ -182,7 +176,7 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
             return record | {"skipped": f"no examples to train on ({spec.warm_start})"}
         warm = warm_start.run_warm_start(
             study.policy, c.model.path, examples,
-            os.path.join(run_dir, "warm_start"), seed=seed, **study.config.results.warm_start)
+            storage.join(run_dir, "warm_start"), seed=seed, **study.config.results.warm_start)
         c.model.path, warm_flops = warm.path, warm.flops
         policy = load_policy(c, run_dir)
         record["warm_start"] = study.evaluate(policy.model, f"eval {name} SFT")
@@ -197,8 +191,7 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
                                                 study.hard.problems),
                "ledger": out["ledger"].to_dict(), "warm_flops": warm_flops,
                "curve": _curve(run_dir, warm_flops)}
-    with open(saved, "w") as f:
-        json.dump(record, f, indent=1, default=float)
+    storage.write_json(saved, record, default=float)
     return record
 
 
@@ -231,10 +224,9 @@ def _prefixrl_regime(hard: Study, workdir: str):
     = 0) rarely sees and one the rejection-sampling budget still finds. Measured on the base."""
     config = hard.config
     r = config.results.regime
-    path = os.path.join(workdir, "regime_probe.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            probe = json.load(f)
+    path = storage.join(workdir, "regime_probe.json")
+    if storage.exists(path):
+        probe = storage.read_json(path)
     else:
         probe = {"digits": {}, "target_rate": 1.0 / math.sqrt(config.mining.k
                                                              * config.prefixrl.max_samples)}
@@ -253,13 +245,12 @@ def _prefixrl_regime(hard: Study, workdir: str):
             probe["chosen"] = min(measured, key=lambda d: abs(math.log(measured[d]) - target))
         else:  # an untrained (smoke) base: the shortest length, and the report says so
             probe["chosen"], probe["no_success"] = min(r.probe_digits), True
-        with open(path, "w") as f:
-            json.dump(probe, f, indent=1)
+        storage.write_json(path, probe)
     c = config.copy_and_resolve_references()
     c.data.digits = (probe["chosen"], probe["chosen"])
     c.model.path = base_dir(config, workdir)
-    regime_dir = os.path.join(workdir, "prefixrl_regime")
-    c.mining.dir = os.path.join(regime_dir, "mining")
+    regime_dir = storage.join(workdir, "prefixrl_regime")
+    c.mining.dir = storage.join(regime_dir, "mining")
     return Study.prepare(c, regime_dir, prefixes=False, trace_pool=True), probe
 
 
@@ -276,8 +267,7 @@ def _isocompute(study: Study, iso_dir: str) -> dict:
 def _curve(run_dir: str, warm_flops: float = 0.0) -> list:
     """Per in-run evaluation: FLOPs (RL + mining + `warm_flops`) and every eval/* and
     hard_set/* metric."""
-    with open(os.path.join(run_dir, "compute.json")) as f:
-        extra = json.load(f)["extra_flops"] + warm_flops
+    extra = storage.read_json(storage.join(run_dir, "compute.json"))["extra_flops"] + warm_flops
     points = []
     for r in read_metrics(run_dir):
         metrics = {k: v for k, v in r.items() if k.startswith(("eval/", "hard_set/"))}

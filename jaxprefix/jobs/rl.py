@@ -8,15 +8,13 @@ reports includes it. Running the command again resumes from the last checkpoint.
 """
 from __future__ import annotations
 
-import json
-import os
 
 from absl import logging
 
-from jaxprefix import distributed, models
+from jaxprefix import distributed, models, run_identity, storage, workdir_lock
 from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
 from jaxprefix.jobs.policy import load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.isocompute import ComputeLedger
@@ -114,6 +112,7 @@ def build_method(config, policy, sets, mining: Mining):
     raise ValueError(f"config.method={config.method!r}: expected one of {METHODS}")
 
 
+@workdir_lock.holds_workdir
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
     from jaxprefix.jobs.isocompute import allocated
@@ -122,10 +121,13 @@ def run_rl(config, workdir: str) -> dict:
     check_method_settings(config)
     contexts = contexts_per_step(config)
     loop.validate(config, contexts_per_step=contexts)
+    run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
     policy = load_policy(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)
-    sets = load_problem_sets(config.data)
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length),
+                             config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     method = build_method(config, policy, sets, mining)
     mined = mining.cost(mined_artifacts(config))
@@ -140,8 +142,7 @@ def run_rl(config, workdir: str) -> dict:
         raise loop.Preempted(f"{workdir}: stopped by SIGTERM at step {result['step']}, "
                              f"checkpoint saved; rerun the same command to resume")
     if distributed.is_primary():
-        with open(os.path.join(workdir, "compute.json"), "w") as f:
-            json.dump(ledger.to_dict(), f, indent=1)
+        storage.write_json(storage.join(workdir, "compute.json"), ledger.to_dict())
     # The trained weights, for callers (the demo) that evaluate them next.
     policy.model = result["learner"].model(result["state"])
     return result | {"policy": policy, "ledger": ledger, "sets": sets, "mining": mining}

@@ -8,14 +8,15 @@ first point that meets the criterion, rather than trusting a step count.
 
     python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo
 
-writes <workdir>/base/: config.json + model.safetensors (an ordinary HF directory),
-task_tokenizer.json (the character vocabulary) and sft_report.json (every evaluation point).
+writes <workdir>/base/ (local or gs://): model.safetensors, task_tokenizer.json (the character
+vocabulary), generation_config.json and config.json (an ordinary HF directory, config.json
+written after the weights), then sft_report.json (every evaluation point), whose presence marks
+a finished SFT.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 
@@ -25,11 +26,12 @@ import optax
 import tqdm
 from flax import nnx
 
-from jaxprefix import models, sampling
+from jaxprefix import models, sampling, storage, tokenizers
 from jaxprefix.data.tasks import carry_multiplication as task
+from jaxprefix.errors import ConfigError
 
 REPORT = "sft_report.json"
-TOKENIZER = "task_tokenizer.json"
+TOKENIZER = tokenizers.CHAR_VOCAB_FILE
 
 
 def model_config(config, tokenizer) -> models.ModelConfig:
@@ -163,15 +165,15 @@ def meets_criterion(metrics: dict, criterion) -> bool:
 
 def run_sft(config, workdir: str) -> str:
     """Trains (or reuses) the base model; returns the path of <workdir>/base."""
-    path = os.path.join(workdir, "base")
-    report_path = os.path.join(path, REPORT)
+    path = storage.join(workdir, "base")
+    report_path = storage.join(path, REPORT)
     settings = config.to_dict()
-    if os.path.exists(report_path):
-        with open(report_path) as f:
-            saved = json.load(f)["config"]
+    if storage.exists(report_path):
+        saved = storage.read_json(report_path)["config"]
         if saved != json.loads(json.dumps(settings)):
-            raise ValueError(f"{report_path}: a base model trained with another SFT config is "
-                             f"already there; remove {path} or use another --workdir")
+            raise ConfigError(f"{report_path}: a base model trained with another SFT config is "
+                              f"already there; expected the same config.sft, or remove {path}, "
+                              f"or use another --workdir")
         return path
 
     tokenizer = task.tokenizer()
@@ -218,16 +220,28 @@ def run_sft(config, workdir: str) -> str:
                            f"sampling began (last: {last}); lower config.lr or "
                            f"criterion.sample_from_step_accuracy, or raise config.max_steps")
 
-    os.makedirs(path, exist_ok=True)
-    models.save_pretrained(chosen_state, model_config(config, tokenizer), path)
-    with open(os.path.join(path, TOKENIZER), "w") as f:
-        json.dump({"symbols": list(task.SYMBOLS), "eos": task.EOS, "pad": task.PAD}, f)
+    models.save_pretrained(chosen_state, model_config(config, tokenizer), path,
+                           tokenizer=tokenizer)
     report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
               "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
               "seconds": round(time.time() - start, 1), "config": settings}
-    with open(report_path, "w") as f:
-        json.dump(report, f, indent=1)
+    storage.write_json(report_path, report)
     return path
+
+
+def is_complete(path: str) -> bool:
+    """A whole base directory, else it is trained again instead of half loaded: save_pretrained
+    writes config.json last, so a save cut short (a kill, a full disk) leaves none; the weights'
+    headers and sizes are checked too (older jaxprefix wrote config.json first)."""
+    from jaxprefix.checkpoints import hf
+
+    if not storage.exists(storage.join(path, "config.json")):
+        return False
+    try:
+        hf.read_hf_tensors(path)  # headers and sizes; the tensors are memory-mapped, not read
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _closer(metrics: dict, best: dict, criterion) -> bool:
@@ -236,11 +250,7 @@ def _closer(metrics: dict, best: dict, criterion) -> bool:
     return metrics["guided_success"][key] >= best["guided_success"][key]
 
 
-def load_base(path: str):
-    """(model, tokenizer) of a base directory written by run_sft."""
-    from jaxprefix.tokenizers import CharTokenizer
-
-    with open(os.path.join(path, TOKENIZER)) as f:
-        vocab = json.load(f)
-    model, _ = models.from_pretrained(path)
-    return model, CharTokenizer(vocab["symbols"], eos=vocab["eos"], pad=vocab["pad"])
+def load_base(path: str, dtype="float32", param_dtype=None):
+    """(model, tokenizer) of a base directory written by run_sft (dtypes: see from_pretrained)."""
+    model, _ = models.from_pretrained(path, dtype, param_dtype=param_dtype)
+    return model, tokenizers.load(path)

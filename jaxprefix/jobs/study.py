@@ -11,7 +11,7 @@ import dataclasses
 from jaxprefix.jobs.evaluate import evaluate_unguided
 from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
 from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.jobs.rl import check_method_settings, contexts_per_problem
 from jaxprefix.methods.isocompute import ComputeLedger
 
@@ -31,7 +31,9 @@ class Study:
         pool]."""
         check_method_settings(config)
         policy = load_policy(config, workdir)
-        sets = load_problem_sets(config.data)
+        sets = load_problem_sets(config.data,
+                                 prompt_limit(config, policy.prompts, policy.context_length),
+                                 config.rewards.path)
         mining = Mining(config, policy, sets, mining_dir(config, workdir))
         hard = mining.hard_set()
         if prefixes:

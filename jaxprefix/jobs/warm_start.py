@@ -9,16 +9,13 @@
 
 Each example is (problem, target token ids); a row is the unguided question + target + stop.
 
-The warm-started policy is written next to the run as an ordinary model directory (the base's
-tokenizer files copied beside the new weights), so the RL run loads it like any base. Its update
+The warm-started policy is written next to the run as an ordinary model directory (with the
+policy's tokenizer files), so the RL run loads it like any base. Its update
 FLOPs (6 N D over every token forwarded) are returned so that comparisons can charge them.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -26,7 +23,7 @@ import optax
 import tqdm
 from flax import nnx
 
-from jaxprefix import models
+from jaxprefix import models, storage
 from jaxprefix.jobs import sft
 from jaxprefix.methods.isocompute import update_flops
 
@@ -81,12 +78,11 @@ def sft_rows(policy, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: int,
                    batch_size: int, learning_rate: float, seed: int) -> WarmStart:
     """Trains a copy of `policy.model` on (problem, target) examples (or reuses out_dir)."""
-    report_path = os.path.join(out_dir, REPORT)
-    if os.path.exists(report_path):
-        with open(report_path) as f:
-            report = json.load(f)
+    report_path = storage.join(out_dir, REPORT)
+    if storage.exists(report_path):
+        report = storage.read_json(report_path)
         return WarmStart(out_dir, report["flops"], report)
-    if not os.path.isdir(base_path):
+    if not storage.isdir(base_path):
         raise ValueError(f"warm start: the base {base_path!r} is not a model directory (a GGUF "
                          f"file cannot take the new weights); convert it to an HF directory first")
     tokens, real, loss_mask = sft_rows(policy, examples)
@@ -108,16 +104,9 @@ def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: in
                 flops += update_flops(n_params, int(real[rows].sum()))
                 bar.update(1)
 
-    os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(base_path):  # tokenizer files; the weights are replaced below
-        if not name.endswith(".safetensors") and name != "model.safetensors.index.json":
-            source = os.path.join(base_path, name)
-            if os.path.isfile(source):
-                shutil.copy(source, os.path.join(out_dir, name))
-    models.save_pretrained(model, None, out_dir)
+    models.save_pretrained(model, None, out_dir, tokenizer=policy.tokenizer)
     report = {"problems": len(tokens), "epochs": epochs, "steps": len(losses),
               "batch_size": batch_size, "learning_rate": learning_rate, "flops": flops,
               "losses": losses}
-    with open(report_path, "w") as f:  # written last: its presence marks a finished warm start
-        json.dump(report, f, indent=1)
+    storage.write_json(report_path, report)  # written last: it marks a finished warm start
     return WarmStart(out_dir, flops, report)

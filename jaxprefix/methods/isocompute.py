@@ -18,6 +18,7 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxprefix import storage
 from jaxprefix.rl.metrics import sampling_flops, update_flops  # 2 N D and 6 N D
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +386,7 @@ def plot_frontier(fit: FrontierFit, path: str):
     ax.set_xscale('log', base=2)
     ax.set(xlabel='compute C (rollouts)', ylabel='reward', title='IsoCompute frontier')
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches='tight')
+    storage.write_figure(path, fig, dpi=120, bbox_inches='tight')
 
 
 def plot_n_star(fit: FrontierFit, path: str):
@@ -402,4 +403,4 @@ def plot_n_star(fit: FrontierFit, path: str):
     ax.set_yscale('log', base=2)
     ax.set(xlabel='compute C (rollouts)', ylabel='n*', title='compute-optimal n')
     ax.legend(fontsize=8)
-    fig.savefig(path, dpi=120, bbox_inches='tight')
+    storage.write_figure(path, fig, dpi=120, bbox_inches='tight')

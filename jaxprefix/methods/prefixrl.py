@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxprefix import storage
 from jaxprefix.data.files import read_records
 from jaxprefix.data.problem import DataError, Problem
 from jaxprefix.methods.grpo import GrpoMethod
@@ -48,11 +49,10 @@ class TracePool:
     samples_per_problem: dict  # problem id -> samples drawn, found or not
 
     def save_jsonl(self, path: str, tokenizer) -> None:
-        with open(path, "w", encoding="utf-8") as f:
-            for trace in self.traces.values():
-                f.write(json.dumps({"id": trace.problem_id, "tokens": list(trace.tokens),
-                                    "text": tokenizer.decode(list(trace.tokens)),
-                                    "samples": trace.samples}) + "\n")
+        lines = [json.dumps({"id": trace.problem_id, "tokens": list(trace.tokens),
+                             "text": tokenizer.decode(list(trace.tokens)),
+                             "samples": trace.samples}) + "\n" for trace in self.traces.values()]
+        storage.write_atomic(path, "".join(lines))
 
     @classmethod
     def load_jsonl(cls, path: str, prompts=None) -> "TracePool":

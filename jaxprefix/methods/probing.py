@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from jaxprefix import rewards, sampling
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl import boundaries
 from jaxprefix.rl.loop import completion_texts
 
 
@@ -35,13 +36,16 @@ class ProbeResult:
 
 @dataclasses.dataclass
 class SamplingSpec:
-    """How a policy is sampled: the sampler knobs and the stop tokens."""
+    """How a policy is sampled: the sampler knobs, the stop tokens, and the sampler's memory
+    bounds (`sampling.generate`'s; they change its speed, never its samples)."""
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple = ()
+    max_rows_in_flight: int | None = None
+    kv_budget_bytes: int | None = None
 
 
 class Prober:
@@ -49,7 +53,7 @@ class Prober:
 
     def __init__(self, model, tokenizer, spec: SamplingSpec, *, verifier: str,
                  ledger: ComputeLedger, rows_per_call: int = 1024, verifier_timeout_s: float = 10.0,
-                 progress: bool = True):
+                 verifier_max_chars: int = rewards.MAX_CHARS, progress: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
@@ -57,6 +61,7 @@ class Prober:
         self.ledger = ledger
         self.rows_per_call = rows_per_call
         self.verifier_timeout_s = verifier_timeout_s
+        self.verifier_max_chars = verifier_max_chars
         self.progress = progress
 
     def probe(self, contexts: Sequence, problems: Sequence[Problem], k: int, *, seed: int,
@@ -78,16 +83,20 @@ class Prober:
         for chunk_index, start in enumerate(tqdm(chunks, desc=description, unit="chunk",
                                                  disable=not self.progress, leave=False)):
             stop = min(start + per_call, len(contexts))
+            boundaries.check_contexts(contexts[start:stop], vocab_size=self.model.config.vocab_size)
             rollouts = sampling.generate(
                 self.model, list(contexts[start:stop]), n=k, max_new_tokens=self.spec.max_new_tokens,
                 temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,
-                stop_ids=self.spec.stop_ids, seed=seed * 1_000_003 + chunk_index)
+                stop_ids=self.spec.stop_ids, seed=seed * 1_000_003 + chunk_index,
+                max_rows_in_flight=self.spec.max_rows_in_flight,
+                kv_budget_bytes=self.spec.kv_budget_bytes)
             prefixes = None if response_prefixes is None else list(response_prefixes[start:stop])
             texts = completion_texts(self.tokenizer, rollouts, prefixes)
             row_problems = [problems[start + g] for g in rollouts.group_ids]
             scores, stats = rewards.score_batch(self.verifier, texts, row_problems,
-                                                timeout_s=self.verifier_timeout_s)
-            failures += int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
+                                                timeout_s=self.verifier_timeout_s,
+                                                max_chars=self.verifier_max_chars)
+            failures += stats["timeouts"] + stats["errors"] + stats["too_long"]
             chunk_correct = np.asarray(scores).reshape(stop - start, k) > 0.5
             correct[start:stop] = chunk_correct
             self._record(rollouts, extra_compute)

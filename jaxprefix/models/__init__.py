@@ -18,10 +18,10 @@ def __getattr__(name):
     raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
 
 
-def from_gguf(path, dtype=jnp.float32):
+def from_gguf(path, dtype=jnp.float32, *, param_dtype=None):
     """A Decoder from a GGUF file (llama architecture); see jaxprefix.checkpoints.gguf."""
     from jaxprefix.checkpoints.gguf import from_gguf as load  # optional module: import lazily
-    return load(path, dtype)
+    return load(path, dtype, param_dtype=param_dtype)
 
 
 __all__ = ['Decoder', 'KVCache', 'KVSegment', 'ModelConfig', 'Rope', 'from_gguf',

@@ -7,6 +7,7 @@ leading 'layers' axis and the layers run under lax.scan, so a 30-layer model com
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -14,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers
-from jaxprefix.models.attention import KVCache, KVSegment, attend
+from jaxprefix.models import layers, lora, tpu_attention
+from jaxprefix.models.attention import KVCache, KVSegment, attend, take_groups, write_columns
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
 
@@ -87,7 +88,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _ = self._run(tokens, positions, (), None)
+        h, _ = self._run(tokens, positions, (), None, None, None)
         return h
 
     def unembedding(self) -> jax.Array:
@@ -97,22 +98,35 @@ class Decoder(nnx.Module):
     def unembed(self, h: jax.Array) -> jax.Array:
         return unembed(h, self.unembedding(), self.config)
 
+    def layer_weights(self) -> list[dict[str, jax.Array]]:
+        """Each layer's weights as arrays of their own, for `extend(layer_weights=...)`."""
+        stacked = {name: getattr(self, name)[...] for name in self.layer_names}
+        return [{name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers)]
+
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
-               cache: KVCache | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
+               cache: KVCache | None = None, context_rows: jax.Array | None = None,
+               layer_weights: Sequence[dict] | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
         """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
         A negative position marks a padding token: it is stored as an empty slot. Returns the new
-        tokens' KVSegment (cache=None) or the updated cache (index advanced by T).
+        tokens' KVSegment (cache=None) or the updated cache (index advanced by T). Context groups
+        are read group-major, or, given `context_rows` int32 [D, B/D], query row d * B/D + i reads
+        group rows[d, i] of the d-th block of G/D groups (`attention.take_groups`).
+        `layer_weights` (from `layer_weights()`, taken outside a decode loop) runs the layers one
+        by one on those arrays instead of scanning the stacked weights: XLA's CPU backend copies
+        each layer's slice of a stacked weight before its matmul, which triples the weight reads
+        of a memory-bound decode step (TPU fuses the slice into the matmul).
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         positions = jnp.where(positions >= 0, positions, -1)
-        h, kv = self._run(tokens, positions, tuple(context), cache)
+        h, kv = self._run(tokens, positions, tuple(context), cache, context_rows, layer_weights)
         return self.unembed(h), kv
 
     # --- the one forward path -----------------------------------------------------------------
 
-    def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None):
+    def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
+             context_rows: jax.Array | None, layer_weights: Sequence[dict] | None):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -128,19 +142,44 @@ class Decoder(nnx.Module):
         if sliding.any():
             window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
 
-        weights = {name: getattr(self, name)[...] for name in self.layer_names}
-        per_layer = dict(weights=weights, sliding=jnp.asarray(sliding), window=window,
-                         context=[(s.k, s.v) for s in context])
+        adapters = self.adapters if lora.has_adapters(self) else None
+        lora_config = adapters.config if adapters is not None else None
+        per_layer = dict(sliding=jnp.asarray(sliding), window=window,
+                         context=[(s.k, s.v) for s in context],
+                         lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
+        if layer_weights is None:
+            per_layer['weights'] = {name: getattr(self, name)[...] for name in self.layer_names}
+
+        def over_layers(step, carry):
+            """scan(step, carry, per_layer), or a Python loop over the given layer weights."""
+            if layer_weights is None:
+                return jax.lax.scan(step, carry, per_layer, unroll=_unroll(c))
+            outs = []
+            for i, weights in enumerate(layer_weights):
+                xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
+                carry, out = step(carry, xs)
+                outs.append(out)
+            return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
         context_pos = [s.pos for s in context]
+        if context_rows is not None:
+            context_pos = [take_groups(p, context_rows) for p in context_pos]
+        # Without a cache the new tokens attend to each other: T x T scores, too large to
+        # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
+        attend_fn = attend if cache is not None else functools.partial(
+            tpu_attention.attend, sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
             w = {n: a.astype(dtype) for n, a in xs['weights'].items()}
+
+            def project(name, equation, x):
+                return lora.project(name, equation, x, w[name], xs['lora'], lora_config)
+
             cos, sin = [jnp.where(xs['sliding'], l, g) for l, g in zip(local_angles, angles)]
             h = layers.rms_norm(x, w['attn_norm'], c.rms_norm_eps, c.norm_plus_one)
-            q = jnp.einsum('btd,dhk->bthk', h, w['q'])
-            k = jnp.einsum('btd,dhk->bthk', h, w['k'])
-            v = jnp.einsum('btd,dhk->bthk', h, w['v'])
+            q = project('q', 'btd,dhk->bthk', h)
+            k = project('k', 'btd,dhk->bthk', h)
+            v = project('v', 'btd,dhk->bthk', h)
             if c.qkv_bias:
                 q, k, v = q + w['q_bias'], k + w['k_bias'], v + w['v_bias']
             if c.qk_norm:
@@ -148,19 +187,23 @@ class Decoder(nnx.Module):
                 k = layers.rms_norm(k, w['k_norm'], c.rms_norm_eps, c.norm_plus_one)
             q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
             q = constrain(q, ('batch', 'length', 'act_heads', None))
-            segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
+            context_kv = xs['context']
+            if context_rows is not None:  # this layer's context KV of each row: [B, S, Hkv, Dh]
+                context_kv = [(take_groups(ck, context_rows), take_groups(cv, context_rows))
+                              for ck, cv in context_kv]
+            segments = [(ck, cv, cp) for (ck, cv), cp in zip(context_kv, context_pos)]
             own, new_kv = kv_self(k, v)
             segments.append(own)
-            a = attend(q, positions, segments, scale=c.attn_scale, window=xs['window'],
-                       logit_cap=c.attn_logit_softcapping)
-            a = jnp.einsum('bthk,hkd->btd', a, w['o'])
+            a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
+                          logit_cap=c.attn_logit_softcapping)
+            a = project('o', 'bthk,hkd->btd', a)
             if c.out_bias:
                 a = a + w['o_bias']
             if c.sandwich_norms:
                 a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = x + a
             h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            m = layers.gated_mlp(h, w['gate'], w['up'], w['down'], c.activation)
+            m = layers.gated_mlp(h, project, c.activation)
             if c.sandwich_norms:
                 m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = constrain(x + m, ('batch', 'length', 'act_embed'))
@@ -170,11 +213,21 @@ class Decoder(nnx.Module):
             def step(x, xs):
                 return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
             step = jax.checkpoint(step) if c.remat else step
-            x, (ks, vs) = jax.lax.scan(step, x, per_layer, unroll=_unroll(c))
+            x, (ks, vs) = over_layers(step, x)
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
             t = tokens.shape[1]
-            cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
+            if cache.index.ndim == 0:  # one write column for every row: a slice update
+                cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
+
+                def put(stacked, i, new):
+                    return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
+                                                        (i, 0, cache.index, 0, 0))
+            else:  # row b writes its new tokens at columns index[b] .. index[b] + T - 1
+                cache_pos = write_columns(cache.pos[None], 0, positions, cache.index)[0]
+
+                def put(stacked, i, new):
+                    return write_columns(stacked, i, new, cache.index)
 
             def step(carry, xs):
                 x, cache_k, cache_v = carry
@@ -182,9 +235,7 @@ class Decoder(nnx.Module):
 
                 def write(k, v):
                     nonlocal cache_k, cache_v
-                    at = (i, 0, cache.index, 0, 0)
-                    cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), at)
-                    cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), at)
+                    cache_k, cache_v = put(cache_k, i, k), put(cache_v, i, v)
                     return (cache_k[i], cache_v[i], cache_pos), None
 
                 x, _ = layer(x, xs, write)
@@ -192,7 +243,7 @@ class Decoder(nnx.Module):
 
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
-            (x, ks, vs), _ = jax.lax.scan(step, (x, cache.k, cache.v), per_layer, unroll=_unroll(c))
+            (x, ks, vs), _ = over_layers(step, (x, cache.k, cache.v))
             kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
         return layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one), kv
 

@@ -65,11 +65,11 @@ def activation_fn(name: str):
     raise ValueError(f"unknown activation {name!r}: expected 'silu' or 'gelu_tanh'")
 
 
-def gated_mlp(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-              activation: str) -> jax.Array:
-    """down(act(x @ gate) * (x @ up)); gate/up [D, F], down [F, D]."""
-    hidden = activation_fn(activation)(x @ gate) * (x @ up)
-    return hidden @ down
+def gated_mlp(x: jax.Array, project, activation: str) -> jax.Array:
+    """down(act(gate(x)) * up(x)); `project(name, equation, x)` applies one weight [D, F] / [F, D]
+    (the Decoder's, with its adapter when it has one)."""
+    hidden = activation_fn(activation)(project('gate', 'btd,df->btf', x))
+    return project('down', 'btf,fd->btd', hidden * project('up', 'btd,df->btf', x))
 
 
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:

@@ -13,6 +13,7 @@ from typing import Sequence
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 METADATA_KEY = 'out_sharding'
@@ -39,21 +40,34 @@ RULES: dict[str, tuple[str, ...]] = {
 
 
 def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> Mesh:
-    """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 to take the remaining devices."""
+    """A ('data', 'fsdp', 'tensor') mesh; one size may be -1 to take the remaining devices.
+
+    On several slices (devices with distinct `slice_index`: a multi-slice TPU job), the sizes
+    are those of one slice and 'data' also spans the slices, over the data-centre network
+    (as jax.experimental.mesh_utils.create_hybrid_device_mesh lays it out): data parallelism is
+    the one axis whose traffic (a gradient all-reduce per update) DCN bandwidth can carry.
+    """
     devices = list(jax.devices() if devices is None else devices)
+    slices = len({getattr(d, 'slice_index', 0) for d in devices})
+    per_slice = len(devices) // slices
+    where = f'the {per_slice} devices of each of {slices} slices' if slices > 1 else \
+        f'the {len(devices)} devices'
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
         raise ValueError(f'make_mesh: at most one axis may be -1, got data={data} fsdp={fsdp} '
                          f'tensor={tensor}')
     known = math.prod(s for s in sizes if s != -1)
-    if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+    if any(s == 0 or s < -1 for s in sizes) or per_slice % known:
         raise ValueError(f'make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} does not divide '
-                         f'the {len(devices)} devices')
-    sizes = [len(devices) // known if s == -1 else s for s in sizes]
-    if math.prod(sizes) != len(devices):
+                         f'{where}')
+    sizes = [per_slice // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != per_slice:
         raise ValueError(f'make_mesh: data x fsdp x tensor = {math.prod(sizes)} but there are '
-                         f'{len(devices)} devices')
-    return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+                         f'{where}')
+    if slices == 1:
+        return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+    grid = mesh_utils.create_hybrid_device_mesh(sizes, (slices, 1, 1), devices)
+    return Mesh(grid, MESH_AXES)
 
 
 def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
@@ -116,3 +130,24 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         return x
     spec = logical_spec(names, x.shape, dict(mesh.shape))
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def constrain_params(tree):
+    """Sharding constraint on the nnx Variables of a tree (parameters, their gradients, an optax
+    state, whose moments are Variables too) by their logical axes, under the mesh set with
+    jax.set_mesh; other leaves and everything without a mesh are left alone. Arrays computed
+    from no sharded input (zeros of Adam's moments, a gradient accumulator) would otherwise be
+    whole on every device: Qwen3-4B's f32 moments alone are 32 GiB."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return tree
+    mesh_shape = dict(mesh.shape)
+
+    def one(variable):
+        if not isinstance(variable, nnx.Variable):
+            return variable
+        axes = variable_axes(variable) or (None,) * variable.ndim
+        spec = logical_spec(axes, variable.shape, mesh_shape)
+        return variable.replace(jax.lax.with_sharding_constraint(variable[...], spec))
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+

@@ -26,25 +26,39 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 FALLBACKS = ("answer_is", "last_number")
 DEFAULT_FALLBACKS = ("answer_is",)
 
-_BOX_COMMANDS = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BOX_NAMES = ("\\boxed", "\\fbox")
+_BRACES = re.compile(r"[{}]")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?(.+)", re.IGNORECASE)  # up to the end of its line
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, else None."""
-    starts = [m.end() for m in _BOX_COMMANDS.finditer(text)]
-    for start in reversed(starts):  # an unclosed last box falls back to the one before
-        depth = 1
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i].strip()
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) with balanced braces, else None.
+
+    Linear in the text (policy output is untrusted: a megabyte of unclosed `\\boxed{` must not
+    take hours): one pass pairs every brace, then closed braces are tried from the last, each
+    looking back over its whitespace for the box command.
+    """
+    closing = _closing_braces(text)
+    for opening in sorted(closing, reverse=True):  # an unclosed last box falls back to the one before
+        before = opening
+        while before > 0 and text[before - 1].isspace():
+            before -= 1
+        if text.endswith(_BOX_NAMES, 0, before):
+            return text[opening + 1:closing[opening]].strip()
     return None
+
+
+def _closing_braces(text: str) -> dict[int, int]:
+    """Position of each '{' that is closed -> position of its '}'."""
+    pairs, open_at = {}, []
+    for m in _BRACES.finditer(text):
+        if m.group() == "{":
+            open_at.append(m.start())
+        elif open_at:
+            pairs[open_at.pop()] = m.start()
+    return pairs
 
 
 def extract_answer(completion: str, fallbacks: tuple[str, ...] = DEFAULT_FALLBACKS) -> str | None:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 
 from jaxprefix.data.problem import Problem
 from jaxprefix.rewards.math import last_boxed
 
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN, _CLOSE = "<answer>", "</answer>"
 
 
 @functools.lru_cache(maxsize=64)
@@ -26,14 +25,29 @@ def _dataset(task: str, seed: int, size: int, config_json: str):
 
 def final_answer(completion: str) -> str:
     """reasoning-gym's `<answer>...</answer>` tags, else the last `\\boxed{}`, else the last line."""
-    tagged = _ANSWER_TAG.findall(completion)
-    if tagged:
-        return tagged[-1].strip()
+    tagged = _last_tagged(completion)
+    if tagged is not None:
+        return tagged.strip()
     boxed = last_boxed(completion)
     if boxed is not None:
         return boxed
     lines = [line.strip() for line in completion.strip().split("\n") if line.strip()]
     return lines[-1] if lines else ""
+
+
+def _last_tagged(text: str) -> str | None:
+    """The text of the last closed <answer>...</answer> pair, pairs read left to right.
+
+    Plain `find`s from where the previous pair ended, so linear: the regex `<answer>(.*?)</answer>`
+    rescans to the end of the text from every unclosed tag (quadratic on untrusted output).
+    """
+    last, position = None, 0
+    while (start := text.find(_OPEN, position)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            break
+        last, position = text[start + len(_OPEN):end], end + len(_CLOSE)
+    return last
 
 
 def reasoning_gym_verifier(completion: str, problem: Problem) -> float:

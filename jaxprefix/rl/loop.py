@@ -21,10 +21,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
+from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.rl import dynamic_sampling, objectives
+from jaxprefix.models import lora, sharding
+from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
-from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState
+from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
 @dataclasses.dataclass
@@ -77,6 +79,27 @@ def train_config(config) -> TrainConfig:
         raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
 
 
+def lora_config(config) -> lora.LoraConfig | None:
+    """The adapters of `config.train.lora_rank` / `config.train.lora` (None: full fine-tuning)."""
+    rank, fields = config.train.get("lora_rank", 0), config.train.get("lora", {})
+    if rank == 0:
+        return None
+    try:
+        return lora.LoraConfig(rank, **fields)
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("LoraConfig.rank", "config.train.lora_rank")
+        raise ValueError(message.replace("LoraConfig.", "config.train.lora.")) from None
+
+
+def adapted(model, config, mesh=None):
+    """`model` with fresh adapters placed on `mesh` when the config asks for LoRA, else `model`."""
+    adapters = lora_config(config)
+    if adapters is None:
+        return model
+    model = lora.with_adapters(model, adapters, seed=config.seed)
+    return model if mesh is None else sharding.shard_model(model, mesh)
+
+
 def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
     """Checks the run's settings before anything is loaded; returns the learner's TrainConfig.
 
@@ -95,12 +118,18 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
              f"1 <= pass_k <= rollout.n={r.n}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
     need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
+    need(r.max_rows_in_flight >= 0, "rollout.max_rows_in_flight", r.max_rows_in_flight,
+         ">= 0 (0: set by rollout.kv_budget_gib)")
+    need(r.kv_budget_gib >= 0, "rollout.kv_budget_gib", r.kv_budget_gib,
+         ">= 0 (0: half the free accelerator memory)")
     need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
     need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
     need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")
     need(config.checkpoint.every >= 1, "checkpoint.every", config.checkpoint.every, ">= 1")
     need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
     need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
+    lora_config(config)
+    rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     learner_config = train_config(config)
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     contexts = contexts_per_step or t.problems_per_step
@@ -110,6 +139,25 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
         raise ValueError(f"config.train.problems_per_step={t.problems_per_step} ({contexts} "
                          f"contexts) x config.rollout.n={r.n}: {e}") from None
     return learner_config
+
+
+def check_update_resolution(model, learning_rate: float) -> None:
+    """Refuses to train weights held in a dtype too coarse for the learning rate: all-bf16 at
+    lr 1e-6 (the paper's) leaves nearly every weight unchanged, and nothing else would say so.
+    Refused rather than warned: the run would burn its whole budget learning nothing, and
+    float32 master weights (with bf16 compute) fix it at 4 more bytes per parameter. Only the
+    trained weights count: with LoRA the adapters (always f32), not the frozen base."""
+    if learning_rate <= 0:
+        return
+    frozen = frozen_fraction(nnx.state(model, lora.trainable(model)), learning_rate)
+    if frozen > 0.5:
+        dtype = model.config.param_dtype
+        raise ValueError(
+            f"config.model.param_dtype={dtype} with config.train.learning_rate={learning_rate:g}: "
+            f"{frozen:.0%} of the weights are too large for a step of {learning_rate:g} to change "
+            f"them in {dtype} (it rounds away), so the run would not train; use "
+            f"config.model.param_dtype=float32 (master weights; config.model.dtype stays the "
+            f"compute dtype)")
 
 
 # --- one round of sampling and scoring ------------------------------------------------------
@@ -122,6 +170,7 @@ class Scored:
     verifier_failures: int
     seconds_sampling: float
     seconds_reward: float
+    too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
@@ -138,18 +187,23 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
                      stop_ids: Sequence[int]) -> Scored:
     r = config.rollout
     start = time.perf_counter()
+    boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     rollouts = sampling.generate(model, request.contexts, n=request.n,
                                  max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                 top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed)
+                                 top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed,
+                                 **sampling.memory_settings(r))
+    boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
-    scores, stats = rewards.score_batch(config.data.verifier, texts, problems,
+    verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
+    scores, stats = rewards.score_batch(verifier, texts, problems,
                                         timeout_s=config.rewards.timeout_s,
-                                        workers=config.rewards.workers or None)
+                                        workers=config.rewards.workers or None,
+                                        max_chars=config.rewards.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled)
+                  sampled - start, time.perf_counter() - sampled, stats["too_long"])
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
@@ -164,7 +218,8 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
     r = scored.rewards
     out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
-           "reward/verifier_failures": scored.verifier_failures}
+           "reward/verifier_failures": scored.verifier_failures,
+           "reward/too_long": scored.too_long}
     for name, values in scored.request.tags.items():
         values = np.asarray(values)
         if values.dtype != bool:
@@ -229,19 +284,22 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
-    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference.
+    model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
+      with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
+    model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
+    check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-    start = ckpt.latest_step()
-    if start is not None:
-        arrays, meta = ckpt.restore(_state_arrays(state))
+    restored = recovery.restore_newest(ckpt, _state_arrays(state))  # a corrupt one: the one before
+    if restored is not None:
+        _, arrays, meta = restored
         state = TrainState(**arrays)
         method.restore(meta["method"])
         totals.update(meta["totals"])
@@ -250,6 +308,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 setattr(ledger, k, v)
     start = int(state.step)
     writer = MetricsWriter(workdir, resume_step=start + 1)
+    tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
     def save(step):
@@ -269,7 +328,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     with _Preemption() as preemption:
         for step in range(start, total):
             step_start = time.perf_counter()
-            policy = learner.model(state)
+            policy = learner.sampling_model(state)  # compute-dtype weights, cast once a step
             request = method.next_request(step)
             chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, 0))]
@@ -289,9 +348,11 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             batch = dynamic_sampling.build_batch(
                 [c.rollouts for c in chunks], advantages, selection,
                 mask_truncated=config.train.get("mask_truncated", False))
+            del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
+            boundaries.check_batch(batch)
             state, update_metrics = learner.update(state, batch)
             update_metrics = distributed.to_host(update_metrics)
             update_seconds = time.perf_counter() - update_start
@@ -343,10 +404,12 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                record.update(evaluate(learner.model(state), tokenizer, method, config, step=done,
-                                       stop_ids=stop_ids))
+                record.update(evaluate(learner.sampling_model(state), tokenizer, method, config,
+                                       step=done, stop_ids=stop_ids))
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
+            if tracker is not None:
+                tracker.write(done, record)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
@@ -358,19 +421,42 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 break
     bar.close()
     writer.close()
+    if tracker is not None:
+        tracker.close()
     ckpt.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
 
 
-def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
-    """Loads the latest checkpointed policy of `workdir` into `model` (in place); returns its step,
-    or None (model untouched) when the workdir has no checkpoint."""
+def restore_trained(model, workdir: str, config, mesh=None):
+    """(step, policy) of the latest checkpoint of `workdir`: `model` with the checkpointed weights
+    (with train.lora_rank > 0, a copy of `model` carrying the trained adapters), or (None, model)
+    when the workdir has no checkpoint. `model` itself is left as it is."""
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-    step = ckpt.latest_step()
-    if step is not None:
-        learner = Learner(model, train_config(config), mesh)
-        arrays, _ = ckpt.restore(_state_arrays(learner.init_state()))
-        nnx.update(model, arrays["params"])
+    step = None
+    trained = model
+    if ckpt.latest_step() is not None:
+        learner = Learner(adapted(model, config, mesh), train_config(config), mesh)
+        step, arrays, _ = recovery.restore_newest(ckpt, _state_arrays(learner.init_state()),
+                                                  move_aside=False)
+        trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest, copy=True)
     ckpt.close()
+    return step, trained
+
+
+def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
+    """Loads the latest checkpointed policy of `workdir` into `model` (in place; trained adapters
+    folded into its weights); returns its step, or None (model untouched) without a checkpoint."""
+    step, trained = restore_trained(model, workdir, config, mesh)
+    if step is not None:
+        load_trained(model, trained)
     return step
+
+
+def load_trained(model, trained) -> None:
+    """Puts the weights of `trained` (a restore_trained policy) into `model`, in `model`'s dtypes,
+    its adapters folded in (W + s A B)."""
+    if lora.has_adapters(trained):
+        trained = lora.merged(trained)
+    nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype),
+                                   nnx.state(trained, nnx.Param), nnx.state(model, nnx.Param)))

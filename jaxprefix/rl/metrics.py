@@ -1,19 +1,24 @@
 """Run metrics: one JSON object per step in metrics.jsonl plus TensorBoard scalars; FLOPs.
 
-Written by process 0 only. TensorBoard files come from tensorboard's own event writer, so the
-library needs neither TensorFlow nor torch.
+Written by process 0 only, through jaxprefix.storage (local or gs://). TensorBoard event records
+come from tensorboard's own record writer, so the library needs neither TensorFlow nor torch.
 """
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import math
 import os
+import socket
 import time
 
 import jax
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+from jaxprefix import storage
 
 
 def sampling_flops(num_params: int, tokens: int) -> float:
@@ -39,54 +44,64 @@ def _plain(value):
     return value
 
 
-class MetricsWriter:
-    """Appends `{'step': s, **scalars}` to `workdir/metrics.jsonl`; mirrors scalars to TensorBoard.
+_EVENT_FILES = itertools.count()  # one event file per writer, even two in the same second
 
-    Resuming truncates records at or after the resumed step so the file stays one line per step.
+
+class MetricsWriter:
+    """Writes `{'step': s, **scalars}` records to `workdir/metrics.jsonl` and TensorBoard scalars
+    to `workdir/tensorboard/`, local or on gs://.
+
+    GCS has no append, so both files are kept in memory and rewritten whole (one object upload
+    each, atomic locally too) at every `write`: a reader or a killed run never sees half a line.
+    Resuming keeps only records of steps before the resumed step, so the file stays one line per
+    step; each run of a workdir adds its own TensorBoard event file, as TensorBoard expects.
     """
 
     def __init__(self, workdir: str, *, resume_step: int | None = None, enabled: bool | None = None):
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        self.path = storage.join(workdir, "metrics.jsonl")
+        self._lines: list[str] = []
         self._events = None
         if not self.enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self._drop_records_from(resume_step or 0)
-        self._events = EventFileWriter(os.path.join(workdir, "tensorboard"))
+        if storage.exists(self.path):
+            step = resume_step or 0
+            self._lines = [line + "\n" for line in storage.read_text(self.path).splitlines()
+                           if line.strip() and json.loads(line).get("step", 0) < step]
+        name = (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+                f"{os.getpid()}.{next(_EVENT_FILES)}")
+        self._events_path = storage.join(workdir, "tensorboard", name)
+        self._events = io.BytesIO()
+        self._records = RecordWriter(self._events)
+        self._add_event(event_pb2.Event(wall_time=time.time(), file_version="brain.Event:2"))
+        self.flush()  # the kept records, and an event file TensorBoard already recognises
 
-    def _drop_records_from(self, step: int):
-        """Keep only records of steps < step (a resumed run rewrites the rest)."""
-        if not os.path.exists(self.path):
-            return
-        with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) < step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+    def _add_event(self, event) -> None:
+        self._records.write(event.SerializeToString())
 
     def write(self, step: int, scalars: dict):
         if not self.enabled:
             return
         record = {"step": int(step)}
         record.update({k: _plain(v) for k, v in sorted(scalars.items())})
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._lines.append(json.dumps(record) + "\n")
         values = [summary_pb2.Summary.Value(tag=k, simple_value=float(v))
                   for k, v in record.items() if k != "step" and v is not None]
-        self._events.add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
-                                               summary=summary_pb2.Summary(value=values)))
+        self._add_event(event_pb2.Event(wall_time=time.time(), step=int(step),
+                                        summary=summary_pb2.Summary(value=values)))
+        self.flush()
 
     def flush(self):
         if self._events is not None:
-            self._events.flush()
+            storage.write_atomic(self.path, "".join(self._lines))
+            storage.write_atomic(self._events_path, self._events.getvalue())
 
     def close(self):
-        if self._events is not None:
-            self._events.close()
-            self._events = None
+        self.flush()
+        self._events = None
 
 
 def read_metrics(workdir: str) -> list[dict]:
     """All records of `workdir/metrics.jsonl`, in order."""
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    text = storage.read_text(storage.join(workdir, "metrics.jsonl"))
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -7,6 +7,11 @@ sum is exactly the minibatch gradient. Old log-probs come from the sampler; on t
 minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` measures how far
 sampler and learner disagree. A non-finite loss or gradient leaves params and optimizer state
 untouched and is counted in `TrainState.skipped`.
+
+Mixed precision: params and the AdamW moments stay in the model's `param_dtype` (float32 master
+weights); each layer casts its weights to the compute `dtype` (bfloat16 on TPU) inside the
+forward, so gradients arrive in param_dtype. The sampler gets `sampling_model`: a compute-dtype
+copy of the weights, cast once per RL step.
 """
 from __future__ import annotations
 
@@ -22,7 +27,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
+from jaxprefix.models.sharding import constrain_params
 from jaxprefix.rl import objectives
 
 BATCH_AXES = ("data", "fsdp")
@@ -151,13 +158,15 @@ class Learner:
     """Owns the model's graph, the optimizer and the jitted update; state lives in TrainState.
 
     `model` is an nnx Decoder already placed on `mesh` (models.sharding.shard_model) or on one
-    device when mesh is None.
+    device when mesh is None. With adapters (models.lora) only they are trained, held in the
+    optimizer state and checkpointed; the base stays frozen in `rest`.
     """
 
     def __init__(self, model: nnx.Module, config: TrainConfig, mesh=None):
         self.config = config
         self.mesh = mesh
-        self.graphdef, params, self.rest = nnx.split(model, nnx.Param, ...)
+        self.compute_dtype = jnp.dtype(model.config.dtype)
+        self.graphdef, params, self.rest = nnx.split(model, lora.trainable(model), ...)
         self._initial_params = params
         # The learner's own graph; the sampler's (self.graphdef, via model()) stays as loaded.
         self._train_graphdef = _remat_graph(model) if config.remat else self.graphdef
@@ -170,13 +179,16 @@ class Learner:
         return self.mesh.shape["data"] * self.mesh.shape["fsdp"]
 
     def initial_params(self):
-        """A copy of the model's initial weights (e.g. the frozen KL reference)."""
+        """A copy of the model's initial trained weights (e.g. the frozen KL reference). With
+        adapters these are the initial adapters, whose B = 0 makes the policy exactly its base:
+        the reference then costs no copy of the base."""
         return jax.tree.map(lambda x: x.copy(), self._initial_params)
 
     def init_state(self) -> TrainState:
         """A fresh state from the model's initial weights (copied: updates donate their input)."""
         params = self.initial_params()
-        opt_state = jax.jit(self.optimizer.init)(params)
+        with self._mesh_context():
+            opt_state = self._init_optimizer()(params)
         zero = lambda: jnp.zeros((), jnp.int32)  # distinct buffers: the state is donated
         state = TrainState(params=params, opt_state=opt_state, step=zero(), updates=zero(),
                            skipped=zero())
@@ -191,8 +203,22 @@ class Learner:
         return NamedSharding(self.mesh, P())
 
     def model(self, state: TrainState) -> nnx.Module:
-        """The policy with `state`'s parameters (for the sampler)."""
+        """The policy with `state`'s parameters (the master weights, in param_dtype; with
+        adapters, the frozen base and `state`'s adapters)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
+
+    def sampling_model(self, state: TrainState) -> nnx.Module:
+        """The policy for the sampler: `state`'s weights cast to the compute dtype (a new bf16
+        copy of f32 master weights, same shardings), or the weights themselves when they are
+        already in it. Cast once per step; the sampler then reads half the bytes. Adapters come
+        folded into the (compute-dtype) base instead (lora.merged: a copy of the targeted weights,
+        freed after sampling), which decodes faster than applying them per token
+        (bench/bench_lora.py); LoraConfig.merged_sampling=False applies them and saves the copy."""
+        model = self.model(state)
+        if lora.has_adapters(model):
+            return lora.merged(model) if model.adapters.config.merged_sampling else model
+        params = _cast_floats(state.params, self.compute_dtype)
+        return nnx.merge(self.graphdef, params, self.rest)
 
     def place_batch(self, batch: dict) -> dict:
         """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole
@@ -225,21 +251,77 @@ class Learner:
     def memory_analysis(self, state: TrainState, batch: dict):
         """XLA's compiled memory statistics of `update` for batches shaped like `batch`; nothing
         runs. `temp_size_in_bytes` is what an update needs on top of its arguments."""
+        return self.lower_update(state, self.place_batch(batch)).compile().memory_analysis()
+
+    def lower_update(self, state: TrainState, batch: dict) -> jax.stages.Lowered:
+        """The update lowered for `state` and placed `batch`, which may be abstract (sharded
+        jax.ShapeDtypeStructs: abstract_state(), the compile job's batch); nothing runs."""
         self.config.check_batch(batch["tokens"].shape[0], self.batch_shards)
         with self._mesh_context():
-            lowered = _update.lower(self._train_graphdef, self.config, self.mesh is not None, state,
-                                    self.rest, self.place_batch(batch))
-        return lowered.compile().memory_analysis()
+            return _update.lower(self._train_graphdef, self.config, self.mesh is not None, state,
+                                 self.rest, batch)
+
+    def abstract_state(self) -> TrainState:
+        """Shapes, dtypes and shardings of init_state()'s result, allocating nothing, for a model
+        whose parameters are sharded jax.ShapeDtypeStructs (built with nnx.eval_shape)."""
+        params = self._initial_params
+        # The optimizer state's shardings are those init_state gets; compiling the tiny init
+        # program is the faithful way to learn them. Leaves left on one device (Adam's count)
+        # are replicated over the mesh, as there.
+        with self._mesh_context():
+            compiled = self._init_optimizer().lower(params).compile()
+        replicated = NamedSharding(self.mesh, P()) if self.mesh is not None else None
+        shardings = jax.tree.map(
+            lambda s: s if replicated is None or len(s.device_set) == self.mesh.size else replicated,
+            compiled.output_shardings)
+        opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                 jax.eval_shape(self.optimizer.init, params), shardings)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        return TrainState(params=params, opt_state=opt_state, step=scalar, updates=scalar,
+                          skipped=scalar)
+
+    def _init_optimizer(self):
+        """jit of optimizer.init with the moments sharded like the parameters (under the mesh)."""
+        return jax.jit(lambda params: constrain_params(self.optimizer.init(params)))
 
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast_to(params, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                        params)
+
+
+def _cast_floats(params, dtype):
+    if all(x.dtype == dtype for x in jax.tree.leaves(params)
+           if jnp.issubdtype(x.dtype, jnp.floating)):
+        return params
+    return _cast_to(params, dtype)
+
+
+def frozen_fraction(params, learning_rate: float) -> float:
+    """Share of the floating-point weights that an update of size `learning_rate` cannot move:
+    nonzero w whose dtype's spacing around w is more than twice lr, so that w + lr rounds back to
+    w (bfloat16 keeps 8 significant bits: a weight of 0.02 moves by steps of 1.2e-4). An AdamW
+    step is about lr per weight, so a large share means training stalls silently."""
+    leaves = [x for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    frozen = total = 0
+    for x in leaves:
+        w = x.astype(jnp.float32)
+        _, exponent = jnp.frexp(w)  # |w| = m * 2^exponent, m in [0.5, 1)
+        half_spacing = jnp.ldexp(jnp.float32(jnp.finfo(x.dtype).eps / 4), exponent)
+        frozen += int(jnp.sum((w != 0) & (half_spacing > learning_rate)))
+        total += x.size
+    return frozen / max(total, 1)
 
 
 def _remat_graph(model: nnx.Module):
     """The graph of `model` with ModelConfig.remat on (a copy: `model` itself is unchanged)."""
     copy = nnx.merge(*nnx.split(model))
     copy.config = copy.config.replace(remat=True)
-    return nnx.split(copy, nnx.Param, ...)[0]
+    return nnx.split(copy, lora.trainable(copy), ...)[0]
 
 
 # --- pure functions under jit ----------------------------------------------------------------
@@ -249,6 +331,8 @@ def _remat_graph(model: nnx.Module):
 
 def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
     model = nnx.merge(graphdef, params, rest)
+    if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
+        lora.set_dropout_key(model, batch["dropout_key"])
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
                           positions=batch["positions"], chunk_size=chunk_size,
                           temperature=temperature)
@@ -273,9 +357,11 @@ def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
     return loss, stats
 
 
-def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch):
+def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch,
+                     dropout_key):
     """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
-    minibatch; each micro-batch's loss is normalised by the minibatch's totals."""
+    minibatch; each micro-batch's loss is normalised by the minibatch's totals. Micro-batch i
+    draws its (adapter) dropout from fold_in(dropout_key, i)."""
     mask = minibatch["completion_mask"]
     if c.aggregation == "seq_mean_token_mean":
         sequences = (mask.sum(-1) > 0).sum()
@@ -285,19 +371,23 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     loss_fn = functools.partial(_micro_loss, graphdef, c)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def body(carry, micro):
+    def body(carry, xs):
         loss_sum, grad_sum, stats_sum = carry
+        micro, index = xs
         if sharded:
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
+        micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
         (loss, stats), grads = grad_fn(params, rest, micro, totals)
+        grads = constrain_params(grads)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
                 _combine_stats(stats_sum, stats)), None
 
     first = jax.tree.map(lambda x: x[0], minibatch)
     _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
-    init = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+    init = (jnp.zeros((), jnp.float32), constrain_params(jax.tree.map(jnp.zeros_like, params)),
             _empty_stats(stats_shape))
-    (loss, grads, stats), _ = jax.lax.scan(body, init, minibatch)
+    indices = jnp.arange(mask.shape[0])
+    (loss, grads, stats), _ = jax.lax.scan(body, init, (minibatch, indices))
     return loss, grads, stats
 
 
@@ -311,11 +401,15 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     # Minibatch visited by each optimizer update: num_epochs passes over the minibatches.
     order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
     optimizer = make_optimizer(c)
+    # Dropout masks: a function of (step, update, micro-batch), so a resumed run draws the same.
+    step_key = jax.random.fold_in(jax.random.key(0), state.step)
 
-    def one_update(carry, index):
+    def one_update(carry, xs):
         params, opt_state, updates, skipped = carry
+        position, index = xs
         mb = jax.tree.map(lambda x: x[index], arranged)
-        loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb)
+        loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb,
+                                              jax.random.fold_in(step_key, position))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         deltas, new_opt = optimizer.update(grads, opt_state, params)
@@ -327,7 +421,8 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
         return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
 
     init = (state.params, state.opt_state, state.updates, state.skipped)
-    (params, opt_state, updates, skipped), per_update = jax.lax.scan(one_update, init, order)
+    (params, opt_state, updates, skipped), per_update = jax.lax.scan(
+        one_update, init, (jnp.arange(order.size), order))
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                            updates=updates, skipped=skipped)
     return new_state, _summarise(c, per_update, updates, skipped - state.skipped)

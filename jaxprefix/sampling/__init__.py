@@ -1,7 +1,8 @@
 """The sampler: n continuations of each context, prefilled once and decoded in-graph."""
+from jaxprefix.sampling.budget import memory_settings
 from jaxprefix.sampling.layout import SharedContext
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import generate
 from jaxprefix.sampling.token_choice import SamplingSettings
 
-__all__ = ['Rollouts', 'SamplingSettings', 'SharedContext', 'generate']
+__all__ = ['Rollouts', 'SamplingSettings', 'SharedContext', 'generate', 'memory_settings']

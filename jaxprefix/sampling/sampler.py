@@ -1,121 +1,67 @@
-"""generate(): n continuations of each context, with one jitted prefill and one jitted decode loop.
+"""generate(): n continuations of each context, decoded in-graph, and the programs it runs.
 
-Shared contexts: the C contexts' KV is computed once ([C, S] prefill) and the B = C * n sample
-rows attend to it as a read-only `KVSegment` (group-major rows), so neither the prefill compute
-nor the context KV is multiplied by n. Each row owns only a `KVCache` of its new tokens. Contexts
-given as `SharedContext(prompt, suffix)` prefill each distinct prompt once and the suffixes on
-top of it; the samples then read both segments.
-
-Shapes (contexts, context length, new tokens) are bucketed to powers of two (layout.py), the
-cache is donated to the decode loop, and the loop exits as soon as every sample has stopped.
+A request is laid out on the host (layout.py), then sampled either
+  - statically (static.py): every row in flight, one prefill of every context, one decode loop
+    until the longest row stops; what generate does when no row cap or KV budget binds, or
+  - continuously (continuous.py): a bounded number of rows in flight, refilled inside one jitted
+    loop as rows stop, contexts prefilled in waves as their slots free up; chosen by
+    `max_rows_in_flight` or `kv_budget_bytes` (budget.py).
+Both give the same rollouts for the same seed. `abstract_programs` hands the same programs, with
+abstract arguments, to whoever compiles them ahead of time for another machine (jobs/compile).
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
+import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
-import flax.struct
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxprefix import distributed
-from jaxprefix.models.attention import KVCache, KVSegment
-from jaxprefix.models.sharding import constrain
-from jaxprefix.sampling.layout import (MIN_NEW_TOKENS_BUCKET, Context, ContextLayout, bucket,
-                                       layout_contexts)
+from jaxprefix.models.sharding import logical_spec
+from jaxprefix.sampling import budget, continuous, static
+from jaxprefix.sampling.prefill import TRACE_COUNTS
+from jaxprefix.sampling.layout import (MIN_NEW_TOKENS_BUCKET, Context, ContextLayout,
+                                       SharedContext, bucket, layout_contexts)
 from jaxprefix.sampling.rollouts import Rollouts
-from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
+from jaxprefix.sampling.token_choice import SamplingSettings
 
-# How often each jitted function was traced (compiled): tests check that it stays bounded.
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
-_CACHE_KV = ('layers', 'batch', 'length', 'kv_heads', 'head_dim')
+__all__ = ['TRACE_COUNTS', 'Program', 'abstract_programs', 'generate']
 
 
-@flax.struct.dataclass
-class DecodeState:
-    """The decode loop's carry; B rows, T = the new-token bucket."""
-    step: jax.Array          # int32 []   tokens decoded so far
-    inputs: jax.Array        # int32 [B]  token fed at this step (the held-back context token first)
-    positions: jax.Array     # int32 [B]  its position
-    done: jax.Array          # bool [B]   stopped, truncated, or a padding row
-    stopped: jax.Array       # bool [B]   ended on a stop id
-    lengths: jax.Array       # int32 [B]
-    completions: jax.Array   # int32 [B, T]
-    logprobs: jax.Array      # f32 [B, T]
-    cache: KVCache           # each row's own new tokens
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One jitted program of a request and the arguments of its call: `fn(*args, **kwargs)` runs
+    it, `lower()` lowers it (abstract arguments: for another machine's compiler)."""
+    fn: Callable
+    args: tuple
+    kwargs: dict
+
+    def __call__(self):
+        return self.fn(*self.args, **self.kwargs)
+
+    def lower(self):
+        return self.fn.lower(*self.args, **self.kwargs)
 
 
-def _take_groups(segment: KVSegment, index: jax.Array) -> KVSegment:
-    return KVSegment(k=segment.k[:, index], v=segment.v[:, index], pos=segment.pos[index])
-
-
-def _constrain_rows(x: jax.Array) -> jax.Array:
-    return constrain(x, ('batch',) + (None,) * (x.ndim - 1))
-
-
-@functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'new_bucket', 'gather_prompts'))
-def _prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prompts: bool):
-    """Context KV segments and the initial decode state. Logits are not used: XLA drops them."""
-    TRACE_COUNTS['prefill'] += 1
-    model = nnx.merge(graphdef, params)
-    _, prompt_kv = model.extend(lay['prompt_tokens'], lay['prompt_positions'])
-    if gather_prompts:
-        prompt_kv = _take_groups(prompt_kv, lay['prompt_index'])
-    segments = (prompt_kv,)
-    if lay['suffix_tokens'].shape[1]:
-        _, suffix_kv = model.extend(lay['suffix_tokens'], lay['suffix_positions'], context=segments)
-        segments += (suffix_kv,)
-
-    num_rows = lay['valid'].shape[0] * n
-
-    def rows(per_context):  # group-major: row c * n + j is sample j of context c
-        return _constrain_rows(jnp.repeat(per_context, n, axis=0))
-
-    cache = KVCache.empty(model.config, num_rows, new_bucket)
-    cache = cache.replace(k=constrain(cache.k, _CACHE_KV), v=constrain(cache.v, _CACHE_KV),
-                          pos=_constrain_rows(cache.pos))
-    state = DecodeState(
-        step=jnp.zeros((), jnp.int32), inputs=rows(lay['last_tokens']),
-        positions=rows(lay['last_positions']), done=rows(~lay['valid']),
-        stopped=_constrain_rows(jnp.zeros(num_rows, bool)),
-        lengths=_constrain_rows(jnp.zeros(num_rows, jnp.int32)),
-        completions=_constrain_rows(jnp.zeros((num_rows, new_bucket), jnp.int32)),
-        logprobs=_constrain_rows(jnp.zeros((num_rows, new_bucket), jnp.float32)), cache=cache)
-    return segments, state
-
-
-@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('state',))
-def _decode(graphdef, params, segments, state: DecodeState, settings: SamplingSettings, seed_key,
-            stop_ids, max_new_tokens) -> DecodeState:
-    """Decodes until every row is done or max_new_tokens (a traced scalar) tokens are drawn."""
-    TRACE_COUNTS['decode'] += 1
-    row_ids = jnp.arange(state.inputs.shape[0], dtype=jnp.int32)
-
-    def keep_going(s: DecodeState):
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
-
-    def one_step(s: DecodeState) -> DecodeState:
-        model = nnx.merge(graphdef, params)
-        logits, cache = model.extend(s.inputs[:, None], s.positions[:, None], context=segments,
-                                     cache=s.cache)
-        keys = row_step_keys(seed_key, row_ids, s.step)
-        tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
-        active = ~s.done
-        hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-        return DecodeState(
-            step=s.step + 1, inputs=tokens, positions=s.positions + 1,
-            done=s.done | hit_stop | (s.step + 1 >= max_new_tokens), stopped=s.stopped | hit_stop,
-            lengths=s.lengths + active.astype(jnp.int32),
-            completions=s.completions.at[:, s.step].set(jnp.where(active, tokens, 0)),
-            logprobs=s.logprobs.at[:, s.step].set(jnp.where(active, logprobs, 0.0)), cache=cache)
-
-    return jax.lax.while_loop(keep_going, one_step, state)
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """Everything generate() decides on the host before any device work."""
+    graphdef: object
+    params: object
+    mesh: jax.sharding.Mesh | None
+    layout: ContextLayout
+    schedule: budget.Schedule | None  # None: the static decode
+    n: int
+    new_bucket: int
+    settings: SamplingSettings
+    stop_ids: np.ndarray
+    max_new_tokens: int
+    seed: int
+    hoist_layers: bool  # the decode runs on CPU (see Decoder.extend's layer_weights)
 
 
 def _params_mesh(params) -> jax.sharding.Mesh | None:
@@ -127,6 +73,15 @@ def _params_mesh(params) -> jax.sharding.Mesh | None:
     return None
 
 
+def _platform(params) -> str:
+    """The platform the parameters live on (abstract ones: that of their sharding's devices)."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, 'sharding', None)
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
+
+
 def _rows_per_device(mesh) -> int:
     """How many devices the sample rows are split over ('data' x 'fsdp'), 1 without a mesh."""
     if mesh is None:
@@ -134,46 +89,186 @@ def _rows_per_device(mesh) -> int:
     return math.prod(mesh.shape.get(axis, 1) for axis in ('data', 'fsdp'))
 
 
-def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-             stop_ids: Sequence[int] = (), seed: int = 0) -> Rollouts:
-    """Samples n continuations of each context (a token-id list or a `SharedContext`).
-
-    Rows i*n .. i*n+n-1 of the result continue contexts[i]. temperature 0 decodes greedily. A
-    sample ends after a stop id (kept in its completion) or after max_new_tokens tokens. Sample j
-    of context i draws from the PRNG stream (seed, i*n + j, step): same seed, same rollouts.
-    """
+def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
+             max_rows_in_flight, kv_budget_bytes) -> _Request:
     if int(n) != n or n < 1:
         raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f'max_new_tokens must be a positive integer, got {max_new_tokens!r}')
+    if max_rows_in_flight is not None and (int(max_rows_in_flight) != max_rows_in_flight or
+                                           max_rows_in_flight < 1):
+        raise ValueError(f'max_rows_in_flight must be a positive integer or None (every row), '
+                         f'got {max_rows_in_flight!r}')
     settings = SamplingSettings.make(float(temperature), float(top_p), top_k)
-    vocab_size = model.config.vocab_size
+    config = model.config
     stop_ids = tuple(int(t) for t in stop_ids)
-    if any(not 0 <= t < vocab_size for t in stop_ids):
-        raise ValueError(f'stop_ids must be token ids in [0, {vocab_size}), got {stop_ids}')
-
-    graphdef, params = nnx.split(model)
-    mesh = _params_mesh(params)
-    rows_split = _rows_per_device(mesh)
-    lay: ContextLayout = layout_contexts(
-        contexts, vocab_size, context_multiple=rows_split // math.gcd(n, rows_split))
-    arrays = {name: getattr(lay, name) for name in (
-        'prompt_tokens', 'prompt_positions', 'prompt_index', 'suffix_tokens', 'suffix_positions',
-        'last_tokens', 'last_positions', 'valid')}
+    if any(not 0 <= t < config.vocab_size for t in stop_ids):
+        raise ValueError(f'stop_ids must be token ids in [0, {config.vocab_size}), got {stop_ids}')
     # Stop ids padded to a bucket with -1 (never sampled), so their count does not recompile.
     stop_array = np.full(bucket(len(stop_ids), 4), -1, np.int32)
     stop_array[:len(stop_ids)] = stop_ids
     new_bucket = bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET)
 
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        segments, state = _prefill(graphdef, params, arrays, n=n, new_bucket=new_bucket,
-                                   gather_prompts=not lay.prompts_are_contexts)
-        state = _decode(graphdef, params, segments, state, settings, jax.random.key(seed),
-                        jnp.asarray(stop_array), jnp.int32(max_new_tokens))
-    num_rows = lay.num_contexts * n
+    graphdef, params = nnx.split(model)
+    mesh = _params_mesh(params)
+    shards = _rows_per_device(mesh)
+    # Static rows (C * n) must divide over the row devices; continuous contexts themselves must.
+    lay = layout_contexts(contexts, config.vocab_size, shards // math.gcd(n, shards))
+    schedule = budget.plan(
+        num_contexts=math.lcm(lay.valid.shape[0], shards), n=n,
+        context_length=lay.prompt_tokens.shape[1] + lay.suffix_tokens.shape[1],
+        new_bucket=new_bucket, shards=shards, bytes_per_token=budget.kv_bytes_per_token(config),
+        max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes)
+    if schedule is not None and lay.valid.shape[0] % shards:
+        lay = layout_contexts(contexts, config.vocab_size, shards)
+    return _Request(graphdef, params, mesh, lay, schedule, int(n), new_bucket, settings,
+                    stop_array, int(max_new_tokens), int(seed), _platform(params) == 'cpu')
+
+
+def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
+    """The layout as the programs take it; per_context: one prompt row per context (the
+    continuous decode prefills contexts a few at a time, so it does not share prompt rows)."""
+    arrays = {name: getattr(lay, name) for name in (
+        'prompt_tokens', 'prompt_positions', 'prompt_index', 'suffix_tokens', 'suffix_positions',
+        'last_tokens', 'last_positions', 'valid')}
+    if per_context:
+        for name in ('prompt_tokens', 'prompt_positions'):
+            arrays[name] = arrays[name][lay.prompt_index]
+        del arrays['prompt_index']
+    return arrays
+
+
+def _prefill_program(req: _Request) -> Program:
+    return Program(static.prefill, (req.graphdef, req.params, _layout_arrays(req.layout, False)),
+                   dict(n=req.n, new_bucket=req.new_bucket,
+                        gather_prompts=not req.layout.prompts_are_contexts))
+
+
+def _sampling_args(req: _Request) -> tuple:
+    if isinstance(jax.tree.leaves(req.params)[0], jax.ShapeDtypeStruct):
+        # abstract_programs may target devices this host lacks: the key's shape, replicated.
+        key = _abstract(jax.eval_shape(jax.random.key, req.seed), req.mesh)
+    else:
+        key = jax.random.key(req.seed)
+    return (req.settings, key, req.stop_ids, np.int32(req.max_new_tokens))
+
+
+def _decode_program(req: _Request, segments, state) -> Program:
+    return Program(static.decode, (req.graphdef, req.params, segments, state,
+                                   *_sampling_args(req)), dict(hoist_layers=req.hoist_layers))
+
+
+def _continuous_program(req: _Request) -> Program:
+    s = req.schedule
+    return Program(continuous.sample_continuous,
+                   (req.graphdef, req.params, _layout_arrays(req.layout, True),
+                    *_sampling_args(req)),
+                   dict(n=req.n, shards=s.shards, row_slots=s.row_slots,
+                        context_slots=s.context_slots, admit=s.admit, new_bucket=req.new_bucket,
+                        hoist_layers=req.hoist_layers))
+
+
+def _mesh_scope(mesh):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
+
+
+def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+             stop_ids: Sequence[int] = (), seed: int = 0, max_rows_in_flight: int | None = None,
+             kv_budget_bytes: int | None = None) -> Rollouts:
+    """Samples n continuations of each context (a token-id list or a `SharedContext`).
+
+    Rows i*n .. i*n+n-1 of the result continue contexts[i]. temperature 0 decodes greedily. A
+    sample ends after a stop id (kept in its completion) or after max_new_tokens tokens. Sample j
+    of context i draws from the PRNG stream (seed, i*n + j, its token index): same seed, same
+    rollouts, whatever the rows in flight or the devices.
+
+    max_rows_in_flight: at most this many rows decode at once (rounded down to a multiple of the
+    row devices, at least one each); None: every row. kv_budget_bytes: the KV cache (contexts and
+    new tokens, all devices together) stays within this many bytes; None: unbounded. Either
+    switches to the continuous decode when it binds.
+    """
+    req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
+                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes)
+    with _mesh_scope(req.mesh):
+        if req.schedule is None:
+            segments, state = _prefill_program(req)()
+            state = _decode_program(req, segments, state)()
+            outputs = (state.completions, state.logprobs, state.lengths, state.stopped)
+        else:
+            outputs = _continuous_program(req)()
+    num_rows = req.layout.num_contexts * req.n
     # to_host, not device_get: on several hosts the rows live on other processes' devices too.
-    completions, logprobs, lengths, stopped = distributed.to_host(
-        (state.completions, state.logprobs, state.lengths, state.stopped))
-    return Rollouts.from_parts(lay.full_contexts, completions[:num_rows], logprobs[:num_rows],
-                               lengths[:num_rows], stopped[:num_rows], n)
+    completions, logprobs, lengths, stopped = distributed.to_host(outputs)
+    return Rollouts.from_parts(req.layout.full_contexts, completions[:num_rows],
+                               logprobs[:num_rows], lengths[:num_rows], stopped[:num_rows], req.n)
+
+
+def _abstract(tree, mesh):
+    """ShapeDtypeStructs of tree's arrays; with a mesh, sharded as the programs exchange them
+    (mesh axes of size 1 left out, as XLA leaves them out of the shardings it returns)."""
+    sizes = {} if mesh is None else {a: s for a, s in mesh.shape.items() if s > 1}
+
+    def one(x):
+        sharding = None
+        if mesh is not None:
+            spec = logical_spec(static.row_names(x), x.shape, sizes)
+            sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(one, tree)
+
+
+def _abstract_params(params):
+    def one(x):
+        sharding = getattr(x, 'sharding', None)
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            sharding = None
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.tree.map(one, params)
+
+
+def _distinct_tokens(index: int, length: int, vocab_size: int) -> list[int]:
+    """`length` token ids that differ from those of every other index (its digits in base V)."""
+    digits = []
+    while index or not digits:
+        index, digit = divmod(index, vocab_size)
+        digits.append(digit)
+    return (digits + [1] * length)[:length]
+
+
+def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
+                      max_new_tokens: int, prompt_length: int = 0, contexts_per_prompt: int = 1,
+                      max_rows_in_flight: int | None = None, kv_budget_bytes: int | None = None,
+                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                      num_stop_ids: int = 1) -> dict[str, Program]:
+    """The programs generate() runs for a request of this shape, with abstract arguments.
+
+    `model` may be abstract (nnx.eval_shape; parameters ShapeDtypeStructs, sharded over a mesh
+    when they carry NamedShardings). Contexts are `context_length` distinct tokens; with
+    prompt_length > 0 each is a `SharedContext` whose prompt of that many tokens is shared by
+    `contexts_per_prompt` contexts (PrefixRL's prefixes of one problem).
+    Returns {'prefill': ..., 'decode': ...} for the static decode, or {'continuous': ...} when
+    the row cap or KV budget binds; under the mesh, `program.lower().compile()` compiles exactly
+    what generate() would run for that shape (memory_analysis() then reads its footprint).
+    """
+    if not 0 <= prompt_length < context_length:
+        raise ValueError(f'prompt_length must be in [0, context_length={context_length}), got '
+                         f'{prompt_length}')
+    vocab_size = model.config.vocab_size
+    contexts = [_distinct_tokens(i, context_length, vocab_size) for i in range(num_contexts)]
+    if prompt_length:
+        contexts = [SharedContext(_distinct_tokens(i // contexts_per_prompt, prompt_length,
+                                                   vocab_size), c[prompt_length:])
+                    for i, c in enumerate(contexts)]
+    req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                   top_p=top_p, top_k=top_k, stop_ids=range(num_stop_ids), seed=0,
+                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes)
+    req = dataclasses.replace(req, params=_abstract_params(req.params))
+    with _mesh_scope(req.mesh):
+        if req.schedule is not None:
+            return {'continuous': _continuous_program(req)}
+        prefill = _prefill_program(req)
+        segments, state = _abstract(prefill.fn.eval_shape(*prefill.args, **prefill.kwargs),
+                                    req.mesh)
+        return {'prefill': prefill, 'decode': _decode_program(req, segments, state)}

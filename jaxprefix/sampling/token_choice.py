@@ -143,9 +143,10 @@ def sample_inverse_cdf(keys_b: jax.Array, logits_bv: jax.Array) -> jax.Array:
 def row_step_keys(seed_key: jax.Array, row_ids_b: jax.Array, step: jax.Array) -> jax.Array:
     """One key per row for this step: a function of (seed, row id, step) only.
 
-    Row ids are the samples' global indices (context i, sample j -> i*n + j), so a sample draws the
-    same stream whatever batch padding or bucketing surrounds it.
+    Row ids are the samples' global indices (context i, sample j -> i*n + j), and `step` (a scalar,
+    or one per row) is the row's own token index, so a sample draws the same stream whatever batch
+    padding, bucketing or scheduling surrounds it.
     """
-    def one(row):
-        return jax.random.fold_in(jax.random.fold_in(seed_key, row), step)
-    return jax.vmap(one)(row_ids_b)
+    def one(row, row_step):
+        return jax.random.fold_in(jax.random.fold_in(seed_key, row), row_step)
+    return jax.vmap(one)(row_ids_b, jnp.broadcast_to(step, row_ids_b.shape))

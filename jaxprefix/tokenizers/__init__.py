@@ -8,44 +8,66 @@ from __future__ import annotations
 
 import os
 
-from jaxprefix.tokenizers.chars import CONCATENATE_CONTENTS, CharTokenizer
+from jaxprefix import storage
+from jaxprefix.tokenizers.chars import CHAR_VOCAB_FILE, CONCATENATE_CONTENTS, CharTokenizer
 from jaxprefix.tokenizers.gguf_vocab import load_gguf_tokenizer
-from jaxprefix.tokenizers.huggingface import HFTokenizer, load_tokenizer_json, read_tokenizer_config
+from jaxprefix.tokenizers.huggingface import HFTokenizer, load_tokenizer_json, \
+    read_tokenizer_config, save_tokenizer_files
 from jaxprefix.tokenizers.interface import Tokenizer
 from jaxprefix.tokenizers.sentencepiece_model import SentencePieceTokenizer
 
 _EXPECTED = ("an HF tokenizer directory (tokenizer.json, or tokenizer.model, with "
              "tokenizer_config.json), a tokenizer.json, a SentencePiece .model file, "
-             "or a .gguf file")
+             f"a .gguf file, or a directory with {CHAR_VOCAB_FILE} (a task's characters)")
 
 
 def _sentencepiece(model_file: str) -> SentencePieceTokenizer:
-    special, template = read_tokenizer_config(os.path.dirname(model_file))
+    special, template = read_tokenizer_config(storage.dirname(model_file))
     return SentencePieceTokenizer(model_file, special_tokens=special, chat_template=template)
 
 
 def load(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer at `path`: an HF directory, tokenizer.json, tokenizer.model or GGUF file."""
+    """The tokenizer at `path` (local or gs://): an HF directory, tokenizer.json, tokenizer.model
+    or GGUF file, or a directory holding a character vocabulary (CHAR_VOCAB_FILE)."""
     path = os.fspath(path)
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "tokenizer.json")):
+    if storage.isdir(path):
+        if storage.isfile(storage.join(path, "tokenizer.json")):
             return load_tokenizer_json(path)
-        if os.path.isfile(os.path.join(path, "tokenizer.model")):
-            return _sentencepiece(os.path.join(path, "tokenizer.model"))
-        raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this directory "
-                                f"(expected {_EXPECTED})")
-    if not os.path.isfile(path):
+        if storage.isfile(storage.join(path, "tokenizer.model")):
+            return _sentencepiece(storage.join(path, "tokenizer.model"))
+        if storage.isfile(storage.join(path, CHAR_VOCAB_FILE)):
+            return CharTokenizer(**storage.read_json(storage.join(path, CHAR_VOCAB_FILE)))
+        raise FileNotFoundError(f"{path}: no tokenizer.json, tokenizer.model or "
+                                f"{CHAR_VOCAB_FILE} in this directory (expected {_EXPECTED})")
+    if not storage.isfile(path):
         raise FileNotFoundError(f"tokenizer not found: {path} (expected {_EXPECTED})")
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         magic = f.read(4)
     if magic == b"GGUF":
         return load_gguf_tokenizer(path)
-    if os.path.basename(path) == "tokenizer.json":
-        return load_tokenizer_json(os.path.dirname(path) or ".")
+    if storage.basename(path) == "tokenizer.json":
+        return load_tokenizer_json(storage.dirname(path) or ".")
     if path.endswith(".model"):
         return _sentencepiece(path)
     raise ValueError(f"{path}: unknown tokenizer format (expected {_EXPECTED})")
 
 
-__all__ = ["CONCATENATE_CONTENTS", "CharTokenizer", "HFTokenizer", "SentencePieceTokenizer",
-           "Tokenizer", "load", "load_gguf_tokenizer"]
+def save(tokenizer: Tokenizer, directory: str) -> None:
+    """Writes `tokenizer`'s files into an HF model directory (local or gs://), so that `load`
+    (and, except for a character vocabulary, transformers) reads the same tokenizer back."""
+    if isinstance(tokenizer, HFTokenizer):  # tokenizer.json and GGUF vocabularies alike
+        save_tokenizer_files(tokenizer, directory)
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        storage.write_atomic(storage.join(directory, "tokenizer.model"), tokenizer.model_proto)
+        config = {"tokenizer_class": "LlamaTokenizer", **tokenizer.special_tokens}
+        if tokenizer.chat_template:
+            config["chat_template"] = tokenizer.chat_template
+        storage.write_json(storage.join(directory, "tokenizer_config.json"), config, indent=2)
+    elif isinstance(tokenizer, CharTokenizer):
+        storage.write_json(storage.join(directory, CHAR_VOCAB_FILE), tokenizer.to_json())
+    else:
+        raise TypeError(f"tokenizers.save: no file format for {type(tokenizer).__name__}")
+
+
+__all__ = ["CHAR_VOCAB_FILE", "CONCATENATE_CONTENTS", "CharTokenizer", "HFTokenizer",
+           "SentencePieceTokenizer", "Tokenizer", "load", "load_gguf_tokenizer", "save"]

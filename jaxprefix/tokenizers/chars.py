@@ -10,6 +10,8 @@ from jaxprefix.tokenizers.interface import Tokenizer
 # turns and no generation header. A task's prompt is the user content; an assistant prefix
 # (continue_final_message) is simply appended to it.
 CONCATENATE_CONTENTS = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+# The file a character vocabulary is saved in, beside the model (tokenizers.save / load).
+CHAR_VOCAB_FILE = "task_tokenizer.json"
 
 
 class CharTokenizer(Tokenizer):
@@ -52,6 +54,10 @@ class CharTokenizer(Tokenizer):
                     raise ValueError(f"{self.source}: character {c!r} is not in the vocabulary")
                 ids.append(self._ids[c])
         return ids
+
+    def to_json(self) -> dict:
+        """What CHAR_VOCAB_FILE holds; `CharTokenizer(**d)` rebuilds the tokenizer."""
+        return {"symbols": list(self.symbols), "eos": self._pieces[1], "pad": self._pieces[0]}
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         out = []

@@ -4,11 +4,11 @@ from a GGUF vocabulary.)"""
 from __future__ import annotations
 
 import json
-import os
 from typing import Sequence
 
 import tokenizers
 
+from jaxprefix import storage
 from jaxprefix.tokenizers.interface import Tokenizer
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -49,8 +49,7 @@ class HFTokenizer(Tokenizer):
 
 def _read_json(path: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(storage.read_text(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from e
 
@@ -77,10 +76,10 @@ def _pick_template(value, where: str) -> str | None:
 
 def read_tokenizer_config(directory: str) -> tuple[dict[str, str], str | None]:
     """(special tokens by name, chat template) from an HF tokenizer directory's JSON/Jinja files."""
-    config_path = os.path.join(directory, "tokenizer_config.json")
-    map_path = os.path.join(directory, "special_tokens_map.json")
-    config = _read_json(config_path) if os.path.isfile(config_path) else {}
-    special_map = _read_json(map_path) if os.path.isfile(map_path) else {}
+    config_path = storage.join(directory, "tokenizer_config.json")
+    map_path = storage.join(directory, "special_tokens_map.json")
+    config = _read_json(config_path) if storage.isfile(config_path) else {}
+    special_map = _read_json(map_path) if storage.isfile(map_path) else {}
     special = {}
     for name in SPECIAL_TOKEN_NAMES:
         where = config_path if name in config else map_path
@@ -88,12 +87,11 @@ def read_tokenizer_config(directory: str) -> tuple[dict[str, str], str | None]:
         if token is not None:
             special[name] = token
     # Newer transformers save the template beside the config; it then takes precedence.
-    jinja_path = os.path.join(directory, "chat_template.jinja")
-    json_path = os.path.join(directory, "chat_template.json")
-    if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            template = f.read()
-    elif os.path.isfile(json_path):
+    jinja_path = storage.join(directory, "chat_template.jinja")
+    json_path = storage.join(directory, "chat_template.json")
+    if storage.isfile(jinja_path):
+        template = storage.read_text(jinja_path)
+    elif storage.isfile(json_path):
         template = _pick_template(_read_json(json_path).get("chat_template"), json_path)
     else:
         template = _pick_template(config.get("chat_template"), config_path)
@@ -102,10 +100,20 @@ def read_tokenizer_config(directory: str) -> tuple[dict[str, str], str | None]:
 
 def load_tokenizer_json(directory: str) -> HFTokenizer:
     """The tokenizer of an HF directory holding tokenizer.json."""
-    path = os.path.join(directory, "tokenizer.json")
+    path = storage.join(directory, "tokenizer.json")
     try:
-        backend = tokenizers.Tokenizer.from_file(path)
+        backend = tokenizers.Tokenizer.from_str(storage.read_text(path))
     except Exception as e:  # the Rust side raises a bare Exception on malformed files
         raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
     special, template = read_tokenizer_config(directory)
     return HFTokenizer(backend, special_tokens=special, chat_template=template, source=directory)
+
+
+def save_tokenizer_files(tokenizer: HFTokenizer, directory: str) -> None:
+    """tokenizer.json, tokenizer_config.json (special tokens) and chat_template.jinja, as
+    transformers writes them: `load_tokenizer_json` and transformers read them back."""
+    storage.write_atomic(storage.join(directory, "tokenizer.json"), tokenizer.backend.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens}
+    storage.write_json(storage.join(directory, "tokenizer_config.json"), config, indent=2)
+    if tokenizer.chat_template:
+        storage.write_atomic(storage.join(directory, "chat_template.jinja"), tokenizer.chat_template)

@@ -6,6 +6,7 @@ from typing import Sequence
 
 import sentencepiece
 
+from jaxprefix import storage
 from jaxprefix.tokenizers.interface import Tokenizer
 
 
@@ -20,10 +21,11 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_file: str | os.PathLike, *,
                  special_tokens: dict[str, str] | None = None, chat_template: str | None = None):
         self.source = os.fspath(model_file)
-        if not os.path.isfile(self.source):
+        if not storage.isfile(self.source):
             raise FileNotFoundError(f"SentencePiece model not found: {self.source}")
+        self.model_proto = storage.read_bytes(self.source)  # what tokenizers.save writes back
         try:
-            self._sp = sentencepiece.SentencePieceProcessor(model_file=self.source)
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
         except Exception as e:  # RuntimeError / OSError from the C++ parser
             raise ValueError(f"{self.source}: not a SentencePiece model ({e})") from e
         sp = self._sp

@@ -1,0 +1,172 @@
+"""A whole RL step (sample, score, update) on SmolLM2-135M: jaxprefix vs Tunix's GRPOLearner.
+
+Both arms run the same GRPO step from the same weights (bench/common.py), on CPU in f32:
+  --prompts contexts of --prompt tokens of English text (the same ids in both arms), --n samples
+  each, up to --new tokens at temperature 1, stopping at <|im_end|> (id 2); the reward is the
+  same in-process Python function of the completion ids (the share of even ids: cheap and varied,
+  so advantages are not zero); GRPO advantages (r - mean) / std over each group; the clipped
+  token-mean policy loss (eps 0.2), no KL term, one update per batch (on-policy), and jaxprefix's
+  optimizer (global-norm clip 1.0, AdamW lr 1e-6) in both.
+  ours   the body of jaxprefix.rl.loop.train without checkpoints or metrics files: generate()
+         (prefill once per prompt, n rows decoded in-graph), reward, group_advantages,
+         build_batch, Learner.update;
+  tunix  Tunix 0.1.7's GRPOLearner.train on an RLCluster (vanilla rollout: its Sampler with each
+         prompt repeated n times; reward; grpo advantages; the actor Trainer's jitted step), on
+         Tunix's Llama3 holding our weights (rope theta fixed). A step's time is the interval
+         between two of its metric-function calls (once per step, after the rewards).
+Rounds alternate the arms (--steps steps of each per round; the first step of each arm is its
+compile and is not timed); the script prints seconds per step, the ratio, and the load.
+
+  python bench/bench_rl_step.py             # 2 prompts x 4 samples, 128 + up to 128 tokens
+  python bench/bench_rl_step.py --quick     # 1 x 2, 16 + 16: a sanity run
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench.bench_sampler import IdTokenizer, make_context  # noqa: E402
+from jaxprefix import sampling  # noqa: E402
+from jaxprefix.checkpoints.gguf import bundled_smollm2_path  # noqa: E402
+from jaxprefix.rl import dynamic_sampling, objectives  # noqa: E402
+from jaxprefix.rl.train_step import Learner, TrainConfig, make_optimizer  # noqa: E402
+
+EOS_ID = 2  # SmolLM2's <|im_end|>
+PAD_ID = 0
+
+
+def reward(completion_ids) -> float:
+  """The share of even token ids in a completion (0 for an empty one)."""
+  ids = np.asarray(completion_ids)
+  return float((ids % 2 == 0).mean()) if ids.size else 0.0
+
+
+def train_config() -> TrainConfig:
+  return TrainConfig(learning_rate=1e-6, aggregation="token_mean", eps_low=0.2, eps_high=0.2,
+                     max_grad_norm=1.0)
+
+
+class OurStep:
+  """One RL step of jaxprefix per call: sample, score, update (the RL loop's body)."""
+
+  def __init__(self, model, contexts, args):
+    self.learner = Learner(model, train_config())
+    self.state = self.learner.init_state()
+    self.contexts, self.args, self.step = contexts, args, 0
+
+  def __call__(self):
+    a = self.args
+    policy = self.learner.model(self.state)
+    rollouts = sampling.generate(policy, self.contexts, n=a.n, max_new_tokens=a.new,
+                                 temperature=1.0, stop_ids=(EOS_ID,), seed=self.step)
+    rewards = rollouts.grouped(np.array([reward(c) for c in rollouts.completions()]))
+    advantages = np.asarray(objectives.group_advantages(rewards, "grpo"))
+    selection = dynamic_sampling.select_groups([rewards], len(self.contexts),
+                                               drop_zero_variance=False)
+    batch = dynamic_sampling.build_batch([rollouts], [advantages], selection)
+    self.state, metrics = self.learner.update(self.state, batch)
+    self.step += 1
+    return jax.block_until_ready(metrics)
+
+
+class TunixSteps:
+  """Tunix's GRPOLearner, trained `steps` steps per call; records each step's seconds."""
+
+  def __init__(self, model, config, contexts, args, total_steps: int):
+    from tunix.rl import rl_cluster as rl_cluster_lib
+    from tunix.rl.grpo.grpo_learner import GRPOConfig, GRPOLearner
+    from tunix.rl.rollout import base_rollout
+    tokenizer = IdTokenizer()
+    self.args, self.prompts = args, [tokenizer.decode(c) for c in contexts]
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    roles = rl_cluster_lib.Role
+    cluster_config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
+        rollout_engine="vanilla", offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=make_optimizer(train_config()), eval_every_n_steps=10 ** 9,
+            max_steps=total_steps),
+        rollout_config=base_rollout.RolloutConfig(
+            max_tokens_to_generate=args.new, max_prompt_length=args.prompt,
+            kv_cache_size=args.prompt + args.new, temperature=1.0, top_p=1.0, top_k=None,
+            eos_tokens=[EOS_ID]))
+    cluster = rl_cluster_lib.RLCluster(actor=common.tunix_llama3(model, config), reference=None,
+                                       tokenizer=tokenizer, cluster_config=cluster_config)
+    algo = GRPOConfig(num_generations=args.n, num_iterations=1, beta=0.0, epsilon=0.2,
+                      loss_agg_mode="token-mean")
+
+    def tunix_reward(prompts, completions, **_):
+      return [reward(tokenizer.encode(text)) for text in completions]
+
+    self.marks: list[float] = []
+
+    def mark(**_):  # called once per step, after the rewards
+      self.marks.append(time.perf_counter())
+      return {}
+
+    self.learner = GRPOLearner(cluster, algo, reward_fns=tunix_reward, metric_fns=[mark])
+
+  def run(self, steps: int) -> list[float]:
+    """Trains `steps` steps; returns the seconds of each step but the first of the call."""
+    self.marks.clear()
+    self.learner.train([{"prompts": np.array(self.prompts)}] * (steps + 1))
+    return list(np.diff(self.marks))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--prompts", type=int, default=2)
+  parser.add_argument("--n", type=int, default=4)
+  parser.add_argument("--prompt", type=int, default=128)
+  parser.add_argument("--new", type=int, default=128)
+  parser.add_argument("--steps", type=int, default=3, help="timed steps of each arm per round")
+  parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--quick", action="store_true")
+  args = parser.parse_args()
+  if args.quick:
+    args.prompts, args.n, args.prompt, args.new, args.steps, args.rounds = 1, 2, 16, 16, 2, 1
+
+  common.print_load()
+  model, config = common.load_smollm2()
+  base = make_context(bundled_smollm2_path(), args.prompt + args.prompts)
+  contexts = [base[i:i + args.prompt] for i in range(args.prompts)]  # distinct, same length
+  ours = OurStep(model, contexts, args)
+  tunix = TunixSteps(model, config, contexts, args,
+                     total_steps=2 + args.rounds * (args.steps + 1))
+  print(f"SmolLM2-135M f32 CPU: {args.prompts} prompts x {args.n} samples, prompt "
+        f"{args.prompt} tokens, up to {args.new} new; temperature 1, stop id {EOS_ID}, no KL, "
+        f"one update per batch")
+  for name, warm_up in (("ours", ours), ("tunix", lambda: tunix.run(1))):
+    start = time.perf_counter()
+    warm_up()  # compiles the arm's sampler and train step
+    print(f"{name} compiled and warmed up in {time.perf_counter() - start:.0f} s", flush=True)
+  seconds = {"ours": [], "tunix": []}
+  for round_index in range(args.rounds):
+    seconds["tunix"] += tunix.run(args.steps)
+    for _ in range(args.steps):
+      start = time.perf_counter()
+      ours()
+      seconds["ours"].append(time.perf_counter() - start)
+    print(f"  round {round_index + 1}: ours {seconds['ours'][-args.steps:]}, tunix "
+          f"{seconds['tunix'][-args.steps:]}", flush=True)
+  for name, samples in seconds.items():
+    median, spread = common.summary(samples)
+    print(f"  {name:<6} median {median:7.2f} s/step  min {min(samples):7.2f}  spread "
+          f"{spread:4.0%}  ({len(samples)} steps)")
+  print(f"ours / tunix steps/s: {statistics.median(seconds['tunix']) / statistics.median(seconds['ours']):.2f} "
+        f"from medians, {min(seconds['tunix']) / min(seconds['ours']):.2f} from fastest steps "
+        f"(target >= 1.5)")
+  common.print_load()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,275 @@
+"""The compile job: does a run fit a TPU slice, and how fast could it go? Asked before renting it.
+
+    python -m jaxprefix.main --config=configs/pope.py:paper --config.job=compile \
+        --config.compile.topology=v6e-8 [--config.compile.slices=2] --workdir=/tmp/compile
+
+No TPU is needed, only libtpu (the `tpu` and `test` extras install it): the model is built from
+its config.json alone (the model path's, or a shipped copy: models/published.py), the run's mesh
+is laid over the compile-only devices of the slice (topology.py), and every program one RL step
+runs is compiled by the TPU compiler at the run's shapes (programs.py). For each, compile.json
+and the printed table give HBM per chip against the chip's capacity (the training state that
+stays resident while the sampler runs is counted in the sampler's programs), FLOPs, bytes,
+collectives and a roofline time (compiled_stats.py). Exit status 0 only when every program fits
+within (1 - compile.headroom) of HBM; otherwise one line names the program and the shortfall.
+"""
+from __future__ import annotations
+
+import time
+
+from absl import logging
+
+from jaxprefix import storage
+from jaxprefix.jobs import rl as rl_job
+from jaxprefix.jobs.policy import model_dtypes
+from jaxprefix.models import published
+from jaxprefix.models.config import ModelConfig
+from jaxprefix.models.sharding import make_mesh
+from jaxprefix.models.tpu_attention import kernel_flops
+from jaxprefix.rl import loop
+from jaxprefix.tpu import compiled_stats, programs, topology
+
+GiB = 2**30
+REPORT = 'compile.json'
+
+
+def run_compile(config, workdir: str) -> dict:
+    """Compiles the run's programs for config.compile.topology; writes compile.json, prints the
+    table, and raises SystemExit (one line) when a program does not fit.
+
+    A topology naming only a generation ('v6e') tries its slices from the smallest up and
+    reports the first on which everything fits: the slice to rent."""
+    c = config.compile
+    if not c.topology:
+        raise ValueError('config.compile.topology is empty: expected a TPU type such as v6e-8, '
+                         'v5litepod-16 or v5p-32, or a generation (v6e) for the smallest fit')
+    if c.slices < 1:
+        raise ValueError(f'config.compile.slices={c.slices}: expected >= 1')
+    if not 0 <= c.headroom < 1:
+        raise ValueError(f'config.compile.headroom={c.headroom}: expected a fraction in [0, 1)')
+    if c.context_length < 1:
+        raise ValueError(f'config.compile.context_length={c.context_length}: expected the longest '
+                         'context (prompt plus guidance or prefix) in tokens, >= 1')
+    rl_job.check_method_settings(config)
+    model_config = run_model_config(config)
+    generation = c.topology.strip()
+    candidates = (topology.generation_slices(generation)
+                  if generation in topology.CHIPS or generation in topology.ALIASES
+                  else [topology.slice_type(generation)])
+    search, report = [], None
+    for slice_ in candidates:
+        try:
+            report = compile_for(config, model_config, slice_, workdir)
+        except ValueError as e:  # the run's batch does not split over this many chips
+            if len(candidates) == 1:
+                raise
+            search.append({'topology': slice_.name, 'fits': False, 'why': str(e)})
+            continue
+        search.append({'topology': slice_.name, 'fits': report['fits'],
+                       'why': '' if report['fits'] else _shortfall(report)})
+        if report['fits']:
+            break
+    if report is None:
+        raise ValueError(f'config.compile.topology={c.topology!r}: the run fits no slice size '
+                         f'(tried {", ".join(s["topology"] for s in search)})')
+    if len(candidates) > 1:
+        report['search'] = search
+    storage.write_json(storage.join(workdir, REPORT), report)
+    print(table(report))
+    if not report['fits']:
+        raise SystemExit(f"compile: {_shortfall(report)}; see {storage.join(workdir, REPORT)}")
+    if len(candidates) > 1:
+        print(f"smallest {generation} slice that fits: {report['topology']}")
+    return report
+
+
+def _shortfall(report: dict) -> str:
+    worst = max(report['programs'].values(),
+                key=lambda p: p['hbm_bytes_per_chip'] / p['usable_bytes'])
+    over = (worst['hbm_bytes_per_chip'] - worst['usable_bytes']) / GiB
+    return (f"{worst['name']} does not fit {report['topology']}: it needs "
+            f"{worst['hbm_bytes_per_chip'] / GiB:.1f} GiB per chip, {over:.1f} GiB over the "
+            f"{worst['usable_bytes'] / GiB:.1f} GiB usable ({1 - report['headroom']:.0%} of "
+            f"{worst['hbm_capacity_bytes'] / GiB:.0f} GiB)")
+
+
+def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
+                workdir: str) -> dict:
+    """compile.json's content for one slice type (times config.compile.slices); each compiled
+    program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look."""
+    c = config.compile
+    start = time.perf_counter()
+    contexts = rl_job.contexts_per_step(config)
+    mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
+    train = loop.validate(config, mesh, contexts)
+    r = config.rollout
+    step = programs.StepShape(
+        contexts=contexts, context_length=c.context_length, n=r.n,
+        max_new_tokens=r.max_new_tokens, max_rows_in_flight=r.max_rows_in_flight,
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    model = programs.abstract_model(model_config, mesh)
+    logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
+                 dict(mesh.shape))
+    compiled, learner, state = _timed('learner update', lambda: programs.learner_programs(
+        model, train, mesh, step))
+    # While the sampler runs on its compute-dtype copy of the weights, the training state (master
+    # weights, optimizer moments) stays in HBM.
+    sampler_model = programs.sampling_model(learner, state)
+    resident = programs.bytes_per_chip(state)
+    note = 'training state: master weights and optimizer moments'
+    if train.kl_coef > 0:
+        resident += programs.bytes_per_chip(state.params)
+        note += ', KL reference weights'
+    compiled += _timed('sampler', lambda: programs.sampler_programs(
+        sampler_model, mesh, step, resident_bytes=resident, resident_note=note))
+
+    chip = slice_.chip
+    rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
+    for p in compiled:
+        if p.compiled is not None:
+            storage.write_atomic(storage.join(workdir, 'hlo', slice_.name,
+                                              p.name.replace(' ', '_') + '.txt'),
+                                 p.compiled.as_text())
+    return {
+        'topology': slice_.name, 'slices': c.slices, 'chips': mesh.size,
+        'hosts': slice_.hosts * c.slices, 'mesh': dict(mesh.shape),
+        'fits': all(p['fits'] for p in rows),
+        'chip': {'generation': chip.generation, 'hbm_bytes': chip.hbm_bytes,
+                 'peak_bf16_flops': chip.peak_bf16_flops,
+                 'hbm_bytes_per_s': chip.hbm_bytes_per_s, 'ici_bytes_per_s': chip.ici_bytes_per_s},
+        'headroom': c.headroom,
+        'model': {'model_type': model_config.model_type, 'params': model_config.num_params(),
+                  'param_dtype': model_config.param_dtype, 'dtype': model_config.dtype},
+        'step': {'contexts': step.contexts, 'n': step.n, 'rows': step.rows,
+                 'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
+                 'max_rows_in_flight': step.max_rows_in_flight,
+                 'learner_width': step.learner_width,
+                 'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
+                                         for p in rows if p['roofline'])},
+        'state_bytes_per_chip': {'params': programs.bytes_per_chip(state.params),
+                                 'optimizer': programs.bytes_per_chip(state.opt_state)},
+        'programs': {p['name']: p for p in rows},
+        'compile_seconds': time.perf_counter() - start,
+    }
+
+
+def run_model_config(config) -> ModelConfig:
+    """The run's ModelConfig from config.json facts alone (no weights are read)."""
+    dtype, param_dtype = model_dtypes(config)
+    if config.model.source == 'sft':
+        from jaxprefix.data.tasks import carry_multiplication as task
+        from jaxprefix.jobs import sft
+
+        return sft.model_config(config.sft, task.tokenizer()).replace(
+            param_dtype=param_dtype, dtype=dtype)
+    return ModelConfig.from_hf(hf_config(config), param_dtype=param_dtype, dtype=dtype)
+
+
+def hf_config(config) -> dict:
+    """config.compile.model_config, else the model path's config (config.json, GGUF header),
+    else the shipped config.json of a model of that name."""
+    m, given = config.model, config.compile.model_config
+    if given:
+        return storage.read_json(given)
+    path = m.path
+    try:
+        if m.source == 'gguf':
+            from jaxprefix.checkpoints import gguf
+
+            path = gguf.bundled_smollm2_path() if path == 'bundled' else path
+            if storage.isfile(path):
+                return gguf.read_gguf_config(storage.local_copy(path))
+        elif path and storage.isfile(storage.join(path, 'config.json')):
+            return storage.read_json(storage.join(path, 'config.json'))
+    except Exception as e:  # noqa: BLE001 - an unreachable bucket: fall back to the shipped copy
+        logging.info('compile: %s not readable here (%s); looking for a shipped config', path, e)
+    shipped = published.hf_config(path)
+    if shipped is None:
+        raise ValueError(f'config.model.path={path!r}: no config.json readable there and no '
+                         f'shipped config of that name ({", ".join(published.names())}); give '
+                         f'one with --config.compile.model_config=PATH/config.json')
+    return shipped
+
+
+def _timed(what: str, build):
+    start = time.perf_counter()
+    logging.info('compile: compiling the %s ...', what)
+    result = build()
+    logging.info('compile: %s compiled in %.0f s', what, time.perf_counter() - start)
+    return result
+
+
+def program_report(p: programs.Program, chip: topology.Chip, devices: int,
+                   headroom: float) -> dict:
+    """compile.json's entry for one program (bytes and FLOPs per chip, per call)."""
+    usable = (1 - headroom) * chip.hbm_bytes
+    entry = {'name': p.name, 'shapes': p.shapes, 'calls_per_step': p.calls_per_step,
+             'hbm_capacity_bytes': chip.hbm_bytes, 'usable_bytes': usable,
+             'resident_bytes': p.resident_bytes, 'resident': p.resident_note}
+    if p.compiled is None:  # refused by the compiler: what it said it needed, at least
+        hbm = p.required_bytes + p.resident_bytes
+        return entry | {'hbm_bytes_per_chip': hbm, 'fits': False, 'error': p.error,
+                        'headroom_fraction': 1 - hbm / chip.hbm_bytes, 'flops': None,
+                        'bytes_accessed': None, 'collectives': {}, 'roofline': None}
+    memory = p.compiled.memory_analysis()
+    hbm = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+           - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+           + memory.generated_code_size_in_bytes + p.resident_bytes)
+    cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
+                                  unknown_trip_count=p.unknown_trip_count,
+                                  kernel_flops=kernel_flops).total()
+    compute_s = cost.flops / chip.peak_bf16_flops
+    memory_s = cost.bytes / chip.hbm_bytes_per_s
+    ici_s = sum(c['moved'] for c in cost.collectives.values()) / chip.ici_bytes_per_s
+    return entry | {
+        'hbm_bytes_per_chip': hbm, 'fits': hbm <= usable,
+        'headroom_fraction': 1 - hbm / chip.hbm_bytes,
+        'argument_bytes': memory.argument_size_in_bytes,
+        'output_bytes': memory.output_size_in_bytes,
+        'alias_bytes': memory.alias_size_in_bytes, 'temp_bytes': memory.temp_size_in_bytes,
+        'code_bytes': memory.generated_code_size_in_bytes,
+        'flops': cost.flops, 'bytes_accessed': cost.bytes, 'collectives': cost.collectives,
+        'loops_with_assumed_trip_count': cost.unknown_loops,
+        'assumed_trip_count': p.unknown_trip_count if cost.unknown_loops else None,
+        'kernels_without_flops': cost.kernels_without_flops,
+        'roofline': {'compute_s': compute_s, 'hbm_s': memory_s, 'ici_s': ici_s,
+                     'seconds': max(compute_s, memory_s),
+                     'bound': 'compute' if compute_s >= memory_s else 'HBM bandwidth'},
+    }
+
+
+def table(report: dict) -> str:
+    """The printed summary: one row per program, per chip and per call."""
+    step = report['step']
+    model = report['model']
+    lines = [
+        f"compile: {report['slices']} x {report['topology']} ({report['chips']} chips, "
+        f"{report['hosts']} host(s)), mesh {report['mesh']}",
+        f"model {model['model_type']} {model['params'] / 1e9:.2f}B params ({model['param_dtype']} "
+        f"parameters, {model['dtype']} compute); step: {step['contexts']} contexts x "
+        f"n={step['n']} = {step['rows']} rows, context {step['context_length']} + "
+        f"{step['max_new_tokens']} new tokens, learner width {step['learner_width']}", '',
+        '| program | calls/step | HBM GiB/chip | args | temp | resident | headroom | fits '
+        '| TFLOP | GB | compute s | HBM s | ICI s | collectives |',
+        '|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|']
+    for p in report['programs'].values():
+        if p['roofline'] is None:
+            lines.append(f"| {p['name']} | {p['calls_per_step']} | >= "
+                         f"{p['hbm_bytes_per_chip'] / GiB:.2f} | | | "
+                         f"{p['resident_bytes'] / GiB:.2f} | | **no** | | | | | | {p['error']} |")
+            continue
+        collectives = ', '.join(f"{kind} {c['count']:,.0f}x" for kind, c in p['collectives'].items())
+        cells = [p['name'], p['calls_per_step'], f"{p['hbm_bytes_per_chip'] / GiB:.2f}",
+                 f"{p['argument_bytes'] / GiB:.2f}", f"{p['temp_bytes'] / GiB:.2f}",
+                 f"{p['resident_bytes'] / GiB:.2f}", f"{p['headroom_fraction']:.0%}",
+                 'yes' if p['fits'] else '**no**', f"{p['flops'] / 1e12:,.1f}",
+                 f"{p['bytes_accessed'] / 1e9:,.1f}", f"{p['roofline']['compute_s']:,.2f}",
+                 f"{p['roofline']['hbm_s']:,.2f}", f"{p['roofline']['ici_s']:,.2f}",
+                 collectives or '-']
+        lines.append('| ' + ' | '.join(str(x) for x in cells) + ' |')
+    lines += ['', f"Per chip and per call, on {report['topology']} chips of "
+              f"{report['chip']['hbm_bytes'] / GiB:.0f} GiB (fits: within "
+              f"{1 - report['headroom']:.0%}). HBM = arguments + outputs - donated + temporaries + "
+              "code + resident (the training state, in HBM while the sampler runs). Roofline "
+              "seconds per call = max(compute s, HBM s); ICI s (collectives) shown beside it. "
+              f"One step's roofline: {step['roofline_seconds']:,.0f} s."]
+    return '\n'.join(lines)

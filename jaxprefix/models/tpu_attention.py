@@ -1,0 +1,161 @@
+"""The decoder's no-cache attention, chosen by backend: splash attention (Pallas) on TPU, blockwise
+online softmax (blockwise_attention.py) elsewhere.
+
+Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by index, not by
+position: a causal (or causal + local) mask over the row's slots, and segment ids. Our masks are
+by position (attention._visible). The two agree when the real tokens of a row sit in consecutive
+slots with consecutive positions, padding (position -1) before or after them: the learner's
+right-padded rows (positions 0..len-1) and the sampler's prompts. Then "causal by index, within
+one segment id (1 = real token, 0 = padding)" sees exactly the keys "causal by position among
+real tokens" sees, and the sliding window's position distance is the index distance. tests/
+test_long_attention.py checks it with the kernel in interpret mode on CPU. Queries that also
+read context segments (a suffix prefilled over a shared prompt) take the blockwise path.
+
+The choice is lax.platform_dependent: the program lowered for TPU contains the kernel, the one
+lowered for CPU or GPU the blockwise loops, whatever machine traces it (the compile job lowers
+for TPU on a CPU host).
+"""
+from __future__ import annotations
+
+import functools
+import re
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas.ops.tpu import splash_attention as splash
+from jax.sharding import PartitionSpec as P
+
+from jaxprefix.models import blockwise_attention
+from jaxprefix.models.attention import Segment
+from jaxprefix.models.sharding import logical_spec
+
+# MaxText's default splash tiles; a row length must be a multiple of the tile (lanes: 128).
+_TILE = 512
+_MIN_TILE = 128
+# FLOPs of each splash kernel relative to its forward (QK^T, PV): dq recomputes QK^T and forms
+# dP, dQ (3 matmuls); dkv recomputes QK^T and forms dV, dP, dK (4); fused backward: 5.
+_KERNEL_MATMULS = {'fwd': 2, 'dq': 3, 'dkv': 4, 'bwd': 5}
+# The forward's FLOPs ride in the name stack, so the compiled HLO's op_name of every splash
+# kernel (forward and backward) tells the compile job what XLA's cost analysis cannot see.
+_SCOPE = 'splash_fwd_flops_{}'
+_SCOPE_RE = re.compile(r'splash_fwd_flops_(\d+)')
+_KIND_RE = re.compile(r'splash_m[hq]a_(fwd|dq|dkv|bwd)')
+
+
+def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale: float,
+           window=None, logit_cap: float | None = None,
+           sliding_window: int | None = None) -> jax.Array:
+    """Attention of new tokens over `segments`, whose last is the new tokens' own (k, v, q_pos).
+
+    The contract of attention.attend; `sliding_window` is the model's window size (static), for
+    the kernel's mask, on models whose traced `window` may enable it layer by layer.
+    """
+    blockwise = functools.partial(blockwise_attention.attend, scale=scale, logit_cap=logit_cap)
+    if len(segments) > 1 or not splash_fits(q.shape):
+        return blockwise(q, q_pos, segments, window=window)
+    k, v, _ = segments[0]
+
+    def on_tpu(q, k, v, q_pos, window):
+        return splash_attend(q, k, v, q_pos, scale=scale, logit_cap=logit_cap,
+                             sliding_window=sliding_window, window=window)
+
+    def elsewhere(q, k, v, q_pos, window):
+        return blockwise(q, q_pos, [(k, v, q_pos)], window=window)
+
+    window = jnp.asarray(np.iinfo(np.int32).max if window is None else window, jnp.int32)
+    return jax.lax.platform_dependent(q, k, v, q_pos, window, tpu=on_tpu, default=elsewhere)
+
+
+def splash_fits(q_shape) -> bool:
+    """Splash tiles need rows of a multiple of 128 slots."""
+    return q_shape[1] % _MIN_TILE == 0
+
+
+def splash_attend(q, k, v, q_pos, *, scale: float, logit_cap=None, sliding_window=None,
+                  window=None, interpret: bool = False) -> jax.Array:
+    """Self-attention of q [B, T, H, Dh] over k, v [B, T, Hkv, Dh] with the splash kernel.
+
+    Sharded over the mesh set with jax.set_mesh (rows over the batch axes, heads over 'tensor'
+    when both head counts divide), one kernel per device under shard_map. `window` (traced
+    scalar) switches a layer to the sliding mask when it is below the int32 maximum.
+    `interpret` runs the kernel on CPU (tests).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    kernel = functools.partial(_splash_local, scale=scale, logit_cap=logit_cap,
+                               sliding_window=sliding_window, interpret=interpret)
+    window = jnp.asarray(np.iinfo(np.int32).max if window is None else window, jnp.int32)
+    if mesh.empty:
+        return kernel(q, k, v, q_pos, window)
+    mesh_shape = dict(mesh.shape)
+    q_spec = logical_spec(('batch', None, 'act_heads', None), q.shape, mesh_shape)
+    kv_spec = logical_spec(('batch', None, 'act_heads', None), k.shape, mesh_shape)
+    if q_spec[2] != kv_spec[2]:  # KV heads not divisible like the query heads: keep heads whole
+        q_spec = kv_spec = P(q_spec[0], None, None, None)
+    rows = P(q_spec[0], None)
+    return jax.shard_map(kernel, in_specs=(q_spec, kv_spec, kv_spec, rows, P()),
+                         out_specs=q_spec, check_vma=False)(q, k, v, q_pos, window)
+
+
+def _splash_local(q, k, v, q_pos, window, *, scale, logit_cap, sliding_window, interpret):
+    """The kernel on one device's rows and heads: [b, T, h, Dh] in and out."""
+    b, t, h, dh = q.shape
+    tile = _tile(t)
+    sizes = splash.BlockSizes(block_q=tile, block_kv=tile, block_kv_compute=tile,
+                              block_q_dkv=tile, block_kv_dkv=tile, block_kv_dkv_compute=tile,
+                              block_q_dq=tile, block_kv_dq=tile)
+
+    def run(mask: splash.Mask, visited: float):
+        kernel = splash.make_splash_mha(
+            splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
+            attn_logits_soft_cap=logit_cap, interpret=interpret)
+        segment = (q_pos >= 0).astype(jnp.int32)
+        flops = round(dense_attention_flops(b, t, h, dh) * visited)
+
+        def one_row(q, k, v, segment):  # [T, h, Dh] -> the kernel's heads-major [h, T, Dh]
+            heads_first = lambda x: jnp.swapaxes(x, 0, 1)
+            out = kernel(heads_first(q * jnp.asarray(scale, q.dtype)), heads_first(k),
+                         heads_first(v), segment_ids=splash.SegmentIds(segment, segment))
+            return heads_first(out)
+
+        with jax.named_scope(_SCOPE.format(flops)):
+            return jax.vmap(one_row)(q, k, v, segment)
+
+    causal = splash.CausalMask((t, t))
+    if sliding_window is None or sliding_window >= t:
+        return run(causal, _visited_fraction(t, tile, None))
+    local = splash.LocalMask((t, t), window_size=(sliding_window - 1, 0), offset=0)
+    return jax.lax.cond(window < t, lambda: run(local, _visited_fraction(t, tile, sliding_window)),
+                        lambda: run(causal, _visited_fraction(t, tile, None)))
+
+
+def _tile(length: int) -> int:
+    tile = _TILE
+    while length % tile:
+        tile //= 2
+    return tile
+
+
+def _visited_fraction(length: int, tile: int, window: int | None) -> float:
+    """Fraction of [tile x tile] blocks the kernel computes under a causal (+ local) mask."""
+    n = length // tile
+    first_q = np.arange(n)[:, None] * tile
+    first_k = np.arange(n)[None, :] * tile
+    visited = first_k <= first_q + tile - 1
+    if window is not None:
+        visited &= (first_q - (first_k + tile - 1)) < window
+    return float(visited.mean())
+
+
+def dense_attention_flops(rows: int, length: int, heads: int, head_dim: int) -> float:
+    """QK^T and PV FLOPs of `rows` rows of `length` tokens, every [T, T] score computed."""
+    return 4.0 * rows * length * length * heads * head_dim
+
+
+def kernel_flops(op_name: str) -> float | None:
+    """FLOPs of one call of a splash kernel named in a compiled HLO op_name, else None."""
+    flops, kind = _SCOPE_RE.search(op_name), _KIND_RE.search(op_name)
+    if not (flops and kind):
+        return None
+    return float(flops.group(1)) * _KERNEL_MATMULS[kind.group(1)] / _KERNEL_MATMULS['fwd']

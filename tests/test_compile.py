@@ -1,0 +1,160 @@
+"""The compile job: programs of an RL step compiled for TPU slices on this CPU (libtpu), their
+memory and cost read back, and the pieces it stands on (topologies, meshes, the HLO walk)."""
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxprefix.models import published
+from jaxprefix.models.config import ModelConfig
+from jaxprefix.models.sharding import make_mesh
+from jaxprefix.tpu import compiled_stats, topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model whose matmuls dominate its FLOPs at 128 tokens (attention ~5%, the re-projected
+# vocabulary of the log-prob chunks ~4%), so the update should cost about 6 N D.
+SMALL = dict(model_type='llama', architectures=['LlamaForCausalLM'], vocab_size=2048,
+             hidden_size=512, intermediate_size=2048, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+             tie_word_embeddings=True, rope_theta=10000.0, max_position_embeddings=4096)
+
+
+def test_slice_types_and_their_devices():
+    v6e = topology.slice_type('v6e-8')
+    assert (v6e.chips, v6e.hosts, v6e.topology) == (8, 1, 'v6e:2x4')
+    assert topology.slice_type('v5litepod-16').chip is topology.CHIPS['v5e']
+    assert topology.slice_type('v5p-8').chips == 4  # v5p names count TensorCores
+    for bad in ('v6e-3', 'v5p-6', 'tpu-8', 'v6e'):
+        with pytest.raises(ValueError, match='TPU type'):
+            topology.slice_type(bad)
+    devices = topology.devices(topology.slice_type('v5e-4'), slices=2)
+    assert len(devices) == 8 and devices[0].platform == 'tpu'
+    assert sorted({d.slice_index for d in devices}) == [0, 1]
+
+
+def test_mesh_spans_slices_with_data_over_dcn():
+    """On two slices the mesh sizes are one slice's and 'data' also runs across slices: every
+    data row of the device grid lies in one slice."""
+    devices = topology.devices(topology.slice_type('v5e-4'), slices=2)
+    mesh = make_mesh(data=1, fsdp=-1, devices=devices)
+    assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
+    for row in mesh.devices:
+        assert len({d.slice_index for d in row.ravel()}) == 1
+    with pytest.raises(ValueError, match='4 devices of each of 2 slices'):
+        make_mesh(fsdp=3, devices=devices)
+
+
+def test_hlo_walk_counts_loop_bodies_by_their_trip_count():
+    """XLA's cost_analysis counts a scan's body once; the walk multiplies it by the trip count
+    and agrees with XLA on the same program unrolled (FLOPs within 2%, bytes within 25%)."""
+    devices = topology.devices(topology.slice_type('v5e-4'))
+    mesh = Mesh(np.array(devices), ('x',))
+    layers, d, b = 6, 1024, 512
+
+    def program(unroll):
+        def f(w, x):
+            x, _ = jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, w, unroll=unroll)
+            return (x.astype(jnp.float32) ** 2).sum()
+        return jax.jit(f)
+    w = jax.ShapeDtypeStruct((layers, d, d), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, 'x')))
+    x = jax.ShapeDtypeStruct((b, d), jnp.bfloat16, sharding=NamedSharding(mesh, P('x')))
+    looped = program(1).lower(w, x).compile()
+    unrolled = program(True).lower(w, x).compile()
+    ours = compiled_stats.HloCost(looped.as_text(), num_devices=4).total()
+    xla = unrolled.cost_analysis()
+    expected = 2 * b * d * d * layers / 4
+    assert looped.cost_analysis()['flops'] < expected / 3  # the undercount the walk fixes
+    assert ours.flops == pytest.approx(expected, rel=0.02)
+    assert ours.flops == pytest.approx(xla['flops'], rel=0.02)
+    assert ours.bytes == pytest.approx(xla['bytes accessed'], rel=0.25)
+    assert ours.collectives['all-gather']['count'] == layers  # one weight gather per layer
+
+
+def test_published_configs_are_the_models_config_json():
+    from jaxprefix.checkpoints.gguf import bundled_smollm2_path, read_gguf_config
+
+    smol = published.hf_config('HuggingFaceTB/SmolLM2-135M-Instruct')
+    assert ModelConfig.from_hf(smol) == ModelConfig.from_hf(read_gguf_config(bundled_smollm2_path()))
+    qwen = ModelConfig.from_hf(published.hf_config('gs://bucket/Qwen3-4B-Instruct-2507/'))
+    assert round(qwen.num_params() / 1e9, 2) == 4.02
+    assert published.hf_config('Qwen3-1.7B')['num_hidden_layers'] == 28
+    assert published.hf_config('no-such-model') is None
+
+
+def run_job(tmp_path, *flags):
+    """The compile job as a user runs it: (exit status, output, compile.json or None)."""
+    model_dir = tmp_path / 'model'
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / 'config.json').write_text(json.dumps(SMALL))
+    work = tmp_path / 'work'
+    cmd = [sys.executable, '-m', 'jaxprefix.main', '--config=configs/grpo.py:smoke',
+           '--config.job=compile', '--config.model.source=hf', f'--config.model.path={model_dir}',
+           '--config.compile.context_length=64', f'--workdir={work}', *flags]
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    report = work / 'compile.json'
+    return done.returncode, done.stdout + done.stderr, (json.loads(report.read_text())
+                                                        if report.exists() else None)
+
+
+def test_small_run_compiles_for_four_chips_with_sane_figures(tmp_path):
+    """16 rows x 128 tokens in 2 minibatches of 2 micro-batches over a v5e-4 (FSDP): every
+    program fits; the update costs ~6 N D FLOPs in all (loops counted), the parameters are
+    sharded four ways, and XLA's own argument bytes agree with params + Adam moments + batch."""
+    status, output, report = run_job(
+        tmp_path, '--config.compile.topology=v5e-4', '--config.mesh.data=1',
+        '--config.mesh.fsdp=-1', '--config.train.num_minibatches=2',
+        '--config.train.micro_batch_size=4')
+    assert status == 0, output[-3000:]
+    assert '| learner update |' in output and '| sampler decode |' in output
+    config = ModelConfig.from_hf(SMALL)
+    update = report['programs']['learner update']
+    rows, width = report['step']['rows'], report['step']['learner_width']
+    assert (rows, width, report['chips']) == (16, 128, 4)
+    matmul_params = config.num_params(embeddings=False) + config.vocab_size * config.hidden_size
+    six_nd = 6 * matmul_params * rows * width / report['chips']
+    assert update['flops'] == pytest.approx(six_nd, rel=0.2)
+    params = report['state_bytes_per_chip']['params']
+    assert params == pytest.approx(config.num_params() * 4 / 4, rel=0.01)
+    batch = rows * width * (4 + 4 + 1 + 4 + 4) / 4
+    assert update['argument_bytes'] == pytest.approx(3 * params + batch, rel=0.05)
+    for program in report['programs'].values():
+        assert program['fits'] and 0 < program['hbm_bytes_per_chip'] < program['usable_bytes']
+        assert program['hbm_capacity_bytes'] == 16 * 2**30
+        assert program['roofline']['seconds'] > 0
+    decode = report['programs']['sampler decode']
+    assert decode['assumed_trip_count'] == 61  # the decode loop runs up to max_new_tokens
+    # The training state stays while the sampler runs: master weights and Adam's two moments.
+    assert decode['resident_bytes'] == pytest.approx(3 * params, rel=0.01)
+
+
+def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
+    status, output, report = run_job(
+        tmp_path, '--config.compile.topology=v5e-1', '--config.rollout.n=64',
+        '--config.rollout.max_new_tokens=8192')
+    assert status != 0
+    last = output.strip().splitlines()[-1]
+    assert last.startswith('compile: ') and 'does not fit v5e-1' in last and 'GiB over' in last
+    assert report is not None and not all(p['fits'] for p in report['programs'].values())
+
+
+@pytest.mark.slow
+def test_paper_variant_fits_v6e_8(tmp_path):
+    """The paper run (Qwen3-4B, f32 master weights, bf16 compute) on 8 v6e chips: every program
+    within 90% of HBM. Prints the table for docs/SCALING.md."""
+    from jaxprefix.jobs.compile import run_compile
+    from jaxprefix.run_config import sibling_config
+
+    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'pope.py', 'paper')
+    assert (config.model.param_dtype, config.model.dtype) == ('float32', 'bfloat16')
+    config.job = 'compile'
+    config.compile.topology = 'v6e-8'
+    report = run_compile(config, str(tmp_path))
+    assert all(p['fits'] for p in report['programs'].values())

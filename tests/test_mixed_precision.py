@@ -1,0 +1,95 @@
+"""f32 master weights with bf16 compute train at the paper's learning rate; all-bf16 does not,
+and is refused by name. Config -> policy honours model.param_dtype and model.dtype."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprefix import run_config
+from jaxprefix.models.config import ModelConfig
+from jaxprefix.models.decoder import Decoder
+from jaxprefix.rl.loop import check_update_resolution
+from jaxprefix.rl.train_step import Learner, TrainConfig, frozen_fraction
+from tests.test_train_step import CONFIG, rollout_batch, with_old_logprobs
+
+LR = 1e-6  # the paper variant's
+UPDATES = 5
+
+
+def weight_change(param_dtype: str, dtype: str) -> tuple[float, Learner, object]:
+    """Sum over all weights of |w_after - w_before| after UPDATES updates at LR (from the same
+    f32 initial weights, held in `param_dtype`, computed in `dtype`)."""
+    config = CONFIG.replace(param_dtype=param_dtype, dtype=dtype)
+    start = nnx.state(Decoder(CONFIG, rngs=nnx.Rngs(0)), nnx.Param)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.tree.map(lambda x: x.astype(param_dtype), start))
+    learner = Learner(model, TrainConfig(learning_rate=LR, micro_batch_size=8))
+    state = learner.init_state()
+    before = [np.asarray(x, np.float32) for x in jax.tree.leaves(state.params)]
+    for seed in range(UPDATES):
+        batch = with_old_logprobs(rollout_batch(seed), learner, state)
+        state, metrics = learner.update(state, batch)
+        assert int(metrics["skipped_updates"]) == 0
+    after = [np.asarray(x, np.float32) for x in jax.tree.leaves(state.params)]
+    return sum(float(np.abs(a - b).sum()) for a, b in zip(after, before)), learner, state
+
+
+def test_bf16_compute_with_f32_master_weights_trains_like_f32():
+    reference, _, _ = weight_change("float32", "float32")
+    mixed, learner, state = weight_change("float32", "bfloat16")
+    frozen, _, _ = weight_change("bfloat16", "bfloat16")
+    assert reference > 0
+    assert abs(mixed - reference) <= 0.1 * reference, (mixed, reference)
+    # What the check guards against: bf16 weights round a step of 1e-6 away.
+    assert frozen < 0.1 * reference, (frozen, reference)
+    # Master weights and both AdamW moments stay f32; the sampler gets a bf16 copy.
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
+    moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+    assert moments and {x.dtype for x in moments} == {jnp.dtype("float32")}
+    sampler_params = nnx.state(learner.sampling_model(state), nnx.Param)
+    assert {x.dtype for x in jax.tree.leaves(sampler_params)} == {jnp.dtype("bfloat16")}
+
+
+def test_all_bf16_at_a_tiny_learning_rate_is_refused_by_name():
+    bf16 = Decoder(CONFIG.replace(param_dtype="bfloat16", dtype="bfloat16"), rngs=nnx.Rngs(0))
+    assert frozen_fraction(nnx.state(bf16, nnx.Param), LR) > 0.9
+    with pytest.raises(ValueError, match=r"^config.model.param_dtype=bfloat16 with "
+                                         r"config.train.learning_rate=1e-06: \d+% of the weights"):
+        check_update_resolution(bf16, LR)
+    check_update_resolution(bf16, 1e-2)  # a step bf16 can represent
+    f32_master = Decoder(CONFIG.replace(param_dtype="float32", dtype="bfloat16"), rngs=nnx.Rngs(0))
+    check_update_resolution(f32_master, LR)
+    assert frozen_fraction(nnx.state(f32_master, nnx.Param), LR) == 0.0
+
+
+def test_sampling_model_is_the_state_itself_when_dtypes_agree():
+    learner = Learner(Decoder(CONFIG, rngs=nnx.Rngs(0)), TrainConfig())
+    state = learner.init_state()
+    params = nnx.state(learner.sampling_model(state), nnx.Param)
+    assert all(a is b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)))
+
+
+def test_policy_loading_honours_param_dtype_and_dtype(tmp_path):
+    from jaxprefix import models
+    from jaxprefix.data.tasks import carry_multiplication as task
+    from jaxprefix.jobs.policy import load_policy
+
+    tokenizer = task.tokenizer()
+    config = ModelConfig(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
+                         intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=8, eos_token_ids=(tokenizer.eos_id,))
+    models.save_pretrained(Decoder(config, rngs=nnx.Rngs(0)), config, str(tmp_path / "base"),
+                           tokenizer=tokenizer)
+    c = run_config.base_config()
+    c.model.update(source="sft", path=str(tmp_path / "base"), param_dtype="float32",
+                   dtype="bfloat16")
+    policy = load_policy(c, str(tmp_path))
+    assert policy.model.config.param_dtype == "float32" and policy.model.config.dtype == "bfloat16"
+    leaves = jax.tree.leaves(nnx.state(policy.model, nnx.Param))
+    assert {x.dtype for x in leaves} == {jnp.dtype("float32")}
+    c.model.param_dtype = "int8"
+    with pytest.raises(ValueError, match=r"config.model.param_dtype='int8': expected one of"):
+        load_policy(c, str(tmp_path))
+    paper, _ = run_config.method_config("configs/grpo.py", "grpo", "paper")
+    assert (paper.model.param_dtype, paper.model.dtype) == ("float32", "bfloat16")

@@ -1,0 +1,238 @@
+"""A run that cannot be corrupted: run identity, workdir locks, one-line errors, prompt limits,
+array contracts between modules, and the SFT base's completeness marker.
+
+The checkpoint fallback is tested in test_loop.py (it needs the loop's tiny run), and the
+end-to-end probes through `python -m jaxprefix.main` in test_jobs.py.
+"""
+import errno
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from jaxprefix import errors, run_config, run_identity, workdir_lock
+from jaxprefix.data import DataError, Problem
+from jaxprefix.rl import boundaries
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# --- run identity ----------------------------------------------------------------------------
+
+def test_resume_with_another_learning_rate_is_refused_naming_the_field(tmp_path):
+    workdir = str(tmp_path)
+    run_identity.claim(run_config.base_config(), workdir)
+    changed = run_config.base_config()
+    changed.train.learning_rate = 3e-4
+    changed.rollout.n = 16
+    with pytest.raises(errors.ConfigError) as e:
+        run_identity.claim(changed, workdir)
+    message = str(e.value)
+    assert "train.learning_rate: 0.0001 -> 0.0003" in message and "rollout.n: 8 -> 16" in message
+    assert "--config.allow_changes=rollout.n,train.learning_rate" in message
+    assert "\n" not in message
+
+    changed.allow_changes = "train.learning_rate, rollout"  # a block name covers its fields
+    run_identity.claim(changed, workdir)
+    record = json.load(open(tmp_path / run_identity.RECORD))
+    assert record["config"]["train"]["learning_rate"] == 3e-4
+    assert record["history"][-1]["changed"]["rollout.n"] == [8, 16]
+    assert record["code"]["jaxprefix"]
+
+
+def test_fields_that_steer_length_cadence_and_hardware_may_change(tmp_path):
+    run_identity.claim(run_config.base_config(), str(tmp_path))
+    later = run_config.base_config()
+    later.train.total_steps = 1000
+    later.eval.every, later.checkpoint.keep, later.mesh.fsdp = 5, 10, 2
+    later.rewards.workers = 4
+    run_identity.claim(later, str(tmp_path))  # no error
+    later.seed = 1
+    with pytest.raises(errors.ConfigError, match=r"seed: 0 -> 1"):
+        run_identity.claim(later, str(tmp_path))
+
+
+# --- workdir lock ----------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+from jaxprefix import workdir_lock
+with workdir_lock.hold(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_local_lock_refuses_a_second_run_and_is_taken_over_after_the_owner_dies(tmp_path, caplog):
+    workdir = str(tmp_path / "w")
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, workdir], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(workdir_lock.WorkdirLocked) as e:
+            with workdir_lock.hold(workdir):
+                pass
+        assert f"pid {holder.pid}" in str(e.value) and "in use by another run" in str(e.value)
+    finally:
+        holder.send_signal(signal.SIGKILL)  # no release: the lock file keeps its record
+        holder.wait()
+    with caplog.at_level(logging.WARNING), workdir_lock.hold(workdir):
+        with workdir_lock.hold(workdir):  # re-entrant within a process
+            pass
+    assert f"pid {holder.pid}" in caplog.text and "taking over" in caplog.text
+
+
+def _write_lock_object(gcs, name: str, owner: dict):
+    from google.cloud import storage as gcs_client
+
+    blob = gcs_client.Client().bucket("bucket").blob(name)
+    blob.upload_from_string(json.dumps(owner))
+
+
+def _lock_owner(name: str) -> dict:
+    from google.cloud import storage as gcs_client
+
+    return json.loads(gcs_client.Client().bucket("bucket").blob(name).download_as_text())
+
+
+def test_gcs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(gcs, caplog):
+    workdir = "gs://bucket/locked_run"
+    with workdir_lock.hold(workdir):
+        assert _lock_owner("locked_run/lock.json")["pid"] == os.getpid()
+        with pytest.raises(workdir_lock.WorkdirLocked, match=f"pid {os.getpid()}"):
+            workdir_lock._GcsLock(workdir, 60).acquire(stale_minutes=10)
+    assert "locked_run/lock.json" not in gcs.objects("bucket", "locked_run")  # released
+
+    stale = {"host": "another-host", "pid": 1, "started": "2026-01-01T00:00:00",
+             "command": "python -m jaxprefix.main", "heartbeat": time.time() - 11 * 60}
+    _write_lock_object(gcs, "stale_run/lock.json", stale)
+    with pytest.raises(workdir_lock.WorkdirLocked, match="another-host"):
+        with workdir_lock.hold("gs://bucket/stale_run", {"workdir_lock": {"stale_minutes": 20}}):
+            pass
+    with caplog.at_level(logging.WARNING), workdir_lock.hold("gs://bucket/stale_run"):
+        assert _lock_owner("stale_run/lock.json")["pid"] == os.getpid()
+    assert "took over a stale lock" in caplog.text and "another-host" in caplog.text
+
+
+def test_gcs_lock_of_two_simultaneous_runs_goes_to_one(gcs):
+    # The generation precondition (ifGenerationMatch=0) decides; the other run is refused.
+    start, outcomes = threading.Barrier(2), []
+
+    def contend():
+        lock = workdir_lock._GcsLock("gs://bucket/contended", 60)
+        start.wait()
+        try:
+            lock.acquire(stale_minutes=10)
+            outcomes.append("held")
+        except workdir_lock.WorkdirLocked:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=contend) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["held", "refused"]
+
+
+# --- one-line errors -------------------------------------------------------------------------
+
+def test_anticipated_failures_are_one_line_and_bugs_are_not():
+    from jaxprefix.data import reasoning_gym_problems
+
+    saved = sys.modules.get("reasoning_gym")
+    sys.modules["reasoning_gym"] = None  # as if it were not installed
+    try:
+        with pytest.raises(ModuleNotFoundError) as e:
+            reasoning_gym_problems("gsm_symbolic", 1, 0)
+        missing = e.value
+    finally:
+        if saved is None:
+            del sys.modules["reasoning_gym"]
+        else:
+            sys.modules["reasoning_gym"] = saved
+    assert re.fullmatch(r"error: missing package: reasoning_gym is not installed, and "
+                        r"jaxprefix/data/reasoning_gym_source.py:\d+ needs it for the configured "
+                        r"run; expected it installed: pip install reasoning-gym",
+                        errors.one_line(missing))
+    full = OSError(errno.ENOSPC, "No space left on device", "/w/metrics.jsonl")
+    assert errors.one_line(full).startswith("error: disk full: writing /w/metrics.jsonl failed")
+    assert errors.one_line(errors.DiskFull("/w/checkpoints", 3 << 20, 1 << 20)) == (
+        "error: disk full: /w/checkpoints needs 3.0 MiB, 1.0 MiB free there; free space or use "
+        "another --workdir")
+    assert errors.one_line(DataError("f.jsonl:line 2: malformed JSON")) == \
+        "error: f.jsonl:line 2: malformed JSON"
+    assert errors.one_line(ValueError("a bug")) is None
+    assert errors.one_line(ModuleNotFoundError("x", name="jaxprefix.nope")) is None
+
+
+# --- prompts longer than the model's context ---------------------------------------------------
+
+def test_over_long_prompts_are_refused_with_file_and_line_or_skipped_and_counted(tmp_path):
+    from jaxprefix.jobs.problem_sets import PromptLimit, load_problem_sets
+    from jaxprefix.methods.prompting import TaskPrompts
+    from jaxprefix.data.tasks import carry_multiplication as task
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"question": q, "answer": "1"})
+                              for q in ("12", "9" * 5_000_000, "34")) + "\n")
+    data = run_config.base_config().data
+    data.update(source="file", path=str(path), verifier="exact")
+    limit = PromptLimit(TaskPrompts(task.tokenizer()), 100, "a cap of this test")
+    with pytest.raises(DataError, match=rf"p.jsonl:line 2: a prompt of 5000000 tokens, longer "
+                                        rf"than 100 \(a cap of this test\)"):
+        load_problem_sets(data, limit)
+    data.skip_invalid = True
+    sets = load_problem_sets(data, limit)
+    assert [p.question for p in sets.train] == ["12", "34"] and sets.skipped == 1
+
+
+# --- array contracts between modules ---------------------------------------------------------
+
+def test_boundary_checks_name_the_array_that_is_off():
+    batch = {"tokens": np.zeros((4, 8), np.int32), "positions": np.zeros((4, 8), np.int32),
+             "token_mask": np.ones((4, 8), bool), "completion_mask": np.ones((4, 8), np.float32),
+             "old_logprobs": np.zeros((4, 8), np.float32), "advantages": np.zeros(4, np.float32)}
+    boundaries.check_batch(batch)
+    with pytest.raises(AssertionError, match=r"learner batch: advantages: .*\(4, 1\)"):
+        boundaries.check_batch(batch | {"advantages": np.zeros((4, 1), np.float32)})
+    with pytest.raises(AssertionError, match=r"token_mask: .*float32"):
+        boundaries.check_batch(batch | {"token_mask": np.ones((4, 8), np.float32)})
+    with pytest.raises(AssertionError, match=r"context 1 holds token id 17, outside .*\[0, 17\)"):
+        boundaries.check_contexts([[1, 2], [3, 17]], vocab_size=17)
+    with pytest.raises(AssertionError, match="context 0 is empty"):
+        boundaries.check_contexts([[]], vocab_size=17)
+
+
+# --- the SFT base: a save cut short is redone, not loaded -------------------------------------
+
+def test_sft_base_whose_save_was_cut_short_is_trained_again_not_loaded(tmp_path):
+    from jaxprefix.jobs import policy as policy_job, sft
+
+    config = run_config.method_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo", "smoke")[0]
+    config.sft.update(max_steps=2, eval_start=2, eval_every=2)  # an SFT of seconds
+    workdir = tmp_path / "w"
+    base = workdir / "base"
+    # The weights cannot be written (a directory stands in their way): the save stops there, as
+    # a kill or a full disk would stop it.
+    (base / "model.safetensors").mkdir(parents=True)
+    with pytest.raises(OSError):
+        policy_job.load_policy(config, str(workdir))
+    assert not sft.is_complete(str(base))  # config.json comes last; it used to come first
+
+    (base / "model.safetensors").rmdir()
+    loaded = policy_job.load_policy(config, str(workdir))  # used to load the half-written base
+    assert sft.is_complete(str(base)) and (base / sft.REPORT).exists()
+    weights = (base / "model.safetensors").read_bytes()
+    assert len(weights) > 4 * loaded.model.config.num_params()
+    # A base cut short by an older jaxprefix (config.json first, weights cut) is not whole either.
+    (base / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    assert not sft.is_complete(str(base))

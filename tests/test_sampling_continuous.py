@@ -1,0 +1,163 @@
+"""The continuous decode against the static one: same rollouts for any rows in flight, devices and
+KV budget; bounded compiles; memory that follows the rows in flight, not the request."""
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprefix import models
+from jaxprefix.models import make_mesh, shard_model
+from jaxprefix.models.sharding import param_shardings
+from jaxprefix.sampling import SharedContext, budget, generate, sampler
+from jaxprefix.sampling.sampler import TRACE_COUNTS
+
+# GQA (4 query heads over 2 KV heads), small enough that a decode step is B-independent in f32.
+CONFIG = models.ModelConfig(model_type='llama', vocab_size=64, hidden_size=32,
+                            intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                            head_dim=8, max_position_embeddings=256, eos_token_ids=(2,))
+_rng = np.random.default_rng(0)
+A, B, C, D, E = (_rng.integers(3, 64, size=size).tolist() for size in (3, 9, 7, 12, 5))
+# Mixed lengths, and a prompt shared by three contexts (one of them with no suffix).
+CONTEXTS = [A, B, C, D, E, SharedContext(B, A), SharedContext(B, []), SharedContext(B, C)]
+# Stop ids a random 64-token model samples within ~20 tokens now and then: rows stop at many
+# different steps, some never (checked in the test, so the request keeps its teeth).
+REQUEST = dict(n=3, max_new_tokens=20, stop_ids=(5, 9, 17), seed=3)
+
+
+def make_model():
+    return models.Decoder(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope='module')
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope='module')
+def static(model):
+    """temperature -> the static decode's rollouts (every row in flight)."""
+    cache = {}
+
+    def get(temperature):
+        if temperature not in cache:
+            cache[temperature] = generate(model, CONTEXTS, temperature=temperature, **REQUEST)
+        return cache[temperature]
+    return get
+
+
+def assert_same_rollouts(r, reference):
+    assert r.completions() == reference.completions()
+    np.testing.assert_allclose(r.logprobs, reference.logprobs, atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(r.lengths, reference.lengths)
+    np.testing.assert_array_equal(r.stopped, reference.stopped)
+
+
+@pytest.mark.parametrize('rows,temperature', [(1, 1.0), (3, 1.0), (8, 1.0), (24, 1.0),
+                                              (3, 0.0), (8, 0.0)])
+def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature):
+    reference = static(temperature)
+    stopped_at = set(reference.lengths[reference.stopped].tolist())
+    assert len(stopped_at) >= 3 and not reference.stopped.all(), reference.lengths
+    req = sampler._prepare(model, CONTEXTS, temperature=temperature, top_p=1.0, top_k=0,
+                           max_rows_in_flight=rows, kv_budget_bytes=None, **REQUEST)
+    # 24 rows: every row fits, so the static decode runs; fewer: the continuous one, with that cap.
+    assert (req.schedule is None) == (rows >= 24)
+    assert req.schedule is None or req.schedule.rows_in_flight == rows
+    r = generate(model, CONTEXTS, temperature=temperature, max_rows_in_flight=rows, **REQUEST)
+    assert_same_rollouts(r, reference)
+
+
+def test_kv_budget_sets_rows_in_flight(model, static):
+    per_token = budget.kv_bytes_per_token(CONFIG)
+    # Room for 5 rows of 32 new tokens and 2 x ceil(5/3) = 4 contexts of 16 + 16 tokens.
+    allowed = (5 * 32 + 4 * 32) * per_token
+    req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
+                           max_rows_in_flight=None, kv_budget_bytes=allowed, **REQUEST)
+    assert req.schedule == budget.Schedule(shards=1, row_slots=5, context_slots=4, admit=2)
+    r = generate(model, CONTEXTS, temperature=1.0, kv_budget_bytes=allowed, **REQUEST)
+    assert_same_rollouts(r, static(1.0))
+
+
+def test_eight_devices_equal_one(model, static, tmp_path):
+    mesh = make_mesh(8, 1, 1)
+    sharded = shard_model(make_model(), mesh)
+    assert len(sharded.embed[...].sharding.device_set) == 8
+    # 16 rows over 8 devices: 2 row slots per device, each device admitting its own contexts.
+    r = generate(sharded, CONTEXTS, temperature=1.0, max_rows_in_flight=16, **REQUEST)
+    assert_same_rollouts(r, static(1.0))
+
+
+def test_varying_requests_do_not_recompile(model):
+    kwargs = dict(n=3, max_rows_in_flight=4, stop_ids=(5,))
+    generate(model, [A, B, C], max_new_tokens=20, temperature=1.0, seed=1, **kwargs)
+    before = dict(TRACE_COUNTS)
+    generate(model, [D, E, A, B], max_new_tokens=30, temperature=0.7, top_p=1.0, seed=2,
+             **kwargs)
+    generate(model, [E, [7], A], max_new_tokens=17, temperature=1.3, seed=3,
+             **{**kwargs, 'stop_ids': (5, 6, 7)})
+    assert dict(TRACE_COUNTS) == before
+    generate(model, [D + D, A], max_new_tokens=20, seed=1, **kwargs)  # a longer context bucket
+    assert TRACE_COUNTS['continuous'] == before['continuous'] + 1
+
+
+def _decode_temp_bytes(num_contexts, n, rows):
+    abstract = nnx.eval_shape(make_model)
+    programs = sampler.abstract_programs(abstract, num_contexts=num_contexts, context_length=24,
+                                         n=n, max_new_tokens=60, max_rows_in_flight=rows)
+    program = programs['continuous' if 'continuous' in programs else 'decode']
+    return program.lower().compile().memory_analysis().temp_size_in_bytes
+
+
+def test_decode_temporaries_grow_with_rows_in_flight_not_with_the_request():
+    small = _decode_temp_bytes(4, 4, rows=4)
+    assert _decode_temp_bytes(32, 8, rows=4) == small  # 16x the rows, same rows in flight
+    assert _decode_temp_bytes(8, 4, rows=16) > 1.5 * small  # 4x the rows in flight
+    assert _decode_temp_bytes(32, 8, rows=None) > 4 * small  # the static decode: every row
+
+
+def test_abstract_programs_lower_as_generate_runs_them(model):
+    """Lowered from abstract shapes on a sharded abstract model, each program's text equals the
+    lowering of the call generate() makes on real arrays."""
+    mesh = make_mesh(4, 2, 1)
+    real = shard_model(make_model(), mesh)
+    abstract = nnx.eval_shape(make_model)
+    shardings = param_shardings(abstract, mesh)
+    nnx.update(abstract, jax.tree.map(
+        lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
+        nnx.state(abstract), shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    contexts = [list(range(3 + i, 15 + i)) for i in range(6)]  # 6 distinct contexts of 12
+    for rows in (None, 8):
+        req = sampler._prepare(real, contexts, n=4, max_new_tokens=40, temperature=1.0,
+                               top_p=1.0, top_k=0, stop_ids=(2,), seed=0,
+                               max_rows_in_flight=rows, kv_budget_bytes=None)
+        programs = sampler.abstract_programs(abstract, num_contexts=6, context_length=12, n=4,
+                                             max_new_tokens=40, max_rows_in_flight=rows)
+        with jax.set_mesh(mesh):
+            if rows is None:
+                prefill = sampler._prefill_program(req)
+                segments, state = prefill()
+                expected = {'prefill': prefill,
+                            'decode': sampler._decode_program(req, segments, state)}
+            else:
+                expected = {'continuous': sampler._continuous_program(req)}
+            assert programs.keys() == expected.keys()
+            for name, program in programs.items():
+                assert program.lower().as_text() == expected[name].lower().as_text(), name
+
+
+def test_plan():
+    kw = dict(num_contexts=8, n=4, context_length=32, new_bucket=64, shards=2,
+              bytes_per_token=10)
+    static_bytes = (8 * 32 + 32 * 64) * 10
+    assert budget.plan(**kw) is None
+    assert budget.plan(**kw, kv_budget_bytes=static_bytes) is None
+    assert budget.plan(**kw, max_rows_in_flight=32) is None
+    # A cap: rows per device rounded down, one at least; K = 2 ceil(s / n), F = ceil(s / n).
+    assert budget.plan(**kw, max_rows_in_flight=13) == budget.Schedule(2, 6, 4, 2)
+    assert budget.plan(**kw, max_rows_in_flight=1) == budget.Schedule(2, 1, 2, 1)
+    # A budget: the most rows whose slots and contexts fit: 2 x (s x 64 + K x 32) tokens.
+    allowed = 2 * (5 * 64 + 4 * 32) * 10
+    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.Schedule(2, 5, 4, 2)
+    assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.Schedule(2, 4, 2, 1)
+    with pytest.raises(ValueError, match=r'kv_budget_bytes=100 holds no row: .* need 2560 bytes'):
+        budget.plan(**kw, kv_budget_bytes=100)
