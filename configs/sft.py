@@ -26,18 +26,16 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     config.model = ml_collections.ConfigDict(dict(layers=2, width=64, heads=4, mlp_width=256))
 
     # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
-    # first; multipliers 2..9 (1 is copying); each step's notation '^' with probability tens_first;
-    # a hinted_fraction of rows with the first steps given in the prompt (the policy learns to
-    # read POPE's guidance; the target is still the whole solution).
+    # first; multipliers 2..9 (1 is copying); each step's notation '^' with probability tens_first.
     config.data = ml_collections.ConfigDict(dict(
         batch_size=64, digits=(1, 20), full_length_fraction=0.5, multipliers=(2, 9),
-        tens_first=0.5, hinted_fraction=0.25))
+        tens_first=0.5))
 
     # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
     config.lr = 1e-3
     config.warmup_steps = 100
     config.weight_decay = 1e-4
-    config.max_steps = 2500
+    config.max_steps = 1500
     # Each point costs one forward pass; sampling starts once the step accuracy passes a gate.
     config.eval_start = 300
     config.eval_every = 25
@@ -46,10 +44,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
         k=16,                      # the mining k: hard pass@k must be exactly 0
         hard_count=64,             # hard problems (20 digits x 6..9) measured at each point
         hard_seed=10_000,          # distinct from the RL sets' seeds
-        # guided success is measured with the guidance POPE will use ('instruction': the steps
-        # given in a hint block of the prompt, the whole answer the policy's own) ...
-        guidance="instruction",
-        steps_left=2,              # ... with this many steps left to compute ...
+        steps_left=2,              # guided success is measured with this many steps left ...
         guided_floor=0.25,         # ... and must reach this floor
         guided_samples=8,
         report_steps_left=(1, 2, 4),

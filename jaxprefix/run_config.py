@@ -206,9 +206,9 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     c.train.update(problems_per_step=32, total_steps=150, learning_rate=1e-4, max_grad_norm=1.0,
                    micro_batch_size=64)
     c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
-    # Guidance in the prompt (the base's SFT taught it the hint block). Searched up to the whole
-    # solution but its last step: difficulty here is p^(steps left), so a quarter of the
-    # solution leaves p^15 (docs/DEMO_TASK.md); RESULTS.md runs the caps 1/4, 1/2 and 1.
+    c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
+    # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
+    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md); RESULTS.md runs caps 1/4, 1/2, 1.
     c.pope.max_prefix_fraction = 1.0
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50

@@ -117,7 +117,7 @@ def test_pope_solution_prefix_is_question_then_oracle_steps():
         context, response_prefix = pope.guided_context(PROMPTS, problem, k,
                                                        guidance="solution_prefix")
         assert isinstance(context, SharedContext)
-        assert list(context.prompt) == TOKENIZER.encode(task.EMPTY_HINT + "743" + "_" * 17 + "x6=")
+        assert list(context.prompt) == TOKENIZER.encode("743" + "_" * 17 + "x6=")
         assert list(context.suffix) == TOKENIZER.encode(steps)
         assert response_prefix == steps
     with pytest.raises(ValueError, match="pope.guidance.*'hint'"):
@@ -207,30 +207,24 @@ def test_pope_longest_fallback_never_guides_with_the_whole_solution():
             assert TOKENIZER.decode(list(context.suffix)) == "".join(problem.steps[:-1])
 
 
-# --- POPE with the guidance in the prompt, on the demo task's policy -------------------------
+# --- POPE with the guidance in the prompt (an instruction-following policy) ------------------
 
-HINTED = TaskPrompts(TOKENIZER, task.hinted)
-
-
-def test_pope_instruction_on_the_demo_task_puts_the_partial_solution_in_the_prompt():
-    problem = task.make_problem(347, 6)  # steps: 7*6 = 42 -> (2, 4); 4*6+4 = 28; 3*6+2 = 20
-    context, response_prefix = pope.guided_context(HINTED, problem, 2, guidance="instruction")
-    # The sum digits of the 2 given steps in 20 slots, then their carries, then the question.
-    assert TOKENIZER.decode(context) == ("28" + "_" * 18 + "42" + "_" * 18 + "|"
-                                         + "743" + "_" * 17 + "x6=")
-    assert TOKENIZER.decode(PROMPTS.question(problem)) == task.EMPTY_HINT + "743" + "_" * 17 + "x6="
-    assert response_prefix == ""  # the answer is the policy's own, scored alone
-    assert task.verify("+24+82+02", problem) == 1.0  # ... and it must be the whole solution
-    assert task.verify("+02", problem) == 0.0
+CHAT_PROBLEMS = [Problem(id=f"m{a}", question=f"What is {a} * 7?", answer=str(a * 7),
+                         solution=f"{a} * 7 = {a * 7}.\nSo the answer is {a * 7}.")
+                 for a in (12, 13, 14, 15)]
 
 
-def test_instruction_mode_guided_prompt_carries_no_loss(model):
-    hard = PROBLEMS[:4]
-    method = pope.PopeMethod(HINTED, hard, {p.id: 2 for p in hard}, schedule=FixedPrefix(),
-                             guidance="instruction", problems_per_step=4, n=2, seed=0)
+def test_instruction_mode_guided_prompt_carries_no_loss(smollm2):
+    """Guided contexts hold the partial solution in the user turn, with no response prefix; the
+    learner's batch puts no loss on any prompt token and all of it on the policy's answer."""
+    prompts = ChatPrompts(smollm2)
+    model = Decoder(MODEL.replace(vocab_size=smollm2.vocab_size), rngs=nnx.Rngs(0))
+    method = pope.PopeMethod(prompts, CHAT_PROBLEMS, {p.id: 1 for p in CHAT_PROBLEMS},
+                             schedule=FixedPrefix(), guidance="instruction", problems_per_step=4,
+                             n=2, seed=0)
     request = method.next_request(0)
-    rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5, stop_ids=STOP,
-                                 seed=0)
+    rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5,
+                                 stop_ids=(smollm2.eos_id,), seed=0)
     rewards = np.random.default_rng(0).uniform(size=(len(request.contexts), 2))
     selection = dynamic_sampling.select_groups([rewards], len(request.contexts))
     batch = dynamic_sampling.build_batch(
@@ -244,13 +238,12 @@ def test_instruction_mode_guided_prompt_carries_no_loss(model):
         assert batch["completion_mask"][row, start:start + rollouts.lengths[row]].all()
         if request.tags["guided"][group]:
             guided_rows += 1
-            hint = TOKENIZER.decode(context[:task.HINT_LENGTH])
-            steps = problem.steps[:2]  # '+sc': the partial solution, sum digits then carries
-            assert hint[:2] + hint[task.SLOTS:task.SLOTS + 2] == "".join(
-                s[1] for s in steps) + "".join(s[2] for s in steps)
+            partial = f"{problem.question.split()[2]} * 7 = {problem.answer}."
+            assert f"Partial Response: {partial}\n\nContinue" in smollm2.decode(context)
+            assert problem.answer not in smollm2.decode(prompts.question(problem))
             assert request.response_prefixes[group] == ""
         else:
-            assert context == PROMPTS.question(problem)
+            assert context == prompts.question(problem)
     assert guided_rows == 4 * 2
 
 

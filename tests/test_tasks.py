@@ -17,7 +17,7 @@ def problems():
 def test_hand_computed_problem():
     # 47 * 6 = 282: 7*6 = 42 -> write 2 carry 4; 4*6 + 4 = 28 -> write 8 carry 2.
     problem = task.make_problem(47, 6)
-    assert problem.question == "_" * 40 + "|" + "74" + "_" * 18 + "x6="  # an empty hint block
+    assert problem.question == "74" + "_" * 18 + "x6="
     assert problem.steps == ("+24", "+82")
     assert problem.answer == "282"
     assert task.verify("+24+82<eos>", problem) == 1.0
@@ -123,19 +123,3 @@ def test_verifier_is_registered():
     problem = task.make_problem(47, 6)
     scores, _ = rewards.score_batch(task.NAME, ["+24+82<eos>", "+24+81", "^42+82"], [problem] * 3)
     assert scores.tolist() == [1.0, 0.0, 1.0]
-
-
-def test_hinted_problem_by_hand():
-    problem = task.make_problem(347, 6)  # steps +24 +82 +02
-    hinted = task.hinted(problem, 2)
-    assert hinted.question == "28" + "_" * 18 + "42" + "_" * 18 + "|" + "743" + "_" * 17 + "x6="
-    assert len(hinted.question) == task.QUESTION_LENGTH == len(problem.question)
-    assert hinted.steps == problem.steps and hinted.answer == problem.answer
-    # The answer is the whole solution, in any notation; the hint changes nothing it must be.
-    assert task.verify("+24^28+02", hinted) == task.verify("+24^28+02", problem) == 1.0
-    assert task.verify("+02", hinted) == 0.0
-    assert task.hinted(problem, 0) is problem
-    with pytest.raises(ValueError, match="out of range 1..3"):
-        task.hinted(problem, 4)
-    with pytest.raises(ValueError, match="already has steps"):
-        task.hinted(task.guided(problem, 1), 1)

@@ -49,11 +49,8 @@ def load_policy(config, workdir: str) -> Policy:
         path = base_dir(config, workdir)
         if not sft.is_complete(path):  # absent, or its save was cut short: (re)train it
             sft.run_sft(config.sft, storage.dirname(path) or ".")
-        from jaxprefix.data.tasks import carry_multiplication as task
-
         model, tokenizer = sft.load_base(path, dtype, param_dtype)
-        # The base's SFT taught it the task's hint block: POPE can guide it in the prompt.
-        return Policy(model, tokenizer, TaskPrompts(tokenizer, task.hinted), source)
+        return Policy(model, tokenizer, TaskPrompts(tokenizer), source)
     if source == "hf":
         model, _ = models.from_pretrained(config.model.path, dtype, param_dtype=param_dtype)
     elif source == "gguf":

@@ -5,7 +5,8 @@
 Runs (each in its own workdir under --workdir, so an interrupted job resumes where it stopped;
 `results.runs` names them, `results.seeds` the seeds of each), all from one SFT base:
 - on the 20-digit hard set (solved 0 of k times by the base), at the same rollouts per step and
-  steps: GRPO; POPE with its guidance in the prompt at several prefix caps; the papers' baselines
+  steps: GRPO; POPE at several prefix caps (its guidance as pope.guidance says: on the demo
+  task a forced answer prefix, the tiny policy reads no prompt guidance); the papers' baselines
   (entropy bonus, pass@k advantages, hard + easy problems, SFT on the policy's own correct guided
   answers then GRPO, SFT on the oracle solutions then GRPO); POPE with a forced answer prefix;
   PrefixRL with its own rejection-sampled traces (the limit case: the pool is nearly empty);
@@ -44,14 +45,15 @@ class RunSpec:
 RUNS = {
     "grpo": RunSpec("grpo", {}, "plain GRPO on the hard set"),
     "pope_cap1": RunSpec("pope", {"pope.max_prefix_fraction": 1.0},
-                         "POPE, the oracle prefix in the prompt, prefixes up to all steps but one"),
+                         "POPE, prefixes up to all steps but one"),
     "pope_cap0.5": RunSpec("pope", {"pope.max_prefix_fraction": 0.5},
-                           "POPE, prefix in the prompt, at most half of the solution"),
+                           "POPE, prefixes of at most half of the solution"),
     "pope_cap0.25": RunSpec("pope", {"pope.max_prefix_fraction": 0.25},
-                            "POPE, prefix in the prompt, at most a quarter of the solution"),
+                            "POPE, prefixes of at most a quarter of the solution"),
     "pope_solution_prefix": RunSpec(
         "pope", {"pope.guidance": "solution_prefix", "pope.max_prefix_fraction": 1.0},
-        "POPE with the prefix forced as the start of the answer (ablation; PrefixRL's mechanism)"),
+        "POPE with the prefix forced as the start of the answer (the ablation of an LLM config "
+        "guided in its prompt; on the demo task the same as pope_cap1)"),
     "pope_no_restate": RunSpec("pope", {"pope.template": "no_restate"},
                                "POPE, the instruction forbids restating the prefix"),
     "grpo_entropy": RunSpec("grpo", {"train.entropy_coef": 0.01}, "GRPO + entropy bonus"),

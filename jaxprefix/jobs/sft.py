@@ -52,9 +52,6 @@ def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray
     lengths uniform alone the last slot is trained on 5% of rows and stays far behind the first
     (measured: 0.07 vs 0.75 probability of a right step at the same point). Each step's notation
     is drawn at random so the policy writes both (PrefixRL's traces then differ from the oracle).
-    A `hinted_fraction` of rows carries a hint block with the first k steps (k uniform in
-    1..N-1) in the prompt and still the whole solution as the target: the policy learns to read
-    guidance given in the prompt, as an instruction-tuned LLM reads POPE's partial solution.
     """
     data = config.data
     seed = config.seed * 1_000_003 + step
@@ -68,9 +65,6 @@ def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray
     loss_mask = np.zeros(tokens.shape, np.float32)
     for row, problem in enumerate(problems):
         solution = task.sample_solution(problem, rng, data.tens_first)
-        if rng.random() < data.hinted_fraction:
-            steps = len(problem.steps)
-            problem = task.hinted(problem, rng.randint(1, max(1, steps - 1)))
         ids, mask = task.training_ids(problem, solution, tokenizer)
         tokens[row, :len(ids)] = ids
         loss_mask[row, :len(ids)] = mask
@@ -114,15 +108,10 @@ def step_accuracy(model, problems, tokenizer) -> float:
     return correct / max(total, 1)
 
 
-GUIDANCE = {"instruction": task.hinted, "solution_prefix": task.guided}  # as pope.guidance
-
-
-def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, seed: int,
-                   guidance: str = "instruction") -> np.ndarray:
-    """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps
-    in the prompt ('instruction': the answer is the whole solution) or as the start of the
-    answer ('solution_prefix')."""
-    guided = [GUIDANCE[guidance](p, prefix_steps) for p in problems]
+def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int,
+                   seed: int) -> np.ndarray:
+    """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps."""
+    guided = [task.guided(p, prefix_steps) for p in problems]
     contexts = [tokenizer.encode(p.question) for p in guided]
     rollouts = sampling.generate(model, contexts, n=n, max_new_tokens=task.MAX_COMPLETION_LENGTH,
                                  temperature=1.0, stop_ids=(tokenizer.eos_id,), seed=seed)
@@ -133,8 +122,7 @@ def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, see
 
 
 def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool = False) -> dict:
-    """The criterion measurements at one point: per-step accuracy, hard pass@k, guided success
-    (with the guidance of `criterion.guidance`).
+    """The criterion measurements at one point: per-step accuracy, hard pass@k, guided success.
 
     Sampling is skipped (None) while the teacher-forced step accuracy is under
     `criterion.sample_from_step_accuracy`: guided success with r steps left is about p^r, so
@@ -151,8 +139,7 @@ def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool =
     metrics["guided_success"] = {}
     for steps_left in sorted({*criterion.report_steps_left, criterion.steps_left}):
         counts = success_counts(model, hard, tokenizer, n=criterion.guided_samples,
-                                prefix_steps=task.SLOTS - steps_left, seed=seed + steps_left,
-                                guidance=criterion.guidance)
+                                prefix_steps=task.SLOTS - steps_left, seed=seed + steps_left)
         metrics["guided_success"][str(steps_left)] = float(counts.mean() / criterion.guided_samples)
     return metrics
 

@@ -14,11 +14,12 @@ Pipeline:
    unguided contexts (1:1 by default), optionally with easy problems mixed in. A problem with no
    solvable prefix within the cap is dropped (and counted), or guided by the longest prefix tried.
 
-Guidance comes in two forms. 'instruction' (the paper): the prefix goes into the prompt (an
-LLM's user turn, with an instruction to continue it; the demo task's hint block, which its SFT
-taught the tiny policy to read); the prompt gets no loss and the answer, the policy's own, is
-scored alone. 'solution_prefix' (an ablation; PrefixRL's mechanism): the prefix is forced as the
-start of the answer, and the verifier judges prefix + continuation.
+Guidance comes in two forms. 'instruction' (the paper, instruction-tuned LLMs): the prefix goes
+into the user turn with an instruction to continue it; the prompt gets no loss and the answer, the
+policy's own, is scored alone. 'solution_prefix' (policies that follow no instruction, like the
+demo's tiny model; PrefixRL's mechanism): the prefix is forced as the start of the answer, and the
+verifier judges prefix + continuation. docs/DEMO_TASK.md says what teaching the demo policy a
+hint format in its prompt measured.
 """
 from __future__ import annotations
 
@@ -59,10 +60,11 @@ def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0)
 def guided_context(prompts, problem: Problem, units: int, *, guidance: str,
                    template: str = GUIDED_TEMPLATE):
     """(context, response prefix text) of `problem` guided by its first `units` oracle steps."""
+    partial = oracle_prefix_text(problem, units)
     if guidance == "instruction":
-        return prompts.with_partial_solution(problem, units, template), ""
+        text = template.format(question=problem.question, partial_response=partial)
+        return prompts.user_turn(text), ""
     if guidance == "solution_prefix":
-        partial = oracle_prefix_text(problem, units)
         return with_response_prefix(prompts, problem, prompts.response(partial)), partial
     raise ValueError(f"pope.guidance must be one of {GUIDANCE_MODES}, got {guidance!r}")
 

@@ -4,12 +4,11 @@ Two kinds of policy read problems differently:
 - `ChatPrompts`: an instruction-tuned LLM. The question is a user turn rendered by the model's own
   chat template; guidance can be an instruction in the user turn (POPE) or the start of the
   assistant's answer, left unfinished for the policy to continue (PrefixRL).
-- `TaskPrompts`: a tiny policy trained on a built-in task's raw text. It follows no English
-  instruction; a task whose SFT taught the policy a hint format (the demo task's hint block) can
-  still be guided in the prompt, else guidance is the start of its solution.
+- `TaskPrompts`: a tiny policy trained on a built-in task's raw text. It follows no instruction, so
+  guidance is always the start of its solution.
 
-All give `question(problem)` (the unguided context), `response(text)` (tokens that continue
-the assistant turn) and `with_partial_solution(problem, units, template)` (POPE's guided prompt). A context with a response prefix is `SharedContext(question, prefix)`: the
+Both give `question(problem)` (the unguided context) and `response(text)` (tokens that continue
+the assistant turn). A context with a response prefix is `SharedContext(question, prefix)`: the
 sampler prefills the question once however many prefixes of one problem a batch holds.
 """
 from __future__ import annotations
@@ -43,11 +42,6 @@ class ChatPrompts:
     def question(self, problem: Problem) -> list[int]:
         return self.user_turn(problem.question)
 
-    def with_partial_solution(self, problem: Problem, units: int, template: str) -> list[int]:
-        """The problem and its first `units` oracle steps in the user turn, by `template`."""
-        partial = oracle_prefix_text(problem, units)
-        return self.user_turn(template.format(question=problem.question, partial_response=partial))
-
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -63,11 +57,8 @@ class TaskPrompts:
 
     follows_instructions = False
 
-    def __init__(self, tokenizer, hinted=None):
-        """`hinted(problem, units) -> Problem`: the task's hinted problem (its question holds the
-        first units steps), for a policy trained to read it; None: no guidance in the prompt."""
+    def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.hinted = hinted
 
     def user_turn(self, text: str) -> list[int]:
         raise ValueError("a built-in task's policy follows no instructions: guide it with a "
@@ -75,13 +66,6 @@ class TaskPrompts:
 
     def question(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode(problem.question)
-
-    def with_partial_solution(self, problem: Problem, units: int, template: str) -> list[int]:
-        """The task's hinted question (the template is English: the task's format replaces it)."""
-        if self.hinted is None:
-            raise ValueError("this task's policy reads no guidance in its prompt: guide it with a "
-                             "solution prefix (pope.guidance='solution_prefix')")
-        return self.tokenizer.encode(self.hinted(problem, units).question)
 
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -2,8 +2,7 @@
 
 Text layout (one character per token, fixed slots, digits least significant first):
 
-    question   hint block (41 tokens, all '_' then '|' unless guided), then
-               a_0 a_1 .. a_{N-1} _ .. _  x  d  =          20 digit slots, '_' marks unused ones
+    question   a_0 a_1 .. a_{N-1} _ .. _  x  d  =          20 digit slots, '_' marks unused ones
     step i     +  s_i c_i     (or the same step written ^ c_i s_i)
     end        <eos> once the next digit slot is '_' (or after the last slot)
 
@@ -17,19 +16,13 @@ every step), as PrefixRL's mined traces differ from a reference solution, while 
 underneath is the same. The verifier is exact: every step must be right and nothing may follow
 the last one, so neither guessing nor stopping early earns reward. See docs/DEMO_TASK.md.
 
-Guidance comes in two forms, as POPE's does on an LLM (docs/DEMO_TASK.md):
-- in the prompt (`hinted(problem, k)`, POPE's 'instruction' mode): the question's hint block
-  holds the first k steps, and the policy writes the WHOLE solution itself (it may copy the
-  given steps); the hint is prompt, never trained on, and the answer is scored as is;
-- as the start of the answer (`guided(problem, k)`, 'solution_prefix'): the question continues
-  with the first k oracle steps and the policy writes the rest; the verifier reads the given steps
-  back from the question.
-The SFT base is trained on both the plain and the hinted format, so it reads a hint.
+Guidance: the tiny policy follows no instruction, so a guided problem is the problem whose text
+continues with the first oracle steps; `guided(problem, k)` builds it and the verifier reads the
+given steps back from its question. Score a guided context against `guided(problem, k)`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -40,22 +33,13 @@ SLOTS = 20  # digit slots of the question; the most digits a problem can have
 EMPTY = "_"  # an unused digit slot
 TIMES, EQUALS = "x", "="
 SUM_FIRST, TENS_FIRST = "+", "^"  # the two notations of a step
-HINT_END = "|"  # closes the hint block of a hinted question
 EOS, PAD = "<eos>", "<pad>"
-SYMBOLS = tuple("0123456789") + (EMPTY, TIMES, EQUALS, SUM_FIRST, TENS_FIRST, HINT_END)
+SYMBOLS = tuple("0123456789") + (EMPTY, TIMES, EQUALS, SUM_FIRST, TENS_FIRST)
+QUESTION_LENGTH = SLOTS + 3
 STEP_LENGTH = 3
-# Every question opens with a hint block: the sum digits s_i of the steps given in SLOTS slots,
-# then their carries c_i in SLOTS slots ('_' for steps not given: all of them in a plain
-# question), then HINT_END. Always there, so the digit slots and the answer sit at the same
-# positions whether a hint is given or not; laid out like the digit slots, so answer step i finds
-# s_i and c_i as it finds a_i, at distances that grow by 2 a step. One token per digit keeps a
-# sequence within 128 tokens, the learner's width bucket.
-HINT_LENGTH = 2 * SLOTS + 1
-EMPTY_HINT = EMPTY * (HINT_LENGTH - 1) + HINT_END
-QUESTION_LENGTH = HINT_LENGTH + SLOTS + 3
 # Longest completion: every step, then <eos>.
 MAX_COMPLETION_LENGTH = SLOTS * STEP_LENGTH + 1
-SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH  # 125
+SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
 
 
 def tokenizer():
@@ -91,7 +75,7 @@ def make_problem(number: int, multiplier: int) -> Problem:
     if number < 1 or len(digits) > SLOTS:
         raise ValueError(f"{NAME}: number must be positive with 1..{SLOTS} digits, got {number}")
     slots = "".join(map(str, digits)) + EMPTY * (SLOTS - len(digits))
-    question = f"{EMPTY_HINT}{slots}{TIMES}{multiplier}{EQUALS}"
+    question = f"{slots}{TIMES}{multiplier}{EQUALS}"
     steps = tuple(write_step(s, c) for s, c in carry_steps(digits, multiplier))
     return Problem(
         id=f"{NAME}-{number}x{multiplier}",
@@ -131,51 +115,18 @@ def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
     return generate(count, digits=(SLOTS, SLOTS), multipliers=(6, 9), seed=seed)
 
 
-def hint_block(problem: Problem, steps: int) -> str:
-    """The hint of the first `steps` steps of `problem`: their sum digits, then their carries."""
-    digits, multiplier, given = _parse_question(problem.question)
-    if given:
-        raise ValueError(f"{NAME}: {problem.id} already has steps in its question; hint the "
-                         f"original problem")
-    if not 0 < steps <= len(digits):
-        raise ValueError(f"{NAME}: a hint of {steps} steps is out of range 1..{len(digits)} for "
-                         f"{problem.id}")
-    given = carry_steps(digits, multiplier)[:steps]
-    pad = EMPTY * (SLOTS - steps)
-    return ("".join(str(s) for s, _ in given) + pad + "".join(str(c) for _, c in given) + pad
-            + HINT_END)
-
-
-def hinted(problem: Problem, steps: int) -> Problem:
-    """The problem with its first `steps` steps given in the prompt (POPE's 'instruction' mode).
-
-    The question's hint block holds them; the solution is the whole solution, which the policy
-    writes itself (copying the given steps or not). Scored like the original: `verify` reads
-    nothing from the hint block.
-    """
-    if steps == 0:
-        return problem
-    return dataclasses.replace(
-        problem, id=f"{problem.id}/hint{steps}",
-        question=hint_block(problem, steps) + problem.question[HINT_LENGTH:],
-        metadata={**problem.metadata, "hint_steps": steps, "base_id": problem.id})
-
-
 def _parse_question(question: str) -> tuple[list[int], int, list[str]]:
-    """Digits of a, the multiplier, and the steps already given after '=' (guided problems).
-    The hint block is skipped: it changes nothing the answer must be."""
+    """Digits of a, the multiplier, and the steps already given after '=' (guided problems)."""
     head, given = question[:QUESTION_LENGTH], question[QUESTION_LENGTH:]
-    hint, body = head[:HINT_LENGTH], head[HINT_LENGTH:]
-    slots = body[:SLOTS]
+    slots = head[:SLOTS]
     number = slots.rstrip(EMPTY)
-    if (len(head) != QUESTION_LENGTH or hint[-1] != HINT_END or body[SLOTS] != TIMES
-            or body[-1] != EQUALS or not body[SLOTS + 1].isdigit() or not number.isdigit()
+    if (len(head) != QUESTION_LENGTH or head[SLOTS] != TIMES or head[-1] != EQUALS
+            or not head[SLOTS + 1].isdigit() or not number.isdigit()
             or len(given) % STEP_LENGTH):
-        raise ValueError(f"{NAME}: malformed question {question!r}: expected a hint block of "
-                         f"{HINT_LENGTH - 1} slots and '{HINT_END}', {SLOTS} digit slots "
+        raise ValueError(f"{NAME}: malformed question {question!r}: expected {SLOTS} digit slots "
                          f"('{EMPTY}' for unused), '{TIMES}', one digit, '{EQUALS}', whole steps")
     steps = [given[i:i + STEP_LENGTH] for i in range(0, len(given), STEP_LENGTH)]
-    return [int(ch) for ch in number], int(body[SLOTS + 1]), steps
+    return [int(ch) for ch in number], int(head[SLOTS + 1]), steps
 
 
 def spell_solution(problem: Problem, notations: Sequence[str]) -> str:
