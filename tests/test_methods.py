@@ -502,3 +502,20 @@ def test_trace_pool_jsonl_round_trip(tmp_path):
     bad.write_text('{"id": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:line 1: expected fields 'id' and 'tokens' or 'text'"):
         prefixrl.TracePool.load_jsonl(str(bad), PROMPTS)
+
+
+def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
+    """Another model's traces: one right, one wrong (a digit changed), one for a problem not in
+    the training set; only the right one is kept, and the drops are counted by reason."""
+    task.register_verifier()
+    right, wrong = PROBLEMS[0], PROBLEMS[1]
+    bad_text = wrong.solution[:-2] + str((int(wrong.solution[-2]) + 1) % 10) + wrong.solution[-1]
+    path = tmp_path / "pool.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": right.id, "text": right.solution}, {"id": wrong.id, "text": bad_text},
+        {"id": "carry_multiplication-1x2", "text": "+20"})))
+    pool = prefixrl.TracePool.load_jsonl(str(path), PROMPTS)
+    kept, stats = prefixrl.verified_pool(pool, PROBLEMS[:4], verifier=task.NAME,
+                                         decode=TOKENIZER.decode)
+    assert set(kept.traces) == {right.id}
+    assert stats == {"traces": 3, "kept": 1, "unknown_problem": 1, "failed_verification": 1}
