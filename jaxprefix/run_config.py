@@ -208,7 +208,7 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
     c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
     # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
-    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md); RESULTS.md runs caps 1/4, 1/2, 1.
+    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md); configs/results.py has 1/4, 1/2, 1.
     c.pope.max_prefix_fraction = 1.0
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50
