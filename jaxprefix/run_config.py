@@ -61,6 +61,12 @@ def base_config() -> ml_collections.ConfigDict:
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
         kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
         remat=False,  # True: recompute each layer in the backward pass (large models)
+        # Log-probs and loss of softmax(logits / rollout.temperature) (TRL, verl, Tunix); False
+        # scores the raw model (T = 1) whatever the sampling temperature.
+        logprobs_at_sampling_temperature=True,
+        entropy_coef=0.0,  # > 0: entropy bonus (a baseline POPE reports failing on hard problems)
+        pass_k=4,  # the k of advantage='pass_at_k' (Pass@k Training, Chen et al. 2025)
+        flops_budget=0.0,  # > 0: stop before a step would pass this many RL FLOPs
         # LoRA (models/lora.py): rank 0 trains every weight; rank r > 0 trains only adapters of
         # rank r on `targets` (scale alpha / r, as PEFT). alpha 32 at any rank, as in "LoRA
         # without regret" (Schulman et al. 2025), and ~10x the full fine-tuning learning rate.
@@ -81,11 +87,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.pope = ml_collections.ConfigDict(dict(
         guidance="instruction",  # or 'solution_prefix' for policies that follow no instruction
         template="default",      # or 'no_restate' (the paper's ablation)
+        # The longest prefix searched, as a fraction of the oracle solution (a published summary
+        # says the authors' prefixes reach about a quarter; unconfirmed). Never the whole one.
+        max_prefix_fraction=0.25,
+        unsolved="drop",  # no solvable prefix within the cap: 'drop' it, or 'longest' (tried)
         guided_copies=1, unguided_copies=1, easy_per_step=0))
 
     c.prefixrl = ml_collections.ConfigDict(dict(
         prefixes_per_problem=3, unprefixed_copies=1, cut_lo=0.4, cut_hi=0.8,
-        samples_per_round=64, max_samples=2500, pool_path="",
+        samples_per_round=64, max_samples=2500,
+        pool_path="",     # another model's traces (id + text or tokens), verified on load
+        pool_flops=0.0,   # what generating pool_path cost, when declared: charged to the run
         oracle_traces=False))  # True: oracle solutions as the traces, no rejection sampling
 
     # Prefix-length schedule (methods/schedules.py): fixed | annealed | adaptive.
@@ -95,7 +107,8 @@ def base_config() -> ml_collections.ConfigDict:
         annealed=dict(steps=100, start_fraction=1.0, end_fraction=0.0, shape="linear"),
         adaptive=dict(window=16, threshold=0.5, stride=1, lengthen=False)))
 
-    c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16)))
+    # hard_set: also evaluate on the mined training hard set, unguided (hard_set/* metrics).
+    c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
     # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
     # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
     c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
@@ -120,8 +133,16 @@ def base_config() -> ml_collections.ConfigDict:
                                                headroom=0.1, model_config=""))
     c.distributed = distributed.default_config()
     c.isocompute = ml_collections.ConfigDict(dict(
-        budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), runs_dir="",
-        eval_every_rollouts=1024, print_only=False))
+        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
+        budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), seeds=(0,), runs_dir="",
+        eval_every_rollouts=1024, print_only=False,
+        config_arg="",  # the --config its printed commands start from (configs/isocompute.py)
+        # Learning rate of a run with R = n * B rollouts a step: train.learning_rate at
+        # lr_reference_rollouts, times (R / reference)^(0 | 1/2 | 1) for constant | sqrt | linear.
+        lr_rule="sqrt", lr_reference_rollouts=512,
+        # An rl run allocated by the rule: budget > 0 sets n, B and M (and the lr by lr_rule) from
+        # the fitted curve in frontier_path (a fit job's frontier.json; '' = the default curve).
+        budget=0.0, budget_unit="rollouts", frontier_path="", batch=0, n_min=2, n_max=1024))
     return c
 
 
@@ -155,8 +176,13 @@ def _literal(text: str):
 
 def sibling_config(this_file: str, name: str, arg: str = "") -> ml_collections.ConfigDict:
     """`get_config(arg)` of another file in the same configs/ folder (e.g. sft.py for pope.py)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(this_file)), name)
-    spec = importlib.util.spec_from_file_location(f"jaxprefix_config_{name[:-3]}", path)
+    return from_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name), arg)
+
+
+def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:
+    """`get_config(arg)` of a config file, as `--config=path:arg` would load it."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    spec = importlib.util.spec_from_file_location(f"jaxprefix_config_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg)
@@ -181,6 +207,9 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
                    micro_batch_size=64)
     c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
     c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
+    # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
+    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md); configs/results.py has 1/4, 1/2, 1.
+    c.pope.max_prefix_fraction = 1.0
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50
 
@@ -192,6 +221,8 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     c.rollout.n = 4
     c.train.update(problems_per_step=4, total_steps=2, micro_batch_size=16)  # 32 rows a step
     c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
+    # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE still runs.
+    c.pope.unsolved = "longest"
     # The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
     c.prefixrl.update(samples_per_round=4, max_samples=8, oracle_traces=True)
     c.eval.update(every=2, n=4, ks=(1, 4))

@@ -1,4 +1,5 @@
 """IsoCompute: accounting on hand numbers, the allocation rule, sweeps and the frontier fit."""
+import dataclasses
 import json
 import math
 import shlex
@@ -50,13 +51,27 @@ def test_allocation_monotone_saturating_and_within_budget():
         ic.allocate(1)
 
 
-def test_allocate_from_config_and_lr():
-    cfg = {'n_floor': 1.0, 'n_ceiling': 5.0, 'n_center': 10.0, 'n_width': 0.5, 'batch': 16}
-    assert ic.allocate_from_config(2 ** 20, cfg) == ic.Allocation(n=32, batch=16, steps=2 ** 11)
-    with pytest.raises(ValueError, match='n_width'):
-        ic.allocate_from_config(100, {'n_width': 0.0})
+def test_learning_rate_rules():
     assert ic.scaled_lr(1024) == pytest.approx(1e-6)
-    assert ic.scaled_lr(256) == pytest.approx(0.5e-6)
+    assert ic.scaled_lr(256) == pytest.approx(0.5e-6)  # the paper's: by sqrt(batch)
+    assert ic.scaled_lr(256, base_lr=1e-4, base_batch=512, rule='linear') == pytest.approx(5e-5)
+    assert ic.scaled_lr(16, base_lr=1e-4, base_batch=512, rule='constant') == 1e-4
+    with pytest.raises(ValueError, match='rule'):
+        ic.scaled_lr(16, rule='cubic')
+
+
+def test_allocation_rule_from_a_fit():
+    fit = ic.fit_frontier(synthetic_runs())
+    rule = ic.allocation_rule(fit, [ic.Run.from_dict(r) for r in synthetic_runs()])
+    curve = ic.Sigmoid.from_dict(rule['n_curve'])
+    assert curve == fit.n_star_fit
+    assert rule['batch'] in (16, 64)
+    # A sweep whose n* never changes gives a flat rule at that n.
+    flat = dataclasses.replace(fit, n_star=[16] * len(fit.n_star), n_star_fit=None)
+    rule = ic.allocation_rule(flat, [ic.Run(16, 8, (1.0, 2.0), (0.1, 0.3)),
+                                     ic.Run(16, 32, (1.0, 2.0), (0.1, 0.2))])
+    assert rule['batch'] == 8
+    assert ic.allocate(2 ** 20, n_curve=ic.Sigmoid.from_dict(rule['n_curve'])).n == 16
 
 
 def test_sweep_grid_and_commands():
@@ -66,12 +81,12 @@ def test_sweep_grid_and_commands():
         (4096, 4, 8, 128), (4096, 4, 32, 32), (4096, 64, 8, 8), (4096, 64, 32, 2)]
     longest = ic.sweep_grid([2 ** 10, 2 ** 12], ns=[4, 64], batches=[8, 32], longest_only=True)
     assert {p.budget for p in longest} == {4096} and len(longest) == 4
-    cmd = ic.sweep_command(points[0], config='configs/isocompute.py:smollm2',
-                           extra={'seed': 1})
+    cmd = ic.run_command('configs/isocompute.py:smoke', {'rollout.n': 4, 'eval.ks': (1, 4),
+                                                         'model.path': 'a b'}, 'runs/x')
     assert shlex.split(cmd) == [
-        'python', '-m', 'jaxprefix.main', '--config=configs/isocompute.py:smollm2',
-        '--config.n=4', '--config.batch_problems=8', '--config.steps=32', '--config.seed=1',
-        '--workdir=runs/isocompute/n4_b8_m32']
+        'python', '-m', 'jaxprefix.main', '--config=configs/isocompute.py:smoke',
+        '--config.rollout.n=4', '--config.eval.ks=(1,4)', '--config.model.path=a b',
+        '--workdir=runs/x']
 
 
 def test_record_breaking_by_hand():
@@ -156,3 +171,32 @@ def test_plots_are_written(tmp_path):
         path = tmp_path / name
         plot(fit, str(path))
         assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and path.stat().st_size > 10_000
+
+
+def _frontier_file(tmp_path, n=8, batch=4, flops_per_rollout=1000.0):
+    log_n = math.log2(n)
+    rule = {'n_curve': {'floor': log_n, 'ceiling': log_n, 'center': 10.0, 'width': 1.0},
+            'batch': batch, 'flops_per_rollout': flops_per_rollout}
+    path = tmp_path / 'frontier.json'
+    path.write_text(json.dumps({'allocation': rule}))
+    return str(path)
+
+
+def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
+    from jaxprefix import run_config
+    from jaxprefix.jobs.isocompute import allocated
+
+    config = run_config.from_file('configs/grpo.py', 'smoke')
+    assert allocated(config) is config  # no budget: untouched
+    config.isocompute.update(budget=1000, frontier_path=_frontier_file(tmp_path))
+    c = allocated(config)
+    assert (c.rollout.n, c.train.problems_per_step, c.train.total_steps) == (8, 4, 1000 // 32)
+    assert c.train.learning_rate == pytest.approx(1e-4 * math.sqrt(32 / 512))  # sqrt rule
+    assert c.train.flops_budget == 0
+    config.isocompute.update(budget=2e6, budget_unit='flops')  # 2e6 / 1000 = 2000 rollouts
+    c = allocated(config)
+    assert (c.rollout.n, c.train.problems_per_step) == (8, 4)
+    assert c.train.flops_budget == 2e6 and c.train.total_steps == 4 * (2000 // 32)
+    config.isocompute.frontier_path = ''
+    with pytest.raises(ValueError, match="budget_unit='flops' needs frontier_path"):
+        allocated(config)

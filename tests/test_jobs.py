@@ -9,6 +9,7 @@ are marked slow (`pytest -m slow tests/test_jobs.py`).
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.jobs.results import NOTES_MARKER
+from jaxprefix.jobs.results_report import NOTES_MARKER
 from jaxprefix.rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +28,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # The smoke configs (run_config.smoke): 8 training candidates, k=2 mining samples, 4 problems
 # a step, n=4 rollouts each, 2 steps, prefix search over 1..2 steps with 2 samples each.
 CANDIDATES, K, PROBLEMS_PER_STEP, N, STEPS, PREFIX_SAMPLES = 8, 2, 4, 4, 2, 2
+PREFIX_SEARCH = "prefixes_solution_prefix_default_f1"  # a forced answer prefix, cap 1
 
 
 def run_main(config: str, workdir, *flags, timeout: int = 900):
@@ -100,7 +102,7 @@ def mining_rollouts(workdir: str) -> int:
         hard = json.load(f)
     assert hard["k"] == K and len(hard["solve_counts"]) == CANDIDATES
     total = K * CANDIDATES
-    prefixes_file = os.path.join(workdir, "mining", "prefixes.json")
+    prefixes_file = os.path.join(workdir, "mining", f"{PREFIX_SEARCH}.json")
     if os.path.exists(prefixes_file):
         with open(prefixes_file) as f:
             found = json.load(f)["shortest_units"]
@@ -316,29 +318,35 @@ def test_demo_pipeline_smoke(base, tmp_path):
 
 
 def test_results_pipeline_smoke(base, tmp_path):
-    """Every run of the results job, the SFT warm start included, at smoke sizes: its files
-    exist and are well formed, and the warm start's SFT is charged in its run's FLOPs."""
+    """Runs of the results job at smoke sizes, PrefixRL's regime and its SFT warm start included:
+    its files exist and are well formed, each run is charged for the mining it uses, and the warm
+    start's SFT is charged in its run's FLOPs."""
     workdir = tmp_path / "results"
     workdir.mkdir()
     notes = f"{NOTES_MARKER}\n## Notes\nwritten by hand\n"
     (workdir / "RESULTS.md").write_text("# an older report\n\n" + notes)
-    run_main("configs/results.py:smoke", workdir, f"--config.model.path={base}")
+    names = ["grpo", "pope_cap1", "pope_cap0.25", "grpo_easy", "sft_oracle", "prefixrl_regime",
+             "sft_traces_regime"]
+    run_main("configs/results.py:smoke", workdir, f"--config.model.path={base}",
+             f"--config.results.runs=({','.join(repr(n) for n in names)})")
     with open(workdir / "results.json") as f:
         report = json.load(f)
-    names = ["grpo", "pope", "prefixrl", "grpo_easy", "prefixrl_oracle", "sft_oracle"]
     assert sorted(report["runs"]) == sorted(f"{name}_seed0" for name in names)
     for run in report["runs"].values():
-        assert "pass@4" in run["after"] and run["curve"], run["name"]
+        assert "pass@4" in run["after"] and "pass@4" in run["after_hard_set"], run["name"]
+        assert run["curve"] and "flops" in run["curve"][-1], run["name"]
         assert read_metrics(str(workdir / f"{run['name']}_seed0"))[-1]["step"] == STEPS
-    # Each method pays for the mining it uses: GRPO the hard set, POPE also the prefix search,
-    # hard + easy (POPE with no guided copies) no prefixes, PrefixRL on oracle traces no pool.
+    # Each method pays for the mining it uses: GRPO the hard set, POPE also its own cap's prefix
+    # search, hard + easy (POPE with no guided copies) no prefixes.
     with open(workdir / "mining" / "ledger.json") as f:
         costs = {name: ledger["extra_rollouts"] for name, ledger in json.load(f).items()}
-    assert costs == {"hard_set": K * CANDIDATES, "prefixes": mining_rollouts(workdir) - K * CANDIDATES}
+    assert set(costs) == {"hard_set", PREFIX_SEARCH, "prefixes_solution_prefix_default_f0.25"}
+    assert costs[PREFIX_SEARCH] == mining_rollouts(workdir) - K * CANDIDATES
     charged = {run["name"]: run["ledger"]["extra_rollouts"] for run in report["runs"].values()}
-    assert (charged["grpo"] == charged["prefixrl"] == charged["sft_oracle"] == charged["grpo_easy"]
-            == costs["hard_set"])
-    assert charged["pope"] == costs["hard_set"] + costs["prefixes"]
+    assert charged["grpo"] == charged["sft_oracle"] == charged["grpo_easy"] == costs["hard_set"]
+    assert charged["pope_cap1"] == costs["hard_set"] + costs[PREFIX_SEARCH]
+    assert charged["pope_cap0.25"] == (costs["hard_set"]
+                                       + costs["prefixes_solution_prefix_default_f0.25"])
     with open(workdir / "sft_oracle_seed0" / "warm_start" / "warm_start.json") as f:
         warm = json.load(f)
     assert warm["flops"] > 0 and len(warm["losses"]) == warm["steps"] > 0
@@ -346,12 +354,18 @@ def test_results_pipeline_smoke(base, tmp_path):
     assert "pass@4" in sft_run["warm_start"]
     assert sft_run["ledger"]["extra_flops"] == pytest.approx(
         grpo_run["ledger"]["extra_flops"] + warm["flops"])
+    # PrefixRL's regime: its own hard set, evaluated in-run on that training hard set.
+    regime = report["studies"]["prefixrl"]
+    assert regime["digits"] == [report["regime_probe"]["chosen"]] * 2
+    assert "hard_set/pass@1" in report["runs"]["prefixrl_regime_seed0"]["curve"][-1]
+    assert "pass@4" in report["runs"]["sft_traces_regime_seed0"]["warm_start_hard_set"]
     text = (workdir / "RESULTS.md").read_text()
     assert text.endswith("\n" + notes) and "an older report" not in text  # notes kept
     for name in names:
         assert f"| {name} | 1 |" in text, name
     assert "| sft_oracle: after SFT, before RL | 1 |" in text
     check_png(str(workdir / "results" / "curves.png"))
+    check_png(str(workdir / "results" / "regime_curves.png"))
 
 
 @pytest.mark.slow  # ~100 s: four GRPO runs, then the fit
@@ -363,9 +377,57 @@ def test_isocompute_sweep_and_fit_smoke(base, tmp_path):
     # budgets (32, 64), ns (2, 4), batches (4, 8): each (n, B) runs once at the largest budget.
     points = [(2, 4), (2, 8), (4, 4), (4, 8)]
     assert sorted((r["n"], r["batch"]) for r in frontier["runs"]) == points
-    assert sorted(os.listdir(workdir / "runs")) == ["n2_b4", "n2_b8", "n4_b4", "n4_b8"]
+    assert sorted(os.listdir(workdir / "runs")) == ["n2_b4_s0", "n2_b8_s0", "n4_b4_s0", "n4_b8_s0"]
     # The smoke base solves nothing, so every eval curve is flat at 0 and there is no frontier to
     # fit: frontier.json says why (the fit itself is tested on known sigmoids in
     # test_isocompute.py).
     assert all(max(r["reward"]) == 0.0 for r in frontier["runs"])
     assert frontier["fit"] is None and "record-breaking" in frontier["reason"]
+
+
+def test_printed_sweep_commands_run(base, tmp_path):
+    """print_only prints one command per point; running one (as printed) trains exactly that
+    point: its n, B, M, scaled learning rate and evaluation schedule."""
+    workdir = tmp_path / "iso"
+    printed = run_main("configs/isocompute.py:smoke", workdir, f"--config.model.path={base}",
+                       "--config.isocompute.print_only=True").stdout.strip().splitlines()
+    assert len(printed) == 4  # (n, B) in {2, 4} x {4, 8}, one seed
+    command = next(line for line in printed if "n4_b8_s0" in line)
+    args = shlex.split(command)
+    assert args[:3] == ["python", "-m", "jaxprefix.main"]
+    result = subprocess.run([sys.executable, *args[1:]], cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = workdir / "runs" / "n4_b8_s0"
+    records = read_metrics(str(run_dir))
+    assert [r["step"] for r in records] == [1, 2]  # M = 64 // (4 x 8)
+    assert records[-1]["lr"] == pytest.approx(1e-4 * (32 / 512) ** 0.5)  # the sqrt rule
+    assert "eval/avg@4" in records[0]  # every 16 rollouts: every step
+    with open(run_dir / "compute.json") as f:
+        assert json.load(f)["rollouts"] == 64
+
+
+def test_allocated_run_spends_its_budget(base, tmp_path):
+    """isocompute.budget sets n, B and M from the fitted rule in frontier_path; the run spends
+    that budget (rollouts: exactly n B M <= budget < n B (M + 1); FLOPs: within one step)."""
+    rule = {"n_curve": {"floor": 2.0, "ceiling": 2.0, "center": 10.0, "width": 1.0},
+            "batch": 2, "flops_per_rollout": 5e7}  # n = 4, B = 2
+    frontier = tmp_path / "frontier.json"
+    frontier.write_text(json.dumps({"allocation": rule}))
+    flags = (f"--config.isocompute.frontier_path={frontier}", "--config.eval.every=0")
+    workdir = rl_run("configs/grpo.py:smoke", tmp_path / "rollouts", base,
+                     "--config.isocompute.budget=30", *flags)
+    with open(os.path.join(workdir, "compute.json")) as f:
+        assert json.load(f)["rollouts"] == 4 * 2 * 3  # M = 30 // 8
+    assert len(read_metrics(workdir)) == 3
+    budget = 2e9  # about 3 steps of 8 rollouts of the smoke policy
+    workdir = rl_run("configs/grpo.py:smoke", tmp_path / "flops", base,
+                     f"--config.isocompute.budget={budget}", "--config.isocompute.budget_unit=flops",
+                     *flags)
+    with open(os.path.join(workdir, "compute.json")) as f:
+        ledger = json.load(f)
+    records = read_metrics(workdir)
+    step = max(r["flops/sampling"] + r["flops/update"] for r in records)
+    spent = ledger["sampling_flops"] + ledger["update_flops"]
+    assert abs(budget - spent) <= step and len(records) >= 2
+    assert records[-1]["flops/total"] == pytest.approx(spent)

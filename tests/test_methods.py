@@ -166,12 +166,85 @@ def test_pope_rejects_no_copies_and_unknown_guidance():
         pope_method(guidance="hint")
 
 
-def test_pope_problem_without_solvable_prefix_gets_the_longest():
-    hard = PROBLEMS[:2]
-    method = pope.PopeMethod(PROMPTS, hard, {hard[0].id: 1, hard[1].id: None},
-                             schedule=FixedPrefix(), guidance="solution_prefix",
-                             problems_per_step=2, n=2, seed=0)
-    assert method.prefix_units == {hard[0].id: 1, hard[1].id: len(hard[1].steps)}
+def test_prefix_limit_caps_by_units_fraction_and_never_the_whole_solution():
+    twenty = task.hard_set(1)[0]
+    assert pope.prefix_limit(twenty, max_units=19) == 19
+    assert pope.prefix_limit(twenty, max_units=19, max_fraction=0.25) == 5
+    assert pope.prefix_limit(twenty, max_units=19, max_fraction=0.5) == 10
+    assert pope.prefix_limit(twenty, max_units=30) == 19  # 20 would hand over the answer
+    assert pope.prefix_limit(twenty, max_units=4, max_fraction=0.5) == 4
+    assert pope.prefix_limit(task.make_problem(7, 3), max_units=19) == 0  # one step: nothing
+
+
+def test_pope_drops_problems_without_a_solvable_prefix_and_counts_them():
+    hard = PROBLEMS[:3]  # 4..6 steps each
+    found = {hard[0].id: 1, hard[1].id: None, hard[2].id: 2}
+    method = pope.PopeMethod(PROMPTS, hard, found, schedule=FixedPrefix(),
+                             guidance="solution_prefix", problems_per_step=2, n=2, seed=0)
+    assert method.prefix_units == {hard[0].id: 1, hard[2].id: 2}
+    assert method.dropped == [hard[1].id]
+    request = method.next_request(0)
+    assert hard[1].id not in {p.id for p in request.problems}
+    with pytest.raises(ValueError, match="none of the 1 hard problems has a solvable prefix"):
+        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(),
+                        guidance="solution_prefix", problems_per_step=1, n=2, seed=0)
+
+
+def test_pope_longest_fallback_never_guides_with_the_whole_solution():
+    hard = PROBLEMS[:3]
+    method = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),
+                             guidance="solution_prefix", unsolved="longest", max_units=19,
+                             max_fraction=0.5, problems_per_step=3, n=2, seed=0)
+    for problem in hard:  # the longest prefix the search tried: half the steps, rounded down
+        assert method.prefix_units[problem.id] == len(problem.steps) // 2 < len(problem.steps)
+    uncapped = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),
+                               guidance="solution_prefix", unsolved="longest", max_units=99,
+                               problems_per_step=3, n=2, seed=0)
+    assert all(uncapped.prefix_units[p.id] == len(p.steps) - 1 for p in hard)
+    request = uncapped.next_request(0)
+    for context, problem, guided in zip(request.contexts, request.problems, request.tags["guided"]):
+        if guided:  # the forced prefix stops a step short of the whole solution
+            assert TOKENIZER.decode(list(context.suffix)) == "".join(problem.steps[:-1])
+
+
+# --- POPE with the guidance in the prompt (an instruction-following policy) ------------------
+
+CHAT_PROBLEMS = [Problem(id=f"m{a}", question=f"What is {a} * 7?", answer=str(a * 7),
+                         solution=f"{a} * 7 = {a * 7}.\nSo the answer is {a * 7}.")
+                 for a in (12, 13, 14, 15)]
+
+
+def test_instruction_mode_guided_prompt_carries_no_loss(smollm2):
+    """Guided contexts hold the partial solution in the user turn, with no response prefix; the
+    learner's batch puts no loss on any prompt token and all of it on the policy's answer."""
+    prompts = ChatPrompts(smollm2)
+    model = Decoder(MODEL.replace(vocab_size=smollm2.vocab_size), rngs=nnx.Rngs(0))
+    method = pope.PopeMethod(prompts, CHAT_PROBLEMS, {p.id: 1 for p in CHAT_PROBLEMS},
+                             schedule=FixedPrefix(), guidance="instruction", problems_per_step=4,
+                             n=2, seed=0)
+    request = method.next_request(0)
+    rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5,
+                                 stop_ids=(smollm2.eos_id,), seed=0)
+    rewards = np.random.default_rng(0).uniform(size=(len(request.contexts), 2))
+    selection = dynamic_sampling.select_groups([rewards], len(request.contexts))
+    batch = dynamic_sampling.build_batch(
+        [rollouts], [np.asarray(objectives.group_advantages(rewards))], selection)
+    guided_rows = 0
+    for row, group in enumerate(rollouts.group_ids):
+        problem, context = request.problems[group], list(request.contexts[group])
+        start = len(context)
+        assert batch["tokens"][row, :start].tolist() == context
+        assert not batch["completion_mask"][row, :start].any()  # the prompt: no loss
+        assert batch["completion_mask"][row, start:start + rollouts.lengths[row]].all()
+        if request.tags["guided"][group]:
+            guided_rows += 1
+            partial = f"{problem.question.split()[2]} * 7 = {problem.answer}."
+            assert f"Partial Response: {partial}\n\nContinue" in smollm2.decode(context)
+            assert problem.answer not in smollm2.decode(prompts.question(problem))
+            assert request.response_prefixes[group] == ""
+        else:
+            assert context == prompts.question(problem)
+    assert guided_rows == 4 * 2
 
 
 @pytest.mark.parametrize("prefixes,unprefixed", [(3, 1), (2, 2)])
@@ -378,12 +451,26 @@ def test_shortest_solvable_prefixes_by_hand(model):
     problems = four + [two]
     STEPS_NEEDED.update({four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: 4, two.id: 5})
     probe = prober(model, "test_methods_enough_steps", rows_per_call=4)
-    found = pope.shortest_solvable_prefixes(probe, PROMPTS, problems, m=2, max_units=3,
-                                            guidance="solution_prefix", seed=0)
-    assert found == {four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: None, two.id: None}
-    # Pending per length: 1 step: all 5; 2 steps: 4 (four[0] solved); 3 steps: the 4-digit
-    # four[2], four[3] (two has only 2 steps). m = 2 samples each.
-    assert probe.ledger.extra_rollouts == (5 + 4 + 2) * 2
+    search = pope.shortest_solvable_prefixes(probe, PROMPTS, problems, m=2, max_units=3,
+                                             guidance="solution_prefix", seed=0)
+    assert search.shortest == {four[0].id: 1, four[1].id: 2, four[2].id: 3, four[3].id: None,
+                               two.id: None}
+    # Pending per length: 1 step: all 5; 2 steps: the four 4-digit minus four[0] (two's limit
+    # is 1 step: 2 would be its whole solution); 3 steps: four[2], four[3]. m = 2 samples each.
+    assert probe.ledger.extra_rollouts == (5 + 3 + 2) * 2
+    # The answers kept are whole solutions: the forced prefix, then the policy's continuation.
+    for pid, units in search.shortest.items():
+        if units:
+            text = TOKENIZER.decode(search.answers[pid])
+            assert text.startswith(oracle_prefix_text(next(p for p in problems if p.id == pid),
+                                                      units))
+    assert pope.revealed_fractions(problems, search.shortest) == [1 / 4, 2 / 4, 3 / 4]
+    # A cap of half the solution: at most 2 of 4 steps, so four[2] (needs 3) finds none.
+    capped = pope.shortest_solvable_prefixes(prober(model, "test_methods_enough_steps"), PROMPTS,
+                                             problems, m=2, max_units=3, max_fraction=0.5,
+                                             guidance="solution_prefix", seed=0)
+    assert capped.shortest == {four[0].id: 1, four[1].id: 2, four[2].id: None, four[3].id: None,
+                               two.id: None}
 
 
 def test_build_trace_pool_respects_max_samples(model):
@@ -415,3 +502,20 @@ def test_trace_pool_jsonl_round_trip(tmp_path):
     bad.write_text('{"id": "x"}\n')
     with pytest.raises(ValueError, match=r"bad.jsonl:line 1: expected fields 'id' and 'tokens' or 'text'"):
         prefixrl.TracePool.load_jsonl(str(bad), PROMPTS)
+
+
+def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
+    """Another model's traces: one right, one wrong (a digit changed), one for a problem not in
+    the training set; only the right one is kept, and the drops are counted by reason."""
+    task.register_verifier()
+    right, wrong = PROBLEMS[0], PROBLEMS[1]
+    bad_text = wrong.solution[:-2] + str((int(wrong.solution[-2]) + 1) % 10) + wrong.solution[-1]
+    path = tmp_path / "pool.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (
+        {"id": right.id, "text": right.solution}, {"id": wrong.id, "text": bad_text},
+        {"id": "carry_multiplication-1x2", "text": "+20"})))
+    pool = prefixrl.TracePool.load_jsonl(str(path), PROMPTS)
+    kept, stats = prefixrl.verified_pool(pool, PROBLEMS[:4], verifier=task.NAME,
+                                         decode=TOKENIZER.decode)
+    assert set(kept.traces) == {right.id}
+    assert stats == {"traces": 3, "kept": 1, "unknown_problem": 1, "failed_verification": 1}

@@ -39,6 +39,33 @@ def test_dr_grpo_and_rloo_advantages():
                                [[1.0, -0.5, -0.5]], atol=1e-6)
 
 
+def test_pass_at_k_advantages_by_hand():
+    rewards = np.array([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    adv = obj.group_advantages(rewards, "pass_at_k", k=2)
+    # [1,0,0,0], k=2: R = 1 - C(3,2)/C(4,2) = 1/2, sigma = 1/2. Correct: (1 - 1/2)/(1/2) = 1.
+    # Wrong: a wrong sample sits in an all-wrong pair with P = C(2,1)/C(3,1) = 2/3:
+    # (1 - 1/2 - 2/3)/(1/2) = -1/3.
+    np.testing.assert_allclose(adv[0], [1.0, -1 / 3, -1 / 3, -1 / 3], atol=1e-5)
+    # [1,1,0,0]: R = 1 - C(2,2)/C(4,2) = 5/6, sigma = sqrt(5)/6. Correct: (1/6)/sigma;
+    # wrong: P = C(1,1)/C(3,1) = 1/3, (1/6 - 1/3)/sigma.
+    sigma = np.sqrt(5) / 6
+    np.testing.assert_allclose(adv[1], [1 / 6 / sigma] * 2 + [-1 / 6 / sigma] * 2, atol=1e-5)
+    np.testing.assert_allclose(adv[2:], 0.0)  # no correct (or no wrong) sample: no signal
+    # k = 1 is GRPO with the population std: [1,0,0,0] -> mean 1/4, std sqrt(3)/4.
+    np.testing.assert_allclose(obj.group_advantages(rewards[:1], "pass_at_k", k=1)[0],
+                               np.array([0.75, -0.25, -0.25, -0.25]) / (np.sqrt(3) / 4), atol=1e-5)
+    with pytest.raises(ValueError, match="k must be in 1..n=4"):
+        obj.group_advantages(rewards, "pass_at_k", k=5)
+
+
+def test_entropy_bonus_by_hand():
+    entropy = np.array([[0.5, 1.0, 2.0], [9.0, 1.5, 0.5]], np.float32)  # row 1 col 0 masked
+    # token_mean: 0.1 * (0.5 + 1 + 2 + 1.5 + 0.5) / 5; seq_mean_token_mean: 0.1 * (3.5/3 + 2/2)/2
+    np.testing.assert_allclose(obj.entropy_bonus(entropy, MASK, 0.1), 0.1 * 5.5 / 5, atol=1e-6)
+    np.testing.assert_allclose(obj.entropy_bonus(entropy, MASK, 0.1, "seq_mean_token_mean"),
+                               0.1 * (3.5 / 3 + 1.0) / 2, atol=1e-6)
+
+
 def test_advantages_reject_bad_input():
     with pytest.raises(ValueError, match="mode"):
         obj.group_advantages(np.ones((2, 3)), "ppo")

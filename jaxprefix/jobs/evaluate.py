@@ -37,7 +37,7 @@ def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n:
 
 
 def run_eval(config, workdir: str) -> dict:
-    from jaxprefix.jobs.mine import Mining, mining_dir
+    from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
     from jaxprefix.jobs.policy import load_policy
     from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
     from jaxprefix.rl.loop import restore_trained_params
@@ -52,7 +52,7 @@ def run_eval(config, workdir: str) -> dict:
     report = {"step": step, "problems": len(sets.eval),
               "unguided": evaluate_unguided(mining.prober, policy.prompts, sets.eval, n=e.n,
                                             ks=e.ks, seed=config.seed + 7)}
-    prefixes_file = storage.join(mining.dir, "prefixes.json")
+    prefixes_file = storage.join(mining.dir, f"{prefix_search(config)}.json")
     if storage.exists(prefixes_file):
         # Mined on the training problems: guided eval measures the training set's guided skill.
         units = storage.read_json(prefixes_file)["shortest_units"]

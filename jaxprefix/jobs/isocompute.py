@@ -1,48 +1,80 @@
-"""The sweep and fit jobs of the IsoCompute playbook (arXiv 2603.12151).
+"""The IsoCompute playbook (arXiv 2603.12151) as jobs: sweep, fit, and runs allocated by the rule.
 
     python -m jaxprefix.main --config=configs/isocompute.py --workdir=/tmp/iso          # sweep + fit
     python -m jaxprefix.main --config=configs/isocompute.py:fit --workdir=/tmp/iso      # fit only
     python -m jaxprefix.main --config=configs/isocompute.py --config.isocompute.print_only=True
+    python -m jaxprefix.main --config=configs/grpo.py --config.isocompute.budget=65536 \
+        --config.isocompute.frontier_path=/tmp/iso/frontier.json --workdir=/tmp/allocated
 
-sweep: one GRPO run per (n, B) at the largest budget (a run's eval curve passes through every
-smaller budget on its way), each evaluated every `eval_every_rollouts` rollouts with avg@4,
-best@4 and worst@4 on held-out problems. Runs go in sequence here; `print_only` prints one
-command per point for a cluster instead. fit: the paper's frontier procedure over the finished
-runs (record-breaking points, a sigmoid per n, the upper envelope, log n* as a sigmoid in log C),
-written to frontier.json, frontier.png and n_star.png.
+sweep: one GRPO run per (n, B, seed) at the largest budget (a run's eval curve passes through
+every smaller budget on its way), evaluated every `eval_every_rollouts` rollouts with avg@4,
+best@4 and worst@4 on held-out problems, its learning rate scaled with n * B by `lr_rule`. Runs
+go in sequence here; `print_only` prints, per point, the command that runs exactly that point.
+fit: the paper's frontier procedure over the finished runs (record-breaking points, a sigmoid per
+n, the upper envelope, log n* as a sigmoid in log C), per seed and on the seed-mean curves,
+written to frontier.json (with the allocation rule a config can name), frontier.png, n_star.png.
+`allocated(config)`: with `isocompute.budget` > 0, an rl run's n, B and M from that rule.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from jaxprefix import storage
+import numpy as np
+
+from jaxprefix import run_config, storage
 from jaxprefix.jobs.policy import base_dir
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.metrics import read_metrics
 
 REWARD = "eval/avg@4"  # the paper's validation reward
+FRONTIER = "frontier.json"
 
 
-def point_config(config, point: isocompute.SweepPoint, workdir: str):
-    """The GRPO run of one sweep point: n rollouts, B problems, M steps, eval by rollouts."""
+def _set(config, field: str, value) -> None:
+    *sections, name = field.split(".")
+    node = config
+    for part in sections:
+        node = node[part]
+    node[name] = value
+
+
+def _scaled_lr(config, rollouts_per_step: int) -> float:
+    iso = config.isocompute
+    return isocompute.scaled_lr(rollouts_per_step, base_lr=config.train.learning_rate,
+                                base_batch=iso.lr_reference_rollouts, rule=iso.lr_rule)
+
+
+def _micro_batch(config, rows: int) -> int:
+    """A micro-batch that divides a (possibly small) batch of `rows` rows."""
+    return math.gcd(config.train.micro_batch_size, rows // config.train.num_minibatches)
+
+
+def point_overrides(config, point: isocompute.SweepPoint, seed: int, workdir: str) -> dict:
+    """The config fields one sweep point sets: a GRPO run of n rollouts, B problems, M steps,
+    the learning rate by the rule, evaluated by rollouts; every point starts from one base (the
+    sweep's own, <workdir>/base, trained once if absent)."""
+    rows = point.n * point.batch
+    overrides = {"job": "rl", "method": "grpo", "seed": seed,
+                 "model.path": base_dir(config, workdir), "rollout.n": point.n,
+                 "train.problems_per_step": point.batch, "train.total_steps": point.steps,
+                 "train.learning_rate": _scaled_lr(config, rows), "eval.n": 4, "eval.ks": (1, 4),
+                 "eval.every": max(1, config.isocompute.eval_every_rollouts // rows),
+                 "checkpoint.every": max(1, point.steps // 4)}
+    if config.train.micro_batch_size:
+        overrides["train.micro_batch_size"] = _micro_batch(config, rows)
+    return overrides
+
+
+def point_config(config, point: isocompute.SweepPoint, seed: int, workdir: str):
     c = config.copy_and_resolve_references()
-    c.job, c.method = "rl", "grpo"
-    # Every point starts from one base: the sweep's own (<workdir>/base, trained once if absent).
-    c.model.path = base_dir(config, workdir)
-    c.rollout.n = point.n
-    c.train.problems_per_step = point.batch
-    c.train.total_steps = point.steps
-    if c.train.micro_batch_size:  # a micro-batch must divide the point's (possibly small) batch
-        rows = point.n * point.batch // c.train.num_minibatches
-        c.train.micro_batch_size = math.gcd(c.train.micro_batch_size, rows)
-    c.eval.update(n=4, ks=(1, 4),
-                  every=max(1, config.isocompute.eval_every_rollouts // (point.n * point.batch)))
-    c.checkpoint.every = max(1, point.steps // 4)
+    for field, value in point_overrides(config, point, seed, workdir).items():
+        _set(c, field, value)
     return c
 
 
-def point_workdir(runs_dir: str, point: isocompute.SweepPoint) -> str:
-    return storage.join(runs_dir, f"n{point.n}_b{point.batch}")
+def point_workdir(runs_dir: str, point: isocompute.SweepPoint, seed: int) -> str:
+    return storage.join(runs_dir, f"n{point.n}_b{point.batch}_s{seed}")
 
 
 def sweep_points(config) -> list:
@@ -54,51 +86,162 @@ def runs_dir(config, workdir: str) -> str:
     return config.isocompute.runs_dir or storage.join(workdir, "runs")
 
 
+def _leaves(config, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if hasattr(value, "items"):
+            out |= _leaves(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def point_command(config, point: isocompute.SweepPoint, seed: int, workdir: str) -> str:
+    """The command that runs one point: every field in which its config differs from what
+    `isocompute.config_arg` loads (the point's settings and any override of the sweep's own)."""
+    arg = config.isocompute.config_arg
+    if not arg:
+        raise ValueError("config.isocompute.config_arg is empty: print_only needs the --config "
+                         "the printed commands start from (configs/isocompute.py sets it)")
+    path, _, variant = arg.partition(":")
+    fresh = _leaves(run_config.from_file(path, variant))
+    wanted = _leaves(point_config(config, point, seed, workdir))
+    overrides = {k: v for k, v in wanted.items() if fresh.get(k) != v}
+    return isocompute.run_command(arg, overrides,
+                                  point_workdir(runs_dir(config, workdir), point, seed))
+
+
 def run_sweep(config, workdir: str) -> dict:
     from jaxprefix.jobs.rl import run_rl
 
-    points = sweep_points(config)
+    points = [(p, s) for p in sweep_points(config) for s in config.isocompute.seeds]
     if config.isocompute.print_only:
-        for point in points:
-            overrides = {"rollout.n": point.n, "train.problems_per_step": point.batch,
-                         "train.total_steps": point.steps, "job": "rl", "method": "grpo"}
-            print("python -m jaxprefix.main --config=configs/isocompute.py "
-                  + " ".join(f"--config.{k}={v}" for k, v in overrides.items())
-                  + f" --workdir={point_workdir(runs_dir(config, workdir), point)}")
+        for point, seed in points:
+            print(point_command(config, point, seed, workdir))
         return {"points": len(points)}
-    for point in points:
-        run_rl(point_config(config, point, workdir),
-               point_workdir(runs_dir(config, workdir), point))
+    for point, seed in points:
+        run_rl(point_config(config, point, seed, workdir),
+               point_workdir(runs_dir(config, workdir), point, seed))
     return run_fit(config, workdir)
 
 
-def collect_runs(config, workdir: str) -> list[isocompute.Run]:
-    """Each finished point's eval curve as (rollouts spent, avg@4)."""
+def collect_runs(config, workdir: str) -> list[tuple[int, isocompute.Run, float]]:
+    """(seed, eval curve as (rollouts spent, avg@4), RL FLOPs per rollout) of each finished point."""
     runs = []
     for point in sweep_points(config):
-        records = [r for r in read_metrics(point_workdir(runs_dir(config, workdir), point))
-                   if REWARD in r]
-        if records:
+        for seed in config.isocompute.seeds:
+            directory = point_workdir(runs_dir(config, workdir), point, seed)
+            records = [r for r in read_metrics(directory) if REWARD in r]
+            if not records:
+                continue
             per_step = point.n * point.batch
-            runs.append(isocompute.Run(point.n, point.batch,
-                                       tuple(float(r["step"] * per_step) for r in records),
-                                       tuple(float(r[REWARD]) for r in records)))
+            run = isocompute.Run(point.n, point.batch,
+                                 tuple(float(r["step"] * per_step) for r in records),
+                                 tuple(float(r[REWARD]) for r in records))
+            last = read_metrics(directory)[-1]
+            runs.append((seed, run, last["flops/total"] / (last["step"] * per_step)))
     return runs
 
 
+def mean_over_seeds(runs: list[isocompute.Run]) -> list[isocompute.Run]:
+    """Per (n, B), the reward averaged over seeds at the compute points every seed reached."""
+    by_point: dict = {}
+    for run in runs:
+        by_point.setdefault((run.n, run.batch), []).append(run)
+    mean = []
+    for (n, batch), group in sorted(by_point.items()):
+        length = min(len(r.compute) for r in group)
+        reward = np.mean([r.reward[:length] for r in group], axis=0)
+        mean.append(isocompute.Run(n, batch, group[0].compute[:length], tuple(map(float, reward))))
+    return mean
+
+
+def _fit(runs) -> dict:
+    try:
+        return {"fit": isocompute.fit_frontier(runs).to_dict()}
+    except ValueError as e:  # e.g. every run flat: no frontier to fit, and the file says so
+        return {"fit": None, "reason": str(e)}
+
+
 def run_fit(config, workdir: str) -> dict:
-    runs = collect_runs(config, workdir)
-    if not runs:
+    collected = collect_runs(config, workdir)
+    if not collected:
         raise FileNotFoundError(f"{runs_dir(config, workdir)}: no finished sweep runs with "
                                 f"{REWARD!r} in their metrics.jsonl; run the sweep job first")
-    record = {"runs": [vars(r) for r in runs], "fit": None}
-    try:
-        fit = isocompute.fit_frontier(runs)
-    except ValueError as e:  # e.g. every run flat at 0: no frontier to fit, and the file says so
-        record["reason"] = str(e)
-    else:
-        record["fit"] = fit.to_dict()
+    seeds = sorted({seed for seed, _, _ in collected})
+    mean = mean_over_seeds([run for _, run, _ in collected])
+    record = {"runs": [vars(run) | {"seed": seed} for seed, run, _ in collected],
+              "seeds": seeds, "mean_runs": [vars(run) for run in mean],
+              "per_seed": {str(s): _fit([r for seed, r, _ in collected if seed == s])
+                           for s in seeds},
+              **_fit(mean), "allocation": None}
+    if record["fit"]:
+        fit = isocompute.FrontierFit.from_dict(record["fit"])
+        record["allocation"] = isocompute.allocation_rule(fit, mean) | {
+            "flops_per_rollout": float(np.mean([f for _, _, f in collected]))}
         isocompute.plot_frontier(fit, storage.join(workdir, "frontier.png"))
         isocompute.plot_n_star(fit, storage.join(workdir, "n_star.png"))
-    storage.write_json(storage.join(workdir, "frontier.json"), record)
+    storage.write_json(storage.join(workdir, FRONTIER), record)
     return record
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    n_curve: isocompute.Sigmoid
+    batch: int
+    flops_per_rollout: float | None
+
+
+def load_rule(config) -> Rule:
+    """The allocation rule a config names: a fit job's frontier.json, or the default curve."""
+    iso = config.isocompute
+    if not iso.frontier_path:
+        return Rule(isocompute.DEFAULT_N_CURVE, iso.batch or 64, None)
+    if not storage.exists(iso.frontier_path):
+        raise ValueError(f"config.isocompute.frontier_path={iso.frontier_path!r}: no such file; "
+                         f"expected a fit job's frontier.json")
+    allocation = storage.read_json(iso.frontier_path).get("allocation")
+    if not allocation:
+        raise ValueError(f"config.isocompute.frontier_path={iso.frontier_path!r}: that fit found "
+                         f"no frontier (its 'reason' says why), so it holds no allocation rule")
+    return Rule(isocompute.Sigmoid.from_dict(allocation["n_curve"]),
+                iso.batch or int(allocation["batch"]), allocation.get("flops_per_rollout"))
+
+
+def allocated(config):
+    """With `isocompute.budget` > 0, a copy of `config` whose n, B and M (and learning rate, by
+    `lr_rule`) come from the allocation rule; else `config` itself.
+
+    A budget in rollouts is spent exactly: M = budget // (contexts a step * n). A budget in
+    FLOPs (the run's sampling + updates) is turned into rollouts with the fit's measured FLOPs
+    per rollout to choose n, and the run stops on its ledger before a step would pass it
+    (`train.flops_budget`), so it spends the budget to within one step.
+    """
+    from jaxprefix.jobs.rl import contexts_per_problem
+
+    iso = config.isocompute
+    if not iso.budget:
+        return config
+    if iso.budget_unit not in ("rollouts", "flops"):
+        raise ValueError(f"config.isocompute.budget_unit={iso.budget_unit!r}: expected "
+                         f"'rollouts' or 'flops'")
+    rule = load_rule(config)
+    rollout_budget = iso.budget
+    if iso.budget_unit == "flops":
+        if not rule.flops_per_rollout:
+            raise ValueError("config.isocompute.budget_unit='flops' needs frontier_path: a fit "
+                             "job's frontier.json, which measured the FLOPs per rollout")
+        rollout_budget = iso.budget / rule.flops_per_rollout
+    c = config.copy_and_resolve_references()
+    contexts = contexts_per_problem(c, c.method)  # POPE's copies, PrefixRL's prefixes
+    a = isocompute.allocate(int(rollout_budget // contexts), n_curve=rule.n_curve,
+                            batch=rule.batch, n_min=iso.n_min, n_max=iso.n_max)
+    rows = a.n * a.batch * contexts
+    c.rollout.n, c.train.problems_per_step, c.train.total_steps = a.n, a.batch, a.steps
+    c.train.learning_rate = _scaled_lr(config, rows)
+    if c.train.micro_batch_size:
+        c.train.micro_batch_size = _micro_batch(config, rows)
+    if iso.budget_unit == "flops":
+        c.train.flops_budget = float(iso.budget)
+        c.train.total_steps = 4 * a.steps  # a cap: the ledger stops the run
+    return c

@@ -1,7 +1,9 @@
 """The mine job: what POPE and PrefixRL compute once with the base policy, before RL.
 
 - the hard set: training problems the base policy solves 0 of k times;
-- POPE: the shortest oracle prefix with which each hard problem is solved at least once;
+- POPE: the shortest oracle prefix with which each hard problem is solved at least once, within
+  a cap (`pope.max_prefix_fraction` of the solution, `mining.max_prefix_units` steps); one search
+  per (guidance, template, cap), each its own artifact;
 - PrefixRL: a pool of successful traces by rejection sampling.
 
 Each result is written under the mining directory (`config.mining.dir`, default
@@ -21,9 +23,21 @@ from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
 
-HARD_SET, PREFIXES, LEDGER = "hard_set.json", "prefixes.json", "ledger.json"
+HARD_SET, LEDGER = "hard_set.json", "ledger.json"
 TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
-ARTIFACTS = ("hard_set", "prefixes", "trace_pool")  # the keys of ledger.json
+IMPORTED_POOL = "imported_pool.json"
+# The keys of ledger.json: prefixes_<search>, and imported_pool (its declared generation cost).
+ARTIFACTS = ("hard_set", "prefixes", "trace_pool", "imported_pool")
+
+
+def prefix_search(config) -> str:
+    """The artifact name of the configured prefix search: its guidance, template and cap."""
+    p = config.pope
+    return f"prefixes_{p.guidance}_{p.template}_f{p.max_prefix_fraction:g}"
+
+
+def _artifact_kind(name: str) -> str:
+    return "prefixes" if name.startswith("prefixes_") else name
 
 
 def mining_dir(config, workdir: str) -> str:
@@ -59,7 +73,7 @@ class Mining:
         if not storage.exists(self._path(LEDGER)):
             return {}
         record = storage.read_json(self._path(LEDGER))
-        if set(record) - set(ARTIFACTS):
+        if {_artifact_kind(k) for k in record} - set(ARTIFACTS):
             raise ValueError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
                              f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
                              f"older jaxprefix, which kept one total); remove {self.dir} to mine "
@@ -73,13 +87,16 @@ class Mining:
     def _save(self, name: str, record) -> None:
         # The artifact first, then its cost: a run killed between the two mines it again.
         storage.write_json(self._path(name), record)
+        # Merged with what is on disk: another Mining of this directory (a run with another
+        # prefix cap) may have booked an artifact since this one was read.
+        self.costs = self._load_costs() | self.costs
         storage.write_json(self._path(LEDGER), {k: v.to_dict() for k, v in self.costs.items()})
 
     def cost(self, artifacts) -> ComputeLedger:
         """What mining the named artifacts spent (those not mined yet cost nothing)."""
         total = self._new_ledger()
         for name in artifacts:
-            if name not in ARTIFACTS:
+            if _artifact_kind(name) not in ARTIFACTS:
                 raise ValueError(f"mining artifact {name!r}: expected one of {ARTIFACTS}")
             if name in self.costs:
                 total.extra_rollouts += self.costs[name].extra_rollouts
@@ -102,25 +119,62 @@ class Mining:
         return hard
 
     def prefixes(self, hard: pope.HardSet) -> dict:
-        if storage.exists(self._path(PREFIXES)):
-            return storage.read_json(self._path(PREFIXES))["shortest_units"]
-        m = self.config.mining
-        self._booking("prefixes")
-        found = pope.shortest_solvable_prefixes(
+        """Per hard problem id, its shortest solvable prefix within the cap (None: none)."""
+        return self.prefix_search(hard)["shortest_units"]
+
+    def prefix_search(self, hard: pope.HardSet) -> dict:
+        """The configured search's record: shortest_units, answers (the policy's own correct
+        guided answers, token ids) and the settings it ran with."""
+        name = prefix_search(self.config)
+        m, cap = self.config.mining, self.config.pope.max_prefix_fraction
+        settings = {"samples": m.prefix_samples, "max_units": m.max_prefix_units,
+                    "max_fraction": cap}
+        path = self._path(f"{name}.json")
+        if storage.exists(path):
+            record = storage.read_json(path)
+            if {k: record[k] for k in settings} != settings:
+                raise ValueError(f"{path}: searched with {({k: record[k] for k in settings})}, "
+                                 f"the config asks {settings} (mining.prefix_samples, "
+                                 f"mining.max_prefix_units); use another mining.dir")
+            return record
+        self._booking(name)
+        search = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
             max_units=m.max_prefix_units, guidance=self.config.pope.guidance,
-            template=pope.TEMPLATES[self.config.pope.template], seed=self.config.seed + 1)
-        solved = sum(v is not None for v in found.values())
-        logging.info("shortest solvable prefix found for %d of %d hard problems", solved, len(found))
-        self._save(PREFIXES, {"samples": m.prefix_samples, "max_units": m.max_prefix_units,
-                              "shortest_units": found})
-        return found
+            template=pope.TEMPLATES[self.config.pope.template], seed=self.config.seed + 1,
+            max_fraction=cap)
+        solved = sum(v is not None for v in search.shortest.values())
+        logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
+                     len(search.shortest))
+        record = settings | {"shortest_units": search.shortest, "answers": search.answers,
+                             "revealed_fractions": pope.revealed_fractions(hard.problems,
+                                                                           search.shortest)}
+        self._save(f"{name}.json", record)
+        return record
+
+    def _imported_pool(self, path: str, problems) -> prefixrl.TracePool:
+        """An imported pool, each trace verified against its problem (failures dropped and
+        counted in imported_pool.json); its declared generation cost (prefixrl.pool_flops) is
+        booked as the 'imported_pool' artifact."""
+        pool, stats = prefixrl.verified_pool(
+            prefixrl.TracePool.load_jsonl(path, self.policy.prompts), problems,
+            verifier=self.sets.verifier, decode=self.policy.tokenizer.decode,
+            timeout_s=self.config.rewards.timeout_s)
+        logging.info("imported trace pool %s: %s", path, stats)
+        if not pool.traces:
+            raise ValueError(f"config.prefixrl.pool_path={path!r}: no trace solves its training "
+                             f"problem ({stats})")
+        declared = float(self.config.prefixrl.get("pool_flops", 0.0))
+        self.costs["imported_pool"] = ComputeLedger(self.policy.model.config.num_params(),
+                                                    extra_flops=declared)
+        self._save(IMPORTED_POOL, {"path": path, "declared_flops": declared, **stats})
+        return pool
 
     def trace_pool(self, problems) -> prefixrl.TracePool:
         path = self._path(TRACE_POOL)
         pool_file = self.config.prefixrl.get("pool_path")
-        if pool_file:  # traces from elsewhere (another model): their sampling is not ours to count
-            return prefixrl.TracePool.load_jsonl(pool_file, self.policy.prompts)
+        if pool_file:  # traces from elsewhere (another model), verified before use
+            return self._imported_pool(pool_file, problems)
         if self.config.prefixrl.oracle_traces:
             return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
         if storage.exists(path):
@@ -159,6 +213,7 @@ def run_mine(config, workdir: str) -> dict:
     if config.method == "pope":
         found = mining.prefixes(hard)
         summary["prefix_found"] = sum(v is not None for v in found.values())
+        summary["revealed_fractions"] = pope.revealed_fractions(hard.problems, found)
     if config.method == "prefixrl":
         summary["pool"] = len(mining.trace_pool(hard.problems).traces)
     summary["ledger"] = {name: ledger.to_dict() for name, ledger in mining.costs.items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from absl import logging
 
 from jaxprefix import distributed, models, run_identity, storage, workdir_lock
-from jaxprefix.jobs.mine import Mining, mining_dir
+from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
 from jaxprefix.jobs.policy import load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.methods import pope, prefixrl
@@ -34,6 +34,10 @@ def check_method_settings(config) -> None:
          f"one of {pope.GUIDANCE_MODES}")
     need(config.pope.template in pope.TEMPLATES, "pope.template", config.pope.template,
          f"one of {tuple(pope.TEMPLATES)}")
+    need(0.0 < config.pope.max_prefix_fraction <= 1.0, "pope.max_prefix_fraction",
+         config.pope.max_prefix_fraction, "in (0, 1]")
+    need(config.pope.unsolved in pope.UNSOLVED_MODES, "pope.unsolved", config.pope.unsolved,
+         f"one of {pope.UNSOLVED_MODES}")
     p = config.prefixrl
     need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "prefixrl.cut_lo/cut_hi", (p.cut_lo, p.cut_hi),
          "0 <= cut_lo <= cut_hi <= 1")
@@ -62,11 +66,12 @@ def mined_artifacts(config) -> tuple[str, ...]:
     """The mining artifacts (jobs/mine.ARTIFACTS) the configured method trains on: its bill."""
     hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
     if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
-        return hard + (("prefixes",) if config.pope.guided_copies else ())
+        return hard + ((prefix_search(config),) if config.pope.guided_copies else ())
     if config.method == "prefixrl":
         p = config.prefixrl
-        own_pool = not (p.oracle_traces or p.get("pool_path"))  # else no sampling of ours
-        return hard + (("trace_pool",) if own_pool else ())
+        if p.get("pool_path"):  # another model's traces: their declared generation cost
+            return hard + ("imported_pool",)
+        return hard + (() if p.oracle_traces else ("trace_pool",))
     return hard
 
 
@@ -81,6 +86,8 @@ def build_method(config, policy, sets, mining: Mining):
     # learner then place their rows over the global mesh, and all hosts agree on every batch.
     common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
                   seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
+    if config.eval.get("hard_set"):
+        common["hard_eval_problems"] = mining.hard_set().problems
     schedule = _schedule(config)
     if config.method == "grpo":
         train = mining.hard_set().problems if config.mining.train_on == "hard" else sets.train
@@ -92,7 +99,9 @@ def build_method(config, policy, sets, mining: Mining):
             policy.prompts, hard.problems, mining.prefixes(hard), schedule=schedule,
             guidance=p.guidance, template=pope.TEMPLATES[p.template],
             guided_copies=p.guided_copies, unguided_copies=p.unguided_copies, easy=sets.easy,
-            easy_per_step=p.easy_per_step, **common)
+            easy_per_step=p.easy_per_step, unsolved=p.unsolved,
+            max_units=config.mining.max_prefix_units, max_fraction=p.max_prefix_fraction,
+            **common)
     if config.method == "prefixrl":
         hard = mining.hard_set()
         p = config.prefixrl
@@ -106,6 +115,9 @@ def build_method(config, policy, sets, mining: Mining):
 @workdir_lock.holds_workdir
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
+    from jaxprefix.jobs.isocompute import allocated
+
+    config = allocated(config)  # isocompute.budget > 0: n, B, M from the allocation rule
     check_method_settings(config)
     contexts = contexts_per_step(config)
     loop.validate(config, contexts_per_step=contexts)

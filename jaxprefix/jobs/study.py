@@ -25,8 +25,10 @@ class Study:
     mining: Mining
 
     @classmethod
-    def prepare(cls, config, workdir: str, *, trace_pool: bool = False) -> "Study":
-        """Base policy (trained if absent), problem sets, hard set, POPE prefixes [, trace pool]."""
+    def prepare(cls, config, workdir: str, *, prefixes: bool = True,
+                trace_pool: bool = False) -> "Study":
+        """Base policy (trained if absent), problem sets, hard set [, POPE prefixes] [, trace
+        pool]."""
         check_method_settings(config)
         policy = load_policy(config, workdir)
         sets = load_problem_sets(config.data,
@@ -34,7 +36,8 @@ class Study:
                                  config.rewards.path)
         mining = Mining(config, policy, sets, mining_dir(config, workdir))
         hard = mining.hard_set()
-        mining.prefixes(hard)
+        if prefixes:
+            mining.prefixes(hard)
         if trace_pool:
             mining.trace_pool(hard.problems)
         return cls(config, workdir, policy, sets, mining)
@@ -43,12 +46,16 @@ class Study:
     def hard(self):
         return self.mining.hard_set()
 
-    def evaluate(self, model, description: str = "eval") -> dict:
-        """Unguided pass@k and friends on the held-out problems; one seed for every model."""
+    def evaluate(self, model, description: str = "eval", problems=None,
+                 n: int | None = None) -> dict:
+        """Unguided pass@k and friends on `problems` (default: the held-out ones), eval.n samples
+        each; one seed for every model."""
         e = self.config.eval
         prober = make_prober(self.config, dataclasses.replace(self.policy, model=model),
                              ComputeLedger(model.config.num_params()), self.sets.verifier)
-        return evaluate_unguided(prober, self.policy.prompts, self.sets.eval, n=e.n, ks=e.ks,
+        problems = self.sets.eval if problems is None else problems
+        ks = e.ks if n is None else [k for k in e.ks if k <= n]
+        return evaluate_unguided(prober, self.policy.prompts, problems, n=n or e.n, ks=ks,
                                  seed=self.config.seed + 7, description=description)
 
     def run_config(self, method: str, seed: int | None = None):

@@ -1,5 +1,13 @@
-"""SFT on the oracle solutions of the hard set before RL: the warm start POPE's paper reports
-does not fix RL on hard problems (the results job's `sft_oracle` ablation).
+"""SFT warm starts before RL: the papers' SFT baselines (the results job's ablations).
+
+- `oracle_examples`: the oracle solutions of the hard set (POPE reports this warm start does not
+  fix RL on hard problems);
+- `own_guided_examples`: the policy's own correct answers to guided prompts, asked unguided
+  (POPE's baseline: the guidance distilled by SFT instead of RL);
+- `trace_examples`: the rejection-sampled traces of PrefixRL's pool (PrefixRL's baseline:
+  SFT on the off-policy traces, then RL).
+
+Each example is (problem, target token ids); a row is the unguided question + target + stop.
 
 The warm-started policy is written next to the run as an ordinary model directory (with the
 policy's tokenizer files), so the RL run loads it like any base. Its update
@@ -29,15 +37,34 @@ class WarmStart:
     report: dict
 
 
-def oracle_rows(policy, problems) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, real-token mask, loss mask) of question + oracle solution + <eos>, right-padded;
-    the loss is on the solution and <eos> only, as in RL where the question carries none."""
-    rows = []
+def oracle_examples(policy, problems) -> list[tuple]:
+    """(problem, oracle solution tokens) of each problem."""
     for problem in problems:
         if not problem.solution:
             raise ValueError(f"problem {problem.id}: no oracle solution to train on")
+    return [(p, policy.prompts.response(p.solution)) for p in problems]
+
+
+def own_guided_examples(problems, answers: dict) -> list[tuple]:
+    """(problem, the policy's own correct guided answer) for the problems the prefix search
+    found one for (`answers`: id -> token ids, as mining's prefix search records them)."""
+    return [(p, list(answers[p.id])) for p in problems if p.id in answers]
+
+
+def trace_examples(problems, pool) -> list[tuple]:
+    """(problem, its trace's tokens) for the problems of a PrefixRL trace pool."""
+    return [(p, list(pool.traces[p.id].tokens)) for p in problems if p.id in pool.traces]
+
+
+def sft_rows(policy, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, real-token mask, loss mask) of question + target + stop token, right-padded;
+    the loss is on the target and the stop token only, as in RL where the question carries none."""
+    if not examples:
+        raise ValueError("warm start: no examples to train on")
+    rows = []
+    for problem, target in examples:
         context = policy.prompts.question(problem)
-        target = policy.prompts.response(problem.solution) + list(policy.stop_ids[:1])
+        target = list(target) + list(policy.stop_ids[:1])
         rows.append((context + target, [0] * len(context) + [1] * len(target)))
     width = max(len(ids) for ids, _ in rows)
     tokens = np.zeros((len(rows), width), np.int32)  # padding is masked out by `real`
@@ -48,9 +75,9 @@ def oracle_rows(policy, problems) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tokens, real, loss_mask
 
 
-def run_warm_start(policy, base_path: str, problems, out_dir: str, *, epochs: int,
+def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: int,
                    batch_size: int, learning_rate: float, seed: int) -> WarmStart:
-    """Trains a copy of `policy.model` on the problems' oracle solutions (or reuses out_dir)."""
+    """Trains a copy of `policy.model` on (problem, target) examples (or reuses out_dir)."""
     report_path = storage.join(out_dir, REPORT)
     if storage.exists(report_path):
         report = storage.read_json(report_path)
@@ -58,7 +85,7 @@ def run_warm_start(policy, base_path: str, problems, out_dir: str, *, epochs: in
     if not storage.isdir(base_path):
         raise ValueError(f"warm start: the base {base_path!r} is not a model directory (a GGUF "
                          f"file cannot take the new weights); convert it to an HF directory first")
-    tokens, real, loss_mask = oracle_rows(policy, problems)
+    tokens, real, loss_mask = sft_rows(policy, examples)
     model = nnx.clone(policy.model)
     optimizer = nnx.Optimizer(model, optax.adam(learning_rate), wrt=nnx.Param)
     rng = np.random.default_rng(seed)

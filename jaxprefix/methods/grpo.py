@@ -23,7 +23,8 @@ class GrpoMethod:
 
     def __init__(self, prompts, problems: Sequence[Problem], *, problems_per_step: int, n: int,
                  seed: int, eval_problems: Sequence[Problem] = (), eval_n: int = 8,
-                 shard_index: int = 0, shard_count: int = 1):
+                 hard_eval_problems: Sequence[Problem] = (), shard_index: int = 0,
+                 shard_count: int = 1):
         if not problems:
             raise ValueError(f"{self.name}: no training problems")
         self.prompts = prompts
@@ -31,6 +32,8 @@ class GrpoMethod:
         self.loader = ProblemLoader(list(problems), problems_per_step, seed,
                                     shard_index=shard_index, shard_count=shard_count)
         self.eval_problems = list(eval_problems)
+        # The training hard set, asked unguided: the training reward PrefixRL's paper plots.
+        self.hard_eval_problems = list(hard_eval_problems)
         self.eval_n = eval_n
 
     def next_request(self, step: int) -> RolloutRequest:
@@ -49,13 +52,17 @@ class GrpoMethod:
         """Per-step feedback ([C, n] rewards); plain GRPO keeps no state from it."""
 
     def eval_requests(self) -> dict[str, RolloutRequest]:
-        """Held-out problems, unguided: the number every method is judged by."""
-        if not self.eval_problems:
-            return {}
-        contexts = [self.prompts.question(p) for p in self.eval_problems]
-        return {"eval": RolloutRequest(contexts=contexts, problems=list(self.eval_problems),
-                                       tags={"guided": np.zeros(len(contexts), bool)},
-                                       n=self.eval_n, response_prefixes=[""] * len(contexts))}
+        """Held-out problems, unguided: the number every method is judged by (and the training
+        hard set, unguided, when asked)."""
+        requests = {}
+        for name, problems in (("eval", self.eval_problems), ("hard_set", self.hard_eval_problems)):
+            if problems:
+                contexts = [self.prompts.question(p) for p in problems]
+                requests[name] = RolloutRequest(
+                    contexts=contexts, problems=list(problems),
+                    tags={"guided": np.zeros(len(contexts), bool)}, n=self.eval_n,
+                    response_prefixes=[""] * len(contexts))
+        return requests
 
     def state(self) -> dict:
         return {"loader": self.loader.state()}

@@ -203,23 +203,33 @@ def allocate(budget_rollouts: int, *, n_curve: Sigmoid = DEFAULT_N_CURVE, batch:
     return Allocation(n=n, batch=b, steps=max(1, budget // (n * b)))
 
 
-def allocate_from_config(budget_rollouts: int, config: Mapping) -> Allocation:
-    """`allocate` with fields of a config: n_floor, n_ceiling, n_center, n_width (log2 units),
-    batch, n_min, n_max; missing fields take allocate's defaults."""
-    get = lambda k, default: config[k] if k in config else default
-    curve = Sigmoid(floor=float(get('n_floor', DEFAULT_N_CURVE.floor)),
-                    ceiling=float(get('n_ceiling', DEFAULT_N_CURVE.ceiling)),
-                    center=float(get('n_center', DEFAULT_N_CURVE.center)),
-                    width=float(get('n_width', DEFAULT_N_CURVE.width)))
-    if curve.width <= 0:
-        raise ValueError(f'allocation config: n_width must be > 0, got {curve.width}')
-    return allocate(budget_rollouts, n_curve=curve, batch=int(get('batch', 64)),
-                    n_min=int(get('n_min', 2)), n_max=int(get('n_max', 1024)))
+def allocation_rule(fit: 'FrontierFit', runs: Sequence['Run']) -> dict:
+    """What a config needs to allocate by a fitted frontier: log2 n*(log2 C) as a sigmoid (flat at
+    the envelope's last n* when n* never changed over the sweep) and the B that reached the best
+    final reward among the runs at that n."""
+    if fit.n_star_fit is not None:
+        curve = fit.n_star_fit
+    else:
+        log_n = math.log2(fit.n_star[-1])
+        curve = Sigmoid(floor=log_n, ceiling=log_n, center=fit.log_c[-1], width=1.0)
+    n_top = 2 ** round(float(curve(fit.log_c[-1])))
+    at_n = [r for r in runs if r.n == n_top] or list(runs)
+    best = max(at_n, key=lambda r: r.reward[-1])
+    return {'n_curve': curve.to_dict(), 'batch': int(best.batch)}
 
 
-def scaled_lr(batch_rollouts: int, *, base_lr: float = 1e-6, base_batch: int = 1024) -> float:
-    """Learning rate scaled by sqrt(batch): base_lr at base_batch rollouts per step (n * B_p)."""
-    return base_lr * math.sqrt(batch_rollouts / base_batch)
+LR_RULES = ('constant', 'sqrt', 'linear')
+
+
+def scaled_lr(batch_rollouts: int, *, base_lr: float = 1e-6, base_batch: int = 1024,
+              rule: str = 'sqrt') -> float:
+    """The learning rate for `batch_rollouts` rollouts per step (n * B_p): base_lr at base_batch,
+    scaled by (batch / base_batch)^(0, 1/2, 1) for rule constant / sqrt (the IsoCompute paper's:
+    1e-6 at 1024, by sqrt(B)) / linear."""
+    if rule not in LR_RULES:
+        raise ValueError(f'learning-rate rule must be one of {LR_RULES}, got {rule!r}')
+    power = {'constant': 0.0, 'sqrt': 0.5, 'linear': 1.0}[rule]
+    return base_lr * (batch_rollouts / base_batch) ** power
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,18 +261,14 @@ def sweep_grid(budgets: Iterable[int], ns: Iterable[int], batches: Iterable[int]
     return points
 
 
-# The config fields a sweep point sets; configs/isocompute.py must have these.
-SWEEP_FIELDS = {'n': 'n', 'batch': 'batch_problems', 'steps': 'steps'}
-
-
-def sweep_command(point: SweepPoint, *, config: str = 'configs/isocompute.py',
-                  workdir_root: str = 'runs/isocompute', fields: Mapping[str, str] = SWEEP_FIELDS,
-                  extra: Mapping[str, object] = ()) -> str:
-    """The shell command that runs one sweep point."""
-    overrides = {fields['n']: point.n, fields['batch']: point.batch, fields['steps']: point.steps,
-                 **dict(extra)}
-    workdir = f'{workdir_root}/n{point.n}_b{point.batch}_m{point.steps}'
-    args = [f'--config={config}'] + [f'--config.{k}={v}' for k, v in overrides.items()]
+def run_command(config_arg: str, overrides: Mapping[str, object], workdir: str) -> str:
+    """The shell command of one run: `--config=config_arg`, then `--config.<field>=<value>` for
+    each override (dotted field names; tuples as (a,b), which the config flags parse back)."""
+    def value(v):
+        if isinstance(v, (tuple, list)):
+            return '(' + ','.join(map(str, v)) + (',)' if len(v) == 1 else ')')
+        return str(v)
+    args = [f'--config={config_arg}'] + [f'--config.{k}={value(v)}' for k, v in overrides.items()]
     return ' '.join(['python', '-m', 'jaxprefix.main', *map(shlex.quote, args),
                      shlex.quote(f'--workdir={workdir}')])
 

@@ -8,18 +8,23 @@ the unguided problem.
 Pipeline:
 1. `mine_hard_set`: k samples per problem with the base policy; keep those solved 0 of k.
 2. `shortest_solvable_prefixes`: per hard problem, oracle prefixes of growing length (in steps),
-   m samples each; keep the shortest with at least one success. Computed once, before RL.
+   m samples each, up to `prefix_limit` (a cap in steps and as a fraction of the solution, never
+   the whole solution); keep the shortest with at least one success. Computed once, before RL.
 3. `PopeMethod`: each step, B hard problems, each as `guided_copies` guided and `unguided_copies`
-   unguided contexts (1:1 by default), optionally with easy problems mixed in.
+   unguided contexts (1:1 by default), optionally with easy problems mixed in. A problem with no
+   solvable prefix within the cap is dropped (and counted), or guided by the longest prefix tried.
 
 Guidance comes in two forms. 'instruction' (the paper, instruction-tuned LLMs): the prefix goes
-into the user turn with an instruction to continue it; the prompt gets no loss. 'solution_prefix'
-(policies that follow no instruction, like the demo's tiny model): the prefix is forced as the
-start of the answer, and the verifier judges prefix + continuation.
+into the user turn with an instruction to continue it; the prompt gets no loss and the answer, the
+policy's own, is scored alone. 'solution_prefix' (policies that follow no instruction, like the
+demo's tiny model; PrefixRL's mechanism): the prefix is forced as the start of the answer, and the
+verifier judges prefix + continuation. docs/DEMO_TASK.md says what teaching the demo policy a
+hint format in its prompt measured.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,6 +47,14 @@ NO_RESTATE_TEMPLATE = GUIDED_TEMPLATE + (
     " Do not restate, repeat or summarise any part of the partial response.")
 TEMPLATES = {"default": GUIDED_TEMPLATE, "no_restate": NO_RESTATE_TEMPLATE}
 GUIDANCE_MODES = ("instruction", "solution_prefix")
+UNSOLVED_MODES = ("drop", "longest")  # a problem with no solvable prefix within the cap
+
+
+def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0) -> int:
+    """The longest prefix searched for `problem`: at most `max_units` steps and `max_fraction` of
+    its oracle solution, and never the whole solution (that would hand over the answer)."""
+    units = oracle_units(problem)
+    return max(0, min(int(max_units), math.floor(max_fraction * units + 1e-9), units - 1))
 
 
 def guided_context(prompts, problem: Problem, units: int, *, guidance: str,
@@ -79,28 +92,49 @@ def mine_hard_set(prober: Prober, prompts, problems: Sequence[Problem], *, k: in
     return HardSet(hard, k, counts)
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefixSearch:
+    """What the shortest-prefix search found, per hard problem id."""
+
+    shortest: dict  # the fewest oracle steps with a success in m samples (None: none within cap)
+    answers: dict   # the first correct guided answer there: its tokens (response prefix included)
+
+
 def shortest_solvable_prefixes(prober: Prober, prompts, problems: Sequence[Problem], *, m: int,
                                max_units: int, guidance: str, template: str = GUIDED_TEMPLATE,
-                               seed: int) -> dict:
-    """Per problem id, the fewest oracle steps with which m samples hold a success (None: none).
+                               seed: int, max_fraction: float = 1.0) -> PrefixSearch:
+    """Per problem, the fewest oracle steps with which m samples hold a success, searched up to
+    `prefix_limit`, and the policy's own correct answer found there (what POPE's SFT baseline
+    trains on).
 
     Lengths are tried in increasing order for all still-unsolved problems at once, so each
     sampler call is a full batch.
     """
     found: dict = {p.id: None for p in problems}
-    for units in range(1, max_units + 1):
-        pending = [p for p in problems if found[p.id] is None and units <= oracle_units(p)]
+    answers: dict = {}
+    limits = {p.id: prefix_limit(p, max_units=max_units, max_fraction=max_fraction)
+              for p in problems}
+    for units in range(1, max(limits.values(), default=0) + 1):
+        pending = [p for p in problems if found[p.id] is None and units <= limits[p.id]]
         if not pending:
             break
         pairs = [guided_context(prompts, p, units, guidance=guidance, template=template)
                  for p in pending]
         result = prober.probe([c for c, _ in pairs], pending, m, seed=seed + units,
-                              response_prefixes=[r for _, r in pairs],
+                              response_prefixes=[r for _, r in pairs], keep_successes=True,
                               description=f"prefix search {units} steps")
-        for problem, solved in zip(pending, result.num_correct):
-            if solved:
+        for problem, (_, prefix), success in zip(pending, pairs, result.first_success):
+            if success is not None:
                 found[problem.id] = units
-    return found
+                if success and success[-1] in prober.spec.stop_ids:
+                    success = success[:-1]  # the stop token is added back where it is trained
+                answers[problem.id] = list(prompts.response(prefix)) + list(success)
+    return PrefixSearch(found, answers)
+
+
+def revealed_fractions(problems: Sequence[Problem], shortest: dict) -> list[float]:
+    """units / oracle units of each problem's prefix (None: no solvable prefix, left out)."""
+    return [shortest[p.id] / oracle_units(p) for p in problems if shortest.get(p.id)]
 
 
 class PopeMethod(GrpoMethod):
@@ -111,14 +145,28 @@ class PopeMethod(GrpoMethod):
     def __init__(self, prompts, hard: Sequence[Problem], prefix_units: dict, *, schedule,
                  guidance: str = "instruction", template: str = GUIDED_TEMPLATE,
                  guided_copies: int = 1, unguided_copies: int = 1,
-                 easy: Sequence[Problem] = (), easy_per_step: int = 0, seed: int, **kwargs):
-        super().__init__(prompts, hard, seed=seed, **kwargs)
+                 easy: Sequence[Problem] = (), easy_per_step: int = 0, unsolved: str = "drop",
+                 max_units: int = 0, max_fraction: float = 1.0, seed: int, **kwargs):
         if guidance not in GUIDANCE_MODES:
             raise ValueError(f"pope.guidance must be one of {GUIDANCE_MODES}, got {guidance!r}")
         if guided_copies < 0 or unguided_copies < 0 or guided_copies + unguided_copies == 0:
             raise ValueError("pope: guided_copies and unguided_copies must be >= 0, not both 0")
-        # A problem with no solvable prefix within the searched range gets the longest tried.
-        self.prefix_units = {p.id: prefix_units.get(p.id) or oracle_units(p) for p in hard}
+        if unsolved not in UNSOLVED_MODES:
+            raise ValueError(f"pope.unsolved must be one of {UNSOLVED_MODES}, got {unsolved!r}")
+        self.prefix_units = {}
+        for p in hard:
+            units = prefix_units.get(p.id)
+            if units is None and unsolved == "longest":  # the longest prefix the search tried
+                units = prefix_limit(p, max_units=max_units, max_fraction=max_fraction) or None
+            if units is not None:
+                self.prefix_units[p.id] = units
+        # Without guided copies (hard + easy) every hard problem is trained on, unguided.
+        kept = [p for p in hard if p.id in self.prefix_units or not guided_copies]
+        self.dropped = [p.id for p in hard if p not in kept]
+        if not kept:
+            raise ValueError(f"pope: none of the {len(hard)} hard problems has a solvable prefix "
+                             f"within the cap (pope.max_prefix_fraction, mining.max_prefix_units)")
+        super().__init__(prompts, kept, seed=seed, **kwargs)
         self.schedule = schedule
         self.guidance, self.template = guidance, template
         self.guided_copies, self.unguided_copies = guided_copies, unguided_copies
@@ -128,8 +176,8 @@ class PopeMethod(GrpoMethod):
     def _contexts(self, batch: Sequence[Problem], step: int):
         contexts, problems, guided, prefixes = [], [], [], []
         for problem in batch:
-            units = self.schedule.length(problem.id, self.prefix_units[problem.id], step)
             for _ in range(self.guided_copies):
+                units = self.schedule.length(problem.id, self.prefix_units[problem.id], step)
                 context, prefix = guided_context(self.prompts, problem, units,
                                                  guidance=self.guidance, template=self.template)
                 contexts.append(context)

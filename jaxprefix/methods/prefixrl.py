@@ -75,6 +75,27 @@ class TracePool:
         return cls(traces, {i: t.samples for i, t in traces.items()})
 
 
+def verified_pool(pool: TracePool, problems: Sequence[Problem], *, verifier: str, decode,
+                  timeout_s: float = 10.0) -> tuple[TracePool, dict]:
+    """The traces of `pool` that solve their problem by `verifier`, and what was dropped.
+
+    An imported pool (another model's traces) is checked before any RL trains on it: a trace
+    whose id names no training problem, or whose text the verifier rejects, is dropped and
+    counted, so a wrong or stale file cannot feed the policy wrong prefixes.
+    """
+    from jaxprefix import rewards
+
+    by_id = {p.id: p for p in problems}
+    matched = [t for t in pool.traces.values() if t.problem_id in by_id]
+    scores, _ = rewards.score_batch(verifier, [decode(list(t.tokens)) for t in matched],
+                                    [by_id[t.problem_id] for t in matched], timeout_s=timeout_s)
+    kept = {t.problem_id: t for t, score in zip(matched, scores) if score > 0.5}
+    stats = {"traces": len(pool.traces), "kept": len(kept),
+             "unknown_problem": len(pool.traces) - len(matched),
+             "failed_verification": len(matched) - len(kept)}
+    return TracePool(kept, {i: pool.samples_per_problem.get(i, 0) for i in kept}), stats
+
+
 def oracle_trace_pool(prompts, problems: Sequence[Problem]) -> TracePool:
     """Oracle solutions as the traces: off-policy data that cost no sampling (smoke runs, or
     comparing PrefixRL with POPE on the same privileged information)."""

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 from jaxprefix.models.decoder import Decoder, unembed
 
 
-def token_logprobs(model: Decoder, tokens, mask, *, positions=None,
-                   chunk_size: int = 128) -> tuple[jax.Array, jax.Array]:
+def token_logprobs(model: Decoder, tokens, mask, *, positions=None, chunk_size: int = 128,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """(logprobs [B, T], entropy [B, T]) of tokens[:, t] given tokens[:, :t].
 
-    Column 0, and any column whose token or predecessor is masked out, gets 0. `entropy` is
-    that of the model's distribution over the token at t. Differentiable with respect to model.
+    Column 0, and any column whose token or predecessor is masked out, gets 0. Both are of the
+    tempered distribution softmax(logits / temperature): the one a sampler at that temperature
+    draws from. Differentiable with respect to model.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     mask = jnp.asarray(mask, bool)
@@ -37,7 +38,7 @@ def token_logprobs(model: Decoder, tokens, mask, *, positions=None,
 
     @jax.checkpoint
     def score(w, h, y):
-        logits = unembed(h, w, model.config)
+        logits = unembed(h, w, model.config) / temperature
         logz = jax.nn.logsumexp(logits, axis=-1)
         logp = jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0] - logz
         p = jax.nn.softmax(logits, axis=-1)

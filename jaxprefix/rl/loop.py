@@ -69,6 +69,10 @@ def train_config(config) -> TrainConfig:
     values = {k: v for k, v in config.train.items() if k in fields}
     if not values.get("max_len") and values.get("aggregation") == "seq_mean_token_sum_norm":
         values["max_len"] = int(config.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
+    # Score the distribution the rollouts were drawn from (greedy sampling: the raw model).
+    sampling_t = float(config.rollout.temperature)
+    if config.train.get("logprobs_at_sampling_temperature", True) and sampling_t > 0:
+        values["temperature"] = sampling_t
     try:
         return TrainConfig(**values)
     except ValueError as e:
@@ -109,6 +113,9 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
          f"one of {objectives.ADVANTAGE_MODES}")
     need(r.n >= 2, "rollout.n", r.n, f"n >= 2 samples per context: {t.advantage} advantages "
          "compare the samples of a group")
+    if t.advantage == "pass_at_k":
+        need(1 <= t.get("pass_k", 1) <= r.n, "train.pass_k", t.get("pass_k"),
+             f"1 <= pass_k <= rollout.n={r.n}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
     need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
     need(r.max_rows_in_flight >= 0, "rollout.max_rows_in_flight", r.max_rows_in_flight,
@@ -310,6 +317,11 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
         ckpt.save(step, _state_arrays(state), meta)
 
     total = int(config.train.total_steps)
+    # A FLOPs budget (IsoCompute allocations) ends the run before a step like the last one
+    # would pass it; a run that stopped so stays stopped when resumed.
+    flops_budget = float(config.train.get("flops_budget", 0.0))
+    if totals.get("budget_spent"):
+        total = start
     record: dict[str, Any] = {}
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
@@ -329,8 +341,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                                                seed=round_seed(config.seed, step, len(chunks))))
                 method.observe(more, chunks[-1].rewards)
 
-            advantages = [np.asarray(objectives.group_advantages(c.rewards, config.train.advantage))
-                          for c in chunks]
+            advantages = [np.asarray(objectives.group_advantages(
+                c.rewards, config.train.advantage, k=config.train.get("pass_k", 1))) for c in chunks]
             selection = dynamic_sampling.select_groups(
                 [c.rewards for c in chunks], target, drop_zero_variance=config.train.dynamic_sampling)
             batch = dynamic_sampling.build_batch(
@@ -387,7 +399,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 "throughput/update_tokens_per_s": forwarded / max(update_seconds, 1e-9),
             })
             done = step + 1
-            last = done == total
+            if flops_budget and totals["flops"] + flops_sampling + flops_update > flops_budget:
+                totals["budget_spent"] = True
+            last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
                 record.update(evaluate(learner.sampling_model(state), tokenizer, method, config,
@@ -402,6 +416,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 save(done)
             if preemption.requested:
                 preempted = True
+                break
+            if last:
                 break
     bar.close()
     writer.close()

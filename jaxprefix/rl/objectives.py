@@ -9,23 +9,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo")
+ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo", "pass_at_k")
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_KINDS = ("k1", "k3")
 
 
-def group_advantages(rewards, mode: str = "grpo", eps: float = 1e-6):
+def group_advantages(rewards, mode: str = "grpo", eps: float = 1e-6, k: int = 1):
     """Advantages [G, n] of each sample relative to its group.
 
     grpo: (r - mean) / (std + eps), std unbiased (ddof=1) as in DeepSeekMath / TRL.
     dr_grpo: r - mean (Dr. GRPO drops the std, which up-weights easy and hard groups).
     rloo: r - mean of the other n-1 samples, i.e. n/(n-1) * (r - mean).
+    pass_at_k: the analytical pass@k advantage for `k` (see `pass_at_k_advantages`).
     """
     rewards = jnp.asarray(rewards, jnp.float32)
     if rewards.ndim != 2 or rewards.shape[1] < 2:
         raise ValueError(f"group_advantages: rewards must be [groups, n >= 2], got {rewards.shape}")
     n = rewards.shape[1]
+    if mode == "pass_at_k":
+        return pass_at_k_advantages(rewards, k, eps)
     centred = rewards - rewards.mean(axis=1, keepdims=True)
     if mode == "grpo":
         return centred / (rewards.std(axis=1, ddof=1, keepdims=True) + eps)
@@ -34,6 +37,45 @@ def group_advantages(rewards, mode: str = "grpo", eps: float = 1e-6):
     if mode == "rloo":
         return centred * (n / (n - 1))
     raise ValueError(f"group_advantages: mode must be one of {ADVANTAGE_MODES}, got {mode!r}")
+
+
+def pass_at_k_advantages(rewards, k: int, eps: float = 1e-6):
+    """Advantages [G, n] that optimise pass@k instead of pass@1: the analytical form of "Pass@k
+    Training" (Chen et al. 2025, arXiv 2508.10751, Sec. 4.3).
+
+    A group of n samples, n_neg of them wrong (reward <= 0.5), is scored as all C(n, k) subsets
+    of k samples, each worth 1 if it holds a correct sample. Their mean reward and spread are
+        R = 1 - C(n_neg, k) / C(n, k),   sigma = sqrt(R (1 - R)),
+    and each sample's advantage is the mean normalised advantage of the subsets containing it:
+        correct: (1 - R) / sigma
+        wrong:   (1 - R - C(n_neg - 1, k - 1) / C(n - 1, k - 1)) / sigma
+    (a wrong sample is in an all-wrong subset with that probability). k = 1 gives GRPO with the
+    population std. A group with no correct sample, or no wrong one, gets 0.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    n = rewards.shape[1]
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k_advantages: k must be in 1..n={n}, got {k}")
+    correct = rewards > 0.5
+    n_neg = (~correct).sum(axis=1, keepdims=True).astype(jnp.float32)
+    # C(a, j) / C(b, j) as a product of j ratios (a term is 0 once a - i < 0: no such subset).
+    def ratio(a, b, j):
+        out = jnp.ones_like(a)
+        for i in range(j):
+            out = out * jnp.maximum(a - i, 0.0) / (b - i)
+        return out
+    mean = 1.0 - ratio(n_neg, float(n), k)
+    sigma = jnp.sqrt(mean * (1.0 - mean))
+    wrong_in_failed_subset = ratio(n_neg - 1.0, float(n - 1), k - 1)
+    advantage = jnp.where(correct, 1.0 - mean, 1.0 - mean - wrong_in_failed_subset)
+    return jnp.where(sigma > 0, advantage / (sigma + eps), 0.0)
+
+
+def entropy_bonus(entropy, mask, coef: float, aggregation: str = "token_mean", **normalisers):
+    """coef * the entropy of the policy over the loss tokens, aggregated like the policy loss
+    (normalisers: `aggregate`'s max_len / total_tokens / total_sequences). Subtracted from the
+    loss: the bonus POPE reports does not fix hard problems."""
+    return coef * aggregate(entropy, mask, aggregation, **normalisers)
 
 
 def mask_truncated(completion_mask, stopped):

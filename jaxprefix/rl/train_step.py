@@ -59,6 +59,10 @@ class TrainConfig:
     kl_coef: float = 0.0                # > 0 needs batch['ref_logprobs']
     kl_kind: str = "k3"
     logprob_chunk: int = 1024           # tokens per vocabulary-projection chunk in token_logprobs
+    # Log-probs (and the loss) of softmax(logits / temperature): the sampling temperature, so the
+    # learner scores the distribution the rollouts came from (TRL, verl, Tunix); 1 = the raw model.
+    temperature: float = 1.0
+    entropy_coef: float = 0.0           # > 0: an entropy bonus, - coef * entropy (aggregated)
     # Recompute each decoder layer in the backward pass instead of keeping its activations
     # (attention scores are [rows, heads, T, T] per layer): one more forward of compute, and
     # SmolLM2-135M at 16 x 512 tokens needs 3.0 instead of 20.4 GiB of XLA temporaries.
@@ -85,6 +89,8 @@ class TrainConfig:
         need(self.kl_coef >= 0, "kl_coef", ">= 0")
         need(self.kl_kind in objectives.KL_KINDS, "kl_kind", f"one of {objectives.KL_KINDS}")
         need(self.logprob_chunk > 0, "logprob_chunk", "> 0")
+        need(self.temperature > 0, "temperature", "> 0")
+        need(self.entropy_coef >= 0, "entropy_coef", ">= 0")
 
     @property
     def updates_per_batch(self) -> int:
@@ -230,7 +236,7 @@ class Learner:
         """Per-token log-probs [B, T] of batch['tokens'] under `params` (e.g. a frozen reference)."""
         with self._mesh_context():
             return _policy_logprobs(self._train_graphdef, params, self.rest, self.place_batch(batch),
-                                    self.config.logprob_chunk)
+                                    self.config.logprob_chunk, self.config.temperature)
 
     def update(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One rollout batch -> new state (the old one is donated) and scalar metrics."""
@@ -323,26 +329,30 @@ def _remat_graph(model: nnx.Module):
 # compiled code (a resumed run, a test suite).
 
 
-def _token_logprobs(graphdef, params, rest, batch, chunk_size):
+def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
     model = nnx.merge(graphdef, params, rest)
     if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
         lora.set_dropout_key(model, batch["dropout_key"])
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
-                          positions=batch["positions"], chunk_size=chunk_size)
+                          positions=batch["positions"], chunk_size=chunk_size,
+                          temperature=temperature)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _policy_logprobs(graphdef, params, rest, batch, chunk_size):
-    return _token_logprobs(graphdef, params, rest, batch, chunk_size)[0]
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _policy_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
+    return _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature)[0]
 
 
 def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
-    logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk)
+    logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk, c.temperature)
     mask = micro["completion_mask"]
     loss, stats = objectives.policy_loss(
         logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
         eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation, max_len=c.max_len or None,
         ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind, **totals)
+    if c.entropy_coef:
+        loss = loss - objectives.entropy_bonus(entropy, mask, c.entropy_coef, c.aggregation,
+                                               max_len=c.max_len or None, **totals)
     stats["entropy_sum"] = (jax.lax.stop_gradient(entropy) * mask).sum()
     return loss, stats
 

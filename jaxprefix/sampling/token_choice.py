@@ -92,17 +92,21 @@ def choose_tokens(logits_bv: jax.Array, keys_b: jax.Array,
     """Draws one token per row; returns (tokens int32 [B], logprobs f32 [B]).
 
     `keys_b` holds one PRNG key per row (ignored when greedy). The log-probability is that of the
-    chosen token under the model itself (temperature 1, no truncation): what a teacher-forced
-    forward pass (`models.token_logprobs`) gives the learner for the same tokens.
+    chosen token under the tempered model, log softmax(logits / temperature), before any top-k /
+    top-p truncation (greedy: temperature 1): what the learner's teacher-forced forward pass
+    (`models.token_logprobs(..., temperature=T)`) gives for the same tokens, as in TRL, verl and
+    Tunix, so the first importance ratio of an update is 1.
     """
     logits_bv = logits_bv.astype(jnp.float32)
     if settings.greedy:
         tokens_b = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+        tempered_bv = logits_bv
     else:
-        candidates_bv = truncate_logits(logits_bv / settings.temperature, settings.top_k,
+        tempered_bv = logits_bv / settings.temperature
+        candidates_bv = truncate_logits(tempered_bv, settings.top_k,
                                         settings.top_p if settings.nucleus else None)
         tokens_b = sample_inverse_cdf(keys_b, candidates_bv)
-    logprobs_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    logprobs_bv = jax.nn.log_softmax(tempered_bv, axis=-1)
     logprobs_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
     return tokens_b, logprobs_b
 
