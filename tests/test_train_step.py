@@ -195,9 +195,10 @@ def test_remat_takes_the_same_step_and_leaves_the_sampler_graph_alone(one_miniba
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
-def test_remat_keeps_one_layer_of_attention_scores():
-    """6 layers x [16 rows, 4 heads, 128, 128] f32 scores (1 MiB each) kept for backward without
-    remat; with it, the layers' inputs and one layer's recomputation."""
+def test_remat_keeps_the_layers_inputs_not_their_activations():
+    """Without remat every layer's activations are kept for backward; with it, the layers' inputs
+    and one layer's recomputation. The attention is blockwise (no [T, T] scores are kept either
+    way), so remat's saving is the MLP and projection activations: 52 MB -> 22 MB measured."""
     config = CONFIG.replace(num_layers=6)
     rng = np.random.default_rng(0)
     width = 128
@@ -212,9 +213,7 @@ def test_remat_keeps_one_layer_of_attention_scores():
     for remat in (False, True):
         learner = Learner(model, TrainConfig(remat=remat))
         temp[remat] = learner.memory_analysis(learner.init_state(), batch).temp_size_in_bytes
-    scores = ROWS * config.num_heads * width * width * 4
-    assert temp[False] > config.num_layers * scores  # 72 MB measured
-    assert temp[True] < temp[False] / 3  # 20 MB measured
+    assert temp[True] < temp[False] / 2
 
 
 def test_invalid_settings_name_the_field():
