@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix import models, run_config, storage, tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.checkpoints.hf import read_safetensors
@@ -35,7 +36,7 @@ def base(tokenizer, tmp_path_factory):
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
         eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id)
     path = str(tmp_path_factory.mktemp("base") / "base")
-    models.save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, path,
+    save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, path,
                            tokenizer=tokenizer)
     return path
 
@@ -50,7 +51,7 @@ def export_config(base: str, dtype: str = ""):
 
 def trained_workdir(config, workdir: str) -> dict:
     """A workdir whose checkpoint holds weights moved away from the base; returns them."""
-    model, _ = models.from_pretrained(config.model.path)
+    model, _ = from_pretrained(config.model.path)
     learner = Learner(model, train_config(config))
     state = learner.init_state()
     state = state.replace(params=jax.tree.map(lambda x: x + 0.01 * jnp.sign(x), state.params))
@@ -80,7 +81,7 @@ def test_export_round_trips_through_from_pretrained_and_tokenizers_load(
     assert path == storage.join(workdir, "export")
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "chat_template.jinja"} <= set(storage.listdir(path))
-    model, _ = models.from_pretrained(path)
+    model, _ = from_pretrained(path)
     exported = flat_params(model)
     assert exported.keys() == trained.keys()
     for name, value in trained.items():
@@ -108,7 +109,7 @@ def test_transformers_loads_the_export_with_our_logits(base, tokenizer, tmp_path
     ids = tokenizer.apply_chat_template(MESSAGES, tokenize=True)
     with torch.no_grad():
         expected = theirs(torch.tensor([ids])).logits.numpy()
-    ours, _ = models.from_pretrained(path)
+    ours, _ = from_pretrained(path)
     np.testing.assert_allclose(np.asarray(ours(np.asarray([ids], np.int32))), expected,
                                atol=1e-4, rtol=1e-4)
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path)
@@ -127,7 +128,7 @@ def test_export_writes_the_dtype_asked_for(base, tmp_path):
     assert {str(t.dtype) for t in tensors.values()} == {"bfloat16"}
     with open(os.path.join(path, "config.json")) as f:
         assert json.load(f)["torch_dtype"] == "bfloat16"
-    model, _ = models.from_pretrained(path)  # read back into f32 weights
+    model, _ = from_pretrained(path)  # read back into f32 weights
     for name, value in flat_params(model).items():
         np.testing.assert_array_equal(value, trained[name].astype(jnp.bfloat16).astype(np.float32))
     with pytest.raises(ValueError, match=r"config.export.dtype='int4': expected"):

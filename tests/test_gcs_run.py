@@ -16,6 +16,7 @@ import time
 import pytest
 from flax import nnx
 
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix import models, storage
 from jaxprefix.data.tasks import carry_multiplication as task
 
@@ -32,7 +33,7 @@ def tiny_base(path: str) -> None:
         num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
         max_position_embeddings=task.SEQUENCE_LENGTH, eos_token_ids=(tokenizer.eos_id,),
         pad_token_id=tokenizer.pad_id)
-    models.save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, path,
+    save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, path,
                            tokenizer=tokenizer)
 
 
@@ -150,6 +151,6 @@ def test_bad_remote_paths_are_one_line_errors(gcs, remote, tmp_path):
     no_config = f"{root}/model-without-config"
     storage.write_atomic(f"{no_config}/model.safetensors", b"")
     with pytest.raises(FileNotFoundError, match=f"^{no_config}/config.json: missing config.json$"):
-        models.from_pretrained(no_config)
+        from_pretrained(no_config)
     with pytest.raises(FileNotFoundError, match=f"^{root}/nothing: not a checkpoint directory"):
-        models.from_pretrained(f"{root}/nothing")
+        from_pretrained(f"{root}/nothing")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import gguf
-from jaxprefix.checkpoints import gguf as gguf_import
+from jaxprefix.checkpoints import gguf as gguf_import, hf
 
 TINY = dict(hidden=64, heads=4, kv_heads=2, inter=96, layers=2, vocab=96, context=128)
 QUANTISED = ("model.embed_tokens.weight", "model.layers.1.self_attn.q_proj.weight")
@@ -225,7 +225,7 @@ def logits_both_ways(model, reference, ids):
 def test_tiny_from_gguf_logits_match_transformers(tiny):
     # Rotary is where an un-undone permutation shows: logits differ from position 1 on.
     path, originals = tiny
-    model, config = gguf_import.from_gguf(path)
+    model, config = hf.from_gguf(path)
     hf_config, tensors = gguf_import.read_gguf(path)
     assert config.num_layers == 2 and config.num_kv_heads == 2
     reference = transformers_llama(hf_config, tensors)
@@ -238,7 +238,7 @@ def test_tiny_from_gguf_logits_match_transformers(tiny):
 def test_smollm2_logits_match_transformers(smollm2_transformers):
     from transformers import AutoTokenizer
     path = gguf_import.bundled_smollm2_path()
-    model, _ = gguf_import.from_gguf(path)
+    model, _ = hf.from_gguf(path)
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                               gguf_file=os.path.basename(path))
     prompts = ["The capital of France is", "def fibonacci(n):\n    ", "Solve: 12 * 7 = ",

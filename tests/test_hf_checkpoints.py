@@ -9,8 +9,8 @@ import transformers
 from flax import nnx
 
 import tiny_checkpoints as tc
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix.checkpoints import hf as hf_io
-from jaxprefix.models import from_pretrained, save_pretrained
 
 forward = nnx.jit(lambda model, tokens: model(tokens))
 

@@ -184,7 +184,7 @@ def _frontier_file(tmp_path, n=8, batch=4, flops_per_rollout=1000.0):
 
 def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
     from jaxprefix import run_config
-    from jaxprefix.jobs.isocompute import allocated
+    from jaxprefix.jobs.allocation import allocated
 
     config = run_config.from_file('configs/grpo.py', 'smoke')
     assert allocated(config) is config  # no budget: untouched

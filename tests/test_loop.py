@@ -4,12 +4,10 @@ The loop runs for real on a tiny random decoder over the demo task's character v
 reward is a registered verifier of this file (share of '+' characters in the completion): a
 random policy earns varied rewards with it, so the groups carry signal and updates move weights.
 """
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np

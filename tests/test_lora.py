@@ -7,8 +7,9 @@ import torch
 from flax import nnx
 
 import tiny_checkpoints
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix.checkpoints import peft as peft_format
-from jaxprefix.models import from_pretrained, lora, save_pretrained
+from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.rl import loop
 from jaxprefix.rl.train_step import Learner, TrainConfig

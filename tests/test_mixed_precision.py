@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxprefix.checkpoints.hf import save_pretrained
 from jaxprefix import run_config
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
@@ -71,7 +72,6 @@ def test_sampling_model_is_the_state_itself_when_dtypes_agree():
 
 
 def test_policy_loading_honours_param_dtype_and_dtype(tmp_path):
-    from jaxprefix import models
     from jaxprefix.data.tasks import carry_multiplication as task
     from jaxprefix.jobs.policy import load_policy
 
@@ -79,7 +79,7 @@ def test_policy_loading_honours_param_dtype_and_dtype(tmp_path):
     config = ModelConfig(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
                          intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                          head_dim=8, eos_token_ids=(tokenizer.eos_id,))
-    models.save_pretrained(Decoder(config, rngs=nnx.Rngs(0)), config, str(tmp_path / "base"),
+    save_pretrained(Decoder(config, rngs=nnx.Rngs(0)), config, str(tmp_path / "base"),
                            tokenizer=tokenizer)
     c = run_config.base_config()
     c.model.update(source="sft", path=str(tmp_path / "base"), param_dtype="float32",

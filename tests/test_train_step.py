@@ -2,12 +2,12 @@
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+from jaxprefix.checkpoints.hf import from_gguf
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.scoring import token_logprobs
@@ -273,14 +273,14 @@ def test_smollm2_learner_matches_its_sampler_at_the_sampling_temperature(capsys)
     """On the real model (bundled SmolLM2-135M-Instruct, chat prompts, T = 0.8 as its configs
     sample): the learner's log-probs at T reproduce the sampler's; at T = 1 (the old behaviour)
     they do not. Prints the sizes measured (docs/RESULTS.md quotes them)."""
-    from jaxprefix import models, sampling, tokenizers
+    from jaxprefix import sampling, tokenizers
     from jaxprefix.checkpoints.gguf import bundled_smollm2_path
     from jaxprefix.methods.prompting import ChatPrompts
     from jaxprefix.data.problem import Problem
     from jaxprefix.rl import dynamic_sampling
 
     path = bundled_smollm2_path()
-    model, _ = models.from_gguf(path)
+    model, _ = from_gguf(path)
     prompts = ChatPrompts(tokenizers.load(path))
     questions = ["What is 17 * 23?", "Name the capital of France.", "Is 91 a prime number?",
                  "Write one sentence about rain."]

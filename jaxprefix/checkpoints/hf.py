@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix import storage
+from jaxprefix.checkpoints import gguf
 from jaxprefix.models import sharding
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
@@ -266,6 +267,15 @@ def generation_config(config: ModelConfig) -> dict:
     return out
 
 
+def from_gguf(path, dtype=None, *, param_dtype=None, mesh=None):
+    """(model, config) from a llama-architecture GGUF file, read as HF-named tensors
+    (checkpoints/gguf.py) and loaded as load_hf_state loads them; dtype defaults to float32, and
+    with `mesh` every parameter is placed with its target sharding."""
+    hf_config, tensors = gguf.read_gguf(path)
+    return load_hf_state(hf_config, tensors, jnp.float32 if dtype is None else dtype,
+                         param_dtype=param_dtype, mesh=mesh, source=str(path))
+
+
 def save_pretrained(model: Decoder, config: ModelConfig | None, path, *, dtype=None,
                     tokenizer=None) -> str:
     """Writes an HF directory (local or gs://) that from_pretrained, tokenizers.load and
@@ -279,7 +289,7 @@ def save_pretrained(model: Decoder, config: ModelConfig | None, path, *, dtype=N
     storage.makedirs(path)
     write_safetensors(storage.join(path, 'model.safetensors'), hf_tensors(model, dtype))
     if tokenizer is not None:
-        from jaxprefix import tokenizers  # lazily: tokenizers import checkpoints.gguf
+        from jaxprefix import tokenizers  # lazily: a model file needs no tokenizer code
 
         tokenizers.save(tokenizer, path)
     storage.write_json(storage.join(path, 'generation_config.json'), generation_config(config),

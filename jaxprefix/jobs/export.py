@@ -18,6 +18,7 @@ import jax
 from absl import logging
 from flax import nnx
 
+from jaxprefix.checkpoints.hf import save_pretrained
 from jaxprefix import distributed, models, storage
 from jaxprefix.models import lora
 
@@ -58,7 +59,7 @@ def run_export(config, workdir: str) -> str:
         if adapters is not None:
             save_peft_adapter(trained, storage.join(path, ADAPTER_DIR),
                               base_model_name_or_path=config.model.path)
-        models.save_pretrained(policy.model, None, path, dtype=dtype, tokenizer=policy.tokenizer)
+        save_pretrained(policy.model, None, path, dtype=dtype, tokenizer=policy.tokenizer)
     logging.info("exported %s (step %s) to %s", "the base policy" if step is None else "the policy",
                  step, path)
     return path

@@ -17,12 +17,10 @@ written to frontier.json (with the allocation rule a config can name), frontier.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import numpy as np
 
 from jaxprefix import run_config, storage
+from jaxprefix.jobs import allocation
 from jaxprefix.jobs.policy import base_dir
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.metrics import read_metrics
@@ -39,17 +37,6 @@ def _set(config, field: str, value) -> None:
     node[name] = value
 
 
-def _scaled_lr(config, rollouts_per_step: int) -> float:
-    iso = config.isocompute
-    return isocompute.scaled_lr(rollouts_per_step, base_lr=config.train.learning_rate,
-                                base_batch=iso.lr_reference_rollouts, rule=iso.lr_rule)
-
-
-def _micro_batch(config, rows: int) -> int:
-    """A micro-batch that divides a (possibly small) batch of `rows` rows."""
-    return math.gcd(config.train.micro_batch_size, rows // config.train.num_minibatches)
-
-
 def point_overrides(config, point: isocompute.SweepPoint, seed: int, workdir: str) -> dict:
     """The config fields one sweep point sets: a GRPO run of n rollouts, B problems, M steps,
     the learning rate by the rule, evaluated by rollouts; every point starts from one base (the
@@ -58,11 +45,11 @@ def point_overrides(config, point: isocompute.SweepPoint, seed: int, workdir: st
     overrides = {"job": "rl", "method": "grpo", "seed": seed,
                  "model.path": base_dir(config, workdir), "rollout.n": point.n,
                  "train.problems_per_step": point.batch, "train.total_steps": point.steps,
-                 "train.learning_rate": _scaled_lr(config, rows), "eval.n": 4, "eval.ks": (1, 4),
+                 "train.learning_rate": allocation.scaled_lr(config, rows), "eval.n": 4, "eval.ks": (1, 4),
                  "eval.every": max(1, config.isocompute.eval_every_rollouts // rows),
                  "checkpoint.every": max(1, point.steps // 4)}
     if config.train.micro_batch_size:
-        overrides["train.micro_batch_size"] = _micro_batch(config, rows)
+        overrides["train.micro_batch_size"] = allocation.micro_batch(config, rows)
     return overrides
 
 
@@ -183,65 +170,3 @@ def run_fit(config, workdir: str) -> dict:
         isocompute.plot_n_star(fit, storage.join(workdir, "n_star.png"))
     storage.write_json(storage.join(workdir, FRONTIER), record)
     return record
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    n_curve: isocompute.Sigmoid
-    batch: int
-    flops_per_rollout: float | None
-
-
-def load_rule(config) -> Rule:
-    """The allocation rule a config names: a fit job's frontier.json, or the default curve."""
-    iso = config.isocompute
-    if not iso.frontier_path:
-        return Rule(isocompute.DEFAULT_N_CURVE, iso.batch or 64, None)
-    if not storage.exists(iso.frontier_path):
-        raise ValueError(f"config.isocompute.frontier_path={iso.frontier_path!r}: no such file; "
-                         f"expected a fit job's frontier.json")
-    allocation = storage.read_json(iso.frontier_path).get("allocation")
-    if not allocation:
-        raise ValueError(f"config.isocompute.frontier_path={iso.frontier_path!r}: that fit found "
-                         f"no frontier (its 'reason' says why), so it holds no allocation rule")
-    return Rule(isocompute.Sigmoid.from_dict(allocation["n_curve"]),
-                iso.batch or int(allocation["batch"]), allocation.get("flops_per_rollout"))
-
-
-def allocated(config):
-    """With `isocompute.budget` > 0, a copy of `config` whose n, B and M (and learning rate, by
-    `lr_rule`) come from the allocation rule; else `config` itself.
-
-    A budget in rollouts is spent exactly: M = budget // (contexts a step * n). A budget in
-    FLOPs (the run's sampling + updates) is turned into rollouts with the fit's measured FLOPs
-    per rollout to choose n, and the run stops on its ledger before a step would pass it
-    (`train.flops_budget`), so it spends the budget to within one step.
-    """
-    from jaxprefix.jobs.rl import contexts_per_problem
-
-    iso = config.isocompute
-    if not iso.budget:
-        return config
-    if iso.budget_unit not in ("rollouts", "flops"):
-        raise ValueError(f"config.isocompute.budget_unit={iso.budget_unit!r}: expected "
-                         f"'rollouts' or 'flops'")
-    rule = load_rule(config)
-    rollout_budget = iso.budget
-    if iso.budget_unit == "flops":
-        if not rule.flops_per_rollout:
-            raise ValueError("config.isocompute.budget_unit='flops' needs frontier_path: a fit "
-                             "job's frontier.json, which measured the FLOPs per rollout")
-        rollout_budget = iso.budget / rule.flops_per_rollout
-    c = config.copy_and_resolve_references()
-    contexts = contexts_per_problem(c, c.method)  # POPE's copies, PrefixRL's prefixes
-    a = isocompute.allocate(int(rollout_budget // contexts), n_curve=rule.n_curve,
-                            batch=rule.batch, n_min=iso.n_min, n_max=iso.n_max)
-    rows = a.n * a.batch * contexts
-    c.rollout.n, c.train.problems_per_step, c.train.total_steps = a.n, a.batch, a.steps
-    c.train.learning_rate = _scaled_lr(config, rows)
-    if c.train.micro_batch_size:
-        c.train.micro_batch_size = _micro_batch(config, rows)
-    if iso.budget_unit == "flops":
-        c.train.flops_budget = float(iso.budget)
-        c.train.total_steps = 4 * a.steps  # a cap: the ledger stops the run
-    return c

@@ -19,6 +19,7 @@ from __future__ import annotations
 from absl import logging
 
 from jaxprefix import sampling, storage
+from jaxprefix.jobs.method_settings import check_method_settings
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.methods.probing import Prober, SamplingSpec
@@ -200,7 +201,6 @@ def run_mine(config, workdir: str) -> dict:
     from jaxprefix.jobs.policy import load_policy
     from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 
-    from jaxprefix.jobs.rl import check_method_settings
 
     check_method_settings(config)
     policy = load_policy(config, workdir)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxprefix.checkpoints.hf import from_pretrained
+from jaxprefix.checkpoints.hf import from_gguf
 from jaxprefix import models, storage, tokenizers
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts
 
@@ -52,9 +54,9 @@ def load_policy(config, workdir: str) -> Policy:
         model, tokenizer = sft.load_base(path, dtype, param_dtype)
         return Policy(model, tokenizer, TaskPrompts(tokenizer), source)
     if source == "hf":
-        model, _ = models.from_pretrained(config.model.path, dtype, param_dtype=param_dtype)
+        model, _ = from_pretrained(config.model.path, dtype, param_dtype=param_dtype)
     elif source == "gguf":
-        model, _ = models.from_gguf(_weights_path(config), dtype, param_dtype=param_dtype)
+        model, _ = from_gguf(_weights_path(config), dtype, param_dtype=param_dtype)
     else:
         raise ValueError(f"config.model.source={source!r}: expected one of {SOURCES}")
     tokenizer = tokenizers.load(_weights_path(config))

@@ -55,7 +55,7 @@ def _as_config_error(check_fn, *args) -> None:
 
 
 def _check_settings(config, workdir: str) -> None:
-    from jaxprefix.jobs.rl import check_method_settings, contexts_per_step
+    from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_step
     from jaxprefix.rl import loop
 
     r = config.rewards
@@ -67,14 +67,14 @@ def _check_settings(config, workdir: str) -> None:
         raise ConfigError(f"config.data.max_prompt_tokens={config.data.max_prompt_tokens!r}: "
                           f"expected >= 0 (0: the model's context alone)")
     check_method_settings(config)
-    from jaxprefix.jobs import isocompute
+    from jaxprefix.jobs import allocation, isocompute
 
     if config.job == "sweep":  # each point is its own run, with its own n and batch
         for point in isocompute.sweep_points(config):
             loop.validate(isocompute.point_config(config, point, config.isocompute.seeds[0],
                                                   workdir))
     elif config.job in TRAINING_JOBS:
-        config = isocompute.allocated(config)  # isocompute.budget: the n, B, M the run will use
+        config = allocation.allocated(config)  # isocompute.budget: the n, B, M the run will use
         loop.validate(config, contexts_per_step=contexts_per_step(config))
 
 

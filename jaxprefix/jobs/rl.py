@@ -12,55 +12,16 @@ from __future__ import annotations
 from absl import logging
 
 from jaxprefix import distributed, models, run_identity, storage, workdir_lock
+from jaxprefix.jobs import method_settings
+from jaxprefix.jobs.allocation import allocated
+from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_step
 from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
 from jaxprefix.jobs.policy import load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.isocompute import ComputeLedger
-from jaxprefix.methods.schedules import make_schedule
 from jaxprefix.rl import loop
-
-METHODS = ("grpo", "pope", "prefixrl")
-
-
-def check_method_settings(config) -> None:
-    """Fails before any model is loaded or problem mined when a method field is off."""
-    def need(ok, field, value, expected):
-        if not ok:
-            raise ValueError(f"config.{field}={value!r}: expected {expected}")
-    need(config.method in METHODS, "method", config.method, f"one of {METHODS}")
-    need(config.pope.guidance in pope.GUIDANCE_MODES, "pope.guidance", config.pope.guidance,
-         f"one of {pope.GUIDANCE_MODES}")
-    need(config.pope.template in pope.TEMPLATES, "pope.template", config.pope.template,
-         f"one of {tuple(pope.TEMPLATES)}")
-    need(0.0 < config.pope.max_prefix_fraction <= 1.0, "pope.max_prefix_fraction",
-         config.pope.max_prefix_fraction, "in (0, 1]")
-    need(config.pope.unsolved in pope.UNSOLVED_MODES, "pope.unsolved", config.pope.unsolved,
-         f"one of {pope.UNSOLVED_MODES}")
-    p = config.prefixrl
-    need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "prefixrl.cut_lo/cut_hi", (p.cut_lo, p.cut_hi),
-         "0 <= cut_lo <= cut_hi <= 1")
-    need(config.mining.train_on in ("all", "hard"), "mining.train_on", config.mining.train_on,
-         "'all' or 'hard'")
-    _schedule(config)  # raises naming the schedule field
-
-
-def contexts_per_problem(config, method: str) -> int:
-    """How many contexts `method` asks of each training problem (POPE's guided and plain copies,
-    PrefixRL's prefixed and plain ones, GRPO's one)."""
-    if method == "pope":
-        return config.pope.guided_copies + config.pope.unguided_copies
-    if method == "prefixrl":
-        return config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
-    return 1
-
-
-def contexts_per_step(config) -> int:
-    """The contexts one step of the configured method samples (n times each)."""
-    contexts = config.train.problems_per_step * contexts_per_problem(config, config.method)
-    return contexts + (config.pope.easy_per_step if config.method == "pope" else 0)
-
 
 def mined_artifacts(config) -> tuple[str, ...]:
     """The mining artifacts (jobs/mine.ARTIFACTS) the configured method trains on: its bill."""
@@ -75,11 +36,6 @@ def mined_artifacts(config) -> tuple[str, ...]:
     return hard
 
 
-def _schedule(config):
-    return make_schedule({"kind": config.schedule.kind,
-                          **config.schedule.get(config.schedule.kind, {})})
-
-
 def build_method(config, policy, sets, mining: Mining):
     """The configured method over its training problems, mining first where it needs to."""
     # Every host builds the same global request (problem lists are small): the sampler and the
@@ -88,7 +44,7 @@ def build_method(config, policy, sets, mining: Mining):
                   seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
     if config.eval.get("hard_set"):
         common["hard_eval_problems"] = mining.hard_set().problems
-    schedule = _schedule(config)
+    schedule = method_settings.schedule(config)
     if config.method == "grpo":
         train = mining.hard_set().problems if config.mining.train_on == "hard" else sets.train
         return GrpoMethod(policy.prompts, train, **common)
@@ -109,14 +65,12 @@ def build_method(config, policy, sets, mining: Mining):
             policy.prompts, hard.problems, mining.trace_pool(hard.problems), schedule=schedule,
             prefixes_per_problem=p.prefixes_per_problem, unprefixed_copies=p.unprefixed_copies,
             cut_range=(p.cut_lo, p.cut_hi), **common)
-    raise ValueError(f"config.method={config.method!r}: expected one of {METHODS}")
+    raise ValueError(f"config.method={config.method!r}: expected one of {method_settings.METHODS}")
 
 
 @workdir_lock.holds_workdir
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
-    from jaxprefix.jobs.isocompute import allocated
-
     config = allocated(config)  # isocompute.budget > 0: n, B, M from the allocation rule
     check_method_settings(config)
     contexts = contexts_per_step(config)

@@ -26,6 +26,7 @@ import optax
 import tqdm
 from flax import nnx
 
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix import models, sampling, storage, tokenizers
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.errors import ConfigError
@@ -207,7 +208,7 @@ def run_sft(config, workdir: str) -> str:
                            f"sampling began (last: {last}); lower config.lr or "
                            f"criterion.sample_from_step_accuracy, or raise config.max_steps")
 
-    models.save_pretrained(chosen_state, model_config(config, tokenizer), path,
+    save_pretrained(chosen_state, model_config(config, tokenizer), path,
                            tokenizer=tokenizer)
     report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
               "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
@@ -239,5 +240,5 @@ def _closer(metrics: dict, best: dict, criterion) -> bool:
 
 def load_base(path: str, dtype="float32", param_dtype=None):
     """(model, tokenizer) of a base directory written by run_sft (dtypes: see from_pretrained)."""
-    model, _ = models.from_pretrained(path, dtype, param_dtype=param_dtype)
+    model, _ = from_pretrained(path, dtype, param_dtype=param_dtype)
     return model, tokenizers.load(path)

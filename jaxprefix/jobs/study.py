@@ -12,7 +12,7 @@ from jaxprefix.jobs.evaluate import evaluate_unguided
 from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
-from jaxprefix.jobs.rl import check_method_settings, contexts_per_problem
+from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_problem
 from jaxprefix.methods.isocompute import ComputeLedger
 
 

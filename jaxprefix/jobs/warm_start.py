@@ -23,7 +23,8 @@ import optax
 import tqdm
 from flax import nnx
 
-from jaxprefix import models, storage
+from jaxprefix.checkpoints.hf import save_pretrained
+from jaxprefix import storage
 from jaxprefix.jobs import sft
 from jaxprefix.methods.isocompute import update_flops
 
@@ -104,7 +105,7 @@ def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: in
                 flops += update_flops(n_params, int(real[rows].sum()))
                 bar.update(1)
 
-    models.save_pretrained(model, None, out_dir, tokenizer=policy.tokenizer)
+    save_pretrained(model, None, out_dir, tokenizer=policy.tokenizer)
     report = {"problems": len(tokens), "epochs": epochs, "steps": len(losses),
               "batch_size": batch_size, "learning_rate": learning_rate, "flops": flops,
               "losses": losses}

@@ -1,0 +1,55 @@
+"""What the configured method asks of a run, checked and counted without loading anything.
+
+Shared by the jobs that plan a run before it starts (rl, mine, preflight, study, isocompute,
+compile), so none of them imports another job for it.
+"""
+from __future__ import annotations
+
+from jaxprefix.methods import pope
+from jaxprefix.methods.schedules import make_schedule
+
+METHODS = ("grpo", "pope", "prefixrl")
+
+
+def check_method_settings(config) -> None:
+    """Fails before any model is loaded or problem mined when a method field is off."""
+    def need(ok, field, value, expected):
+        if not ok:
+            raise ValueError(f"config.{field}={value!r}: expected {expected}")
+    need(config.method in METHODS, "method", config.method, f"one of {METHODS}")
+    need(config.pope.guidance in pope.GUIDANCE_MODES, "pope.guidance", config.pope.guidance,
+         f"one of {pope.GUIDANCE_MODES}")
+    need(config.pope.template in pope.TEMPLATES, "pope.template", config.pope.template,
+         f"one of {tuple(pope.TEMPLATES)}")
+    need(0.0 < config.pope.max_prefix_fraction <= 1.0, "pope.max_prefix_fraction",
+         config.pope.max_prefix_fraction, "in (0, 1]")
+    need(config.pope.unsolved in pope.UNSOLVED_MODES, "pope.unsolved", config.pope.unsolved,
+         f"one of {pope.UNSOLVED_MODES}")
+    p = config.prefixrl
+    need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "prefixrl.cut_lo/cut_hi", (p.cut_lo, p.cut_hi),
+         "0 <= cut_lo <= cut_hi <= 1")
+    need(config.mining.train_on in ("all", "hard"), "mining.train_on", config.mining.train_on,
+         "'all' or 'hard'")
+    schedule(config)  # raises naming the schedule field
+
+
+def contexts_per_problem(config, method: str) -> int:
+    """How many contexts `method` asks of each training problem (POPE's guided and plain copies,
+    PrefixRL's prefixed and plain ones, GRPO's one)."""
+    if method == "pope":
+        return config.pope.guided_copies + config.pope.unguided_copies
+    if method == "prefixrl":
+        return config.prefixrl.prefixes_per_problem + config.prefixrl.unprefixed_copies
+    return 1
+
+
+def contexts_per_step(config) -> int:
+    """The contexts one step of the configured method samples (n times each)."""
+    contexts = config.train.problems_per_step * contexts_per_problem(config, config.method)
+    return contexts + (config.pope.easy_per_step if config.method == "pope" else 0)
+
+
+def schedule(config):
+    """The guidance schedule the config names (POPE's prefix lengths over training)."""
+    return make_schedule({"kind": config.schedule.kind,
+                          **config.schedule.get(config.schedule.kind, {})})

@@ -1,0 +1,48 @@
+"""Imports flow one way (docs/ARCHITECTURE.md): no module of jaxprefix imports, directly or
+through others, a module that imports it back, lazily inside a function included."""
+import ast
+import pathlib
+
+import jaxprefix
+
+ROOT = pathlib.Path(jaxprefix.__file__).parent
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxprefix"):
+                for alias in node.names:  # `from pkg import module` names the module itself
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in modules else node.module)
+            elif isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names if a.name.startswith("jaxprefix"))
+        graph[name] = targets & modules.keys()
+    return graph
+
+
+def _cycle_from(start: str, graph) -> list[str] | None:
+    """A path start -> ... -> start, or None (depth-first)."""
+    stack, seen = [(start, [start])], set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in graph[node]:
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return None
+
+
+def test_no_module_imports_itself_back():
+    graph = _import_graph()
+    assert "jaxprefix.jobs.rl" in graph and graph["jaxprefix.jobs.rl"]  # the walk sees imports
+    cycles = [c for c in (_cycle_from(m, graph) for m in sorted(graph)) if c]
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
