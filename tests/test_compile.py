@@ -47,7 +47,7 @@ def test_mesh_spans_slices_with_data_over_dcn():
     assert dict(mesh.shape) == {'data': 2, 'fsdp': 4, 'tensor': 1}
     for row in mesh.devices:
         assert len({d.slice_index for d in row.ravel()}) == 1
-    with pytest.raises(ValueError, match='4 devices of each of 2 slices'):
+    with pytest.raises(ValueError, match='4 devices in each of 2 slices'):
         make_mesh(fsdp=3, devices=devices)
 
 

@@ -50,8 +50,7 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     devices = list(jax.devices() if devices is None else devices)
     slices = len({getattr(d, 'slice_index', 0) for d in devices})
     per_slice = len(devices) // slices
-    where = f'the {per_slice} devices of each of {slices} slices' if slices > 1 else \
-        f'the {len(devices)} devices'
+    count = f'{per_slice} devices' + (f' in each of {slices} slices' if slices > 1 else '')
     sizes = [data, fsdp, tensor]
     if sizes.count(-1) > 1:
         raise ValueError(f'make_mesh: at most one axis may be -1, got data={data} fsdp={fsdp} '
@@ -59,11 +58,11 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     known = math.prod(s for s in sizes if s != -1)
     if any(s == 0 or s < -1 for s in sizes) or per_slice % known:
         raise ValueError(f'make_mesh: data={data} x fsdp={fsdp} x tensor={tensor} does not divide '
-                         f'{where}')
+                         f'the {count}')
     sizes = [per_slice // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != per_slice:
         raise ValueError(f'make_mesh: data x fsdp x tensor = {math.prod(sizes)} but there are '
-                         f'{where}')
+                         f'{count}')
     if slices == 1:
         return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
     grid = mesh_utils.create_hybrid_device_mesh(sizes, (slices, 1, 1), devices)
