@@ -72,8 +72,8 @@ def load_or_train(base: str, steps: int):
 
 def decode_steps(lengths: np.ndarray, n: int, static_contexts: int, rows_in_flight: int):
     """(static, continuous) decode steps these completion lengths need: each static chunk runs to
-    its longest row; ideal continuous slots take the next sample the step a row stops (no
-    admission delay). Their ratio bounds the speed-up when a step costs the same in both arms."""
+    its longest row; ideal continuous slots take the next sample, in request order, the step a
+    row stops (no admission delay). Their ratio bounds the speed-up when a step costs the same in both arms."""
     per_context = lengths.reshape(-1, n)
     static = sum(int(per_context[i:i + static_contexts].max())
                  for i in range(0, len(per_context), static_contexts))
@@ -144,8 +144,8 @@ def main():
           f'{lengths.max()}; generated tokens per call: {tokens}')
     static_steps, continuous_steps = decode_steps(lengths, args.n, args.static_contexts,
                                                   schedule.rows_in_flight)
-    print(f'decode steps these lengths need: static {static_steps}, continuous >= '
-          f'{continuous_steps} (ideal refill): at equal cost a step, continuous / static <= '
+    print(f'decode steps these lengths need: static {static_steps}, continuous '
+          f'{continuous_steps} (ideal refill): at equal cost a step, continuous / static ~ '
           f'{static_steps / continuous_steps:.2f}')
     seconds = common.time_alternating(arms, args.repeats)
     for name, samples in seconds.items():
