@@ -19,6 +19,7 @@ ratio, the rows in flight each arm holds and the completion-length distribution.
 from __future__ import annotations
 
 import argparse
+import heapq
 import os
 import statistics
 import sys
@@ -67,6 +68,19 @@ def load_or_train(base: str, steps: int):
         return models.from_pretrained(base)[0]
     print(f'policy: training {steps} SFT steps into {base}')
     return train_base(steps, base)
+
+
+def decode_steps(lengths: np.ndarray, n: int, static_contexts: int, rows_in_flight: int):
+    """(static, continuous) decode steps these completion lengths need: each static chunk runs to
+    its longest row; ideal continuous slots take the next sample, in request order, the step a
+    row stops (no admission delay). Their ratio bounds the speed-up when a step costs the same in both arms."""
+    per_context = lengths.reshape(-1, n)
+    static = sum(int(per_context[i:i + static_contexts].max())
+                 for i in range(0, len(per_context), static_contexts))
+    free_at = [0] * rows_in_flight  # a min-heap of the steps at which each slot frees
+    for length in lengths:
+        heapq.heappush(free_at, heapq.heappop(free_at) + int(length))
+    return static, max(free_at)
 
 
 def main():
@@ -128,6 +142,11 @@ def main():
     print(f'completion lengths: mean {lengths.mean():.1f}, p10 {np.percentile(lengths, 10):.0f}, '
           f'median {np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, max '
           f'{lengths.max()}; generated tokens per call: {tokens}')
+    static_steps, continuous_steps = decode_steps(lengths, args.n, args.static_contexts,
+                                                  schedule.rows_in_flight)
+    print(f'decode steps these lengths need: static {static_steps}, continuous '
+          f'{continuous_steps} (ideal refill): at equal cost a step, continuous / static ~ '
+          f'{static_steps / continuous_steps:.2f}')
     seconds = common.time_alternating(arms, args.repeats)
     for name, samples in seconds.items():
         median, spread = common.summary(samples)
