@@ -235,6 +235,7 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
            + memory.generated_code_size_in_bytes + p.resident_bytes)
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
+                                  rare_branch_calls=p.rare_branch_calls,
                                   kernel_flops=kernel_flops).total()
     compute_s = cost.flops / chip.peak_bf16_flops
     memory_s = cost.bytes / chip.hbm_bytes_per_s

@@ -137,11 +137,16 @@ class HloCost:
     """Costs of one compiled HLO module, per device."""
 
     def __init__(self, text: str, *, num_devices: int, unknown_trip_count: int = 1,
+                 rare_branch_calls: int | None = None,
                  kernel_flops: Callable[[str], float | None] = lambda op_name: None):
+        """rare_branch_calls: how many times in all a conditional in the body of a loop of
+        unknown trip count takes its costliest branch (the continuous sampler's admissions:
+        a prefill now and then, a no-op otherwise); None: at every iteration (an upper bound)."""
         self.computations, self.entry = parse_hlo(text)
         self.shapes = {c: {i.name: i.shape for i in body} for c, body in self.computations.items()}
         self.num_devices = num_devices
         self.unknown_trip_count = unknown_trip_count
+        self.rare_branch_calls = rare_branch_calls
         self.kernel_flops = kernel_flops
         self._costs: dict[str, Cost] = {}
 
@@ -163,16 +168,19 @@ class HloCost:
         if op == 'while':
             body, condition = _attr(ins.attrs, 'body'), _attr(ins.attrs, 'condition')
             trips = self._trip_count(computation, ins, condition)
-            if trips is None:
-                trips, cost.unknown_loops = self.unknown_trip_count, 1
-            cost.add(self._cost(body), trips)
-            cost.add(self._cost(condition), trips + 1)
+            if trips is None and self.rare_branch_calls is not None:
+                cost.unknown_loops = 1
+                self._add_rare_branch_loop(cost, body, self.unknown_trip_count)
+            else:
+                if trips is None:
+                    trips, cost.unknown_loops = self.unknown_trip_count, 1
+                cost.add(self._cost(body), trips)
+            cost.add(self._cost(condition), (trips or self.unknown_trip_count) + 1)
             return cost
         if op == 'conditional':
-            branches = re.findall(r'%?([\w.\-]+)', (_BRANCHES.search(ins.attrs) or [None, ''])[1])
-            branches += [c for c in called if c not in branches]
+            branches = self._branches(ins, called)
             if branches:
-                cost.add(max((self._cost(b) for b in branches), key=lambda c: c.flops))
+                cost.add(branches[-1])
             return cost
         if op in ('call', 'async-start'):
             for c in called:
@@ -207,6 +215,25 @@ class HloCost:
         return cost
 
     # --- pieces -------------------------------------------------------------------------------
+
+    def _branches(self, ins: Instruction, called: list[str]) -> list[Cost]:
+        """The costs of a conditional's branches, cheapest first (by FLOPs)."""
+        names = re.findall(r'%?([\w.\-]+)', (_BRANCHES.search(ins.attrs) or [None, ''])[1])
+        names += [c for c in called if c not in names]
+        return sorted((self._cost(b) for b in names), key=lambda c: c.flops)
+
+    def _add_rare_branch_loop(self, cost: Cost, body: str, trips: int) -> None:
+        """`trips` runs of `body`, whose conditionals take their costliest branch only
+        rare_branch_calls times in all and their cheapest otherwise."""
+        rare = min(self.rare_branch_calls, trips)
+        for ins in self.computations.get(body, []):
+            if ins.opcode != 'conditional':
+                cost.add(self._instruction(body, ins), trips)
+                continue
+            branches = self._branches(ins, _CALLED.findall(ins.attrs))
+            if branches:
+                cost.add(branches[0], trips - rare)
+                cost.add(branches[-1], rare)
 
     def _operand_bytes(self, computation: str, names) -> float:
         table = self.shapes[computation]

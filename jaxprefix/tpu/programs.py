@@ -57,6 +57,7 @@ class Program:
     required_bytes: float = 0.0
     calls_per_step: int = 1
     unknown_trip_count: int = 1    # iterations of a data-dependent loop (decode: max_new_tokens)
+    rare_branch_calls: int | None = None  # that loop's costly branch taken (admissions), in all
     resident_bytes: float = 0.0    # per chip, live in HBM during the call but not an argument
     resident_note: str = ''
     shapes: str = ''
@@ -175,11 +176,13 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
             # The loop runs until every row stopped: at most max_new_tokens steps per generation
             # of rows through a block's slots.
             trips = -(-rows_per_block // s['row_slots']) * step.max_new_tokens
+            admissions = -(-(contexts // shards) // s['admit'])
             shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
                       f"{s['row_slots']} row slots x {s['new_bucket']} new tokens and "
                       f"{s['context_slots']} context slots (admitting {s['admit']})")
             return [compile_program('sampler continuous', program.lower(),
-                                    unknown_trip_count=trips, shapes=shapes, **common)]
+                                    unknown_trip_count=trips, rare_branch_calls=admissions,
+                                    shapes=shapes, **common)]
         prefill, decode = found['prefill'], found['decode']
         lay = prefill.args[2]
         rows = lay['last_tokens'].shape[0] * step.n
