@@ -144,7 +144,7 @@ def sampling_model(learner: Learner, state) -> tuple[nnx.Module, float, str]:
         merged = nnx.merge(*nnx.split(model), copy=True)  # abstract: same shapes, no adapters
         targets = merged.adapters.config.targets
         del merged.adapters
-        copies = bytes_per_chip([getattr(merged, name)[...] for name in targets])
+        copies = bytes_per_chip([getattr(merged, name).get_value() for name in targets])
         return merged, copies, 'the base weights the merged sampler copy replaces'
     cast = lambda x: jax.ShapeDtypeStruct(
         x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
