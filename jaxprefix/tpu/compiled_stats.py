@@ -34,6 +34,8 @@ _NO_TRAFFIC = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast',
                'copy-done', 'all-gather-done', 'all-reduce-done', 'collective-permute-done',
                'async-done', 'async-update', 'send-done', 'recv-done'}
 _SLICING = {'dynamic-slice', 'slice', 'gather'}
+# Ops that update their first operand in place, and the index of the operand holding the update.
+_UPDATE_OPERAND = {'dynamic-update-slice': 1, 'scatter': 2}
 COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
 
 
@@ -208,8 +210,9 @@ class HloCost:
             cost.bytes = 0.0  # reserves memory, moves none
         elif op == 'copy-start':
             cost.bytes = 2 * self._operand_bytes(computation, ins.operands)
-        elif op == 'dynamic-update-slice':
-            cost.bytes = 2 * self._operand_bytes(computation, ins.operands[1:2])
+        elif op in _UPDATE_OPERAND:
+            update = _UPDATE_OPERAND[op]
+            cost.bytes = 2 * self._operand_bytes(computation, ins.operands[update:update + 1])
         elif op not in _NO_TRAFFIC:
             cost.bytes = shape_bytes(ins.shape) + self._operand_bytes(computation, ins.operands)
         return cost
@@ -241,7 +244,8 @@ class HloCost:
 
     def _fusion_bytes(self, computation: str, ins: Instruction, fused: str) -> float:
         """Bytes a fusion reads and writes: a parameter only sliced inside counts its slices; a
-        buffer updated in place (dynamic-update-slice) counts only its update, written."""
+        buffer updated in place (dynamic-update-slice, scatter) counts only its update, written
+        (a decode step's scatter of one token into the KV cache moves that token, not the cache)."""
         body = self.computations.get(fused, [])
         if not body:
             return shape_bytes(ins.shape) + self._operand_bytes(computation, ins.operands)
@@ -249,7 +253,7 @@ class HloCost:
         root = body[-1]
         outputs = [table[o] for o in root.operands if o in table] if root.opcode == 'tuple' \
             else [root]
-        in_place = {o.operands[0] for o in outputs if o.opcode == 'dynamic-update-slice'}
+        in_place = {o.operands[0] for o in outputs if o.opcode in _UPDATE_OPERAND}
         users: dict[str, list[Instruction]] = {}
         for i in body:
             for o in i.operands:
@@ -265,8 +269,9 @@ class HloCost:
             if uses and all(u.opcode in _SLICING for u in uses):
                 full = min(full, sum(shape_bytes(u.shape) for u in uses))
             reads += full
-        writes = sum(shape_bytes(table[o.operands[1]].shape) if o.opcode == 'dynamic-update-slice'
-                     and o.operands[1] in table else shape_bytes(o.shape) for o in outputs)
+        writes = sum(shape_bytes(table[o.operands[_UPDATE_OPERAND[o.opcode]]].shape)
+                     if o.opcode in _UPDATE_OPERAND and o.operands[_UPDATE_OPERAND[o.opcode]] in table
+                     else shape_bytes(o.shape) for o in outputs)
         return reads + writes
 
     def _matmul_flops(self, computation: str, ins: Instruction) -> float:
