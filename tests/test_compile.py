@@ -171,6 +171,30 @@ def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
     assert report is not None and not all(p['fits'] for p in report['programs'].values())
 
 
+def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
+    """rollout.max_rows_in_flight below the step's 16 rows: the sampler program compiled is the
+    continuous decode (sampling.abstract_programs, as generate() would run it), with the cap's row
+    slots per row device, and its loop counted as the generations of rows through them."""
+    from jaxprefix.jobs.compile import run_compile
+    from jaxprefix.run_config import sibling_config
+
+    (tmp_path / 'config.json').write_text(json.dumps(SMALL))
+    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
+    config.job = 'compile'
+    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
+    config.compile.update(topology='v5e-4', context_length=64,
+                          model_config=str(tmp_path / 'config.json'))
+    config.rollout.max_rows_in_flight = 8  # 2 row slots on each of 4 row devices
+    report = run_compile(config, str(tmp_path / 'work'))
+    assert report['mesh']['data'] == 4 and report['step']['rows'] == 16
+    assert set(report['programs']) == {'learner update', 'sampler continuous'}
+    continuous = report['programs']['sampler continuous']
+    assert '4 block(s) of 2 row slots' in continuous['shapes'], continuous['shapes']
+    # 4 rows a block through 2 slots: 2 generations of up to max_new_tokens steps each.
+    assert continuous['assumed_trip_count'] == 2 * config.rollout.max_new_tokens
+    assert continuous['fits'] and continuous['roofline']['seconds'] > 0
+
+
 @pytest.mark.slow
 def test_paper_variant_fits_v6e_8(tmp_path):
     """The paper run (Qwen3-4B, f32 master weights, bf16 compute) on 8 v6e chips: every program
