@@ -254,10 +254,6 @@ class HloCost:
         outputs = [table[o] for o in root.operands if o in table] if root.opcode == 'tuple' \
             else [root]
         in_place = {o.operands[0] for o in outputs if o.opcode in _UPDATE_OPERAND}
-        users: dict[str, list[Instruction]] = {}
-        for i in body:
-            for o in i.operands:
-                users.setdefault(o, []).append(i)
         reads = 0.0
         for i in body:
             if i.opcode != 'parameter' or i.name in in_place:
@@ -265,14 +261,32 @@ class HloCost:
             index = int(i.args)
             operand = ins.operands[index] if index < len(ins.operands) else ''
             full = shape_bytes(self.shapes[computation].get(operand, i.shape))
-            uses = users.get(i.name, [])
-            if uses and all(u.opcode in _SLICING for u in uses):
-                full = min(full, sum(shape_bytes(u.shape) for u in uses))
-            reads += full
+            reads += self._read_bytes(fused, i, full)
         writes = sum(shape_bytes(table[o.operands[_UPDATE_OPERAND[o.opcode]]].shape)
                      if o.opcode in _UPDATE_OPERAND and o.operands[_UPDATE_OPERAND[o.opcode]] in table
                      else shape_bytes(o.shape) for o in outputs)
         return reads + writes
+
+    def _read_bytes(self, fused: str, param: Instruction, full: float) -> float:
+        """Bytes a fusion reads of its parameter `param` (`full` bytes): only its slices when it
+        is only sliced, also inside nested fusions (a decode step's layer of stacked weights)."""
+        uses = [i for i in self.computations.get(fused, []) if param.name in i.operands]
+        if not uses:
+            return full
+        total = 0.0
+        for use in uses:
+            if use.opcode in _SLICING:
+                total += shape_bytes(use.shape)
+            elif use.opcode == 'fusion':
+                inner = _attr(use.attrs, 'calls')
+                params = {i.args: i for i in self.computations.get(inner, [])
+                          if i.opcode == 'parameter'}
+                for k, operand in enumerate(use.operands):
+                    if operand == param.name and str(k) in params:
+                        total += self._read_bytes(inner, params[str(k)], full)
+            else:
+                return full
+        return min(full, total)
 
     def _matmul_flops(self, computation: str, ins: Instruction) -> float:
         table = self.shapes[computation]
