@@ -85,13 +85,16 @@ def run_compile(config, workdir: str) -> dict:
 
 
 def _shortfall(report: dict) -> str:
-    worst = max(report['programs'].values(),
+    worst = max((p for p in report['programs'].values() if not p['fits']),
                 key=lambda p: p['hbm_bytes_per_chip'] / p['usable_bytes'])
     over = (worst['hbm_bytes_per_chip'] - worst['usable_bytes']) / GiB
-    return (f"{worst['name']} does not fit {report['topology']}: it needs "
+    line = (f"{worst['name']} does not fit {report['topology']}: it needs "
             f"{worst['hbm_bytes_per_chip'] / GiB:.1f} GiB per chip, {over:.1f} GiB over the "
             f"{worst['usable_bytes'] / GiB:.1f} GiB usable ({1 - report['headroom']:.0%} of "
             f"{worst['hbm_capacity_bytes'] / GiB:.0f} GiB)")
+    if over <= 0 and worst.get('error'):
+        line = f"{worst['name']} does not fit {report['topology']}: {worst['error']}"
+    return line
 
 
 def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
@@ -123,11 +126,15 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     if train.kl_coef > 0:
         resident += programs.bytes_per_chip(state.params)
         note += ', KL reference weights'
-    kv_budget = kv_budget_bytes(r, slice_.chip, mesh.size, resident + programs.bytes_per_chip(
-        nnx.state(sampler_model)))
-    compiled += _timed('sampler', lambda: programs.sampler_programs(
-        sampler_model, mesh, step, kv_budget_bytes=kv_budget, resident_bytes=resident,
-        resident_note=note))
+    weights = programs.bytes_per_chip(nnx.state(sampler_model))
+    kv_budget = kv_budget_bytes(r, slice_.chip, mesh.size, resident + weights)
+    try:
+        compiled += _timed('sampler', lambda: programs.sampler_programs(
+            sampler_model, mesh, step, kv_budget_bytes=kv_budget, resident_bytes=resident,
+            resident_note=note))
+    except ValueError as e:  # the KV budget holds no row beside the weights: nothing to compile
+        compiled.append(programs.Program('sampler', None, error=str(e), required_bytes=weights,
+                                         resident_bytes=resident, resident_note=note))
 
     chip = slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
