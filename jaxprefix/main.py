@@ -61,7 +61,9 @@ class _OnlyOurInfo:
 
 
 def remote_paths(config, workdir: str) -> list[str]:
-    """The workdir and every config string that is a URL (gs://...): what needs a storage backend."""
+    """The workdir and every config string that is a URL (gs://...): what needs a storage backend.
+    The compile job reads no data or weights (the model path only when reachable), so only its
+    own config.json path counts."""
     found = [workdir]
 
     def visit(value):
@@ -70,7 +72,7 @@ def remote_paths(config, workdir: str) -> list[str]:
         elif hasattr(value, "items"):
             for item in value.values():
                 visit(item)
-    visit(config)
+    visit(config.compile if config.job == "compile" else config)
     return [p for p in found if "://" in p]
 
 

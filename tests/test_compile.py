@@ -77,6 +77,32 @@ def test_hlo_walk_counts_loop_bodies_by_their_trip_count():
     assert ours.collectives['all-gather']['count'] == layers  # one weight gather per layer
 
 
+def test_hlo_walk_counts_a_rare_branch_of_a_data_dependent_loop_by_its_calls():
+    """A loop of unknown trip count whose body multiplies only when a condition holds (the
+    continuous sampler's admissions): costed as `rare_branch_calls` multiplications, not one per
+    iteration; without the count, one per iteration (the upper bound)."""
+    devices = topology.devices(topology.slice_type('v5e-4'))
+    mesh = Mesh(np.array(devices), ('x',))
+    d, b = 512, 256
+
+    def f(w, x, steps):
+        def body(carry):
+            i, x = carry
+            x = jax.lax.cond(i % 7 == 0, lambda x: jnp.tanh(x @ w), lambda x: x + 1, x)
+            return i + 1, x
+        return jax.lax.while_loop(lambda c: c[0] < steps, body, (0, x))[1]
+    w = jax.ShapeDtypeStruct((d, d), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32, sharding=NamedSharding(mesh, P('x')))
+    steps = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    text = jax.jit(f).lower(w, x, steps).compile().as_text()
+    matmul = 2 * b * d * d / 4
+    rare = compiled_stats.HloCost(text, num_devices=4, unknown_trip_count=70,
+                                  rare_branch_calls=10).total()
+    every = compiled_stats.HloCost(text, num_devices=4, unknown_trip_count=70).total()
+    assert rare.flops == pytest.approx(10 * matmul, rel=0.02)
+    assert every.flops == pytest.approx(70 * matmul, rel=0.02)
+
+
 def test_published_configs_are_the_models_config_json():
     from jaxprefix.checkpoints.gguf import bundled_smollm2_path, read_gguf_config
 
@@ -145,6 +171,30 @@ def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
     assert report is not None and not all(p['fits'] for p in report['programs'].values())
 
 
+def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
+    """rollout.max_rows_in_flight below the step's 16 rows: the sampler program compiled is the
+    continuous decode (sampling.abstract_programs, as generate() would run it), with the cap's row
+    slots per row device, and its loop counted as the generations of rows through them."""
+    from jaxprefix.jobs.compile import run_compile
+    from jaxprefix.run_config import sibling_config
+
+    (tmp_path / 'config.json').write_text(json.dumps(SMALL))
+    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
+    config.job = 'compile'
+    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
+    config.compile.update(topology='v5e-4', context_length=64,
+                          model_config=str(tmp_path / 'config.json'))
+    config.rollout.max_rows_in_flight = 8  # 2 row slots on each of 4 row devices
+    report = run_compile(config, str(tmp_path / 'work'))
+    assert report['mesh']['data'] == 4 and report['step']['rows'] == 16
+    assert set(report['programs']) == {'learner update', 'sampler continuous'}
+    continuous = report['programs']['sampler continuous']
+    assert '4 block(s) of 2 row slots' in continuous['shapes'], continuous['shapes']
+    # 4 rows a block through 2 slots: 2 generations of up to max_new_tokens steps each.
+    assert continuous['assumed_trip_count'] == 2 * config.rollout.max_new_tokens
+    assert continuous['fits'] and continuous['roofline']['seconds'] > 0
+
+
 @pytest.mark.slow
 def test_paper_variant_fits_v6e_8(tmp_path):
     """The paper run (Qwen3-4B, f32 master weights, bf16 compute) on 8 v6e chips: every program
@@ -157,4 +207,13 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     config.job = 'compile'
     config.compile.topology = 'v6e-8'
     report = run_compile(config, str(tmp_path))
-    assert all(p['fits'] for p in report['programs'].values())
+    # The run itself, not a smaller one: 64 problems asked guided and plainly, 8 samples each,
+    # 16,384 new tokens after 2,048-token contexts, trained at the bucketed width.
+    step = report['step']
+    assert (step['contexts'], step['n'], step['max_new_tokens']) == (128, 8, 16384)
+    assert (step['context_length'], step['learner_width']) == (2048, 20480)
+    assert report['headroom'] == 0.1 and report['model']['params'] > 4e9
+    names = set(report['programs'])
+    assert 'learner update' in names and names & {'sampler continuous', 'sampler decode'}
+    for p in report['programs'].values():
+        assert p['fits'] and p['hbm_bytes_per_chip'] <= 0.9 * p['hbm_capacity_bytes'], p['name']

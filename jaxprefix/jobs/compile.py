@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 from absl import logging
+from flax import nnx
 
 from jaxprefix import storage
 from jaxprefix.jobs import rl as rl_job
@@ -26,6 +27,7 @@ from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.models.tpu_attention import kernel_flops
 from jaxprefix.rl import loop
+from jaxprefix.sampling.budget import DEFAULT_FREE_MEMORY_SHARE
 from jaxprefix.tpu import compiled_stats, programs, topology
 
 GiB = 2**30
@@ -83,13 +85,16 @@ def run_compile(config, workdir: str) -> dict:
 
 
 def _shortfall(report: dict) -> str:
-    worst = max(report['programs'].values(),
+    worst = max((p for p in report['programs'].values() if not p['fits']),
                 key=lambda p: p['hbm_bytes_per_chip'] / p['usable_bytes'])
     over = (worst['hbm_bytes_per_chip'] - worst['usable_bytes']) / GiB
-    return (f"{worst['name']} does not fit {report['topology']}: it needs "
+    line = (f"{worst['name']} does not fit {report['topology']}: it needs "
             f"{worst['hbm_bytes_per_chip'] / GiB:.1f} GiB per chip, {over:.1f} GiB over the "
             f"{worst['usable_bytes'] / GiB:.1f} GiB usable ({1 - report['headroom']:.0%} of "
             f"{worst['hbm_capacity_bytes'] / GiB:.0f} GiB)")
+    if over <= 0 and worst.get('error'):
+        line = f"{worst['name']} does not fit {report['topology']}: {worst['error']}"
+    return line
 
 
 def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
@@ -106,21 +111,30 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
         contexts=contexts, context_length=c.context_length, n=r.n,
         max_new_tokens=r.max_new_tokens, max_rows_in_flight=r.max_rows_in_flight,
         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    model = programs.abstract_model(model_config, mesh)
+    model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
     compiled, learner, state = _timed('learner update', lambda: programs.learner_programs(
         model, train, mesh, step))
     # While the sampler runs on its compute-dtype copy of the weights, the training state (master
-    # weights, optimizer moments) stays in HBM.
-    sampler_model = programs.sampling_model(learner, state)
-    resident = programs.bytes_per_chip(state)
-    note = 'training state: master weights and optimizer moments'
+    # weights or adapters, optimizer moments) stays in HBM.
+    sampler_model, copies, copies_note = programs.sampling_model(learner, state)
+    resident = programs.bytes_per_chip(state) + copies
+    note = 'training state: trained weights and optimizer moments'
+    if copies:
+        note += ', ' + copies_note
     if train.kl_coef > 0:
         resident += programs.bytes_per_chip(state.params)
         note += ', KL reference weights'
-    compiled += _timed('sampler', lambda: programs.sampler_programs(
-        sampler_model, mesh, step, resident_bytes=resident, resident_note=note))
+    weights = programs.bytes_per_chip(nnx.state(sampler_model))
+    kv_budget = kv_budget_bytes(r, slice_.chip, mesh.size, resident + weights)
+    try:
+        compiled += _timed('sampler', lambda: programs.sampler_programs(
+            sampler_model, mesh, step, kv_budget_bytes=kv_budget, resident_bytes=resident,
+            resident_note=note))
+    except ValueError as e:  # the KV budget holds no row beside the weights: nothing to compile
+        compiled.append(programs.Program('sampler', None, error=str(e), required_bytes=weights,
+                                         resident_bytes=resident, resident_note=note))
 
     chip = slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
@@ -138,18 +152,30 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
                  'hbm_bytes_per_s': chip.hbm_bytes_per_s, 'ici_bytes_per_s': chip.ici_bytes_per_s},
         'headroom': c.headroom,
         'model': {'model_type': model_config.model_type, 'params': model_config.num_params(),
-                  'param_dtype': model_config.param_dtype, 'dtype': model_config.dtype},
+                  'param_dtype': model_config.param_dtype, 'dtype': model_config.dtype,
+                  'lora_rank': config.train.get('lora_rank', 0)},
         'step': {'contexts': step.contexts, 'n': step.n, 'rows': step.rows,
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
-                 'max_rows_in_flight': step.max_rows_in_flight,
+                 'max_rows_in_flight': step.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
                  'learner_width': step.learner_width,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline'])},
         'state_bytes_per_chip': {'params': programs.bytes_per_chip(state.params),
-                                 'optimizer': programs.bytes_per_chip(state.opt_state)},
+                                 'optimizer': programs.bytes_per_chip(state.opt_state),
+                                 'frozen': programs.bytes_per_chip(learner.rest)},
         'programs': {p['name']: p for p in rows},
         'compile_seconds': time.perf_counter() - start,
     }
+
+
+def kv_budget_bytes(rollout, chip: topology.Chip, chips: int, in_use_per_chip: float) -> int:
+    """The sampler's KV budget as the run sets it (sampling.memory_settings): rollout.kv_budget_gib,
+    or by default a share of the memory the chips report free when it samples, i.e. their HBM less
+    the training state and the sampler's weights."""
+    if rollout.kv_budget_gib:
+        return int(rollout.kv_budget_gib * GiB)
+    free = chips * max(0.0, chip.hbm_bytes - in_use_per_chip)
+    return int(free * DEFAULT_FREE_MEMORY_SHARE)
 
 
 def run_model_config(config) -> ModelConfig:
@@ -216,6 +242,7 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
            + memory.generated_code_size_in_bytes + p.resident_bytes)
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
+                                  rare_branch_calls=p.rare_branch_calls,
                                   kernel_flops=kernel_flops).total()
     compute_s = cost.flops / chip.peak_bf16_flops
     memory_s = cost.bytes / chip.hbm_bytes_per_s

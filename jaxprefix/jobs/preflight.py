@@ -12,7 +12,9 @@ from __future__ import annotations
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep")
-NOTHING_TO_CHECK = ("fit",)  # reads the sweep's finished runs only
+# fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
+# weights) and checks its own settings before it compiles.
+NOTHING_TO_CHECK = ("fit", "compile")
 
 
 def check(config, workdir: str) -> None:

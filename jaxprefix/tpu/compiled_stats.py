@@ -34,6 +34,8 @@ _NO_TRAFFIC = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast',
                'copy-done', 'all-gather-done', 'all-reduce-done', 'collective-permute-done',
                'async-done', 'async-update', 'send-done', 'recv-done'}
 _SLICING = {'dynamic-slice', 'slice', 'gather'}
+# Ops that update their first operand in place, and the index of the operand holding the update.
+_UPDATE_OPERAND = {'dynamic-update-slice': 1, 'scatter': 2}
 COLLECTIVES = ('all-gather', 'all-reduce', 'reduce-scatter', 'all-to-all', 'collective-permute')
 
 
@@ -137,11 +139,16 @@ class HloCost:
     """Costs of one compiled HLO module, per device."""
 
     def __init__(self, text: str, *, num_devices: int, unknown_trip_count: int = 1,
+                 rare_branch_calls: int | None = None,
                  kernel_flops: Callable[[str], float | None] = lambda op_name: None):
+        """rare_branch_calls: how many times in all a conditional in the body of a loop of
+        unknown trip count takes its costliest branch (the continuous sampler's admissions:
+        a prefill now and then, a no-op otherwise); None: at every iteration (an upper bound)."""
         self.computations, self.entry = parse_hlo(text)
         self.shapes = {c: {i.name: i.shape for i in body} for c, body in self.computations.items()}
         self.num_devices = num_devices
         self.unknown_trip_count = unknown_trip_count
+        self.rare_branch_calls = rare_branch_calls
         self.kernel_flops = kernel_flops
         self._costs: dict[str, Cost] = {}
 
@@ -163,16 +170,19 @@ class HloCost:
         if op == 'while':
             body, condition = _attr(ins.attrs, 'body'), _attr(ins.attrs, 'condition')
             trips = self._trip_count(computation, ins, condition)
-            if trips is None:
-                trips, cost.unknown_loops = self.unknown_trip_count, 1
-            cost.add(self._cost(body), trips)
-            cost.add(self._cost(condition), trips + 1)
+            if trips is None and self.rare_branch_calls is not None:
+                cost.unknown_loops = 1
+                self._add_rare_branch_loop(cost, body, self.unknown_trip_count)
+            else:
+                if trips is None:
+                    trips, cost.unknown_loops = self.unknown_trip_count, 1
+                cost.add(self._cost(body), trips)
+            cost.add(self._cost(condition), (trips or self.unknown_trip_count) + 1)
             return cost
         if op == 'conditional':
-            branches = re.findall(r'%?([\w.\-]+)', (_BRANCHES.search(ins.attrs) or [None, ''])[1])
-            branches += [c for c in called if c not in branches]
+            branches = self._branches(ins, called)
             if branches:
-                cost.add(max((self._cost(b) for b in branches), key=lambda c: c.flops))
+                cost.add(branches[-1])
             return cost
         if op in ('call', 'async-start'):
             for c in called:
@@ -200,13 +210,33 @@ class HloCost:
             cost.bytes = 0.0  # reserves memory, moves none
         elif op == 'copy-start':
             cost.bytes = 2 * self._operand_bytes(computation, ins.operands)
-        elif op == 'dynamic-update-slice':
-            cost.bytes = 2 * self._operand_bytes(computation, ins.operands[1:2])
+        elif op in _UPDATE_OPERAND:
+            update = _UPDATE_OPERAND[op]
+            cost.bytes = 2 * self._operand_bytes(computation, ins.operands[update:update + 1])
         elif op not in _NO_TRAFFIC:
             cost.bytes = shape_bytes(ins.shape) + self._operand_bytes(computation, ins.operands)
         return cost
 
     # --- pieces -------------------------------------------------------------------------------
+
+    def _branches(self, ins: Instruction, called: list[str]) -> list[Cost]:
+        """The costs of a conditional's branches, cheapest first (by FLOPs)."""
+        names = re.findall(r'%?([\w.\-]+)', (_BRANCHES.search(ins.attrs) or [None, ''])[1])
+        names += [c for c in called if c not in names]
+        return sorted((self._cost(b) for b in names), key=lambda c: c.flops)
+
+    def _add_rare_branch_loop(self, cost: Cost, body: str, trips: int) -> None:
+        """`trips` runs of `body`, whose conditionals take their costliest branch only
+        rare_branch_calls times in all and their cheapest otherwise."""
+        rare = min(self.rare_branch_calls, trips)
+        for ins in self.computations.get(body, []):
+            if ins.opcode != 'conditional':
+                cost.add(self._instruction(body, ins), trips)
+                continue
+            branches = self._branches(ins, _CALLED.findall(ins.attrs))
+            if branches:
+                cost.add(branches[0], trips - rare)
+                cost.add(branches[-1], rare)
 
     def _operand_bytes(self, computation: str, names) -> float:
         table = self.shapes[computation]
@@ -214,7 +244,8 @@ class HloCost:
 
     def _fusion_bytes(self, computation: str, ins: Instruction, fused: str) -> float:
         """Bytes a fusion reads and writes: a parameter only sliced inside counts its slices; a
-        buffer updated in place (dynamic-update-slice) counts only its update, written."""
+        buffer updated in place (dynamic-update-slice, scatter) counts only its update, written
+        (a decode step's scatter of one token into the KV cache moves that token, not the cache)."""
         body = self.computations.get(fused, [])
         if not body:
             return shape_bytes(ins.shape) + self._operand_bytes(computation, ins.operands)
@@ -222,11 +253,7 @@ class HloCost:
         root = body[-1]
         outputs = [table[o] for o in root.operands if o in table] if root.opcode == 'tuple' \
             else [root]
-        in_place = {o.operands[0] for o in outputs if o.opcode == 'dynamic-update-slice'}
-        users: dict[str, list[Instruction]] = {}
-        for i in body:
-            for o in i.operands:
-                users.setdefault(o, []).append(i)
+        in_place = {o.operands[0] for o in outputs if o.opcode in _UPDATE_OPERAND}
         reads = 0.0
         for i in body:
             if i.opcode != 'parameter' or i.name in in_place:
@@ -234,13 +261,32 @@ class HloCost:
             index = int(i.args)
             operand = ins.operands[index] if index < len(ins.operands) else ''
             full = shape_bytes(self.shapes[computation].get(operand, i.shape))
-            uses = users.get(i.name, [])
-            if uses and all(u.opcode in _SLICING for u in uses):
-                full = min(full, sum(shape_bytes(u.shape) for u in uses))
-            reads += full
-        writes = sum(shape_bytes(table[o.operands[1]].shape) if o.opcode == 'dynamic-update-slice'
-                     and o.operands[1] in table else shape_bytes(o.shape) for o in outputs)
+            reads += self._read_bytes(fused, i, full)
+        writes = sum(shape_bytes(table[o.operands[_UPDATE_OPERAND[o.opcode]]].shape)
+                     if o.opcode in _UPDATE_OPERAND and o.operands[_UPDATE_OPERAND[o.opcode]] in table
+                     else shape_bytes(o.shape) for o in outputs)
         return reads + writes
+
+    def _read_bytes(self, fused: str, param: Instruction, full: float) -> float:
+        """Bytes a fusion reads of its parameter `param` (`full` bytes): only its slices when it
+        is only sliced, also inside nested fusions (a decode step's layer of stacked weights)."""
+        uses = [i for i in self.computations.get(fused, []) if param.name in i.operands]
+        if not uses:
+            return full
+        total = 0.0
+        for use in uses:
+            if use.opcode in _SLICING:
+                total += shape_bytes(use.shape)
+            elif use.opcode == 'fusion':
+                inner = _attr(use.attrs, 'calls')
+                params = {i.args: i for i in self.computations.get(inner, [])
+                          if i.opcode == 'parameter'}
+                for k, operand in enumerate(use.operands):
+                    if operand == param.name and str(k) in params:
+                        total += self._read_bytes(inner, params[str(k)], full)
+            else:
+                return full
+        return min(full, total)
 
     def _matmul_flops(self, computation: str, ins: Instruction) -> float:
         table = self.shapes[computation]

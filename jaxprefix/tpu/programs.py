@@ -2,8 +2,9 @@
 
 The model is built abstractly (nnx.eval_shape) with its parameters sharded over the mesh by
 their logical axes, the learner's state and batch are sharded jax.ShapeDtypeStructs, and each
-program is lowered and compiled as the run would call it: the sampler's prefill and decode
-(sampling/sampler.py) and the learner's update (rl/train_step.py).
+program is lowered and compiled as the run would call it: the learner's update
+(rl/train_step.py) and the sampler's programs as sampling.abstract_programs hands them (the static
+prefill and decode, or the continuous decode when a row cap or KV budget binds).
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxprefix.models import lora
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import param_shardings
@@ -31,7 +32,7 @@ class StepShape:
     context_length: int        # longest context in tokens (prompt plus guidance or prefix)
     n: int
     max_new_tokens: int
-    max_rows_in_flight: int = 0  # sampler rows decoded at once; 0 = every row of the step
+    max_rows_in_flight: int = 0  # sampler rows decoded at once; 0 = as the KV budget allows
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -56,6 +57,7 @@ class Program:
     required_bytes: float = 0.0
     calls_per_step: int = 1
     unknown_trip_count: int = 1    # iterations of a data-dependent loop (decode: max_new_tokens)
+    rare_branch_calls: int | None = None  # that loop's costly branch taken (admissions), in all
     resident_bytes: float = 0.0    # per chip, live in HBM during the call but not an argument
     resident_note: str = ''
     shapes: str = ''
@@ -77,9 +79,14 @@ def compile_program(name: str, lowered: jax.stages.Lowered, **fields) -> Program
                        required_bytes=float(needed.group(1)) * scale, **fields)
 
 
-def abstract_model(config: ModelConfig, mesh) -> nnx.Module:
-    """A Decoder whose parameters are sharded jax.ShapeDtypeStructs: nothing allocated."""
-    model = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+def abstract_model(config: ModelConfig, mesh, adapters: lora.LoraConfig | None = None
+                   ) -> nnx.Module:
+    """A Decoder (with LoRA `adapters` when given) whose parameters are sharded
+    jax.ShapeDtypeStructs: nothing allocated."""
+    def build():
+        model = Decoder(config, rngs=nnx.Rngs(0))
+        return model if adapters is None else lora.with_adapters(model, adapters)
+    model = nnx.eval_shape(build)
     is_variable = lambda x: isinstance(x, nnx.Variable)
     placed = jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
@@ -122,73 +129,70 @@ def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
                             resident_bytes=resident, resident_note=note, shapes=shapes)], learner, state
 
 
-def sampling_model(learner: Learner, state) -> nnx.Module:
-    """Learner.sampling_model for an abstract state: the weights in the compute dtype, sharded
-    like the master weights (a new copy when the two dtypes differ)."""
+def sampling_model(learner: Learner, state) -> tuple[nnx.Module, float, str]:
+    """Learner.sampling_model for an abstract state: (the model the sampler runs, the bytes per
+    chip that copy adds beside the training state and base, what they are).
+
+    Full fine-tuning: the weights in the compute dtype, sharded like the master weights (a new
+    copy when the two dtypes differ). LoRA: the base with the adapters folded in (lora.merged: a
+    new copy of each targeted weight), or the adapted model itself (merged_sampling=False)."""
     compute = learner.compute_dtype
+    model = learner.model(state)
+    if lora.has_adapters(model):
+        if not model.adapters.config.merged_sampling:
+            return model, 0.0, ''
+        merged = nnx.merge(*nnx.split(model), copy=True)  # abstract: same shapes, no adapters
+        targets = merged.adapters.config.targets
+        del merged.adapters
+        copies = bytes_per_chip([getattr(merged, name).get_value() for name in targets])
+        return merged, copies, 'the base weights the merged sampler copy replaces'
     cast = lambda x: jax.ShapeDtypeStruct(
         x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
         sharding=x.sharding)
-    return nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest)
+    return nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest), 0.0, ''
 
 
-def sampler_programs(model, mesh, step: StepShape, *, resident_bytes: float,
-                     resident_note: str) -> list[Program]:
-    """The sampler's prefill and decode for one wave of rows, compiled.
-
-    Adapter for today's sampler (sampling/sampler.py: _prefill, then _decode over every row of
-    the call): a wave holds max_rows_in_flight rows, i.e. max_rows_in_flight / n contexts, and a
-    step runs ceil(contexts / wave) waves. The training state stays in HBM while sampling:
-    `resident_bytes` per chip is added to both programs.
+def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | None,
+                     resident_bytes: float, resident_note: str) -> list[Program]:
+    """The programs generate() runs for one step's rollouts (sampling.abstract_programs),
+    compiled: the static prefill and decode of every row, or the continuous decode when
+    rollout.max_rows_in_flight or the KV budget binds. The training state stays in HBM while
+    sampling: `resident_bytes` per chip is added to each program.
     """
-    from jaxprefix.sampling import layout, sampler
-    from jaxprefix.sampling.token_choice import SamplingSettings
+    from jaxprefix.sampling import sampler
 
-    rows_in_flight = step.max_rows_in_flight or step.rows
-    if rows_in_flight < step.n:
-        raise ValueError(f'rollout.max_rows_in_flight={step.max_rows_in_flight}: expected at '
-                         f'least rollout.n={step.n} (a context\'s samples decode together)')
-    contexts = min(step.contexts, rows_in_flight // step.n)
-    waves = -(-step.contexts // contexts)
-    shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-    multiple = shards // math.gcd(step.n, shards)
-    padded = layout.bucket(contexts)
-    padded = padded * multiple // math.gcd(padded, multiple)
-    length = layout.bucket(step.context_length, layout.MIN_CONTEXT_BUCKET)
-    new_bucket = layout.bucket(step.max_new_tokens, layout.MIN_NEW_TOKENS_BUCKET)
-    replicated = NamedSharding(mesh, P())
-    spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
-    lay = {'prompt_tokens': spec((padded, length), jnp.int32),
-           'prompt_positions': spec((padded, length), jnp.int32),
-           'prompt_index': spec((padded,), jnp.int32),
-           'suffix_tokens': spec((padded, 0), jnp.int32),
-           'suffix_positions': spec((padded, 0), jnp.int32),
-           'last_tokens': spec((padded,), jnp.int32), 'last_positions': spec((padded,), jnp.int32),
-           'valid': spec((padded,), jnp.bool_)}
-    graphdef, params = nnx.split(model)
-    settings = SamplingSettings.make(step.temperature, step.top_p, step.top_k)
-    settings = jax.tree.map(lambda x: spec(np.shape(x), np.asarray(x).dtype), settings)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    shapes = (f'{padded} contexts x {length} tokens, n={step.n}: {padded * step.n} rows x '
-              f'{new_bucket} new tokens; {waves} wave(s) per step')
-    common = dict(calls_per_step=waves, resident_bytes=resident_bytes,
-                  resident_note=resident_note, shapes=shapes)
+    found = sampler.abstract_programs(
+        model, num_contexts=step.contexts, context_length=step.context_length, n=step.n,
+        max_new_tokens=step.max_new_tokens, max_rows_in_flight=step.max_rows_in_flight or None,
+        kv_budget_bytes=kv_budget_bytes, temperature=step.temperature, top_p=step.top_p,
+        top_k=step.top_k)
+    common = dict(resident_bytes=resident_bytes, resident_note=resident_note)
     with jax.set_mesh(mesh):
-        prefill = compile_program('sampler prefill', sampler._prefill.lower(
-            graphdef, params, lay, n=step.n, new_bucket=new_bucket, gather_prompts=False),
-            **common)
-        if prefill.compiled is None:  # decode's inputs are the prefill's outputs
-            return [prefill, Program('sampler decode', None, error='not compiled: its inputs '
-                                     'come from the prefill, which does not fit', **common)]
-        segments, state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            jax.eval_shape(lambda p, l: sampler._prefill(graphdef, p, l, n=step.n,
-                                                         new_bucket=new_bucket,
-                                                         gather_prompts=False), params, lay),
-            prefill.compiled.output_shardings)
-        decode = compile_program('sampler decode', sampler._decode.lower(
-            graphdef, params, segments, state, settings,
-            jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
-            spec((4,), jnp.int32), spec((), jnp.int32)),
-            unknown_trip_count=step.max_new_tokens, **common)
-    return [prefill, decode]
+        if 'continuous' in found:
+            program = found['continuous']
+            s = program.kwargs
+            shards, contexts = s['shards'], program.args[2]['prompt_tokens'].shape[0]
+            rows_per_block = contexts // shards * step.n
+            # The loop runs until every row stopped: at most max_new_tokens steps per generation
+            # of rows through a block's slots.
+            trips = -(-rows_per_block // s['row_slots']) * step.max_new_tokens
+            admissions = -(-(contexts // shards) // s['admit'])
+            shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
+                      f"{s['row_slots']} row slots x {s['new_bucket']} new tokens and "
+                      f"{s['context_slots']} context slots (admitting {s['admit']})")
+            return [compile_program('sampler continuous', program.lower(),
+                                    unknown_trip_count=trips, rare_branch_calls=admissions,
+                                    shapes=shapes, **common)]
+        prefill, decode = found['prefill'], found['decode']
+        lay = prefill.args[2]
+        rows = lay['last_tokens'].shape[0] * step.n
+        shapes = (f"{lay['last_tokens'].shape[0]} contexts x {lay['prompt_tokens'].shape[1]} "
+                  f"tokens, n={step.n}: {rows} rows x {prefill.kwargs['new_bucket']} new tokens")
+        compiled = compile_program('sampler prefill', prefill.lower(), shapes=shapes, **common)
+        if compiled.compiled is None:  # decode's inputs are the prefill's outputs
+            return [compiled, Program('sampler decode', None, error='not compiled: its inputs '
+                                      'come from the prefill, which does not fit', shapes=shapes,
+                                      **common)]
+        return [compiled, compile_program('sampler decode', decode.lower(),
+                                          unknown_trip_count=step.max_new_tokens, shapes=shapes,
+                                          **common)]
