@@ -20,7 +20,7 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import storage
-from jaxprefix.jobs import rl as rl_job
+from jaxprefix.jobs import method_settings
 from jaxprefix.jobs.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
@@ -51,7 +51,7 @@ def run_compile(config, workdir: str) -> dict:
     if c.context_length < 1:
         raise ValueError(f'config.compile.context_length={c.context_length}: expected the longest '
                          'context (prompt plus guidance or prefix) in tokens, >= 1')
-    rl_job.check_method_settings(config)
+    method_settings.check_method_settings(config)
     model_config = run_model_config(config)
     generation = c.topology.strip()
     candidates = (topology.generation_slices(generation)
@@ -103,7 +103,7 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look."""
     c = config.compile
     start = time.perf_counter()
-    contexts = rl_job.contexts_per_step(config)
+    contexts = method_settings.contexts_per_step(config)
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
     train = loop.validate(config, mesh, contexts)
     r = config.rollout
