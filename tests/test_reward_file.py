@@ -79,12 +79,12 @@ def test_a_missing_file_or_function_is_a_one_line_error_before_any_work(reward_f
         loop.validate(c)  # what the rl job checks before it loads a model
     assert "\n" not in str(error.value)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        load_problem_sets(c.data, c.rewards.path)  # eval and mine jobs
+        load_problem_sets(c.data, rewards_path=c.rewards.path)  # eval and mine jobs
 
 
 def test_problem_sets_carry_the_file_verifier(reward_file):
     c = base_config()
     c.data.update(train_size=4, eval_size=2)
-    sets = load_problem_sets(c.data, f"{reward_file}:share_of_sevens")
+    sets = load_problem_sets(c.data, rewards_path=f"{reward_file}:share_of_sevens")
     assert sets.verifier.endswith("my_rewards.py:share_of_sevens")
     assert load_problem_sets(c.data).verifier == c.data.verifier

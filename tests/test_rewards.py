@@ -129,8 +129,8 @@ def test_every_verifier_scores_a_megabyte_of_adversarial_output_within_the_timeo
     from jaxprefix.data.tasks import carry_multiplication as task
 
     for name in sorted({*rewards.names(), task.register_verifier()}):
-        if name.startswith(("anon", "test_", "slow")):
-            continue  # verifiers registered by tests
+        if name.startswith(("anon", "test_", "slow")) or ".py:" in name:
+            continue  # verifiers registered by tests (and reward files they wrote)
         problem = _problem_for(name)
         rewards.score_batch(name, ["1"], [problem], workers=0)  # one-time set-up is not scoring
         scores, stats = rewards.score_batch(name, [text], [problem], timeout_s=10.0, workers=0,

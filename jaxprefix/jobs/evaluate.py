@@ -46,7 +46,7 @@ def run_eval(config, workdir: str) -> dict:
     step = restore_trained_params(policy.model, workdir, config)
     sets = load_problem_sets(config.data,
                              prompt_limit(config, policy.prompts, policy.context_length),
-                             config.rewards.path)
+                             rewards_path=config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),

@@ -206,7 +206,7 @@ def run_mine(config, workdir: str) -> dict:
     policy = load_policy(config, workdir)
     sets = load_problem_sets(config.data,
                              prompt_limit(config, policy.prompts, policy.context_length),
-                             config.rewards.path)
+                             rewards_path=config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     hard = mining.hard_set()
     summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}

@@ -31,7 +31,7 @@ def check(config, workdir: str) -> None:
     _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
-    load_problem_sets(config.data, limit, config.rewards.path)
+    load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
 
 
 def _read_problem_files(data) -> None:

@@ -60,7 +60,7 @@ def prompt_limit(config, prompts, context_length: int) -> PromptLimit:
                                       f"config.rollout.max_new_tokens={new_tokens}")
 
 
-def load_problem_sets(data, limit: PromptLimit | None = None,
+def load_problem_sets(data, limit: PromptLimit | None = None, *,
                       rewards_path: str = "") -> ProblemSets:
     """Problem sets from `config.data`, scored by `data.verifier` or, when `rewards_path`
     (config.rewards.path) names one, a function in a file; fails early when neither is a

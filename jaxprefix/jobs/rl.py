@@ -81,7 +81,7 @@ def run_rl(config, workdir: str) -> dict:
     models.shard_model(policy.model, mesh)
     sets = load_problem_sets(config.data,
                              prompt_limit(config, policy.prompts, policy.context_length),
-                             config.rewards.path)
+                             rewards_path=config.rewards.path)
     mining = Mining(config, policy, sets, mining_dir(config, workdir))
     method = build_method(config, policy, sets, mining)
     mined = mining.cost(mined_artifacts(config))

@@ -33,7 +33,7 @@ class Study:
         policy = load_policy(config, workdir)
         sets = load_problem_sets(config.data,
                                  prompt_limit(config, policy.prompts, policy.context_length),
-                                 config.rewards.path)
+                                 rewards_path=config.rewards.path)
         mining = Mining(config, policy, sets, mining_dir(config, workdir))
         hard = mining.hard_set()
         if prefixes:
