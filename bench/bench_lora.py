@@ -142,10 +142,7 @@ def print_peak_rss(args):
     child = ["--parts", "update", "--arms", arm, "--rank", str(args.rank), "--repeats", "1",
              "--no-rss", "--logprob-chunk", str(args.logprob_chunk)]
     child += ["--quick"] if args.quick else []
-    try:
-      gib = f"{common.child_peak_rss_gib(__file__, child):.2f}"
-    except RuntimeError as error:
-      gib = f"failed: {str(error).splitlines()[0]}"
+    gib = common.child_peak_rss_text(__file__, child)
     print(f"  {arm:<8}{gib}  (B={batch_size} x T={prompt}+{completion})", flush=True)
 
 

@@ -206,10 +206,7 @@ def print_peak_rss(args):
   print("\npeak RSS GiB of a child process running one arm (load, compile, 2 steps):")
   for model_name in args.models:
     for arm in args.arms:
-      try:
-        gib = f"{common.child_peak_rss_gib(__file__, child_args(args, model_name, arm)):.2f}"
-      except RuntimeError as error:
-        gib = f"failed: {str(error).splitlines()[0]}"
+      gib = common.child_peak_rss_text(__file__, child_args(args, model_name, arm))
       print(f"  {model_name:<10}{arm:<8}{gib}", flush=True)
 
 

@@ -142,6 +142,15 @@ def child_peak_rss_gib(script: str, args: list[str]) -> float:
                      f"'{PEAK_RSS_TAG}' line; stderr tail:\n{done.stderr[-2000:]}")
 
 
+def child_peak_rss_text(script: str, args: list[str]) -> str:
+  """child_peak_rss_gib as printed in a table: 'GiB' with two decimals, or why the child failed
+  (e.g. killed when the box ran out of memory), which is reported rather than fatal."""
+  try:
+    return f"{child_peak_rss_gib(script, args):.2f}"
+  except RuntimeError as error:
+    return f"failed: {str(error).splitlines()[0]}"
+
+
 # --- the same weights in each framework -------------------------------------------------------
 
 
