@@ -23,13 +23,13 @@ import dataclasses
 import math
 
 from jaxprefix import storage
+from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.jobs import results_report
+from jaxprefix.jobs import results_report, warm_start
 from jaxprefix.jobs.mine import LEDGER
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.rl import run_rl
 from jaxprefix.jobs.study import Study
-from jaxprefix.jobs import warm_start
 from jaxprefix.rl.metrics import read_metrics
 
 
@@ -106,7 +106,8 @@ def run_results(config, workdir: str) -> dict:
              if n != "pope_no_restate" or config.model.source != "sft"]  # reads no English
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
-        raise ValueError(f"config.results.runs: unknown runs {unknown}; expected among {sorted(RUNS)}")
+        raise ConfigError(f"config.results.runs: unknown runs {unknown}; expected among "
+                          f"{sorted(RUNS)}, as a tuple: --config.results.runs=\"('grpo','pope_cap1')\"")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}
