@@ -138,6 +138,7 @@ def test_grpo_smoke_then_resume(base, tmp_path):
 SHARE_OF_ONES = "def reward(completion, problem):\n    return completion.count('1') / max(len(completion), 1)\n"
 
 
+@pytest.mark.slow  # ~1.5 min on 2 cores: the default suite keeps the plain smoke resume
 def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     reward_file = tmp_path / "elsewhere" / "my_rewards.py"
     reward_file.parent.mkdir()
@@ -407,6 +408,7 @@ def test_printed_sweep_commands_run(base, tmp_path):
         assert json.load(f)["rollouts"] == 64
 
 
+@pytest.mark.slow  # ~1.3 min on 2 cores; test_isocompute checks the allocation itself
 def test_allocated_run_spends_its_budget(base, tmp_path):
     """isocompute.budget sets n, B and M from the fitted rule in frontier_path; the run spends
     that budget (rollouts: exactly n B M <= budget < n B (M + 1); FLOPs: within one step)."""
