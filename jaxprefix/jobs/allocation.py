@@ -27,6 +27,7 @@ def micro_batch(config, rows: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
+    """n* as a curve of the budget, the batch B, and (from a fit) FLOPs per rollout."""
     n_curve: isocompute.Sigmoid
     batch: int
     flops_per_rollout: float | None
