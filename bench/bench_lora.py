@@ -51,12 +51,8 @@ def parse_args(argv=None):
   parser.add_argument("--logprob-chunk", type=int, default=128)
   parser.add_argument("--no-rss", dest="rss", action="store_false")
   args = parser.parse_args(argv)
-  args.parts = [p for p in args.parts.split(",") if p]
-  args.arms = [a for a in args.arms.split(",") if a]
-  if not args.parts or set(args.parts) - set(PARTS):
-    parser.error(f"--parts {','.join(args.parts)}: expected some of {PARTS}")
-  if not args.arms or set(args.arms) - set(UPDATE_ARMS):
-    parser.error(f"--arms {','.join(args.arms)}: expected some of {UPDATE_ARMS}")
+  args.parts = common.comma_list(parser, "--parts", args.parts, PARTS)
+  args.arms = common.comma_list(parser, "--arms", args.arms, UPDATE_ARMS)
   args.shapes = QUICK_SHAPES if args.quick else SHAPES
   if args.quick:
     args.repeats = min(args.repeats, 2)

@@ -65,12 +65,8 @@ def parse_args(argv=None):
   parser.add_argument("--no-rss", dest="rss", action="store_false",
                       help="skip the per-arm peak-RSS child processes")
   args = parser.parse_args(argv)
-  args.models = [m for m in args.models.split(",") if m]
-  args.arms = [a for a in args.arms.split(",") if a]
-  if not args.models or set(args.models) - set(MODELS):
-    parser.error(f"--models {','.join(args.models)}: expected some of {MODELS}")
-  if not args.arms or set(args.arms) - set(ARMS):
-    parser.error(f"--arms {','.join(args.arms)}: expected some of {ARMS}")
+  args.models = common.comma_list(parser, "--models", args.models, MODELS)
+  args.arms = common.comma_list(parser, "--arms", args.arms, ARMS)
   shapes = dict(QUICK_SHAPES if args.quick else SHAPES)
   given = (args.batch, args.prompt, args.completion)
   shapes["smollm2"] = tuple(g or d for g, d in zip(given, shapes["smollm2"]))

@@ -102,6 +102,14 @@ def print_ratios(seconds: dict[str, list], pairs: list[tuple[str, str]]):
             f"fastest calls")
 
 
+def comma_list(parser, flag: str, value: str, allowed) -> list[str]:
+  """The names of `--flag a,b`, each one of `allowed` (else a parser error naming the flag)."""
+  names = [v for v in value.split(",") if v]
+  if not names or set(names) - set(allowed):
+    parser.error(f"{flag} {value}: expected some of {tuple(allowed)}")
+  return names
+
+
 def print_load():
   """Load average and CPU count: benchmark figures are only meaningful on an idle box."""
   one, five, _ = os.getloadavg()
