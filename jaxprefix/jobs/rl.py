@@ -8,13 +8,11 @@ reports includes it. Running the command again resumes from the last checkpoint.
 """
 from __future__ import annotations
 
-
 from absl import logging
 
 from jaxprefix import distributed, models, run_identity, storage, workdir_lock
 from jaxprefix.jobs import method_settings
 from jaxprefix.jobs.allocation import allocated
-from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_step
 from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
 from jaxprefix.jobs.policy import load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
@@ -72,8 +70,8 @@ def build_method(config, policy, sets, mining: Mining):
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
     config = allocated(config)  # isocompute.budget > 0: n, B, M from the allocation rule
-    check_method_settings(config)
-    contexts = contexts_per_step(config)
+    method_settings.check_method_settings(config)
+    contexts = method_settings.contexts_per_step(config)
     loop.validate(config, contexts_per_step=contexts)
     run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
     policy = load_policy(config, workdir)
