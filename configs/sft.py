@@ -26,10 +26,11 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     config.model = ml_collections.ConfigDict(dict(layers=2, width=64, heads=4, mlp_width=256))
 
     # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
-    # first; multipliers 2..9 (1 is copying); each step's notation '^' with probability tens_first.
+    # first; multipliers 2..9 (1 is copying); each step's notation '^' with probability tens_first;
+    # a hinted_fraction of rows with their first steps as a hint in the prompt.
     config.data = ml_collections.ConfigDict(dict(
         batch_size=64, digits=(1, 20), full_length_fraction=0.5, multipliers=(2, 9),
-        tens_first=0.5))
+        tens_first=0.5, hinted_fraction=0.5))
 
     # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
     config.lr = 1e-3
@@ -47,6 +48,9 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
         steps_left=2,              # guided success is measured with this many steps left ...
         guided_floor=0.25,         # ... and must reach this floor
         guided_samples=8,
+        # Guided as POPE guides the demo: the hint in the prompt ('instruction', the policy
+        # writes the whole answer) or forced as the start of the answer ('solution_prefix').
+        guidance="instruction",
         report_steps_left=(1, 2, 4),
         # Sampling is skipped below this teacher-forced step accuracy p (guided ~ p^steps_left).
         sample_from_step_accuracy=0.3))

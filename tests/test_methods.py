@@ -117,13 +117,19 @@ def test_pope_solution_prefix_is_question_then_oracle_steps():
         context, response_prefix = pope.guided_context(PROMPTS, problem, k,
                                                        guidance="solution_prefix")
         assert isinstance(context, SharedContext)
-        assert list(context.prompt) == TOKENIZER.encode("743" + "_" * 17 + "x6=")
+        assert list(context.prompt) == TOKENIZER.encode(problem.question)
         assert list(context.suffix) == TOKENIZER.encode(steps)
         assert response_prefix == steps
     with pytest.raises(ValueError, match="pope.guidance.*'hint'"):
         pope.guided_context(PROMPTS, problem, 1, guidance="hint")
-    with pytest.raises(ValueError, match="solution_prefix"):
-        pope.guided_context(PROMPTS, problem, 1, guidance="instruction")  # a raw-text policy
+
+
+def test_pope_instruction_on_the_demo_task_puts_steps_in_the_hint_slots():
+    problem = task.make_problem(347, 6)  # steps +24 +82 +02
+    for k, slots in ((1, "724" "4__" "3__"), (2, "724" "482" "3__")):
+        context, response_prefix = pope.guided_context(PROMPTS, problem, k, guidance="instruction")
+        assert context == TOKENIZER.encode(slots + "_" * 51 + "x6=")
+        assert response_prefix == ""  # the policy writes the whole answer itself
 
 
 # --- mix ratios ------------------------------------------------------------------------------
@@ -207,7 +213,39 @@ def test_pope_longest_fallback_never_guides_with_the_whole_solution():
             assert TOKENIZER.decode(list(context.suffix)) == "".join(problem.steps[:-1])
 
 
-# --- POPE with the guidance in the prompt (an instruction-following policy) ------------------
+# --- POPE with the guidance in the prompt ---------------------------------------------------
+
+def test_instruction_mode_on_the_demo_task_hint_carries_no_loss():
+    """Guided contexts of the demo task hold the oracle steps in their hint slots; the batch puts
+    no loss on them, and the policy's whole answer is scored against the unguided problem."""
+    hard = task.hard_set(4, seed=3)
+    method = pope.PopeMethod(PROMPTS, hard, {p.id: 5 for p in hard}, schedule=FixedPrefix(),
+                             guidance="instruction", problems_per_step=4, n=2, seed=0)
+    request = method.next_request(0)
+    model = Decoder(MODEL, rngs=nnx.Rngs(0))
+    rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5,
+                                 stop_ids=(TOKENIZER.eos_id,), seed=0)
+    rewards = np.random.default_rng(0).uniform(size=(len(request.contexts), 2))
+    batch = dynamic_sampling.build_batch(
+        [rollouts], [np.asarray(objectives.group_advantages(rewards))],
+        dynamic_sampling.select_groups([rewards], len(request.contexts)))
+    guided_rows = 0
+    for row, group in enumerate(rollouts.group_ids):
+        problem, context = request.problems[group], list(request.contexts[group])
+        assert batch["tokens"][row, :len(context)].tolist() == context
+        assert not batch["completion_mask"][row, :len(context)].any()  # the prompt: no loss
+        if request.tags["guided"][group]:
+            guided_rows += 1
+            text = TOKENIZER.decode(context)
+            for i, step in enumerate(problem.steps[:5]):  # s_i c_i in slot i, nothing after
+                assert text[i * task.SLOT_LENGTH + 1:(i + 1) * task.SLOT_LENGTH] == step[1:]
+            assert text[5 * task.SLOT_LENGTH + 1:6 * task.SLOT_LENGTH] == "__"
+            assert request.response_prefixes[group] == ""
+            assert task.verify(problem.solution, problem) == 1.0
+        else:
+            assert context == PROMPTS.question(problem)
+    assert guided_rows == 4 * 2
+
 
 CHAT_PROBLEMS = [Problem(id=f"m{a}", question=f"What is {a} * 7?", answer=str(a * 7),
                          solution=f"{a} * 7 = {a * 7}.\nSo the answer is {a * 7}.")

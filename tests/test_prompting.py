@@ -4,6 +4,7 @@ References: transformers' own tokenizer and chat template read from the same GGU
 strings written out by hand. A guided context must be token for token what the model would see
 if the chat template rendered the unfinished assistant turn itself.
 """
+import dataclasses
 import os
 
 import pytest
@@ -84,7 +85,7 @@ def test_unfinished_assistant_turn(smollm2, reference, system, text):
 def test_oracle_prefix_text_on_task_steps():
     # Digits least significant first: 7*6 = 42, 4*6 + 4 = 28, 3*6 + 2 = 20.
     problem = task.make_problem(347, 6)
-    assert problem.question == "743" + "_" * 17 + "x6="
+    assert problem.question == "7__4__3__" + "_" * 51 + "x6="
     assert oracle_units(problem) == 3
     expected = ["", "+24", "+24+82", "+24+82+02"]
     for units, text in enumerate(expected):
@@ -110,12 +111,15 @@ def test_oracle_prefix_text_on_lines_of_a_text_solution():
         oracle_prefix_text(no_solution, 1)
 
 
-def test_task_prompts_follow_no_instruction():
+def test_task_prompts_give_guidance_in_the_task_hint_layout():
     tokenizer = task.tokenizer()
     prompts = TaskPrompts(tokenizer)
     problem = task.make_problem(347, 6)
+    # Guidance in the prompt is the task's hint slots (POPE's 'instruction' mode); no English.
+    assert prompts.hinted_question(problem, 2) == tokenizer.encode(task.hinted(problem, 2).question)
+    foreign = dataclasses.replace(problem, source="gsm8k")
     with pytest.raises(ValueError, match="solution_prefix"):
-        prompts.user_turn("Continue the partial solution.")
+        prompts.hinted_question(foreign, 1)
     assert prompts.question(problem) == tokenizer.encode(problem.question)
     assert len(prompts.question(problem)) == task.QUESTION_LENGTH
     context = with_response_prefix(prompts, problem, prompts.response("+24+82"))

@@ -33,13 +33,21 @@ def test_training_batch_masks_only_the_solution():
     tokens, real, loss_mask = sft.training_batch(config, step=3, tokenizer=tokenizer)
     assert tokens.shape == (config.data.batch_size, task.SEQUENCE_LENGTH)
     assert not loss_mask[:, :task.QUESTION_LENGTH].any()  # the question carries no loss
+    hinted_rows = 0
     for row in range(tokens.shape[0]):
         text = tokenizer.decode(tokens[row][loss_mask[row] > 0].tolist())
         question = tokenizer.decode(tokens[row, :task.QUESTION_LENGTH].tolist())
-        number = int(question[:task.SLOTS].rstrip(task.EMPTY)[::-1])
-        problem = task.make_problem(number, int(question[task.SLOTS + 1]))
+        number = int(question[:-3:task.SLOT_LENGTH].rstrip(task.EMPTY)[::-1])
+        problem = task.make_problem(number, int(question[-2]))
         assert task.verify(text, problem) == 1.0  # the trained-on text is a correct solution
         assert real[row].sum() == task.QUESTION_LENGTH + loss_mask[row].sum()  # then padding
+        hints = question[:-3].replace(task.EMPTY, "")
+        if len(hints) > len(problem.steps):  # slots carry a hint: the answer copies it
+            given = (len(hints) - len(problem.steps)) // 2
+            assert question == task.hinted(problem, given).question
+            assert text.startswith("".join(problem.steps[:given]))
+            hinted_rows += 1
+    assert 0 < hinted_rows < tokens.shape[0]  # hinted_fraction of rows, the rest plain
     assert np.array_equal(tokens, sft.training_batch(config, 3, tokenizer)[0])  # deterministic
 
 

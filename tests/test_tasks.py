@@ -17,7 +17,7 @@ def problems():
 def test_hand_computed_problem():
     # 47 * 6 = 282: 7*6 = 42 -> write 2 carry 4; 4*6 + 4 = 28 -> write 8 carry 2.
     problem = task.make_problem(47, 6)
-    assert problem.question == "74" + "_" * 18 + "x6="
+    assert problem.question == "7__4__" + "_" * 54 + "x6="  # slots: digit, then hint sum, carry
     assert problem.steps == ("+24", "+82")
     assert problem.answer == "282"
     assert task.verify("+24+82<eos>", problem) == 1.0
@@ -83,6 +83,30 @@ def test_guided_problem_is_scored_on_its_continuation(problems):
     twice = task.guided(task.guided(problems[0], 1), 1)
     assert twice.question == task.guided(problems[0], 2).question
     assert twice.metadata["prefix_steps"] == 2
+
+
+def test_hinted_problem_gives_steps_in_the_prompt_and_wants_the_whole_solution(problems):
+    problem = task.make_problem(47, 6)
+    assert task.hinted(problem, 1).question == "7244__" + "_" * 54 + "x6="
+    assert task.hinted(problem, 2).question == "724482" + "_" * 54 + "x6="
+    for problem in problems[:100]:
+        for k in range(len(problem.steps) + 1):
+            hinted = task.hinted(problem, k)
+            assert len(hinted.question) == task.QUESTION_LENGTH  # every slot stays where it was
+            # Step i of the answer sits one question length after slot i: a fixed-distance copy.
+            for i, step in enumerate(problem.steps[:k]):
+                slot = hinted.question[i * task.SLOT_LENGTH:(i + 1) * task.SLOT_LENGTH]
+                assert slot[1:] == step[1:]
+            assert task.verify(problem.solution, hinted) == 1.0  # the whole answer is wanted
+            if k:
+                assert task.verify(task.guided(problem, k).solution, hinted) == 0.0
+                assert hinted.metadata["hint_steps"] == k
+            rng = random.Random(k)
+            target = task.hinted_solution(hinted, rng)
+            assert target.startswith("".join(problem.steps[:k]))  # hinted steps copied as given
+            assert task.verify(target, problem) == 1.0
+    with pytest.raises(ValueError, match="already guided"):
+        task.hinted(task.guided(problem, 1), 1)
 
 
 def test_bad_input_errors():

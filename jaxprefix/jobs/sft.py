@@ -53,6 +53,8 @@ def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray
     lengths uniform alone the last slot is trained on 5% of rows and stays far behind the first
     (measured: 0.07 vs 0.75 probability of a right step at the same point). Each step's notation
     is drawn at random so the policy writes both (PrefixRL's traces then differ from the oracle).
+    A `hinted_fraction` of rows gives its first 1..N-1 steps as a hint in the prompt, which the
+    target copies: the policy learns to read guidance (POPE's 'instruction' mode).
     """
     data = config.data
     seed = config.seed * 1_000_003 + step
@@ -65,7 +67,9 @@ def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray
     tokens = np.full((len(problems), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
     loss_mask = np.zeros(tokens.shape, np.float32)
     for row, problem in enumerate(problems):
-        solution = task.sample_solution(problem, rng, data.tens_first)
+        if len(problem.steps) > 1 and rng.random() < data.hinted_fraction:
+            problem = task.hinted(problem, rng.randint(1, len(problem.steps) - 1))
+        solution = task.hinted_solution(problem, rng, data.tens_first)
         ids, mask = task.training_ids(problem, solution, tokenizer)
         tokens[row, :len(ids)] = ids
         loss_mask[row, :len(ids)] = mask
@@ -109,10 +113,14 @@ def step_accuracy(model, problems, tokenizer) -> float:
     return correct / max(total, 1)
 
 
-def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int,
-                   seed: int) -> np.ndarray:
-    """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps."""
-    guided = [task.guided(p, prefix_steps) for p in problems]
+GUIDES = {"instruction": task.hinted, "solution_prefix": task.guided}
+
+
+def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, seed: int,
+                   guidance: str = "solution_prefix") -> np.ndarray:
+    """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps
+    as a hint in the prompt ('instruction') or as the start of the answer ('solution_prefix')."""
+    guided = [GUIDES[guidance](p, prefix_steps) for p in problems]
     contexts = [tokenizer.encode(p.question) for p in guided]
     rollouts = sampling.generate(model, contexts, n=n, max_new_tokens=task.MAX_COMPLETION_LENGTH,
                                  temperature=1.0, stop_ids=(tokenizer.eos_id,), seed=seed)
@@ -140,7 +148,8 @@ def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool =
     metrics["guided_success"] = {}
     for steps_left in sorted({*criterion.report_steps_left, criterion.steps_left}):
         counts = success_counts(model, hard, tokenizer, n=criterion.guided_samples,
-                                prefix_steps=task.SLOTS - steps_left, seed=seed + steps_left)
+                                prefix_steps=task.SLOTS - steps_left, seed=seed + steps_left,
+                                guidance=criterion.guidance)
         metrics["guided_success"][str(steps_left)] = float(counts.mean() / criterion.guided_samples)
     return metrics
 

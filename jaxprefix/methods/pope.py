@@ -60,11 +60,10 @@ def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0)
 def guided_context(prompts, problem: Problem, units: int, *, guidance: str,
                    template: str = GUIDED_TEMPLATE):
     """(context, response prefix text) of `problem` guided by its first `units` oracle steps."""
-    partial = oracle_prefix_text(problem, units)
     if guidance == "instruction":
-        text = template.format(question=problem.question, partial_response=partial)
-        return prompts.user_turn(text), ""
+        return prompts.hinted_question(problem, units, template), ""
     if guidance == "solution_prefix":
+        partial = oracle_prefix_text(problem, units)
         return with_response_prefix(prompts, problem, prompts.response(partial)), partial
     raise ValueError(f"pope.guidance must be one of {GUIDANCE_MODES}, got {guidance!r}")
 

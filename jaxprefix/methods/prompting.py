@@ -4,8 +4,9 @@ Two kinds of policy read problems differently:
 - `ChatPrompts`: an instruction-tuned LLM. The question is a user turn rendered by the model's own
   chat template; guidance can be an instruction in the user turn (POPE) or the start of the
   assistant's answer, left unfinished for the policy to continue (PrefixRL).
-- `TaskPrompts`: a tiny policy trained on a built-in task's raw text. It follows no instruction, so
-  guidance is always the start of its solution.
+- `TaskPrompts`: a tiny policy trained on a built-in task's raw text. It reads no English: guidance
+  in its prompt is the task's own hint layout (the demo task's hint slots), or the start of its
+  solution.
 
 Both give `question(problem)` (the unguided context) and `response(text)` (tokens that continue
 the assistant turn). A context with a response prefix is `SharedContext(question, prefix)`: the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jaxprefix.data import tasks
 from jaxprefix.data.problem import Problem
 from jaxprefix.sampling import SharedContext
 
@@ -42,6 +44,12 @@ class ChatPrompts:
     def question(self, problem: Problem) -> list[int]:
         return self.user_turn(problem.question)
 
+    def hinted_question(self, problem: Problem, units: int, template: str) -> list[int]:
+        """The question with its first `units` oracle steps in the user turn (POPE's guidance):
+        `template` has {question} and {partial_response}."""
+        partial = oracle_prefix_text(problem, units)
+        return self.user_turn(template.format(question=problem.question, partial_response=partial))
+
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -60,12 +68,18 @@ class TaskPrompts:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def user_turn(self, text: str) -> list[int]:
-        raise ValueError("a built-in task's policy follows no instructions: guide it with a "
-                         "solution prefix (pope.guidance='solution_prefix')")
-
     def question(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode(problem.question)
+
+    def hinted_question(self, problem: Problem, units: int, template: str = "") -> list[int]:
+        """The question with its first `units` oracle steps in the task's hint layout (the
+        template is English for chat models: unused here)."""
+        hint = tasks.HINTS.get(problem.source)
+        if hint is None:
+            raise ValueError(f"task {problem.source!r} has no hint layout for guidance in the "
+                             f"prompt: guide it with a solution prefix "
+                             f"(pope.guidance='solution_prefix')")
+        return self.tokenizer.encode(hint(problem, units).question)
 
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

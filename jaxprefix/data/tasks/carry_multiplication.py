@@ -2,7 +2,8 @@
 
 Text layout (one character per token, fixed slots, digits least significant first):
 
-    question   a_0 a_1 .. a_{N-1} _ .. _  x  d  =          20 digit slots, '_' marks unused ones
+    question   slot i = a_i h_i k_i for i = 0..19, then  x  d  =    '_' marks what is unused:
+               a_i the digit (all three '_' past the number), h_i k_i a hint ('_' '_' unless given)
     step i     +  s_i c_i     (or the same step written ^ c_i s_i)
     end        <eos> once the next digit slot is '_' (or after the last slot)
 
@@ -16,13 +17,20 @@ every step), as PrefixRL's mined traces differ from a reference solution, while 
 underneath is the same. The verifier is exact: every step must be right and nothing may follow
 the last one, so neither guessing nor stopping early earns reward. See docs/DEMO_TASK.md.
 
-Guidance: the tiny policy follows no instruction, so a guided problem is the problem whose text
-continues with the first oracle steps; `guided(problem, k)` builds it and the verifier reads the
-given steps back from its question. Score a guided context against `guided(problem, k)`.
+Guidance comes in the two forms POPE's has on an LLM (docs/DEMO_TASK.md):
+- in the prompt (`hinted(problem, k)`, POPE's 'instruction' mode): slots 0..k-1 carry the oracle's
+  sum digit and carry as a hint, and the policy writes the WHOLE solution itself (copying the
+  given steps or not). The hint is prompt, never trained on by RL; the answer is scored as is.
+  Step i of the answer sits exactly one question length after slot i, so reading a hint is the
+  same fixed-distance lookup as reading a_i.
+- as the start of the answer (`guided(problem, k)`, 'solution_prefix'): the question continues
+  with the first k oracle steps and the policy writes the rest; the verifier reads the given steps
+  back from the question. Score such a context against `guided(problem, k)`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -35,8 +43,9 @@ TIMES, EQUALS = "x", "="
 SUM_FIRST, TENS_FIRST = "+", "^"  # the two notations of a step
 EOS, PAD = "<eos>", "<pad>"
 SYMBOLS = tuple("0123456789") + (EMPTY, TIMES, EQUALS, SUM_FIRST, TENS_FIRST)
-QUESTION_LENGTH = SLOTS + 3
 STEP_LENGTH = 3
+SLOT_LENGTH = 3  # a_i, then the hint's sum digit and carry: slot i and step i share a layout
+QUESTION_LENGTH = SLOTS * SLOT_LENGTH + 3
 # Longest completion: every step, then <eos>.
 MAX_COMPLETION_LENGTH = SLOTS * STEP_LENGTH + 1
 SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
@@ -74,7 +83,7 @@ def make_problem(number: int, multiplier: int) -> Problem:
     digits = [int(ch) for ch in reversed(str(number))]
     if number < 1 or len(digits) > SLOTS:
         raise ValueError(f"{NAME}: number must be positive with 1..{SLOTS} digits, got {number}")
-    slots = "".join(map(str, digits)) + EMPTY * (SLOTS - len(digits))
+    slots = "".join(f"{d}{EMPTY}{EMPTY}" for d in digits) + EMPTY * SLOT_LENGTH * (SLOTS - len(digits))
     question = f"{slots}{TIMES}{multiplier}{EQUALS}"
     steps = tuple(write_step(s, c) for s, c in carry_steps(digits, multiplier))
     return Problem(
@@ -116,17 +125,19 @@ def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
 
 
 def _parse_question(question: str) -> tuple[list[int], int, list[str]]:
-    """Digits of a, the multiplier, and the steps already given after '=' (guided problems)."""
+    """Digits of a, the multiplier, and the steps already given after '=' (guided problems).
+    Hints are skipped: they change nothing the answer must be."""
     head, given = question[:QUESTION_LENGTH], question[QUESTION_LENGTH:]
-    slots = head[:SLOTS]
-    number = slots.rstrip(EMPTY)
-    if (len(head) != QUESTION_LENGTH or head[SLOTS] != TIMES or head[-1] != EQUALS
-            or not head[SLOTS + 1].isdigit() or not number.isdigit()
+    tail = SLOTS * SLOT_LENGTH
+    number = head[:tail:SLOT_LENGTH].rstrip(EMPTY)
+    if (len(head) != QUESTION_LENGTH or head[tail] != TIMES or head[-1] != EQUALS
+            or not head[tail + 1].isdigit() or not number.isdigit()
             or len(given) % STEP_LENGTH):
-        raise ValueError(f"{NAME}: malformed question {question!r}: expected {SLOTS} digit slots "
-                         f"('{EMPTY}' for unused), '{TIMES}', one digit, '{EQUALS}', whole steps")
+        raise ValueError(f"{NAME}: malformed question {question!r}: expected {SLOTS} slots of "
+                         f"{SLOT_LENGTH} (a digit or '{EMPTY}', then a hint or '{EMPTY}{EMPTY}'), "
+                         f"'{TIMES}', one digit, '{EQUALS}', whole steps")
     steps = [given[i:i + STEP_LENGTH] for i in range(0, len(given), STEP_LENGTH)]
-    return [int(ch) for ch in number], int(head[SLOTS + 1]), steps
+    return [int(ch) for ch in number], int(head[tail + 1]), steps
 
 
 def spell_solution(problem: Problem, notations: Sequence[str]) -> str:
@@ -143,6 +154,34 @@ def sample_solution(problem: Problem, rng: random.Random, tens_first: float = 0.
     """A valid solution with each step's notation drawn at random (SFT data covers both)."""
     remaining = len(problem.steps)
     notations = [TENS_FIRST if rng.random() < tens_first else SUM_FIRST for _ in range(remaining)]
+    return spell_solution(problem, notations)
+
+
+def hinted(problem: Problem, steps: int) -> Problem:
+    """The problem with its first `steps` oracle steps given in the prompt (POPE's 'instruction'
+    mode): slot i holds a_i, s_i, c_i. The solution is still the whole solution, which the policy
+    writes itself; `verify` reads nothing from the hints."""
+    if steps == 0:
+        return problem
+    if problem.metadata.get("prefix_steps") or problem.metadata.get("hint_steps"):
+        raise ValueError(f"{NAME}: {problem.id} is already guided; hint the original problem")
+    if not 0 < steps <= len(problem.steps):
+        raise ValueError(f"{NAME}: hint steps must be in 0..{len(problem.steps)} for "
+                         f"{problem.id}, got {steps}")
+    slots = list(problem.question)
+    for i, (s, c) in enumerate(carry_steps(*_parse_question(problem.question)[:2])[:steps]):
+        slots[i * SLOT_LENGTH + 1:i * SLOT_LENGTH + 3] = f"{s}{c}"
+    return dataclasses.replace(
+        problem, id=f"{problem.id}/hint{steps}", question="".join(slots),
+        metadata={**problem.metadata, "hint_steps": steps, "base_id": problem.id})
+
+
+def hinted_solution(problem: Problem, rng: random.Random, tens_first: float = 0.5) -> str:
+    """SFT target of a hinted problem: the hinted steps copied as given ('+'), the rest with
+    each notation drawn at random."""
+    given = problem.metadata.get("hint_steps", 0)
+    notations = [SUM_FIRST] * given + [TENS_FIRST if rng.random() < tens_first else SUM_FIRST
+                                       for _ in range(len(problem.steps) - given)]
     return spell_solution(problem, notations)
 
 
