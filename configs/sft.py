@@ -30,7 +30,7 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
     # a hinted_fraction of rows with their first steps as a hint in the prompt.
     config.data = ml_collections.ConfigDict(dict(
         batch_size=64, digits=(1, 20), full_length_fraction=0.5, multipliers=(2, 9),
-        tens_first=0.5, hinted_fraction=0.5))
+        tens_first=0.5, hinted_fraction=0.75))
 
     # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
     config.lr = 1e-3

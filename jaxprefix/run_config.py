@@ -206,7 +206,7 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     c.train.update(problems_per_step=32, total_steps=150, learning_rate=1e-4, max_grad_norm=1.0,
                    micro_batch_size=64)
     c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
-    c.pope.guidance = "solution_prefix"  # the tiny policy follows no instruction
+    c.pope.guidance = "instruction"  # the hint in the prompt's hint slots (docs/DEMO_TASK.md)
     # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
     # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md); configs/results.py has 1/4, 1/2, 1.
     c.pope.max_prefix_fraction = 1.0
