@@ -22,7 +22,7 @@ def get_config(arg: str = ""):
     c, args = run_config.method_config(__file__, "pope", arg)
     c.job = "results"
     if args.variant != "smoke":
-        # Study budget on a shared 2-core machine: 100 RL steps a run (the demo runs 150).
+        # Study budget on a shared 2-core machine: 100 RL steps a run, as the demo.
         c.train.total_steps = 100
     c.results = ml_collections.ConfigDict(dict(
         seeds=(0, 1, 2), runs=RUNS, isocompute=True, output_dir="docs",

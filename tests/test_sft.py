@@ -96,15 +96,18 @@ def test_unknown_variant():
         load_config("large")
 
 
-@pytest.mark.slow  # trains the demo base: about 2 minutes on 2 idle cores
+@pytest.mark.slow  # trains the demo base: about 8 minutes on 2 cores
 def test_demo_base_solves_hard_problems_only_with_guidance(tmp_path):
-    """The demo base is where POPE starts: alone it never solves a hard problem in 16 samples,
-    with the first 18 of 20 oracle steps forced as its answer's start it often does (resampled
-    with seeds the SFT criterion did not use)."""
+    """The demo base is where POPE starts: alone it never solves a hard problem in 16 samples;
+    given the first 18 of 20 oracle steps as a hint in its prompt (POPE's mode) it often does,
+    and so it does with them forced as its answer's start (resampled with seeds the SFT
+    criterion did not use)."""
     config = load_config("demo")
     model, tokenizer = sft.load_base(sft.run_sft(config, str(tmp_path)))
     hard = task.hard_set(config.criterion.hard_count, seed=config.criterion.hard_seed)
     alone = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=0, seed=777)
-    guided = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=18, seed=778)
     assert alone.sum() == 0
-    assert (guided > 0).mean() >= 0.25  # guided pass@16 well above 0
+    for seed, guidance in ((778, "instruction"), (779, "solution_prefix")):
+        guided = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=18, seed=seed,
+                                    guidance=guidance)
+        assert (guided > 0).mean() >= 0.25, guidance  # guided pass@16 well above 0

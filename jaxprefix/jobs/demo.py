@@ -4,9 +4,9 @@
 
 1. SFT a tiny policy on the built-in carry-multiplication task, stopping at a measured window
    (hard problems never solved alone, solved when most of the oracle solution is given).
-2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix (forced as
-   the start of the answer: the tiny policy reads no guidance in its prompt, docs/DEMO_TASK.md);
-   a problem with none is dropped from POPE's training and counted.
+2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix, given as
+   a hint in the prompt (the task's hint slots, docs/DEMO_TASK.md); a problem with none is
+   dropped from POPE's training and counted.
 3. Train POPE and plain GRPO from the same base at the same rollouts per step and steps.
 4. Evaluate both, unguided, on held-out hard problems; print a table and write
    <workdir>/demo_report.{md,json} and <workdir>/demo_curves.png.

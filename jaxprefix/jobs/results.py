@@ -5,8 +5,8 @@
 Runs (each in its own workdir under --workdir, so an interrupted job resumes where it stopped;
 `results.runs` names them, `results.seeds` the seeds of each), all from one SFT base:
 - on the 20-digit hard set (solved 0 of k times by the base), at the same rollouts per step and
-  steps: GRPO; POPE at several prefix caps (its guidance as pope.guidance says: on the demo
-  task a forced answer prefix, the tiny policy reads no prompt guidance); the papers' baselines
+  steps: GRPO; POPE at several prefix caps (guided in the prompt, as pope.guidance says); the
+  papers' baselines
   (entropy bonus, pass@k advantages, hard + easy problems, SFT on the policy's own correct guided
   answers then GRPO, SFT on the oracle solutions then GRPO); POPE with a forced answer prefix;
   PrefixRL with its own rejection-sampled traces (the limit case: the pool is nearly empty);
@@ -52,8 +52,8 @@ RUNS = {
                             "POPE, prefixes of at most a quarter of the solution"),
     "pope_solution_prefix": RunSpec(
         "pope", {"pope.guidance": "solution_prefix", "pope.max_prefix_fraction": 1.0},
-        "POPE with the prefix forced as the start of the answer (the ablation of an LLM config "
-        "guided in its prompt; on the demo task the same as pope_cap1)"),
+        "POPE with the prefix forced as the start of the answer instead of given in the prompt "
+        "(PrefixRL's mechanism; the ablation of pope_cap1)"),
     "pope_no_restate": RunSpec("pope", {"pope.template": "no_restate"},
                                "POPE, the instruction forbids restating the prefix"),
     "grpo_entropy": RunSpec("grpo", {"train.entropy_coef": 0.01}, "GRPO + entropy bonus"),
@@ -102,8 +102,9 @@ def run_config(study: Study, name: str, seed: int):
 
 
 def run_results(config, workdir: str) -> dict:
+    # pope_no_restate changes an English instruction: the demo task's hint has no wording.
     names = [n for n in config.results.runs
-             if n != "pope_no_restate" or config.model.source != "sft"]  # reads no English
+             if n != "pope_no_restate" or config.model.source != "sft"]
     unknown = sorted(set(names) - set(RUNS))
     if unknown:
         raise ConfigError(f"config.results.runs: unknown runs {unknown}; expected among "

@@ -14,12 +14,11 @@ Pipeline:
    unguided contexts (1:1 by default), optionally with easy problems mixed in. A problem with no
    solvable prefix within the cap is dropped (and counted), or guided by the longest prefix tried.
 
-Guidance comes in two forms. 'instruction' (the paper, instruction-tuned LLMs): the prefix goes
-into the user turn with an instruction to continue it; the prompt gets no loss and the answer, the
-policy's own, is scored alone. 'solution_prefix' (policies that follow no instruction, like the
-demo's tiny model; PrefixRL's mechanism): the prefix is forced as the start of the answer, and the
-verifier judges prefix + continuation. docs/DEMO_TASK.md says what teaching the demo policy a
-hint format in its prompt measured.
+Guidance comes in two forms. 'instruction' (the paper): the prefix goes into the prompt, on an
+instruction-tuned LLM in the user turn with an instruction to continue it, on the demo task in the
+question's hint slots (`prompts.hinted_question`); the prompt gets no loss and the answer, the
+policy's own, is scored alone. 'solution_prefix' (PrefixRL's mechanism, kept as an ablation): the
+prefix is forced as the start of the answer, and the verifier judges prefix + continuation.
 """
 from __future__ import annotations
 
