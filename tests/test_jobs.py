@@ -28,7 +28,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # The smoke configs (run_config.smoke): 8 training candidates, k=2 mining samples, 4 problems
 # a step, n=4 rollouts each, 2 steps, prefix search over 1..2 steps with 2 samples each.
 CANDIDATES, K, PROBLEMS_PER_STEP, N, STEPS, PREFIX_SAMPLES = 8, 2, 4, 4, 2, 2
-PREFIX_SEARCH = "prefixes_solution_prefix_default_f1"  # a forced answer prefix, cap 1
+PREFIX_SEARCH = "prefixes_instruction_default_f1"  # guidance in the prompt, cap 1
 
 
 def run_main(config: str, workdir, *flags, timeout: int = 900):
@@ -341,13 +341,13 @@ def test_results_pipeline_smoke(base, tmp_path):
     # search, hard + easy (POPE with no guided copies) no prefixes.
     with open(workdir / "mining" / "ledger.json") as f:
         costs = {name: ledger["extra_rollouts"] for name, ledger in json.load(f).items()}
-    assert set(costs) == {"hard_set", PREFIX_SEARCH, "prefixes_solution_prefix_default_f0.25"}
+    assert set(costs) == {"hard_set", PREFIX_SEARCH, "prefixes_instruction_default_f0.25"}
     assert costs[PREFIX_SEARCH] == mining_rollouts(workdir) - K * CANDIDATES
     charged = {run["name"]: run["ledger"]["extra_rollouts"] for run in report["runs"].values()}
     assert charged["grpo"] == charged["sft_oracle"] == charged["grpo_easy"] == costs["hard_set"]
     assert charged["pope_cap1"] == costs["hard_set"] + costs[PREFIX_SEARCH]
     assert charged["pope_cap0.25"] == (costs["hard_set"]
-                                       + costs["prefixes_solution_prefix_default_f0.25"])
+                                       + costs["prefixes_instruction_default_f0.25"])
     with open(workdir / "sft_oracle_seed0" / "warm_start" / "warm_start.json") as f:
         warm = json.load(f)
     assert warm["flops"] > 0 and len(warm["losses"]) == warm["steps"] > 0

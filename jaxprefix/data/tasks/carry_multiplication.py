@@ -2,8 +2,8 @@
 
 Text layout (one character per token, fixed slots, digits least significant first):
 
-    question   slot i = a_i h_i k_i for i = 0..19, then  x  d  =    '_' marks what is unused:
-               a_i the digit (all three '_' past the number), h_i k_i a hint ('_' '_' unless given)
+    question   slot i = a_i s_i c_i for i = 0..19, then  x  d  =    '_' marks what is unused:
+               the whole slot past the number; s_i c_i, a hint, unless step i is given
     step i     +  s_i c_i     (or the same step written ^ c_i s_i)
     end        <eos> once the next digit slot is '_' (or after the last slot)
 
@@ -83,7 +83,8 @@ def make_problem(number: int, multiplier: int) -> Problem:
     digits = [int(ch) for ch in reversed(str(number))]
     if number < 1 or len(digits) > SLOTS:
         raise ValueError(f"{NAME}: number must be positive with 1..{SLOTS} digits, got {number}")
-    slots = "".join(f"{d}{EMPTY}{EMPTY}" for d in digits) + EMPTY * SLOT_LENGTH * (SLOTS - len(digits))
+    slots = "".join(f"{d}{EMPTY}{EMPTY}" for d in digits)  # hint places empty
+    slots += EMPTY * SLOT_LENGTH * (SLOTS - len(digits))
     question = f"{slots}{TIMES}{multiplier}{EQUALS}"
     steps = tuple(write_step(s, c) for s, c in carry_steps(digits, multiplier))
     return Problem(
