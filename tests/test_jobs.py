@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.jobs.results_report import NOTES_MARKER
+from jaxprefix.jobs.results_report import NOTES_MARKER, prefix_search_lines
 from jaxprefix.rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -433,3 +433,10 @@ def test_allocated_run_spends_its_budget(base, tmp_path):
     spent = ledger["sampling_flops"] + ledger["update_flops"]
     assert abs(budget - spent) <= step and len(records) >= 2
     assert records[-1]["flops/total"] == pytest.approx(spent)
+
+
+def test_prefix_search_table_counts_a_prefix_at_a_cap_under_that_cap():
+    study = {"hard": 8, "prefix_searches": {"prefixes_instruction_default_f0.5": {
+        "found": 5, "revealed_fractions": [0.25, 0.3, 0.5, 0.5, 0.95]}}}
+    row = prefix_search_lines(study)[-2]
+    assert row.endswith("| 1 | 3 | 0 | 1 |"), row  # (0, .25] (.25, .5] (.5, .75] (.75, 1]

@@ -103,7 +103,8 @@ def prefix_search_lines(study: dict) -> list[str]:
              "|---" * (3 + len(bins) - 1) + "|"]
     for name, s in sorted(searches.items()):
         f = np.asarray(s["revealed_fractions"], float)
-        counts, _ = np.histogram(f, bins=bins) if f.size else (np.zeros(len(bins) - 1, int), None)
+        # (a, b] bins, as the header says: a prefix at exactly a cap counts under that cap.
+        counts = np.bincount(np.searchsorted(bins, f, side="left") - 1, minlength=len(bins) - 1)
         spread = f"{f.min():.2f} / {np.median(f):.2f} / {f.max():.2f}" if f.size else "-"
         lines.append(f"| {name.removeprefix('prefixes_')} | {s['found']} of {study['hard']} | "
                      f"{spread} | " + " | ".join(str(int(c)) for c in counts) + " |")
