@@ -24,8 +24,6 @@ from jaxprefix.sampling import SharedContext
 class ChatPrompts:
     """Renders problems through the tokenizer's chat template (system prompt optional)."""
 
-    follows_instructions = True
-
     def __init__(self, tokenizer, system_prompt: str | None = None):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
@@ -62,8 +60,6 @@ class ChatPrompts:
 
 class TaskPrompts:
     """A built-in task's raw text: the question, then the solution the policy writes."""
-
-    follows_instructions = False
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
