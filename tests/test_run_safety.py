@@ -195,6 +195,24 @@ def test_over_long_prompts_are_refused_with_file_and_line_or_skipped_and_counted
     assert [p.question for p in sets.train] == ["12", "34"] and sets.skipped == 1
 
 
+def test_prompt_guidance_a_task_policy_cannot_read_fails_in_preflight(tmp_path):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs import preflight
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "12", "answer": "1"}) + "\n")
+    config = run_config.method_config(os.path.join(ROOT, "configs", "pope.py"), "pope", "smoke")[0]
+    assert config.pope.guidance == "instruction" and config.model.source == "sft"
+    config.data.update(source="file", path=str(path), verifier="exact")
+    # Used to pass here and fail at the prefix search, after the base's SFT and the mining.
+    with pytest.raises(ConfigError, match=r"pope.guidance='instruction': problems from \['p'\] "
+                                          r"have no hint layout"):
+        preflight.check(config, str(tmp_path / "w"))
+    config.pope.guidance = "solution_prefix"
+    preflight.check(config, str(tmp_path / "w"))
+    assert not (tmp_path / "w").exists()  # preflight writes nothing
+
+
 # --- array contracts between modules ---------------------------------------------------------
 
 def test_boundary_checks_name_the_array_that_is_off():

@@ -31,7 +31,18 @@ def check(config, workdir: str) -> None:
     _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
-    load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
+    sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
+    if _guides_in_prompt(config):
+        from jaxprefix.methods.prompting import check_hint_layouts
+
+        _as_config_error(check_hint_layouts, inputs.prompts, sets.train)
+
+
+def _guides_in_prompt(config) -> bool:
+    """Whether the job puts POPE's guidance in prompts (demo and results run POPE whatever
+    config.method says)."""
+    return config.pope.guidance == "instruction" and (
+        config.method == "pope" or config.job in ("demo", "results"))
 
 
 def _read_problem_files(data) -> None:

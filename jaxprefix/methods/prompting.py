@@ -70,15 +70,23 @@ class TaskPrompts:
     def hinted_question(self, problem: Problem, units: int, template: str = "") -> list[int]:
         """The question with its first `units` oracle steps in the task's hint layout (the
         template is English for chat models: unused here)."""
-        hint = tasks.HINTS.get(problem.source)
-        if hint is None:
-            raise ValueError(f"task {problem.source!r} has no hint layout for guidance in the "
-                             f"prompt: guide it with a solution prefix "
-                             f"(pope.guidance='solution_prefix')")
-        return self.tokenizer.encode(hint(problem, units).question)
+        check_hint_layouts(self, [problem])
+        return self.tokenizer.encode(tasks.HINTS[problem.source](problem, units).question)
 
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
+
+
+def check_hint_layouts(prompts, problems: Sequence[Problem]) -> None:
+    """Fails when `prompts` cannot give one of `problems` guidance in its prompt: a task policy
+    reads only its task's hint layout (a chat model reads an English instruction: any problem)."""
+    if not isinstance(prompts, TaskPrompts):
+        return
+    missing = sorted({p.source for p in problems} - set(tasks.HINTS))
+    if missing:
+        raise ValueError(f"config.pope.guidance='instruction': problems from {missing} have no hint "
+                         f"layout for a task policy's prompt (tasks with one: {sorted(tasks.HINTS)});"
+                         f" expected pope.guidance='solution_prefix' for them")
 
 
 def with_response_prefix(prompts, problem: Problem, prefix: Sequence[int]) -> SharedContext:
