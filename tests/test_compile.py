@@ -103,6 +103,44 @@ def test_hlo_walk_counts_a_rare_branch_of_a_data_dependent_loop_by_its_calls():
     assert every.flops == pytest.approx(70 * matmul, rel=0.02)
 
 
+def _on_one_chip(*arrays):
+    """Abstract arrays, (shape, dtype) each, on one v5e chip."""
+    device = topology.devices(topology.slice_type('v5e-4'))[:1]
+    sharding = NamedSharding(Mesh(np.array(device), ('x',)), P())
+    return [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in arrays]
+
+
+def test_hlo_walk_counts_an_in_place_cache_write_by_what_it_writes():
+    """A decode step's scatter of one token per row into a donated KV cache moves those tokens,
+    not the cache: the walk counts the update read and written (XLA: 0.3 MB; the whole cache
+    read and written would be 128 MB)."""
+    rows, length, width = 64, 4096, 128
+
+    def write(cache, token, position):
+        return cache.at[jnp.arange(rows), position].set(token)
+    compiled = jax.jit(write, donate_argnums=0).lower(*_on_one_chip(
+        ((rows, length, width), jnp.bfloat16), ((rows, width), jnp.bfloat16),
+        ((rows,), jnp.int32))).compile()
+    update = rows * width * 2
+    walked = compiled_stats.HloCost(compiled.as_text(), num_devices=1).total().bytes
+    assert 2 * update <= walked < 3 * update
+
+
+def test_hlo_walk_counts_stacked_weights_by_the_layer_each_iteration_slices():
+    """A loop over layers of stacked weights reads one layer an iteration, also when the slice
+    sits in a fusion nested in the one the loop body calls: the walk counts the layers once
+    (without the nested rule: every layer every iteration, 8x the weights)."""
+    layers, batch, width = 8, 16, 512
+
+    def forward(weights, x):
+        return jax.lax.fori_loop(0, layers, lambda i, x: jnp.tanh(x @ weights[i]), x)
+    compiled = jax.jit(forward).lower(*_on_one_chip(
+        ((layers, width, width), jnp.bfloat16), ((batch, width), jnp.bfloat16))).compile()
+    weights = layers * width * width * 2
+    walked = compiled_stats.HloCost(compiled.as_text(), num_devices=1).total().bytes
+    assert weights <= walked < 1.5 * weights
+
+
 def test_published_configs_are_the_models_config_json():
     from jaxprefix.checkpoints.gguf import bundled_smollm2_path, read_gguf_config
 
