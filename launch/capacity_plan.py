@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from jaxprefix import storage  # noqa: E402
+from jaxprefix.models import published  # noqa: E402
 from jaxprefix.models.config import ModelConfig  # noqa: E402
 from jaxprefix.tpu.topology import CHIPS  # noqa: E402
 
@@ -259,21 +260,25 @@ def report(name: str, hf_config: dict, run: RunShape) -> str:
 
 
 def load_hf_config(model: str) -> dict:
+    """A named model's config (one of MODELS or a shipped published one), or an HF directory's
+    (or config.json's), local or on gs://."""
     if model in MODELS:
         return MODELS[model]
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    if not os.path.isfile(path):
+    if "/" not in model and published.hf_config(model):
+        return published.hf_config(model)
+    path = storage.join(model, "config.json") if storage.isdir(model) else model
+    if not storage.isfile(path):
         raise SystemExit(f"--model={model!r}: expected one of {sorted(MODELS)}, an HF model "
-                         "directory or a config.json path")
-    with open(path) as f:
-        return json.load(f)
+                         "directory or a config.json path (local or gs://)")
+    return storage.read_json(path)
 
 
 def from_run_config(spec: str, run: RunShape) -> tuple[str | None, RunShape]:
     """(model, run shape) read from a jaxprefix config 'configs/x.py[:variant]' (base_config fields).
 
-    The model is known when the config names one this script can read: the bundled SmolLM2 GGUF
-    or a local HF directory; a gs:// path needs --model.
+    The model is known when the config names one this script can read: the bundled SmolLM2 GGUF,
+    an HF model on gs:// named as a shipped config.json is (models/published.py: read offline, so
+    a placeholder bucket works too), or an HF directory, local or on gs://.
     """
     import importlib.util
     path, _, arg = spec.partition(":")
@@ -290,7 +295,10 @@ def from_run_config(spec: str, run: RunShape) -> tuple[str | None, RunShape]:
     model = None
     if c.model.source == "gguf" and c.model.path == "bundled":
         model = "smollm2-135m"
-    elif c.model.source == "hf" and os.path.isdir(c.model.path):
+    elif c.model.source == "hf" and storage.is_remote(c.model.path) \
+            and published.hf_config(c.model.path):
+        model = c.model.path.rstrip("/").rsplit("/", 1)[-1]
+    elif c.model.source == "hf" and storage.isdir(c.model.path):
         model = c.model.path
     return model, run
 

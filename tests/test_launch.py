@@ -323,8 +323,16 @@ def test_capacity_plan_cli_reports_a_slice_and_rejects_bad_values(capsys):
         cp.main(["--n=0"])
 
 
-def test_capacity_plan_reads_the_run_shape_from_a_config():
+def _hf_model_config(path: str) -> str:
+    """A config file whose policy is the HF model at `path`."""
+    return (f"from jaxprefix import run_config\n\ndef get_config(arg=''):\n"
+            f"    c = run_config.base_config()\n"
+            f"    c.model.update(source='hf', path={path!r})\n    return c\n")
+
+
+def test_capacity_plan_reads_the_run_shape_from_a_config(tmp_path):
     cp = _capacity_plan()
+    from jaxprefix.models import published
     from jaxprefix import run_config
     spec = f"{REPO / 'configs' / 'grpo.py'}:smollm2"
     model, run = cp.from_run_config(spec, cp.RunShape(prompt_len=333))
@@ -333,8 +341,30 @@ def test_capacity_plan_reads_the_run_shape_from_a_config():
     assert (run.n, run.problems, run.response_len, run.param_dtype, run.compute_dtype,
             run.prompt_len) == (c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens,
                                 c.model.param_dtype, c.model.dtype, 333)
+    # The paper variant's placeholder bucket: its model's shipped config.json, read offline.
+    model, _ = cp.from_run_config(f"{REPO / 'configs' / 'grpo.py'}:paper", cp.RunShape())
+    assert cp.load_hf_config(model) == published.hf_config("Qwen3-4B-Instruct-2507")
+    config = tmp_path / "elsewhere.py"
+    config.write_text(_hf_model_config("/nowhere/model"))
     with pytest.raises(SystemExit, match="pass --model"):
-        cp.main([f"--config={REPO / 'configs' / 'grpo.py'}:paper"])
+        cp.main([f"--config={config}"])
+
+
+def test_capacity_plan_reads_a_model_on_gcs(gcs, tmp_path, capsys):
+    cp = _capacity_plan()
+    from jaxprefix import storage
+    model = f"gs://bucket/plan-{os.getpid()}/qwen3-4b"
+    storage.write_json(storage.join(model, "config.json"), cp.QWEN3_4B)
+    assert cp.load_hf_config(model) == cp.QWEN3_4B
+    assert cp.load_hf_config(f"{model}/config.json") == cp.QWEN3_4B
+    cp.main([f"--model={model}", "--n=4", "--problems=8"])
+    assert "qwen3 4.02B params" in capsys.readouterr().out
+    # A config naming an HF model on gs:// (the paper variant's user) needs no --model.
+    config = tmp_path / "on_gcs.py"
+    config.write_text(_hf_model_config(model))
+    assert cp.from_run_config(str(config), cp.RunShape())[0] == model
+    with pytest.raises(SystemExit, match="local or gs://"):
+        cp.load_hf_config(f"gs://bucket/plan-{os.getpid()}/missing")
 
 
 def test_check_compiles_here_without_cloud_flags(launch):
