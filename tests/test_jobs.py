@@ -360,6 +360,11 @@ def test_results_pipeline_smoke(base, tmp_path):
     assert regime["digits"] == [report["regime_probe"]["chosen"]] * 2
     assert "hard_set/pass@1" in report["runs"]["prefixrl_regime_seed0"]["curve"][-1]
     assert "pass@4" in report["runs"]["sft_traces_regime_seed0"]["warm_start_hard_set"]
+    # SFT on traces pays for its data as PrefixRL does (here oracle traces, free), plus its SFT.
+    with open(workdir / "sft_traces_regime_seed0" / "warm_start" / "warm_start.json") as f:
+        sft_flops = json.load(f)["flops"]
+    assert report["runs"]["sft_traces_regime_seed0"]["ledger"]["extra_flops"] == pytest.approx(
+        report["runs"]["prefixrl_regime_seed0"]["ledger"]["extra_flops"] + sft_flops)
     text = (workdir / "RESULTS.md").read_text()
     assert text.endswith("\n" + notes) and "an older report" not in text  # notes kept
     for name in names:
@@ -367,6 +372,27 @@ def test_results_pipeline_smoke(base, tmp_path):
     assert "| sft_oracle: after SFT, before RL | 1 |" in text
     check_png(str(workdir / "results" / "curves.png"))
     check_png(str(workdir / "results" / "regime_curves.png"))
+
+
+def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_path):
+    """SFT on traces is charged PrefixRL's rejection sampling, SFT on own guided answers POPE's
+    prefix search, SFT on oracle solutions nothing (they used to be charged none of it: in the
+    study, SFT-on-traces-then-RL ran 1.1e12 FLOPs cheaper than PrefixRL on the same traces)."""
+    from jaxprefix import run_config
+    from jaxprefix.jobs.results import warm_start_mining
+    from jaxprefix.jobs.study import Study
+
+    config = run_config.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
+                                      "smoke")[0]
+    config.model.path = base
+    config.prefixrl.oracle_traces = False  # rejection sampling, as the study mines its pool
+    study = Study.prepare(config, str(tmp_path), trace_pool=True)
+    with open(tmp_path / "mining" / "ledger.json") as f:
+        mined = {name: ledger["extra_flops"] for name, ledger in json.load(f).items()}
+    assert mined["trace_pool"] > 0 and mined[PREFIX_SEARCH] > 0
+    assert warm_start_mining(study, "traces").extra_flops == mined["trace_pool"]
+    assert warm_start_mining(study, "own_guided").extra_flops == mined[PREFIX_SEARCH]
+    assert warm_start_mining(study, "oracle").extra_flops == 0
 
 
 @pytest.mark.slow  # ~100 s: four GRPO runs, then the fit

@@ -28,7 +28,7 @@ from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.jobs import results_report, warm_start
 from jaxprefix.jobs.mine import LEDGER
 from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.rl import run_rl
+from jaxprefix.jobs.rl import mined_artifacts, run_rl
 from jaxprefix.jobs.study import Study
 from jaxprefix.rl.metrics import read_metrics
 
@@ -181,7 +181,9 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
         warm = warm_start.run_warm_start(
             study.policy, c.model.path, examples,
             storage.join(run_dir, "warm_start"), seed=seed, **study.config.results.warm_start)
-        c.model.path, warm_flops = warm.path, warm.flops
+        # The SFT updates, and the mining its examples came from (a baseline pays for its data).
+        c.model.path = warm.path
+        warm_flops = warm.flops + warm_start_mining(study, spec.warm_start).extra_flops
         policy = load_policy(c, run_dir)
         record["warm_start"] = study.evaluate(policy.model, f"eval {name} SFT")
         record["warm_start_hard_set"] = study.evaluate(policy.model, f"eval {name} SFT, hard set",
@@ -208,6 +210,17 @@ def _pope_problems(study: Study, c) -> int:
     if c.pope.unsolved == "longest":
         return len(found)
     return sum(v is not None for v in found.values())
+
+
+def warm_start_mining(study: Study, kind: str):
+    """What mining the examples of a warm start of `kind` cost (a ledger), paid as the method
+    they come from pays for it: the trace pool (PrefixRL's) for SFT on traces, the prefix search
+    (POPE's) for SFT on own guided answers; oracle solutions cost nothing."""
+    method = {"traces": "prefixrl", "own_guided": "pope"}.get(kind)
+    c = study.config.copy_and_resolve_references()
+    c.method = method or c.method
+    artifacts = [a for a in mined_artifacts(c) if method and a != "hard_set"]
+    return study.mining.cost(artifacts)
 
 
 def _warm_examples(study: Study, kind: str) -> list:

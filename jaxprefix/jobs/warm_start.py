@@ -94,7 +94,7 @@ def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: in
     steps_per_epoch = len(tokens) // batch_size
     n_params = model.config.num_params()
     flops, losses = 0.0, []
-    with tqdm.tqdm(total=epochs * steps_per_epoch, desc="sft on oracle solutions") as bar:
+    with tqdm.tqdm(total=epochs * steps_per_epoch, desc="warm start SFT") as bar:
         for _ in range(epochs):
             order = rng.permutation(len(tokens))
             for step in range(steps_per_epoch):
