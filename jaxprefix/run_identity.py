@@ -24,9 +24,12 @@ from jaxprefix.errors import ConfigError
 
 RECORD = "run.json"
 # Fields (or whole blocks) a resume may change: they steer how long a run goes, how often it
-# evaluates, saves and logs, and where it runs, not which trajectory it follows.
+# evaluates, saves and logs, and where it runs, not which trajectory it follows. The IsoCompute
+# sweep's grid is among them: a sweep point's own n, B, M and learning rate are in its fields.
+SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isocompute.seeds",
+              "isocompute.eval_every_rollouts", "isocompute.print_only")
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "mesh", "distributed",
-              "workdir_lock", "allow_changes", "isocompute.print_only")
+              "workdir_lock", "allow_changes", *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:

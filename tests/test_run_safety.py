@@ -54,6 +54,8 @@ def test_fields_that_steer_length_cadence_and_hardware_may_change(tmp_path):
     later.train.total_steps = 1000
     later.eval.every, later.checkpoint.keep, later.mesh.fsdp = 5, 10, 2
     later.rewards.workers = 4
+    # The sweep's grid, edited in a shared config (a plain run's n, B, M are its own fields).
+    later.isocompute.budgets, later.isocompute.eval_every_rollouts = (2**11, 2**12), 2**11
     run_identity.claim(later, str(tmp_path))  # no error
     later.seed = 1
     with pytest.raises(errors.ConfigError, match=r"seed: 0 -> 1"):
