@@ -351,6 +351,7 @@ def test_results_pipeline_smoke(base, tmp_path):
     with open(workdir / "sft_oracle_seed0" / "warm_start" / "warm_start.json") as f:
         warm = json.load(f)
     assert warm["flops"] > 0 and len(warm["losses"]) == warm["steps"] > 0
+    assert warm["warmup_steps"] == max(1, round(0.3 * warm["steps"]))  # configs/results.py
     sft_run, grpo_run = report["runs"]["sft_oracle_seed0"], report["runs"]["grpo_seed0"]
     assert "pass@4" in sft_run["warm_start"]
     assert sft_run["ledger"]["extra_flops"] == pytest.approx(
