@@ -200,3 +200,21 @@ def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
     config.isocompute.frontier_path = ''
     with pytest.raises(ValueError, match="budget_unit='flops' needs frontier_path"):
         allocated(config)
+
+
+def test_results_report_reads_the_sweep_per_budget_and_seed():
+    """The report's table (the last evaluation within each budget, mean ± std over seeds) and
+    its best n per seed and budget, on a sweep written by hand."""
+    from jaxprefix.jobs.results_report import isocompute_section
+
+    def run(n, seed, rewards):
+        return {"n": n, "batch": 16, "seed": seed, "compute": [1024.0, 2048.0, 3072.0, 4096.0],
+                "reward": rewards}
+    sweep = {"seeds": [0, 1], "fit": None, "per_seed": {}, "runs": [
+        run(2, 0, [0.1, 0.3, 0.2, 0.25]), run(4, 0, [0.2, 0.2, 0.3, 0.4]),
+        run(2, 1, [0.1, 0.5, 0.5, 0.3]), run(4, 1, [0.2, 0.3, 0.3, 0.5])]}
+    text = "\n".join(isocompute_section(sweep, (2048, 4096)))
+    assert "| 2 | 16 | 0.400 ± 0.100 | 0.275 ± 0.025 |" in text
+    assert "| 4 | 16 | 0.250 ± 0.050 | 0.450 ± 0.050 |" in text
+    assert "seed 0: 2 at 2^11, 4 at 2^12; seed 1: 2 at 2^11, 4 at 2^12." in text
+    assert "seed-mean curves: no fit." in text

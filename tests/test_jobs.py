@@ -368,6 +368,7 @@ def test_results_pipeline_smoke(base, tmp_path):
         report["runs"]["prefixrl_regime_seed0"]["ledger"]["extra_flops"] + sft_flops)
     text = (workdir / "RESULTS.md").read_text()
     assert text.endswith("\n" + notes) and "an older report" not in text  # notes kept
+    assert "{" not in text, "a template left unformatted"  # 'Hard set: {study[...]}' was
     for name in names:
         assert f"| {name} | 1 |" in text, name
     assert "| sft_oracle: after SFT, before RL | 1 |" in text

@@ -62,19 +62,17 @@ RUNS = {
     "grpo_easy": RunSpec("pope", {"pope.guided_copies": 0, "pope.unguided_copies": 1,
                                   "data.easy_size": 1024},
                          "hard + as many easy (1..10-digit) problems, no guidance"),
-    "sft_guided": RunSpec("grpo", {}, "SFT on the policy's own correct guided answers, then GRPO "
-                          "(POPE's SFT baseline)", warm_start="own_guided"),
-    "sft_oracle": RunSpec("grpo", {}, "SFT on the oracle solutions, then GRPO",
-                          warm_start="oracle"),
+    # A warm start's row says what the SFT learnt from (results_report: "SFT on ..., then RL").
+    "sft_guided": RunSpec("grpo", {}, "POPE's SFT baseline", warm_start="own_guided"),
+    "sft_oracle": RunSpec("grpo", {}, "the oracle solutions' SFT baseline", warm_start="oracle"),
     "prefixrl": RunSpec("prefixrl", {}, "PrefixRL with its own rejection-sampled traces (limit "
                         "case: few traces exist)"),
     "prefixrl_oracle": RunSpec("prefixrl", {"prefixrl.oracle_traces": True},
                                "PrefixRL's cuts and mix on the oracle solutions"),
     "prefixrl_regime": RunSpec("prefixrl", {}, "PrefixRL with its own traces, in its regime",
                                regime="prefixrl"),
-    "sft_traces_regime": RunSpec("grpo", {}, "SFT on the same traces, then GRPO (PrefixRL's "
-                                 "baseline), in PrefixRL's regime", warm_start="traces",
-                                 regime="prefixrl"),
+    "sft_traces_regime": RunSpec("grpo", {}, "PrefixRL's SFT baseline, in its regime",
+                                 warm_start="traces", regime="prefixrl"),
 }
 
 

@@ -36,7 +36,7 @@ def _setting(spec) -> str:
             "answers (found by the prefix search)", "traces": "the trace pool's traces"}
     parts = [spec.about] + ([f"fields {fields}"] if fields else [])
     if spec.warm_start:
-        parts.append(f"SFT on {warm[spec.warm_start]}, then RL")
+        parts.append(f"SFT on {warm[spec.warm_start]}, then GRPO")
     return "; ".join(parts)
 
 
@@ -141,9 +141,11 @@ def regime_section(report: dict, config, specs) -> list[str]:
         "| base pass@1 | " + " | ".join(f"{v:.4f}" for v in probe["digits"].values()) + " |", "",
         f"Chosen: {probe['chosen']} digits"
         + (" (no probe problem was solved at any length: the shortest was taken)"
-           if probe.get("no_success") else "") + ". Hard set: {study['hard']} of {study['candidates']} "
-        f"candidates solved 0 of {study['k']} times. Rejection sampling ({config.prefixrl.samples_per_round} "
-        f"a round, up to {config.prefixrl.max_samples} per problem) found a trace for "
+           if probe.get("no_success") else "") + f". Hard set: {study['hard']} of "
+        f"{study['candidates']} candidates solved 0 of {study['k']} times (the base's pass@{k} on "
+        f"it, in fresh samples: {study['base_hard_set'][f'pass@{k}']:.3f}; a set chosen by "
+        f"{study['k']} samples holds low rates, not only zero ones). Rejection sampling "
+        f"({config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per problem) found a trace for "
         f"{pool['problems']} of {study['hard']} in {pool['samples']:,} samples"
         + (f" (samples to a found trace: median {np.median(found):.0f}, mean {np.mean(found):.0f};"
            f" the paper: about 650 on average, capped at 2,500)" if found else "") + ". "
@@ -217,16 +219,31 @@ def isocompute_section(sweep: dict, budgets) -> list[str]:
              f"seeds {seeds}; each (n, B) ran once per seed to the largest budget, its learning "
              f"rate scaled with n x B by the rule in the config.", "",
              f"| n | B | {header} |", "|---" * (len(budgets) + 2) + "|"]
+    def at(run: dict, budget: int) -> float | None:  # the last evaluation within the budget
+        values = [rw for c, rw in zip(run["compute"], run["reward"]) if c <= budget]
+        return values[-1] if values else None
+
     by_point: dict = {}
     for run in sweep["runs"]:
         by_point.setdefault((run["n"], run["batch"]), []).append(run)
     for (n, batch), group in sorted(by_point.items()):
         cells = []
         for budget in budgets:
-            values = [[rw for c, rw in zip(r["compute"], r["reward"]) if c <= budget] for r in group]
-            values = [v[-1] for v in values if v]
+            values = [v for v in (at(r, budget) for r in group) if v is not None]
             cells.append(_mean_std(values) if len(values) == len(group) else "-")
         lines.append(f"| {n} | {batch} | " + " | ".join(cells) + " |")
+    one_batch = len({r["batch"] for r in sweep["runs"]}) == 1
+    best = []  # the raw argmax, beside the fit's smoothed one
+    for seed in seeds:
+        runs = [r for r in sweep["runs"] if r["seed"] == seed]
+        cells = []
+        for budget in budgets:
+            scored = [(at(r, budget), r["n"], r["batch"]) for r in runs
+                      if at(r, budget) is not None]
+            _, n, batch = max(scored) if scored else (None, None, None)
+            label = "-" if n is None else str(n) if one_batch else f"{n} (B {batch})"
+            cells.append(f"{label} at 2^{int(np.log2(budget))}")
+        best.append(f"seed {seed}: {', '.join(cells)}")
 
     def n_star_at(fit: dict | None) -> str:
         if not fit:
@@ -234,7 +251,8 @@ def isocompute_section(sweep: dict, budgets) -> list[str]:
         log_c = np.asarray(fit["log_c"])
         at = [int(np.argmin(np.abs(log_c - np.log2(b)))) for b in budgets]
         return ", ".join(f"{fit['n_star'][i]} at 2^{int(np.log2(b))}" for i, b in zip(at, budgets))
-    lines += ["", f"n* on the upper envelope of the fitted frontier: seed-mean curves: "
+    lines += ["", f"The best n in the table, per seed: {'; '.join(best)}.",
+              f"n* on the upper envelope of the fitted frontier: seed-mean curves: "
               f"{n_star_at(sweep.get('fit'))}."]
     for seed, record in sweep.get("per_seed", {}).items():
         lines.append(f"Seed {seed} alone: {n_star_at(record.get('fit'))}.")
