@@ -62,7 +62,7 @@ RUNS = {
     "grpo_easy": RunSpec("pope", {"pope.guided_copies": 0, "pope.unguided_copies": 1,
                                   "data.easy_size": 1024},
                          "hard + as many easy (1..10-digit) problems, no guidance"),
-    # A warm start's row says what the SFT learnt from (results_report: "SFT on ..., then RL").
+    # A warm start's row says what the SFT learnt from (results_report: "SFT on ..., then GRPO").
     "sft_guided": RunSpec("grpo", {}, "POPE's SFT baseline", warm_start="own_guided"),
     "sft_oracle": RunSpec("grpo", {}, "the oracle solutions' SFT baseline", warm_start="oracle"),
     "prefixrl": RunSpec("prefixrl", {}, "PrefixRL with its own rejection-sampled traces (limit "
@@ -215,10 +215,11 @@ def warm_start_mining(study: Study, kind: str):
     they come from pays for it: the trace pool (PrefixRL's) for SFT on traces, the prefix search
     (POPE's) for SFT on own guided answers; oracle solutions cost nothing."""
     method = {"traces": "prefixrl", "own_guided": "pope"}.get(kind)
+    if method is None:  # oracle solutions: nothing mined
+        return study.mining.cost(())
     c = study.config.copy_and_resolve_references()
-    c.method = method or c.method
-    artifacts = [a for a in mined_artifacts(c) if method and a != "hard_set"]
-    return study.mining.cost(artifacts)
+    c.method = method
+    return study.mining.cost([a for a in mined_artifacts(c) if a != "hard_set"])
 
 
 def _warm_examples(study: Study, kind: str) -> list:

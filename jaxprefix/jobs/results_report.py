@@ -145,7 +145,8 @@ def regime_section(report: dict, config, specs) -> list[str]:
         f"{study['candidates']} candidates solved 0 of {study['k']} times (the base's pass@{k} on "
         f"it, in fresh samples: {study['base_hard_set'][f'pass@{k}']:.3f}; a set chosen by "
         f"{study['k']} samples holds low rates, not only zero ones). Rejection sampling "
-        f"({config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per problem) found a trace for "
+        f"({config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per "
+        f"problem) found a trace for "
         f"{pool['problems']} of {study['hard']} in {pool['samples']:,} samples"
         + (f" (samples to a found trace: median {np.median(found):.0f}, mean {np.mean(found):.0f};"
            f" the paper: about 650 on average, capped at 2,500)" if found else "") + ". "
@@ -238,8 +239,7 @@ def isocompute_section(sweep: dict, budgets) -> list[str]:
         runs = [r for r in sweep["runs"] if r["seed"] == seed]
         cells = []
         for budget in budgets:
-            scored = [(at(r, budget), r["n"], r["batch"]) for r in runs
-                      if at(r, budget) is not None]
+            scored = [(v, r["n"], r["batch"]) for r in runs if (v := at(r, budget)) is not None]
             _, n, batch = max(scored) if scored else (None, None, None)
             label = "-" if n is None else str(n) if one_batch else f"{n} (B {batch})"
             cells.append(f"{label} at 2^{int(np.log2(budget))}")

@@ -84,9 +84,9 @@ def check_hint_layouts(prompts, problems: Sequence[Problem]) -> None:
         return
     missing = sorted({p.source for p in problems} - set(tasks.HINTS))
     if missing:
-        raise ValueError(f"config.pope.guidance='instruction': problems from {missing} have no hint "
-                         f"layout for a task policy's prompt (tasks with one: {sorted(tasks.HINTS)});"
-                         f" expected pope.guidance='solution_prefix' for them")
+        raise ValueError(f"config.pope.guidance='instruction': problems from {missing} have no "
+                         f"hint layout for a task policy's prompt (tasks with one: "
+                         f"{sorted(tasks.HINTS)}); expected pope.guidance='solution_prefix' for them")
 
 
 def with_response_prefix(prompts, problem: Problem, prefix: Sequence[int]) -> SharedContext:
