@@ -40,9 +40,9 @@ def get_config(arg: str = ""):
     # Rejection sampling: 64 a round, up to 512 per problem (the paper: ~650 on average, capped
     # at 2,500), for the 20-digit limit case and for PrefixRL's regime.
     c.prefixrl.update(samples_per_round=64, max_samples=512)
-    # B held at 16 (the paper: B matters little, choose n first), n over 2..16, two seeds,
+    # B held at 16 (the paper: B matters little, choose n first), n over 2..16, three seeds,
     # evaluated every 2^11 rollouts on 512 held-out problems x 4 samples.
-    c.isocompute.update(seeds=(0, 1), budgets=tuple(2**e for e in range(11, 16)),
+    c.isocompute.update(seeds=(0, 1, 2), budgets=tuple(2**e for e in range(11, 16)),
                         ns=(2, 4, 8, 16), batches=(16,), eval_every_rollouts=2**11)
     if args.variant == "smoke":
         c.results.update(seeds=(0,), output_dir="", isocompute=False, iso_eval_size=8)
