@@ -1,6 +1,6 @@
 """The demo: on problems where plain GRPO gets no signal, does POPE make the policy solve them?
 
-    python -m jaxprefix.main --config=configs/pope.py              # 31 CPU-minutes (README)
+    python -m jaxprefix.main --config=configs/pope.py              # 20 minutes on 2 idle cores
 
 1. SFT a tiny policy on the built-in carry-multiplication task, stopping at a measured window
    (hard problems never solved alone, solved when most of the oracle solution is given).
