@@ -161,3 +161,20 @@ def test_plan():
     assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.Schedule(2, 4, 2, 1)
     with pytest.raises(ValueError, match=r'kv_budget_bytes=100 holds no row: .* need 2560 bytes'):
         budget.plan(**kw, kv_budget_bytes=100)
+
+
+class _Device:
+    def __init__(self, process_index, free):
+        self.process_index, self._free = process_index, free
+
+    def memory_stats(self):
+        if self.process_index != 0:  # as PjRt answers for another host's device
+            raise RuntimeError('MemoryStats is only supported for addressable PjRt devices')
+        return None if self._free is None else {'bytes_limit': 100, 'bytes_in_use': 100 - self._free}
+
+
+def test_free_device_memory_asks_only_this_process_devices():
+    # Another host's devices are never asked; the least free share counts for every device.
+    devices = [_Device(0, 40), _Device(0, 30), _Device(1, 5), _Device(1, 90)]
+    assert budget.free_device_memory(devices) == 4 * 30
+    assert budget.free_device_memory([_Device(0, None), _Device(1, 5)]) is None

@@ -92,15 +92,33 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
 
 
 def free_device_memory(devices=None) -> int | None:
-    """Bytes the devices report free in all (limit - in use), or None where a device reports
-    nothing (CPU)."""
-    total = 0
-    for device in devices if devices is not None else jax.devices():
+    """Bytes free (limit - in use) over all the devices of a run, or None where a device reports
+    nothing (CPU).
+
+    Only this process's devices can be asked (other hosts' raise), so each process takes the
+    least free memory of its own devices and, on several hosts, the least over all processes
+    (one small collective): every process then plans the same schedule. The answer is that
+    least share times the number of devices, the memory an evenly sharded KV cache may use.
+    """
+    devices = list(devices if devices is not None else jax.devices())
+    local = [d for d in devices if d.process_index == jax.process_index()]
+    least = _least_free(local)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        shares = multihost_utils.process_allgather(np.int64(-1 if least is None else least))
+        least = None if (np.asarray(shares) < 0).any() else int(np.min(shares))
+    return None if least is None else least * len(devices)
+
+
+def _least_free(devices) -> int | None:
+    least = None
+    for device in devices:
         stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
         if not stats or 'bytes_limit' not in stats:
             return None
-        total += stats['bytes_limit'] - stats.get('bytes_in_use', 0)
-    return total
+        free = stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+        least = free if least is None else min(least, free)
+    return least
 
 
 def memory_settings(rollout, devices=None) -> dict:
