@@ -49,6 +49,7 @@ QUESTION_LENGTH = SLOTS * SLOT_LENGTH + 3
 # Longest completion: every step, then <eos>.
 MAX_COMPLETION_LENGTH = SLOTS * STEP_LENGTH + 1
 SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
+HARD_STEPS = SLOTS  # oracle steps of a hard problem
 
 
 def tokenizer():
@@ -123,6 +124,17 @@ def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
 def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
     """The hard problems of the demo: 20 digits times 6..9 (2 and 5 are learned early)."""
     return generate(count, digits=(SLOTS, SLOTS), multipliers=(6, 9), seed=seed)
+
+
+def problem_sets(data) -> tuple[list, list, list]:
+    """(training candidates, held-out, easy) for config.data: problems of data.digits digits
+    times data.multipliers, and data.easy_size easy ones of data.easy_digits."""
+    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers))
+    easy_size = data.get("easy_size", 0)
+    easy = generate(easy_size, digits=tuple(data.easy_digits), seed=data.seed + 1) \
+        if easy_size else []
+    return (generate(data.train_size, seed=data.seed, **shape),
+            generate(data.eval_size, seed=data.eval_seed, **shape), easy)
 
 
 def _parse_question(question: str) -> tuple[list[int], int, list[str]]:
@@ -209,6 +221,31 @@ def guided(problem: Problem, prefix_steps: int) -> Problem:
         metadata={**problem.metadata, "prefix_steps": problem.metadata.get("prefix_steps", 0)
                   + prefix_steps, "base_id": problem.metadata.get("base_id", problem.id)},
     )
+
+
+def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
+    """(problem, target) rows of one SFT batch (configs/sft.py `data`): lengths in data.digits
+    plus a data.full_length_fraction of 20-digit rows, a data.hinted_fraction of rows with their
+    first 1..N-1 steps as a hint (copied by the target), each other step's notation at random."""
+    full = round(data.batch_size * data.full_length_fraction)
+    problems = (generate(data.batch_size - full, digits=tuple(data.digits),
+                         multipliers=tuple(data.multipliers), seed=seed)
+                + generate(full, digits=(SLOTS, SLOTS), multipliers=tuple(data.multipliers),
+                           seed=seed + 10**12))
+    rng = random.Random(seed)
+    rows = []
+    for problem in problems:
+        if len(problem.steps) > 1 and rng.random() < data.hinted_fraction:
+            problem = hinted(problem, rng.randint(1, len(problem.steps) - 1))
+        rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
+    return rows
+
+
+def answer_digit_spans(problem: Problem) -> list[tuple[int, int]]:
+    """Token spans [start, end) of each step's two digits in question + oracle solution (what
+    teacher-forced step accuracy checks: the marker is free)."""
+    return [(QUESTION_LENGTH + STEP_LENGTH * i + 1, QUESTION_LENGTH + STEP_LENGTH * i + 3)
+            for i in range(len(problem.steps))]
 
 
 def format_context(problem: Problem, prefix_steps: int = 0, tokenizer=None) -> list[int]:
