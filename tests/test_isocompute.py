@@ -203,7 +203,7 @@ def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
 
 
 def test_results_report_reads_the_sweep_per_budget_and_seed():
-    """The report's table (the last evaluation within each budget, mean ± std over seeds) and
+    """The report's table (the last evaluation within each budget, mean ± sample std over seeds) and
     its best n per seed and budget, on a sweep written by hand."""
     from jaxprefix.jobs.results_report import isocompute_section
 
@@ -214,7 +214,8 @@ def test_results_report_reads_the_sweep_per_budget_and_seed():
         run(2, 0, [0.1, 0.3, 0.2, 0.25]), run(4, 0, [0.2, 0.2, 0.3, 0.4]),
         run(2, 1, [0.1, 0.5, 0.5, 0.3]), run(4, 1, [0.2, 0.3, 0.3, 0.5])]}
     text = "\n".join(isocompute_section(sweep, (2048, 4096)))
-    assert "| 2 | 16 | 0.400 ± 0.100 | 0.275 ± 0.025 |" in text
-    assert "| 4 | 16 | 0.250 ± 0.050 | 0.450 ± 0.050 |" in text
+    # The sample std (ddof=1): of 0.3 and 0.5, 0.141 (np.std's ddof=0 gives 0.100).
+    assert "| 2 | 16 | 0.400 ± 0.141 | 0.275 ± 0.035 |" in text
+    assert "| 4 | 16 | 0.250 ± 0.071 | 0.450 ± 0.071 |" in text
     assert "seed 0: 2 at 2^11, 4 at 2^12; seed 1: 2 at 2^11, 4 at 2^12." in text
     assert "seed-mean curves: no fit." in text
