@@ -27,7 +27,7 @@ RECORD = "run.json"
 # evaluates, saves and logs, and where it runs, not which trajectory it follows. The IsoCompute
 # sweep's grid is among them: a sweep point's own n, B, M and learning rate are in its fields.
 SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isocompute.seeds",
-              "isocompute.eval_every_rollouts", "isocompute.print_only")
+              "isocompute.eval_every_rollouts", "isocompute.print_only", "isocompute.prereg")
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "mesh", "distributed",
               "workdir_lock", "allow_changes", *SWEEP_GRID)
 
