@@ -63,10 +63,11 @@ def per_problem_curves(config, workdir: str) -> dict:
 
 
 def _at(curve, budget: float) -> np.ndarray | None:
-    """Per-problem scores of the last evaluation within `budget` rollouts."""
+    """Per-problem scores of the last evaluation within `budget` rollouts (None: the run has
+    not reached the budget yet)."""
     compute, scores = curve
     within = [i for i, c in enumerate(compute) if c <= budget]
-    return scores[within[-1]] if within else None
+    return scores[within[-1]] if within and compute[-1] >= budget else None
 
 
 def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float) -> list:
@@ -131,7 +132,7 @@ def predict(config, workdir: str) -> dict:
                 entry["rule"][str(budget)] = int(2 ** round(float(fit.n_star_fit(x))))
         record["groups"][group] = entry
     storage.write_json(path, record)
-    return record
+    return storage.read_json(path)  # what the file says, as a later reader sees it
 
 
 def outcome(config, workdir: str) -> dict:
