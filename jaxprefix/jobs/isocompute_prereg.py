@@ -31,7 +31,7 @@ from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.eval_counts import read_eval_counts
 
-PREDICTION, OUTCOME = "prediction.json", "outcome.json"
+PREDICTION, OUTCOME, REPORT = "prediction.json", "outcome.json", "REPORT.md"
 
 
 def group_of(digits: int, split: int) -> str:
@@ -184,4 +184,45 @@ def run_prereg(config, workdir: str) -> dict:
 
             run_rl(iso_jobs.point_config(c, point, seed, workdir),
                    iso_jobs.point_workdir(iso_jobs.runs_dir(c, workdir), point, seed))
-    return predict(c, workdir) if pr.phase == "predict" else outcome(c, workdir)
+    prediction = predict(c, workdir)
+    result = prediction if pr.phase == "predict" else outcome(c, workdir)
+    storage.write_atomic(storage.join(workdir, REPORT), "\n".join(
+        report_lines(prediction, None if pr.phase == "predict" else result)) + "\n")
+    return result
+
+
+def report_lines(prediction: dict, outcome: dict | None) -> list[str]:
+    """The markdown of a pre-registered sweep: what was predicted, then what was measured."""
+    lines = [f"Fit on budgets up to {prediction['fit_max_rollouts']} rollouts (n in "
+             f"{prediction['ns']}, seeds {prediction['seeds']}, lr rule "
+             f"{prediction['lr_rule']}); predicted for {prediction['predicted_budgets']}.", ""]
+    for group, entry in prediction["groups"].items():
+        lines.append(f"**{group}** ({entry['problems']} held-out problems). Fitted rule: "
+                     + (f"degenerate: {entry['degenerate']}; it is not an allocation rule."
+                        if entry["degenerate"] else
+                        "log2 n*(log2 C) = " + ", ".join(
+                            f"{k} {v:.3g}" for k, v in entry["fit"]["n_star_fit"].items()) + "."))
+        cells = outcome["groups"].get(group, {}) if outcome else {}
+        lines += ["", "| budget | predicted n (envelope) | predicted n (rule) | measured avg@4 "
+                  "per n: mean ± std [95% interval] | best n | predicted − best [95% interval] |",
+                  "|---" * 6 + "|"]
+        for budget in prediction["predicted_budgets"]:
+            cell = cells.get(str(budget))
+            envelope, rule = entry["envelope"].get(str(budget)), entry["rule"].get(str(budget))
+            if cell is None:
+                lines.append(f"| {budget} | {envelope or '-'} | {rule or '-'} | not run | - | - |")
+                continue
+            measured = "; ".join(f"n={n}: {statistics.format_cell(s)}"
+                                 for n, s in cell["summary"].items())
+            checks = []
+            for kind in ("envelope", "rule"):
+                if kind in cell:
+                    c = cell[kind]
+                    checks.append(f"{kind} {c['minus_best']:+.3f} [{c['low']:+.3f}, "
+                                  f"{c['high']:+.3f}] ("
+                                  + ("holds: within noise of the best" if c["holds"]
+                                     else "does not hold") + ")")
+            lines.append(f"| {budget} | {envelope or '-'} | {rule or '-'} | {measured} | {cell['best']}"
+                         f" | {'; '.join(checks)} |")
+        lines.append("")
+    return lines
