@@ -27,6 +27,7 @@ read by a lookup at one fixed distance.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from collections.abc import Sequence
 
@@ -98,16 +99,11 @@ def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
     """`count` problems of one rule: digit count, multiplier and carry-in uniform in their
     ranges, each other key digit uniform among the digits that differ from the one it stands
     beside (so that under '>' reading u or p is always wrong)."""
-    low, high = digits
-    if not 1 <= low <= high <= SLOTS:
-        raise ValueError(f"{NAME}: digits range must lie in 1..{SLOTS}, got {digits}")
-    if not 1 <= multipliers[0] <= multipliers[1] <= 9:
-        raise ValueError(f"{NAME}: multipliers range must lie in 1..9, got {multipliers}")
+    carry.check_ranges(NAME, SLOTS, digits, multipliers)
     rng = random.Random(seed)
     problems = []
     for _ in range(count):
-        n = rng.randint(low, high)
-        number = rng.randint(10 ** (n - 1), 10**n - 1)
+        number = carry.random_number(rng, digits)
         d, c = rng.randint(*multipliers), rng.randrange(10)
         others = (rng.choice([x for x in range(10) if x != d]),
                   rng.choice([x for x in range(10) if x != c]))
@@ -173,11 +169,7 @@ def hinted(problem: Problem, steps: int) -> Problem:
     whole solution; `verify` reads nothing from the hints."""
     if steps == 0:
         return problem
-    if problem.metadata.get("hint_steps") or problem.metadata.get("prefix_steps"):
-        raise ValueError(f"{NAME}: {problem.id} is already guided; hint the original problem")
-    if not 0 < steps <= len(problem.steps):
-        raise ValueError(f"{NAME}: hint steps must be in 0..{len(problem.steps)} for "
-                         f"{problem.id}, got {steps}")
+    carry.check_hint_steps(NAME, problem, steps)
     text = list(problem.question)
     for i, step in enumerate(problem.steps[:steps]):  # '*dc' and '+sc' both: the two digits
         text[SLOT_LENGTH * i + 1:SLOT_LENGTH * i + 3] = step[1:]
@@ -224,9 +216,7 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     rows = []
     for row in range(data.batch_size):
         full = row < round(data.batch_size * data.full_length_fraction)
-        digits = (SLOTS, SLOTS) if full else tuple(data.digits)
-        n = rng.randint(*digits)
-        number = rng.randint(10 ** (n - 1), 10**n - 1)
+        number = carry.random_number(rng, (SLOTS, SLOTS) if full else tuple(data.digits))
         d, c = rng.randint(*data.multipliers), rng.randrange(10)
         if rng.random() < data.second_rule_fraction:  # '>' whose rule cannot matter
             problem = make_problem(number, d, c, SECOND, (d, c))
@@ -253,20 +243,12 @@ def answer_digit_spans(problem: Problem) -> list[tuple[int, int]]:
 
 def training_ids(problem: Problem, solution: str, tokenizer=None) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of question + solution + <eos>; the mask is 1 on the solution."""
-    tokenizer = tokenizer or _default_tokenizer()
-    context = tokenizer.encode(problem.question)
-    target = tokenizer.encode(solution) + [tokenizer.eos_id]
-    return context + target, [0] * len(context) + [1] * len(target)
+    return carry.training_ids(problem, solution, tokenizer or default_tokenizer())
 
 
-_TOKENIZER = None
-
-
-def _default_tokenizer():
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        _TOKENIZER = tokenizer()
-    return _TOKENIZER
+@functools.cache
+def default_tokenizer():
+    return tokenizer()
 
 
 def register_verifier() -> str:
@@ -285,11 +267,6 @@ def verify(completion_text: str, problem: Problem) -> float:
         digits, d, c, given = _parse_question(problem.question + text)
     except ValueError:
         return 0.0
-    expected = carry_steps(digits, d, c)
-    if len(given) != len(expected) + 1 or given[0] != f"{KEY}{d}{c}":
+    if not given or given[0] != f"{KEY}{d}{c}":
         return 0.0
-    for step, (s, t) in zip(given[1:], expected):
-        if step not in (write_step(s, t, SUM_FIRST), write_step(s, t, TENS_FIRST)):
-            return 0.0
-    product = int(f"{expected[-1][1]}" + "".join(str(s) for s, _ in reversed(expected)))
-    return float(str(product) == problem.answer.strip())
+    return carry.score_steps(given[1:], carry_steps(digits, d, c), problem.answer)
