@@ -28,6 +28,7 @@ def get_config(arg: str = ""):
     carry = args.variant in ("carry", "carry_smoke")
     c.results = ml_collections.ConfigDict(dict(
         seeds=(0, 1, 2), runs=PREFIXRL_RUNS if carry else POPE_RUNS, isocompute=False,
+        report_only=False,  # True: the report of the finished runs; the others are "not run"
         output_dir="docs/results/prefixrl" if carry else "docs/results/pope",
         # The SFT warm starts: Adam at the base SFT's rate, 10 epochs over their examples, the
         # rate warmed up over the first 30% (the lowest final SFT loss of 1e-3, 3e-4, 1e-4 on

@@ -145,6 +145,10 @@ def run_results(config, workdir: str) -> dict:
                 studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
                                                                                workdir)
             key = f"{name}_seed{seed}"
+            saved = storage.join(workdir, key, RECORD)
+            if config.results.report_only and not storage.exists(saved):
+                report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
+                continue
             match = RUNS[name].flops_match
             report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
                                        storage.join(workdir, key),

@@ -53,6 +53,9 @@ def _legend(runs: dict, specs) -> list[str]:
             lines.append(f"- **{name}**: not run: {rs[0].get('skipped', 'no finished seed')}.")
             continue
         extra = f" Steps: {', '.join(str(r['steps']) for r in done)}."
+        missing = [str(r["seed"]) for r in rs if "after" not in r]
+        if missing:
+            extra += f" Not run at seed {', '.join(missing)} (time)."
         if "pope_problems" in done[0]:
             extra += f" Hard problems guided: {done[0]['pope_problems']}."
         if "warm_start_examples" in done[0]:
