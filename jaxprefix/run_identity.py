@@ -28,8 +28,10 @@ RECORD = "run.json"
 # sweep's grid is among them: a sweep point's own n, B, M and learning rate are in its fields.
 SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isocompute.seeds",
               "isocompute.eval_every_rollouts", "isocompute.print_only", "isocompute.prereg")
+# The results job's own block (which runs, seeds, regime settings) picks and sizes runs; a run
+# reads its trajectory's fields from the blocks it sets, never from `results`.
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "mesh", "distributed",
-              "workdir_lock", "allow_changes", *SWEEP_GRID)
+              "workdir_lock", "allow_changes", "results", *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:
