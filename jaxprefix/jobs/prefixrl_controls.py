@@ -31,11 +31,16 @@ OTHER_POOL, OTHER_POOL_STATS = "other_trace_pool.jsonl", "other_trace_pool_stats
 
 def other_base_config(study):
     """The second base's SFT config: the study's, with results.other_base's seed and notation
-    mix (tens_first: the share of steps written '^', 0.5 in the first base)."""
+    mix (tens_first: the share of steps written '^', 0.5 in the first base), sampled every 50
+    steps from the start of evaluation: with the first base's gate (step accuracy 0.3) this
+    one solved a hard problem at its first sampled point (step 625), leaving no point to keep;
+    it is kept at its last point before that (any policy with traces serves here)."""
     c = study.config.sft.copy_and_resolve_references()
     other = study.config.results.other_base
     c.seed = other.seed
     c.data.tens_first = other.tens_first
+    c.eval_every = 50
+    c.criterion.sample_from_step_accuracy = 0.0
     return c
 
 
