@@ -84,12 +84,11 @@ RUNS = {
                                  warm_start="traces", regime="prefixrl"),
     # PrefixRL's controls (jobs/prefixrl_controls.py): which explanation of SFT's lead survives.
     "grpo_regime": RunSpec("grpo", {}, "plain GRPO on the regime's hard set", regime="prefixrl"),
-    "sft_more_regime": RunSpec("grpo", {}, "more SFT: as many oracle solutions of problems "
-                               "outside the hard set, then GRPO", warm_start="more_sft",
-                               regime="prefixrl"),
-    "prefixrl_other_regime": RunSpec("prefixrl", {}, "PrefixRL on a second base's traces",
-                                     regime="prefixrl", pool="other"),
-    "sft_other_traces_regime": RunSpec("grpo", {}, "SFT on a second base's traces, then GRPO",
+    "sft_more_regime": RunSpec("grpo", {}, "the more-SFT control (is the base just "
+                               "undertrained?)", warm_start="more_sft", regime="prefixrl"),
+    "prefixrl_other_regime": RunSpec("prefixrl", {}, "PrefixRL on a second base's traces "
+                                     "(off-policy traces)", regime="prefixrl", pool="other"),
+    "sft_other_traces_regime": RunSpec("grpo", {}, "the off-policy SFT baseline",
                                        warm_start="other_traces", regime="prefixrl"),
 }
 

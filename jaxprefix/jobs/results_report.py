@@ -64,7 +64,7 @@ def _legend(runs: dict, specs) -> list[str]:
     return lines
 
 
-def _base_row(study: dict, label: str = "base (SFT)") -> Row:
+def _base_row(study: dict, label: str = "base (SFT), one evaluation") -> Row:
     return Row(label, [{"after": study["base"], "after_hard_set": study["base_hard_set"]}])
 
 
