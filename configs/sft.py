@@ -1,6 +1,6 @@
 """SFT of the tiny base policy of the demo task (one-digit multiplication with written carries).
 
-    python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo           # demo, ~2 min
+    python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo           # demo, ~3 min
     python -m jaxprefix.main --config=configs/sft.py:smoke --workdir=/tmp/smoke    # seconds
 
 Training stops at the first evaluation point where the hard set is never solved in k samples

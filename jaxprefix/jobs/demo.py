@@ -1,13 +1,15 @@
 """The demo: on problems where plain GRPO gets no signal, does POPE make the policy solve them?
 
-    python -m jaxprefix.main --config=configs/pope.py              # 20 minutes on 2 idle cores
+    python -m jaxprefix.main --config=configs/pope.py              # ~9 minutes on 2 cores
 
-1. SFT a tiny policy on the built-in carry-multiplication task, stopping at a measured window
-   (hard problems never solved alone, solved when most of the oracle solution is given).
-2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix, given as
-   a hint in the prompt (the task's hint slots, docs/DEMO_TASK.md); a problem with none is
-   dropped from POPE's training and counted.
-3. Train POPE and plain GRPO from the same base at the same rollouts per step and steps.
+1. SFT a tiny policy on the built-in keyed_multiplication task, stopping at a measured window
+   (hard problems never solved alone, solved when the key step, the first of 9, is given).
+2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix of at most
+   pope.max_prefix_fraction of the solution, given as a hint in the prompt (the task's hint
+   slots, docs/DEMO_TASK.md); a problem with none is handled as pope.unsolved says (the demo:
+   kept in POPE's training, unguided) and counted.
+3. Train POPE, then plain GRPO from the same base at the same rollouts per step, run on to
+   POPE's FLOPs (its prefix search included).
 4. Evaluate both, unguided, on held-out hard problems; print a table and write
    <workdir>/demo_report.{md,json} and <workdir>/demo_curves.png.
 
