@@ -200,8 +200,9 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     (3e-4 collapsed, 3e-5 too slow), one on-policy update per batch, temperature 1.
     """
     _tiny_policy(c, sft)
+    # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
     c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
-                  multipliers=(2, 9))
+                  multipliers=(2, 9), easy_digits=(1, 8))
     c.rollout.max_new_tokens = 27  # the key step, 8 steps of 3 tokens, <eos>
     c.mining.max_prefix_units = 2
     c.pope.max_prefix_fraction = 0.25
