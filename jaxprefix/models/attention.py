@@ -9,7 +9,7 @@ positions only: a slot is visible when its position is >= 0 (filled), <= the que
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import flax.struct
 import jax
@@ -105,7 +105,8 @@ Segment = tuple[jax.Array, jax.Array, jax.Array]  # (k, v, pos) of one layer
 
 
 def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
-           *, scale: float, window=None, logit_cap: float | None = None) -> jax.Array:
+           *, scale: float, window=None, logit_cap: float | None = None,
+           partials: Sequence[Partial] = ()) -> jax.Array:
     """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
 
     Each segment is (k [G, S, Hkv, Dh], v [G, S, Hkv, Dh], pos [G, S]) with B divisible by G.
@@ -115,10 +116,11 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
     concatenating scores of segments laid out for different G. Scores are [G, Hkv, r, T, H/Hkv, S],
     batch dimensions first, the layout XLA's dot kernels want (2-3x faster on CPU than keys in the
     middle); only the small per-query statistics change layout.
-    `window` (scalar, may be traced) limits the query-key position distance.
+    `window` (scalar, may be traced) limits the query-key position distance. `partials` are
+    segments already attended to elsewhere (the sampler's KV pages), merged in the same way.
     """
     b, t, h, dh = q.shape
-    partial = []  # per segment: (max, sum, unnormalised output), each per query row [B, T, Hkv, H/Hkv]
+    partial = list(partials)
     for k, v, pos in segments:
         g, _, hkv, _ = k.shape
         if b % g:
@@ -135,8 +137,16 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
         o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
                        preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
         to_rows = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, t, hkv, h // hkv)
-        partial.append((to_rows(peak), to_rows(p.sum(axis=-1)), o))
+        partial.append(Partial(to_rows(peak), to_rows(p.sum(axis=-1)), o))
     peak = functools.reduce(jnp.maximum, [m for m, _, _ in partial])
     total = sum(l * jnp.exp(m - peak) for m, l, _ in partial)
     out = sum(o * jnp.exp(m - peak)[..., None] for m, _, o in partial)
     return (out / total[..., None]).reshape(b, t, h, dh).astype(q.dtype)
+
+
+class Partial(NamedTuple):
+    """One segment's share of a softmax, per query row and head: out = Σ exp(s - peak) v and
+    total = Σ exp(s - peak) (or a normalised out with total 1 and peak its log-sum-exp)."""
+    peak: jax.Array   # f32 [B, T, Hkv, H/Hkv]
+    total: jax.Array  # f32 [B, T, Hkv, H/Hkv]
+    out: jax.Array    # f32 [B, T, Hkv, H/Hkv, Dh]

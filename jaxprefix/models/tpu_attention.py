@@ -1,5 +1,8 @@
-"""The decoder's no-cache attention, chosen by backend: splash attention (Pallas) on TPU, blockwise
-online softmax (blockwise_attention.py) elsewhere.
+"""The decoder's attention kernels, chosen by backend in this one module:
+  - self-attention without a cache (training, prefill): splash attention (Pallas) on TPU,
+    blockwise online softmax (blockwise_attention.py) elsewhere;
+  - the sampler's decode over KV pages (`attend_pages`): the Pallas paged kernel
+    (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere.
 
 Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by index, not by
 position: a causal (or causal + local) mask over the row's slots, and segment ids. Our masks are
@@ -27,8 +30,8 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
-from jaxprefix.models import blockwise_attention
-from jaxprefix.models.attention import Segment
+from jaxprefix.models import blockwise_attention, paged_attention, paged_kernel
+from jaxprefix.models.attention import Partial, Segment
 from jaxprefix.models.sharding import logical_spec
 
 # MaxText's default splash tiles; a row length must be a multiple of the tile (lanes: 128).
@@ -66,6 +69,68 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale
 
     window = jnp.asarray(np.iinfo(np.int32).max if window is None else window, jnp.int32)
     return jax.lax.platform_dependent(q, k, v, q_pos, window, tpu=on_tpu, default=elsewhere)
+
+
+def attend_pages(q: jax.Array, pages: paged_attention.PagedKV, layer, *, scale: float,
+                 window=None, logit_cap: float | None = None) -> Partial:
+    """The partial softmax of one decode query per row, q [B, 1, H, Dh], over the row's filled
+    pages of layer `layer` (traced int32); `window` (traced) limits how far back it sees.
+
+    Under a mesh each device runs it on its rows and KV heads (shard_map): rows over the batch
+    axes, KV heads and their query heads over 'tensor' when they divide it. The kernel's bytes
+    ride in the name stack (`paged_token_bytes_<n>`, per token read) for the compile job.
+    """
+    b, t, h, dh = q.shape
+    hkv = pages.k.shape[0]
+    q4 = q.reshape(b, hkv, h // hkv, dh)
+    lengths = pages.lengths
+    starts = jnp.zeros_like(lengths)
+    if window is not None:  # the new token sits at own index `lengths`: it sees j > len - window
+        starts = jnp.maximum(0, lengths - jnp.minimum(window, np.iinfo(np.int32).max - 1) + 1)
+    scales = (pages.k_scale, pages.v_scale) if pages.quantized else ()
+    kw = dict(pages_per_layer=pages.pages_per_layer, scale=scale, logit_cap=logit_cap)
+
+    def local(q4, k, v, starts, lengths, table, layer, *scales):
+        sc = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
+
+        def on_tpu(*a):
+            return paged_kernel.paged_decode_attention(*a, **kw, **sc)
+
+        def elsewhere(*a):
+            return paged_attention.reference(*a, **kw, **sc)
+        token_bytes = paged_attention.pool_bytes_per_token(k.shape[0], dh, k.dtype)
+        with jax.named_scope(_PAGED_SCOPE.format(token_bytes)):
+            return jax.lax.platform_dependent(q4, k, v, starts, lengths, table, layer,
+                                              tpu=on_tpu, default=elsewhere)
+
+    args = (q4, pages.k, pages.v, starts, lengths, pages.table, jnp.asarray(layer, jnp.int32))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or 'tensor' not in mesh.axis_names:
+        out, lse = local(*args, *scales)
+    else:
+        shape = dict(mesh.shape)
+        rows = logical_spec(('batch',), (b,), shape)[0]
+        heads = logical_spec(('kv_heads',), (hkv,), shape)[0]
+        pool = P(heads, rows, None, None)
+        specs = (P(rows, heads, None, None), pool, pool, P(rows), P(rows), P(rows, None), P())
+        specs += (P(heads, rows, None),) * len(scales)
+        out, lse = jax.shard_map(local, in_specs=specs,
+                                 out_specs=(P(rows, heads, None, None),) * 2,
+                                 check_vma=False)(*args, *scales)
+    g = h // hkv
+    return Partial(peak=lse.reshape(b, 1, hkv, g), total=jnp.ones((b, 1, hkv, g), jnp.float32),
+                   out=out.reshape(b, 1, hkv, g, dh))
+
+
+_PAGED_SCOPE = 'paged_token_bytes_{}'
+_PAGED_RE = re.compile(r'paged_token_bytes_(\d+)')
+
+
+def paged_token_bytes(op_name: str) -> int | None:
+    """Bytes per token (one device's KV heads, one layer) a paged kernel named in a compiled HLO
+    op_name reads, else None."""
+    match = _PAGED_RE.search(op_name)
+    return int(match.group(1)) if match else None
 
 
 def splash_fits(q_shape) -> bool:

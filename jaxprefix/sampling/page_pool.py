@@ -1,0 +1,138 @@
+"""The continuous sampler's KV page pool: pages handed to rows as they grow, taken back when they stop.
+
+Each block of rows (one per row device) owns `pages` pages per layer of `page_size` tokens. A
+row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
+i * page_size .. (i + 1) * page_size - 1, in every layer at once (layer l's copy of page p is
+`l * pages + p` in the pool, paged_attention.py). Free pages sit on a stack per block. All of it
+is arrays in the decode loop's carry, changed by vectorised, pure functions:
+  - `grow`: each row about to write the first token of a page takes the top free page;
+  - `release`: stopped (or preempted) rows push their pages back;
+  - `write_tokens`: each active row's new token's K and V go to its page, in place.
+How many pages a row may take is the scheduler's business (continuous.py): it admits a row only
+when the pages reserved for it are free, and preempts the youngest rows when they are not.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxprefix.models import paged_attention
+from jaxprefix.models.sharding import logical_spec
+
+
+@flax.struct.dataclass
+class PageTables:
+    """Per block (leading [D] axis): the free-page stack and every row's pages."""
+    free: jax.Array   # int32 [D, pages]: free[d, :count[d]] are the block's free page ids
+    count: jax.Array  # int32 [D]
+    table: jax.Array  # int32 [D, R, W]: row r's i-th page (valid for i < held[d, r])
+    held: jax.Array   # int32 [D, R]: pages row r holds
+
+    @classmethod
+    def empty(cls, blocks: int, pages: int, rows: int, pages_per_row: int) -> PageTables:
+        return cls(free=jnp.tile(jnp.arange(pages, dtype=jnp.int32), (blocks, 1)),
+                   count=jnp.full((blocks,), pages, jnp.int32),
+                   table=jnp.zeros((blocks, rows, pages_per_row), jnp.int32),
+                   held=jnp.zeros((blocks, rows), jnp.int32))
+
+
+def _grow_block(free, count, table, held, needs):
+    rank = jnp.cumsum(needs) - 1
+    page = free[jnp.clip(count - 1 - rank, 0, free.shape[0] - 1)]
+    rows = jnp.arange(table.shape[0])
+    at = jnp.where(needs, held, table.shape[1])  # past the end: dropped
+    table = table.at[rows, at].set(page, mode='drop')
+    return count - needs.sum(dtype=jnp.int32), table, held + needs.astype(jnp.int32)
+
+
+def grow(tables: PageTables, needs: jax.Array) -> PageTables:
+    """Rows with needs [D, R] each take one free page (the caller made sure there are enough)."""
+    count, table, held = jax.vmap(_grow_block)(tables.free, tables.count, tables.table,
+                                               tables.held, needs)
+    return tables.replace(count=count, table=table, held=held)
+
+
+def _release_block(free, count, table, held, rows):
+    width = table.shape[1]
+    owned = rows[:, None] & (jnp.arange(width)[None, :] < held[:, None])  # [R, W]
+    rank = jnp.cumsum(owned.reshape(-1)) - 1
+    at = jnp.where(owned.reshape(-1), count + rank, free.shape[0])
+    free = free.at[at].set(table.reshape(-1), mode='drop')
+    return free, count + owned.sum(dtype=jnp.int32), jnp.where(rows, 0, held)
+
+
+def release(tables: PageTables, rows: jax.Array) -> PageTables:
+    """Every page of the rows marked in rows [D, R] goes back on its block's free stack."""
+    free, count, held = jax.vmap(_release_block)(tables.free, tables.count, tables.table,
+                                                 tables.held, rows)
+    return tables.replace(free=free, count=count, held=held)
+
+
+@flax.struct.dataclass
+class Pool:
+    """The pages' keys and values, every block and layer: [Hkv, D * L * pages, page_size, Dh]
+    (int8 pools: with per-token scales [Hkv, D * L * pages, page_size])."""
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @classmethod
+    def empty(cls, config, *, blocks: int, pages: int, page_size: int, dtype) -> Pool:
+        return cls(*paged_attention.empty_pool(
+            kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            pages=blocks * config.num_layers * pages, page_size=page_size, dtype=dtype))
+
+    def view(self, tables: PageTables, lengths: jax.Array, pages: int) -> paged_attention.PagedKV:
+        """What the model reads in a decode step: rows [D * R] with their tables and lengths."""
+        d, r, w = tables.table.shape
+        return paged_attention.PagedKV(self.k, self.v, self.k_scale, self.v_scale,
+                                       table=tables.table.reshape(d * r, w),
+                                       lengths=lengths.reshape(d * r), pages_per_layer=pages)
+
+
+def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Array,
+                 t: jax.Array, active: jax.Array, pages: int) -> Pool:
+    """The pool with each active row's new token (own index t) written to its page, in place.
+
+    new_k, new_v [L, B, 1, Hkv, Dh] (the model's new-token KVSegment), table [B, W], t and
+    active [B]. Under a mesh each device writes its own rows and KV heads (shard_map): XLA's
+    partitioner would otherwise gather every row's update to every device.
+    """
+    layers = new_k.shape[0]
+    page_size = pool.k.shape[2]
+
+    def local(k, v, ks, vs, new_k, new_v, table, t, active):
+        rows = jnp.arange(table.shape[0])
+        page = table[rows, jnp.minimum(t // page_size, table.shape[1] - 1)]
+        layer = jnp.arange(layers)[:, None]
+        at = jnp.where(active[None, :], layer * pages + page[None, :], k.shape[1])  # [L, B]
+        slot = jnp.broadcast_to(t % page_size, at.shape)
+        keys = jnp.moveaxis(new_k[:, :, 0], 2, 0)  # [Hkv, L, B, Dh]
+        values = jnp.moveaxis(new_v[:, :, 0], 2, 0)
+        if ks is not None:
+            keys, key_scales = paged_attention.quantize(keys)
+            values, value_scales = paged_attention.quantize(values)
+            ks = ks.at[:, at, slot].set(key_scales, mode='drop')
+            vs = vs.at[:, at, slot].set(value_scales, mode='drop')
+        k = k.at[:, at, slot].set(keys.astype(k.dtype), mode='drop')
+        v = v.at[:, at, slot].set(values.astype(v.dtype), mode='drop')
+        return k, v, ks, vs
+
+    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, table, t, active)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or 'tensor' not in mesh.axis_names:
+        return Pool(*local(*args))
+    shape = dict(mesh.shape)
+    rows = logical_spec(('batch',), (table.shape[0],), shape)[0]
+    heads = logical_spec(('kv_heads',), (pool.k.shape[0],), shape)[0]
+    pages_spec, scales_spec = P(heads, rows, None, None), P(heads, rows, None)
+    scales = None if pool.k_scale is None else scales_spec
+    new_spec = P(None, rows, None, heads, None)
+    out = jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
+                                         new_spec, P(rows, None), P(rows), P(rows)),
+                        out_specs=(pages_spec, pages_spec, scales, scales),
+                        check_vma=False)(*args)
+    return Pool(*out)
