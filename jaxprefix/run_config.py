@@ -46,11 +46,19 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Sampling of training rollouts (and of mining, at the same settings).
     # max_rows_in_flight: rows decoded at once (0: as many as kv_budget_gib holds, all when it
-    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: half of the memory
-    # accelerators report free, unbounded on CPU). Neither changes the rollouts, only the speed.
+    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: what the accelerators
+    # hold beyond memory_headroom of their memory, unbounded on CPU); page_size: tokens per KV
+    # page of the continuous decode; kv_reserve: share of a whole row's pages promised to each
+    # row it starts (below 1: more rows, the youngest preempted and restarted when pages run
+    # out); tensor_parallel: devices the decode splits heads over (0: the widest on TPU, the
+    # learner's layout elsewhere). None of these changes the rollouts, only the speed.
+    # kv_dtype: the KV pages' dtype ('': the compute dtype; 'int8' halves KV memory and reads,
+    # and changes the log-probs a little: see train.old_logprobs).
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
                                                max_new_tokens=64, max_rows_in_flight=0,
-                                               kv_budget_gib=0.0))
+                                               kv_budget_gib=0.0, memory_headroom=0.15,
+                                               page_size=128, kv_reserve=1.0, tensor_parallel=0,
+                                               kv_dtype=''))
 
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     c.train = ml_collections.ConfigDict(dict(

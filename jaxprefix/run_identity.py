@@ -28,8 +28,12 @@ RECORD = "run.json"
 # sweep's grid is among them: a sweep point's own n, B, M and learning rate are in its fields.
 SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isocompute.seeds",
               "isocompute.eval_every_rollouts", "isocompute.print_only")
+# The sampler's memory and layout settings change its speed, never its rollouts.
+SAMPLER_SPEED = tuple(f"rollout.{field}" for field in (
+    "max_rows_in_flight", "kv_budget_gib", "memory_headroom", "page_size", "kv_reserve",
+    "tensor_parallel"))
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "mesh", "distributed",
-              "workdir_lock", "allow_changes", *SWEEP_GRID)
+              "workdir_lock", "allow_changes", *SAMPLER_SPEED, *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:

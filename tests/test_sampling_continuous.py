@@ -72,11 +72,10 @@ def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature,
 
 
 def test_kv_budget_sets_rows_in_flight(model, static):
-    context_token = budget.kv_bytes_per_token(CONFIG)  # 260 bytes
     page_token = budget.page_bytes_per_token(CONFIG, 'float32')  # 256 bytes
     # 4 = 2 x ceil(5/3) group slots of 16 + 16 context tokens and 5 pages of 32 tokens (a row's
     # whole bucket: one page each) fit; 6 rows do not.
-    allowed = 4 * 32 * context_token + 5 * 32 * page_token
+    allowed = (4 * 32 + 5 * 32) * page_token
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=None, kv_budget_bytes=allowed, **REQUEST)
     assert req.schedule == budget.Schedule(shards=1, row_slots=5, context_slots=4, admit=2,
@@ -90,8 +89,7 @@ def test_rows_preempted_when_pages_run_out_draw_the_same_tokens(model, static):
     # whole rows (beside 6 = 2 x ceil(8/3) group slots), so rows that grow past 16 tokens run
     # the pool dry and the youngest give their pages back and start again.
     page_token = budget.page_bytes_per_token(CONFIG, 'float32')
-    context_token = budget.kv_bytes_per_token(CONFIG)
-    allowed = 6 * 32 * context_token + 8 * 16 * page_token
+    allowed = (6 * 32 + 8 * 16) * page_token
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=8, kv_budget_bytes=allowed, page_size=16,
                            reserve_fraction=0.5, **REQUEST)

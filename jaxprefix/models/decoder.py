@@ -89,7 +89,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _ = self._run(tokens, positions, (), None, None, None, None)
+        h, _ = self._run(tokens, positions, (), None, None, None, ())
         return h
 
     def unembedding(self) -> jax.Array:
@@ -107,7 +107,7 @@ class Decoder(nnx.Module):
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
                cache: KVCache | None = None, context_rows: jax.Array | None = None,
                layer_weights: Sequence[dict] | None = None,
-               pages: PagedKV | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
+               pages: Sequence[PagedKV] = ()) -> tuple[jax.Array, KVSegment | KVCache]:
         """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
         A negative position marks a padding token: it is stored as an empty slot. Returns the new
@@ -118,14 +118,16 @@ class Decoder(nnx.Module):
         by one on those arrays instead of scanning the stacked weights: XLA's CPU backend copies
         each layer's slice of a stacked weight before its matmul, which triples the weight reads
         of a memory-bound decode step (TPU fuses the slice into the matmul).
-        `pages` (no cache; one new token per row): the new tokens also attend to each row's own
-        earlier tokens in KV pages (paged_attention.py), read only; the returned KVSegment holds
-        the new tokens' keys and values for the caller to write into the pages.
+        `pages` (no cache; one new token per row): the new tokens also attend to KV in pages
+        (paged_attention.py; a context each group of rows shares, each row's own earlier
+        tokens), read only; the returned KVSegment holds the new tokens' keys and values for the
+        caller to write into its pages.
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         positions = jnp.where(positions >= 0, positions, -1)
-        if pages is not None and (cache is not None or tokens.shape[1] != 1):
+        pages = tuple(pages)
+        if pages and (cache is not None or tokens.shape[1] != 1):
             raise ValueError('pages take one new token per row and no cache')
         h, kv = self._run(tokens, positions, tuple(context), cache, context_rows, layer_weights,
                           pages)
@@ -135,7 +137,7 @@ class Decoder(nnx.Module):
 
     def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
              context_rows: jax.Array | None, layer_weights: Sequence[dict] | None,
-             pages: PagedKV | None):
+             pages: tuple[PagedKV, ...]):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -175,7 +177,7 @@ class Decoder(nnx.Module):
         # Without a cache the new tokens attend to each other: T x T scores, too large to
         # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
         # A decode step over pages has one new token: plain attention, plus the pages' partial.
-        attend_fn = attend if cache is not None or pages is not None else functools.partial(
+        attend_fn = attend if cache is not None or pages else functools.partial(
             tpu_attention.attend, sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
@@ -205,10 +207,10 @@ class Decoder(nnx.Module):
             own, new_kv = kv_self(k, v)
             segments.append(own)
             extra = {}
-            if pages is not None:
+            if pages:
                 extra['partials'] = [tpu_attention.attend_pages(
-                    q, pages, xs['index'], scale=c.attn_scale, window=xs['window'],
-                    logit_cap=c.attn_logit_softcapping)]
+                    q, positions, p, xs['index'], scale=c.attn_scale, window=xs['window'],
+                    logit_cap=c.attn_logit_softcapping) for p in pages]
             a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
                           logit_cap=c.attn_logit_softcapping, **extra)
             a = project('o', 'bthk,hkd->btd', a)

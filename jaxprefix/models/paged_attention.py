@@ -1,18 +1,18 @@
-"""Rows' own tokens in KV pages: the layout, a jnp reference of the attention over them, and the
-call that shards it.
+"""KV in pages: the layout, and a jnp reference of the attention over it.
 
-The sampler keeps the keys and values a row has generated in pages of `page_size` tokens drawn
-from one pool (sampling/page_pool.py allocates them); a page table maps a row's i-th page to its
-page in the pool. Every layer's pages live in the same pool (layer l's page p at
-`l * pages_per_layer + p`), so a layer reads its pages straight from the pool: no layer is sliced
-out, and the pool rides in the decode loop's carry, written in place. During a forward pass the
-pool is read only: the new token attends to itself as a segment of its own, and the sampler
-writes its keys and values into the pages after the pass.
+The continuous sampler keeps every KV it decodes against in pages of `page_size` tokens: the
+context of each group slot (read by the group's n rows together) and the tokens each row has
+generated (pages drawn from a pool as the row grows; sampling/page_pool.py). A page table maps
+a group's i-th page to its page in the pool. Every layer's pages live in the same pool (layer
+l's page p at `l * pages_per_layer + p`), so a layer reads its pages straight from the pool: no
+layer is sliced out, and the pool rides in the decode loop's carry, written in place. During a
+forward pass the pools are read only: the new token attends to itself as a segment of its own,
+and the sampler writes its keys and values into the pages after the pass.
 
-The attention returns (output, log-sum-exp) so that it merges with the other segments (the
-shared context, the new token) as attention.attend merges them. On TPU the Pallas kernel
-(paged_kernel.py) reads only filled pages; elsewhere `reference` gathers the row's pages and
-masks; tpu_attention.attend_pages picks by backend.
+The attention returns (output, log-sum-exp) so that it merges with the other parts (the
+context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
+(paged_kernel.py) reads only the pages a group needs; elsewhere `reference` gathers the group's
+pages and masks; tpu_attention.attend_pages picks by backend.
 
 Pools are [Hkv, D * layers * pages_per_layer, page_size, Dh]: the D blocks of rows (one per row
 device) each own a contiguous run of pages, so under a mesh a device holds its rows' pages and
@@ -30,14 +30,18 @@ MASKED = -1e30
 
 @flax.struct.dataclass
 class PagedKV:
-    """The pool and the rows' view of it during one decode step (all but the pool: [B, ...])."""
+    """A pool and G groups' view of it during one decode step. The B query rows are group-major:
+    rows g * B/G .. (g + 1) * B/G - 1 read group g's pages (B/G = 1: a row's own tokens; n: a
+    context's)."""
     k: jax.Array            # [Hkv, D * L * P, page_size, Dh], kv dtype
     v: jax.Array
     k_scale: jax.Array | None   # f32 [Hkv, D * L * P, page_size] for int8 pages, else None
     v_scale: jax.Array | None
-    table: jax.Array        # int32 [B, pages_per_row]: the row's pages (ids within its block)
-    lengths: jax.Array      # int32 [B]: tokens of the row already in its pages
+    table: jax.Array        # int32 [G, pages_per_group]: the group's pages (ids in its block)
+    lengths: jax.Array      # int32 [G]: its tokens in those pages (0: nothing to read)
+    first_position: jax.Array   # int32 [G]: the position of its first token (sliding windows)
     pages_per_layer: int = flax.struct.field(pytree_node=False)
+    name: str = flax.struct.field(pytree_node=False, default='pages')  # what it holds
 
     @property
     def page_size(self) -> int:
@@ -69,10 +73,13 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.astype(jnp.int8), safe / _INT8_MAX
 
 
-def reference(q, k_pages, v_pages, starts, lengths, table, layer, *, pages_per_layer: int,
-              scale: float, logit_cap: float | None = None, k_scales=None, v_scales=None):
-    """What paged_kernel.paged_decode_attention computes, in jnp: gathers each row's pages of
-    layer `layer` (all of the table, the unfilled ones masked). Same arguments and results."""
+def reference(q, k_pages, v_pages, q_start, first_token, lengths, table, layer, *,
+              pages_per_layer: int, scale: float, logit_cap: float | None = None, k_scales=None,
+              v_scales=None):
+    """What paged_kernel.paged_decode_attention computes, in jnp: gathers each group's pages of
+    layer `layer` (all of the table, those outside the tokens masked). Same arguments and
+    results; first_token only saves the kernel work."""
+    del first_token
     b, hkv, g, dh = q.shape
     page_size = k_pages.shape[2]
     pages = layer * pages_per_layer + jnp.clip(table, 0, pages_per_layer - 1)  # [B, W]
@@ -88,11 +95,11 @@ def reference(q, k_pages, v_pages, starts, lengths, table, layer, *, pages_per_l
     s = s * scale
     if logit_cap is not None:
         s = logit_cap * jnp.tanh(s / logit_cap)
-    column = jnp.arange(table.shape[1] * page_size)[None, :]
-    seen = (column >= starts[:, None]) & (column < lengths[:, None])  # [B, N]
-    s = jnp.where(seen[:, None, None, :], s, MASKED)
+    column = jnp.arange(table.shape[1] * page_size)
+    seen = ((column >= q_start) & (column < lengths[:, None, None]))[:, None]  # [G, 1, Q, N]
+    s = jnp.where(seen, s, MASKED)
     peak = s.max(axis=-1, keepdims=True)
-    p = jnp.where(seen[:, None, None, :], jnp.exp(s - peak), 0.0)
+    p = jnp.where(seen, jnp.exp(s - peak), 0.0)
     total = p.sum(axis=-1, keepdims=True)
     if v_scales is not None:
         p = p * rows(v_scales)[:, :, None, :]

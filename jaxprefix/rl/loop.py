@@ -121,7 +121,16 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(r.max_rows_in_flight >= 0, "rollout.max_rows_in_flight", r.max_rows_in_flight,
          ">= 0 (0: set by rollout.kv_budget_gib)")
     need(r.kv_budget_gib >= 0, "rollout.kv_budget_gib", r.kv_budget_gib,
-         ">= 0 (0: half the free accelerator memory)")
+         ">= 0 (0: the accelerators' memory beyond rollout.memory_headroom)")
+    need(0 <= r.memory_headroom < 1, "rollout.memory_headroom", r.memory_headroom,
+         "a fraction in [0, 1)")
+    need(r.page_size >= 1 and r.page_size & (r.page_size - 1) == 0, "rollout.page_size",
+         r.page_size, "a power of two (tokens per KV page)")
+    need(0 < r.kv_reserve <= 1, "rollout.kv_reserve", r.kv_reserve, "a fraction in (0, 1]")
+    need(r.tensor_parallel >= 0, "rollout.tensor_parallel", r.tensor_parallel,
+         ">= 0 (0: automatic)")
+    need(r.kv_dtype in ("", *sampling.KV_DTYPES), "rollout.kv_dtype", r.kv_dtype,
+         f"'' (the compute dtype) or one of {sampling.KV_DTYPES}")
     need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
     need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
     need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")

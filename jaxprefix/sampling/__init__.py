@@ -2,7 +2,7 @@
 from jaxprefix.sampling.budget import memory_settings
 from jaxprefix.sampling.layout import SharedContext
 from jaxprefix.sampling.rollouts import Rollouts
-from jaxprefix.sampling.sampler import generate
+from jaxprefix.sampling.sampler import KV_DTYPES, generate
 from jaxprefix.sampling.token_choice import SamplingSettings
 
-__all__ = ['Rollouts', 'SamplingSettings', 'SharedContext', 'generate', 'memory_settings']
+__all__ = ['KV_DTYPES', 'Rollouts', 'SamplingSettings', 'SharedContext', 'generate', 'memory_settings']

@@ -2,8 +2,8 @@
 
 The static decode holds every context's KV and a cache of the full new-token bucket T for every
 row: C x Sc + C x n x T tokens of KV (Sc the context length bucket). The continuous decode
-(continuous.py) holds, on each of D row devices, K group slots of Sc context tokens and a pool
-of KV pages; at most s rows are active there, each promised `reserve` pages (a whole row's
+(continuous.py) holds, on each of D row devices, K group slots of Sc context tokens in pages and
+a pool of pages for the rows' own tokens; at most s rows are active there, each promised `reserve` pages (a whole row's
 T / page_size by default: no row is ever preempted). K is twice the groups that s rows need at
 once (2 ceil(s / n)), so groups whose last samples run long do not starve the queue; F =
 ceil(s / n) contexts are prefilled per admission, so one admission feeds the rows that free up
@@ -19,9 +19,6 @@ import numpy as np
 
 from jaxprefix.models.paged_attention import pool_bytes_per_token
 
-# Of the memory the accelerators report free, the share the KV cache may take by default: the
-# rest is for the sampler's activations, logits and XLA's temporaries.
-DEFAULT_FREE_MEMORY_SHARE = 0.5
 DEFAULT_PAGE_SIZE = 128
 
 
@@ -70,8 +67,9 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
     """The continuous schedule for a request, or None when every row can be in flight at once
     (the static decode: no cap given, or a cap and budget that hold all rows and contexts).
 
-    num_contexts is the padded count (a multiple of `shards`); bytes_per_token is the context
-    KV's (compute dtype), page_bytes a page token's (default the same). A cap below the row
+    num_contexts is the padded count (a multiple of `shards`); bytes_per_token is a static
+    decode token's KV (compute dtype), page_bytes a page token's, contexts' and rows' alike
+    (default the same). A cap below the row
     devices' count still keeps one row per device. reserve_fraction: the share of a whole row's
     pages promised to each active row (below 1 more rows start, and the youngest are preempted
     when pages run out). Raises ValueError when the budget holds no row at all.
@@ -95,8 +93,8 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
     if max_rows_in_flight is not None:
         row_slots = min(row_slots, max(1, max_rows_in_flight // shards))
 
-    def context_bytes(s):
-        return _groups(s, per_block, n) * context_length * bytes_per_token
+    def context_bytes(s):  # group slots' context pages, in the pages' dtype
+        return _groups(s, per_block, n) * context_length * page_bytes
 
     page_token_bytes = page_size * page_bytes
     if kv_budget_bytes is None:
@@ -133,9 +131,9 @@ def _schedule(shards, row_slots, contexts_per_block, n, page_size, pages, reserv
                     pages=pages, reserve=reserve)
 
 
-def free_device_memory(devices=None) -> int | None:
-    """Bytes free (limit - in use) over all the devices of a run, or None where a device reports
-    nothing (CPU).
+def free_device_memory(devices=None, headroom: float = 0.0) -> int | None:
+    """Bytes free over all the devices of a run, keeping `headroom` of each device's memory
+    limit free, or None where a device reports nothing (CPU).
 
     Only this process's devices can be asked (other hosts' raise), so each process takes the
     least free memory of its own devices and, on several hosts, the least over all processes
@@ -144,7 +142,7 @@ def free_device_memory(devices=None) -> int | None:
     """
     devices = list(devices if devices is not None else jax.devices())
     local = [d for d in devices if d.process_index == jax.process_index()]
-    least = _least_free(local)
+    least = _least_free(local, headroom)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
         shares = multihost_utils.process_allgather(np.int64(-1 if least is None else least))
@@ -152,26 +150,27 @@ def free_device_memory(devices=None) -> int | None:
     return None if least is None else least * len(devices)
 
 
-def _least_free(devices) -> int | None:
+def _least_free(devices, headroom: float) -> int | None:
     least = None
     for device in devices:
         stats = device.memory_stats() if hasattr(device, 'memory_stats') else None
         if not stats or 'bytes_limit' not in stats:
             return None
-        free = stats['bytes_limit'] - stats.get('bytes_in_use', 0)
+        limit = stats['bytes_limit']
+        free = max(0, int(limit * (1 - headroom)) - stats.get('bytes_in_use', 0))
         least = free if least is None else min(least, free)
     return least
 
 
-def memory_settings(rollout, devices=None) -> dict:
-    """generate()'s max_rows_in_flight and kv_budget_bytes from a config's `rollout` block:
-    max_rows_in_flight 0 means no cap; kv_budget_gib 0 means DEFAULT_FREE_MEMORY_SHARE of the
-    devices' free memory, or no bound where the devices report none (CPU)."""
+def memory_settings(rollout) -> dict:
+    """generate()'s memory keywords from a config's `rollout` block: max_rows_in_flight 0 means
+    no cap; kv_budget_gib 0 means what the devices hold beyond `memory_headroom` of their memory
+    once the sampler's weights are placed (no bound where they report nothing: CPU);
+    kv_dtype '' means the compute dtype; tensor_parallel 0 means the widest on TPU."""
     budget_gib = float(rollout.kv_budget_gib)
-    if budget_gib:
-        budget = int(budget_gib * 2**30)
-    else:
-        free = free_device_memory(devices)
-        budget = None if free is None else int(free * DEFAULT_FREE_MEMORY_SHARE)
     return dict(max_rows_in_flight=int(rollout.max_rows_in_flight) or None,
-                kv_budget_bytes=budget)
+                kv_budget_bytes=int(budget_gib * 2**30) if budget_gib else None,
+                memory_headroom=None if budget_gib else float(rollout.memory_headroom),
+                page_size=int(rollout.page_size), kv_dtype=rollout.kv_dtype or None,
+                reserve_fraction=float(rollout.kv_reserve),
+                tensor_parallel=int(rollout.tensor_parallel))

@@ -42,22 +42,25 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxprefix.models.attention import KVSegment
 from jaxprefix.models.sharding import constrain
 from jaxprefix.sampling import page_pool
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
 
 IDLE, QUEUED, ACTIVE = 0, 1, 2
+SEGMENTS = ('prompt', 'suffix')  # a context's segments, as layout.py splits it
 
 
 @flax.struct.dataclass
 class Groups:
-    """[D, K] each. A slot is free when context is -1 (then none of its rows is queued or active)."""
+    """[D, K] each (lengths, first: [D, K, segments]). A slot is free when context is -1 (then
+    none of its rows is queued or active)."""
     context: jax.Array        # int32: index of the context within its block
     stamp: jax.Array          # int32: admission order; older groups' queued rows start first
     last_token: jax.Array     # int32: the held-back last context token, every sample's first input
     last_position: jax.Array  # int32
+    lengths: jax.Array        # int32: real tokens of each context segment (prompt, suffix)
+    first: jax.Array          # int32: the position of each segment's first token
 
 
 @flax.struct.dataclass
@@ -87,9 +90,9 @@ class LoopState:
     rows: Rows
     next_context: jax.Array     # int32 [D]: the block's next context to admit
     admitted: jax.Array         # int32 [D]: contexts admitted so far (the next stamp)
-    store: tuple                # KVSegments [layers, D*K, S, ...]: the resident contexts' KV
+    store: tuple                # page_pool.Pools, one per context segment: the groups' contexts
     tables: page_pool.PageTables
-    pool: page_pool.Pool
+    pool: page_pool.Pool        # the rows' own tokens
     out: Outputs
 
 
@@ -100,21 +103,6 @@ def _blocks(x: jax.Array, d: int) -> jax.Array:
 def _constrain_blocks(tree):
     """Every [D, ...] scheduling array split over the row devices."""
     return jax.tree.map(lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1)), tree)
-
-
-def _write_slots(stored: KVSegment, new: KVSegment, target: jax.Array) -> KVSegment:
-    """stored [L, D*K, S, ...] with new [L, D*F, S, ...] written at slots target [D, F] of each
-    block (target K drops the write)."""
-    d = target.shape[0]
-
-    def kv(old, fresh):
-        old_b, fresh_b = _blocks(old.swapaxes(0, 1), d), _blocks(fresh.swapaxes(0, 1), d)
-        put = jax.vmap(lambda o, f, at: o.at[at].set(f, mode='drop'))(old_b, fresh_b, target)
-        return put.reshape(old.swapaxes(0, 1).shape).swapaxes(0, 1)
-
-    pos = jax.vmap(lambda o, f, at: o.at[at].set(f, mode='drop'))(
-        _blocks(stored.pos, d), _blocks(new.pos, d), target).reshape(stored.pos.shape)
-    return KVSegment(k=kv(stored.k, new.k), v=kv(stored.v, new.v), pos=pos)
 
 
 def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> LoopState:
@@ -143,15 +131,24 @@ def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> Lo
     if contexts['suffix_tokens'].shape[1]:
         segments += (context_kv(model, pick('suffix_tokens'), pick('suffix_positions', -1),
                                 segments),)
-    store = tuple(_write_slots(s, new, target) for s, new in zip(state.store, segments))
+    store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
+                  for pool, new in zip(state.store, segments))
+    # Each segment's real tokens (a prefix of its slots) and its first position.
+    lengths = jnp.stack([(x.pos >= 0).sum(axis=1, dtype=jnp.int32) for x in segments], -1)
+    first = jnp.stack([jnp.maximum(x.pos[:, 0], 0) for x in segments], -1)
 
     def put(table, values):
         return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
             table, target, values.reshape(d, admit))
     stamps = state.admitted[:, None] + jnp.arange(admit, dtype=jnp.int32)
+    def put_segments(table, values):
+        return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
+            table, target, values.reshape(d, admit, -1))
     groups = Groups(context=put(groups.context, local), stamp=put(groups.stamp, stamps),
                     last_token=put(groups.last_token, pick('last_tokens')),
-                    last_position=put(groups.last_position, pick('last_positions')))
+                    last_position=put(groups.last_position, pick('last_positions')),
+                    lengths=put_segments(groups.lengths, lengths),
+                    first=put_segments(groups.first, first))
     taken = jnp.zeros((d, k), bool).at[jnp.arange(d)[:, None], target].set(True, mode='drop')
     queued = jnp.repeat(taken, n, axis=1)
     rows = state.rows.replace(state=jnp.where(queued, QUEUED, state.rows.state),
@@ -225,37 +222,66 @@ def _preempt(state: LoopState, needs: jax.Array) -> tuple[LoopState, jax.Array]:
     return state.replace(rows=rows, tables=tables), needs & ~preempted
 
 
+def _segment_lengths(contexts: dict) -> list[int]:
+    """Token slots of each context segment (prompt; suffix when any context has one)."""
+    return [contexts[f'{name}_tokens'].shape[1] for name in SEGMENTS
+            if contexts[f'{name}_tokens'].shape[1]]
+
+
+def _pool_constrained(pool: page_pool.Pool) -> page_pool.Pool:
+    """Pages split over the row devices by block and over 'tensor' by KV head."""
+    return jax.tree.map(lambda x: constrain(x, ('kv_heads', 'batch') + (None,) * (x.ndim - 2)),
+                        pool)
+
+
 def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucket, page_size,
                    pages, kv_dtype) -> LoopState:
     d, k = shards, context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
-    store = []
-    for name in ('prompt', 'suffix'):
-        length = contexts[f'{name}_tokens'].shape[1]
-        if length:
-            shape = (config.num_layers, d * k, length, config.num_kv_heads, config.head_dim)
-            store.append(KVSegment(k=jnp.zeros(shape, config.dtype),
-                                   v=jnp.zeros(shape, config.dtype),
-                                   pos=jnp.full((d * k, length), -1, jnp.int32)))
+    store = tuple(
+        _pool_constrained(page_pool.Pool.empty(
+            config, blocks=d, pages=k * length // min(page_size, length),
+            page_size=min(page_size, length), dtype=kv_dtype))
+        for length in _segment_lengths(contexts))
+    segments = len(store)
     ints = lambda shape, fill=0: jnp.full(shape, fill, jnp.int32)
     rows = Rows(state=ints((d, k * n), IDLE), t=ints((d, k * n)), token=ints((d, k * n)),
                 position=ints((d, k * n)), started=ints((d, k * n)))
     groups = Groups(context=ints((d, k), -1), stamp=ints((d, k)), last_token=ints((d, k)),
-                    last_position=ints((d, k)))
+                    last_position=ints((d, k)), lengths=ints((d, k, segments)),
+                    first=ints((d, k, segments)))
     rows_total = d * per_block * n
     out = Outputs(completions=ints((rows_total, new_bucket)),
                   logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
                   lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
     tables = page_pool.PageTables.empty(d, pages, k * n, new_bucket // page_size)
-    pool = page_pool.Pool.empty(config, blocks=d, pages=pages, page_size=page_size,
-                                dtype=kv_dtype)
-    pool = jax.tree.map(lambda x: constrain(x, ('kv_heads', 'batch') + (None,) * (x.ndim - 2)),
-                        pool)
+    pool = _pool_constrained(page_pool.Pool.empty(config, blocks=d, pages=pages,
+                                                  page_size=page_size, dtype=kv_dtype))
     return LoopState(step=jnp.zeros((), jnp.int32), groups=_constrain_blocks(groups),
                      rows=_constrain_blocks(rows), next_context=ints((d,)), admitted=ints((d,)),
-                     store=tuple(store), tables=_constrain_blocks(tables), pool=pool,
+                     store=store, tables=_constrain_blocks(tables), pool=pool,
                      out=_constrain_blocks(out))
+
+
+def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *, n: int,
+           pages: int, layers: int) -> tuple:
+    """What a decode step attends to besides the new token: each group's context segments (read
+    once for its n rows; nothing for a group with no active row) and each row's own pages."""
+    d, k = state.groups.context.shape
+    reading = active.reshape(d, k, n).any(axis=2).reshape(-1)
+    views = []
+    for i, pool in enumerate(state.store):
+        per_slot = pool.k.shape[1] // (d * layers * k)  # pages a slot holds of this segment
+        views.append(pool.view(page_pool.slot_tables(d, k, per_slot),
+                               jnp.where(reading, state.groups.lengths[..., i].reshape(-1), 0),
+                               state.groups.first[..., i].reshape(-1), k * per_slot,
+                               SEGMENTS[i]))
+    r = tables.table.shape[1]
+    first_own = jnp.repeat(state.groups.last_position, n, axis=1)  # own token 0's position
+    views.append(state.pool.view(tables.table.reshape(d * r, -1), state.rows.t.reshape(-1),
+                                 first_own.reshape(-1), pages, 'own'))
+    return tuple(views)
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'shards', 'row_slots',
@@ -296,7 +322,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         active = rows.state == ACTIVE
         logits, new_kv = model.extend(
             rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
-            context=state.store, pages=state.pool.view(tables, rows.t, pages),
+            pages=_views(state, tables, active, n=n, pages=pages, layers=model.config.num_layers),
             layer_weights=layer_weights)
         slot_context = jnp.repeat(jnp.maximum(state.groups.context, 0), n, axis=1)  # [D, R]
         sample = jnp.arange(rows.t.shape[1]) % n

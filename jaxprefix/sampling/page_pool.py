@@ -1,15 +1,19 @@
-"""The continuous sampler's KV page pool: pages handed to rows as they grow, taken back when they stop.
+"""The continuous sampler's KV pages: pools, page tables, and the writes into them.
 
-Each block of rows (one per row device) owns `pages` pages per layer of `page_size` tokens. A
-row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
-i * page_size .. (i + 1) * page_size - 1, in every layer at once (layer l's copy of page p is
-`l * pages + p` in the pool, paged_attention.py). Free pages sit on a stack per block. All of it
-is arrays in the decode loop's carry, changed by vectorised, pure functions:
-  - `grow`: each row about to write the first token of a page takes the top free page;
-  - `release`: stopped (or preempted) rows push their pages back;
-  - `write_tokens`: each active row's new token's K and V go to its page, in place.
-How many pages a row may take is the scheduler's business (continuous.py): it admits a row only
-when the pages reserved for it are free, and preempts the youngest rows when they are not.
+Two kinds of pool, both in the layout of paged_attention.py ([Hkv, D * L * pages, page_size,
+Dh], layer l's copy of page p at `l * pages + p` within its block):
+  - the rows' pool: each block of rows (one per row device) owns `pages` pages per layer. A
+    row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
+    i * page_size .. (i + 1) * page_size - 1. Free pages sit on a stack per block. `grow` hands
+    the top free page to each row about to write the first token of a page, `release` takes
+    stopped (or preempted) rows' pages back, `write_tokens` puts each active row's new token's
+    K and V in its page, in place;
+  - a context pool per context segment (prompt, suffix): group slot k of a block owns pages
+    k * W .. (k + 1) * W - 1 (a fixed table, `slot_tables`); `write_slots` puts admitted
+    contexts' prefilled KV there.
+All of it is arrays in the decode loop's carry, changed by vectorised, pure functions. How many
+pages a row may take is the scheduler's business (continuous.py): it starts a row only when the
+pages promised to it are free, and preempts the youngest rows when they are not.
 """
 from __future__ import annotations
 
@@ -85,12 +89,62 @@ class Pool:
             kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             pages=blocks * config.num_layers * pages, page_size=page_size, dtype=dtype))
 
-    def view(self, tables: PageTables, lengths: jax.Array, pages: int) -> paged_attention.PagedKV:
-        """What the model reads in a decode step: rows [D * R] with their tables and lengths."""
-        d, r, w = tables.table.shape
-        return paged_attention.PagedKV(self.k, self.v, self.k_scale, self.v_scale,
-                                       table=tables.table.reshape(d * r, w),
-                                       lengths=lengths.reshape(d * r), pages_per_layer=pages)
+    def view(self, table: jax.Array, lengths: jax.Array, first_position: jax.Array,
+             pages: int, name: str) -> paged_attention.PagedKV:
+        """What the model reads in a decode step: groups [G] with their tables [G, W], lengths
+        and first positions, over `pages` pages a layer per block; `name` says what they hold."""
+        return paged_attention.PagedKV(self.k, self.v, self.k_scale, self.v_scale, table=table,
+                                       lengths=lengths, first_position=first_position,
+                                       pages_per_layer=pages, name=name)
+
+
+def slot_tables(blocks: int, slots: int, pages_per_slot: int) -> jax.Array:
+    """int32 [D * K, W]: group slot k of each block reads its context pages k * W .. k * W + W - 1."""
+    table = jnp.arange(slots * pages_per_slot, dtype=jnp.int32).reshape(slots, pages_per_slot)
+    return jnp.tile(table, (blocks, 1))
+
+
+def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Array) -> Pool:
+    """A context pool with admitted contexts' KV new_k, new_v [L, D * F, S, Hkv, Dh] written at
+    group slots target [D, F] of each block (target >= K: dropped), S tokens a slot.
+
+    Under a mesh each device writes its own block and KV heads (shard_map)."""
+    layers, _, length, _, dh = new_k.shape
+    d, admit = target.shape
+
+    def local(k, v, ks, vs, new_k, new_v, target):
+        hkv = k.shape[0]
+        blocks = target.shape[0]
+        view = lambda x: x.reshape(hkv, blocks, layers, -1, length, *x.shape[3:])
+        fresh = lambda x: x.reshape(layers, blocks, admit, length, hkv, dh).transpose(
+            4, 1, 0, 2, 3, 5)
+        keys, values = fresh(new_k), fresh(new_v)  # [Hkv, D, L, F, S, Dh]
+        put = jax.vmap(lambda table, new, at: table.at[:, :, at].set(new, mode='drop'),
+                       in_axes=(1, 1, 0), out_axes=1)
+        if ks is not None:
+            keys, key_scales = paged_attention.quantize(keys)
+            values, value_scales = paged_attention.quantize(values)
+            ks = put(view(ks), key_scales, target).reshape(ks.shape)
+            vs = put(view(vs), value_scales, target).reshape(vs.shape)
+        k = put(view(k), keys.astype(k.dtype), target).reshape(k.shape)
+        v = put(view(v), values.astype(v.dtype), target).reshape(v.shape)
+        return k, v, ks, vs
+
+    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, target)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or 'tensor' not in mesh.axis_names:
+        return Pool(*local(*args))
+    shape = dict(mesh.shape)
+    rows = logical_spec(('batch',), (d,), shape)[0]
+    heads = logical_spec(('kv_heads',), (pool.k.shape[0],), shape)[0]
+    pages_spec, scales_spec = P(heads, rows, None, None), P(heads, rows, None)
+    scales = None if pool.k_scale is None else scales_spec
+    new_spec = P(None, rows, None, heads, None)
+    out = jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
+                                         new_spec, P(rows, None)),
+                        out_specs=(pages_spec, pages_spec, scales, scales),
+                        check_vma=False)(*args)
+    return Pool(*out)
 
 
 def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Array,

@@ -94,8 +94,9 @@ def _rows_per_device(mesh) -> int:
 
 
 def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
-             max_rows_in_flight, kv_budget_bytes, page_size=budget.DEFAULT_PAGE_SIZE,
-             kv_dtype=None, reserve_fraction=1.0, tensor_parallel=None) -> _Request:
+             max_rows_in_flight, kv_budget_bytes, memory_headroom=None,
+             page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None, reserve_fraction=1.0,
+             tensor_parallel=None) -> _Request:
     if int(n) != n or n < 1:
         raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
@@ -127,6 +128,12 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
         if layout is not mesh:
             mesh = layout
             reshard = Program(decode_mesh.reshard(model, mesh), (params,), {})
+    if kv_budget_bytes is None and memory_headroom is not None:
+        devices = None if mesh is None else list(mesh.devices.flat)
+        kv_budget_bytes = budget.free_device_memory(devices, memory_headroom)
+        if kv_budget_bytes is not None and reshard is not None:  # the copy the reshard makes
+            kv_budget_bytes -= _bytes_per_device(params, reshard.fn) * mesh.devices.size
+        kv_budget_bytes = None if kv_budget_bytes is None else max(0, kv_budget_bytes)
     shards = _rows_per_device(mesh)
     # Static rows (C * n) must divide over the row devices; continuous contexts themselves must.
     lay = layout_contexts(contexts, config.vocab_size, shards // math.gcd(n, shards))
@@ -142,6 +149,14 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
     return _Request(graphdef, params, mesh, lay, schedule, int(n), new_bucket, settings,
                     stop_array, int(max_new_tokens), int(seed), platform == 'cpu', kv_dtype,
                     reshard)
+
+
+def _bytes_per_device(params, reshard) -> int:
+    """Bytes one device holds of `params` laid out by the jitted `reshard`."""
+    total = 0
+    for leaf in jax.tree.leaves(reshard.eval_shape(params)):
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    return total
 
 
 def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
@@ -195,9 +210,9 @@ def _mesh_scope(mesh):
 def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              stop_ids: Sequence[int] = (), seed: int = 0, max_rows_in_flight: int | None = None,
-             kv_budget_bytes: int | None = None, page_size: int = budget.DEFAULT_PAGE_SIZE,
-             kv_dtype: str | None = None, reserve_fraction: float = 1.0,
-             tensor_parallel: int | None = None) -> Rollouts:
+             kv_budget_bytes: int | None = None, memory_headroom: float | None = None,
+             page_size: int = budget.DEFAULT_PAGE_SIZE, kv_dtype: str | None = None,
+             reserve_fraction: float = 1.0, tensor_parallel: int | None = None) -> Rollouts:
     """Samples n continuations of each context (a token-id list or a `SharedContext`).
 
     Rows i*n .. i*n+n-1 of the result continue contexts[i]. temperature 0 decodes greedily. A
@@ -207,7 +222,8 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
 
     max_rows_in_flight: at most this many rows decode at once (rounded down to a multiple of the
     row devices, at least one each); None: every row. kv_budget_bytes: the KV cache (contexts and
-    new tokens, all devices together) stays within this many bytes; None: unbounded. Either
+    new tokens, all devices together) stays within this many bytes; None: unbounded, or, given
+    memory_headroom, what the devices hold beyond that share of their memory (none on CPU). Either
     switches to the continuous decode when it binds, which keeps the rows' own tokens in KV
     pages of `page_size` tokens (in `kv_dtype`: the compute dtype, or int8 with per-token
     scales), promising each active row `reserve_fraction` of a whole row's pages.
@@ -218,8 +234,8 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
-                   page_size=page_size, kv_dtype=kv_dtype, reserve_fraction=reserve_fraction,
-                   tensor_parallel=tensor_parallel)
+                   memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
+                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel)
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     with _mesh_scope(req.mesh):
