@@ -56,7 +56,7 @@ def base_config() -> ml_collections.ConfigDict:
     # and changes the log-probs a little: see train.old_logprobs).
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
                                                max_new_tokens=64, max_rows_in_flight=0,
-                                               kv_budget_gib=0.0, memory_headroom=0.15,
+                                               kv_budget_gib=0.0, memory_headroom=0.16,
                                                page_size=128, kv_reserve=1.0, tensor_parallel=0,
                                                kv_dtype=''))
 

@@ -28,6 +28,7 @@ from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.models.tpu_attention import kernel_flops, paged_kernel_bytes
 from jaxprefix.rl import loop
+from jaxprefix.sampling import decode_layout
 from jaxprefix.tpu import compiled_stats, programs, topology
 
 GiB = 2**30
@@ -119,7 +120,10 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
         model, train, mesh, step))
     # While the sampler runs on its compute-dtype copy of the weights, the training state (master
     # weights or adapters, optimizer moments) stays in HBM.
-    sampler_model, copies, copies_note = programs.sampling_model(learner, state)
+    decode = decode_layout(mesh, model_config, r.tensor_parallel)
+    sampler_model, copies, copies_note, reshard = programs.sampling_model(learner, state, decode)
+    if reshard is not None:
+        compiled.append(reshard)
     resident = programs.bytes_per_chip(state) + copies
     note = 'training state: trained weights and optimizer moments'
     if copies:
@@ -129,7 +133,7 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
         note += ', KL reference weights'
     # The sampler's weights, and their tensor-parallel copy when the decode reshards them.
     weights = programs.bytes_per_chip(nnx.state(sampler_model))
-    weights += programs.decode_copy_bytes(sampler_model, mesh, step)
+    weights += programs.decode_copy_bytes(sampler_model, step)
     kv_budget = kv_budget_bytes(r, slice_.chip, mesh.size, resident + weights)
     try:
         compiled += _timed('sampler', lambda: programs.sampler_programs(

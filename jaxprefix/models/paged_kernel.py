@@ -111,8 +111,8 @@ def _kernel(layer_ref, first_ref, lengths_ref, table_ref,           # scalar pre
         p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
         correction = jnp.exp(m_prev - m_new)
         l_ref[...] = correction * l_ref[...] + p.sum(axis=1, keepdims=True)
-        if quantized:
-            p = p * vsbuf[slot]
+        if quantized:  # scales of pages not read are stale too: mask after scaling
+            p = jnp.where(seen, p * vsbuf[slot], 0.0)
         # Stale buffer rows outside the pages read may hold anything: zero them (0 * NaN is NaN).
         row = first + jax.lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
         v = jnp.where((row >= first_token) & (row < length), v.astype(compute), 0)
@@ -177,3 +177,4 @@ def paged_decode_attention(q, k_pages, v_pages, q_start, first_token, lengths, t
         interpret=pltpu.InterpretParams() if interpret else False,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), first_token.astype(jnp.int32),
       lengths.astype(jnp.int32), table.astype(jnp.int32), q, q_start.astype(jnp.int32), *pages)
+

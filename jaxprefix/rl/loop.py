@@ -302,6 +302,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
+    # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
+    # one program a step; generate() then finds them in place.
+    decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
+                                                              config.rollout.tensor_parallel)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
@@ -337,7 +341,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     with _Preemption() as preemption:
         for step in range(start, total):
             step_start = time.perf_counter()
-            policy = learner.sampling_model(state)  # compute-dtype weights, cast once a step
+            policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
             request = method.next_request(step)
             chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, 0))]
@@ -413,8 +417,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                record.update(evaluate(learner.sampling_model(state), tokenizer, method, config,
-                                       step=done, stop_ids=stop_ids))
+                record.update(evaluate(learner.sampling_model(state, decode), tokenizer, method,
+                                       config, step=done, stop_ids=stop_ids))
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
             if tracker is not None:

@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
-from jaxprefix.models.sharding import constrain_params
+from jaxprefix.models.sharding import constrain_params, state_shardings
 from jaxprefix.rl import objectives
 
 BATCH_AXES = ("data", "fsdp")
@@ -207,18 +207,35 @@ class Learner:
         adapters, the frozen base and `state`'s adapters)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
-    def sampling_model(self, state: TrainState) -> nnx.Module:
+    def sampling_model(self, state: TrainState, mesh=None) -> nnx.Module:
         """The policy for the sampler: `state`'s weights cast to the compute dtype (a new bf16
         copy of f32 master weights, same shardings), or the weights themselves when they are
-        already in it. Cast once per step; the sampler then reads half the bytes. Adapters come
+        already in it. Cast once per step; the sampler then reads half the bytes. Given the
+        decode `mesh` (sampling.decode_mesh: the same devices, heads over 'tensor'), the copy is
+        cast and laid out for it in one program, so no learner-layout copy is made. Adapters come
         folded into the (compute-dtype) base instead (lora.merged: a copy of the targeted weights,
         freed after sampling), which decodes faster than applying them per token
         (bench/bench_lora.py); LoraConfig.merged_sampling=False applies them and saves the copy."""
         model = self.model(state)
         if lora.has_adapters(model):
             return lora.merged(model) if model.adapters.config.merged_sampling else model
-        params = _cast_floats(state.params, self.compute_dtype)
-        return nnx.merge(self.graphdef, params, self.rest)
+        if mesh is None or self.mesh is None or mesh == self.mesh:
+            params, rest = _cast_floats(state.params, self.compute_dtype), self.rest
+        else:
+            params, rest = self._sampling_copy(mesh)(state.params, self.rest)
+        return nnx.merge(self.graphdef, params, rest)
+
+    def lower_sampling_copy(self, state: TrainState, mesh) -> jax.stages.Lowered:
+        """sampling_model's cast and reshard for the decode `mesh`, lowered for `state` (which
+        may be abstract: the compile job); nothing runs."""
+        return self._sampling_copy(mesh).lower(state.params, self.rest)
+
+    @functools.lru_cache(maxsize=4)
+    def _sampling_copy(self, mesh):
+        shardings = (state_shardings(self._initial_params, mesh), state_shardings(self.rest, mesh))
+        dtype = self.compute_dtype
+        return jax.jit(lambda params, rest: (_cast_to(params, dtype), rest),
+                       out_shardings=shardings)
 
     def place_batch(self, batch: dict) -> dict:
         """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole

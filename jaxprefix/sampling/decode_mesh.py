@@ -47,6 +47,11 @@ def decode_mesh(mesh: jax.sharding.Mesh, config: ModelConfig, tensor: int,
                      devices=list(np.asarray(mesh.devices).reshape(-1)))
 
 
+def decode_layout(mesh: jax.sharding.Mesh, config: ModelConfig, tensor: int) -> jax.sharding.Mesh:
+    """decode_mesh for a run's mesh on its own devices' platform (rollout.tensor_parallel)."""
+    return decode_mesh(mesh, config, tensor, mesh.devices.flat[0].platform)
+
+
 def reshard(model, mesh: jax.sharding.Mesh):
     """The jitted program that lays `model`'s parameters (nnx.split's state) out for `mesh`."""
     return jax.jit(lambda params: params, out_shardings=param_shardings(model, mesh))

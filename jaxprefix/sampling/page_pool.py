@@ -106,45 +106,27 @@ def slot_tables(blocks: int, slots: int, pages_per_slot: int) -> jax.Array:
 
 def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Array) -> Pool:
     """A context pool with admitted contexts' KV new_k, new_v [L, D * F, S, Hkv, Dh] written at
-    group slots target [D, F] of each block (target >= K: dropped), S tokens a slot.
-
-    Under a mesh each device writes its own block and KV heads (shard_map)."""
+    group slots target [D, F] of each block (target >= K: dropped), S tokens a slot, page by
+    page. Under a mesh each device writes its own block and KV heads (shard_map)."""
     layers, _, length, _, dh = new_k.shape
     d, admit = target.shape
+    page_size = pool.k.shape[2]
+    per_slot = length // page_size
 
     def local(k, v, ks, vs, new_k, new_v, target):
-        hkv = k.shape[0]
-        blocks = target.shape[0]
-        view = lambda x: x.reshape(hkv, blocks, layers, -1, length, *x.shape[3:])
-        fresh = lambda x: x.reshape(layers, blocks, admit, length, hkv, dh).transpose(
-            4, 1, 0, 2, 3, 5)
-        keys, values = fresh(new_k), fresh(new_v)  # [Hkv, D, L, F, S, Dh]
-        put = jax.vmap(lambda table, new, at: table.at[:, :, at].set(new, mode='drop'),
-                       in_axes=(1, 1, 0), out_axes=1)
-        if ks is not None:
-            keys, key_scales = paged_attention.quantize(keys)
-            values, value_scales = paged_attention.quantize(values)
-            ks = put(view(ks), key_scales, target).reshape(ks.shape)
-            vs = put(view(vs), value_scales, target).reshape(vs.shape)
-        k = put(view(k), keys.astype(k.dtype), target).reshape(k.shape)
-        v = put(view(v), values.astype(v.dtype), target).reshape(v.shape)
-        return k, v, ks, vs
+        slots = k.shape[1] // (layers * per_slot)  # K: one block here (a device's, or the only)
+        pages = ((jnp.arange(layers)[:, None, None] * slots + target[0][None, :, None]) * per_slot
+                 + jnp.arange(per_slot)[None, None, :]).reshape(-1)  # [L * F * W]
+        valid = jnp.broadcast_to((target[0] < slots)[None, :, None],
+                                 (layers, admit, per_slot)).reshape(-1)
 
-    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, target)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or 'tensor' not in mesh.axis_names:
-        return Pool(*local(*args))
-    shape = dict(mesh.shape)
-    rows = logical_spec(('batch',), (d,), shape)[0]
-    heads = logical_spec(('kv_heads',), (pool.k.shape[0],), shape)[0]
-    pages_spec, scales_spec = P(heads, rows, None, None), P(heads, rows, None)
-    scales = None if pool.k_scale is None else scales_spec
-    new_spec = P(None, rows, None, heads, None)
-    out = jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
-                                         new_spec, P(rows, None)),
-                        out_specs=(pages_spec, pages_spec, scales, scales),
-                        check_vma=False)(*args)
-    return Pool(*out)
+        def paged(x):  # [L, F, S, Hkv, Dh] -> [L * F * W, Hkv, page_size, Dh]
+            x = x.reshape(layers, admit, per_slot, page_size, -1, dh).transpose(0, 1, 2, 4, 3, 5)
+            return x.reshape(-1, x.shape[3], page_size, dh)
+        return _write((k, v, ks, vs), paged(new_k), paged(new_v), pages,
+                      jnp.zeros_like(pages), valid)
+
+    return _on_devices(local, pool, new_k, new_v, target)
 
 
 def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Array,
@@ -152,8 +134,7 @@ def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Arra
     """The pool with each active row's new token (own index t) written to its page, in place.
 
     new_k, new_v [L, B, 1, Hkv, Dh] (the model's new-token KVSegment), table [B, W], t and
-    active [B]. Under a mesh each device writes its own rows and KV heads (shard_map): XLA's
-    partitioner would otherwise gather every row's update to every device.
+    active [B]. Under a mesh each device writes its own rows and KV heads.
     """
     layers = new_k.shape[0]
     page_size = pool.k.shape[2]
@@ -162,31 +143,64 @@ def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Arra
         rows = jnp.arange(table.shape[0])
         page = table[rows, jnp.minimum(t // page_size, table.shape[1] - 1)]
         layer = jnp.arange(layers)[:, None]
-        at = jnp.where(active[None, :], layer * pages + page[None, :], k.shape[1])  # [L, B]
-        slot = jnp.broadcast_to(t % page_size, at.shape)
-        keys = jnp.moveaxis(new_k[:, :, 0], 2, 0)  # [Hkv, L, B, Dh]
-        values = jnp.moveaxis(new_v[:, :, 0], 2, 0)
-        if ks is not None:
-            keys, key_scales = paged_attention.quantize(keys)
-            values, value_scales = paged_attention.quantize(values)
-            ks = ks.at[:, at, slot].set(key_scales, mode='drop')
-            vs = vs.at[:, at, slot].set(value_scales, mode='drop')
-        k = k.at[:, at, slot].set(keys.astype(k.dtype), mode='drop')
-        v = v.at[:, at, slot].set(values.astype(v.dtype), mode='drop')
-        return k, v, ks, vs
+        at = (layer * pages + page[None, :]).reshape(-1)  # [L * B]
+        slot = jnp.broadcast_to(t % page_size, (layers, t.shape[0])).reshape(-1)
+        valid = jnp.broadcast_to(active, (layers, t.shape[0])).reshape(-1)
+        tokens = lambda x: x.reshape(-1, *x.shape[2:]).swapaxes(1, 2)  # [L * B, Hkv, 1, Dh]
+        return _write((k, v, ks, vs), tokens(new_k), tokens(new_v), at, slot, valid)
 
-    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, table, t, active)
+    return _on_devices(local, pool, new_k, new_v, table, t, active)
+
+
+def _write(arrays, keys, values, pages, slots, valid):
+    """(k, v, k_scale, v_scale) with keys and values [N, Hkv, T, Dh] at pages[n], slots
+    slots[n].. where valid[n] (int8 pools: quantized, with their scales)."""
+    k, v, ks, vs = arrays
+    if ks is not None:
+        keys, key_scales = paged_attention.quantize(keys)
+        values, value_scales = paged_attention.quantize(values)
+        ks = _write_pages(ks, key_scales, pages, slots, valid)
+        vs = _write_pages(vs, value_scales, pages, slots, valid)
+    return (_write_pages(k, keys, pages, slots, valid),
+            _write_pages(v, values, pages, slots, valid), ks, vs)
+
+
+def _write_pages(pool: jax.Array, new: jax.Array, pages: jax.Array, slots: jax.Array,
+                 valid: jax.Array) -> jax.Array:
+    """One device's `pool` [Hkv, P, page_size, ...] with new [N, Hkv, T, ...] written at pages
+    pages[n], slots slots[n] .. + T - 1, where valid[n], in place.
+
+    The scatter indexes the pool as [Hkv * P, page_size, ...]: scattering into [Hkv, P, ...]
+    led XLA's TPU layout assignment to give the pool another layout than the paged kernel reads
+    and to copy the whole pool into the kernel's at every step (tests/test_paged_attention.py)."""
+    hkv, num_pages = pool.shape[:2]
+    flat = pool.reshape(hkv * num_pages, *pool.shape[2:])
+    at = jnp.arange(hkv)[:, None] * num_pages + pages[None, :]  # [Hkv, N]
+    at = jnp.where(valid[None, :], at, flat.shape[0])  # invalid: past the end, dropped
+    columns = slots[:, None] + jnp.arange(new.shape[2])  # [N, T]
+    fresh = jnp.moveaxis(new, 1, 0)  # [Hkv, N, T, ...]
+    flat = flat.at[at[:, :, None], columns[None]].set(fresh.astype(pool.dtype), mode='drop')
+    return flat.reshape(pool.shape)
+
+
+def _on_devices(local, pool: Pool, new_k, new_v, *by_row) -> Pool:
+    """local(k, v, k_scale, v_scale, new_k, new_v, *by_row) -> the pool's arrays, run on each
+    device's block of rows and its KV heads (shard_map) under a mesh: XLA's partitioner would
+    otherwise gather every row's update to every device. `by_row` arrays have rows (or blocks)
+    first; new_k and new_v have them second."""
+    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, *by_row)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or 'tensor' not in mesh.axis_names:
         return Pool(*local(*args))
     shape = dict(mesh.shape)
-    rows = logical_spec(('batch',), (table.shape[0],), shape)[0]
+    rows = logical_spec(('batch',), by_row[0].shape[:1], shape)[0]
     heads = logical_spec(('kv_heads',), (pool.k.shape[0],), shape)[0]
-    pages_spec, scales_spec = P(heads, rows, None, None), P(heads, rows, None)
-    scales = None if pool.k_scale is None else scales_spec
+    pages_spec = P(heads, rows, None, None)
+    scales = None if pool.k_scale is None else P(heads, rows, None)
     new_spec = P(None, rows, None, heads, None)
+    row_specs = tuple(P(rows, *(None,) * (x.ndim - 1)) for x in by_row)
     out = jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
-                                         new_spec, P(rows, None), P(rows), P(rows)),
+                                         new_spec, *row_specs),
                         out_specs=(pages_spec, pages_spec, scales, scales),
                         check_vma=False)(*args)
     return Pool(*out)

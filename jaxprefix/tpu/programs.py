@@ -135,27 +135,39 @@ def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
                             resident_bytes=resident, resident_note=note, shapes=shapes)], learner, state
 
 
-def sampling_model(learner: Learner, state) -> tuple[nnx.Module, float, str]:
+def sampling_model(learner: Learner, state, decode_mesh=None
+                   ) -> tuple[nnx.Module, float, str, Program | None]:
     """Learner.sampling_model for an abstract state: (the model the sampler runs, the bytes per
-    chip that copy adds beside the training state and base, what they are).
+    chip that copy adds beside the training state and base, what they are, the compiled program
+    that makes it when it is a program of its own).
 
-    Full fine-tuning: the weights in the compute dtype, sharded like the master weights (a new
-    copy when the two dtypes differ). LoRA: the base with the adapters folded in (lora.merged: a
-    new copy of each targeted weight), or the adapted model itself (merged_sampling=False)."""
+    Full fine-tuning: the weights in the compute dtype, sharded like the master weights, or cast
+    and laid out for `decode_mesh` in one program (`sampler reshard`). LoRA: the base with the
+    adapters folded in (lora.merged: a new copy of each targeted weight), or the adapted model
+    itself (merged_sampling=False); generate() lays those out for the decode itself."""
     compute = learner.compute_dtype
     model = learner.model(state)
     if lora.has_adapters(model):
         if not model.adapters.config.merged_sampling:
-            return model, 0.0, ''
+            return model, 0.0, '', None
         merged = nnx.merge(*nnx.split(model), copy=True)  # abstract: same shapes, no adapters
         targets = merged.adapters.config.targets
         del merged.adapters
         copies = bytes_per_chip([getattr(merged, name).get_value() for name in targets])
-        return merged, copies, 'the base weights the merged sampler copy replaces'
+        return merged, copies, 'the base weights the merged sampler copy replaces', None
+    if decode_mesh is not None and decode_mesh != learner.mesh:
+        params, rest = learner._sampling_copy(decode_mesh).eval_shape(state.params, learner.rest)
+        program = compile_program(
+            'sampler reshard', learner.lower_sampling_copy(state, decode_mesh),
+            resident_bytes=bytes_per_chip(state), resident_note='the training state',
+            shapes="the master weights cast to the compute dtype and laid out for the decode "
+                   "mesh's (heads over 'tensor')")
+        return nnx.merge(learner.graphdef, params, rest), 0.0, '', program
     cast = lambda x: jax.ShapeDtypeStruct(
         x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
         sharding=x.sharding)
-    return nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest), 0.0, ''
+    return (nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest), 0.0,
+            '', None)
 
 
 def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | None,
@@ -199,12 +211,14 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
                                                 shapes=shapes, **common)]
 
 
-def decode_copy_bytes(model, mesh, step: StepShape) -> float:
-    """Bytes per chip of the weights' tensor-parallel copy that the decode makes (0: none)."""
+def decode_copy_bytes(model, step: StepShape) -> float:
+    """Bytes per chip of the weights' tensor-parallel copy that generate() makes for the decode
+    (0: none, e.g. weights the learner already laid out for it)."""
     from jaxprefix.sampling import decode_mesh
 
-    layout = decode_mesh.decode_mesh(mesh, model.config, step.tensor_parallel,
-                                     mesh.devices.flat[0].platform)
+    mesh = next(leaf.sharding.mesh for leaf in jax.tree.leaves(nnx.state(model))
+                if isinstance(leaf.sharding, NamedSharding))
+    layout = decode_mesh.decode_layout(mesh, model.config, step.tensor_parallel)
     if layout is mesh:
         return 0.0
     return bytes_per_chip(decode_mesh.reshard(model, layout).eval_shape(nnx.state(model)))
