@@ -115,16 +115,20 @@ def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Arra
 
     def local(k, v, ks, vs, new_k, new_v, target):
         slots = k.shape[1] // (layers * per_slot)  # K: one block here (a device's, or the only)
-        pages = ((jnp.arange(layers)[:, None, None] * slots + target[0][None, :, None]) * per_slot
-                 + jnp.arange(per_slot)[None, None, :]).reshape(-1)  # [L * F * W]
-        valid = jnp.broadcast_to((target[0] < slots)[None, :, None],
-                                 (layers, admit, per_slot)).reshape(-1)
 
-        def paged(x):  # [L, F, S, Hkv, Dh] -> [L * F * W, Hkv, page_size, Dh]
-            x = x.reshape(layers, admit, per_slot, page_size, -1, dh).transpose(0, 1, 2, 4, 3, 5)
-            return x.reshape(-1, x.shape[3], page_size, dh)
-        return _write((k, v, ks, vs), paged(new_k), paged(new_v), pages,
-                      jnp.zeros_like(pages), valid)
+        def paged(x):  # [L, S, Hkv, Dh] -> [L * W, Hkv, page_size, Dh]
+            x = x.reshape(layers, per_slot, page_size, -1, dh).transpose(0, 1, 3, 2, 4)
+            return x.reshape(-1, x.shape[2], page_size, dh)
+
+        # One context at a time: the temporaries (int8: its quantization) are one context's.
+        def one(f, arrays):
+            slot = target[0, f]
+            pages = ((jnp.arange(layers)[:, None] * slots + slot) * per_slot
+                     + jnp.arange(per_slot)[None, :]).reshape(-1)  # [L * W]
+            valid = jnp.broadcast_to(slot < slots, pages.shape)
+            return _write(arrays, paged(new_k[:, f]), paged(new_v[:, f]), pages,
+                          jnp.zeros_like(pages), valid)
+        return jax.lax.fori_loop(0, admit, one, (k, v, ks, vs))
 
     return _on_devices(local, pool, new_k, new_v, target)
 

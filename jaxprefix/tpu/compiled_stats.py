@@ -35,7 +35,7 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _NO_TRAFFIC = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
                'partition-id', 'replica-id', 'opt-barrier', 'while', 'conditional', 'call',
                'copy-done', 'all-gather-done', 'all-reduce-done', 'collective-permute-done',
-               'async-done', 'async-update', 'send-done', 'recv-done'}
+               'async-done', 'async-update', 'send-done', 'recv-done', 'slice-done'}
 _SLICING = {'dynamic-slice', 'slice', 'gather'}
 # Ops that update their first operand in place, and the index of the operand holding the update.
 _UPDATE_OPERAND = {'dynamic-update-slice': 1, 'scatter': 2}
@@ -229,6 +229,11 @@ class HloCost:
         elif op in _SLICING:  # reads the slice where its source is, writes it where it goes
             cost.bytes = (self._moved(computation, ins.operands[:1], ins.shape)
                           + shape_bytes(ins.shape))
+        elif op == 'slice-start':  # ((source), destination, context): an async slice
+            destination = _ARRAY.search(ins.shape[ins.shape.index(')') + 1:])
+            destination = destination.group(0) if destination else ''
+            cost.bytes = (self._moved(computation, ins.operands[:1], destination)
+                          + shape_bytes(destination))
         elif 'custom_call_target="AllocateBuffer"' in ins.attrs:
             cost.bytes = 0.0  # reserves memory, moves none
         elif op == 'copy-start':  # (destination, source, context): an async copy between spaces
