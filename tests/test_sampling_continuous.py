@@ -73,23 +73,23 @@ def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature,
 
 def test_kv_budget_sets_rows_in_flight(model, static):
     page_token = budget.page_bytes_per_token(CONFIG, 'float32')  # 256 bytes
-    # 4 = 2 x ceil(5/3) group slots of 16 + 16 context tokens and 5 pages of 32 tokens (a row's
-    # whole bucket: one page each) fit; 6 rows do not.
-    allowed = (4 * 32 + 5 * 32) * page_token
+    # 3 = ceil(6/3) + 1 group slots of 16 + 16 context tokens and 6 pages of 32 tokens (a row's
+    # whole bucket: one page each) fit; 7 rows (4 group slots) do not.
+    allowed = (3 * 32 + 6 * 32) * page_token
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=None, kv_budget_bytes=allowed, **REQUEST)
-    assert req.schedule == budget.Schedule(shards=1, row_slots=5, context_slots=4, admit=2,
-                                           page_size=32, pages=5, reserve=1)
+    assert req.schedule == budget.Schedule(shards=1, row_slots=6, context_slots=3, admit=2,
+                                           page_size=32, pages=6, reserve=1)
     r = generate(model, CONTEXTS, temperature=1.0, kv_budget_bytes=allowed, **REQUEST)
     assert_same_rollouts(r, static(1.0))
 
 
 def test_rows_preempted_when_pages_run_out_draw_the_same_tokens(model, static):
     # Pages of 16 tokens, each active row promised 1 of its 2: 8 rows start on the pages of 4
-    # whole rows (beside 6 = 2 x ceil(8/3) group slots), so rows that grow past 16 tokens run
+    # whole rows (beside 4 = ceil(8/3) + 1 group slots), so rows that grow past 16 tokens run
     # the pool dry and the youngest give their pages back and start again.
     page_token = budget.page_bytes_per_token(CONFIG, 'float32')
-    allowed = (6 * 32 + 8 * 16) * page_token
+    allowed = (4 * 32 + 8 * 16) * page_token
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=8, kv_budget_bytes=allowed, page_size=16,
                            reserve_fraction=0.5, **REQUEST)
@@ -210,9 +210,9 @@ def test_plan():
     assert budget.plan(**kw) is None
     assert budget.plan(**kw, kv_budget_bytes=static_bytes) is None
     assert budget.plan(**kw, max_rows_in_flight=32) is None
-    # A cap: rows per device rounded down, one at least; K = 2 ceil(s / n), F = ceil(s / n);
-    # pages: a whole row (one page of 64 tokens here) for each active row.
-    assert budget.plan(**kw, max_rows_in_flight=13) == budget.Schedule(2, 6, 4, 2, 64, 6, 1)
+    # A cap: rows per device rounded down, one at least; K = ceil(s / n) and a quarter more (one
+    # at least), F = ceil(s / n); pages: a whole row (one page of 64 tokens here) a row.
+    assert budget.plan(**kw, max_rows_in_flight=13) == budget.Schedule(2, 6, 3, 2, 64, 6, 1)
     assert budget.plan(**kw, max_rows_in_flight=1) == budget.Schedule(2, 1, 2, 1, 64, 1, 1)
     # Pages of 16 tokens: 4 a row; half of them promised to each active row.
     assert budget.plan(**kw, max_rows_in_flight=8, page_size=16) == budget.Schedule(
@@ -221,8 +221,8 @@ def test_plan():
         budget.Schedule(2, 4, 2, 1, 16, 8, 2)
     # A budget: the most rows whose group slots and reserved pages fit, 2 x (K x 32 context
     # tokens + s x 64 page tokens); what the contexts leave goes to pages.
-    allowed = 2 * (4 * 32 + 5 * 64) * 10
-    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.Schedule(2, 5, 4, 2, 64, 5, 1)
+    allowed = 2 * (3 * 32 + 5 * 64) * 10
+    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.Schedule(2, 5, 3, 2, 64, 5, 1)
     assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.Schedule(2, 4, 2, 1, 64, 5, 1)
     with pytest.raises(ValueError, match=r'kv_budget_bytes=100 holds no row: .* need 2560 bytes'):
         budget.plan(**kw, kv_budget_bytes=100)

@@ -84,30 +84,31 @@ def reference(q, k_pages, v_pages, q_start, first_token, lengths, table, layer, 
     page_size = k_pages.shape[2]
     pages = layer * pages_per_layer + jnp.clip(table, 0, pages_per_layer - 1)  # [B, W]
 
-    def rows(pool):  # [Hkv, N, ps, ...] -> [B, Hkv, W * ps, ...]
-        picked = jnp.moveaxis(pool[:, pages], 0, 1)
-        return picked.reshape(b, hkv, -1, *pool.shape[3:])
+    # KV heads stay the leading batch dimension throughout (pool[:, pages] is [Hkv, B, W, ...]):
+    # moving them behind the rows would copy every gathered page once more (measured on CPU).
+    def rows(pool):  # [Hkv, N, ps, ...] -> [Hkv, B, W * ps, ...]
+        return pool[:, pages].reshape(hkv, b, -1, *pool.shape[3:])
 
     k, v = rows(k_pages).astype(q.dtype), rows(v_pages).astype(q.dtype)
-    s = jnp.einsum('bhgd,bhnd->bhgn', q, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum('bhgd,hbnd->hbgn', q, k, preferred_element_type=jnp.float32)
     if k_scales is not None:
         s = s * rows(k_scales)[:, :, None, :]
     s = s * scale
     if logit_cap is not None:
         s = logit_cap * jnp.tanh(s / logit_cap)
     column = jnp.arange(table.shape[1] * page_size)
-    seen = ((column >= q_start) & (column < lengths[:, None, None]))[:, None]  # [G, 1, Q, N]
+    seen = (column >= q_start) & (column < lengths[:, None, None])  # [G, Q, N]
     s = jnp.where(seen, s, MASKED)
     peak = s.max(axis=-1, keepdims=True)
     p = jnp.where(seen, jnp.exp(s - peak), 0.0)
     total = p.sum(axis=-1, keepdims=True)
     if v_scales is not None:
         p = p * rows(v_scales)[:, :, None, :]
-    out = jnp.einsum('bhgn,bhnd->bhgd', p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum('hbgn,hbnd->hbgd', p.astype(q.dtype), v, preferred_element_type=jnp.float32)
     some = total > 0
     out = jnp.where(some, out / jnp.where(some, total, 1.0), 0.0)
     lse = jnp.where(some, peak + jnp.log(jnp.where(some, total, 1.0)), MASKED)
-    return out, lse
+    return out.swapaxes(0, 1), lse.swapaxes(0, 1)
 
 
 def pool_bytes_per_token(kv_heads: int, head_dim: int, dtype) -> int:
