@@ -246,7 +246,9 @@ def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
 @pytest.mark.slow
 def test_paper_variant_fits_v6e_8(tmp_path):
     """The paper run (Qwen3-4B, f32 master weights, bf16 compute) on 8 v6e chips: every program
-    within 90% of HBM. Prints the table for docs/SCALING.md."""
+    within 90% of HBM, and the sampler (weights split over the 8 chips' heads, KV in pages read
+    only where filled) within 1.25x of its HBM floor with under 100 s of ICI a step. Prints the
+    table for docs/SCALING.md."""
     from jaxprefix.jobs.compile import run_compile
     from jaxprefix.run_config import sibling_config
 
@@ -266,6 +268,12 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     assert (step['context_length'], step['learner_width']) == (2048, 20480)
     assert report['headroom'] == 0.1 and report['model']['params'] > 4e9
     names = set(report['programs'])
-    assert 'learner update' in names and names & {'sampler continuous', 'sampler decode'}
+    assert names == {'learner update', 'sampler reshard', 'sampler continuous'}
     for p in report['programs'].values():
         assert p['fits'] and p['hbm_bytes_per_chip'] <= 0.9 * p['hbm_capacity_bytes'], p['name']
+    assert step['kv_dtype'] == 'bfloat16'
+    assert step['sampler_vs_floor'] <= 1.25, step
+    assert step['sampler_ici_s'] < 100, step
+    print(json.dumps({k: step[k] for k in ('sampler_hbm_s', 'sampler_hbm_floor_s',
+                                           'sampler_vs_floor', 'sampler_ici_s',
+                                           'generated_tokens_per_s_per_chip')}))
