@@ -14,11 +14,9 @@ from typing import NamedTuple, Sequence
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.layers import softcap
-from jaxprefix.models.sharding import MESH_AXES, logical_spec
 
 # Finite, so a query row with no visible key (padding) yields finite garbage, not NaN.
 _MASKED = -1e30
@@ -41,9 +39,8 @@ class KVSegment:
 
 @flax.struct.dataclass
 class KVCache(KVSegment):
-    """A KVSegment with one group per query row and a write column: `index` is an int32 scalar
-    (every row writes at the same column) or int32 [B] (row b writes at column index[b]: rows of
-    the continuous sampler, each at its own token count)."""
+    """A KVSegment with one group per query row and a write column `index` (int32 []: every row
+    writes its new tokens at the same column; the static decode's cache)."""
     index: jax.Array = None
 
     @classmethod
@@ -52,43 +49,6 @@ class KVCache(KVSegment):
         shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    pos=jnp.full((batch, length), -1, jnp.int32), index=jnp.zeros((), jnp.int32))
-
-
-def write_columns(table: jax.Array, layer, new: jax.Array, columns: jax.Array) -> jax.Array:
-    """table [L, B, S, ...] with new [B, T, ...] written in layer `layer` at columns columns[b] ..
-    columns[b] + T - 1 of each row b (past the end: dropped).
-
-    A plain scatter; under a mesh whose row axes split B, each device writes its own rows
-    (shard_map), where XLA's partitioner would first gather every row's update to every device.
-    """
-    def local(table, layer, new, columns):
-        rows = jnp.arange(new.shape[0])[:, None]
-        at = (layer, rows, columns[:, None] + jnp.arange(new.shape[1]))
-        return table.at[at].set(new.astype(table.dtype), mode='drop')
-
-    mesh = jax.sharding.get_abstract_mesh()
-    row_axes = None
-    if not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names):
-        row_axes = logical_spec(('batch',), new.shape[:1], dict(mesh.shape))[0]
-    if row_axes is None:
-        return local(table, layer, new, columns)
-    manual = set(row_axes) if isinstance(row_axes, tuple) else {row_axes}
-    return jax.shard_map(local, in_specs=(P(None, row_axes), P(), P(row_axes), P(row_axes)),
-                         out_specs=P(None, row_axes), axis_names=manual)(table, layer, new,
-                                                                        columns)
-
-
-def take_groups(x: jax.Array, rows: jax.Array) -> jax.Array:
-    """Group rows[d, i] of block d, for each query row d * s + i: x [G, ...] -> [D * s, ...].
-
-    The G groups are D contiguous blocks (one per device that holds rows) and each row picks
-    within its own block, so the gather stays on the device that holds both (a batched gather
-    over D, which XLA's SPMD partitioner splits without communication).
-    """
-    d, s = rows.shape
-    blocks = x.reshape(d, x.shape[0] // d, *x.shape[1:])
-    picked = jax.vmap(lambda block, index: block[index])(blocks, rows)
-    return picked.reshape(d * s, *x.shape[1:])
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
