@@ -137,18 +137,14 @@ def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> Lo
     lengths = jnp.stack([(x.pos >= 0).sum(axis=1, dtype=jnp.int32) for x in segments], -1)
     first = jnp.stack([jnp.maximum(x.pos[:, 0], 0) for x in segments], -1)
 
-    def put(table, values):
+    def put(table, values):  # table [D, K, ...] with values [D * F, ...] at the target slots
         return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
-            table, target, values.reshape(d, admit))
+            table, target, values.reshape(d, admit, *table.shape[2:]))
     stamps = state.admitted[:, None] + jnp.arange(admit, dtype=jnp.int32)
-    def put_segments(table, values):
-        return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
-            table, target, values.reshape(d, admit, -1))
     groups = Groups(context=put(groups.context, local), stamp=put(groups.stamp, stamps),
                     last_token=put(groups.last_token, pick('last_tokens')),
                     last_position=put(groups.last_position, pick('last_positions')),
-                    lengths=put_segments(groups.lengths, lengths),
-                    first=put_segments(groups.first, first))
+                    lengths=put(groups.lengths, lengths), first=put(groups.first, first))
     taken = jnp.zeros((d, k), bool).at[jnp.arange(d)[:, None], target].set(True, mode='drop')
     queued = jnp.repeat(taken, n, axis=1)
     rows = state.rows.replace(state=jnp.where(queued, QUEUED, state.rows.state),
