@@ -46,15 +46,18 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
   return 2 * n ** 3 / statistics.median(seconds) / 1e9
 
 
-def time_alternating(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, list]:
+def time_alternating(arms: dict[str, Callable[[], object]], repeats: int,
+                     pause_s: float = 0.0) -> dict[str, list]:
   """Seconds of `repeats` calls of each arm, interleaved: round r calls every arm once, in an
   order rotated by r, so drifting load hits every arm alike. Each callable must run one call to
-  completion (block on its outputs) and must already be compiled."""
+  completion (block on its outputs) and must already be compiled. pause_s: an untimed wait
+  before every call, for arms whose helpers stay busy a while after a call (vLLM's)."""
   names = list(arms)
   seconds = {name: [] for name in names}
   for r in range(repeats):
     shift = r % len(names)
     for name in names[shift:] + names[:shift]:
+      time.sleep(pause_s)
       start = time.perf_counter()
       arms[name]()
       seconds[name].append(time.perf_counter() - start)
