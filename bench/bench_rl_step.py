@@ -14,10 +14,22 @@ Both arms run the same GRPO step from the same weights (bench/common.py), on CPU
          prompt repeated n times; reward; grpo advantages; the actor Trainer's jitted step), on
          Tunix's Llama3 holding our weights (rope theta fixed). A step's time is the interval
          between two of its metric-function calls (once per step, after the rewards).
+Memory settings, the same in both arms, as a user would set them to fit the box (without them
+our arm needs 36.8 GB at 2 x 8 x (512 + 128) tokens, and 24 GiB is all there is):
+  remat       on (--no-remat: off): ours TrainConfig(remat=True) (each decoder layer recomputed
+              in the backward pass); Tunix's Llama3 with RematConfig.DECODER, the same policy;
+  micro-batch --micro-prompts prompts' groups per gradient-accumulation step (default 1, i.e.
+              n rows): ours TrainConfig(micro_batch_size=micro_prompts * n); Tunix
+              RLTrainingConfig(mini_batch_size=prompts, train_micro_batch_size=micro_prompts),
+              i.e. optax.MultiSteps over the micro-batches, one optimizer update per batch in
+              both. Tunix's rollout stays one batch (rollout_micro_batch_size=prompts), as ours.
+  Our log-probs are computed over vocabulary chunks (TrainConfig.logprob_chunk, 1024 positions);
+  Tunix has no such setting (its loss takes full [rows, T, vocab] logits).
 Rounds alternate the arms (--steps steps of each per round; the first step of each arm is its
 compile and is not timed); the script prints seconds per step, the ratio, and the load.
 
   python bench/bench_rl_step.py             # 2 prompts x 4 samples, 128 + up to 128 tokens
+  python bench/bench_rl_step.py --prompts 2 --n 8 --prompt 512 --new 128   # the issue's shapes
   python bench/bench_rl_step.py --quick     # 1 x 2, 16 + 16: a sanity run
 """
 from __future__ import annotations
@@ -50,16 +62,17 @@ def reward(completion_ids) -> float:
   return float((ids % 2 == 0).mean()) if ids.size else 0.0
 
 
-def train_config() -> TrainConfig:
+def train_config(args) -> TrainConfig:
   return TrainConfig(learning_rate=1e-6, aggregation="token_mean", eps_low=0.2, eps_high=0.2,
-                     max_grad_norm=1.0)
+                     max_grad_norm=1.0, remat=args.remat,
+                     micro_batch_size=args.micro_prompts * args.n)
 
 
 class OurStep:
   """One RL step of jaxprefix per call: sample, score, update (the RL loop's body)."""
 
   def __init__(self, model, contexts, args):
-    self.learner = Learner(model, train_config())
+    self.learner = Learner(model, train_config(args))
     self.state = self.learner.init_state()
     self.contexts, self.args, self.step = contexts, args, 0
 
@@ -93,13 +106,14 @@ class TunixSteps:
         role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
         rollout_engine="vanilla", offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=make_optimizer(train_config()), eval_every_n_steps=10 ** 9,
-            max_steps=total_steps),
+            actor_optimizer=make_optimizer(train_config(args)), eval_every_n_steps=10 ** 9,
+            max_steps=total_steps, mini_batch_size=args.prompts,
+            train_micro_batch_size=args.micro_prompts, rollout_micro_batch_size=args.prompts),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=args.new, max_prompt_length=args.prompt,
             kv_cache_size=args.prompt + args.new, temperature=1.0, top_p=1.0, top_k=None,
             eos_tokens=[EOS_ID]))
-    cluster = rl_cluster_lib.RLCluster(actor=common.tunix_llama3(model, config), reference=None,
+    cluster = rl_cluster_lib.RLCluster(actor=common.tunix_llama3(model, config, remat=args.remat), reference=None,
                                        tokenizer=tokenizer, cluster_config=cluster_config)
     algo = GRPOConfig(num_generations=args.n, num_iterations=1, beta=0.0, epsilon=0.2,
                       loss_agg_mode="token-mean")
@@ -130,8 +144,14 @@ def main():
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--steps", type=int, default=3, help="timed steps of each arm per round")
   parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--micro-prompts", type=int, default=1,
+                      help="prompts (of n samples each) per gradient-accumulation micro-batch")
+  parser.add_argument("--no-remat", dest="remat", action="store_false",
+                      help="keep every layer's activations for the backward pass")
   parser.add_argument("--quick", action="store_true")
   args = parser.parse_args()
+  if args.prompts % args.micro_prompts:
+    parser.error(f"--micro-prompts {args.micro_prompts} must divide --prompts {args.prompts}")
   if args.quick:
     args.prompts, args.n, args.prompt, args.new, args.steps, args.rounds = 1, 2, 16, 16, 2, 1
 
@@ -144,7 +164,8 @@ def main():
                      total_steps=2 + args.rounds * (args.steps + 1))
   print(f"SmolLM2-135M f32 CPU: {args.prompts} prompts x {args.n} samples, prompt "
         f"{args.prompt} tokens, up to {args.new} new; temperature 1, stop id {EOS_ID}, no KL, "
-        f"one update per batch")
+        f"one update per batch in micro-batches of {args.micro_prompts * args.n} rows, remat "
+        f"{'on' if args.remat else 'off'}")
   for name, warm_up in (("ours", ours), ("tunix", lambda: tunix.run(1))):
     start = time.perf_counter()
     warm_up()  # compiles the arm's sampler and train step
