@@ -148,8 +148,10 @@ def main():
                       help="prompts (of n samples each) per gradient-accumulation micro-batch")
   parser.add_argument("--no-remat", dest="remat", action="store_false",
                       help="keep every layer's activations for the backward pass")
+  parser.add_argument("--arms", default="ours,tunix")
   parser.add_argument("--quick", action="store_true")
   args = parser.parse_args()
+  args.arms = common.comma_list(parser, "--arms", args.arms, ("ours", "tunix"))
   if args.prompts % args.micro_prompts:
     parser.error(f"--micro-prompts {args.micro_prompts} must divide --prompts {args.prompts}")
   if args.quick:
@@ -159,35 +161,44 @@ def main():
   model, config = common.load_smollm2()
   base = make_context(bundled_smollm2_path(), args.prompt + args.prompts)
   contexts = [base[i:i + args.prompt] for i in range(args.prompts)]  # distinct, same length
-  ours = OurStep(model, contexts, args)
-  tunix = TunixSteps(model, config, contexts, args,
-                     total_steps=2 + args.rounds * (args.steps + 1))
+  arms = {}  # name -> run(steps) -> the seconds of each step
+  if "ours" in args.arms:
+    ours = OurStep(model, contexts, args)
+    arms["ours"] = lambda steps: [timed_call(ours) for _ in range(steps)]
+  if "tunix" in args.arms:
+    arms["tunix"] = TunixSteps(model, config, contexts, args,
+                               total_steps=2 + args.rounds * (args.steps + 1)).run
   print(f"SmolLM2-135M f32 CPU: {args.prompts} prompts x {args.n} samples, prompt "
         f"{args.prompt} tokens, up to {args.new} new; temperature 1, stop id {EOS_ID}, no KL, "
         f"one update per batch in micro-batches of {args.micro_prompts * args.n} rows, remat "
         f"{'on' if args.remat else 'off'}")
-  for name, warm_up in (("ours", ours), ("tunix", lambda: tunix.run(1))):
+  for name, run in arms.items():
     start = time.perf_counter()
-    warm_up()  # compiles the arm's sampler and train step
+    run(1)  # compiles the arm's sampler and train step
     print(f"{name} compiled and warmed up in {time.perf_counter() - start:.0f} s", flush=True)
-  seconds = {"ours": [], "tunix": []}
+  seconds = {name: [] for name in arms}
   for round_index in range(args.rounds):
-    seconds["tunix"] += tunix.run(args.steps)
-    for _ in range(args.steps):
-      start = time.perf_counter()
-      ours()
-      seconds["ours"].append(time.perf_counter() - start)
-    print(f"  round {round_index + 1}: ours {seconds['ours'][-args.steps:]}, tunix "
-          f"{seconds['tunix'][-args.steps:]}", flush=True)
+    for name, run in arms.items():
+      seconds[name] += run(args.steps)
+    print(f"  round {round_index + 1}: " + ", ".join(
+        f"{name} {[round(s, 2) for s in seconds[name][-args.steps:]]}" for name in arms),
+        flush=True)
   for name, samples in seconds.items():
     median, spread = common.summary(samples)
     print(f"  {name:<6} median {median:7.2f} s/step  min {min(samples):7.2f}  spread "
           f"{spread:4.0%}  ({len(samples)} steps)")
-  print(f"ours / tunix steps/s: {statistics.median(seconds['tunix']) / statistics.median(seconds['ours']):.2f} "
-        f"from medians, {min(seconds['tunix']) / min(seconds['ours']):.2f} from fastest steps "
-        f"(target >= 1.5)")
+  if len(arms) == 2:
+    ratio = statistics.median(seconds["tunix"]) / statistics.median(seconds["ours"])
+    print(f"ours / tunix steps/s: {ratio:.2f} from medians, "
+          f"{min(seconds['tunix']) / min(seconds['ours']):.2f} from fastest steps (target >= 1.5)")
+  print(f"peak RSS of this process (every arm run): {common.peak_rss_gib():.2f} GiB")
   common.print_load()
 
+
+def timed_call(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
 
 if __name__ == "__main__":
   main()
