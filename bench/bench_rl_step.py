@@ -25,11 +25,15 @@ our arm needs 36.8 GB at 2 x 8 x (512 + 128) tokens, and 24 GiB is all there is)
               both. Tunix's rollout stays one batch (rollout_micro_batch_size=prompts), as ours.
   Our log-probs are computed over vocabulary chunks (TrainConfig.logprob_chunk, 1024 positions);
   Tunix has no such setting (its loss takes full [rows, T, vocab] logits).
+  Measured (bench/README.md): at --prompts 2 --n 8 --prompt 512 --new 128 ours peaks at 10.3
+  GiB; Tunix's loss gradient needs 19 GiB of temporaries per 8-row micro-batch even with remat
+  (on CPU its remat saves almost nothing) and the arm is OOM-killed on a 24 GiB box: there, run
+  --arms ours, and compare both at --prompt 256.
 Rounds alternate the arms (--steps steps of each per round; the first step of each arm is its
 compile and is not timed); the script prints seconds per step, the ratio, and the load.
 
   python bench/bench_rl_step.py             # 2 prompts x 4 samples, 128 + up to 128 tokens
-  python bench/bench_rl_step.py --prompts 2 --n 8 --prompt 512 --new 128   # the issue's shapes
+  python bench/bench_rl_step.py --arms ours --prompts 2 --n 8 --prompt 512 --new 128  # issue 23
   python bench/bench_rl_step.py --quick     # 1 x 2, 16 + 16: a sanity run
 """
 from __future__ import annotations
