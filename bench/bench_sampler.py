@@ -266,6 +266,8 @@ def main():
           print(notes[-1], flush=True)
       runners[arm] = vllm_arm(worker, context, args.new, copies=arm == 'vllm_copies')
 
+  if not runners:
+    raise SystemExit('no arm to run (see the notes above)')
   common.print_load()
   print(f'SmolLM2-135M f32 CPU, context {len(context)} tokens, {args.new} new tokens, '
         f'median of {args.repeats} alternating rounds, {args.pause:g} s untimed before a call')
