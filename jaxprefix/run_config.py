@@ -69,6 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
         kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
         remat=False,  # True: recompute each layer in the backward pass (large models)
+        # pi_old of the ratio: 'sampler' (the rollouts' log-probs) or 'learner' (one more forward
+        # recomputes them in the learner's numerics; logs rollout/logprob_mismatch_mean, _max).
+        # tis_cap > 0 (with 'learner'): truncated importance sampling, each token's
+        # policy-gradient term times min(pi_old / pi_sampler, tis_cap) (verl's TIS; 0: off).
+        old_logprobs="sampler", tis_cap=0.0,
         # Log-probs and loss of softmax(logits / rollout.temperature) (TRL, verl, Tunix); False
         # scores the raw model (T = 1) whatever the sampling temperature.
         logprobs_at_sampling_temperature=True,

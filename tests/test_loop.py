@@ -176,6 +176,8 @@ def test_invalid_settings_fail_naming_the_field():
     with pytest.raises(ValueError, match="problems_per_step=3.*mesh"):
         validate(c, make_mesh(data=8))
     validate(run_settings(), make_mesh(data=8))  # 4 x 4 rows: fine
+    with pytest.raises(ValueError, match="config.train.tis_cap=2.0: expected 0 unless"):
+        validate(run_settings(tis_cap=2.0))  # TIS against the sampler's own log-probs is a no-op
 
 
 def test_request_checks_lengths():
@@ -266,6 +268,18 @@ def test_checkpoint_of_another_model_is_refused_by_shape_and_left_in_place(tmp_p
         train(run_settings(total_steps=2), str(tmp_path), method=method,
               model=Decoder(wider, rngs=nnx.Rngs(0)), tokenizer=TOKENIZER, progress=False)
     assert TrainCheckpointer(str(tmp_path / "checkpoints")).all_steps() == [1]
+
+
+def test_learner_old_logprobs_log_the_mismatch_and_cost_a_forward(tmp_path):
+    run(tmp_path, run_settings(total_steps=1, old_logprobs="learner", tis_cap=2.0))
+    [record] = read_metrics(str(tmp_path))
+    # An f32 sampler and learner at the same weights: the gap is rounding, and TIS weighs ~1.
+    assert 0 <= record["rollout/logprob_mismatch_mean"] <= record["rollout/logprob_mismatch_max"]
+    assert record["rollout/logprob_mismatch_max"] < 1e-3
+    assert abs(record["tis/weight_mean"] - 1) < 1e-3 and record["tis/capped_fraction"] == 0
+    # The update is a forward and a backward (6 N per token) plus the recompute's forward (2 N).
+    per_token = record["flops/update"] / record["tokens/trained"]
+    assert per_token == pytest.approx(8 * count_params(nnx.state(Decoder(MODEL), nnx.Param)))
 
 
 def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):

@@ -375,8 +375,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             forwarded = int(batch["token_mask"].sum()) * learner_config.num_epochs
             flops_sampling = sampling_flops(n_params, sampled)
             flops_update = update_flops(n_params, forwarded)
-            if ref_params is not None:
-                flops_update += sampling_flops(n_params, int(batch["token_mask"].sum()))
+            # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
+            forwards = (ref_params is not None) + (learner_config.old_logprobs == "learner")
+            flops_update += forwards * sampling_flops(n_params, int(batch["token_mask"].sum()))
             totals["tokens_sampled"] += sampled
             totals["tokens_trained"] += forwarded
             totals["flops"] += flops_sampling + flops_update
