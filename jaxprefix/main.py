@@ -126,6 +126,9 @@ def main(argv):
         from jaxprefix.jobs import preflight
 
         preflight.check(config, workdir)  # reads every input; writes nothing
+        from jaxprefix import rewards
+
+        rewards.set_max_memory_mb(config.rewards.max_memory_mb)  # every verifier worker's cap
         module, function = JOBS[config.job]
         run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
         from jaxprefix import workdir_lock

@@ -120,8 +120,10 @@ def base_config() -> ml_collections.ConfigDict:
     # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
     # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
     # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
+    # max_memory_mb: the address-space cap of each verifier worker process (0: none); an answer
+    # that allocates past it fails in its worker (scored 0, counted) instead of taking the host.
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
-                                               path=""))
+                                               path="", max_memory_mb=8192))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
     # is taken over.

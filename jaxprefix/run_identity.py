@@ -28,8 +28,9 @@ RECORD = "run.json"
 # sweep's grid is among them: a sweep point's own n, B, M and learning rate are in its fields.
 SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isocompute.seeds",
               "isocompute.eval_every_rollouts", "isocompute.print_only")
-MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "mesh", "distributed",
-              "workdir_lock", "allow_changes", *SWEEP_GRID)
+MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "rewards.max_memory_mb",
+              "mesh", "distributed", "workdir_lock", "storage", "metrics", "allow_changes",
+              *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:
