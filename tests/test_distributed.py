@@ -192,7 +192,9 @@ def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:
     """metrics.jsonl records without wall-clock figures."""
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+    from jaxprefix.rl.metrics import read_metrics
+
+    records = read_metrics(str(workdir))
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
             for r in records]
 

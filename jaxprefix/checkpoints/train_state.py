@@ -34,8 +34,12 @@ class TrainCheckpointer:
         # orbax wants an absolute path; a gs:// URL already is one (abspath would mangle it).
         self.directory = directory if storage.is_remote(directory) else os.path.abspath(directory)
         storage.require_backend(self.directory)
+        # cleanup_tmp_directories: a save cut short (a SIGKILL, a lost host) leaves a temporary
+        # step directory; the next run's manager removes it, so a run killed again and again
+        # keeps `max_to_keep` steps and nothing more.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("arrays", "meta"))
 

@@ -25,7 +25,7 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
-from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
+from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
@@ -307,7 +307,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
                 setattr(ledger, k, v)
     start = int(state.step)
-    writer = MetricsWriter(workdir, resume_step=start + 1)
+    writer = MetricsWriter(workdir, resume_step=start + 1,
+                           segment_rows=config.metrics.get("segment_rows", SEGMENT_ROWS))
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
