@@ -126,6 +126,10 @@ def base_config() -> ml_collections.ConfigDict:
     # that allocates past it fails in its worker (scored 0, counted) instead of taking the host.
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
                                                path="", max_memory_mb=8192))
+    # GCS (storage_faults.py): a transient failure (429, 5xx, a dropped connection) is retried
+    # for up to retry_deadline_s seconds; then, or at a permanent one (403), the run stops in one
+    # line and the same command resumes.
+    c.storage = ml_collections.ConfigDict(dict(retry_deadline_s=600.0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
     # is taken over.

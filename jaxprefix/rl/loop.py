@@ -312,10 +312,11 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
-    def save(step):
+    def save(step, final=False):
         meta = {"method": method.state(), "totals": totals, "seed": config.seed,
                 "ledger": ledger.to_dict() if ledger is not None else None}
-        ckpt.save(step, _state_arrays(state), meta)
+        # final: the run's last save is complete before it returns (made again if GCS failed it)
+        ckpt.save(step, _state_arrays(state), meta, wait=final)
 
     total = int(config.train.total_steps)
     # A FLOPs budget (IsoCompute allocations) ends the run before a step like the last one
@@ -414,7 +415,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
-                save(done)
+                save(done, final=last or preemption.requested)
             if preemption.requested:
                 preempted = True
                 break
