@@ -158,6 +158,8 @@ def main(argv):
             raise SystemExit(143)
     except Exception as e:  # noqa: BLE001  (an anticipated failure is one line; a bug re-raises)
         line = errors.one_line(e)
+        if line is None:
+            distributed.wait_for_lost_peer()  # a collective broken by a lost host: its line
         if line is None or _VERBOSE.value:
             raise
         _exit_with(line, getattr(e, "exit_status", 1))
