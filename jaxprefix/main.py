@@ -125,7 +125,8 @@ def main(argv):
 
     try:
         try:
-            storage_faults.set_deadline(config.storage.retry_deadline_s)
+            storage_faults.set_deadline((config.get("storage") or {}).get(
+                "retry_deadline_s", storage_faults.DEFAULT_DEADLINE_S))
         except ValueError as e:
             raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
@@ -141,7 +142,9 @@ def main(argv):
         preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards
 
-        rewards.set_max_memory_mb(config.rewards.max_memory_mb)  # every verifier worker's cap
+        # every verifier worker's cap (configs/sft.py has no rewards block: it scores nothing)
+        rewards.set_max_memory_mb((config.get("rewards") or {}).get(
+            "max_memory_mb", rewards.pool.DEFAULT_MAX_MEMORY_MB))
         module, function = JOBS[config.job]
         run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
         from jaxprefix import workdir_lock
