@@ -16,7 +16,7 @@ import pytest
 from jaxprefix import storage, storage_faults, workdir_lock
 from jaxprefix.rl.metrics import read_metrics
 from tests.gcs_fault_proxy import FaultProxy
-from tests.test_gcs_run import command, compared, finish, problem_file, start, tiny_base
+from tests.test_gcs_run import command, compared, finish, run_inputs, start
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # room to revoke the permission after the first checkpoint and before the end
@@ -97,13 +97,7 @@ def _start_via(proxy, args, local):
 def faulted(gcs, tmp_path_factory):
     """gs:// inputs, local folders, and `reference()`: the metrics of one clean run, which runs
     beside the faulted ones (they wait on GCS more than they compute)."""
-    root = f"gs://bucket/faults-{os.getpid()}"
-    tiny_base(f"{root}/base")
-    problem_file(f"{root}/train.jsonl", 8, seed=1)
-    problem_file(f"{root}/eval.jsonl", 4, seed=2)
-    local = tmp_path_factory.mktemp("local")
-    for name in ("cwd", "tmp", "cache"):
-        (local / name).mkdir()
+    root, local = run_inputs(f"gs://bucket/faults-{os.getpid()}", tmp_path_factory)
     clean = start(run_command(root, f"{root}/clean"), local)
     rows = []
 
