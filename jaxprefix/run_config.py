@@ -124,8 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
     # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
     # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
+    # segment_rows: rows metrics.jsonl (and events a TensorBoard file) holds before it is sealed
+    # and the next starts, which bounds what a flush writes (GCS has no append; rl/metrics.py).
     c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
-                                               wandb_mode=""))
+                                               wandb_mode="", segment_rows=1000))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
     # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
     c.export = ml_collections.ConfigDict(dict(dtype=""))
@@ -133,8 +135,14 @@ def base_config() -> ml_collections.ConfigDict:
     # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
     # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
     # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
+    # max_memory_mb: the address-space cap of each verifier worker process (0: none); an answer
+    # that allocates past it fails in its worker (scored 0, counted) instead of taking the host.
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
-                                               path=""))
+                                               path="", max_memory_mb=8192))
+    # GCS (storage_faults.py): a transient failure (429, 5xx, a dropped connection) is retried
+    # for up to retry_deadline_s seconds; then, or at a permanent one (403), the run stops in one
+    # line and the same command resumes.
+    c.storage = ml_collections.ConfigDict(dict(retry_deadline_s=600.0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
     # is taken over.

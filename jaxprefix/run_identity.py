@@ -32,8 +32,9 @@ SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isoc
 SAMPLER_SPEED = tuple(f"rollout.{field}" for field in (
     "max_rows_in_flight", "kv_budget_gib", "memory_headroom", "page_size", "kv_reserve",
     "tensor_parallel"))
-MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "mesh", "distributed",
-              "workdir_lock", "allow_changes", *SAMPLER_SPEED, *SWEEP_GRID)
+MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "rewards.max_memory_mb",
+              "mesh", "distributed", "workdir_lock", "storage", "metrics", "allow_changes",
+              *SAMPLER_SPEED, *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:

@@ -4,6 +4,7 @@ The loop runs for real on a tiny random decoder over the demo task's character v
 reward is a registered verifier of this file (share of '+' characters in the completion): a
 random policy earns varied rewards with it, so the groups carry signal and updates move weights.
 """
+import json
 import os
 import signal
 import subprocess
@@ -102,6 +103,49 @@ def test_metrics_writer_jsonl_tensorboard_and_resume(tmp_path):
     # A run resumed from step 2 rewrites step 2 onward.
     MetricsWriter(str(tmp_path), resume_step=2, enabled=True).close()
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
+
+
+def test_metrics_segments_bound_each_flush_and_read_back_whole(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    workdir = str(tmp_path)
+    writer = MetricsWriter(workdir, enabled=True, segment_rows=3)
+    for step in range(1, 11):
+        writer.write(step, {"loss": step / 10})
+        # A flush rewrites at most 3 rows, however many steps came before.
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) <= 3
+    writer.close()
+    assert sorted(os.listdir(tmp_path / "metrics")) == [
+        "000000001.jsonl", "000000004.jsonl", "000000007.jsonl"]
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
+    events = sorted(os.listdir(tmp_path / "tensorboard"))
+    assert len(events) == 4  # 3 + 3 + 3 + 1 events
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("loss")] == list(range(1, 11))
+
+    # Resumed from step 5: the segment of steps 4-6 and the ones after it go, 1-4 stay readable.
+    MetricsWriter(workdir, resume_step=5, enabled=True, segment_rows=3).close()
+    assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3, 4]
+    assert os.listdir(tmp_path / "metrics") == ["000000001.jsonl"]
+    resumed = MetricsWriter(workdir, resume_step=5, enabled=True, segment_rows=3)
+    for step in range(5, 9):
+        resumed.write(step, {"loss": -step})
+    resumed.close()
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["loss"] == -8
+
+
+def test_metrics_of_a_workdir_from_before_segments_stay_readable_and_resume(tmp_path):
+    lines = [json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))  # one file of all rows
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == list(range(1, 8))
+    writer = MetricsWriter(str(tmp_path), resume_step=6, enabled=True, segment_rows=3)
+    writer.write(6, {"loss": 60})
+    writer.write(7, {"loss": 70})
+    writer.close()
+    assert [r["loss"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4, 5, 60, 70]
+    assert os.listdir(tmp_path / "metrics") == ["000000001.jsonl"]  # the 5 old rows, sealed
 
 
 def test_flops_formulas():

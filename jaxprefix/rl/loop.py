@@ -25,7 +25,7 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
-from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
+from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
@@ -320,14 +320,16 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
                 setattr(ledger, k, v)
     start = int(state.step)
-    writer = MetricsWriter(workdir, resume_step=start + 1)
+    writer = MetricsWriter(workdir, resume_step=start + 1,
+                           segment_rows=config.metrics.get("segment_rows", SEGMENT_ROWS))
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
-    def save(step):
+    def save(step, final=False):
         meta = {"method": method.state(), "totals": totals, "seed": config.seed,
                 "ledger": ledger.to_dict() if ledger is not None else None}
-        ckpt.save(step, _state_arrays(state), meta)
+        # final: the run's last save is complete before it returns (made again if GCS failed it)
+        ckpt.save(step, _state_arrays(state), meta, wait=final)
 
     total = int(config.train.total_steps)
     # A FLOPs budget (IsoCompute allocations) ends the run before a step like the last one
@@ -427,7 +429,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
-                save(done)
+                save(done, final=last or preemption.requested)
             if preemption.requested:
                 preempted = True
                 break
