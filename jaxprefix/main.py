@@ -111,7 +111,12 @@ def _exit_with(line: str, status: int):
     for bar in list(getattr(tqdm, "_instances", ())):  # an open bar would share the error's line
         bar.close()
     sys.stderr.write(line + "\n")
-    sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: at exit Python joins every non-daemon thread, and a storage client's worker
+    # stuck on the failure that stopped the run (orbax's async save, a GCS retry) would hold the
+    # process open with no end; the run has nothing left to write.
+    os._exit(status)
 
 
 def main(argv):

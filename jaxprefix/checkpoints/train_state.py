@@ -134,3 +134,18 @@ class TrainCheckpointer:
     def close(self):
         self._settle(tolerate=False)
         self._manager.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        """Closes; when the run stops on an error, the save in flight still ends first (its own
+        failure is dropped: the error raised is the run's), so that no background save thread
+        outlives the run and holds its process open at exit."""
+        if kind is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001
+            logging.warning("checkpoint %s: %s", self.directory, errors.one_line(e) or repr(e))

@@ -340,7 +340,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     record: dict[str, Any] = {}
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
-    with _Preemption() as preemption:
+    with _Preemption() as preemption, ckpt:
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
@@ -439,7 +439,6 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     writer.close()
     if tracker is not None:
         tracker.close()
-    ckpt.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
 
