@@ -8,7 +8,8 @@ completion is ~3 tokens per digit plus <eos>, so lengths spread ~10x within one 
   static      today's static sampler under a KV budget: one generate() call per chunk of
               --static-contexts contexts (every row of a chunk in flight until its longest stops);
   continuous  one generate() call for every context with kv_budget_bytes = the static chunk's KV
-              bytes: the rows in flight that fit, refilled as rows stop.
+              bytes: rows start as the KV pages they are promised (--reserve of a whole row's,
+              in pages of --page-size tokens) are free, and take pages as they grow.
 
 Both arms run in one process, alternating (bench/common.py); the script prints tokens/s, their
 ratio, the rows in flight each arm holds and the completion-length distribution.
@@ -94,6 +95,11 @@ def main():
     parser.add_argument('--repeats', type=int, default=5)
     parser.add_argument('--sft-steps', type=int, default=800)
     parser.add_argument('--base', default='/tmp/jaxprefix_bench_long_tail_base')
+    parser.add_argument('--page-size', type=int, default=16,
+                        help='continuous arm: tokens per KV page (rollout.page_size)')
+    parser.add_argument('--reserve', type=float, default=0.5,
+                        help='continuous arm: share of a whole row\'s pages promised to each '
+                             'row it starts (rollout.kv_reserve; below 1 it may preempt)')
     parser.add_argument('--quick', action='store_true')
     args = parser.parse_args()
     if args.quick:
@@ -114,10 +120,13 @@ def main():
     new_bucket = layout.bucket(task.MAX_COMPLETION_LENGTH, layout.MIN_NEW_TOKENS_BUCKET)
     kv_bytes = budget.kv_bytes_per_token(model.config) * budget.static_kv_tokens(
         lay.valid.shape[0], args.n, context_length, new_bucket)
+    paging = dict(page_size=args.page_size, reserve_fraction=args.reserve)
     schedule = budget.plan(num_contexts=layout.bucket(args.contexts), n=args.n,
                            context_length=context_length, new_bucket=new_bucket, shards=1,
                            bytes_per_token=budget.kv_bytes_per_token(model.config),
-                           kv_budget_bytes=kv_bytes)
+                           page_bytes=budget.page_bytes_per_token(model.config,
+                                                                  model.config.dtype),
+                           kv_budget_bytes=kv_bytes, **paging)
     print(f'{args.contexts} contexts x {args.n} samples, digits {low}..{high}; KV budget '
           f'{kv_bytes / 2**20:.2f} MiB = static chunks of {args.static_contexts} contexts '
           f'({args.static_contexts * args.n} rows in flight); continuous: {schedule}')
@@ -131,7 +140,8 @@ def main():
         return tokens
 
     def continuous_arm(seed=0):
-        r = sampling.generate(model, contexts, seed=seed, kv_budget_bytes=kv_bytes, **request)
+        r = sampling.generate(model, contexts, seed=seed, kv_budget_bytes=kv_bytes, **paging,
+                              **request)
         continuous_arm.lengths = r.lengths
         return int(r.lengths.sum())
 

@@ -14,10 +14,26 @@ Both arms run the same GRPO step from the same weights (bench/common.py), on CPU
          prompt repeated n times; reward; grpo advantages; the actor Trainer's jitted step), on
          Tunix's Llama3 holding our weights (rope theta fixed). A step's time is the interval
          between two of its metric-function calls (once per step, after the rewards).
+Memory settings, the same in both arms, as a user would set them to fit the box (without them
+our arm needs 36.8 GB at 2 x 8 x (512 + 128) tokens, and 24 GiB is all there is):
+  remat       on (--no-remat: off): ours TrainConfig(remat=True) (each decoder layer recomputed
+              in the backward pass); Tunix's Llama3 with RematConfig.DECODER, the same policy;
+  micro-batch --micro-prompts prompts' groups per gradient-accumulation step (default 1, i.e.
+              n rows): ours TrainConfig(micro_batch_size=micro_prompts * n); Tunix
+              RLTrainingConfig(mini_batch_size=prompts, train_micro_batch_size=micro_prompts),
+              i.e. optax.MultiSteps over the micro-batches, one optimizer update per batch in
+              both. Tunix's rollout stays one batch (rollout_micro_batch_size=prompts), as ours.
+  Our log-probs are computed over vocabulary chunks (TrainConfig.logprob_chunk, 1024 positions);
+  Tunix has no such setting (its loss takes full [rows, T, vocab] logits).
+  Measured (bench/README.md): at --prompts 2 --n 8 --prompt 512 --new 128 ours peaks at 10.3
+  GiB; Tunix's loss gradient needs 19 GiB of temporaries per 8-row micro-batch even with remat
+  (on CPU its remat saves almost nothing) and the arm is OOM-killed on a 24 GiB box: there, run
+  --arms ours, and compare both at --prompt 256.
 Rounds alternate the arms (--steps steps of each per round; the first step of each arm is its
 compile and is not timed); the script prints seconds per step, the ratio, and the load.
 
   python bench/bench_rl_step.py             # 2 prompts x 4 samples, 128 + up to 128 tokens
+  python bench/bench_rl_step.py --arms ours --prompts 2 --n 8 --prompt 512 --new 128  # issue 23
   python bench/bench_rl_step.py --quick     # 1 x 2, 16 + 16: a sanity run
 """
 from __future__ import annotations
@@ -50,16 +66,17 @@ def reward(completion_ids) -> float:
   return float((ids % 2 == 0).mean()) if ids.size else 0.0
 
 
-def train_config() -> TrainConfig:
+def train_config(args) -> TrainConfig:
   return TrainConfig(learning_rate=1e-6, aggregation="token_mean", eps_low=0.2, eps_high=0.2,
-                     max_grad_norm=1.0)
+                     max_grad_norm=1.0, remat=args.remat,
+                     micro_batch_size=args.micro_prompts * args.n)
 
 
 class OurStep:
   """One RL step of jaxprefix per call: sample, score, update (the RL loop's body)."""
 
   def __init__(self, model, contexts, args):
-    self.learner = Learner(model, train_config())
+    self.learner = Learner(model, train_config(args))
     self.state = self.learner.init_state()
     self.contexts, self.args, self.step = contexts, args, 0
 
@@ -93,13 +110,14 @@ class TunixSteps:
         role_to_mesh={roles.ACTOR: mesh, roles.REFERENCE: mesh, roles.ROLLOUT: mesh},
         rollout_engine="vanilla", offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=make_optimizer(train_config()), eval_every_n_steps=10 ** 9,
-            max_steps=total_steps),
+            actor_optimizer=make_optimizer(train_config(args)), eval_every_n_steps=10 ** 9,
+            max_steps=total_steps, mini_batch_size=args.prompts,
+            train_micro_batch_size=args.micro_prompts, rollout_micro_batch_size=args.prompts),
         rollout_config=base_rollout.RolloutConfig(
             max_tokens_to_generate=args.new, max_prompt_length=args.prompt,
             kv_cache_size=args.prompt + args.new, temperature=1.0, top_p=1.0, top_k=None,
             eos_tokens=[EOS_ID]))
-    cluster = rl_cluster_lib.RLCluster(actor=common.tunix_llama3(model, config), reference=None,
+    cluster = rl_cluster_lib.RLCluster(actor=common.tunix_llama3(model, config, remat=args.remat), reference=None,
                                        tokenizer=tokenizer, cluster_config=cluster_config)
     algo = GRPOConfig(num_generations=args.n, num_iterations=1, beta=0.0, epsilon=0.2,
                       loss_agg_mode="token-mean")
@@ -130,8 +148,16 @@ def main():
   parser.add_argument("--new", type=int, default=128)
   parser.add_argument("--steps", type=int, default=3, help="timed steps of each arm per round")
   parser.add_argument("--rounds", type=int, default=2)
+  parser.add_argument("--micro-prompts", type=int, default=1,
+                      help="prompts (of n samples each) per gradient-accumulation micro-batch")
+  parser.add_argument("--no-remat", dest="remat", action="store_false",
+                      help="keep every layer's activations for the backward pass")
+  parser.add_argument("--arms", default="ours,tunix")
   parser.add_argument("--quick", action="store_true")
   args = parser.parse_args()
+  args.arms = common.comma_list(parser, "--arms", args.arms, ("ours", "tunix"))
+  if args.prompts % args.micro_prompts:
+    parser.error(f"--micro-prompts {args.micro_prompts} must divide --prompts {args.prompts}")
   if args.quick:
     args.prompts, args.n, args.prompt, args.new, args.steps, args.rounds = 1, 2, 16, 16, 2, 1
 
@@ -139,34 +165,44 @@ def main():
   model, config = common.load_smollm2()
   base = make_context(bundled_smollm2_path(), args.prompt + args.prompts)
   contexts = [base[i:i + args.prompt] for i in range(args.prompts)]  # distinct, same length
-  ours = OurStep(model, contexts, args)
-  tunix = TunixSteps(model, config, contexts, args,
-                     total_steps=2 + args.rounds * (args.steps + 1))
+  arms = {}  # name -> run(steps) -> the seconds of each step
+  if "ours" in args.arms:
+    ours = OurStep(model, contexts, args)
+    arms["ours"] = lambda steps: [timed_call(ours) for _ in range(steps)]
+  if "tunix" in args.arms:
+    arms["tunix"] = TunixSteps(model, config, contexts, args,
+                               total_steps=2 + args.rounds * (args.steps + 1)).run
   print(f"SmolLM2-135M f32 CPU: {args.prompts} prompts x {args.n} samples, prompt "
         f"{args.prompt} tokens, up to {args.new} new; temperature 1, stop id {EOS_ID}, no KL, "
-        f"one update per batch")
-  for name, warm_up in (("ours", ours), ("tunix", lambda: tunix.run(1))):
+        f"one update per batch in micro-batches of {args.micro_prompts * args.n} rows, remat "
+        f"{'on' if args.remat else 'off'}")
+  for name, run in arms.items():
     start = time.perf_counter()
-    warm_up()  # compiles the arm's sampler and train step
+    run(1)  # compiles the arm's sampler and train step
     print(f"{name} compiled and warmed up in {time.perf_counter() - start:.0f} s", flush=True)
-  seconds = {"ours": [], "tunix": []}
+  seconds = {name: [] for name in arms}
   for round_index in range(args.rounds):
-    seconds["tunix"] += tunix.run(args.steps)
-    for _ in range(args.steps):
-      start = time.perf_counter()
-      ours()
-      seconds["ours"].append(time.perf_counter() - start)
-    print(f"  round {round_index + 1}: ours {seconds['ours'][-args.steps:]}, tunix "
-          f"{seconds['tunix'][-args.steps:]}", flush=True)
+    for name, run in arms.items():
+      seconds[name] += run(args.steps)
+    print(f"  round {round_index + 1}: " + ", ".join(
+        f"{name} {[round(s, 2) for s in seconds[name][-args.steps:]]}" for name in arms),
+        flush=True)
   for name, samples in seconds.items():
     median, spread = common.summary(samples)
     print(f"  {name:<6} median {median:7.2f} s/step  min {min(samples):7.2f}  spread "
           f"{spread:4.0%}  ({len(samples)} steps)")
-  print(f"ours / tunix steps/s: {statistics.median(seconds['tunix']) / statistics.median(seconds['ours']):.2f} "
-        f"from medians, {min(seconds['tunix']) / min(seconds['ours']):.2f} from fastest steps "
-        f"(target >= 1.5)")
+  if len(arms) == 2:
+    ratio = statistics.median(seconds["tunix"]) / statistics.median(seconds["ours"])
+    print(f"ours / tunix steps/s: {ratio:.2f} from medians, "
+          f"{min(seconds['tunix']) / min(seconds['ours']):.2f} from fastest steps (target >= 1.5)")
+  print(f"peak RSS of this process (every arm run): {common.peak_rss_gib():.2f} GiB")
   common.print_load()
 
+
+def timed_call(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
 
 if __name__ == "__main__":
   main()

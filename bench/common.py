@@ -46,15 +46,18 @@ def matmul_peak_gflops(n: int = 2048, repeats: int = 5) -> float:
   return 2 * n ** 3 / statistics.median(seconds) / 1e9
 
 
-def time_alternating(arms: dict[str, Callable[[], object]], repeats: int) -> dict[str, list]:
+def time_alternating(arms: dict[str, Callable[[], object]], repeats: int,
+                     pause_s: float = 0.0) -> dict[str, list]:
   """Seconds of `repeats` calls of each arm, interleaved: round r calls every arm once, in an
   order rotated by r, so drifting load hits every arm alike. Each callable must run one call to
-  completion (block on its outputs) and must already be compiled."""
+  completion (block on its outputs) and must already be compiled. pause_s: an untimed wait
+  before every call, for arms whose helpers stay busy a while after a call (vLLM's)."""
   names = list(arms)
   seconds = {name: [] for name in names}
   for r in range(repeats):
     shift = r % len(names)
     for name in names[shift:] + names[:shift]:
+      time.sleep(pause_s)
       start = time.perf_counter()
       arms[name]()
       seconds[name].append(time.perf_counter() - start)
@@ -191,13 +194,34 @@ def _use_rope_theta(theta: float):
   tunix_llama.apply_rope = functools.partial(tunix_llama.apply_rope, rope_theta=theta)
 
 
+@functools.cache
+def _remat_training_only():
+  """Tunix 0.1.7 wraps each decoder layer in nnx.remat (RematConfig.DECODER) also when its
+  sampler decodes with a KV cache, and decoding then fails (flax TraceContextError: "Cannot
+  mutate Param from a different trace level"): remat and its own vanilla rollout, which shares
+  the actor's module, exclude each other. Remat only the cache-less calls, the trainer's
+  forward and backward (what remat is for, and what ours does); process-wide."""
+  from tunix.models.llama3 import model as tunix_llama
+  remat_call = tunix_llama.DecoderLayer.__call__
+
+  def call(self, x, segment_pos, cache, attn_mask):
+    if cache is None:
+      return remat_call(self, x, segment_pos, cache, attn_mask)
+    return self.block(x, segment_pos, cache, attn_mask)
+
+  tunix_llama.DecoderLayer.__call__ = call
+
+
 def tunix_llama3(model, config, *, remat: bool = False):
-  """Tunix's Llama3 nnx model carrying our Decoder's weights (llama-type configs only)."""
+  """Tunix's Llama3 nnx model carrying our Decoder's weights (llama-type configs only). remat:
+  each decoder layer recomputed in the backward pass (RematConfig.DECODER), in training only."""
   from tunix.models.llama3 import model as tunix_llama
   if config.model_type != "llama" or config.rope.kind != "default":
     raise ValueError(f"tunix_llama3: needs a llama config with default rope, got "
                      f"{config.model_type!r} / rope {config.rope.kind!r}")
   _use_rope_theta(float(config.rope.theta))
+  if remat:
+    _remat_training_only()
   tunix_config = tunix_llama.ModelConfig(
       num_layers=config.num_layers, vocab_size=config.vocab_size, embed_dim=config.hidden_size,
       hidden_dim=config.intermediate_size, num_heads=config.num_heads, head_dim=config.head_dim,

@@ -10,8 +10,10 @@ run writes to runs/<config>-<variant>. Running the same command again in the sam
 and every path field may be local or gs:// (jaxprefix.storage).
 
 An anticipated failure (bad config field, data file, model, checkpoint, a workdir held by another
-run, a full disk, a missing package) prints one line, `error: <what>, <where>, <expected>`, and
-exits 1 (2 for a bad command line); a traceback means a bug, or `--verbose`.
+run, a full disk, a missing package, storage refusing a write) prints one line, `error: <what>,
+<where>, <expected>`, and exits 1 (2 for a bad command line; 75 for an outage to wait out:
+GCS down past config.storage.retry_deadline_s, a lost host of a multi-host run, after which the
+same command resumes); a traceback means a bug, or `--verbose`.
 """
 from __future__ import annotations
 
@@ -55,10 +57,17 @@ def default_workdir(config_arg: str) -> str:
 
 
 class _OnlyOurInfo:
-    """Keeps INFO lines of jaxprefix and drops the libraries' (orbax logs every file it writes)."""
+    """Keeps INFO lines of jaxprefix and drops the libraries' (orbax logs every file it writes),
+    and the libraries' tracebacks of storage failures (orbax logs each from each of its save
+    threads): the run retries those, or reports them in one line (storage_faults)."""
 
     def filter(self, record) -> bool:
-        return record.levelno >= std_logging.WARNING or f"{os.sep}jaxprefix{os.sep}" in record.pathname
+        from jaxprefix import storage_faults
+
+        ours = f"{os.sep}jaxprefix{os.sep}" in record.pathname
+        if not ours and record.exc_info and storage_faults.classify(record.exc_info[1]):
+            return _VERBOSE.value
+        return record.levelno >= std_logging.WARNING or ours
 
 
 def remote_paths(config, workdir: str) -> list[str]:
@@ -103,7 +112,12 @@ def _exit_with(line: str, status: int):
     for bar in list(getattr(tqdm, "_instances", ())):  # an open bar would share the error's line
         bar.close()
     sys.stderr.write(line + "\n")
-    sys.exit(status)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: at exit Python joins every non-daemon thread, and a storage client's worker
+    # stuck on the failure that stopped the run (orbax's async save, a GCS retry) would hold the
+    # process open with no end; the run has nothing left to write.
+    os._exit(status)
 
 
 def main(argv):
@@ -113,9 +127,14 @@ def main(argv):
     config = _CONFIG.value
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed, errors, storage
+    from jaxprefix import distributed, errors, storage, storage_faults
 
     try:
+        try:
+            storage_faults.set_deadline((config.get("storage") or {}).get(
+                "retry_deadline_s", storage_faults.DEFAULT_DEADLINE_S))
+        except ValueError as e:
+            raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
         for path in remote_paths(config, workdir):  # a missing client package or bucket
             try:
@@ -127,6 +146,11 @@ def main(argv):
         from jaxprefix.jobs import preflight
 
         preflight.check(config, workdir)  # reads every input; writes nothing
+        from jaxprefix import rewards
+
+        # every verifier worker's cap (configs/sft.py has no rewards block: it scores nothing)
+        rewards.set_max_memory_mb((config.get("rewards") or {}).get(
+            "max_memory_mb", rewards.pool.DEFAULT_MAX_MEMORY_MB))
         module, function = JOBS[config.job]
         run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
         from jaxprefix import workdir_lock
@@ -143,9 +167,11 @@ def main(argv):
             raise SystemExit(143)
     except Exception as e:  # noqa: BLE001  (an anticipated failure is one line; a bug re-raises)
         line = errors.one_line(e)
+        if line is None:
+            distributed.wait_for_lost_peer()  # a collective broken by a lost host: its line
         if line is None or _VERBOSE.value:
             raise
-        _exit_with(line, 1)
+        _exit_with(line, getattr(e, "exit_status", 1))
 
 
 if __name__ == "__main__":

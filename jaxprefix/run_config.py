@@ -46,11 +46,19 @@ def base_config() -> ml_collections.ConfigDict:
 
     # Sampling of training rollouts (and of mining, at the same settings).
     # max_rows_in_flight: rows decoded at once (0: as many as kv_budget_gib holds, all when it
-    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: half of the memory
-    # accelerators report free, unbounded on CPU). Neither changes the rollouts, only the speed.
+    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: what the accelerators
+    # hold beyond memory_headroom of their memory, unbounded on CPU); page_size: tokens per KV
+    # page of the continuous decode; kv_reserve: share of a whole row's pages promised to each
+    # row it starts (below 1: more rows, the youngest preempted and restarted when pages run
+    # out); tensor_parallel: devices the decode splits heads over (0: the widest on TPU, the
+    # learner's layout elsewhere). None of these changes the rollouts, only the speed.
+    # kv_dtype: the KV pages' dtype ('': the compute dtype; 'int8' halves KV memory and reads,
+    # and changes the log-probs a little: see train.old_logprobs).
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
                                                max_new_tokens=64, max_rows_in_flight=0,
-                                               kv_budget_gib=0.0))
+                                               kv_budget_gib=0.0, memory_headroom=0.16,
+                                               page_size=128, kv_reserve=1.0, tensor_parallel=0,
+                                               kv_dtype=''))
 
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     c.train = ml_collections.ConfigDict(dict(
@@ -61,6 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
         eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
         kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
         remat=False,  # True: recompute each layer in the backward pass (large models)
+        # pi_old of the ratio: 'sampler' (the rollouts' log-probs) or 'learner' (one more forward
+        # recomputes them in the learner's numerics; logs rollout/logprob_mismatch_mean, _max).
+        # tis_cap > 0 (with 'learner'): truncated importance sampling, each token's
+        # policy-gradient term times min(pi_old / pi_sampler, tis_cap) (verl's TIS; 0: off).
+        old_logprobs="sampler", tis_cap=0.0,
         # Log-probs and loss of softmax(logits / rollout.temperature) (TRL, verl, Tunix); False
         # scores the raw model (T = 1) whatever the sampling temperature.
         logprobs_at_sampling_temperature=True,
@@ -111,8 +124,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
     # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
     # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
+    # segment_rows: rows metrics.jsonl (and events a TensorBoard file) holds before it is sealed
+    # and the next starts, which bounds what a flush writes (GCS has no append; rl/metrics.py).
     c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
-                                               wandb_mode=""))
+                                               wandb_mode="", segment_rows=1000))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
     # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
     c.export = ml_collections.ConfigDict(dict(dtype=""))
@@ -120,8 +135,14 @@ def base_config() -> ml_collections.ConfigDict:
     # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
     # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
     # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
+    # max_memory_mb: the address-space cap of each verifier worker process (0: none); an answer
+    # that allocates past it fails in its worker (scored 0, counted) instead of taking the host.
     c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
-                                               path=""))
+                                               path="", max_memory_mb=8192))
+    # GCS (storage_faults.py): a transient failure (429, 5xx, a dropped connection) is retried
+    # for up to retry_deadline_s seconds; then, or at a permanent one (403), the run stops in one
+    # line and the same command resumes.
+    c.storage = ml_collections.ConfigDict(dict(retry_deadline_s=600.0))
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
     # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
     # is taken over.

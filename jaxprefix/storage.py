@@ -9,13 +9,17 @@ What differs on GCS, and how this module hides it:
 - No append and no rename: `write_atomic` writes a whole object in one upload, which GCS makes
   visible all at once or not at all; locally it writes a temporary file and renames it, so a
   reader never sees half a file and a killed writer leaves the old one. Files that grow (metrics)
-  are rewritten whole. `rename` on GCS is a server-side copy then a delete (not atomic);
+  are rewritten whole, in bounded segments (rl/metrics.py). `rename` on GCS is a server-side copy then a delete (not atomic);
   `create_exclusive` (write only if absent) is atomic on both, for lock files.
 - No memory map: `local_copy` downloads a remote file once into the cache directory
   (`$JAXPREFIX_CACHE`, default ~/.cache/jaxprefix), keyed by path, size and modification time,
   for readers that need a real file (GGUF, safetensors). Local paths are returned unchanged.
 - A missing client library or bucket: `require_backend` fails with one line naming the path and
   what to install, before any work starts.
+- Transient failures (429, 5xx, dropped connections, slow answers): every remote call here is
+  retried with backoff until config.storage.retry_deadline_s; a permanent one (403, a missing
+  bucket) or the deadline passed is one line naming the operation and the path
+  (jaxprefix/storage_faults.py, which also says where each client's own retries are set).
 
 Orbax writes checkpoint arrays with tensorstore's own GCS client; it takes the same gs:// paths.
 """
@@ -30,6 +34,8 @@ import shutil
 import uuid
 
 from etils import epath
+
+from jaxprefix.storage_faults import retrying
 
 CACHE_ENV = "JAXPREFIX_CACHE"
 # scheme -> the package epath needs for it (through fsspec)
@@ -72,52 +78,69 @@ def _epath(path) -> epath.Path:
     return epath.Path(str(path))
 
 
+def _remote(operation: str, path, call, *, writes: bool = False):
+    """`call()` on remote `path`, retried while GCS fails transiently (storage_faults)."""
+    return retrying(operation, str(path), call, writes=writes)
+
+
 # --- questions -------------------------------------------------------------------------------
 
 def exists(path) -> bool:
-    return os.path.exists(path) if not is_remote(path) else _epath(path).exists()
+    if not is_remote(path):
+        return os.path.exists(path)
+    return _remote("checking", path, lambda: _epath(path).exists())
 
 
 def isdir(path) -> bool:
     """A local directory, or a remote prefix with at least one object under it."""
-    return os.path.isdir(path) if not is_remote(path) else _epath(path).is_dir()
+    if not is_remote(path):
+        return os.path.isdir(path)
+    return _remote("checking", path, lambda: _epath(path).is_dir())
 
 
 def isfile(path) -> bool:
-    return os.path.isfile(path) if not is_remote(path) else _epath(path).is_file()
+    if not is_remote(path):
+        return os.path.isfile(path)
+    return _remote("checking", path, lambda: _epath(path).is_file())
 
 
 def listdir(path) -> list[str]:
     """Sorted names (not paths) directly under `path`."""
     if not is_remote(path):
         return sorted(os.listdir(path))
-    return sorted(p.name for p in _epath(path).iterdir())
+    return _remote("listing", path, lambda: sorted(p.name for p in _epath(path).iterdir()))
 
 
 def glob(directory, pattern: str) -> list[str]:
     """Sorted paths under `directory` whose names match `pattern` ('*.safetensors')."""
     if not is_remote(directory):
         return sorted(str(p) for p in epath.Path(directory).glob(pattern))
-    return sorted(str(p) for p in _epath(directory).glob(pattern))
+    return _remote("listing", directory,
+                   lambda: sorted(str(p) for p in _epath(directory).glob(pattern)))
 
 
 def size(path) -> int:
-    return os.path.getsize(path) if not is_remote(path) else _epath(path).stat().length
+    if not is_remote(path):
+        return os.path.getsize(path)
+    return _remote("checking", path, lambda: _epath(path).stat().length)
 
 
 # --- reading and writing ---------------------------------------------------------------------
 
 def open(path, mode: str = "r"):  # noqa: A001  (the builtin's name, on purpose)
     """A file object for `path`. A remote file opened for writing becomes visible as a whole
-    when it is closed; prefer `write_atomic` for a local file that others read back."""
+    when it is closed; prefer `write_atomic` for a local file that others read back. (Opening is
+    retried; the reads and the upload after it ride on gcsfs's own retries.)"""
     if not is_remote(path):
         if any(m in mode for m in "wax"):
             makedirs(dirname(path) or ".")
         return builtins.open(path, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
-    return _epath(path).open(mode)
+    return _remote("opening", path, lambda: _epath(path).open(mode))
 
 
 def read_bytes(path) -> bytes:
+    if is_remote(path):
+        return _remote("reading", path, lambda: _epath(path).read_bytes())
     with open(path, "rb") as f:
         return f.read()
 
@@ -141,7 +164,7 @@ def write_atomic(path, data: bytes | str) -> None:
     object upload (GCS publishes an object only once its upload completes)."""
     data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     if is_remote(path):
-        _epath(path).write_bytes(data)
+        _remote("writing", path, lambda: _epath(path).write_bytes(data), writes=True)
         return
     makedirs(dirname(path) or ".")
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -199,8 +222,17 @@ def remove(path) -> None:
     """Deletes one file (an error if it does not exist)."""
     if not is_remote(path):
         os.remove(path)
-    else:
-        _epath(path).unlink()
+        return
+    tries = []
+
+    def unlink():  # gone at a retry: an earlier try deleted it and its answer was lost
+        tries.append(path)
+        try:
+            _epath(path).unlink()
+        except FileNotFoundError:
+            if len(tries) == 1:
+                raise
+    _remote("deleting", path, unlink)
 
 
 def rmtree(path) -> None:
@@ -208,7 +240,7 @@ def rmtree(path) -> None:
     if not is_remote(path):
         shutil.rmtree(path, ignore_errors=True)
     elif exists(path):
-        _epath(path).rmtree()
+        _remote("deleting", path, lambda: _epath(path).rmtree())
 
 
 def rename(src, dst) -> None:
@@ -218,8 +250,8 @@ def rename(src, dst) -> None:
     if not is_remote(src):
         os.replace(src, dst)
         return
-    _epath(src).copy(_epath(dst), overwrite=True)
-    _epath(src).unlink()
+    _remote("copying", src, lambda: _epath(src).copy(_epath(dst), overwrite=True))
+    remove(src)
 
 
 # --- remote files as local ones --------------------------------------------------------------
@@ -234,15 +266,18 @@ def local_copy(path) -> str:
     cache directory, downloaded once per (path, size, modification time)."""
     if not is_remote(path):
         return str(path)
-    info = _epath(path).stat()
+    info = _remote("checking", path, lambda: _epath(path).stat())
     key = hashlib.sha256(f"{path}|{info.length}|{info.mtime}".encode()).hexdigest()[:20]
     target = os.path.join(cache_dir(), "remote", key, basename(path))
     if os.path.isfile(target) and os.path.getsize(target) == info.length:
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp-{os.getpid()}"
-    with _epath(path).open("rb") as fin, builtins.open(tmp, "wb") as fout:
-        shutil.copyfileobj(fin, fout, length=64 << 20)
+
+    def download():
+        with _epath(path).open("rb") as fin, builtins.open(tmp, "wb") as fout:
+            shutil.copyfileobj(fin, fout, length=64 << 20)
+    _remote("downloading", path, download)
     os.replace(tmp, target)
     return target
 
@@ -266,6 +301,7 @@ def require_backend(path) -> None:
                          f"installed: pip install {package} (or pip install 'jaxprefix[tpu]')"
                          ) from None
     bucket = str(path).split("://", 1)[1].split("/", 1)[0]
-    if not bucket or not _epath(f"{scheme}://{bucket}").exists():
+    if not bucket or not _remote("checking", f"{scheme}://{bucket}",
+                                 lambda: _epath(f"{scheme}://{bucket}").exists()):
         raise ValueError(f"{path}: bucket {scheme}://{bucket} does not exist or cannot be read "
                          f"with this machine's credentials")

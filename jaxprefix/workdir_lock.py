@@ -10,7 +10,9 @@ on gs:// a heartbeat time too):
   creators one wins) and rewritten every `heartbeat_s` on the generation it last wrote. A lock
   whose heartbeat is older than `stale_minutes`, or whose owner is a dead process on this host
   (a preempted VM restarting), is taken over by a rewrite on the generation read, so that of two
-  runs taking over one wins.
+  runs taking over one wins. Every call retries transient GCS failures until the run's deadline
+  (storage_faults.gcs_retry); a write whose answer was lost (a dropped connection after GCS
+  carried it out) is recognised by the record's token, so the run does not refuse itself.
 Only process 0 of a multi-host run holds the lock. Locks are re-entrant within a process: a
 pipeline (demo, results) holds its workdir while its runs hold theirs.
 """
@@ -26,10 +28,11 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 from absl import logging
 
-from jaxprefix import distributed, storage
+from jaxprefix import distributed, storage, storage_faults
 from jaxprefix.errors import UserError
 
 LOCK = "lock.json"
@@ -48,7 +51,7 @@ def _now() -> float:
 def _owner() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": " ".join(sys.argv)[:500]}
+            "command": " ".join(sys.argv)[:500], "token": uuid.uuid4().hex}
 
 
 def _describe(owner: dict) -> str:
@@ -122,6 +125,7 @@ class _GcsLock:
         bucket, _, prefix = workdir.split("://", 1)[1].partition("/")
         self.workdir, self.heartbeat_s = workdir, heartbeat_s
         self._blob_name = f"{prefix.rstrip('/')}/{LOCK}" if prefix else LOCK
+        self._url = f"gs://{bucket}/{self._blob_name}"
         self._bucket = gcs.Client().bucket(bucket)
         self._owner = _owner()
         self.generation = None
@@ -134,11 +138,25 @@ class _GcsLock:
         blob = self._bucket.blob(self._blob_name)
         self._owner["heartbeat"] = _now()
         try:
-            blob.upload_from_string(json.dumps(self._owner), content_type="application/json",
-                                    if_generation_match=if_generation_match)
+            with storage_faults.reported("writing the lock", self._url):
+                blob.upload_from_string(json.dumps(self._owner), content_type="application/json",
+                                        if_generation_match=if_generation_match,
+                                        retry=storage_faults.gcs_retry())
         except exceptions.PreconditionFailed:
+            current = self._read()
+            if current is not None and current[0].get("token") == self._owner["token"]:
+                self.generation = current[1]  # ours: a retry after a lost answer
+                return
             raise _Lost from None
         self.generation = blob.generation
+
+    def _read(self) -> tuple[dict, int] | None:
+        """(owner record, generation) of the lock object, or None when there is none."""
+        with storage_faults.reported("reading the lock", self._url):
+            blob = self._bucket.get_blob(self._blob_name, retry=storage_faults.gcs_retry())
+            if blob is None:
+                return None
+            return _parse(blob.download_as_text(retry=storage_faults.gcs_retry())), blob.generation
 
     def acquire(self, stale_minutes: float) -> None:
         for _ in range(5):  # each round loses at most to a run that acquired in between
@@ -147,15 +165,15 @@ class _GcsLock:
                 break
             except _Lost:
                 pass
-            blob = self._bucket.get_blob(self._blob_name)
-            if blob is None:  # released meanwhile
+            current = self._read()
+            if current is None:  # released meanwhile
                 continue
-            owner = _parse(blob.download_as_text())
+            owner, generation = current
             age_minutes = (_now() - float(owner.get("heartbeat", 0))) / 60
             if age_minutes < stale_minutes and not _dead_here(owner):
                 _refuse(self.workdir, owner)
             try:
-                self._write(blob.generation)
+                self._write(generation)
             except _Lost:
                 continue  # another run took it over, or the owner beat its heart: look again
             logging.warning("%s: took over a stale lock (%s)", self.workdir, _describe(owner))
@@ -175,17 +193,22 @@ class _GcsLock:
                               "long); both may now write the workdir: stop one of them",
                               self.workdir)
                 return
-            except Exception as e:  # a network error: try again at the next beat
-                logging.warning("%s: lock heartbeat failed (%s)", self.workdir, e)
+            except Exception as e:  # noqa: BLE001  (GCS down past the deadline: next beat)
+                logging.warning("%s: lock heartbeat failed (%s)", self.workdir,
+                                storage_faults.classify(e) or e)
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         try:
-            self._bucket.blob(self._blob_name).delete(if_generation_match=self.generation)
-        except Exception as e:  # taken over, or gone: not ours to delete any more
-            logging.warning("%s: releasing the lock: %s", self.workdir, e)
+            self._bucket.blob(self._blob_name).delete(if_generation_match=self.generation,
+                                                      retry=storage_faults.gcs_retry())
+        except Exception as e:  # noqa: BLE001  (taken over, gone, or GCS refusing)
+            failure = storage_faults.classify(e)
+            logging.warning("%s: the lock stays (%s); a run on this host takes it over at once, "
+                            "one elsewhere after workdir_lock.stale_minutes", self._url,
+                            failure.reason if failure else str(e).splitlines()[0])
 
 
 class _Lost(Exception):

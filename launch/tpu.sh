@@ -24,8 +24,9 @@ commands:
   logs     stream worker 0's log
   status   print the slice state (READY, PREEMPTED, ...; queued: ACTIVE, SUSPENDED, ...)
   stop     stop the run on all workers with SIGTERM: it checkpoints and exits; the slice stays
-  resume   if the slice was preempted or is gone: delete it, create, setup, run again; the run
-           resumes from the last checkpoint in the same --workdir
+  resume   if the slice was preempted or is gone: delete it, create, setup, run again; if it is
+           up but the run died of something a relaunch outlives (a lost host: exit 75, a
+           SIGKILL), run again on it; the run resumes from the last checkpoint in --workdir
   watch    resume whenever needed, every --interval seconds, until the run has finished
   up       create + setup + run
   delete   delete the slice (and its queued resource)
@@ -120,6 +121,7 @@ fi
 
 where=(--zone="$zone" --project="$project")
 log_file='~/jaxprefix.log'
+status_file='~/jaxprefix.status'  # the run's exit status on each worker, once it has ended
 venv='~/jaxprefix-venv'
 
 # ---- gcloud, printed and (unless --dry-run) run --------------------------------------------
@@ -195,9 +197,11 @@ setup() {
 run() {
   # The same command on every worker: jax.distributed finds the slice from the TPU metadata.
   # Detached (setsid nohup), so a dropped ssh session does not kill the run; `logs` follows it.
+  # Its exit status lands in ${status_file}: `resume` and `watch` read it to tell a finished
+  # run from one to relaunch.
   local main="${venv}/bin/python3 -m jaxprefix.main --config=$(printf %q "$config") --workdir=$(printf %q "$workdir")"
   ((${#extra[@]})) && main+=$(printf ' %q' "${extra[@]}")
-  ssh_all "cd ~/jaxprefix && setsid nohup ${main} > ${log_file} 2>&1 < /dev/null &"
+  ssh_all "cd ~/jaxprefix && rm -f ${status_file} && setsid nohup bash -c '${main}; echo \$? > ${status_file}' > ${log_file} 2>&1 < /dev/null &"
 }
 
 logs() { g compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=0 --command="tail -n 200 -F ${log_file}"; }
@@ -219,9 +223,23 @@ run_alive() {  # is the run still going on worker 0?
     --command="pgrep -f '[p]ython3 -m jaxprefix.main' > /dev/null" > /dev/null 2>&1
 }
 
-# What resume should do, on stdout: alive | ended | wait | create | recreate (reason on stderr).
+run_status() {  # worker 0's run exit status, or 'none' (never ended: killed with its VM)
+  gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=0 \
+    --command="cat ${status_file} 2> /dev/null || echo none" 2> /dev/null || echo none
+}
+
+# Relaunch on the slice as it is: leftovers of the run killed first, on every worker.
+rerun() {
+  ssh_all "pkill -KILL -f '[p]ython3 -m jaxprefix.main' || true"
+  run
+}
+
+# What resume should do, on stdout: alive | ended | rerun | wait | create | recreate (reason on
+# stderr). A run that ended with status 0 (finished), 1 or 2 (an error a person must fix) or
+# 143 (stopped by SIGTERM: launch/tpu.sh stop) stays ended; any other status (75: a lost host
+# or GCS down past its deadline; 137: killed) is relaunched, and resumes.
 resume_action() {
-  local state
+  local state status
   if ((dry_run)); then
     echo "+ (dry run: the slice state is not looked up; showing the recovery from preemption)" >&2
     echo recreate; return
@@ -229,10 +247,17 @@ resume_action() {
   state=$(slice_state)
   case "$state" in
     READY|ACTIVE)
-      if run_alive; then echo "$name is $state and the run is alive" >&2; echo alive
-      else echo "$name is $state and no run is alive (finished or crashed: launch/tpu.sh logs)" >&2
-        echo ended
-      fi ;;
+      if run_alive; then echo "$name is $state and the run is alive" >&2; echo alive; return; fi
+      status=$(run_status)
+      case "$status" in
+        0) echo "$name is $state and the run has finished" >&2; echo ended ;;
+        1|2) echo "$name is $state and the run stopped on an error (launch/tpu.sh logs)" >&2
+          echo ended ;;
+        143) echo "$name is $state and the run was stopped (launch/tpu.sh run resumes it)" >&2
+          echo ended ;;
+        *) echo "$name is $state and the run died (status $status): relaunching" >&2
+          echo rerun ;;
+      esac ;;
     MISSING) echo "$name does not exist" >&2; echo create ;;
     CREATING|PROVISIONING|WAITING_FOR_RESOURCES|ACCEPTED|STARTING|RESTARTING)
       echo "$name is $state; wait" >&2; echo wait ;;
@@ -252,6 +277,7 @@ resume() {
   local action
   action=$(resume_action)
   [[ "$action" =~ ^(create|recreate)$ ]] && recover "$action"
+  [[ "$action" == rerun ]] && rerun
   return 0
 }
 
@@ -261,6 +287,7 @@ watch() {
     action=$(resume_action)
     [[ "$action" == ended ]] && break
     [[ "$action" =~ ^(create|recreate)$ ]] && recover "$action"
+    [[ "$action" == rerun ]] && rerun
     ((dry_run)) && return
     sleep "$interval"
   done

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from jaxprefix.rl.metrics import read_metrics
+
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
@@ -66,7 +68,7 @@ def test_notebook_runs_top_to_bottom_on_cpu_with_lora(tmp_path, monkeypatch, arc
     workdir = tmp_path / "run"
     notebook = run_cells(tmp_path, monkeypatch, archive, MODEL="", WORKDIR=str(workdir),
                          CONFIG="configs/pope.py:smoke", OVERRIDES="--config.train.lora_rank=8")
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+    records = read_metrics(str(workdir))
     assert [r["step"] for r in records if "reward/mean" in r]  # the run trained and logged
     images = [o for cell in notebook.cells if cell.cell_type == "code"
               for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]

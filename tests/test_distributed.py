@@ -2,10 +2,12 @@
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import ml_collections
 import numpy as np
@@ -138,14 +140,19 @@ def _final_params(workdir: pathlib.Path) -> dict:
     return out
 
 
-def _main(workdir, devices, *distributed_flags):
+def _main(workdir, devices, *flags, steps=2):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     return subprocess.Popen(
         [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
-         f"--workdir={workdir}", "--config.train.total_steps=2", "--config.checkpoint.every=1",
-         f"--config.distributed.num_cpu_devices={devices}", *distributed_flags],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         f"--workdir={workdir}", f"--config.train.total_steps={steps}",
+         "--config.checkpoint.every=1", f"--config.distributed.num_cpu_devices={devices}",
+         *flags], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _cluster(address, i, *flags):
+    return (f"--config.distributed.coordinator_address={address}",
+            "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}", *flags)
 
 
 def _wait_all(procs, timeout_s):
@@ -170,9 +177,7 @@ def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
     one, two = tmp_path / "one_host", tmp_path / "two_hosts"
     _wait_all([_main(one, 8)], timeout_s=600)
     address = f"127.0.0.1:{_free_port()}"
-    _wait_all([_main(two, 4, f"--config.distributed.coordinator_address={address}",
-                     "--config.distributed.num_processes=2",
-                     f"--config.distributed.process_id={i}") for i in range(2)], timeout_s=600)
+    _wait_all([_main(two, 4, *_cluster(address, i)) for i in range(2)], timeout_s=600)
     expected, got = _final_params(one), _final_params(two)
     assert sorted(got) == sorted(expected)
     last = max(expected)
@@ -192,7 +197,9 @@ def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
 
 def _metrics(workdir: pathlib.Path) -> list[dict]:
     """metrics.jsonl records without wall-clock figures."""
-    records = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines() if l]
+    from jaxprefix.rl.metrics import read_metrics
+
+    records = read_metrics(str(workdir))
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
             for r in records]
 
@@ -202,3 +209,56 @@ def _flat(tree):
     import jax
     return [(jax.tree_util.keystr(path), np.asarray(leaf))
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+LOST_S = 10  # config.distributed.lost_process_timeout_s of the lost-host run
+
+
+@pytest.mark.slow
+def test_a_lost_process_stops_the_other_in_one_line_and_a_relaunch_resumes(tmp_path):
+    """Process 1 SIGKILLed after the first checkpoint (a preempted TPU VM worker): process 0
+    exits within the bound with one line naming it, and relaunching both ends where a run that
+    was never interrupted ends."""
+    one, two = tmp_path / "one_host", tmp_path / "two_hosts"
+    steps = 4
+    address = f"127.0.0.1:{_free_port()}"
+    watch = f"--config.distributed.lost_process_timeout_s={LOST_S}"
+    procs = [_main(two, 4, *_cluster(address, i, watch), steps=steps) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 600
+        while not (two / "checkpoints" / "1").is_dir() or len(_rows(two)) < 2:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+                procs[0].communicate(timeout=60)[0][-3000:]
+            time.sleep(0.1)
+        procs[1].send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        output = procs[0].communicate(timeout=LOST_S * 6)[0]
+        detected = time.monotonic() - killed
+        (tmp_path / "process0.log").write_text(output)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    print(f"lost process detected after {detected:.1f} s")
+    lines = output.strip().splitlines()
+    assert procs[0].returncode == 75, output[-3000:]
+    assert lines[-1].startswith("error: process 1 of 2 of this run stopped answering"), lines[-5:]
+    assert "Traceback" not in output and "Check failure" not in output, output[-3000:]
+    assert detected < LOST_S + 5  # the bound, plus the watch's beat and the exit
+    logged = len(_rows(two))
+    assert 2 <= logged < steps
+
+    address = f"127.0.0.1:{_free_port()}"  # the same command again, both processes
+    _wait_all([_main(two, 4, *_cluster(address, i, watch), steps=steps) for i in range(2)],
+              timeout_s=600)
+    _wait_all([_main(one, 8, steps=steps)], timeout_s=600)  # never interrupted
+    records_one, records_two = _metrics(one), _metrics(two)
+    assert len(records_two) == len(records_one) == steps
+    for a, b in zip(records_two, records_one):
+        assert a == pytest.approx(b, rel=1e-4, abs=1e-5)
+
+
+def _rows(workdir: pathlib.Path) -> list[str]:
+    path = workdir / "metrics.jsonl"
+    return [l for l in path.read_text().splitlines() if l.strip()] if path.exists() else []

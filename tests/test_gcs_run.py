@@ -44,10 +44,9 @@ def problem_file(path: str, count: int, seed: int) -> None:
                     "solution": p.solution}) + "\n" for p in problems))
 
 
-@pytest.fixture(scope="module")
-def remote(gcs, tmp_path_factory):
-    """gs:// inputs of the runs, and local folders each run starts in (cwd, TMPDIR, cache)."""
-    root = f"gs://bucket/run-{os.getpid()}"
+def run_inputs(root: str, tmp_path_factory):
+    """gs:// inputs of the runs under `root`, and local folders each run starts in (cwd,
+    TMPDIR, cache)."""
     tiny_base(f"{root}/base")
     problem_file(f"{root}/train.jsonl", 8, seed=1)
     problem_file(f"{root}/eval.jsonl", 4, seed=2)
@@ -55,6 +54,11 @@ def remote(gcs, tmp_path_factory):
     for name in ("cwd", "tmp", "cache"):
         (local / name).mkdir()
     return root, local
+
+
+@pytest.fixture(scope="module")
+def remote(gcs, tmp_path_factory):
+    return run_inputs(f"gs://bucket/run-{os.getpid()}", tmp_path_factory)
 
 
 def command(root: str, workdir: str) -> list[str]:

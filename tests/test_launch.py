@@ -15,7 +15,8 @@ SCRIPT = REPO / "launch" / "tpu.sh"
 WHERE = ["--zone=us-east5-b", "--project=my-proj"]
 
 # Records argv as one JSON line; `describe` answers $FAKE_STATE (MISSING: not found), the
-# pgrep probe answers $FAKE_RUN_ALIVE, and scp keeps a copy of the file it was asked to send.
+# pgrep probe answers $FAKE_RUN_ALIVE, the run's exit status file $FAKE_RUN_STATUS (unset: none),
+# and scp keeps a copy of the file it was asked to send.
 FAKE_GCLOUD = textwrap.dedent(f"""\
     #!{sys.executable}
     import json, os, shutil, sys
@@ -31,6 +32,8 @@ FAKE_GCLOUD = textwrap.dedent(f"""\
       shutil.copy(args[args.index("scp") + 1], os.environ["FAKE_LOG"] + ".tar.gz")
     elif any("pgrep" in a for a in args):
       sys.exit(0 if os.environ.get("FAKE_RUN_ALIVE") == "1" else 1)
+    elif any("jaxprefix.status 2>" in a for a in args):
+      print(os.environ.get("FAKE_RUN_STATUS", "none"))
 """)
 
 
@@ -73,9 +76,11 @@ def test_up_creates_copies_installs_and_runs_on_all_workers(launch, tmp_path):
     assert "~/.local/bin/uv venv -q --python 3.11 ~/jaxprefix-venv && " in setup[8]
     assert '~/.local/bin/uv pip install -q --python ~/jaxprefix-venv/bin/python -e ".[tpu]"' in setup[8]
     assert run[:8] == setup[:8]
-    assert run[8].startswith("--command=cd ~/jaxprefix && setsid nohup ~/jaxprefix-venv/bin/python3 "
-                             "-m jaxprefix.main --config=configs/grpo.py --workdir=gs://bkt/run1 "
-                             "--config.train.total_steps=100 > ~/jaxprefix.log")
+    assert run[8] == ("--command=cd ~/jaxprefix && rm -f ~/jaxprefix.status && setsid nohup "
+                      "bash -c '~/jaxprefix-venv/bin/python3 -m jaxprefix.main "
+                      "--config=configs/grpo.py --workdir=gs://bkt/run1 "
+                      "--config.train.total_steps=100; echo $? > ~/jaxprefix.status' "
+                      "> ~/jaxprefix.log 2>&1 < /dev/null &")
     # The copied code is this working tree (tracked and untracked, not ignored files).
     with tarfile.open(str(tmp_path / "gcloud.jsonl") + ".tar.gz") as tar:
         names = set(tar.getnames())
@@ -141,7 +146,7 @@ def test_resume_rebuilds_a_preempted_slice_and_reruns(launch):
     verbs = [c[3] for c in calls]
     assert verbs == ["describe", "delete", "create", "scp", "ssh", "ssh"]
     assert "--spot" in calls[2]
-    assert "jaxprefix.main --config=configs/pope.py --workdir=gs://b/r " in calls[-1][8]
+    assert "jaxprefix.main --config=configs/pope.py --workdir=gs://b/r;" in calls[-1][8]
 
 
 def test_resume_leaves_a_live_run_alone(launch):
@@ -152,10 +157,29 @@ def test_resume_leaves_a_live_run_alone(launch):
 
 
 def test_watch_stops_when_the_run_has_ended(launch):
-    result, calls = launch("watch", *WHERE, "--workdir=gs://b/r", "--interval=0",
-                           env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
-    assert [c[3] for c in calls] == ["describe", "ssh"]
-    assert "the run has ended" in result.stdout
+    for status in ("0", "1", "143"):  # finished, an error to fix, stopped on purpose
+        result, calls = launch("watch", *WHERE, "--workdir=gs://b/r", "--interval=0",
+                               env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0",
+                                        FAKE_RUN_STATUS=status))
+        assert [c[3] for c in calls] == ["describe", "ssh", "ssh"]
+        assert "the run has ended" in result.stdout
+
+
+@pytest.mark.parametrize("status", ["75", "137", "none"])
+def test_resume_relaunches_a_run_that_died_on_a_live_slice(launch, status):
+    # 75: a host of the slice was lost (the others stopped in one line) or GCS stayed down;
+    # 137: SIGKILLed; none: killed with its VM. The slice is up: relaunch on all workers.
+    result, calls = launch("resume", *WHERE, "--workdir=gs://b/r",
+                           env=dict(FAKE_STATE="READY", FAKE_RUN_ALIVE="0",
+                                    FAKE_RUN_STATUS=status))
+    assert [c[3] for c in calls] == ["describe", "ssh", "ssh", "ssh", "ssh"]
+    kill, run = calls[3], calls[4]
+    assert kill[7:] == ["--worker=all",
+                        "--command=pkill -KILL -f '[p]ython3 -m jaxprefix.main' || true"]
+    assert run[7] == "--worker=all"
+    assert "jaxprefix.main --config=configs/pope.py --workdir=gs://b/r; echo $? > " \
+           "~/jaxprefix.status" in run[8]
+    assert f"died (status {status}): relaunching" in result.stderr
 
 
 def test_python_requires_matches_the_pinned_packages():
@@ -233,7 +257,8 @@ def test_every_launch_md_command_runs_against_the_fake_gcloud(launch):
             dry = ["--dry-run"] if words[1] == "check" else []
             result, calls = launch(*shlex.split(before)[1:], *dry,
                                    *(["--", *shlex.split(after)] if after else []),
-                                   env=dict(env, FAKE_STATE="READY", FAKE_RUN_ALIVE="0"))
+                                   env=dict(env, FAKE_STATE="READY", FAKE_RUN_ALIVE="0",
+                                            FAKE_RUN_STATUS="0"))
             assert (calls == []) if dry else calls, command
             if words[1] in ("up", "run"):
                 flags = shlex.split(after) if after else []

@@ -4,6 +4,7 @@ The loop runs for real on a tiny random decoder over the demo task's character v
 reward is a registered verifier of this file (share of '+' characters in the completion): a
 random policy earns varied rewards with it, so the groups carry signal and updates move weights.
 """
+import json
 import os
 import signal
 import subprocess
@@ -104,6 +105,49 @@ def test_metrics_writer_jsonl_tensorboard_and_resume(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
 
 
+def test_metrics_segments_bound_each_flush_and_read_back_whole(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    workdir = str(tmp_path)
+    writer = MetricsWriter(workdir, enabled=True, segment_rows=3)
+    for step in range(1, 11):
+        writer.write(step, {"loss": step / 10})
+        # A flush rewrites at most 3 rows, however many steps came before.
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) <= 3
+    writer.close()
+    assert sorted(os.listdir(tmp_path / "metrics")) == [
+        "000000001.jsonl", "000000004.jsonl", "000000007.jsonl"]
+    assert [r["step"] for r in read_metrics(workdir)] == list(range(1, 11))
+    events = sorted(os.listdir(tmp_path / "tensorboard"))
+    assert len(events) == 4  # 3 + 3 + 3 + 1 events
+    accumulator = EventAccumulator(str(tmp_path / "tensorboard"))
+    accumulator.Reload()
+    assert [e.step for e in accumulator.Scalars("loss")] == list(range(1, 11))
+
+    # Resumed from step 5: the segment of steps 4-6 and the ones after it go, 1-4 stay readable.
+    MetricsWriter(workdir, resume_step=5, enabled=True, segment_rows=3).close()
+    assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3, 4]
+    assert os.listdir(tmp_path / "metrics") == ["000000001.jsonl"]
+    resumed = MetricsWriter(workdir, resume_step=5, enabled=True, segment_rows=3)
+    for step in range(5, 9):
+        resumed.write(step, {"loss": -step})
+    resumed.close()
+    rows = read_metrics(workdir)
+    assert [r["step"] for r in rows] == list(range(1, 9)) and rows[-1]["loss"] == -8
+
+
+def test_metrics_of_a_workdir_from_before_segments_stay_readable_and_resume(tmp_path):
+    lines = [json.dumps({"step": s, "loss": s}) + "\n" for s in range(1, 8)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))  # one file of all rows
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == list(range(1, 8))
+    writer = MetricsWriter(str(tmp_path), resume_step=6, enabled=True, segment_rows=3)
+    writer.write(6, {"loss": 60})
+    writer.write(7, {"loss": 70})
+    writer.close()
+    assert [r["loss"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4, 5, 60, 70]
+    assert os.listdir(tmp_path / "metrics") == ["000000001.jsonl"]  # the 5 old rows, sealed
+
+
 def test_flops_formulas():
     assert sampling_flops(1000, 7) == 14_000  # 2 N D
     assert update_flops(1000, 7) == 42_000    # 6 N D
@@ -176,6 +220,8 @@ def test_invalid_settings_fail_naming_the_field():
     with pytest.raises(ValueError, match="problems_per_step=3.*mesh"):
         validate(c, make_mesh(data=8))
     validate(run_settings(), make_mesh(data=8))  # 4 x 4 rows: fine
+    with pytest.raises(ValueError, match="config.train.tis_cap=2.0: expected 0 unless"):
+        validate(run_settings(tis_cap=2.0))  # TIS against the sampler's own log-probs is a no-op
 
 
 def test_request_checks_lengths():
@@ -266,6 +312,18 @@ def test_checkpoint_of_another_model_is_refused_by_shape_and_left_in_place(tmp_p
         train(run_settings(total_steps=2), str(tmp_path), method=method,
               model=Decoder(wider, rngs=nnx.Rngs(0)), tokenizer=TOKENIZER, progress=False)
     assert TrainCheckpointer(str(tmp_path / "checkpoints")).all_steps() == [1]
+
+
+def test_learner_old_logprobs_log_the_mismatch_and_cost_a_forward(tmp_path):
+    run(tmp_path, run_settings(total_steps=1, old_logprobs="learner", tis_cap=2.0))
+    [record] = read_metrics(str(tmp_path))
+    # An f32 sampler and learner at the same weights: the gap is rounding, and TIS weighs ~1.
+    assert 0 <= record["rollout/logprob_mismatch_mean"] <= record["rollout/logprob_mismatch_max"]
+    assert record["rollout/logprob_mismatch_max"] < 1e-3
+    assert abs(record["tis/weight_mean"] - 1) < 1e-3 and record["tis/capped_fraction"] == 0
+    # The update is a forward and a backward (6 N per token) plus the recompute's forward (2 N).
+    per_token = record["flops/update"] / record["tokens/trained"]
+    assert per_token == pytest.approx(8 * count_params(nnx.state(Decoder(MODEL), nnx.Param)))
 
 
 def test_dynamic_sampling_refills_zero_variance_groups(tmp_path):

@@ -167,3 +167,44 @@ def test_truncated_completions_carry_no_loss():
     mask = obj.mask_truncated(jnp.asarray(MASK), np.array([True, False]))
     np.testing.assert_array_equal(mask, [[1, 1, 1], [0, 0, 0]])
     np.testing.assert_allclose(obj.masked_mean(jnp.asarray(RATIOS), mask), 3.4 / 3, atol=1e-6)
+
+
+# TIS: pi_old / pi_sampler per token (old = 0, so sampler = -log w); capped at 1.5 -> 1.5, .5, 1
+# on row 0; row 1's masked 3.0 must not count, then 1.2 and 0.8.
+RAW_TIS = np.array([[2.0, 0.5, 1.0], [3.0, 1.2, 0.8]], np.float32)
+SAMPLER = OLD - np.log(RAW_TIS)
+
+
+def test_truncated_importance_sampling_loss_by_hand():
+    value, stats = loss("token_mean", sampler_logp=SAMPLER, tis_cap=1.5)
+    # The per-token losses above times the capped weights:
+    # row 0: -1.28 * 1.5, -0.9 * 0.5, -1.0 * 1; row 1: 1.6 * 1.2, 2.4 * 0.8.
+    by_hand = (-1.28 * 1.5 - 0.9 * 0.5 - 1.0 + 1.6 * 1.2 + 2.4 * 0.8) / 5
+    np.testing.assert_allclose(value, by_hand, atol=1e-5)
+    np.testing.assert_allclose(stats["tis_weight_sum"], 1.5 + 0.5 + 1.0 + 1.2 + 0.8, atol=1e-5)
+    np.testing.assert_allclose(stats["tis_capped_sum"], 1.0)  # row 0's 2.0; the masked 3.0 not
+    # Detached weights: each token's gradient is its weight times the uncorrected one.
+    weights = np.minimum(RAW_TIS, 1.5)
+    plain = jax.grad(lambda lp: loss_at(lp, "token_mean"))(jnp.asarray(LOGP))
+    tis = jax.grad(lambda lp: loss_at(lp, "token_mean", sampler_logp=SAMPLER, tis_cap=1.5))(
+        jnp.asarray(LOGP))
+    np.testing.assert_allclose(tis, weights * np.asarray(plain), atol=1e-6)
+
+
+def test_tis_leaves_the_kl_term_alone_and_is_off_at_cap_zero():
+    ref = LOGP + 0.1
+    value, _ = loss("token_mean", sampler_logp=SAMPLER, tis_cap=1.5, ref_logp=ref, kl_coef=0.5)
+    tis_only, _ = loss("token_mean", sampler_logp=SAMPLER, tis_cap=1.5)
+    np.testing.assert_allclose(value, tis_only + 0.5 * (np.exp(0.1) - 0.1 - 1), atol=1e-5)
+    off, stats = loss("token_mean", sampler_logp=SAMPLER, tis_cap=0.0)
+    np.testing.assert_allclose(off, PER_TOKEN_SUM / 5, atol=1e-5)  # today's loss, exactly
+    assert "tis_weight_sum" not in stats
+    with pytest.raises(ValueError, match="sampler_logp"):
+        loss("token_mean", tis_cap=1.5)
+
+
+def test_logprob_mismatch_over_loss_tokens():
+    learner = SAMPLER + np.array([[0.1, -0.3, 0.0], [9.0, 0.2, -0.05]], np.float32)
+    mean, largest = obj.logprob_mismatch(SAMPLER, learner, MASK)
+    np.testing.assert_allclose(mean, (0.1 + 0.3 + 0.0 + 0.2 + 0.05) / 5, atol=1e-6)
+    np.testing.assert_allclose(largest, 0.3, atol=1e-6)  # the masked 9.0 is ignored

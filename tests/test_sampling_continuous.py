@@ -1,6 +1,7 @@
 """The continuous decode against the static one: same rollouts for any rows in flight, devices and
 KV budget; bounded compiles; memory that follows the rows in flight, not the request."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -52,30 +53,71 @@ def assert_same_rollouts(r, reference):
     np.testing.assert_array_equal(r.stopped, reference.stopped)
 
 
-@pytest.mark.parametrize('rows,temperature', [(1, 1.0), (3, 1.0), (8, 1.0), (24, 1.0),
-                                              (3, 0.0), (8, 0.0)])
-def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature):
+@pytest.mark.parametrize('rows,temperature,page_size', [
+    (1, 1.0, 128), (3, 1.0, 16), (8, 1.0, 128), (8, 1.0, 16), (24, 1.0, 16), (3, 0.0, 16),
+    (8, 0.0, 128)])
+def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature, page_size):
     reference = static(temperature)
     stopped_at = set(reference.lengths[reference.stopped].tolist())
     assert len(stopped_at) >= 3 and not reference.stopped.all(), reference.lengths
     req = sampler._prepare(model, CONTEXTS, temperature=temperature, top_p=1.0, top_k=0,
-                           max_rows_in_flight=rows, kv_budget_bytes=None, **REQUEST)
+                           max_rows_in_flight=rows, kv_budget_bytes=None, page_size=page_size,
+                           **REQUEST)
     # 24 rows: every row fits, so the static decode runs; fewer: the continuous one, with that cap.
     assert (req.schedule is None) == (rows >= 24)
     assert req.schedule is None or req.schedule.rows_in_flight == rows
-    r = generate(model, CONTEXTS, temperature=temperature, max_rows_in_flight=rows, **REQUEST)
+    r = generate(model, CONTEXTS, temperature=temperature, max_rows_in_flight=rows,
+                 page_size=page_size, **REQUEST)
     assert_same_rollouts(r, reference)
 
 
 def test_kv_budget_sets_rows_in_flight(model, static):
-    per_token = budget.kv_bytes_per_token(CONFIG)
-    # Room for 5 rows of 32 new tokens and 2 x ceil(5/3) = 4 contexts of 16 + 16 tokens.
-    allowed = (5 * 32 + 4 * 32) * per_token
+    page_token = budget.page_bytes_per_token(CONFIG, 'float32')  # 256 bytes
+    # 3 = ceil(6/3) + 1 group slots of 16 + 16 context tokens and 6 pages of 32 tokens (a row's
+    # whole bucket: one page each) fit; 7 rows (4 group slots) do not.
+    allowed = (3 * 32 + 6 * 32) * page_token
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=None, kv_budget_bytes=allowed, **REQUEST)
-    assert req.schedule == budget.Schedule(shards=1, row_slots=5, context_slots=4, admit=2)
+    assert req.schedule == budget.Schedule(shards=1, row_slots=6, context_slots=3, admit=2,
+                                           page_size=32, pages=6, reserve=1)
     r = generate(model, CONTEXTS, temperature=1.0, kv_budget_bytes=allowed, **REQUEST)
     assert_same_rollouts(r, static(1.0))
+
+
+def test_rows_preempted_when_pages_run_out_draw_the_same_tokens(model, static):
+    # Pages of 16 tokens, each active row promised 1 of its 2: 8 rows start on the pages of 4
+    # whole rows (beside 4 = ceil(8/3) + 1 group slots), so rows that grow past 16 tokens run
+    # the pool dry and the youngest give their pages back and start again.
+    page_token = budget.page_bytes_per_token(CONFIG, 'float32')
+    allowed = (4 * 32 + 8 * 16) * page_token
+    req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
+                           max_rows_in_flight=8, kv_budget_bytes=allowed, page_size=16,
+                           reserve_fraction=0.5, **REQUEST)
+    assert (req.schedule.row_slots, req.schedule.pages, req.schedule.reserve) == (8, 8, 1)
+    reference = static(1.0)
+    assert (reference.lengths > 16).sum() > 8  # more rows outgrow one page than pages allow
+    r = generate(model, CONTEXTS, temperature=1.0, max_rows_in_flight=8, kv_budget_bytes=allowed,
+                 page_size=16, reserve_fraction=0.5, **REQUEST)
+    assert_same_rollouts(r, reference)
+
+
+def test_preemption_takes_the_fewest_youngest_rows():
+    from jaxprefix.sampling import continuous
+    active, queued = continuous.ACTIVE, continuous.QUEUED
+    rows = continuous.Rows(state=jnp.array([active, active, active, queued, active]),
+                           t=jnp.zeros(5, jnp.int32), token=jnp.zeros(5, jnp.int32),
+                           position=jnp.zeros(5, jnp.int32),
+                           started=jnp.array([0, 5, 3, 9, 7]))
+    held = jnp.array([3, 1, 2, 0, 1])
+    needs = jnp.array([True, True, False, False, True])
+    # 1 free page, 3 needed: giving back row 4's (youngest: 1 page, and its own need) leaves
+    # 2 needed, 2 free. Rows 1 then 2 would come next.
+    picked = continuous._preempt_block(rows, held, jnp.int32(1), needs)
+    assert picked.tolist() == [False, False, False, False, True]
+    picked = continuous._preempt_block(rows, held, jnp.int32(0), needs)
+    assert picked.tolist() == [False, True, False, False, True]
+    picked = continuous._preempt_block(rows, held, jnp.int32(3), needs)
+    assert not picked.any()
 
 
 def test_eight_devices_equal_one(model, static, tmp_path):
@@ -83,7 +125,22 @@ def test_eight_devices_equal_one(model, static, tmp_path):
     sharded = shard_model(make_model(), mesh)
     assert len(sharded.embed[...].sharding.device_set) == 8
     # 16 rows over 8 devices: 2 row slots per device, each device admitting its own contexts.
-    r = generate(sharded, CONTEXTS, temperature=1.0, max_rows_in_flight=16, **REQUEST)
+    r = generate(sharded, CONTEXTS, temperature=1.0, max_rows_in_flight=16, page_size=16,
+                 **REQUEST)
+    assert_same_rollouts(r, static(1.0))
+
+
+@pytest.mark.parametrize('rows', [6, None])
+def test_tensor_parallel_decode_equals_fsdp_weights(model, static, rows):
+    """Weights trained under FSDP, resharded for a decode with heads over 'tensor' (2 of the 8
+    devices; rows over the other 4): the same rollouts as one device."""
+    sharded = shard_model(make_model(), make_mesh(1, 8, 1))
+    req = sampler._prepare(sharded, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
+                           max_rows_in_flight=rows, kv_budget_bytes=None, tensor_parallel=2,
+                           **REQUEST)
+    assert dict(req.mesh.shape) == {'data': 4, 'fsdp': 1, 'tensor': 2}
+    r = generate(sharded, CONTEXTS, temperature=1.0, max_rows_in_flight=rows, page_size=16,
+                 tensor_parallel=2, **REQUEST)
     assert_same_rollouts(r, static(1.0))
 
 
@@ -110,7 +167,8 @@ def _decode_temp_bytes(num_contexts, n, rows):
 
 def test_decode_temporaries_grow_with_rows_in_flight_not_with_the_request():
     small = _decode_temp_bytes(4, 4, rows=4)
-    assert _decode_temp_bytes(32, 8, rows=4) == small  # 16x the rows, same rows in flight
+    # 8x the contexts, same rows in flight (and n: a group slot holds a context's n rows).
+    assert _decode_temp_bytes(32, 4, rows=4) == small
     assert _decode_temp_bytes(8, 4, rows=16) > 1.5 * small  # 4x the rows in flight
     assert _decode_temp_bytes(32, 8, rows=None) > 4 * small  # the static decode: every row
 
@@ -152,13 +210,20 @@ def test_plan():
     assert budget.plan(**kw) is None
     assert budget.plan(**kw, kv_budget_bytes=static_bytes) is None
     assert budget.plan(**kw, max_rows_in_flight=32) is None
-    # A cap: rows per device rounded down, one at least; K = 2 ceil(s / n), F = ceil(s / n).
-    assert budget.plan(**kw, max_rows_in_flight=13) == budget.Schedule(2, 6, 4, 2)
-    assert budget.plan(**kw, max_rows_in_flight=1) == budget.Schedule(2, 1, 2, 1)
-    # A budget: the most rows whose slots and contexts fit: 2 x (s x 64 + K x 32) tokens.
-    allowed = 2 * (5 * 64 + 4 * 32) * 10
-    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.Schedule(2, 5, 4, 2)
-    assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.Schedule(2, 4, 2, 1)
+    # A cap: rows per device rounded down, one at least; K = ceil(s / n) and a quarter more (one
+    # at least), F = ceil(s / n); pages: a whole row (one page of 64 tokens here) a row.
+    assert budget.plan(**kw, max_rows_in_flight=13) == budget.Schedule(2, 6, 3, 2, 64, 6, 1)
+    assert budget.plan(**kw, max_rows_in_flight=1) == budget.Schedule(2, 1, 2, 1, 64, 1, 1)
+    # Pages of 16 tokens: 4 a row; half of them promised to each active row.
+    assert budget.plan(**kw, max_rows_in_flight=8, page_size=16) == budget.Schedule(
+        2, 4, 2, 1, 16, 16, 4)
+    assert budget.plan(**kw, max_rows_in_flight=8, page_size=16, reserve_fraction=0.5) == \
+        budget.Schedule(2, 4, 2, 1, 16, 8, 2)
+    # A budget: the most rows whose group slots and reserved pages fit, 2 x (K x 32 context
+    # tokens + s x 64 page tokens); what the contexts leave goes to pages.
+    allowed = 2 * (3 * 32 + 5 * 64) * 10
+    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.Schedule(2, 5, 3, 2, 64, 5, 1)
+    assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.Schedule(2, 4, 2, 1, 64, 5, 1)
     with pytest.raises(ValueError, match=r'kv_budget_bytes=100 holds no row: .* need 2560 bytes'):
         budget.plan(**kw, kv_budget_bytes=100)
 

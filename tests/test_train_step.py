@@ -141,6 +141,62 @@ def test_sampler_logprobs_give_unit_ratio_on_first_minibatch(two_minibatches):
     assert int(metrics["updates"]) == 2
 
 
+def test_learner_old_logprobs_replace_the_samplers(one_minibatch):
+    """old_logprobs='learner': the update recomputes pi_old itself, so a batch whose sampler
+    log-probs are off by noise takes the step that exact ones take in 'sampler' mode, and the
+    noise is reported as the mismatch."""
+    learner = Learner(tiny_model(), dataclasses.replace(ONE_MINIBATCH, old_logprobs="learner"))
+    state = one_minibatch.init_state()
+    exact = with_old_logprobs(rollout_batch(), one_minibatch, state)
+    noisy = with_old_logprobs(rollout_batch(), one_minibatch, state, noise=0.1)
+    _, reference = one_minibatch.update(one_minibatch.init_state(), exact)
+    _, metrics = learner.update(learner.init_state(), noisy)
+    for key in ("loss", "grad_norm", "entropy"):
+        np.testing.assert_allclose(metrics[key], reference[key], rtol=1e-5)
+    assert float(metrics["ratio/first_max_abs_dev"]) < 1e-5  # the noise left the ratio
+    mask = noisy["completion_mask"] > 0
+    gap = np.abs(noisy["old_logprobs"] - exact["old_logprobs"])[mask]
+    np.testing.assert_allclose(metrics["rollout/logprob_mismatch_mean"], gap.mean(), rtol=1e-4)
+    np.testing.assert_allclose(metrics["rollout/logprob_mismatch_max"], gap.max(), rtol=1e-4)
+    assert "rollout/logprob_mismatch_mean" not in reference  # 'sampler' mode: as before
+
+
+def test_tis_update_equals_the_hand_computed_loss(one_minibatch):
+    """On the first minibatch pi = pi_old (the learner's), so the clipped ratio is 1 and each
+    token's loss is -A * min(exp(pi_old - pi_sampler), cap): the loss is that mean, and the
+    gradient that of the TIS loss written out directly."""
+    cap = 1.2
+    config = dataclasses.replace(ONE_MINIBATCH, old_logprobs="learner", tis_cap=cap)
+    learner = Learner(tiny_model(), config)
+    state = learner.init_state()
+    own = np.asarray(learner.logprobs(state.params, rollout_batch()))
+    batch = with_old_logprobs(rollout_batch(), learner, state, noise=0.3)
+    mask = batch["completion_mask"]
+    weights = np.minimum(np.exp(own - batch["old_logprobs"]), cap)
+    by_hand = -(batch["advantages"][:, None] * weights * mask).sum() / mask.sum()
+
+    def direct(params):
+        model = nnx.merge(learner.graphdef, params, learner.rest)
+        logp, _ = token_logprobs(model, batch["tokens"], batch["token_mask"],
+                                 positions=batch["positions"])
+        return objectives.policy_loss(logp, own, batch["advantages"], mask, eps_low=0.2,
+                                      eps_high=0.28, sampler_logp=batch["old_logprobs"],
+                                      tis_cap=cap)[0]
+
+    loss, grads = jax.value_and_grad(direct)(state.params)
+    _, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
+    np.testing.assert_allclose(loss, by_hand, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+    np.testing.assert_allclose(metrics["tis/weight_mean"], weights[mask > 0].mean(), rtol=1e-5)
+    capped = (weights[mask > 0] >= cap).mean()
+    assert 0 < capped < 1
+    np.testing.assert_allclose(metrics["tis/capped_fraction"], capped, rtol=1e-5)
+    # The same batch uncorrected ('sampler' mode): another loss.
+    _, plain = one_minibatch.update(one_minibatch.init_state(), batch)
+    assert abs(float(plain["loss"]) - by_hand) > 1e-3
+
+
 def test_sharded_step_equals_single_device_step(two_minibatches):
     state = two_minibatches.init_state()
     batch = with_old_logprobs(rollout_batch(), two_minibatches, state, noise=0.05)
@@ -225,6 +281,10 @@ def test_invalid_settings_name_the_field():
         TrainConfig(num_minibatches=3).check_batch(16)
     with pytest.raises(ValueError, match="mesh"):
         TrainConfig(micro_batch_size=2).check_batch(16, batch_shards=4)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        TrainConfig(old_logprobs="actor")
+    with pytest.raises(ValueError, match="tis_cap=2.0: expected 0 unless old_logprobs='learner'"):
+        TrainConfig(tis_cap=2.0)  # against the sampler's own log-probs TIS would do nothing
 
 
 def _sampled_batch(model, temperature):

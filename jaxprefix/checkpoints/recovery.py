@@ -10,7 +10,9 @@ config and seed, so it ends as if nothing happened). Only when no step restores 
 stop, with one message.
 
 A checkpoint of another model (other shapes) is not corrupt: that is refused before restoring,
-naming the array and both shapes, and nothing is moved.
+naming the array and both shapes, and nothing is moved. Nor is one that GCS will not serve
+(permission denied, down past config.storage.retry_deadline_s): the run stops in one line and
+the checkpoint stays.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from etils import epath
 
 from jaxprefix import distributed, storage
 from jaxprefix.errors import CheckpointError
+from jaxprefix.storage_faults import StorageError, StorageUnavailable
 
 ASIDE_SUFFIX = ".unrestorable"
 
@@ -38,6 +41,8 @@ def restore_newest(ckpt, like, *, move_aside: bool = True):
         check_fits(path, like)
         try:
             arrays, meta = ckpt.restore(like, step)
+        except (StorageError, StorageUnavailable):
+            raise  # GCS refusing or down: the checkpoint may be fine, so it stays where it is
         except Exception as e:  # noqa: BLE001  (tensorstore, orbax and JSON errors alike)
             reason = _first_line(e)
             where = _move_aside(ckpt, step) if move_aside else None

@@ -14,6 +14,7 @@ within (1 - compile.headroom) of HBM; otherwise one line names the program and t
 """
 from __future__ import annotations
 
+import functools
 import time
 
 from absl import logging
@@ -25,9 +26,9 @@ from jaxprefix.jobs.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
-from jaxprefix.models.tpu_attention import kernel_flops
+from jaxprefix.models.tpu_attention import kernel_flops, paged_kernel_bytes
 from jaxprefix.rl import loop
-from jaxprefix.sampling.budget import DEFAULT_FREE_MEMORY_SHARE
+from jaxprefix.sampling import decode_layout
 from jaxprefix.tpu import compiled_stats, programs, topology
 
 GiB = 2**30
@@ -110,7 +111,8 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     step = programs.StepShape(
         contexts=contexts, context_length=c.context_length, n=r.n,
         max_new_tokens=r.max_new_tokens, max_rows_in_flight=r.max_rows_in_flight,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, page_size=r.page_size,
+        kv_dtype=r.kv_dtype, kv_reserve=r.kv_reserve, tensor_parallel=r.tensor_parallel)
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
@@ -118,7 +120,10 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
         model, train, mesh, step))
     # While the sampler runs on its compute-dtype copy of the weights, the training state (master
     # weights or adapters, optimizer moments) stays in HBM.
-    sampler_model, copies, copies_note = programs.sampling_model(learner, state)
+    decode = decode_layout(mesh, model_config, r.tensor_parallel)
+    sampler_model, copies, copies_note, reshard = programs.sampling_model(learner, state, decode)
+    if reshard is not None:
+        compiled.append(reshard)
     resident = programs.bytes_per_chip(state) + copies
     note = 'training state: trained weights and optimizer moments'
     if copies:
@@ -126,7 +131,9 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     if train.kl_coef > 0:
         resident += programs.bytes_per_chip(state.params)
         note += ', KL reference weights'
+    # The sampler's weights, and their tensor-parallel copy when the decode reshards them.
     weights = programs.bytes_per_chip(nnx.state(sampler_model))
+    weights += programs.decode_copy_bytes(sampler_model, step)
     kv_budget = kv_budget_bytes(r, slice_.chip, mesh.size, resident + weights)
     try:
         compiled += _timed('sampler', lambda: programs.sampler_programs(
@@ -157,9 +164,11 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
         'step': {'contexts': step.contexts, 'n': step.n, 'rows': step.rows,
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
                  'max_rows_in_flight': step.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
+                 'kv_dtype': step.kv_dtype or model_config.dtype, 'page_size': step.page_size,
                  'learner_width': step.learner_width,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
-                                         for p in rows if p['roofline'])},
+                                         for p in rows if p['roofline']),
+                 **sampler_figures(rows, step, model_config, chip, mesh.size)},
         'state_bytes_per_chip': {'params': programs.bytes_per_chip(state.params),
                                  'optimizer': programs.bytes_per_chip(state.opt_state),
                                  'frozen': programs.bytes_per_chip(learner.rest)},
@@ -168,14 +177,37 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     }
 
 
+def sampler_figures(rows: list, step: programs.StepShape, model_config: ModelConfig,
+                    chip: topology.Chip, chips: int) -> dict:
+    """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
+
+    The floor is the KV the step's decoding must read at the least, every row running to
+    max_new_tokens: each row's own filled tokens once per step (t at its t-th step) and each
+    context's KV once per step of its group, in the KV dtype, spread over every chip's HBM.
+    Weights and activations are left out of it, so no schedule reaches it."""
+    from jaxprefix.sampling import budget
+
+    token = budget.page_bytes_per_token(model_config, step.kv_dtype or model_config.dtype)
+    tokens = (step.rows * step.max_new_tokens * (step.max_new_tokens - 1) / 2
+              + step.contexts * step.context_length * step.max_new_tokens)
+    floor = tokens * token / (chips * chip.hbm_bytes_per_s)
+    sampler = [p for p in rows if p['name'].startswith('sampler') and p['roofline']]
+    hbm = sum(p['calls_per_step'] * p['roofline']['hbm_s'] for p in sampler)
+    seconds = sum(p['calls_per_step'] * p['roofline']['seconds'] for p in sampler)
+    generated = step.rows * step.max_new_tokens
+    return {'sampler_hbm_s': hbm, 'sampler_hbm_floor_s': floor,
+            'sampler_vs_floor': hbm / floor if floor else None,
+            'sampler_ici_s': sum(p['calls_per_step'] * p['roofline']['ici_s'] for p in sampler),
+            'generated_tokens_per_s_per_chip': generated / seconds / chips if seconds else None}
+
+
 def kv_budget_bytes(rollout, chip: topology.Chip, chips: int, in_use_per_chip: float) -> int:
     """The sampler's KV budget as the run sets it (sampling.memory_settings): rollout.kv_budget_gib,
-    or by default a share of the memory the chips report free when it samples, i.e. their HBM less
-    the training state and the sampler's weights."""
+    or by default what the chips hold beyond rollout.memory_headroom of their HBM when it
+    samples, i.e. less the training state and the sampler's weights."""
     if rollout.kv_budget_gib:
         return int(rollout.kv_budget_gib * GiB)
-    free = chips * max(0.0, chip.hbm_bytes - in_use_per_chip)
-    return int(free * DEFAULT_FREE_MEMORY_SHARE)
+    return int(chips * max(0.0, chip.hbm_bytes * (1 - rollout.memory_headroom) - in_use_per_chip))
 
 
 def run_model_config(config) -> ModelConfig:
@@ -243,7 +275,10 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
                                   rare_branch_calls=p.rare_branch_calls,
-                                  kernel_flops=kernel_flops).total()
+                                  kernel_flops=kernel_flops,
+                                  kernel_bytes=functools.partial(
+                                      paged_kernel_bytes,
+                                      tokens_per_call=p.paged_tokens_per_call)).total()
     compute_s = cost.flops / chip.peak_bf16_flops
     memory_s = cost.bytes / chip.hbm_bytes_per_s
     ici_s = sum(c['moved'] for c in cost.collectives.values()) / chip.ici_bytes_per_s
@@ -299,4 +334,10 @@ def table(report: dict) -> str:
               "code + resident (the training state, in HBM while the sampler runs). Roofline "
               "seconds per call = max(compute s, HBM s); ICI s (collectives) shown beside it. "
               f"One step's roofline: {step['roofline_seconds']:,.0f} s."]
+    if step.get('sampler_vs_floor'):
+        lines.append(f"Sampler: {step['sampler_hbm_s']:,.0f} s of HBM time against a floor of "
+                     f"{step['sampler_hbm_floor_s']:,.0f} s ({step['sampler_vs_floor']:.2f}x; "
+                     f"{step['kv_dtype']} KV), {step['sampler_ici_s']:,.0f} s of ICI; "
+                     f"{step['generated_tokens_per_s_per_chip']:,.0f} generated tokens/s per chip "
+                     f"when every row runs to {step['max_new_tokens']:,} tokens.")
     return '\n'.join(lines)

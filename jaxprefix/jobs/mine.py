@@ -49,7 +49,7 @@ def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
     rollout = config.rollout
     spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                         top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids,
-                        **sampling.memory_settings(rollout))
+                        memory=sampling.memory_settings(rollout))
     return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
                   verifier_timeout_s=config.rewards.timeout_s,

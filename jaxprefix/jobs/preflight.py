@@ -74,6 +74,9 @@ def _check_settings(config, workdir: str) -> None:
     r = config.rewards
     if not r.timeout_s > 0:
         raise ConfigError(f"config.rewards.timeout_s={r.timeout_s!r}: expected > 0 seconds")
+    if r.get("max_memory_mb", 0) < 0:
+        raise ConfigError(f"config.rewards.max_memory_mb={r.max_memory_mb!r}: expected >= 0 "
+                          f"(0: no cap)")
     if r.get("max_chars", 0) < 0:
         raise ConfigError(f"config.rewards.max_chars={r.max_chars!r}: expected >= 0 (0: no cap)")
     if config.data.get("max_prompt_tokens", 0) < 0:

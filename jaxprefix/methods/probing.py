@@ -44,8 +44,7 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0
     stop_ids: tuple = ()
-    max_rows_in_flight: int | None = None
-    kv_budget_bytes: int | None = None
+    memory: dict = dataclasses.field(default_factory=dict)  # sampling.memory_settings(rollout)
 
 
 class Prober:
@@ -88,8 +87,7 @@ class Prober:
                 self.model, list(contexts[start:stop]), n=k, max_new_tokens=self.spec.max_new_tokens,
                 temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,
                 stop_ids=self.spec.stop_ids, seed=seed * 1_000_003 + chunk_index,
-                max_rows_in_flight=self.spec.max_rows_in_flight,
-                kv_budget_bytes=self.spec.kv_budget_bytes)
+                **self.spec.memory)
             prefixes = None if response_prefixes is None else list(response_prefixes[start:stop])
             texts = completion_texts(self.tokenizer, rollouts, prefixes)
             row_problems = [problems[start + g] for g in rollouts.group_ids]

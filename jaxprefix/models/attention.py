@@ -9,16 +9,14 @@ positions only: a slot is visible when its position is >= 0 (filled), <= the que
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.layers import softcap
-from jaxprefix.models.sharding import MESH_AXES, logical_spec
 
 # Finite, so a query row with no visible key (padding) yields finite garbage, not NaN.
 _MASKED = -1e30
@@ -41,9 +39,8 @@ class KVSegment:
 
 @flax.struct.dataclass
 class KVCache(KVSegment):
-    """A KVSegment with one group per query row and a write column: `index` is an int32 scalar
-    (every row writes at the same column) or int32 [B] (row b writes at column index[b]: rows of
-    the continuous sampler, each at its own token count)."""
+    """A KVSegment with one group per query row and a write column `index` (int32 []: every row
+    writes its new tokens at the same column; the static decode's cache)."""
     index: jax.Array = None
 
     @classmethod
@@ -52,43 +49,6 @@ class KVCache(KVSegment):
         shape = (config.num_layers, batch, length, config.num_kv_heads, config.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    pos=jnp.full((batch, length), -1, jnp.int32), index=jnp.zeros((), jnp.int32))
-
-
-def write_columns(table: jax.Array, layer, new: jax.Array, columns: jax.Array) -> jax.Array:
-    """table [L, B, S, ...] with new [B, T, ...] written in layer `layer` at columns columns[b] ..
-    columns[b] + T - 1 of each row b (past the end: dropped).
-
-    A plain scatter; under a mesh whose row axes split B, each device writes its own rows
-    (shard_map), where XLA's partitioner would first gather every row's update to every device.
-    """
-    def local(table, layer, new, columns):
-        rows = jnp.arange(new.shape[0])[:, None]
-        at = (layer, rows, columns[:, None] + jnp.arange(new.shape[1]))
-        return table.at[at].set(new.astype(table.dtype), mode='drop')
-
-    mesh = jax.sharding.get_abstract_mesh()
-    row_axes = None
-    if not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names):
-        row_axes = logical_spec(('batch',), new.shape[:1], dict(mesh.shape))[0]
-    if row_axes is None:
-        return local(table, layer, new, columns)
-    manual = set(row_axes) if isinstance(row_axes, tuple) else {row_axes}
-    return jax.shard_map(local, in_specs=(P(None, row_axes), P(), P(row_axes), P(row_axes)),
-                         out_specs=P(None, row_axes), axis_names=manual)(table, layer, new,
-                                                                        columns)
-
-
-def take_groups(x: jax.Array, rows: jax.Array) -> jax.Array:
-    """Group rows[d, i] of block d, for each query row d * s + i: x [G, ...] -> [D * s, ...].
-
-    The G groups are D contiguous blocks (one per device that holds rows) and each row picks
-    within its own block, so the gather stays on the device that holds both (a batched gather
-    over D, which XLA's SPMD partitioner splits without communication).
-    """
-    d, s = rows.shape
-    blocks = x.reshape(d, x.shape[0] // d, *x.shape[1:])
-    picked = jax.vmap(lambda block, index: block[index])(blocks, rows)
-    return picked.reshape(d * s, *x.shape[1:])
 
 
 def _visible(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
@@ -105,7 +65,8 @@ Segment = tuple[jax.Array, jax.Array, jax.Array]  # (k, v, pos) of one layer
 
 
 def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
-           *, scale: float, window=None, logit_cap: float | None = None) -> jax.Array:
+           *, scale: float, window=None, logit_cap: float | None = None,
+           partials: Sequence[Partial] = ()) -> jax.Array:
     """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
 
     Each segment is (k [G, S, Hkv, Dh], v [G, S, Hkv, Dh], pos [G, S]) with B divisible by G.
@@ -115,10 +76,11 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
     concatenating scores of segments laid out for different G. Scores are [G, Hkv, r, T, H/Hkv, S],
     batch dimensions first, the layout XLA's dot kernels want (2-3x faster on CPU than keys in the
     middle); only the small per-query statistics change layout.
-    `window` (scalar, may be traced) limits the query-key position distance.
+    `window` (scalar, may be traced) limits the query-key position distance. `partials` are
+    segments already attended to elsewhere (the sampler's KV pages), merged in the same way.
     """
     b, t, h, dh = q.shape
-    partial = []  # per segment: (max, sum, unnormalised output), each per query row [B, T, Hkv, H/Hkv]
+    partial = list(partials)
     for k, v, pos in segments:
         g, _, hkv, _ = k.shape
         if b % g:
@@ -135,8 +97,16 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
         o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
                        preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
         to_rows = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, t, hkv, h // hkv)
-        partial.append((to_rows(peak), to_rows(p.sum(axis=-1)), o))
+        partial.append(Partial(to_rows(peak), to_rows(p.sum(axis=-1)), o))
     peak = functools.reduce(jnp.maximum, [m for m, _, _ in partial])
     total = sum(l * jnp.exp(m - peak) for m, l, _ in partial)
     out = sum(o * jnp.exp(m - peak)[..., None] for m, _, o in partial)
     return (out / total[..., None]).reshape(b, t, h, dh).astype(q.dtype)
+
+
+class Partial(NamedTuple):
+    """One segment's share of a softmax, per query row and head: out = Σ exp(s - peak) v and
+    total = Σ exp(s - peak) (or a normalised out with total 1 and peak its log-sum-exp)."""
+    peak: jax.Array   # f32 [B, T, Hkv, H/Hkv]
+    total: jax.Array  # f32 [B, T, Hkv, H/Hkv]
+    out: jax.Array    # f32 [B, T, Hkv, H/Hkv, Dh]

@@ -16,7 +16,8 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix.models import layers, lora, tpu_attention
-from jaxprefix.models.attention import KVCache, KVSegment, attend, take_groups, write_columns
+from jaxprefix.models.attention import KVCache, KVSegment, attend
+from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
 
@@ -88,7 +89,7 @@ class Decoder(nnx.Module):
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _ = self._run(tokens, positions, (), None, None, None)
+        h, _ = self._run(tokens, positions, (), None, None, ())
         return h
 
     def unembedding(self) -> jax.Array:
@@ -104,29 +105,35 @@ class Decoder(nnx.Module):
         return [{name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers)]
 
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
-               cache: KVCache | None = None, context_rows: jax.Array | None = None,
-               layer_weights: Sequence[dict] | None = None) -> tuple[jax.Array, KVSegment | KVCache]:
+               cache: KVCache | None = None, layer_weights: Sequence[dict] | None = None,
+               pages: Sequence[PagedKV] = ()) -> tuple[jax.Array, KVSegment | KVCache]:
         """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
         A negative position marks a padding token: it is stored as an empty slot. Returns the new
         tokens' KVSegment (cache=None) or the updated cache (index advanced by T). Context groups
-        are read group-major, or, given `context_rows` int32 [D, B/D], query row d * B/D + i reads
-        group rows[d, i] of the d-th block of G/D groups (`attention.take_groups`).
+        are read group-major.
         `layer_weights` (from `layer_weights()`, taken outside a decode loop) runs the layers one
         by one on those arrays instead of scanning the stacked weights: XLA's CPU backend copies
         each layer's slice of a stacked weight before its matmul, which triples the weight reads
         of a memory-bound decode step (TPU fuses the slice into the matmul).
+        `pages` (no cache; one new token per row): the new tokens also attend to KV in pages
+        (paged_attention.py; a context each group of rows shares, each row's own earlier
+        tokens), read only; the returned KVSegment holds the new tokens' keys and values for the
+        caller to write into its pages.
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         positions = jnp.where(positions >= 0, positions, -1)
-        h, kv = self._run(tokens, positions, tuple(context), cache, context_rows, layer_weights)
+        pages = tuple(pages)
+        if pages and (cache is not None or tokens.shape[1] != 1):
+            raise ValueError('pages take one new token per row and no cache')
+        h, kv = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
         return self.unembed(h), kv
 
     # --- the one forward path -----------------------------------------------------------------
 
     def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
-             context_rows: jax.Array | None, layer_weights: Sequence[dict] | None):
+             layer_weights: Sequence[dict] | None, pages: tuple[PagedKV, ...]):
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -161,11 +168,10 @@ class Decoder(nnx.Module):
                 outs.append(out)
             return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
         context_pos = [s.pos for s in context]
-        if context_rows is not None:
-            context_pos = [take_groups(p, context_rows) for p in context_pos]
         # Without a cache the new tokens attend to each other: T x T scores, too large to
         # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
-        attend_fn = attend if cache is not None else functools.partial(
+        # A decode step over pages has one new token: plain attention, plus the pages' partial.
+        attend_fn = attend if cache is not None or pages else functools.partial(
             tpu_attention.attend, sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
@@ -187,15 +193,16 @@ class Decoder(nnx.Module):
                 k = layers.rms_norm(k, w['k_norm'], c.rms_norm_eps, c.norm_plus_one)
             q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
             q = constrain(q, ('batch', 'length', 'act_heads', None))
-            context_kv = xs['context']
-            if context_rows is not None:  # this layer's context KV of each row: [B, S, Hkv, Dh]
-                context_kv = [(take_groups(ck, context_rows), take_groups(cv, context_rows))
-                              for ck, cv in context_kv]
-            segments = [(ck, cv, cp) for (ck, cv), cp in zip(context_kv, context_pos)]
+            segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
             own, new_kv = kv_self(k, v)
             segments.append(own)
+            extra = {}
+            if pages:
+                extra['partials'] = [tpu_attention.attend_pages(
+                    q, positions, p, xs['index'], scale=c.attn_scale, window=xs['window'],
+                    logit_cap=c.attn_logit_softcapping) for p in pages]
             a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
-                          logit_cap=c.attn_logit_softcapping)
+                          logit_cap=c.attn_logit_softcapping, **extra)
             a = project('o', 'bthk,hkd->btd', a)
             if c.out_bias:
                 a = a + w['o_bias']
@@ -213,21 +220,16 @@ class Decoder(nnx.Module):
             def step(x, xs):
                 return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
             step = jax.checkpoint(step) if c.remat else step
+            per_layer['index'] = jnp.arange(c.num_layers)
             x, (ks, vs) = over_layers(step, x)
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
             t = tokens.shape[1]
-            if cache.index.ndim == 0:  # one write column for every row: a slice update
-                cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
+            cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
 
-                def put(stacked, i, new):
-                    return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
-                                                        (i, 0, cache.index, 0, 0))
-            else:  # row b writes its new tokens at columns index[b] .. index[b] + T - 1
-                cache_pos = write_columns(cache.pos[None], 0, positions, cache.index)[0]
-
-                def put(stacked, i, new):
-                    return write_columns(stacked, i, new, cache.index)
+            def put(stacked, i, new):  # every row's new tokens at column index: a slice update
+                return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
+                                                    (i, 0, cache.index, 0, 0))
 
             def step(carry, xs):
                 x, cache_k, cache_v = carry

@@ -103,13 +103,17 @@ def variable_axes(variable: nnx.Variable) -> tuple[str | None, ...] | None:
 
 def param_shardings(model: nnx.Module, mesh: Mesh) -> nnx.State:
     """NamedSharding of every variable of `model`, from its logical axis names."""
+    return state_shardings(nnx.state(model), mesh)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh) -> nnx.State:
+    """NamedSharding of every variable of an nnx State (a part of a model's), by logical axes."""
     mesh_shape = dict(mesh.shape)
 
     def one(variable):
         axes = variable_axes(variable) or (None,) * len(variable.shape)
         return NamedSharding(mesh, logical_spec(axes, variable.shape, mesh_shape))
 
-    state = nnx.state(model)
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

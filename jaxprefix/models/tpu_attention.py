@@ -1,5 +1,8 @@
-"""The decoder's no-cache attention, chosen by backend: splash attention (Pallas) on TPU, blockwise
-online softmax (blockwise_attention.py) elsewhere.
+"""The decoder's attention kernels, chosen by backend in this one module:
+  - self-attention without a cache (training, prefill): splash attention (Pallas) on TPU,
+    blockwise online softmax (blockwise_attention.py) elsewhere;
+  - the sampler's decode over KV pages (`attend_pages`): the Pallas paged kernel
+    (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere.
 
 Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by index, not by
 position: a causal (or causal + local) mask over the row's slots, and segment ids. Our masks are
@@ -27,8 +30,8 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
-from jaxprefix.models import blockwise_attention
-from jaxprefix.models.attention import Segment
+from jaxprefix.models import blockwise_attention, paged_attention, paged_kernel
+from jaxprefix.models.attention import Partial, Segment
 from jaxprefix.models.sharding import logical_spec
 
 # MaxText's default splash tiles; a row length must be a multiple of the tile (lanes: 128).
@@ -66,6 +69,89 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale
 
     window = jnp.asarray(np.iinfo(np.int32).max if window is None else window, jnp.int32)
     return jax.lax.platform_dependent(q, k, v, q_pos, window, tpu=on_tpu, default=elsewhere)
+
+
+def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV, layer, *,
+                 scale: float, window=None, logit_cap: float | None = None) -> Partial:
+    """The partial softmax of one decode query per row, q [B, 1, H, Dh] at positions q_pos
+    [B, 1], over the pages of layer `layer` (traced int32) its group reads: rows are group-major,
+    B / G of them per group (attention.attend's layout). `window` (traced) limits how far back
+    a query sees.
+
+    Under a mesh each device runs it on its groups and KV heads (shard_map): groups over the
+    batch axes, KV heads and their query heads over 'tensor' when they divide it. What the
+    pages hold and the kernel's bytes per token read ride in the name stack
+    (`paged_<name>_token_bytes_<n>`) for the compile job.
+    """
+    b, _, h, dh = q.shape
+    hkv = pages.k.shape[0]
+    groups = pages.table.shape[0]
+    r, g = b // groups, h // hkv
+    queries = q.reshape(groups, r, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(
+        groups, hkv, r * g, dh)
+    # The first token of its group's pages each query sees: all of them, or a window's worth.
+    pos = q_pos.reshape(groups, r)
+    start = jnp.zeros_like(pos)
+    if window is not None:
+        window = jnp.minimum(window, np.iinfo(np.int32).max // 2)
+        start = jnp.maximum(0, pos - window + 1 - pages.first_position[:, None])
+    start = jnp.where(pos >= 0, start, pages.lengths[:, None])  # padding rows: nothing
+    q_start = jnp.repeat(start, g, axis=1)[..., None]  # [G, r * g, 1]
+    first_token = start.min(axis=1)
+    scales = (pages.k_scale, pages.v_scale) if pages.quantized else ()
+    kw = dict(pages_per_layer=pages.pages_per_layer, scale=scale, logit_cap=logit_cap)
+
+    def local(queries, k, v, q_start, first_token, lengths, table, layer, *scales):
+        sc = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}
+
+        def on_tpu(*a):
+            return paged_kernel.paged_decode_attention(*a, **kw, **sc)
+
+        def elsewhere(*a):
+            return paged_attention.reference(*a, **kw, **sc)
+        token_bytes = paged_attention.pool_bytes_per_token(k.shape[0], dh, k.dtype)
+        with jax.named_scope(_PAGED_SCOPE.format(pages.name, token_bytes)):
+            return jax.lax.platform_dependent(queries, k, v, q_start, first_token, lengths,
+                                              table, layer, tpu=on_tpu, default=elsewhere)
+
+    args = (queries, pages.k, pages.v, q_start, first_token, pages.lengths, pages.table,
+            jnp.asarray(layer, jnp.int32))
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or 'tensor' not in mesh.axis_names:
+        out, lse = local(*args, *scales)
+    else:
+        shape = dict(mesh.shape)
+        rows = logical_spec(('batch',), (groups,), shape)[0]
+        heads = logical_spec(('kv_heads',), (hkv,), shape)[0]
+        pool = P(heads, rows, None, None)
+        per_group = P(rows, heads, None, None)
+        specs = (per_group, pool, pool, P(rows, None, None), P(rows), P(rows), P(rows, None), P())
+        specs += (P(heads, rows, None),) * len(scales)
+        out, lse = jax.shard_map(local, in_specs=specs, out_specs=(per_group, per_group),
+                                 check_vma=False)(*args, *scales)
+
+    def to_rows(x):  # [G, Hkv, r * g, ...] -> [B, 1, Hkv, g, ...]
+        x = x.reshape(groups, hkv, r, g, *x.shape[3:]).swapaxes(1, 2)
+        return x.reshape(b, 1, hkv, g, *x.shape[4:])
+    lse = to_rows(lse)[..., 0]
+    return Partial(peak=lse, total=jnp.ones_like(lse), out=to_rows(out))
+
+
+_PAGED_SCOPE = 'paged_{}_token_bytes_{}'
+_PAGED_RE = re.compile(r'paged_(\w+?)_token_bytes_(\d+)')
+_PAGED_WHOLE_OPERANDS = 6  # (layer, first_token, lengths, table, q, q_start), then the pages
+
+
+def paged_kernel_bytes(op_name: str, operand_bytes: list,
+                       tokens_per_call: dict[str, float]) -> float | None:
+    """Bytes one call of the paged kernel named in a compiled HLO op_name reads, else None (not
+    that kernel): its small operands whole, and of its pages the tokens_per_call[name] tokens
+    an average call reads (the compile job knows the schedule; name: what the pages hold)."""
+    match = _PAGED_RE.search(op_name)
+    if not match or len(operand_bytes) < _PAGED_WHOLE_OPERANDS:
+        return None
+    tokens = tokens_per_call.get(match.group(1), 0.0)
+    return sum(operand_bytes[:_PAGED_WHOLE_OPERANDS]) + tokens * int(match.group(2))
 
 
 def splash_fits(q_shape) -> bool:

@@ -11,7 +11,8 @@ A function in a Python file needs no module: `--config.rewards.path=my_rewards.p
 (rewards/from_file.py; `verifier_name` resolves it). `in_process=True` marks a verifier cheap and
 safe (exact match on short strings): it runs in the calling process, still under the timeout (an
 interval timer interrupts it, on the main thread). Everything else runs in the shared worker
-pool, where a crash or a timeout scores 0 and is counted, never raised into the training loop.
+pool, where a crash or a timeout scores 0 and is counted, never raised into the training loop,
+and each worker's memory is capped (`set_max_memory_mb`, config.rewards.max_memory_mb).
 Policy output is untrusted: a completion longer than `max_chars` is scored 0 without being read,
 and counted; the built-in verifiers are linear in the text besides (tests/test_rewards.py feeds
 each a megabyte of unclosed `\\boxed{`).
@@ -33,7 +34,8 @@ from jaxprefix.data.problem import Problem
 from jaxprefix.rewards import from_file
 from jaxprefix.rewards.exact import exact_match
 from jaxprefix.rewards.math import format_reward, math_reward, math_verifier, math_verifier_lenient
-from jaxprefix.rewards.pool import VerifierPool, close_pools, default_workers, shared_pool
+from jaxprefix.rewards.pool import (VerifierPool, close_pools, default_workers, set_max_memory_mb,
+                                    shared_pool)
 from jaxprefix.rewards.reasoning_gym import reasoning_gym_verifier
 
 Verifier = Callable[[str, Problem], float]
@@ -194,5 +196,5 @@ register("reasoning_gym", reasoning_gym_verifier)
 
 __all__ = [
     "Verifier", "VerifierPool", "close_pools", "default_workers", "exact_match", "format_reward",
-    "get", "math_reward", "names", "register", "score_batch", "verifier_name",
+    "get", "math_reward", "names", "register", "score_batch", "set_max_memory_mb", "verifier_name",
 ]

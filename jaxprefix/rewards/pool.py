@@ -4,7 +4,10 @@ math-verify (sympy underneath) can take forever on an answer such as `\\boxed{9^
 guards itself with signal.alarm, which neither works in threads nor interrupts a long C-level
 integer power. So verifiers run in separate processes, one answer at a time each; a worker past
 its deadline is killed and replaced, and its answer scores 0 (counted as a timeout). A verifier
-that raises, returns a non-number, or kills its process also scores 0 (counted as an error).
+that raises, returns a non-number, or kills its process (a segfault, os._exit, a SIGKILL from
+outside, the kernel's OOM killer) also scores 0 (counted as an error), and the worker is replaced.
+Each worker's address space is capped (`rewards.max_memory_mb`, RLIMIT_AS), so an answer that
+allocates without bound fails with MemoryError in its own process instead of taking the host.
 
 Workers are fresh interpreters (`python -c "...pool._serve(FD)"`, talking over a socket pair),
 neither forked from a process that runs JAX threads nor re-importing the caller's `__main__`
@@ -38,9 +41,15 @@ import numpy as np
 # for importing sympy and math-verify.
 PRELOAD = ("jaxprefix.rewards",)
 START_TIMEOUT_S = 120.0
-# Address-space cap per worker: an answer like 9^(9^9) makes sympy build ever larger integers,
-# and a capped worker fails with MemoryError (scored 0) instead of pushing the host into swap.
-MEMORY_LIMIT_BYTES = 8 << 30
+# A worker that dies before it is ready is started again, this many times in a row at most: one
+# killed from outside is replaced, one that cannot start (a cap too small to import sympy, a
+# broken environment) stops the run.
+START_ATTEMPTS = 3
+# Address-space cap per worker (config.rewards.max_memory_mb): an answer like 9^(9^9) makes sympy
+# build ever larger integers, and a capped worker fails with MemoryError (scored 0) instead of
+# pushing the host into swap. A worker with sympy and math-verify loaded maps about 1 GiB.
+DEFAULT_MAX_MEMORY_MB = 8192
+_max_memory_mb = DEFAULT_MAX_MEMORY_MB  # of the pools shared_pool starts
 
 
 def default_workers() -> int:
@@ -73,13 +82,14 @@ class _Worker:
 class VerifierPool:
     """A fixed number of verifier processes; `score` keeps them all busy until a batch is done."""
 
-    def __init__(self, workers: int, memory_limit: int = MEMORY_LIMIT_BYTES):
+    def __init__(self, workers: int, max_memory_mb: int = DEFAULT_MAX_MEMORY_MB):
         if workers < 1:
             raise ValueError(f"VerifierPool: workers must be >= 1, got {workers}")
-        self.memory_limit = memory_limit
+        self.memory_limit = int(max_memory_mb) << 20
         self._lock = threading.Lock()
-        self._workers = [_Worker(memory_limit) for _ in range(workers)]
+        self._workers = [_Worker(self.memory_limit) for _ in range(workers)]
         self.replaced = 0  # workers killed or crashed over the pool's life
+        self._failed_starts = 0  # workers in a row that died before they were ready
 
     def _replace(self, worker: _Worker) -> _Worker:
         worker.kill()
@@ -87,6 +97,15 @@ class VerifierPool:
         self._workers[self._workers.index(worker)] = fresh
         self.replaced += 1
         return fresh
+
+    def _failed_start(self, worker: _Worker) -> None:
+        self._failed_starts += 1
+        if self._failed_starts >= START_ATTEMPTS:
+            raise RuntimeError(
+                f"{START_ATTEMPTS} verifier workers in a row exited before they were ready (the "
+                f"last with status {worker.process.wait()}; its stderr above says why); expected "
+                f"workers that start: is config.rewards.max_memory_mb="
+                f"{self.memory_limit >> 20} enough to import the verifier?")
 
     def score(self, fn: Callable, texts: Sequence[str], problems: Sequence[Any],
               timeout_s: float) -> tuple[np.ndarray, dict[str, int]]:
@@ -127,16 +146,17 @@ class VerifierPool:
                 worker = listening[conn]
                 try:
                     message = conn.recv()
-                except (EOFError, OSError):  # the process died (a crash, os._exit, OOM kill)
-                    if worker not in busy:
-                        raise RuntimeError("a verifier worker exited before it was ready; its stderr "
-                                           "above says why") from None
-                    counts["errors"] += 1
-                    busy.pop(worker)
+                except (EOFError, OSError):  # the process died (a crash, os._exit, a kill)
+                    if worker in busy:
+                        counts["errors"] += 1
+                        busy.pop(worker)
+                    else:
+                        self._failed_start(worker)
                     self._replace(worker)
                     continue
                 if message[0] == "ready":
                     worker.ready = True
+                    self._failed_starts = 0
                     continue
                 status, index, value = message
                 busy.pop(worker)
@@ -175,12 +195,23 @@ class VerifierPool:
 _POOLS: dict[int, VerifierPool] = {}
 
 
+def set_max_memory_mb(max_memory_mb: int) -> None:
+    """The address-space cap of every shared pool's workers (config.rewards.max_memory_mb; 0: no
+    cap). Pools started under another cap are closed; the next score starts them again."""
+    global _max_memory_mb
+    if int(max_memory_mb) < 0:
+        raise ValueError(f"config.rewards.max_memory_mb={max_memory_mb}: expected >= 0 (0: no cap)")
+    if int(max_memory_mb) != _max_memory_mb:
+        close_pools()
+        _max_memory_mb = int(max_memory_mb)
+
+
 def shared_pool(workers: int) -> VerifierPool:
     """This process's pool of `workers` processes, started on first use and closed at exit."""
     if workers not in _POOLS:
         if not _POOLS:
             atexit.register(close_pools)
-        _POOLS[workers] = VerifierPool(workers)
+        _POOLS[workers] = VerifierPool(workers, _max_memory_mb)
     return _POOLS[workers]
 
 

@@ -3,8 +3,9 @@
 metrics.jsonl holds each evaluation's averages; intervals over problems and per-group tables
 (jaxprefix/statistics.py) need each problem's correct samples at each step. One line per
 (step, eval request): {'step', 'name', 'n', 'correct_counts'}. Kept in memory and rewritten
-whole at each write, as metrics.jsonl is (GCS has no append); a resumed run keeps the lines of
-the steps before it.
+whole at each evaluation (GCS has no append): unlike metrics.jsonl, not yet sealed into bounded
+segments, so its bytes written grow with the square of a run's evaluations; a resumed run keeps
+the lines of the steps before it.
 """
 from __future__ import annotations
 

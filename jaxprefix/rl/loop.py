@@ -26,7 +26,7 @@ from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.eval_counts import EvalCountsWriter
-from jaxprefix.rl.metrics import MetricsWriter, sampling_flops, update_flops
+from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
@@ -122,7 +122,16 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(r.max_rows_in_flight >= 0, "rollout.max_rows_in_flight", r.max_rows_in_flight,
          ">= 0 (0: set by rollout.kv_budget_gib)")
     need(r.kv_budget_gib >= 0, "rollout.kv_budget_gib", r.kv_budget_gib,
-         ">= 0 (0: half the free accelerator memory)")
+         ">= 0 (0: the accelerators' memory beyond rollout.memory_headroom)")
+    need(0 <= r.memory_headroom < 1, "rollout.memory_headroom", r.memory_headroom,
+         "a fraction in [0, 1)")
+    need(r.page_size >= 1 and r.page_size & (r.page_size - 1) == 0, "rollout.page_size",
+         r.page_size, "a power of two (tokens per KV page)")
+    need(0 < r.kv_reserve <= 1, "rollout.kv_reserve", r.kv_reserve, "a fraction in (0, 1]")
+    need(r.tensor_parallel >= 0, "rollout.tensor_parallel", r.tensor_parallel,
+         ">= 0 (0: automatic)")
+    need(r.kv_dtype in ("", *sampling.KV_DTYPES), "rollout.kv_dtype", r.kv_dtype,
+         f"'' (the compute dtype) or one of {sampling.KV_DTYPES}")
     need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
     need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
     need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")
@@ -296,6 +305,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
+    # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
+    # one program a step; generate() then finds them in place.
+    decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
+                                                              config.rollout.tensor_parallel)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     state = learner.init_state()
@@ -310,15 +323,17 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
                 setattr(ledger, k, v)
     start = int(state.step)
-    writer = MetricsWriter(workdir, resume_step=start + 1)
+    writer = MetricsWriter(workdir, resume_step=start + 1,
+                           segment_rows=config.metrics.get("segment_rows", SEGMENT_ROWS))
     counts_writer = EvalCountsWriter(workdir, resume_step=start + 1)
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
-    def save(step):
+    def save(step, final=False):
         meta = {"method": method.state(), "totals": totals, "seed": config.seed,
                 "ledger": ledger.to_dict() if ledger is not None else None}
-        ckpt.save(step, _state_arrays(state), meta)
+        # final: the run's last save is complete before it returns (made again if GCS failed it)
+        ckpt.save(step, _state_arrays(state), meta, wait=final)
 
     total = int(config.train.total_steps)
     # A FLOPs budget (IsoCompute allocations) ends the run before a step like the last one
@@ -329,10 +344,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     record: dict[str, Any] = {}
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
-    with _Preemption() as preemption:
+    with _Preemption() as preemption, ckpt:
         for step in range(start, total):
             step_start = time.perf_counter()
-            policy = learner.sampling_model(state)  # compute-dtype weights, cast once a step
+            policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
             request = method.next_request(step)
             chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, 0))]
@@ -366,8 +381,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             forwarded = int(batch["token_mask"].sum()) * learner_config.num_epochs
             flops_sampling = sampling_flops(n_params, sampled)
             flops_update = update_flops(n_params, forwarded)
-            if ref_params is not None:
-                flops_update += sampling_flops(n_params, int(batch["token_mask"].sum()))
+            # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
+            forwards = (ref_params is not None) + (learner_config.old_logprobs == "learner")
+            flops_update += forwards * sampling_flops(n_params, int(batch["token_mask"].sum()))
             totals["tokens_sampled"] += sampled
             totals["tokens_trained"] += forwarded
             totals["flops"] += flops_sampling + flops_update
@@ -408,8 +424,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                scores, counts = evaluate(learner.sampling_model(state), tokenizer, method,
-                                          config, step=done, stop_ids=stop_ids)
+                scores, counts = evaluate(learner.sampling_model(state, decode), tokenizer,
+                                          method, config, step=done, stop_ids=stop_ids)
                 record.update(scores)
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start
@@ -419,7 +435,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
-                save(done)
+                save(done, final=last or preemption.requested)
             if preemption.requested:
                 preempted = True
                 break
@@ -429,7 +445,6 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     writer.close()
     if tracker is not None:
         tracker.close()
-    ckpt.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
 

@@ -13,6 +13,7 @@ ADVANTAGE_MODES = ("grpo", "dr_grpo", "rloo", "pass_at_k")
 RATIO_LEVELS = ("token", "sequence")
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_KINDS = ("k1", "k3")
+OLD_LOGPROBS = ("sampler", "learner")
 
 
 def group_advantages(rewards, mode: str = "grpo", eps: float = 1e-6, k: int = 1):
@@ -108,6 +109,26 @@ def importance_ratio(logp, old_logp, mask, level: str = "token"):
     raise ValueError(f"importance_ratio: level must be one of {RATIO_LEVELS}, got {level!r}")
 
 
+def truncated_importance_weights(old_logp, sampler_logp, cap: float):
+    """Per-token TIS weights [B, T]: min(pi_old / pi_sampler, cap), detached.
+
+    The sampler draws from its own numerics (a bf16 or 8-bit KV cache, another engine), a little
+    off the learner's pi_old at the same weights; the policy gradient is an expectation under
+    pi_old, so each sampled token is re-weighted by pi_old / pi_sampler, capped for variance
+    (verl's TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+    RL training"). Detached: a weight, not a path for the gradient.
+    """
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
+
+
+def logprob_mismatch(sampler_logp, learner_logp, mask):
+    """(mean, max) over mask tokens of |sampler - learner| log-prob: how far the sampler's
+    numerics are from the learner's at the same weights."""
+    m = mask.astype(jnp.float32)
+    gap = jnp.abs(sampler_logp - learner_logp).astype(jnp.float32)
+    return (gap * m).sum() / jnp.maximum(m.sum(), 1.0), jnp.where(m > 0, gap, 0.0).max()
+
+
 def clipped_surrogate(ratio, advantages, eps_low: float, eps_high: float):
     """PPO per-token loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A); separate eps (DAPO)."""
     adv = advantages[:, None]
@@ -194,14 +215,25 @@ def finish_ratio_stats(sums):
 def policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
                 eps_high: float = 0.2, ratio: str = "token", aggregation: str = "token_mean",
                 max_len: int | None = None, ref_logp=None, kl_coef: float = 0.0,
-                kl_kind: str = "k3", total_tokens=None, total_sequences=None):
+                kl_kind: str = "k3", total_tokens=None, total_sequences=None,
+                sampler_logp=None, tis_cap: float = 0.0):
     """Clipped policy-gradient loss (+ optional KL to a frozen reference) and its diagnostics.
 
+    sampler_logp with tis_cap > 0: truncated importance sampling, the policy-gradient term of
+    each token times `truncated_importance_weights(old_logp, sampler_logp, tis_cap)` (old_logp
+    then being the learner's recomputation; the KL term is not re-weighted, as in verl).
     Returns (loss scalar, stats) with stats summed over tokens (see `ratio_stats`) plus
-    'kl_sum' (masked sum of the per-token KL, 0 without a reference).
+    'kl_sum' (masked sum of the per-token KL, 0 without a reference) and, with TIS,
+    'tis_weight_sum' and 'tis_capped_sum' (tokens whose weight hit the cap).
     """
     r = importance_ratio(logp, old_logp, mask, ratio)
     per_token = clipped_surrogate(r, advantages, eps_low, eps_high)
+    tis = None
+    if tis_cap > 0:
+        if sampler_logp is None:
+            raise ValueError("policy_loss: tis_cap > 0 needs sampler_logp")
+        tis = truncated_importance_weights(old_logp, sampler_logp, tis_cap)
+        per_token = per_token * tis
     kl_sum = jnp.zeros((), jnp.float32)
     if ref_logp is not None:
         kl = kl_penalty(logp, ref_logp, kl_kind)
@@ -211,4 +243,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
                      total_sequences=total_sequences)
     stats = ratio_stats(r, advantages, mask, eps_low, eps_high)
     stats["kl_sum"] = kl_sum
+    if tis is not None:
+        m = mask.astype(jnp.float32)
+        stats["tis_weight_sum"] = (tis * m).sum()
+        stats["tis_capped_sum"] = ((tis >= tis_cap) * m).sum()
     return loss, stats

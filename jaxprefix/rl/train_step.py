@@ -5,8 +5,11 @@ optimizer step each, `num_epochs` passes), each minibatch into micro-batches who
 summed in a `lax.scan`; the loss of a micro-batch is normalised by its minibatch's totals, so the
 sum is exactly the minibatch gradient. Old log-probs come from the sampler; on the first
 minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` measures how far
-sampler and learner disagree. A non-finite loss or gradient leaves params and optimizer state
-untouched and is counted in `TrainState.skipped`.
+sampler and learner disagree. With `old_logprobs='learner'` the same jitted update first runs one
+forward over the batch to recompute them (and reports `rollout/logprob_mismatch_mean`/`_max`);
+`tis_cap` then re-weights each token by min(pi_old / pi_sampler, cap) (truncated importance
+sampling). A non-finite loss or gradient leaves params and optimizer state untouched and is
+counted in `TrainState.skipped`.
 
 Mixed precision: params and the AdamW moments stay in the model's `param_dtype` (float32 master
 weights); each layer casts its weights to the compute `dtype` (bfloat16 on TPU) inside the
@@ -29,7 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
-from jaxprefix.models.sharding import constrain_params
+from jaxprefix.models.sharding import constrain_params, state_shardings
 from jaxprefix.rl import objectives
 
 BATCH_AXES = ("data", "fsdp")
@@ -67,6 +70,13 @@ class TrainConfig:
     # (attention scores are [rows, heads, T, T] per layer): one more forward of compute, and
     # SmolLM2-135M at 16 x 512 tokens needs 3.0 instead of 20.4 GiB of XLA temporaries.
     remat: bool = False
+    # The pi_old of the ratio: 'sampler' (the log-probs the rollouts carry) or 'learner' (one
+    # extra forward at the start of the update recomputes them at the weights the sampler used,
+    # in the learner's numerics: the sampler's bf16 or 8-bit KV cache then drops out of the
+    # ratio). tis_cap > 0 (with 'learner'): truncated importance sampling against the sampler's
+    # log-probs, each token's policy-gradient term times min(pi_old / pi_sampler, tis_cap).
+    old_logprobs: str = "sampler"
+    tis_cap: float = 0.0
 
     def __post_init__(self):
         def need(ok, field, expected):
@@ -91,6 +101,12 @@ class TrainConfig:
         need(self.logprob_chunk > 0, "logprob_chunk", "> 0")
         need(self.temperature > 0, "temperature", "> 0")
         need(self.entropy_coef >= 0, "entropy_coef", ">= 0")
+        need(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
+             f"one of {objectives.OLD_LOGPROBS}")
+        need(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
+        need(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
+             "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "
+             "is 1)")
 
     @property
     def updates_per_batch(self) -> int:
@@ -207,18 +223,35 @@ class Learner:
         adapters, the frozen base and `state`'s adapters)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
-    def sampling_model(self, state: TrainState) -> nnx.Module:
+    def sampling_model(self, state: TrainState, mesh=None) -> nnx.Module:
         """The policy for the sampler: `state`'s weights cast to the compute dtype (a new bf16
         copy of f32 master weights, same shardings), or the weights themselves when they are
-        already in it. Cast once per step; the sampler then reads half the bytes. Adapters come
+        already in it. Cast once per step; the sampler then reads half the bytes. Given the
+        decode `mesh` (sampling.decode_mesh: the same devices, heads over 'tensor'), the copy is
+        cast and laid out for it in one program, so no learner-layout copy is made. Adapters come
         folded into the (compute-dtype) base instead (lora.merged: a copy of the targeted weights,
         freed after sampling), which decodes faster than applying them per token
         (bench/bench_lora.py); LoraConfig.merged_sampling=False applies them and saves the copy."""
         model = self.model(state)
         if lora.has_adapters(model):
             return lora.merged(model) if model.adapters.config.merged_sampling else model
-        params = _cast_floats(state.params, self.compute_dtype)
-        return nnx.merge(self.graphdef, params, self.rest)
+        if mesh is None or self.mesh is None or mesh == self.mesh:
+            params, rest = _cast_floats(state.params, self.compute_dtype), self.rest
+        else:
+            params, rest = self._sampling_copy(mesh)(state.params, self.rest)
+        return nnx.merge(self.graphdef, params, rest)
+
+    def lower_sampling_copy(self, state: TrainState, mesh) -> jax.stages.Lowered:
+        """sampling_model's cast and reshard for the decode `mesh`, lowered for `state` (which
+        may be abstract: the compile job); nothing runs."""
+        return self._sampling_copy(mesh).lower(state.params, self.rest)
+
+    @functools.lru_cache(maxsize=4)
+    def _sampling_copy(self, mesh):
+        shardings = (state_shardings(self._initial_params, mesh), state_shardings(self.rest, mesh))
+        dtype = self.compute_dtype
+        return jax.jit(lambda params, rest: (_cast_to(params, dtype), rest),
+                       out_shardings=shardings)
 
     def place_batch(self, batch: dict) -> dict:
         """Host arrays -> device arrays sharded over the batch axes. Every process holds the whole
@@ -349,7 +382,8 @@ def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
     loss, stats = objectives.policy_loss(
         logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
         eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation, max_len=c.max_len or None,
-        ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind, **totals)
+        ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind,
+        sampler_logp=micro.get("sampler_logprobs"), tis_cap=c.tis_cap, **totals)
     if c.entropy_coef:
         loss = loss - objectives.entropy_bonus(entropy, mask, c.entropy_coef, c.aggregation,
                                                max_len=c.max_len or None, **totals)
@@ -398,6 +432,10 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     micro = c.micro_batch_size or minibatch
     arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
                             batch)
+    recomputed = {}
+    if c.old_logprobs == "learner":  # before any update: state.params are the sampler's weights
+        arranged, recomputed = _learner_old_logprobs(graphdef, c, sharded, state.params, rest,
+                                                     arranged)
     # Minibatch visited by each optimizer update: num_epochs passes over the minibatches.
     order = jnp.tile(jnp.arange(c.num_minibatches), c.num_epochs)
     optimizer = make_optimizer(c)
@@ -425,7 +463,26 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
         one_update, init, (jnp.arange(order.size), order))
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                            updates=updates, skipped=skipped)
-    return new_state, _summarise(c, per_update, updates, skipped - state.skipped)
+    return new_state, {**_summarise(c, per_update, updates, skipped - state.skipped), **recomputed}
+
+
+def _learner_old_logprobs(graphdef, c: TrainConfig, sharded: bool, params, rest, arranged):
+    """(arranged batch, metrics): 'old_logprobs' recomputed by the learner at `params`, one
+    micro-batch at a time and without dropout (as the sampler saw the policy), the sampler's
+    kept as 'sampler_logprobs'; metrics: their mean and max |difference| over the loss tokens."""
+    fields = ("tokens", "token_mask", "positions")
+    micros = {k: arranged[k].reshape((-1,) + arranged[k].shape[2:]) for k in fields}
+
+    def one(micro):
+        if sharded:
+            micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
+        return _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk, c.temperature)[0]
+
+    sampler = arranged["old_logprobs"]
+    learner = jax.lax.map(one, micros).reshape(sampler.shape)  # data to the loss, not params
+    mean, largest = objectives.logprob_mismatch(sampler, learner, arranged["completion_mask"])
+    metrics = {"rollout/logprob_mismatch_mean": mean, "rollout/logprob_mismatch_max": largest}
+    return {**arranged, "old_logprobs": learner, "sampler_logprobs": sampler}, metrics
 
 
 def _summarise(c: TrainConfig, per_update, updates, skipped_now):
@@ -448,6 +505,9 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
         "skipped_updates": skipped_now,
         "loss_tokens": total["tokens"],
     })
+    if c.tis_cap:
+        metrics["tis/weight_mean"] = total["tis_weight_sum"] / tokens
+        metrics["tis/capped_fraction"] = total["tis_capped_sum"] / tokens
     return metrics
 
 

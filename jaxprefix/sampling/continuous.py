@@ -1,28 +1,37 @@
-"""Continuous batching: a fixed number of row slots and context slots, refilled inside the loop.
+"""Continuous batching over KV pages: contexts admitted into group slots, rows grown page by page.
 
-The static decode (sampler.py) holds every row of a request until the longest has stopped, with a
-cache of the full new-token bucket for each. Here one jitted lax.while_loop holds, per device
-block (see below), s row slots and K context slots:
-  - a context slot holds one context's KV (prompt and suffix segments, read only). When slots
-    are free and contexts wait, F contexts are prefilled into them inside the loop (lax.cond):
-    contexts are admitted in waves without a return to Python;
-  - a row slot holds one sample (context i, sample j) and a cache of its own new tokens. When its
-    row stops (stop id or max_new_tokens) the next queued sample of a resident context takes the
-    slot at the next step;
-  - a context slot is freed when all n samples of its context have stopped.
-So the KV memory is s x T + K x (context length) per block, whatever the number of contexts and
-samples (budget.py chooses s, K and F); only the outputs ([C * n, T] tokens and log-probs, 8
-bytes a token) grow with the request.
+The static decode (static.py) holds every row of a request until the longest has stopped, each
+with a cache of the full new-token bucket T. Here one jitted lax.while_loop holds, per device
+block (see below), K group slots of n rows each:
+  - a group slot holds one context's KV (its prompt and suffix segments, read only) and the n
+    rows that sample it. The rows of a group are consecutive, so the n samples read ONE copy of
+    their context's KV (attention.attend's group-major segments: no per-row copy). When group
+    slots are free and contexts wait, F contexts are prefilled into them inside the loop
+    (lax.cond): contexts are admitted in waves without a return to Python;
+  - a row's own tokens live in KV pages (page_pool.py): a page of `page_size` tokens is taken
+    when the row writes its first token there and every page goes back when the row stops, so
+    memory follows the rows' real lengths, not T. A queued row starts when fewer than s rows
+    are active in its block and the pages reserved for it (`reserve` a row) are unreserved;
+    with a reserve below a full row, a row that outgrows its reservation when no page is free
+    makes the youngest rows give theirs back (preempted: they start again from their first
+    token later, drawing the same tokens);
+  - attention reads the context segments and the row's filled pages only (the Pallas paged
+    kernel on TPU, tpu_attention.attend_pages), merged by their log-sum-exp.
+So the KV memory is K x (context length) + pages x page_size per block, whatever the number of
+contexts and samples (budget.py chooses s, K, F and the pages); only the outputs ([C * n, T]
+tokens and log-probs, 8 bytes a token) grow with the request.
 
 Results do not depend on the schedule: sample j of context i draws from (seed, i*n + j, t), t its
-own token index, and its t-th token's KV goes to column t of its slot's cache, so it attends to
-the same keys in the same order as in the static decode.
+own token index, and its keys and values are the same whatever page holds them, so it attends
+to the same keys in the same order as in the static decode (a preempted row, restarted, draws
+the same tokens again).
 
 Sharding: contexts and rows are split over the D devices of ('data', 'fsdp') in D contiguous
 blocks (block d holds contexts d*C/D .. (d+1)*C/D - 1 and their rows), and every scheduling array
-carries a leading [D] axis: each block admits its own contexts into its own slots, so a row reads
-its context's KV on its own device (attention.take_groups). A block whose contexts run long keeps
-the loop going while the others idle: the price of not moving KV between devices.
+carries a leading [D] axis: each block admits its own contexts into its own group slots and its
+rows take pages of its own part of the pool, so a row reads its context and its pages on its
+own device. KV heads (and the weights) split over 'tensor'. A block whose contexts run long
+keeps the loop going while the others idle: the price of not moving KV between devices.
 """
 from __future__ import annotations
 
@@ -33,29 +42,35 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.sharding import constrain
+from jaxprefix.sampling import page_pool
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
 
-@flax.struct.dataclass
-class RowSlots:
-    """[D, s] each. A slot is idle when context_slot is -1."""
-    context_slot: jax.Array  # int32: the context slot its row continues
-    sample: jax.Array        # int32: j, the row's sample index within its context
-    t: jax.Array             # int32: tokens the row has drawn so far (its cache write column)
-    token: jax.Array         # int32: the token fed at the next step
-    position: jax.Array      # int32: its position
+IDLE, QUEUED, ACTIVE = 0, 1, 2
+SEGMENTS = ('prompt', 'suffix')  # a context's segments, as layout.py splits it
 
 
 @flax.struct.dataclass
-class ContextSlots:
-    """[D, K] each. A slot is free when context is -1."""
+class Groups:
+    """[D, K] each (lengths, first: [D, K, segments]). A slot is free when context is -1 (then
+    none of its rows is queued or active)."""
     context: jax.Array        # int32: index of the context within its block
-    admitted: jax.Array       # int32: its samples given a row slot so far (0 .. n)
-    finished: jax.Array       # int32: its samples stopped
+    stamp: jax.Array          # int32: admission order; older groups' queued rows start first
     last_token: jax.Array     # int32: the held-back last context token, every sample's first input
     last_position: jax.Array  # int32
+    lengths: jax.Array        # int32: real tokens of each context segment (prompt, suffix)
+    first: jax.Array          # int32: the position of each segment's first token
+
+
+@flax.struct.dataclass
+class Rows:
+    """[D, K * n] each; row r of a block is sample r % n of the group in slot r // n."""
+    state: jax.Array    # int32: IDLE (free slot or stopped), QUEUED or ACTIVE
+    t: jax.Array        # int32: tokens drawn so far (its next own token's index)
+    token: jax.Array    # int32: the token fed at the next step
+    position: jax.Array  # int32: its position
+    started: jax.Array  # int32: the loop step it (last) started at: preemption takes the youngest
 
 
 @flax.struct.dataclass
@@ -70,11 +85,14 @@ class Outputs:
 
 @flax.struct.dataclass
 class LoopState:
-    rows: RowSlots
-    contexts: ContextSlots
+    step: jax.Array             # int32 []
+    groups: Groups
+    rows: Rows
     next_context: jax.Array     # int32 [D]: the block's next context to admit
-    store: tuple                # KVSegments [layers, D*K, S, ...]: the resident contexts' KV
-    cache: KVCache              # [layers, D*s, T, ...], index [D*s] = rows.t
+    admitted: jax.Array         # int32 [D]: contexts admitted so far (the next stamp)
+    store: tuple                # page_pool.Pools, one per context segment: the groups' contexts
+    tables: page_pool.PageTables
+    pool: page_pool.Pool        # the rows' own tokens
     out: Outputs
 
 
@@ -82,49 +100,29 @@ def _blocks(x: jax.Array, d: int) -> jax.Array:
     return x.reshape(d, x.shape[0] // d, *x.shape[1:])
 
 
-def _per_block(fn, *args):
-    """fn applied to each block's slice of args (all with a leading [D] axis)."""
-    return jax.vmap(fn)(*args)
-
-
 def _constrain_blocks(tree):
     """Every [D, ...] scheduling array split over the row devices."""
     return jax.tree.map(lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1)), tree)
 
 
-def _write_slots(stored: KVSegment, new: KVSegment, target: jax.Array) -> KVSegment:
-    """stored [L, D*K, S, ...] with new [L, D*F, S, ...] written at slots target [D, F] of each
-    block (target K drops the write)."""
-    d = target.shape[0]
-
-    def kv(old, fresh):
-        old_b, fresh_b = _blocks(old.swapaxes(0, 1), d), _blocks(fresh.swapaxes(0, 1), d)
-        put = _per_block(lambda o, f, at: o.at[at].set(f, mode='drop'), old_b, fresh_b, target)
-        return put.reshape(old.swapaxes(0, 1).shape).swapaxes(0, 1)
-
-    pos = _per_block(lambda o, f, at: o.at[at].set(f, mode='drop'), _blocks(stored.pos, d),
-                     _blocks(new.pos, d), target).reshape(stored.pos.shape)
-    return KVSegment(k=kv(stored.k, new.k), v=kv(stored.v, new.v), pos=pos)
-
-
-def _admit(model, contexts: dict, state: LoopState, *, admit: int) -> LoopState:
-    """Prefills each block's next `admit` contexts into its first free context slots."""
-    slots = state.contexts
-    d, k = slots.context.shape
+def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> LoopState:
+    """Prefills each block's next `admit` contexts into its first free group slots; their n rows
+    are queued."""
+    groups = state.groups
+    d, k = groups.context.shape
     num_valid = _blocks(contexts['valid'], d).sum(axis=1)
-    free = slots.context < 0
+    free = groups.context < 0
     rank = jnp.cumsum(free, axis=1) - 1
     # target[f]: the block's f-th free slot (k when there are fewer).
-    target = _per_block(lambda fr, rk: jnp.full(admit, k, jnp.int32).at[jnp.where(fr, rk, admit)]
-                        .set(jnp.arange(k, dtype=jnp.int32), mode='drop'), free, rank)
+    target = jax.vmap(lambda fr, rk: jnp.full(admit, k, jnp.int32).at[jnp.where(fr, rk, admit)]
+                      .set(jnp.arange(k, dtype=jnp.int32), mode='drop'))(free, rank)
     local = state.next_context[:, None] + jnp.arange(admit, dtype=jnp.int32)
     ok = (local < num_valid[:, None]) & (target < k)
     target = jnp.where(ok, target, k)
 
     def pick(name, empty=None):  # [D*F, ...] rows of the admitted contexts
         table = _blocks(contexts[name], d)
-        picked = _per_block(lambda block, at: block[at], table,
-                            jnp.minimum(local, table.shape[1] - 1))
+        picked = jax.vmap(lambda block, at: block[at])(table, jnp.minimum(local, table.shape[1] - 1))
         if empty is not None:
             picked = jnp.where(ok.reshape(ok.shape + (1,) * (picked.ndim - 2)), picked, empty)
         return picked.reshape(d * admit, *picked.shape[2:])
@@ -133,105 +131,166 @@ def _admit(model, contexts: dict, state: LoopState, *, admit: int) -> LoopState:
     if contexts['suffix_tokens'].shape[1]:
         segments += (context_kv(model, pick('suffix_tokens'), pick('suffix_positions', -1),
                                 segments),)
-    store = tuple(_write_slots(s, new, target) for s, new in zip(state.store, segments))
+    store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
+                  for pool, new in zip(state.store, segments))
+    # Each segment's real tokens (a prefix of its slots) and its first position.
+    lengths = jnp.stack([(x.pos >= 0).sum(axis=1, dtype=jnp.int32) for x in segments], -1)
+    first = jnp.stack([jnp.maximum(x.pos[:, 0], 0) for x in segments], -1)
 
-    def put(table, values):
-        return _per_block(lambda t, at, v: t.at[at].set(v, mode='drop'), table, target,
-                          values.reshape(d, admit))
-    zeros = jnp.zeros((d, admit), jnp.int32)
-    slots = ContextSlots(context=put(slots.context, local), admitted=put(slots.admitted, zeros),
-                         finished=put(slots.finished, zeros),
-                         last_token=put(slots.last_token, pick('last_tokens')),
-                         last_position=put(slots.last_position, pick('last_positions')))
-    return state.replace(contexts=slots, store=store,
-                         next_context=state.next_context + ok.sum(axis=1, dtype=jnp.int32))
+    def put(table, values):  # table [D, K, ...] with values [D * F, ...] at the target slots
+        return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
+            table, target, values.reshape(d, admit, *table.shape[2:]))
+    stamps = state.admitted[:, None] + jnp.arange(admit, dtype=jnp.int32)
+    groups = Groups(context=put(groups.context, local), stamp=put(groups.stamp, stamps),
+                    last_token=put(groups.last_token, pick('last_tokens')),
+                    last_position=put(groups.last_position, pick('last_positions')),
+                    lengths=put(groups.lengths, lengths), first=put(groups.first, first))
+    taken = jnp.zeros((d, k), bool).at[jnp.arange(d)[:, None], target].set(True, mode='drop')
+    queued = jnp.repeat(taken, n, axis=1)
+    rows = state.rows.replace(state=jnp.where(queued, QUEUED, state.rows.state),
+                              t=jnp.where(queued, 0, state.rows.t))
+    count = ok.sum(axis=1, dtype=jnp.int32)
+    return state.replace(groups=groups, rows=rows, store=store,
+                         next_context=state.next_context + count,
+                         admitted=state.admitted + count)
 
 
-def _waiting(slots: ContextSlots, n: int) -> jax.Array:
-    """[D, K] samples of each resident context not yet given a row slot."""
-    return jnp.where(slots.context >= 0, n - slots.admitted, 0)
-
-
-def _wants_contexts(contexts: dict, state: LoopState, *, n: int, admit: int) -> jax.Array:
+def _wants_contexts(contexts: dict, state: LoopState, *, admit: int) -> jax.Array:
     """Whether some block should admit contexts now: it has contexts left and either room for a
-    full batch of them, or free room and no queued sample (its idle row slots would wait)."""
-    slots = state.contexts
-    pending = _blocks(contexts['valid'], slots.context.shape[0]).sum(1) - state.next_context
-    free = (slots.context < 0).sum(axis=1)
-    starving = (free > 0) & (_waiting(slots, n).sum(axis=1) == 0)
+    full batch of them, or free room and no queued row (its rows would otherwise idle)."""
+    groups = state.groups
+    pending = _blocks(contexts['valid'], groups.context.shape[0]).sum(1) - state.next_context
+    free = (groups.context < 0).sum(axis=1)
+    starving = (free > 0) & ~jnp.any(state.rows.state == QUEUED, axis=1)
     return jnp.any((pending > 0) & ((free >= jnp.minimum(admit, pending)) | starving))
 
 
-def _count_per_slot(slot: jax.Array, counted: jax.Array, num_slots: int) -> jax.Array:
-    """[K] how many rows with `counted` set point at each context slot (a one-hot sum: XLA's CPU
-    scatters are slow when vmapped over blocks)."""
-    hits = (slot[:, None] == jnp.arange(num_slots)) & counted[:, None]
-    return hits.sum(axis=0, dtype=jnp.int32)
+def _unreserved(rows: Rows, tables: page_pool.PageTables, reserve: int) -> jax.Array:
+    """[D] free pages not promised to an active row (each active row is promised `reserve`)."""
+    promised = jnp.where(rows.state == ACTIVE, jnp.maximum(reserve - tables.held, 0), 0)
+    return tables.count - promised.sum(axis=1)
 
 
-def _fill_rows(rows: RowSlots, slots: ContextSlots, n: int):
-    """One block: each idle row slot takes the next queued sample (resident contexts in slot
-    order, samples in order). Returns (rows, slots, which slots took a new row)."""
-    idle = rows.context_slot < 0
-    rank = jnp.cumsum(idle) - 1
-    waiting = _waiting(slots, n)
-    ends = jnp.cumsum(waiting)
-    source = jnp.minimum(jnp.searchsorted(ends, rank, side='right'), waiting.shape[0] - 1)
-    take = idle & (rank < ends[-1])
-    sample = slots.admitted[source] + rank - (ends[source] - waiting[source])
-    new = lambda fresh, old: jnp.where(take, fresh, old)
-    rows = RowSlots(context_slot=new(source, rows.context_slot), sample=new(sample, rows.sample),
-                    t=new(0, rows.t), token=new(slots.last_token[source], rows.token),
-                    position=new(slots.last_position[source], rows.position))
-    admitted = slots.admitted + _count_per_slot(source, take, waiting.shape[0])
-    return rows, slots.replace(admitted=admitted), take
+def _start_rows(state: LoopState, *, n: int, row_slots: int, reserve: int) -> LoopState:
+    """Each block starts its oldest queued rows while it has fewer than `row_slots` active rows
+    and `reserve` unreserved pages for each."""
+    rows, groups = state.rows, state.groups
+    d, r = rows.state.shape
+    queued = rows.state == QUEUED
+    room = jnp.minimum(row_slots - (rows.state == ACTIVE).sum(axis=1),
+                       _unreserved(rows, state.tables, reserve) // reserve)
+    # Priority: the group's admission stamp, then the sample index (a stable order).
+    priority = jnp.repeat(groups.stamp, n, axis=1) * n + jnp.arange(r) % n
+    priority = jnp.where(queued, priority, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(priority, axis=1, stable=True)
+    rank = jnp.zeros((d, r), jnp.int32).at[jnp.arange(d)[:, None], order].set(
+        jnp.arange(r, dtype=jnp.int32)[None, :])
+    start = queued & (rank < room[:, None])
+    slot = jnp.arange(r) // n
+    last_token = jnp.take_along_axis(groups.last_token, jnp.broadcast_to(slot, (d, r)), axis=1)
+    last_position = jnp.take_along_axis(groups.last_position, jnp.broadcast_to(slot, (d, r)),
+                                        axis=1)
+    new = lambda fresh, old: jnp.where(start, fresh, old)
+    return state.replace(rows=Rows(
+        state=new(ACTIVE, rows.state), t=new(0, rows.t), token=new(last_token, rows.token),
+        position=new(last_position, rows.position), started=new(state.step, rows.started)))
 
 
-def _finish_rows(slots: ContextSlots, rows: RowSlots, finished: jax.Array, n: int) -> ContextSlots:
-    """One block: counts stopped samples per context and frees contexts whose n samples stopped."""
-    counts = slots.finished + _count_per_slot(rows.context_slot, finished,
-                                              slots.finished.shape[0])
-    freed = (slots.context >= 0) & (counts == n)
-    return slots.replace(context=jnp.where(freed, -1, slots.context),
-                         admitted=jnp.where(freed, 0, slots.admitted),
-                         finished=jnp.where(freed, 0, counts))
+def _preempt_block(rows: Rows, held, count, needs):
+    """One block short of pages: the fewest youngest active rows whose pages, given back, cover
+    what the others need this step. Returns the rows to preempt [R]."""
+    r = rows.state.shape[0]
+    active = rows.state == ACTIVE
+    age = jnp.where(active, rows.started * r + jnp.arange(r), -1)  # larger: younger
+    order = jnp.argsort(-age)  # youngest first (inactive rows last)
+    freed = jnp.cumsum(jnp.where(active, held, 0)[order])
+    spared = jnp.cumsum(needs[order])
+    total = needs.sum()
+    enough = count + freed >= total - spared  # after preempting the m + 1 youngest
+    m = jnp.where(count >= total, -1, jnp.argmax(enough))
+    return jnp.zeros(r, bool).at[order].set(jnp.arange(r) <= m) & active
 
 
-def _initial_state(model, contexts: dict, *, n, shards, row_slots, context_slots,
-                   new_bucket) -> LoopState:
-    d, s, k = shards, row_slots, context_slots
+def _preempt(state: LoopState, needs: jax.Array) -> tuple[LoopState, jax.Array]:
+    preempted = jax.vmap(_preempt_block)(state.rows, state.tables.held, state.tables.count, needs)
+    tables = page_pool.release(state.tables, preempted)
+    rows = state.rows.replace(state=jnp.where(preempted, QUEUED, state.rows.state))
+    return state.replace(rows=rows, tables=tables), needs & ~preempted
+
+
+def _segment_lengths(contexts: dict) -> list[int]:
+    """Token slots of each context segment (prompt; suffix when any context has one)."""
+    return [contexts[f'{name}_tokens'].shape[1] for name in SEGMENTS
+            if contexts[f'{name}_tokens'].shape[1]]
+
+
+def _pool_constrained(pool: page_pool.Pool) -> page_pool.Pool:
+    """Pages split over the row devices by block and over 'tensor' by KV head."""
+    return jax.tree.map(lambda x: constrain(x, ('kv_heads', 'batch') + (None,) * (x.ndim - 2)),
+                        pool)
+
+
+def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucket, page_size,
+                   pages, kv_dtype) -> LoopState:
+    d, k = shards, context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
-    store = []
-    for name in ('prompt', 'suffix'):
-        length = contexts[f'{name}_tokens'].shape[1]
-        if length:
-            empty = KVCache.empty(config, d * k, length)
-            store.append(KVSegment(k=empty.k, v=empty.v, pos=empty.pos))
-    cache = KVCache.empty(config, d * s, new_bucket)
-    cache = cache.replace(index=jnp.zeros(d * s, jnp.int32))
+    store = tuple(
+        _pool_constrained(page_pool.Pool.empty(
+            config, blocks=d, pages=k * length // min(page_size, length),
+            page_size=min(page_size, length), dtype=kv_dtype))
+        for length in _segment_lengths(contexts))
+    segments = len(store)
     ints = lambda shape, fill=0: jnp.full(shape, fill, jnp.int32)
-    rows = RowSlots(context_slot=ints((d, s), -1), sample=ints((d, s)), t=ints((d, s)),
-                    token=ints((d, s)), position=ints((d, s)))
-    slots = ContextSlots(context=ints((d, k), -1), admitted=ints((d, k)), finished=ints((d, k)),
-                         last_token=ints((d, k)), last_position=ints((d, k)))
+    rows = Rows(state=ints((d, k * n), IDLE), t=ints((d, k * n)), token=ints((d, k * n)),
+                position=ints((d, k * n)), started=ints((d, k * n)))
+    groups = Groups(context=ints((d, k), -1), stamp=ints((d, k)), last_token=ints((d, k)),
+                    last_position=ints((d, k)), lengths=ints((d, k, segments)),
+                    first=ints((d, k, segments)))
     rows_total = d * per_block * n
     out = Outputs(completions=ints((rows_total, new_bucket)),
                   logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
                   lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
-    return LoopState(rows=_constrain_blocks(rows), contexts=_constrain_blocks(slots),
-                     next_context=ints((d,)), store=tuple(store), cache=cache,
+    tables = page_pool.PageTables.empty(d, pages, k * n, new_bucket // page_size)
+    pool = _pool_constrained(page_pool.Pool.empty(config, blocks=d, pages=pages,
+                                                  page_size=page_size, dtype=kv_dtype))
+    return LoopState(step=jnp.zeros((), jnp.int32), groups=_constrain_blocks(groups),
+                     rows=_constrain_blocks(rows), next_context=ints((d,)), admitted=ints((d,)),
+                     store=store, tables=_constrain_blocks(tables), pool=pool,
                      out=_constrain_blocks(out))
 
 
+def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *, n: int,
+           pages: int, layers: int) -> tuple:
+    """What a decode step attends to besides the new token: each group's context segments (read
+    once for its n rows; nothing for a group with no active row) and each row's own pages."""
+    d, k = state.groups.context.shape
+    reading = active.reshape(d, k, n).any(axis=2).reshape(-1)
+    views = []
+    for i, pool in enumerate(state.store):
+        per_slot = pool.k.shape[1] // (d * layers * k)  # pages a slot holds of this segment
+        views.append(pool.view(page_pool.slot_tables(d, k, per_slot),
+                               jnp.where(reading, state.groups.lengths[..., i].reshape(-1), 0),
+                               state.groups.first[..., i].reshape(-1), k * per_slot,
+                               SEGMENTS[i]))
+    r = tables.table.shape[1]
+    first_own = jnp.repeat(state.groups.last_position, n, axis=1)  # own token 0's position
+    views.append(state.pool.view(tables.table.reshape(d * r, -1), state.rows.t.reshape(-1),
+                                 first_own.reshape(-1), pages, 'own'))
+    return tuple(views)
+
+
 @functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'shards', 'row_slots',
-                                             'context_slots', 'admit', 'new_bucket',
-                                             'hoist_layers'))
+                                             'context_slots', 'admit', 'new_bucket', 'page_size',
+                                             'pages', 'reserve', 'kv_dtype', 'hoist_layers'))
 def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key,
                       stop_ids, max_new_tokens, *, n: int, shards: int, row_slots: int,
-                      context_slots: int, admit: int, new_bucket: int, hoist_layers: bool = False):
+                      context_slots: int, admit: int, new_bucket: int, page_size: int, pages: int,
+                      reserve: int, kv_dtype: str, hoist_layers: bool = False):
     """Samples n continuations of each context of `contexts` (layout arrays, one row per context)
-    with row_slots x shards rows in flight; hoist_layers as in static.decode.
+    with at most row_slots active rows per block, in group slots of n rows, over `pages` KV pages
+    of page_size tokens per block and layer (`reserve` promised to each active row);
+    hoist_layers as in static.decode.
 
     Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
     """
@@ -244,29 +303,32 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     num_valid = _blocks(contexts['valid'], d).sum(axis=1)
 
     def keep_going(state: LoopState):
-        queued = _waiting(state.contexts, n).sum() > 0
-        return (jnp.any(state.rows.context_slot >= 0) | queued |
-                jnp.any(state.next_context < num_valid))
+        return jnp.any(state.rows.state != IDLE) | jnp.any(state.next_context < num_valid)
 
     def one_step(state: LoopState) -> LoopState:
-        state = jax.lax.cond(_wants_contexts(contexts, state, n=n, admit=admit),
-                             functools.partial(_admit, model, contexts, admit=admit),
+        state = jax.lax.cond(_wants_contexts(contexts, state, admit=admit),
+                             functools.partial(_admit, model, contexts, n=n, admit=admit),
                              lambda s: s, state)
-        rows, slots, fresh = _per_block(functools.partial(_fill_rows, n=n), state.rows,
-                                        state.contexts)
-        # A slot's new row must not see the keys its previous row left in the cache.
-        cache = state.cache.replace(pos=jnp.where(fresh.reshape(-1, 1), -1, state.cache.pos),
-                                    index=rows.t.reshape(-1))
-        active = rows.context_slot >= 0
-        reading = jnp.maximum(rows.context_slot, 0)
-        logits, cache = model.extend(rows.token.reshape(-1, 1), rows.position.reshape(-1, 1),
-                                     context=state.store, cache=cache, context_rows=reading,
-                                     layer_weights=layer_weights)
-        context = jnp.take_along_axis(slots.context, reading, axis=1)  # within the block
-        row_ids = (block_start + context) * n + rows.sample
+        state = _start_rows(state, n=n, row_slots=row_slots, reserve=reserve)
+        needs = (state.rows.state == ACTIVE) & (state.rows.t % page_size == 0)
+        short = jnp.any(needs.sum(axis=1) > state.tables.count)
+        state, needs = jax.lax.cond(short, _preempt, lambda s, w: (s, w), state, needs)
+        tables = page_pool.grow(state.tables, needs)
+        rows = state.rows
+        active = rows.state == ACTIVE
+        logits, new_kv = model.extend(
+            rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
+            pages=_views(state, tables, active, n=n, pages=pages, layers=model.config.num_layers),
+            layer_weights=layer_weights)
+        slot_context = jnp.repeat(jnp.maximum(state.groups.context, 0), n, axis=1)  # [D, R]
+        sample = jnp.arange(rows.t.shape[1]) % n
+        row_ids = (block_start + slot_context) * n + sample
         keys = row_step_keys(seed_key, row_ids.reshape(-1), rows.t.reshape(-1))
         tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
         tokens, logprobs = tokens.reshape(rows.t.shape), logprobs.reshape(rows.t.shape)
+        pool = page_pool.write_tokens(state.pool, new_kv.k, new_kv.v,
+                                      tables.table.reshape(-1, tables.table.shape[-1]),
+                                      rows.t.reshape(-1), active.reshape(-1), pages)
         hit_stop = active & jnp.any(tokens[..., None] == stop_ids, axis=-1)
         t = rows.t + 1
         finished = active & (hit_stop | (t >= max_new_tokens))
@@ -277,14 +339,17 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
                       logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
                       lengths=out.lengths.at[at].set(t, mode='drop'),
                       stopped=out.stopped.at[at].set(hit_stop, mode='drop'))
-        slots = _per_block(functools.partial(_finish_rows, n=n), slots, rows, finished)
-        rows = rows.replace(context_slot=jnp.where(finished, -1, rows.context_slot),
-                            t=jnp.where(finished, 0, t), token=tokens,
-                            position=rows.position + 1)
-        return LoopState(rows=rows, contexts=slots, next_context=state.next_context,
-                         store=state.store, cache=cache, out=out)
+        rows = rows.replace(state=jnp.where(finished, IDLE, rows.state),
+                            t=jnp.where(active, t, rows.t), token=jnp.where(active, tokens, rows.token),
+                            position=jnp.where(active, rows.position + 1, rows.position))
+        tables = page_pool.release(tables, finished)
+        busy = (rows.state != IDLE).reshape(d, -1, n).any(axis=2)
+        groups = state.groups.replace(context=jnp.where(busy, state.groups.context, -1))
+        return state.replace(step=state.step + 1, groups=groups, rows=rows, tables=tables,
+                             pool=pool, out=out)
 
-    state = _initial_state(model, contexts, n=n, shards=d, row_slots=row_slots,
-                           context_slots=context_slots, new_bucket=new_bucket)
+    state = _initial_state(model, contexts, n=n, shards=d, context_slots=context_slots,
+                           new_bucket=new_bucket, page_size=page_size, pages=pages,
+                           kv_dtype=kv_dtype)
     out = jax.lax.while_loop(keep_going, one_step, state).out
     return out.completions, out.logprobs, out.lengths, out.stopped

@@ -22,14 +22,16 @@ from flax import nnx
 
 from jaxprefix import distributed
 from jaxprefix.models.sharding import logical_spec
-from jaxprefix.sampling import budget, continuous, static
+from jaxprefix.sampling import budget, continuous, decode_mesh, static
 from jaxprefix.sampling.prefill import TRACE_COUNTS
 from jaxprefix.sampling.layout import (MIN_NEW_TOKENS_BUCKET, Context, ContextLayout,
                                        SharedContext, bucket, layout_contexts)
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.token_choice import SamplingSettings
 
-__all__ = ['TRACE_COUNTS', 'Program', 'abstract_programs', 'generate']
+__all__ = ['KV_DTYPES', 'TRACE_COUNTS', 'Program', 'abstract_programs', 'generate']
+
+KV_DTYPES = ('float32', 'bfloat16', 'int8')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +64,8 @@ class _Request:
     max_new_tokens: int
     seed: int
     hoist_layers: bool  # the decode runs on CPU (see Decoder.extend's layer_weights)
+    kv_dtype: str       # the KV pages' dtype (the continuous decode)
+    reshard: Program | None = None  # lays the weights out for `mesh` (tensor-parallel decode)
 
 
 def _params_mesh(params) -> jax.sharding.Mesh | None:
@@ -90,7 +94,9 @@ def _rows_per_device(mesh) -> int:
 
 
 def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
-             max_rows_in_flight, kv_budget_bytes) -> _Request:
+             max_rows_in_flight, kv_budget_bytes, memory_headroom=None,
+             page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None, reserve_fraction=1.0,
+             tensor_parallel=None) -> _Request:
     if int(n) != n or n < 1:
         raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
@@ -109,8 +115,25 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
     stop_array[:len(stop_ids)] = stop_ids
     new_bucket = bucket(max_new_tokens, MIN_NEW_TOKENS_BUCKET)
 
+    kv_dtype = str(np.dtype(kv_dtype or config.dtype))
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f'kv_dtype must be one of {KV_DTYPES} (None: the compute dtype), got '
+                         f'{kv_dtype!r}')
     graphdef, params = nnx.split(model)
     mesh = _params_mesh(params)
+    platform = _platform(params)
+    reshard = None
+    if mesh is not None and tensor_parallel is not None:
+        layout = decode_mesh.decode_mesh(mesh, config, tensor_parallel, platform)
+        if layout is not mesh:
+            mesh = layout
+            reshard = Program(decode_mesh.reshard(model, mesh), (params,), {})
+    if kv_budget_bytes is None and memory_headroom is not None:
+        devices = None if mesh is None else list(mesh.devices.flat)
+        kv_budget_bytes = budget.free_device_memory(devices, memory_headroom)
+        if kv_budget_bytes is not None and reshard is not None:  # the copy the reshard makes
+            kv_budget_bytes -= _bytes_per_device(params, reshard.fn) * mesh.devices.size
+        kv_budget_bytes = None if kv_budget_bytes is None else max(0, kv_budget_bytes)
     shards = _rows_per_device(mesh)
     # Static rows (C * n) must divide over the row devices; continuous contexts themselves must.
     lay = layout_contexts(contexts, config.vocab_size, shards // math.gcd(n, shards))
@@ -118,11 +141,22 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
         num_contexts=math.lcm(lay.valid.shape[0], shards), n=n,
         context_length=lay.prompt_tokens.shape[1] + lay.suffix_tokens.shape[1],
         new_bucket=new_bucket, shards=shards, bytes_per_token=budget.kv_bytes_per_token(config),
-        max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes)
+        page_bytes=budget.page_bytes_per_token(config, kv_dtype), page_size=page_size,
+        reserve_fraction=reserve_fraction, max_rows_in_flight=max_rows_in_flight,
+        kv_budget_bytes=kv_budget_bytes)
     if schedule is not None and lay.valid.shape[0] % shards:
         lay = layout_contexts(contexts, config.vocab_size, shards)
     return _Request(graphdef, params, mesh, lay, schedule, int(n), new_bucket, settings,
-                    stop_array, int(max_new_tokens), int(seed), _platform(params) == 'cpu')
+                    stop_array, int(max_new_tokens), int(seed), platform == 'cpu', kv_dtype,
+                    reshard)
+
+
+def _bytes_per_device(params, reshard) -> int:
+    """Bytes one device holds of `params` laid out by the jitted `reshard`."""
+    total = 0
+    for leaf in jax.tree.leaves(reshard.eval_shape(params)):
+        total += math.prod(leaf.sharding.shard_shape(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+    return total
 
 
 def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
@@ -165,7 +199,8 @@ def _continuous_program(req: _Request) -> Program:
                     *_sampling_args(req)),
                    dict(n=req.n, shards=s.shards, row_slots=s.row_slots,
                         context_slots=s.context_slots, admit=s.admit, new_bucket=req.new_bucket,
-                        hoist_layers=req.hoist_layers))
+                        page_size=s.page_size, pages=s.pages, reserve=s.reserve,
+                        kv_dtype=req.kv_dtype, hoist_layers=req.hoist_layers))
 
 
 def _mesh_scope(mesh):
@@ -175,7 +210,9 @@ def _mesh_scope(mesh):
 def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
              stop_ids: Sequence[int] = (), seed: int = 0, max_rows_in_flight: int | None = None,
-             kv_budget_bytes: int | None = None) -> Rollouts:
+             kv_budget_bytes: int | None = None, memory_headroom: float | None = None,
+             page_size: int = budget.DEFAULT_PAGE_SIZE, kv_dtype: str | None = None,
+             reserve_fraction: float = 1.0, tensor_parallel: int | None = None) -> Rollouts:
     """Samples n continuations of each context (a token-id list or a `SharedContext`).
 
     Rows i*n .. i*n+n-1 of the result continue contexts[i]. temperature 0 decodes greedily. A
@@ -185,12 +222,22 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
 
     max_rows_in_flight: at most this many rows decode at once (rounded down to a multiple of the
     row devices, at least one each); None: every row. kv_budget_bytes: the KV cache (contexts and
-    new tokens, all devices together) stays within this many bytes; None: unbounded. Either
-    switches to the continuous decode when it binds.
+    new tokens, all devices together) stays within this many bytes; None: unbounded, or, given
+    memory_headroom, what the devices hold beyond that share of their memory (none on CPU). Either
+    switches to the continuous decode when it binds, which keeps the rows' own tokens in KV
+    pages of `page_size` tokens (in `kv_dtype`: the compute dtype, or int8 with per-token
+    scales), promising each active row `reserve_fraction` of a whole row's pages.
+    tensor_parallel: decode with the weights split over that many of the parameters' devices
+    (0: the widest that divides the heads on TPU, the parameters' own layout elsewhere; None:
+    always their own layout); the weights are resharded once per call.
     """
     req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
-                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes)
+                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
+                   memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
+                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel)
+    if req.reshard is not None:
+        req = dataclasses.replace(req, params=req.reshard())
     with _mesh_scope(req.mesh):
         if req.schedule is None:
             segments, state = _prefill_program(req)()
@@ -241,7 +288,9 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
                       max_new_tokens: int, prompt_length: int = 0, contexts_per_prompt: int = 1,
                       max_rows_in_flight: int | None = None, kv_budget_bytes: int | None = None,
                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                      num_stop_ids: int = 1) -> dict[str, Program]:
+                      num_stop_ids: int = 1, page_size: int = budget.DEFAULT_PAGE_SIZE,
+                      kv_dtype: str | None = None, reserve_fraction: float = 1.0,
+                      tensor_parallel: int | None = None) -> dict[str, Program]:
     """The programs generate() runs for a request of this shape, with abstract arguments.
 
     `model` may be abstract (nnx.eval_shape; parameters ShapeDtypeStructs, sharded over a mesh
@@ -249,8 +298,9 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
     prompt_length > 0 each is a `SharedContext` whose prompt of that many tokens is shared by
     `contexts_per_prompt` contexts (PrefixRL's prefixes of one problem).
     Returns {'prefill': ..., 'decode': ...} for the static decode, or {'continuous': ...} when
-    the row cap or KV budget binds; under the mesh, `program.lower().compile()` compiles exactly
-    what generate() would run for that shape (memory_analysis() then reads its footprint).
+    the row cap or KV budget binds, after {'reshard': ...} when the weights are laid out for a
+    tensor-parallel decode; under the mesh, `program.lower().compile()` compiles exactly what
+    generate() would run for that shape (memory_analysis() then reads its footprint).
     """
     if not 0 <= prompt_length < context_length:
         raise ValueError(f'prompt_length must be in [0, context_length={context_length}), got '
@@ -263,12 +313,19 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
                     for i, c in enumerate(contexts)]
     req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, top_k=top_k, stop_ids=range(num_stop_ids), seed=0,
-                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes)
-    req = dataclasses.replace(req, params=_abstract_params(req.params))
+                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
+                   page_size=page_size, kv_dtype=kv_dtype, reserve_fraction=reserve_fraction,
+                   tensor_parallel=tensor_parallel)
+    programs = {}
+    params = _abstract_params(req.params)
+    if req.reshard is not None:
+        programs['reshard'] = dataclasses.replace(req.reshard, args=(params,))
+        params = _abstract_params(req.reshard.fn.eval_shape(params))
+    req = dataclasses.replace(req, params=params, reshard=None)
     with _mesh_scope(req.mesh):
         if req.schedule is not None:
-            return {'continuous': _continuous_program(req)}
+            return programs | {'continuous': _continuous_program(req)}
         prefill = _prefill_program(req)
         segments, state = _abstract(prefill.fn.eval_shape(*prefill.args, **prefill.kwargs),
                                     req.mesh)
-        return {'prefill': prefill, 'decode': _decode_program(req, segments, state)}
+        return programs | {'prefill': prefill, 'decode': _decode_program(req, segments, state)}

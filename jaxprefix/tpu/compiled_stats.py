@@ -7,7 +7,9 @@ loop body by its trip count (read from the loop condition, `counter < N`; a loop
 the sampler's decode loop, takes the caller's `unknown_trip_count`), counts dot / convolution
 FLOPs inside fusions, and counts bytes at fusion boundaries as XLA does (a parameter only
 sliced inside a fusion counts its slice; a dynamic-update-slice in place its update). Pallas
-kernels (custom calls) have no FLOPs XLA can see: `kernel_flops(op_name)` supplies them.
+kernels (custom calls) have no FLOPs XLA can see: `kernel_flops(op_name)` supplies them; and a
+kernel that reads only part of an operand (the paged decode reads a row's filled pages, not the
+pool) says how many bytes it reads through `kernel_bytes(op_name, operand_bytes)`.
 
 The roofline time of a program is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per chip;
 collectives get their own ICI estimate (ring algorithms: an all-gather moves (g-1)/g of its
@@ -23,7 +25,8 @@ from typing import Callable
 _DTYPE_BYTES = {'pred': 1, 's4': 0.5, 'u4': 0.5, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2,
                 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8, 'c64': 8,
                 'c128': 16, 'token': 0}
-_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+_ARRAY = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\](\{[^}]*\})?')
+_MEMORY_SPACE = re.compile(r'S\((\d+)\)')
 _INSTRUCTION = re.compile(r'^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$')
 _HEADER = re.compile(r'^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
 _CALLED = re.compile(r'\b(?:calls|body|condition|to_apply|true_computation|false_computation)'
@@ -32,7 +35,7 @@ _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 _NO_TRAFFIC = {'parameter', 'constant', 'get-tuple-element', 'tuple', 'bitcast', 'after-all',
                'partition-id', 'replica-id', 'opt-barrier', 'while', 'conditional', 'call',
                'copy-done', 'all-gather-done', 'all-reduce-done', 'collective-permute-done',
-               'async-done', 'async-update', 'send-done', 'recv-done'}
+               'async-done', 'async-update', 'send-done', 'recv-done', 'slice-done'}
 _SLICING = {'dynamic-slice', 'slice', 'gather'}
 # Ops that update their first operand in place, and the index of the operand holding the update.
 _UPDATE_OPERAND = {'dynamic-update-slice': 1, 'scatter': 2}
@@ -106,14 +109,24 @@ def parse_hlo(text: str) -> tuple[dict[str, list[Instruction]], str]:
     return computations, entry
 
 
-def arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+def arrays(shape: str, hbm_only: bool = False) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of each array of a shape; hbm_only: leave out arrays that XLA placed in
+    another memory space than HBM (`S(1)` in their layout: TPU's VMEM, where XLA's memory-space
+    assignment keeps small buffers and prefetches weights; `S(2)`, `S(6)`: scalars)."""
     return [(dtype, tuple(int(d) for d in dims.split(',') if d))
-            for dtype, dims in _ARRAY.findall(shape.split('{')[0] if not shape.startswith('(')
-                                              else shape)]
+            for dtype, dims, layout in _ARRAY.findall(shape)
+            if not (hbm_only and _in_other_memory(layout))]
 
 
-def shape_bytes(shape: str) -> float:
-    return sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(dims) for dtype, dims in arrays(shape))
+def _in_other_memory(layout: str) -> bool:
+    space = _MEMORY_SPACE.search(layout)
+    return bool(space) and space.group(1) != '0'
+
+
+def shape_bytes(shape: str, hbm_only: bool = True) -> float:
+    """Bytes of a shape's arrays (by default those in HBM: the traffic a roofline counts)."""
+    return sum(_DTYPE_BYTES.get(dtype, 4) * math.prod(dims)
+               for dtype, dims in arrays(shape, hbm_only))
 
 
 @dataclasses.dataclass
@@ -140,7 +153,8 @@ class HloCost:
 
     def __init__(self, text: str, *, num_devices: int, unknown_trip_count: int = 1,
                  rare_branch_calls: int | None = None,
-                 kernel_flops: Callable[[str], float | None] = lambda op_name: None):
+                 kernel_flops: Callable[[str], float | None] = lambda op_name: None,
+                 kernel_bytes: Callable[[str, list], float | None] = lambda op, sizes: None):
         """rare_branch_calls: how many times in all a conditional in the body of a loop of
         unknown trip count takes its costliest branch (the continuous sampler's admissions:
         a prefill now and then, a no-op otherwise); None: at every iteration (an upper bound)."""
@@ -150,6 +164,7 @@ class HloCost:
         self.unknown_trip_count = unknown_trip_count
         self.rare_branch_calls = rare_branch_calls
         self.kernel_flops = kernel_flops
+        self.kernel_bytes = kernel_bytes
         self._costs: dict[str, Cost] = {}
 
     def total(self) -> Cost:
@@ -204,15 +219,32 @@ class HloCost:
             if flops is None and 'tpu_custom_call' in ins.attrs:
                 cost.kernels_without_flops = 1
             cost.flops = flops or 0.0
-        if op in _SLICING:
-            cost.bytes = 2 * shape_bytes(ins.shape)
+        read = None
+        if op == 'custom-call':
+            table = self.shapes[computation]
+            read = self.kernel_bytes(_op_name(ins.attrs),
+                                     [shape_bytes(table.get(o, '')) for o in ins.operands])
+        if read is not None:
+            cost.bytes = read + shape_bytes(ins.shape)
+        elif op in _SLICING:  # reads the slice where its source is, writes it where it goes
+            cost.bytes = (self._moved(computation, ins.operands[:1], ins.shape)
+                          + shape_bytes(ins.shape))
+        elif op == 'slice-start':  # ((source), destination, context): an async slice
+            destination = _ARRAY.search(ins.shape[ins.shape.index(')') + 1:])
+            destination = destination.group(0) if destination else ''
+            cost.bytes = (self._moved(computation, ins.operands[:1], destination)
+                          + shape_bytes(destination))
         elif 'custom_call_target="AllocateBuffer"' in ins.attrs:
             cost.bytes = 0.0  # reserves memory, moves none
-        elif op == 'copy-start':
-            cost.bytes = 2 * self._operand_bytes(computation, ins.operands)
-        elif op in _UPDATE_OPERAND:
+        elif op == 'copy-start':  # (destination, source, context): an async copy between spaces
+            destination = ins.shape[1:].split(', ')[0] if ins.shape.startswith('(') else ins.shape
+            cost.bytes = self._operand_bytes(computation, ins.operands) + shape_bytes(destination)
+        elif op in _UPDATE_OPERAND:  # in place: reads the update, writes it into the buffer
             update = _UPDATE_OPERAND[op]
-            cost.bytes = 2 * self._operand_bytes(computation, ins.operands[update:update + 1])
+            written = self.shapes[computation].get(ins.operands[update], '') \
+                if len(ins.operands) > update else ''
+            cost.bytes = (self._operand_bytes(computation, ins.operands[update:update + 1])
+                          + self._moved(computation, ins.operands[:1], written))
         elif op not in _NO_TRAFFIC:
             cost.bytes = shape_bytes(ins.shape) + self._operand_bytes(computation, ins.operands)
         return cost
@@ -238,6 +270,13 @@ class HloCost:
                 cost.add(branches[0], trips - rare)
                 cost.add(branches[-1], rare)
 
+    def _moved(self, computation: str, buffers, shape: str) -> float:
+        """Bytes of `shape` (in any memory) when the first of `buffers` is in HBM, else 0."""
+        table = self.shapes[computation]
+        in_hbm = not buffers or shape_bytes(table.get(buffers[0], ''), hbm_only=True) > 0 or \
+            shape_bytes(table.get(buffers[0], ''), hbm_only=False) == 0
+        return shape_bytes(shape, hbm_only=False) if in_hbm else 0.0
+
     def _operand_bytes(self, computation: str, names) -> float:
         table = self.shapes[computation]
         return sum(shape_bytes(table.get(n, '')) for n in names)
@@ -262,9 +301,15 @@ class HloCost:
             operand = ins.operands[index] if index < len(ins.operands) else ''
             full = shape_bytes(self.shapes[computation].get(operand, i.shape))
             reads += self._read_bytes(fused, i, full)
-        writes = sum(shape_bytes(table[o.operands[_UPDATE_OPERAND[o.opcode]]].shape)
-                     if o.opcode in _UPDATE_OPERAND and o.operands[_UPDATE_OPERAND[o.opcode]] in table
-                     else shape_bytes(o.shape) for o in outputs)
+        # Outputs XLA placed outside HBM (the fusion's own layouts say where) write no HBM bytes.
+        in_hbm = [not _in_other_memory(layout) for _, _, layout in _ARRAY.findall(ins.shape)]
+        writes = 0.0
+        for k, o in enumerate(outputs):
+            if k < len(in_hbm) and not in_hbm[k]:
+                continue
+            update = o.operands[_UPDATE_OPERAND[o.opcode]] if o.opcode in _UPDATE_OPERAND else None
+            written = table[update].shape if update in table else o.shape
+            writes += shape_bytes(written, hbm_only=False)
         return reads + writes
 
     def _read_bytes(self, fused: str, param: Instruction, full: float) -> float:
@@ -275,8 +320,8 @@ class HloCost:
             return full
         total = 0.0
         for use in uses:
-            if use.opcode in _SLICING:
-                total += shape_bytes(use.shape)
+            if use.opcode in _SLICING:  # read from where the parameter is (`full`: HBM or not)
+                total += shape_bytes(use.shape, hbm_only=False)
             elif use.opcode == 'fusion':
                 inner = _attr(use.attrs, 'calls')
                 params = {i.args: i for i in self.computations.get(inner, [])
@@ -326,7 +371,7 @@ class HloCost:
     def _collective(self, computation: str, ins: Instruction, kind: str) -> dict:
         sizes = [_DTYPE_BYTES.get(d, 4) * math.prod(s) for d, s in arrays(ins.shape)]
         table = self.shapes[computation]
-        sizes += [shape_bytes(table.get(o, '')) for o in ins.operands]
+        sizes += [shape_bytes(table.get(o, ''), hbm_only=False) for o in ins.operands]
         size = max(sizes, default=0.0)
         g = _group_size(ins.attrs, self.num_devices)
         share = (g - 1) / g if g > 1 else 0.0

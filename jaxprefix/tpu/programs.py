@@ -36,6 +36,10 @@ class StepShape:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    page_size: int = 128         # the sampler's KV pages (rollout.page_size, .kv_dtype, ...)
+    kv_dtype: str = ''
+    kv_reserve: float = 1.0
+    tensor_parallel: int = 0
 
     @property
     def rows(self) -> int:
@@ -61,6 +65,8 @@ class Program:
     resident_bytes: float = 0.0    # per chip, live in HBM during the call but not an argument
     resident_note: str = ''
     shapes: str = ''
+    # KV tokens a call of the paged kernel reads on average, by what its pages hold.
+    paged_tokens_per_call: dict = dataclasses.field(default_factory=dict)
 
 
 _OUT_OF_MEMORY = re.compile(r'RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\)')
@@ -129,35 +135,48 @@ def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
                             resident_bytes=resident, resident_note=note, shapes=shapes)], learner, state
 
 
-def sampling_model(learner: Learner, state) -> tuple[nnx.Module, float, str]:
+def sampling_model(learner: Learner, state, decode_mesh=None
+                   ) -> tuple[nnx.Module, float, str, Program | None]:
     """Learner.sampling_model for an abstract state: (the model the sampler runs, the bytes per
-    chip that copy adds beside the training state and base, what they are).
+    chip that copy adds beside the training state and base, what they are, the compiled program
+    that makes it when it is a program of its own).
 
-    Full fine-tuning: the weights in the compute dtype, sharded like the master weights (a new
-    copy when the two dtypes differ). LoRA: the base with the adapters folded in (lora.merged: a
-    new copy of each targeted weight), or the adapted model itself (merged_sampling=False)."""
+    Full fine-tuning: the weights in the compute dtype, sharded like the master weights, or cast
+    and laid out for `decode_mesh` in one program (`sampler reshard`). LoRA: the base with the
+    adapters folded in (lora.merged: a new copy of each targeted weight), or the adapted model
+    itself (merged_sampling=False); generate() lays those out for the decode itself."""
     compute = learner.compute_dtype
     model = learner.model(state)
     if lora.has_adapters(model):
         if not model.adapters.config.merged_sampling:
-            return model, 0.0, ''
+            return model, 0.0, '', None
         merged = nnx.merge(*nnx.split(model), copy=True)  # abstract: same shapes, no adapters
         targets = merged.adapters.config.targets
         del merged.adapters
         copies = bytes_per_chip([getattr(merged, name).get_value() for name in targets])
-        return merged, copies, 'the base weights the merged sampler copy replaces'
+        return merged, copies, 'the base weights the merged sampler copy replaces', None
+    if decode_mesh is not None and decode_mesh != learner.mesh:
+        params, rest = learner._sampling_copy(decode_mesh).eval_shape(state.params, learner.rest)
+        program = compile_program(
+            'sampler reshard', learner.lower_sampling_copy(state, decode_mesh),
+            resident_bytes=bytes_per_chip(state), resident_note='the training state',
+            shapes="the master weights cast to the compute dtype and laid out for the decode "
+                   "mesh's (heads over 'tensor')")
+        return nnx.merge(learner.graphdef, params, rest), 0.0, '', program
     cast = lambda x: jax.ShapeDtypeStruct(
         x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
         sharding=x.sharding)
-    return nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest), 0.0, ''
+    return (nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest), 0.0,
+            '', None)
 
 
 def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | None,
                      resident_bytes: float, resident_note: str) -> list[Program]:
     """The programs generate() runs for one step's rollouts (sampling.abstract_programs),
-    compiled: the static prefill and decode of every row, or the continuous decode when
-    rollout.max_rows_in_flight or the KV budget binds. The training state stays in HBM while
-    sampling: `resident_bytes` per chip is added to each program.
+    compiled: the reshard of the weights for a tensor-parallel decode, then the static prefill
+    and decode of every row, or the continuous decode when rollout.max_rows_in_flight or the KV
+    budget binds. The training state stays in HBM while sampling: `resident_bytes` per chip is
+    added to each program, and the learner-layout weights the reshard reads stay too.
     """
     from jaxprefix.sampling import sampler
 
@@ -165,24 +184,18 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
         model, num_contexts=step.contexts, context_length=step.context_length, n=step.n,
         max_new_tokens=step.max_new_tokens, max_rows_in_flight=step.max_rows_in_flight or None,
         kv_budget_bytes=kv_budget_bytes, temperature=step.temperature, top_p=step.top_p,
-        top_k=step.top_k)
+        top_k=step.top_k, **sampler_memory(step))
     common = dict(resident_bytes=resident_bytes, resident_note=resident_note)
-    with jax.set_mesh(mesh):
+    out = []
+    if 'reshard' in found:
+        out.append(compile_program('sampler reshard', found['reshard'].lower(),
+                                   shapes='the weights from the learner\'s layout to the decode '
+                                   'mesh\'s (heads over \'tensor\')', **common))
+        common = dict(resident_bytes=resident_bytes + bytes_per_chip(nnx.state(model)),
+                      resident_note=resident_note + ', the learner-layout sampler weights')
+    with jax.set_mesh(_decode_mesh(found, mesh)):
         if 'continuous' in found:
-            program = found['continuous']
-            s = program.kwargs
-            shards, contexts = s['shards'], program.args[2]['prompt_tokens'].shape[0]
-            rows_per_block = contexts // shards * step.n
-            # The loop runs until every row stopped: at most max_new_tokens steps per generation
-            # of rows through a block's slots.
-            trips = -(-rows_per_block // s['row_slots']) * step.max_new_tokens
-            admissions = -(-(contexts // shards) // s['admit'])
-            shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
-                      f"{s['row_slots']} row slots x {s['new_bucket']} new tokens and "
-                      f"{s['context_slots']} context slots (admitting {s['admit']})")
-            return [compile_program('sampler continuous', program.lower(),
-                                    unknown_trip_count=trips, rare_branch_calls=admissions,
-                                    shapes=shapes, **common)]
+            return out + [_continuous(found['continuous'], step, common)]
         prefill, decode = found['prefill'], found['decode']
         lay = prefill.args[2]
         rows = lay['last_tokens'].shape[0] * step.n
@@ -190,9 +203,64 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
                   f"tokens, n={step.n}: {rows} rows x {prefill.kwargs['new_bucket']} new tokens")
         compiled = compile_program('sampler prefill', prefill.lower(), shapes=shapes, **common)
         if compiled.compiled is None:  # decode's inputs are the prefill's outputs
-            return [compiled, Program('sampler decode', None, error='not compiled: its inputs '
-                                      'come from the prefill, which does not fit', shapes=shapes,
-                                      **common)]
-        return [compiled, compile_program('sampler decode', decode.lower(),
-                                          unknown_trip_count=step.max_new_tokens, shapes=shapes,
-                                          **common)]
+            return out + [compiled, Program('sampler decode', None, error='not compiled: its '
+                                            'inputs come from the prefill, which does not fit',
+                                            shapes=shapes, **common)]
+        return out + [compiled, compile_program('sampler decode', decode.lower(),
+                                                unknown_trip_count=step.max_new_tokens,
+                                                shapes=shapes, **common)]
+
+
+def decode_copy_bytes(model, step: StepShape) -> float:
+    """Bytes per chip of the weights' tensor-parallel copy that generate() makes for the decode
+    (0: none, e.g. weights the learner already laid out for it)."""
+    from jaxprefix.sampling import decode_mesh
+
+    mesh = next(leaf.sharding.mesh for leaf in jax.tree.leaves(nnx.state(model))
+                if isinstance(leaf.sharding, NamedSharding))
+    layout = decode_mesh.decode_layout(mesh, model.config, step.tensor_parallel)
+    if layout is mesh:
+        return 0.0
+    return bytes_per_chip(decode_mesh.reshard(model, layout).eval_shape(nnx.state(model)))
+
+
+def sampler_memory(step: StepShape) -> dict:
+    """generate()'s page and layout keywords for the step (sampling.memory_settings's)."""
+    return dict(page_size=step.page_size, kv_dtype=step.kv_dtype or None,
+                reserve_fraction=step.kv_reserve, tensor_parallel=step.tensor_parallel)
+
+
+def _decode_mesh(found: dict, mesh):
+    """The mesh the sampler's programs run on: their weights' (the decode mesh after a reshard)."""
+    program = found.get('continuous') or found['prefill']
+    for leaf in jax.tree.leaves(program.args[1]):  # (graphdef, params, ...)
+        if isinstance(getattr(leaf, 'sharding', None), NamedSharding):
+            return leaf.sharding.mesh
+    return mesh
+
+
+def _continuous(program, step: StepShape, common: dict) -> Program:
+    s = program.kwargs
+    shards, contexts = s['shards'], program.args[2]['prompt_tokens'].shape[0]
+    rows_per_block = contexts // shards * step.n
+    # The loop runs until every row stopped: at most max_new_tokens steps per generation of rows
+    # through a block's active slots (the worst case: every row runs to max_new_tokens).
+    trips = -(-rows_per_block // s['row_slots']) * step.max_new_tokens
+    admissions = -(-(contexts // shards) // s['admit'])
+    # The paged kernel reads only the pages a group needs. Over the run each row's t-th step reads
+    # t of its own tokens, and each context is read at each of the max_new_tokens steps its rows
+    # run, once for all of them; so per call (one layer, one step), per device, on average:
+    t, per_block = step.max_new_tokens, contexts // shards
+    lay = program.args[2]
+    tokens_per_call = {'own': rows_per_block * t * (t - 1) / 2 / trips}
+    for name in ('prompt', 'suffix'):
+        real = (lay[f'{name}_positions'] >= 0).sum(axis=1)[:per_block].mean() if \
+            lay[f'{name}_positions'].shape[1] else 0.0
+        tokens_per_call[name] = float(per_block * t * real / trips)
+    shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
+              f"{s['row_slots']} active rows, {s['context_slots']} group slots of {step.n} rows "
+              f"(admitting {s['admit']}), {s['pages']} pages of {s['page_size']} tokens "
+              f"({s['kv_dtype']}), {s['reserve']} promised a row")
+    return compile_program('sampler continuous', program.lower(), unknown_trip_count=trips,
+                           rare_branch_calls=admissions, shapes=shapes,
+                           paged_tokens_per_call=tokens_per_call, **common)

@@ -1,0 +1,210 @@
+"""The continuous sampler's KV pages: pools, page tables, and the writes into them.
+
+Two kinds of pool, both in the layout of paged_attention.py ([Hkv, D * L * pages, page_size,
+Dh], layer l's copy of page p at `l * pages + p` within its block):
+  - the rows' pool: each block of rows (one per row device) owns `pages` pages per layer. A
+    row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
+    i * page_size .. (i + 1) * page_size - 1. Free pages sit on a stack per block. `grow` hands
+    the top free page to each row about to write the first token of a page, `release` takes
+    stopped (or preempted) rows' pages back, `write_tokens` puts each active row's new token's
+    K and V in its page, in place;
+  - a context pool per context segment (prompt, suffix): group slot k of a block owns pages
+    k * W .. (k + 1) * W - 1 (a fixed table, `slot_tables`); `write_slots` puts admitted
+    contexts' prefilled KV there.
+All of it is arrays in the decode loop's carry, changed by vectorised, pure functions. How many
+pages a row may take is the scheduler's business (continuous.py): it starts a row only when the
+pages promised to it are free, and preempts the youngest rows when they are not.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxprefix.models import paged_attention
+from jaxprefix.models.sharding import logical_spec
+
+
+@flax.struct.dataclass
+class PageTables:
+    """Per block (leading [D] axis): the free-page stack and every row's pages."""
+    free: jax.Array   # int32 [D, pages]: free[d, :count[d]] are the block's free page ids
+    count: jax.Array  # int32 [D]
+    table: jax.Array  # int32 [D, R, W]: row r's i-th page (valid for i < held[d, r])
+    held: jax.Array   # int32 [D, R]: pages row r holds
+
+    @classmethod
+    def empty(cls, blocks: int, pages: int, rows: int, pages_per_row: int) -> PageTables:
+        return cls(free=jnp.tile(jnp.arange(pages, dtype=jnp.int32), (blocks, 1)),
+                   count=jnp.full((blocks,), pages, jnp.int32),
+                   table=jnp.zeros((blocks, rows, pages_per_row), jnp.int32),
+                   held=jnp.zeros((blocks, rows), jnp.int32))
+
+
+def _grow_block(free, count, table, held, needs):
+    rank = jnp.cumsum(needs) - 1
+    page = free[jnp.clip(count - 1 - rank, 0, free.shape[0] - 1)]
+    rows = jnp.arange(table.shape[0])
+    at = jnp.where(needs, held, table.shape[1])  # past the end: dropped
+    table = table.at[rows, at].set(page, mode='drop')
+    return count - needs.sum(dtype=jnp.int32), table, held + needs.astype(jnp.int32)
+
+
+def grow(tables: PageTables, needs: jax.Array) -> PageTables:
+    """Rows with needs [D, R] each take one free page (the caller made sure there are enough)."""
+    count, table, held = jax.vmap(_grow_block)(tables.free, tables.count, tables.table,
+                                               tables.held, needs)
+    return tables.replace(count=count, table=table, held=held)
+
+
+def _release_block(free, count, table, held, rows):
+    width = table.shape[1]
+    owned = rows[:, None] & (jnp.arange(width)[None, :] < held[:, None])  # [R, W]
+    rank = jnp.cumsum(owned.reshape(-1)) - 1
+    at = jnp.where(owned.reshape(-1), count + rank, free.shape[0])
+    free = free.at[at].set(table.reshape(-1), mode='drop')
+    return free, count + owned.sum(dtype=jnp.int32), jnp.where(rows, 0, held)
+
+
+def release(tables: PageTables, rows: jax.Array) -> PageTables:
+    """Every page of the rows marked in rows [D, R] goes back on its block's free stack."""
+    free, count, held = jax.vmap(_release_block)(tables.free, tables.count, tables.table,
+                                                 tables.held, rows)
+    return tables.replace(free=free, count=count, held=held)
+
+
+@flax.struct.dataclass
+class Pool:
+    """The pages' keys and values, every block and layer: [Hkv, D * L * pages, page_size, Dh]
+    (int8 pools: with per-token scales [Hkv, D * L * pages, page_size])."""
+    k: jax.Array
+    v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+
+    @classmethod
+    def empty(cls, config, *, blocks: int, pages: int, page_size: int, dtype) -> Pool:
+        return cls(*paged_attention.empty_pool(
+            kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            pages=blocks * config.num_layers * pages, page_size=page_size, dtype=dtype))
+
+    def view(self, table: jax.Array, lengths: jax.Array, first_position: jax.Array,
+             pages: int, name: str) -> paged_attention.PagedKV:
+        """What the model reads in a decode step: groups [G] with their tables [G, W], lengths
+        and first positions, over `pages` pages a layer per block; `name` says what they hold."""
+        return paged_attention.PagedKV(self.k, self.v, self.k_scale, self.v_scale, table=table,
+                                       lengths=lengths, first_position=first_position,
+                                       pages_per_layer=pages, name=name)
+
+
+def slot_tables(blocks: int, slots: int, pages_per_slot: int) -> jax.Array:
+    """int32 [D * K, W]: group slot k of each block reads its context pages k * W .. k * W + W - 1."""
+    table = jnp.arange(slots * pages_per_slot, dtype=jnp.int32).reshape(slots, pages_per_slot)
+    return jnp.tile(table, (blocks, 1))
+
+
+def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Array) -> Pool:
+    """A context pool with admitted contexts' KV new_k, new_v [L, D * F, S, Hkv, Dh] written at
+    group slots target [D, F] of each block (target >= K: dropped), S tokens a slot, page by
+    page. Under a mesh each device writes its own block and KV heads (shard_map)."""
+    layers, _, length, _, dh = new_k.shape
+    d, admit = target.shape
+    page_size = pool.k.shape[2]
+    per_slot = length // page_size
+
+    def local(k, v, ks, vs, new_k, new_v, target):
+        slots = k.shape[1] // (layers * per_slot)  # K: one block here (a device's, or the only)
+
+        def paged(x):  # [L, S, Hkv, Dh] -> [L * W, Hkv, page_size, Dh]
+            x = x.reshape(layers, per_slot, page_size, -1, dh).transpose(0, 1, 3, 2, 4)
+            return x.reshape(-1, x.shape[2], page_size, dh)
+
+        # One context at a time: the temporaries (int8: its quantization) are one context's.
+        def one(f, arrays):
+            slot = target[0, f]
+            pages = ((jnp.arange(layers)[:, None] * slots + slot) * per_slot
+                     + jnp.arange(per_slot)[None, :]).reshape(-1)  # [L * W]
+            valid = jnp.broadcast_to(slot < slots, pages.shape)
+            return _write(arrays, paged(new_k[:, f]), paged(new_v[:, f]), pages,
+                          jnp.zeros_like(pages), valid)
+        return jax.lax.fori_loop(0, admit, one, (k, v, ks, vs))
+
+    return _on_devices(local, pool, new_k, new_v, target)
+
+
+def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Array,
+                 t: jax.Array, active: jax.Array, pages: int) -> Pool:
+    """The pool with each active row's new token (own index t) written to its page, in place.
+
+    new_k, new_v [L, B, 1, Hkv, Dh] (the model's new-token KVSegment), table [B, W], t and
+    active [B]. Under a mesh each device writes its own rows and KV heads.
+    """
+    layers = new_k.shape[0]
+    page_size = pool.k.shape[2]
+
+    def local(k, v, ks, vs, new_k, new_v, table, t, active):
+        rows = jnp.arange(table.shape[0])
+        page = table[rows, jnp.minimum(t // page_size, table.shape[1] - 1)]
+        layer = jnp.arange(layers)[:, None]
+        at = (layer * pages + page[None, :]).reshape(-1)  # [L * B]
+        slot = jnp.broadcast_to(t % page_size, (layers, t.shape[0])).reshape(-1)
+        valid = jnp.broadcast_to(active, (layers, t.shape[0])).reshape(-1)
+        tokens = lambda x: x.reshape(-1, *x.shape[2:]).swapaxes(1, 2)  # [L * B, Hkv, 1, Dh]
+        return _write((k, v, ks, vs), tokens(new_k), tokens(new_v), at, slot, valid)
+
+    return _on_devices(local, pool, new_k, new_v, table, t, active)
+
+
+def _write(arrays, keys, values, pages, slots, valid):
+    """(k, v, k_scale, v_scale) with keys and values [N, Hkv, T, Dh] at pages[n], slots
+    slots[n].. where valid[n] (int8 pools: quantized, with their scales)."""
+    k, v, ks, vs = arrays
+    if ks is not None:
+        keys, key_scales = paged_attention.quantize(keys)
+        values, value_scales = paged_attention.quantize(values)
+        ks = _write_pages(ks, key_scales, pages, slots, valid)
+        vs = _write_pages(vs, value_scales, pages, slots, valid)
+    return (_write_pages(k, keys, pages, slots, valid),
+            _write_pages(v, values, pages, slots, valid), ks, vs)
+
+
+def _write_pages(pool: jax.Array, new: jax.Array, pages: jax.Array, slots: jax.Array,
+                 valid: jax.Array) -> jax.Array:
+    """One device's `pool` [Hkv, P, page_size, ...] with new [N, Hkv, T, ...] written at pages
+    pages[n], slots slots[n] .. + T - 1, where valid[n], in place.
+
+    The scatter indexes the pool as [Hkv * P, page_size, ...]: scattering into [Hkv, P, ...]
+    led XLA's TPU layout assignment to give the pool another layout than the paged kernel reads
+    and to copy the whole pool into the kernel's at every step (tests/test_paged_attention.py)."""
+    hkv, num_pages = pool.shape[:2]
+    flat = pool.reshape(hkv * num_pages, *pool.shape[2:])
+    at = jnp.arange(hkv)[:, None] * num_pages + pages[None, :]  # [Hkv, N]
+    at = jnp.where(valid[None, :], at, flat.shape[0])  # invalid: past the end, dropped
+    columns = slots[:, None] + jnp.arange(new.shape[2])  # [N, T]
+    fresh = jnp.moveaxis(new, 1, 0)  # [Hkv, N, T, ...]
+    flat = flat.at[at[:, :, None], columns[None]].set(fresh.astype(pool.dtype), mode='drop')
+    return flat.reshape(pool.shape)
+
+
+def _on_devices(local, pool: Pool, new_k, new_v, *by_row) -> Pool:
+    """local(k, v, k_scale, v_scale, new_k, new_v, *by_row) -> the pool's arrays, run on each
+    device's block of rows and its KV heads (shard_map) under a mesh: XLA's partitioner would
+    otherwise gather every row's update to every device. `by_row` arrays have rows (or blocks)
+    first; new_k and new_v have them second."""
+    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, *by_row)
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or 'tensor' not in mesh.axis_names:
+        return Pool(*local(*args))
+    shape = dict(mesh.shape)
+    rows = logical_spec(('batch',), by_row[0].shape[:1], shape)[0]
+    heads = logical_spec(('kv_heads',), (pool.k.shape[0],), shape)[0]
+    pages_spec = P(heads, rows, None, None)
+    scales = None if pool.k_scale is None else P(heads, rows, None)
+    new_spec = P(None, rows, None, heads, None)
+    row_specs = tuple(P(rows, *(None,) * (x.ndim - 1)) for x in by_row)
+    out = jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
+                                         new_spec, *row_specs),
+                        out_specs=(pages_spec, pages_spec, scales, scales),
+                        check_vma=False)(*args)
+    return Pool(*out)
