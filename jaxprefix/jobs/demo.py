@@ -1,6 +1,6 @@
 """The demo: on problems where plain GRPO gets no signal, does POPE make the policy solve them?
 
-    python -m jaxprefix.main --config=configs/pope.py              # ~9 minutes on 2 cores
+    python -m jaxprefix.main --config=configs/pope.py              # ~6 minutes on 2 idle cores
 
 1. SFT a tiny policy on the built-in keyed_multiplication task, stopping at a measured window
    (hard problems never solved alone, solved when the key step, the first of 9, is given).
