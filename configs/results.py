@@ -1,51 +1,55 @@
-"""Regenerates docs/RESULTS.md: the papers' mechanisms and baselines on the demo task.
+"""Regenerates docs/RESULTS.md: the papers' mechanisms and baselines on the demo tasks.
 
-    python -m jaxprefix.main --config=configs/results.py --workdir=runs/results     # hours, 2 cores
+    python -m jaxprefix.main --config=configs/results.py --workdir=runs/pope_study    # POPE
+    python -m jaxprefix.main --config=configs/results.py:carry --workdir=runs/prefixrl_study
     python -m jaxprefix.main --config=configs/results.py:smoke --workdir=/tmp/results_smoke
 
-Not part of CI. Each run has its own workdir under --workdir: rerunning resumes, finished runs
-are only re-evaluated. jobs/results.py lists the runs (RUNS) and what each changes.
+Not part of CI (hours on 2 cores). Each run has its own workdir under --workdir: rerunning
+resumes, finished runs are only re-evaluated. jobs/results.py lists the runs (RUNS).
+
+- default: POPE's regime, keyed_multiplication (the demo task): POPE with prefixes of at most a
+  quarter of the solution, plain GRPO run on to POPE's FLOPs, and POPE's SFT baseline.
+- carry: carry_multiplication, PrefixRL's regime (a problem length chosen by a stated rule) and
+  its controls: PrefixRL and SFT-then-GRPO on the base's own traces and on a second base's,
+  plain GRPO, and more SFT on problems outside the hard set, then GRPO.
 """
 import ml_collections
 
 from jaxprefix import run_config
 
-# The study: POPE at three prefix caps, the papers' baselines that fail on hard problems, and
-# PrefixRL in its own regime against its SFT baseline. Left out for the 2-core budget (each is a
-# RUNS entry of jobs/results.py, run with --config.results.runs=...): pope_solution_prefix (the
-# forced-prefix ablation), prefixrl (the 20-digit limit case), prefixrl_oracle, sft_oracle.
-RUNS = ("grpo", "pope_cap1", "pope_cap0.5", "pope_cap0.25", "prefixrl_regime",
-        "sft_traces_regime", "grpo_entropy", "grpo_pass_at_k", "grpo_easy", "sft_guided")
+POPE_RUNS = ("pope_cap0.25", "grpo_matched", "sft_guided")
+PREFIXRL_RUNS = ("prefixrl_regime", "sft_traces_regime", "grpo_regime", "sft_more_regime",
+                 "prefixrl_other_regime", "sft_other_traces_regime")
 
 
 def get_config(arg: str = ""):
     c, args = run_config.method_config(__file__, "pope", arg)
     c.job = "results"
-    if args.variant != "smoke":
-        # Study budget on a 2-core machine: 60 RL steps a run (the demo runs 100), the setting
-        # docs/RESULTS.md was measured at.
-        c.train.total_steps = 60
+    carry = args.variant in ("carry", "carry_smoke")
     c.results = ml_collections.ConfigDict(dict(
-        seeds=(0, 1, 2), runs=RUNS, isocompute=True, output_dir="docs",
-        # The SFT warm starts (sft_guided, sft_oracle, sft_traces_regime): Adam at the base
-        # SFT's rate, 10 epochs over their examples, the rate warmed up over the first 30% (the
-        # lowest final SFT loss of 1e-3, 3e-4, 1e-4 on the own guided answers; without a warmup
-        # the loss jumped 0.58 -> 2.8 at step 2 and ended at 0.48, with it at 0.31).
+        seeds=(0, 1, 2), runs=PREFIXRL_RUNS if carry else POPE_RUNS, isocompute=False,
+        report_only=False,  # True: the report of the finished runs; the others are "not run"
+        output_dir="docs/results/prefixrl" if carry else "docs/results/pope",
+        # The SFT warm starts: Adam at the base SFT's rate, 10 epochs over their examples, the
+        # rate warmed up over the first 30% (the lowest final SFT loss of 1e-3, 3e-4, 1e-4 on
+        # the own guided answers; without a warmup the loss jumped 0.58 -> 2.8 at step 2).
         warm_start=dict(epochs=10, batch_size=64, learning_rate=1e-3, warmup_fraction=0.3),
         # PrefixRL's regime: the problem length (of these) whose measured base success rate is
         # closest to 1 / sqrt(mining.k * prefixrl.max_samples); probe_problems x probe_samples.
-        regime=dict(probe_digits=(8, 10, 12, 14, 16, 18), probe_problems=32, probe_samples=32),
-        # The IsoCompute sweep: mid-length problems, a held-out set large enough to separate n.
+        # Its runs: `steps` RL steps of contexts_per_step contexts (x rollout.n samples),
+        # evaluated every eval_every with eval_n samples a problem. 60 steps of 32 contexts:
+        # what 18 runs on 2 shared cores allow (the previous study: 60 steps of 64).
+        regime=dict(probe_digits=(8, 10, 12, 14, 16, 18), probe_problems=32, probe_samples=32,
+                    steps=60, contexts_per_step=32, eval_every=10, eval_n=4),
+        # The second base of PrefixRL's "traces from a different policy": another SFT seed and
+        # 90% of steps in '^' notation (the first base: 50%).
+        other_base=dict(seed=1, tens_first=0.9),
         iso_digits=(6, 12), iso_eval_size=512))
     # Rejection sampling: 64 a round, up to 512 per problem (the paper: ~650 on average, capped
-    # at 2,500), for the 20-digit limit case and for PrefixRL's regime.
+    # at 2,500).
     c.prefixrl.update(samples_per_round=64, max_samples=512)
-    # B held at 16 (the paper: B matters little, choose n first), n over 2..16, three seeds,
-    # evaluated every 2^11 rollouts on 512 held-out problems x 4 samples.
-    c.isocompute.update(seeds=(0, 1, 2), budgets=tuple(2**e for e in range(11, 16)),
-                        ns=(2, 4, 8, 16), batches=(16,), eval_every_rollouts=2**11)
-    if args.variant == "smoke":
-        c.results.update(seeds=(0,), output_dir="", isocompute=False, iso_eval_size=8)
-        c.results.regime.update(probe_digits=(2, 4), probe_problems=4, probe_samples=4)
-        c.isocompute.update(budgets=(32, 64), ns=(2, 4), batches=(4, 8), eval_every_rollouts=16)
+    if args.variant in ("smoke", "carry_smoke"):
+        c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
+        c.results.regime.update(probe_digits=(2, 4), probe_problems=4, probe_samples=4, steps=2,
+                                contexts_per_step=16, eval_every=1, eval_n=4)
     return c

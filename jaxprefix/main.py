@@ -4,7 +4,7 @@
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
-`config.job` picks the job (sft, mine, rl, eval, sweep, fit, demo, results, export,
+`config.job` picks the job (sft, mine, rl, eval, sweep, fit, prereg, demo, results, export,
 compile); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
 run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
 and every path field may be local or gs:// (jaxprefix.storage).
@@ -40,6 +40,7 @@ JOBS = {
     "eval": ("evaluate", "run_eval"),
     "sweep": ("isocompute", "run_sweep"),
     "fit": ("isocompute", "run_fit"),
+    "prereg": ("isocompute_prereg", "run_prereg"),
     "demo": ("demo", "run_demo"),
     "results": ("results", "run_results"),
     "export": ("export", "run_export"),

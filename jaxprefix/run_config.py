@@ -212,33 +212,59 @@ def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:
 # --- settings shared by the configs' variants -----------------------------------------------
 
 def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
-    """The CPU demo (docs/DEMO_TASK.md): the tiny SFT policy on 20-digit carry multiplication.
+    """The CPU demo (docs/DEMO_TASK.md): the tiny SFT policy on keyed_multiplication, POPE's
+    regime: hard problems (8 digits, key rule '>') fail at the key step, the first of 9, and
+    POPE searches prefixes of at most a quarter of the solution (the key step, or it and one
+    more), as the paper's are.
 
     Recipe from the feasibility study on this kind of machine: 8 samples per problem, Adam 1e-4
     (3e-4 collapsed, 3e-5 too slow), one on-policy update per batch, temperature 1.
     """
-    c.model.source = "sft"
-    c.sft = sft
+    _tiny_policy(c, sft)
+    # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
+    c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
+                  multipliers=(2, 9), easy_digits=(1, 8))
+    c.rollout.max_new_tokens = 27  # the key step, 8 steps of 3 tokens, <eos>
+    c.mining.max_prefix_units = 2
+    c.pope.max_prefix_fraction = 0.25
+    c.pope.unsolved = "unguided"  # every hard problem stays in training, unguided if need be
+    c.eval.update(every=10, n=16, ks=(1, 8, 16))  # every 10 steps: curves with 10 points
+    c.checkpoint.every = 50
+
+
+def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """The long-guidance case (docs/DEMO_TASK.md): carry_multiplication's 20-digit problems,
+    whose difficulty is spread evenly over the steps, so a solvable prefix is long; the PrefixRL
+    regime of configs/results.py:carry is on this task too."""
+    _tiny_policy(c, sft)
     c.data.update(source="carry_multiplication", verifier="carry_multiplication")
-    c.data.train_size, c.data.eval_size = 256, 128
-    c.rollout.update(n=8, temperature=1.0, max_new_tokens=61)  # 20 steps of 3 tokens + <eos>
-    # Micro-batches of 64 rows: the same gradient, ~30% faster on 2 CPU cores than all 512
-    # rows at once (activations stay in cache).
-    # 100 steps: about 6 minutes a method on 2 cores with this task's 124-token sequences.
-    c.train.update(problems_per_step=32, total_steps=100, learning_rate=1e-4, max_grad_norm=1.0,
-                   micro_batch_size=64)
-    c.mining.update(train_on="hard", k=16, prefix_samples=8, max_prefix_units=19)
-    c.pope.guidance = "instruction"  # the hint in the prompt's hint slots (docs/DEMO_TASK.md)
+    c.rollout.max_new_tokens = 61  # 20 steps of 3 tokens + <eos>
+    c.mining.max_prefix_units = 19
     # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
-    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md); configs/results.py has 1/4, 1/2, 1.
+    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md).
     c.pope.max_prefix_fraction = 1.0
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50
 
 
-def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+def _tiny_policy(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """What both built-in tasks' runs share: the SFT base, sets, rollouts, learner, mining."""
+    c.model.source = "sft"
+    c.sft = sft
+    c.data.train_size, c.data.eval_size = 256, 128
+    c.rollout.update(n=8, temperature=1.0)
+    # Micro-batches of 64 rows: the same gradient, ~30% faster on 2 CPU cores than all 512
+    # rows at once (activations stay in cache).
+    c.train.update(problems_per_step=32, total_steps=100, learning_rate=1e-4, max_grad_norm=1.0,
+                   micro_batch_size=64)
+    c.mining.update(train_on="hard", k=16, prefix_samples=8)
+    c.pope.guidance = "instruction"  # the hint in the prompt's hint slots (docs/DEMO_TASK.md)
+
+
+def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict,
+          task=demo_task) -> None:
     """Seconds on a CPU: every stage runs, nothing is expected to learn."""
-    demo_task(c, sft)
+    task(c, sft)
     c.data.train_size, c.data.eval_size = 8, 4
     c.rollout.n = 4
     c.train.update(problems_per_step=4, total_steps=2, micro_batch_size=16)  # 32 rows a step
@@ -322,14 +348,15 @@ def colab(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 5
 
 
-VARIANTS = ("demo", "smoke", "smollm2", "paper", "colab")
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "smollm2", "paper", "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
     """(config, args) of `method` for the variant named first in `arg` (default 'demo').
 
-    demo / smoke use the demo task (smoke: seconds); smollm2 a real model on CPU; paper a TPU run;
-    colab LoRA on one free TPU chip.
+    demo / smoke use the demo task, keyed_multiplication (smoke: seconds); carry / carry_smoke
+    carry_multiplication (the long-guidance case); smollm2 a real model on CPU; paper a TPU
+    run; colab LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
     args = parse_arg(arg, variant="demo")
@@ -339,8 +366,12 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
                          f"expected one of {known}")
     c = base_config()
     c.method = method
-    if args.variant == "smoke" or args.variant.endswith("_smoke"):
+    if args.variant == "carry_smoke":
+        smoke(c, sibling_config(config_file, "sft.py", "carry_smoke"), task=carry_task)
+    elif args.variant == "smoke" or args.variant.endswith("_smoke"):
         smoke(c, sibling_config(config_file, "sft.py", "smoke"))
+    elif args.variant == "carry":
+        carry_task(c, sibling_config(config_file, "sft.py", "carry"))
     elif args.variant == "smollm2":
         smollm2(c)
     elif args.variant == "paper":

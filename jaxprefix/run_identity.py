@@ -27,14 +27,16 @@ RECORD = "run.json"
 # evaluates, saves and logs, and where it runs, not which trajectory it follows. The IsoCompute
 # sweep's grid is among them: a sweep point's own n, B, M and learning rate are in its fields.
 SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isocompute.seeds",
-              "isocompute.eval_every_rollouts", "isocompute.print_only")
+              "isocompute.eval_every_rollouts", "isocompute.print_only", "isocompute.prereg")
 # The sampler's memory and layout settings change its speed, never its rollouts.
 SAMPLER_SPEED = tuple(f"rollout.{field}" for field in (
     "max_rows_in_flight", "kv_budget_gib", "memory_headroom", "page_size", "kv_reserve",
     "tensor_parallel"))
+# The results job's own block (which runs, seeds, regime settings) picks and sizes runs; a run
+# reads its trajectory's fields from the blocks it sets, never from `results`.
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "rewards.max_memory_mb",
               "mesh", "distributed", "workdir_lock", "storage", "metrics", "allow_changes",
-              *SAMPLER_SPEED, *SWEEP_GRID)
+              "results", *SAMPLER_SPEED, *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:

@@ -162,7 +162,8 @@ def run_job(tmp_path, *flags):
     model_dir.mkdir(exist_ok=True)
     (model_dir / 'config.json').write_text(json.dumps(SMALL))
     work = tmp_path / 'work'
-    cmd = [sys.executable, '-m', 'jaxprefix.main', '--config=configs/grpo.py:smoke',
+    # carry_multiplication's smoke run: its 61-token completions set the decode loop's length.
+    cmd = [sys.executable, '-m', 'jaxprefix.main', '--config=configs/grpo.py:carry_smoke',
            '--config.job=compile', '--config.model.source=hf', f'--config.model.path={model_dir}',
            '--config.compile.context_length=64', f'--workdir={work}', *flags]
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS='cpu')

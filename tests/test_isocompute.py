@@ -2,12 +2,15 @@
 import dataclasses
 import json
 import math
+import os
 import shlex
 
 import numpy as np
 import pytest
 
 from jaxprefix.methods import isocompute as ic
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_rollouts_and_ledger_by_hand():
@@ -203,7 +206,7 @@ def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
 
 
 def test_results_report_reads_the_sweep_per_budget_and_seed():
-    """The report's table (the last evaluation within each budget, mean ± std over seeds) and
+    """The report's table (the last evaluation within each budget, mean ± sample std over seeds) and
     its best n per seed and budget, on a sweep written by hand."""
     from jaxprefix.jobs.results_report import isocompute_section
 
@@ -214,7 +217,74 @@ def test_results_report_reads_the_sweep_per_budget_and_seed():
         run(2, 0, [0.1, 0.3, 0.2, 0.25]), run(4, 0, [0.2, 0.2, 0.3, 0.4]),
         run(2, 1, [0.1, 0.5, 0.5, 0.3]), run(4, 1, [0.2, 0.3, 0.3, 0.5])]}
     text = "\n".join(isocompute_section(sweep, (2048, 4096)))
-    assert "| 2 | 16 | 0.400 ± 0.100 | 0.275 ± 0.025 |" in text
-    assert "| 4 | 16 | 0.250 ± 0.050 | 0.450 ± 0.050 |" in text
+    # The sample std (ddof=1): of 0.3 and 0.5, 0.141 (np.std's ddof=0 gives 0.100).
+    assert "| 2 | 16 | 0.400 ± 0.141 | 0.275 ± 0.035 |" in text
+    assert "| 4 | 16 | 0.250 ± 0.071 | 0.450 ± 0.071 |" in text
     assert "seed 0: 2 at 2^11, 4 at 2^12; seed 1: 2 at 2^11, 4 at 2^12." in text
     assert "seed-mean curves: no fit." in text
+
+
+def _write_counts(directory, n, rows_per_step, curves):
+    """An eval_counts.jsonl as a sweep run writes it: per evaluation step, correct samples (of
+    n) per held-out problem."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "eval_counts.jsonl"), "w") as f:
+        for step, counts in curves:
+            f.write(json.dumps({"step": step, "name": "eval", "n": n,
+                                "correct_counts": counts}) + "\n")
+
+
+def test_preregistered_prediction_is_written_once_and_checked_against_the_outcome(tmp_path):
+    """On hand-written sweep curves where n = 2 leads at small budgets and n = 8 overtakes it,
+    the prediction (fit up to 2^11) names an n per group and budget; it is not rewritten when
+    the sweep goes on; the outcome compares it with the best n at each predicted budget."""
+    from jaxprefix import run_config as rc
+    from jaxprefix.jobs import isocompute_prereg as prereg
+
+    config = rc.from_file(os.path.join(ROOT, "configs", "isocompute.py"), "prereg")
+    config.isocompute.update(ns=(2, 8), batches=(4,), seeds=(0, 1), budgets=(512, 1024, 2048,
+                                                                              4096, 8192))
+    config.data.eval_size = 8
+    groups = prereg.eval_groups(config)
+    workdir = str(tmp_path)
+    budgets = [512, 1024, 2048, 4096, 8192]
+
+    def rate(n, budget):  # n = 2 leads at 2^9, stalls at 0.5; n = 8 climbs a quarter an octave
+        x = np.log2(budget) - 9
+        return min(2, x + 1) / 4 if n == 2 else x / 4
+
+    for n in (2, 8):
+        for seed in (0, 1):
+            curves = [(b // (n * 4), [int(round(4 * rate(n, b)))] * len(groups)) for b in budgets]
+            _write_counts(os.path.join(workdir, "runs", f"n{n}_b4_s{seed}"), 4, n * 4, curves)
+    config.isocompute.prereg.update(fit_max=2048, predict=(4096, 8192))
+    predicted = prereg.predict(config, workdir)
+    assert set(predicted["groups"]) == set(groups)
+    stamp = os.path.getmtime(os.path.join(workdir, prereg.PREDICTION))
+    assert prereg.predict(config, workdir) == predicted  # written once: never refitted
+    assert os.path.getmtime(os.path.join(workdir, prereg.PREDICTION)) == stamp
+    outcome = prereg.outcome(config, workdir)
+    for group, entry in predicted["groups"].items():
+        guess = entry["envelope"]["8192"]  # the per-n sigmoids' argmax, extrapolated
+        assert guess in (2, 8)
+        at_8192 = outcome["groups"][group]["8192"]
+        assert at_8192["best"] == 8 and at_8192["mean"] == {"2": 0.5, "8": 1.0}
+        # Every problem alike: the paired difference is exact, and holds only for the best n.
+        gap = at_8192["mean"][str(guess)] - 1.0
+        assert at_8192["envelope"] == {"n": guess, "minus_best": gap, "low": gap, "high": gap,
+                                       "holds": guess == 8}
+
+
+def test_a_step_like_fitted_rule_is_called_degenerate():
+    from jaxprefix.jobs.isocompute_prereg import degenerate
+
+    def fit(curve, n_star=(4, 8)):
+        return ic.FrontierFit(points={}, per_n={}, log_c=[10.0, 11.0], envelope=[0.1, 0.2],
+                              n_star=list(n_star), n_star_fit=curve)
+
+    step = ic.Sigmoid(floor=1.99, ceiling=2.51, center=11.65, width=0.019)  # the last study's
+    assert "step of width 0.019" in degenerate(fit(step), (2, 4, 8, 16))
+    assert "every budget" in degenerate(fit(None, (4, 4)), (2, 4, 8, 16))
+    wide = ic.Sigmoid(floor=1.0, ceiling=3.0, center=12.0, width=1.5)
+    assert degenerate(fit(wide), (2, 4, 8, 16)) == ""
+    assert "leaves the swept n" in degenerate(fit(ic.Sigmoid(1.0, 9.0, 12.0, 1.5)), (2, 4, 8))

@@ -28,7 +28,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # The smoke configs (run_config.smoke): 8 training candidates, k=2 mining samples, 4 problems
 # a step, n=4 rollouts each, 2 steps, prefix search over 1..2 steps with 2 samples each.
 CANDIDATES, K, PROBLEMS_PER_STEP, N, STEPS, PREFIX_SAMPLES = 8, 2, 4, 4, 2, 2
-PREFIX_SEARCH = "prefixes_instruction_default_f1"  # guidance in the prompt, cap 1
+PREFIX_SEARCH = "prefixes_instruction_default_f0.25"  # guidance in the prompt, the demo's cap
+CAP1_SEARCH = "prefixes_instruction_default_f1"
 
 
 def run_main(config: str, workdir, *flags, timeout: int = 900):
@@ -49,6 +50,14 @@ def base(tmp_path_factory):
     assert {"config.json", "model.safetensors", "task_tokenizer.json",
             "sft_report.json"} <= set(os.listdir(path))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def carry_base(tmp_path_factory):
+    """The smoke SFT policy of carry_multiplication (the IsoCompute sweep's task)."""
+    workdir = tmp_path_factory.mktemp("sft_carry")
+    run_main("configs/sft.py:carry_smoke", workdir)
+    return str(workdir / "base")
 
 
 def run_main_failing(config: str, workdir, *flags, timeout: int = 900):
@@ -107,7 +116,7 @@ def mining_rollouts(workdir: str) -> int:
         with open(prefixes_file) as f:
             found = json.load(f)["shortest_units"]
         assert sorted(found) == sorted(hard["hard_ids"])
-        for units in (1, 2):  # max_prefix_units = 2; every problem has 20 steps
+        for units in (1, 2):  # max_prefix_units = 2 = a quarter of the 9 steps
             total += PREFIX_SAMPLES * sum(u is None or u >= units for u in found.values())
     return total
 
@@ -306,16 +315,23 @@ def test_demo_pipeline_smoke(base, tmp_path):
     assert report["hard_set"]["candidates"] == CANDIDATES and report["hard_set"]["k"] == K
     for run in report["runs"].values():
         assert run["steps"] == STEPS and "pass@4" in run["after"]
-    # Compute-matched: GRPO takes twice the problems of POPE's 1 guided : 1 unguided batches.
-    assert report["runs"]["pope"]["ledger"]["rollouts"] == \
-        report["runs"]["grpo"]["ledger"]["rollouts"] == STEPS * PROBLEMS_PER_STEP * 2 * N
+    # The same rollouts a step (GRPO takes twice the problems of POPE's 1 guided : 1 unguided
+    # batches), and GRPO runs on until one more step would pass POPE's FLOPs.
+    pope, grpo = report["runs"]["pope"], report["runs"]["grpo"]
+    assert pope["ledger"]["rollouts"] == STEPS * PROBLEMS_PER_STEP * 2 * N
+    assert grpo["ledger"]["rollouts"] == grpo["steps"] * PROBLEMS_PER_STEP * 2 * N
+    total = lambda run: run["ledger"]["sampling_flops"] + run["ledger"]["update_flops"] + \
+        run["ledger"]["extra_flops"]
+    grpo_records = read_metrics(str(workdir / "grpo"))
+    step = max(r["flops/sampling"] + r["flops/update"] for r in grpo_records)
+    assert total(grpo) <= total(pope) < total(grpo) + step and grpo["steps"] >= STEPS
     table = (workdir / "demo_report.md").read_text()
+    assert table.startswith("Held-out hard problems") and "a solvable oracle prefix for " in table
     assert "| policy | pass@1 | pass@4 |" in table
-    for row in ("| base (SFT) |", "| POPE (2 steps) |", "| GRPO (2 steps) |"):
+    for row in ("| base (SFT) | 0.", "| POPE (2 steps) |", f"| GRPO ({grpo['steps']} steps) |"):
         assert row in table, row
     check_png(str(workdir / "demo_curves.png"))
-    for method in ("pope", "grpo"):
-        assert [r["step"] for r in read_metrics(str(workdir / method))] == [1, 2]
+    assert [r["step"] for r in read_metrics(str(workdir / "pope"))] == [1, 2]
 
 
 def test_results_pipeline_smoke(base, tmp_path):
@@ -325,7 +341,7 @@ def test_results_pipeline_smoke(base, tmp_path):
     workdir = tmp_path / "results"
     workdir.mkdir()
     notes = f"{NOTES_MARKER}\n## Notes\nwritten by hand\n"
-    (workdir / "RESULTS.md").write_text("# an older report\n\n" + notes)
+    (workdir / "REPORT.md").write_text("# an older report\n\n" + notes)
     names = ["grpo", "pope_cap1", "pope_cap0.25", "grpo_easy", "sft_oracle", "prefixrl_regime",
              "sft_traces_regime"]
     run_main("configs/results.py:smoke", workdir, f"--config.model.path={base}",
@@ -341,13 +357,12 @@ def test_results_pipeline_smoke(base, tmp_path):
     # search, hard + easy (POPE with no guided copies) no prefixes.
     with open(workdir / "mining" / "ledger.json") as f:
         costs = {name: ledger["extra_rollouts"] for name, ledger in json.load(f).items()}
-    assert set(costs) == {"hard_set", PREFIX_SEARCH, "prefixes_instruction_default_f0.25"}
+    assert set(costs) == {"hard_set", PREFIX_SEARCH, CAP1_SEARCH}
     assert costs[PREFIX_SEARCH] == mining_rollouts(workdir) - K * CANDIDATES
     charged = {run["name"]: run["ledger"]["extra_rollouts"] for run in report["runs"].values()}
     assert charged["grpo"] == charged["sft_oracle"] == charged["grpo_easy"] == costs["hard_set"]
-    assert charged["pope_cap1"] == costs["hard_set"] + costs[PREFIX_SEARCH]
-    assert charged["pope_cap0.25"] == (costs["hard_set"]
-                                       + costs["prefixes_instruction_default_f0.25"])
+    assert charged["pope_cap1"] == costs["hard_set"] + costs[CAP1_SEARCH]
+    assert charged["pope_cap0.25"] == costs["hard_set"] + costs[PREFIX_SEARCH]
     with open(workdir / "sft_oracle_seed0" / "warm_start" / "warm_start.json") as f:
         warm = json.load(f)
     assert warm["flops"] > 0 and len(warm["losses"]) == warm["steps"] > 0
@@ -366,14 +381,17 @@ def test_results_pipeline_smoke(base, tmp_path):
         sft_flops = json.load(f)["flops"]
     assert report["runs"]["sft_traces_regime_seed0"]["ledger"]["extra_flops"] == pytest.approx(
         report["runs"]["prefixrl_regime_seed0"]["ledger"]["extra_flops"] + sft_flops)
-    text = (workdir / "RESULTS.md").read_text()
+    text = (workdir / "REPORT.md").read_text()
     assert text.endswith("\n" + notes) and "an older report" not in text  # notes kept
     assert "{" not in text, "a template left unformatted"  # 'Hard set: {study[...]}' was
     for name in names:
         assert f"| {name} | 1 |" in text, name
     assert "| sft_oracle: after SFT, before RL | 1 |" in text
-    check_png(str(workdir / "results" / "curves.png"))
-    check_png(str(workdir / "results" / "regime_curves.png"))
+    for name in names:  # every cell: mean [95% interval]
+        assert re.search(rf"\| {name} \| 1 \| \d\.\d{{3}} \[\d\.\d{{3}}, \d\.\d{{3}}\]", text), name
+    assert "Paired differences" in text and "by multiplier" in text
+    check_png(str(workdir / "curves.png"))
+    check_png(str(workdir / "regime_curves.png"))
 
 
 def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_path):
@@ -398,9 +416,9 @@ def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_pat
 
 
 @pytest.mark.slow  # ~100 s: four GRPO runs, then the fit
-def test_isocompute_sweep_and_fit_smoke(base, tmp_path):
+def test_isocompute_sweep_and_fit_smoke(carry_base, tmp_path):
     workdir = tmp_path / "iso"
-    run_main("configs/isocompute.py:smoke", workdir, f"--config.model.path={base}")
+    run_main("configs/isocompute.py:smoke", workdir, f"--config.model.path={carry_base}")
     with open(workdir / "frontier.json") as f:
         frontier = json.load(f)
     # budgets (32, 64), ns (2, 4), batches (4, 8): each (n, B) runs once at the largest budget.
@@ -414,11 +432,11 @@ def test_isocompute_sweep_and_fit_smoke(base, tmp_path):
     assert frontier["fit"] is None and "record-breaking" in frontier["reason"]
 
 
-def test_printed_sweep_commands_run(base, tmp_path):
+def test_printed_sweep_commands_run(carry_base, tmp_path):
     """print_only prints one command per point; running one (as printed) trains exactly that
     point: its n, B, M, scaled learning rate and evaluation schedule."""
     workdir = tmp_path / "iso"
-    printed = run_main("configs/isocompute.py:smoke", workdir, f"--config.model.path={base}",
+    printed = run_main("configs/isocompute.py:smoke", workdir, f"--config.model.path={carry_base}",
                        "--config.isocompute.print_only=True").stdout.strip().splitlines()
     assert len(printed) == 4  # (n, B) in {2, 4} x {4, 8}, one seed
     command = next(line for line in printed if "n4_b8_s0" in line)

@@ -1,13 +1,15 @@
 """The demo: on problems where plain GRPO gets no signal, does POPE make the policy solve them?
 
-    python -m jaxprefix.main --config=configs/pope.py              # 20 minutes on 2 idle cores
+    python -m jaxprefix.main --config=configs/pope.py              # ~6 minutes on 2 idle cores
 
-1. SFT a tiny policy on the built-in carry-multiplication task, stopping at a measured window
-   (hard problems never solved alone, solved when most of the oracle solution is given).
-2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix, given as
-   a hint in the prompt (the task's hint slots, docs/DEMO_TASK.md); a problem with none is
-   dropped from POPE's training and counted.
-3. Train POPE and plain GRPO from the same base at the same rollouts per step and steps.
+1. SFT a tiny policy on the built-in keyed_multiplication task, stopping at a measured window
+   (hard problems never solved alone, solved when the key step, the first of 9, is given).
+2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix of at most
+   pope.max_prefix_fraction of the solution, given as a hint in the prompt (the task's hint
+   slots, docs/DEMO_TASK.md); a problem with none is handled as pope.unsolved says (the demo:
+   kept in POPE's training, unguided) and counted.
+3. Train POPE, then plain GRPO from the same base at the same rollouts per step, run on to
+   POPE's FLOPs (its prefix search included).
 4. Evaluate both, unguided, on held-out hard problems; print a table and write
    <workdir>/demo_report.{md,json} and <workdir>/demo_curves.png.
 
@@ -20,12 +22,15 @@ import time
 import numpy as np
 
 from jaxprefix import storage
-from jaxprefix.jobs.rl import run_rl
+from jaxprefix import statistics
+from jaxprefix.jobs.rl import mined_artifacts, run_rl
 from jaxprefix.jobs.study import Study
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
-METHODS = ("pope", "grpo")
+METHODS = ("pope", "grpo")  # POPE first: GRPO runs on to its FLOPs
+UNSOLVED = {"drop": "dropped from POPE's training", "longest": "guided by the longest prefix "
+            "tried", "unguided": "kept in POPE's training, unguided"}
 
 
 def run_demo(config, workdir: str) -> dict:
@@ -42,7 +47,13 @@ def run_demo(config, workdir: str) -> dict:
               "base": study.evaluate(study.policy.model, "eval base"), "runs": {}}
     for method in METHODS:
         started = time.perf_counter()
-        out = run_rl(study.run_config(method), storage.join(workdir, method))
+        config_ = study.run_config(method)
+        if method == "grpo":  # run on to POPE's FLOPs (its prefix search included)
+            pope_flops = ComputeLedger.from_dict(report["runs"]["pope"]["ledger"]).total_flops
+            config_.train.flops_budget = pope_flops - study.mining.cost(
+                mined_artifacts(config_)).extra_flops
+            config_.train.total_steps *= 10  # the budget, not the steps, ends it
+        out = run_rl(config_, storage.join(workdir, method))
         report["runs"][method] = {
             "after": study.evaluate(out["policy"].model, f"eval {method}"),
             "steps": out["step"],
@@ -53,18 +64,26 @@ def run_demo(config, workdir: str) -> dict:
     return report
 
 
+def _cell(evaluation: dict, k: int) -> str:
+    """pass@k [95% bootstrap interval over the held-out problems] (one seed: no std)."""
+    scores = statistics.pass_at_k_table([evaluation["correct_counts"]],
+                                        evaluation["num_samples"], k)
+    low, high = statistics.bootstrap_interval(scores)
+    return f"{evaluation[f'pass@{k}']:.3f} [{low:.3f}, {high:.3f}]"
+
+
 def table(report: dict, ks) -> str:
     """The demo's result as a markdown table."""
     keys = [f"pass@{k}" for k in ks]
     lines = ["| policy | " + " | ".join(keys) + " | rollouts | FLOPs (incl. mining) |",
              "|---" * (len(keys) + 3) + "|"]
     base = report["base"]
-    lines.append("| base (SFT) | " + " | ".join(f"{base[k]:.3f}" for k in keys) + " | 0 | 0 |")
+    lines.append("| base (SFT) | " + " | ".join(_cell(base, k) for k in ks) + " | 0 | 0 |")
     for method, run in report["runs"].items():
         ledger = run["ledger"]
         total = ComputeLedger.from_dict(ledger).total_flops
         lines.append(f"| {method.upper()} ({run['steps']} steps) | "
-                     + " | ".join(f"{run['after'][k]:.3f}" for k in keys)
+                     + " | ".join(_cell(run["after"], k) for k in ks)
                      + f" | {ledger['rollouts']} | {total:.3g} |")
     return "\n".join(lines)
 
@@ -79,8 +98,8 @@ def _write(report: dict, workdir: str, config) -> None:
             f"({prefixes['guidance']}): a solvable oracle prefix for {prefixes['found']} of them "
             f"(revealing {np.min(fractions):.2f}-{np.max(fractions):.2f} of the solution, median "
             f"{np.median(fractions):.2f}); the others are "
-            + ("dropped from POPE's training" if config.pope.unsolved == "drop"
-               else "guided by the longest prefix tried") + ".\n\n"
+            + UNSOLVED[config.pope.unsolved] + ". GRPO runs on to POPE's FLOPs. Cells: "
+            "pass@k [95% bootstrap interval over the problems].\n\n"
             + table(report, config.eval.ks) + "\n")
     print("\n" + text)
     storage.write_atomic(storage.join(workdir, "demo_report.md"), text)

@@ -20,7 +20,20 @@ def evaluate_unguided(prober: Prober, prompts, problems, *, n: int, ks, seed: in
     """pass@k and friends of the policy on `problems`, asked plainly, n samples each."""
     result = prober.probe([prompts.question(p) for p in problems], problems, n, seed=seed,
                           description=description)
-    return evaluation.summarize(result.correct, ks) | {"verifier_failures": result.verifier_failures}
+    return (evaluation.summarize(result.correct, ks)
+            | {"verifier_failures": result.verifier_failures,
+               # Per problem, for intervals over problems and per-group tables (statistics.py).
+               "correct_counts": [int(c) for c in result.num_correct],
+               "groups": problem_groups(problems)})
+
+
+GROUP_KEYS = ("multiplier", "digits")  # the built-in tasks' difficulty knobs
+
+
+def problem_groups(problems) -> dict:
+    """Per difficulty knob found in every problem's metadata, each problem's value."""
+    return {key: [p.metadata[key] for p in problems] for key in GROUP_KEYS
+            if problems and all(key in p.metadata for p in problems)}
 
 
 def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n: int, ks,

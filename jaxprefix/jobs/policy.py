@@ -115,7 +115,6 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if source == "sft":
-        from jaxprefix.data.tasks import carry_multiplication as task
         from jaxprefix.jobs import sft
 
         path = base_dir(config, workdir)
@@ -126,8 +125,8 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
             if not config.get("sft"):
                 raise ConfigError(f"config.sft is empty and {path} holds no trained base: "
                                   "expected the SFT settings of configs/sft.py")
-            tokenizer = task.tokenizer()
             try:
+                tokenizer = sft.task_of(config.sft).tokenizer()
                 hf = sft.model_config(config.sft, tokenizer).to_hf()
             except (ValueError, AttributeError, KeyError) as e:
                 raise ConfigError(f"config.sft.model: {e}") from None

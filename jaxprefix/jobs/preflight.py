@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from jaxprefix.errors import ConfigError, UserError
 
-TRAINING_JOBS = ("rl", "demo", "results", "sweep")
+TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
 # weights) and checks its own settings before it compiles.
 NOTHING_TO_CHECK = ("fit", "compile")
@@ -85,7 +85,7 @@ def _check_settings(config, workdir: str) -> None:
     check_method_settings(config)
     from jaxprefix.jobs import allocation, isocompute
 
-    if config.job == "sweep":  # each point is its own run, with its own n and batch
+    if config.job in ("sweep", "prereg"):  # each point is its own run, with its n and batch
         for point in isocompute.sweep_points(config):
             loop.validate(isocompute.point_config(config, point, config.isocompute.seeds[0],
                                                   workdir))
@@ -96,10 +96,9 @@ def _check_settings(config, workdir: str) -> None:
 
 def _check_sft_settings(config) -> None:
     """The sft job's own config (configs/sft.py): the model it would build."""
-    from jaxprefix.data.tasks import carry_multiplication as task
     from jaxprefix.jobs import sft
 
     try:
-        sft.model_config(config, task.tokenizer())
+        sft.model_config(config, sft.task_of(config).tokenizer())
     except (ValueError, AttributeError, KeyError) as e:
         raise ConfigError(f"config.model: {e}") from None

@@ -1,9 +1,10 @@
 """The problems a job trains and evaluates on, and the verifier that scores them.
 
 `config.data.source` names them:
-- 'carry_multiplication': the built-in demo task; training candidates and a held-out evaluation
-  set (`digits`, `multipliers`; the demo's hard problems: 20 digits times 6..9), plus easy ones
-  for the "+ easy" ablation;
+- 'carry_multiplication', 'keyed_multiplication': the built-in tasks (data/tasks/); training
+  candidates and a held-out evaluation set (`digits`, `multipliers`; carry_multiplication's hard
+  problems: 20 digits times 6..9, keyed_multiplication's: 8 digits under the key rule '>'), plus
+  easy ones for the "+ easy" ablation;
 - 'file': JSONL / parquet files (`path`, `eval_path`) with configurable field names;
 - 'reasoning_gym': a reasoning-gym generator (`task`), training and evaluation sets by seed;
 - 'hf': a local Hugging Face dataset (`path`: a save_to_disk directory, a hub snapshot of
@@ -25,7 +26,8 @@ from absl import logging
 from jaxprefix.data.problem import DataError, Problem
 from jaxprefix.errors import ConfigError
 
-SOURCES = ("carry_multiplication", "file", "reasoning_gym", "hf", "tfds")
+BUILT_IN = ("carry_multiplication", "keyed_multiplication")  # jaxprefix.data.tasks.TASKS
+SOURCES = BUILT_IN + ("file", "reasoning_gym", "hf", "tfds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,16 +115,12 @@ def _prompt_error(limit: PromptLimit, problem: Problem, where: str) -> str | Non
 
 
 def _load(data, where: dict) -> ProblemSets:
-    if data.source == "carry_multiplication":
-        from jaxprefix.data.tasks import carry_multiplication as task
+    if data.source in BUILT_IN:
+        from jaxprefix.data import tasks
 
+        task = tasks.get(data.source)
         task.register_verifier()
-        shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers))
-        train = task.generate(data.train_size, seed=data.seed, **shape)
-        held_out = task.generate(data.eval_size, seed=data.eval_seed, **shape)
-        easy = task.generate(data.get("easy_size", 0), digits=tuple(data.easy_digits),
-                             seed=data.seed + 1) if data.get("easy_size", 0) else []
-        return ProblemSets(train, held_out, easy, data.verifier)
+        return ProblemSets(*task.problem_sets(data), data.verifier)
     if data.source == "file":
         from jaxprefix.data import read_problem_file
 

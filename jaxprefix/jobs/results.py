@@ -26,10 +26,13 @@ from jaxprefix import storage
 from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.jobs import results_report, warm_start
+from jaxprefix.jobs.method_settings import contexts_per_problem
 from jaxprefix.jobs.mine import LEDGER
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.rl import mined_artifacts, run_rl
 from jaxprefix.jobs.study import Study
+from jaxprefix.methods import prefixrl
+from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 
@@ -38,12 +41,18 @@ class RunSpec:
     method: str
     settings: dict          # config fields changed from the study's compute-matched method config
     about: str              # what the row is, for the report
-    warm_start: str = ""    # SFT before RL on: 'oracle' | 'own_guided' | 'traces'
-    regime: str = "hard"    # 'hard': the 20-digit hard set; 'prefixrl': PrefixRL's regime
+    warm_start: str = ""    # SFT before RL on: 'oracle' | 'own_guided' | 'traces' |
+    #                         'other_traces' (a second base's) | 'more_sft' (non-hard problems)
+    regime: str = "hard"    # 'hard': the task's hard set; 'prefixrl': PrefixRL's regime
+    pool: str = ""          # PrefixRL's traces: '' its own, 'other': a second base's
+    flops_match: str = ""   # run on past total_steps until this run's FLOPs at the same seed
 
 
 RUNS = {
     "grpo": RunSpec("grpo", {}, "plain GRPO on the hard set"),
+    "grpo_matched": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to POPE's FLOPs "
+                            "(pope_cap0.25's at the same seed, its mining included)",
+                            flops_match="pope_cap0.25"),
     "pope_cap1": RunSpec("pope", {"pope.max_prefix_fraction": 1.0},
                          "POPE, prefixes up to all steps but one"),
     "pope_cap0.5": RunSpec("pope", {"pope.max_prefix_fraction": 0.5},
@@ -73,6 +82,14 @@ RUNS = {
                                regime="prefixrl"),
     "sft_traces_regime": RunSpec("grpo", {}, "PrefixRL's SFT baseline, in its regime",
                                  warm_start="traces", regime="prefixrl"),
+    # PrefixRL's controls (jobs/prefixrl_controls.py): which explanation of SFT's lead survives.
+    "grpo_regime": RunSpec("grpo", {}, "plain GRPO on the regime's hard set", regime="prefixrl"),
+    "sft_more_regime": RunSpec("grpo", {}, "the more-SFT control (is the base just "
+                               "undertrained?)", warm_start="more_sft", regime="prefixrl"),
+    "prefixrl_other_regime": RunSpec("prefixrl", {}, "PrefixRL on a second base's traces "
+                                     "(off-policy traces)", regime="prefixrl", pool="other"),
+    "sft_other_traces_regime": RunSpec("grpo", {}, "the off-policy SFT baseline",
+                                       warm_start="other_traces", regime="prefixrl"),
 }
 
 
@@ -93,9 +110,18 @@ def run_config(study: Study, name: str, seed: int):
     if name == "grpo_easy":  # as many easy problems as POPE asks guided copies of hard ones
         c.pope.easy_per_step = c.train.problems_per_step
     if spec.regime == "prefixrl":
-        # The training reward PrefixRL's paper plots against FLOPs, unguided, 5 times a run.
-        c.eval.hard_set = True
-        c.eval.every = max(1, c.train.total_steps // 5)
+        # The training reward PrefixRL's paper plots against FLOPs, unguided, every 10 steps
+        # (regime.eval_n samples in the run; the final evaluation takes eval.n).
+        r = study.config.results.regime
+        c.eval.update(hard_set=True, every=r.eval_every, n=r.eval_n)
+        c.train.total_steps = r.steps
+        c.train.problems_per_step = max(1, r.contexts_per_step
+                                        // contexts_per_problem(c, spec.method))
+    if spec.pool == "other":
+        from jaxprefix.jobs.prefixrl_controls import other_policy_pool
+
+        c.prefixrl.pool_path, stats = other_policy_pool(study, storage.dirname(study.workdir))
+        c.prefixrl.pool_flops = stats["flops"]
     return c
 
 
@@ -118,8 +144,14 @@ def run_results(config, workdir: str) -> dict:
                 studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
                                                                                workdir)
             key = f"{name}_seed{seed}"
+            saved = storage.join(workdir, key, RECORD)
+            if config.results.report_only and not storage.exists(saved):
+                report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
+                continue
+            match = RUNS[name].flops_match
             report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
-                                       storage.join(workdir, key))
+                                       storage.join(workdir, key),
+                                       report["runs"].get(f"{match}_seed{seed}"))
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
     report["studies"] = {name: _study_record(study) for name, study in studies.items()}
     if config.results.isocompute:
@@ -143,6 +175,11 @@ def _study_record(study: Study) -> dict:
         samples = pool.samples_per_problem
         record["trace_pool"] = {"problems": len(pool.traces), "samples": int(sum(samples.values())),
                                 "samples_found": [int(t.samples) for t in pool.traces.values()]}
+    from jaxprefix.jobs.prefixrl_controls import OTHER_POOL_STATS
+
+    other = storage.join(study.mining.dir, OTHER_POOL_STATS)
+    if storage.exists(other):
+        record["other_trace_pool"] = storage.read_json(other)
     searches = {}
     for name in record["mining"]:
         if name.startswith("prefixes_"):
@@ -157,23 +194,36 @@ def _study_record(study: Study) -> dict:
 RECORD = "results_record.json"  # a finished run's record: evaluated once, read back after
 
 
-def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
-    """Trains one run (or finds it finished) and evaluates it; its record for the report."""
+def _run(study: Study, name: str, seed: int, run_dir: str, matched: dict | None = None) -> dict:
+    """Trains one run (or finds it finished) and evaluates it; its record for the report.
+    `matched`: the record of the run whose FLOPs this one spends (RunSpec.flops_match)."""
     spec = RUNS[name]
     c = run_config(study, name, seed)
+    if spec.flops_match:
+        if not matched or "ledger" not in matched:
+            raise ConfigError(f"results run {name} spends {spec.flops_match}'s FLOPs: expected "
+                              f"{spec.flops_match} before it in config.results.runs")
+        # RL FLOPs up to the matched run's total (mining included) less this run's mining.
+        target = ComputeLedger.from_dict(matched["ledger"]).total_flops
+        c.train.flops_budget = target - study.mining.cost(mined_artifacts(c)).extra_flops
+        c.train.total_steps *= 10  # the budget, not the steps, ends it
     saved = storage.join(run_dir, RECORD)
     if storage.exists(saved):
         record = storage.read_json(saved)
-        if record.get("steps") == c.train.total_steps:
+        if record.get("steps") == c.train.total_steps or record.get("flops_budget"):
             return record
     record, warm_flops = {"name": name, "seed": seed}, 0.0
+    if spec.flops_match:
+        record["flops_budget"] = c.train.flops_budget
+    if spec.pool == "other" and not _other_traces(study):
+        return record | {"skipped": "the second base found no trace"}
     if spec.method == "pope" and c.pope.guided_copies:
         kept = _pope_problems(study, c)
         record["pope_problems"] = kept
         if not kept:  # nothing to guide within the cap: the run cannot happen, and says so
             return record | {"skipped": "no hard problem has a solvable prefix within the cap"}
     if spec.warm_start:
-        examples = _warm_examples(study, spec.warm_start)
+        examples = _warm_examples(study, spec.warm_start, seed)
         if not examples:
             return record | {"skipped": f"no examples to train on ({spec.warm_start})"}
         warm = warm_start.run_warm_start(
@@ -199,6 +249,12 @@ def _run(study: Study, name: str, seed: int, run_dir: str) -> dict:
     return record
 
 
+def _other_traces(study: Study) -> int:
+    from jaxprefix.jobs.prefixrl_controls import other_policy_pool
+
+    return other_policy_pool(study, storage.dirname(study.workdir))[1]["problems"]
+
+
 def _pope_problems(study: Study, c) -> int:
     """How many hard problems a POPE run guides (the rest have no solvable prefix in its cap)."""
     from jaxprefix.jobs.mine import Mining, mining_dir
@@ -214,16 +270,33 @@ def warm_start_mining(study: Study, kind: str):
     """What mining the examples of a warm start of `kind` cost (a ledger), paid as the method
     they come from pays for it: the trace pool (PrefixRL's) for SFT on traces, the prefix search
     (POPE's) for SFT on own guided answers; oracle solutions cost nothing."""
+    if kind == "other_traces":  # the second base's rejection sampling
+        from jaxprefix.jobs.prefixrl_controls import other_policy_pool
+
+        cost = study.mining.cost(())
+        cost.extra_flops = other_policy_pool(study, storage.dirname(study.workdir))[1]["flops"]
+        return cost
     method = {"traces": "prefixrl", "own_guided": "pope"}.get(kind)
-    if method is None:  # oracle solutions: nothing mined
+    if method is None:  # oracle solutions (of the hard set, or more_sft's): nothing mined
         return study.mining.cost(())
     c = study.config.copy_and_resolve_references()
     c.method = method
     return study.mining.cost([a for a in mined_artifacts(c) if a != "hard_set"])
 
 
-def _warm_examples(study: Study, kind: str) -> list:
+def _warm_examples(study: Study, kind: str, seed: int) -> list:
+    from jaxprefix.jobs import prefixrl_controls
+
     problems = study.hard.problems
+    if kind == "more_sft":  # as many examples as the own trace pool has, none of them hard
+        count = len(study.mining.trace_pool(problems).traces)
+        return prefixrl_controls.more_sft_examples(study, count, seed=1000 + seed)
+    if kind == "other_traces":
+        path, stats = prefixrl_controls.other_policy_pool(study, storage.dirname(study.workdir))
+        if not stats["problems"]:
+            return []
+        pool = prefixrl.TracePool.load_jsonl(path, study.policy.prompts)
+        return warm_start.trace_examples(problems, pool)
     if kind == "oracle":
         return warm_start.oracle_examples(study.policy, problems)
     if kind == "own_guided":
@@ -231,7 +304,8 @@ def _warm_examples(study: Study, kind: str) -> list:
         return warm_start.own_guided_examples(problems, answers)
     if kind == "traces":
         return warm_start.trace_examples(problems, study.mining.trace_pool(problems))
-    raise ValueError(f"warm start {kind!r}: expected 'oracle', 'own_guided' or 'traces'")
+    raise ValueError(f"warm start {kind!r}: expected 'oracle', 'own_guided', 'traces', "
+                     f"'other_traces' or 'more_sft'")
 
 
 def _prefixrl_regime(hard: Study, workdir: str):
@@ -246,7 +320,9 @@ def _prefixrl_regime(hard: Study, workdir: str):
     else:
         probe = {"digits": {}, "target_rate": 1.0 / math.sqrt(config.mining.k
                                                              * config.prefixrl.max_samples)}
-        from jaxprefix.data.tasks import carry_multiplication as task
+        from jaxprefix.data import tasks
+
+        task = tasks.get(config.data.source)
 
         for digits in r.probe_digits:
             problems = task.generate(r.probe_problems, digits=(digits, digits),

@@ -2,20 +2,27 @@
 
 Every number and statement above the hand-written notes is computed here from results.json;
 nothing is typed in by hand, and a regenerated report keeps the notes (from NOTES_MARKER on).
+Each table cell is mean ± sample std over seeds [95% bootstrap interval over seeds and problems]
+(jobs/study_tables.py); comparisons are paired differences, said to be "within noise" when
+their interval holds 0.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from jaxprefix import storage
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.jobs import study_tables
+from jaxprefix.jobs.study_tables import Column, Row
 
 NOTES_MARKER = "<!-- hand-written notes below: kept when the report is regenerated -->"
+REPORT = "REPORT.md"  # in results.output_dir, beside its figures
 
 
 def _mean_std(values) -> str:
+    """mean ± sample std (ddof=1) over seeds."""
     values = np.asarray(values, float)
-    return f"{values.mean():.3f} ± {values.std():.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+    return (f"{values.mean():.3f} ± {values.std(ddof=1):.3f}" if len(values) > 1
+            else f"{values[0]:.3f}")
 
 
 def _by_name(report: dict, regime: str, specs) -> dict:
@@ -26,67 +33,97 @@ def _by_name(report: dict, regime: str, specs) -> dict:
     return {name: sorted(rs, key=lambda r: r["seed"]) for name, rs in runs.items()}
 
 
-def _flops(runs) -> float:
-    return float(np.mean([ComputeLedger.from_dict(r["ledger"]).total_flops for r in runs]))
-
-
 def _setting(spec) -> str:
     fields = ", ".join(f"`{k}={v}`" for k, v in spec.settings.items())
     warm = {"oracle": "the oracle solutions", "own_guided": "the policy's own correct guided "
-            "answers (found by the prefix search)", "traces": "the trace pool's traces"}
+            "answers (found by the prefix search)", "traces": "the trace pool's traces",
+            "other_traces": "a second base's traces", "more_sft": "oracle solutions of as many "
+            "problems outside the hard set"}
     parts = [spec.about] + ([f"fields {fields}"] if fields else [])
     if spec.warm_start:
         parts.append(f"SFT on {warm[spec.warm_start]}, then GRPO")
     return "; ".join(parts)
 
 
+def _legend(runs: dict, specs) -> list[str]:
+    lines = []
+    for name, rs in runs.items():
+        done = [r for r in rs if "after" in r]
+        if not done:
+            lines.append(f"- **{name}**: not run: {rs[0].get('skipped', 'no finished seed')}.")
+            continue
+        extra = f" Steps: {', '.join(str(r['steps']) for r in done)}."
+        missing = [str(r["seed"]) for r in rs if "after" not in r]
+        if missing:
+            extra += f" Not run at seed {', '.join(missing)} (time)."
+        if "pope_problems" in done[0]:
+            extra += f" Hard problems guided: {done[0]['pope_problems']}."
+        if "warm_start_examples" in done[0]:
+            extra += f" SFT examples: {done[0]['warm_start_examples']}."
+        lines.append(f"- **{name}**: {_setting(specs[name])}.{extra}")
+    return lines
+
+
+def _base_row(study: dict, label: str = "base (SFT), one evaluation") -> Row:
+    return Row(label, [{"after": study["base"], "after_hard_set": study["base_hard_set"]}])
+
+
+def _warm_rows(runs: dict) -> list[Row]:
+    """Each warm-started run's policy after its SFT, before RL."""
+    rows = []
+    for name, rs in runs.items():
+        done = [r for r in rs if "warm_start" in r]
+        if done:
+            rows.append(Row(f"{name}: after SFT, before RL",
+                            [{"after": r["warm_start"], "after_hard_set": r["warm_start_hard_set"]}
+                             for r in done], [r["warm_flops"] for r in done]))
+    return rows
+
+
+def _pairs(rows: list[Row], base: Row) -> list[tuple[Row, Row]]:
+    """Every run against every run listed after it, then every run against the base."""
+    return ([(a, b) for i, a in enumerate(rows) for b in rows[i + 1:]]
+            + [(a, base) for a in rows])
+
+
 def hard_section(report: dict, config, specs) -> list[str]:
     study = report["studies"]["hard"]
     ks, k = config.eval.ks, config.eval.ks[-1]
     runs = _by_name(report, "hard", specs)
-    base, base_hard = study["base"], study["base_hard_set"]
+    if not runs:
+        return []
+    rows = study_tables.run_rows(runs)
+    base = _base_row(study)
+    held_out = [Column(f"held-out pass@{x}", "after", x) for x in ks]
+    columns = held_out + [Column(f"training hard set pass@{k}", "after_hard_set", k)]
+    fractions = np.asarray(next(iter(study["prefix_searches"].values()))["revealed_fractions"]
+                           if study.get("prefix_searches") else [], float)
     lines = [
-        "## POPE and the baselines on the hard set", "",
-        f"Hard set: {study['hard']} of {study['candidates']} training candidates "
-        f"({study['digits'][0]}-digit numbers x 6..9) solved 0 of {study['k']} times by the base. "
-        f"The base's unguided pass@{k}: held-out {base[f'pass@{k}']:.3f}, training hard set "
-        f"{base_hard[f'pass@{k}']:.3f}. Every run: {config.train.total_steps} RL steps of "
-        f"{config.train.problems_per_step * 2} contexts x {config.rollout.n} samples from the "
-        f"same base; seeds change the RL sampling and data order. Cells: mean ± std over seeds.",
-        "",
-        "| run | seeds | " + " | ".join(f"held-out pass@{x}" for x in ks)
-        + f" | training hard set pass@{k} | held-out pass@{k} per seed | FLOPs |",
-        "|---" * (len(ks) + 5) + "|",
-        "| base (SFT) | - | " + " | ".join(f"{base[f'pass@{x}']:.3f}" for x in ks)
-        + f" | {base_hard[f'pass@{k}']:.3f} | - | 0 |"]
-    legend, skipped = [], []
-    for name, rs in runs.items():
-        done = [r for r in rs if "after" in r]
-        if not done:
-            skipped.append(f"- **{name}**: not run: {rs[0].get('skipped', 'no finished seed')}.")
-            continue
-        lines.append(f"| {name} | {len(done)} | "
-                     + " | ".join(_mean_std([r["after"][f"pass@{x}"] for r in done]) for x in ks)
-                     + f" | {_mean_std([r['after_hard_set'][f'pass@{k}'] for r in done])} | "
-                     + ", ".join(f"{r['after'][f'pass@{k}']:.3f}" for r in done)
-                     + f" | {_flops(done):.3g} |")
-        if "warm_start" in done[0]:
-            lines.append(f"| {name}: after SFT, before RL | {len(done)} | "
-                         + " | ".join(_mean_std([r["warm_start"][f"pass@{x}"] for r in done])
-                                      for x in ks)
-                         + f" | {_mean_std([r['warm_start_hard_set'][f'pass@{k}'] for r in done])}"
-                         + " | " + ", ".join(f"{r['warm_start'][f'pass@{k}']:.3f}" for r in done)
-                         + " | - |")
-        extra = ""
-        if "pope_problems" in done[0]:
-            extra = f" {done[0]['pope_problems']} of {study['hard']} hard problems guided."
-        if "warm_start_examples" in done[0]:
-            extra += f" SFT examples: {done[0]['warm_start_examples']}."
-        legend.append(f"- **{name}**: {_setting(specs[name])}.{extra}")
-    lines += ["", "Rows:", "", *legend, *skipped, "",
-              "![held-out pass@k vs FLOPs](results/curves.png)", "",
-              *prefix_search_lines(study)]
+        "## POPE and its baselines on the hard set", "",
+        f"Task: {config.data.source}. Hard set: {study['hard']} of {study['candidates']} training "
+        f"candidates ({study['digits'][0]}-digit) solved 0 of {study['k']} times by the base. "
+        f"Every run starts from the same base with {config.train.problems_per_step * 2} contexts "
+        f"x {config.rollout.n} samples a step; seeds change the RL sampling and data order, not "
+        f"the base, the hard set or the held-out set ({len(study['base']['correct_counts'])} "
+        f"problems, unguided, {study['base']['num_samples']} samples each).", ""]
+    if fractions.size:
+        lines += [f"POPE's prefix search found a solvable prefix for {fractions.size} of "
+                  f"{study['hard']} hard problems (revealing {fractions.min():.2f}-"
+                  f"{fractions.max():.2f} of the solution, median {np.median(fractions):.2f}).",
+                  ""]
+    lines += [*study_tables.metric_table([base] + rows + _warm_rows(runs), columns), "",
+              "Rows:", "", *_legend(runs, specs), "",
+              "Paired differences (the same seeds and problems drawn for both runs):", "",
+              *study_tables.comparison_table(_pairs(rows, base), [held_out[0], held_out[-1]]),
+              "", *study_tables.group_table([base] + rows, held_out[-1], _group_key(study)), "",
+              *study_tables.group_table([base] + rows, held_out[0], _group_key(study)), "",
+              "![held-out pass@k vs FLOPs](curves.png)", "", *prefix_search_lines(study)]
     return lines
+
+
+def _group_key(study: dict) -> str:
+    groups = study["base"]["groups"]
+    return "multiplier" if len(set(groups.get("multiplier", []))) > 1 else next(iter(groups))
 
 
 def prefix_search_lines(study: dict) -> list[str]:
@@ -111,13 +148,10 @@ def prefix_search_lines(study: dict) -> list[str]:
     return lines + [""]
 
 
-def _first_reaching(curve, key: str, target: float, start: tuple) -> float | None:
-    """FLOPs at which a run's curve (with its pre-RL start point) first reaches `target`."""
-    points = [start] + [(p["flops"], p[key]) for p in curve if key in p]
-    for flops, value in points:
-        if value >= target:
-            return flops
-    return None
+def _start(run: dict, study: dict) -> tuple:
+    """The pre-RL point of a regime run's curve: (mining + SFT FLOPs, hard-set pass@1)."""
+    before = run.get("warm_start_hard_set") or study["base_hard_set"]
+    return run["ledger"]["extra_flops"], before["pass@1"]
 
 
 def regime_section(report: dict, config, specs) -> list[str]:
@@ -125,91 +159,64 @@ def regime_section(report: dict, config, specs) -> list[str]:
         return []
     study, probe = report["studies"]["prefixrl"], report["regime_probe"]
     runs = _by_name(report, "prefixrl", specs)
+    rows = study_tables.run_rows(runs)
+    base = _base_row(study)
     k = config.eval.ks[-1]
+    train = [Column("training hard set pass@1", "after_hard_set", 1),
+             Column(f"training hard set pass@{k}", "after_hard_set", k)]
+    held_out = [Column("held-out pass@1", "after", 1), Column(f"held-out pass@{k}", "after", k)]
     pool = study.get("trace_pool", {"problems": 0, "samples": 0, "samples_found": []})
-    found = pool["samples_found"]
+    other = study.get("other_trace_pool")
+    r = config.results.regime
     lines = [
-        "## PrefixRL in its own regime", "",
+        "## PrefixRL in its own regime, with its controls", "",
         f"The problem length is chosen by a rule fixed before any run: the length whose base "
         f"success rate per sample is closest (in log) to 1 / sqrt(k x max_samples) = "
-        f"{probe['target_rate']:.4f}, between a rate the mining's pass@{config.mining.k} rarely "
-        f"sees and one {config.prefixrl.max_samples} rejection samples still find. Measured "
-        f"({config.results.regime.probe_problems} problems x "
-        f"{config.results.regime.probe_samples} samples per length):", "",
+        f"{probe['target_rate']:.4f}. Measured ({r.probe_problems} problems x "
+        f"{r.probe_samples} samples per length):", "",
         "| digits | " + " | ".join(probe["digits"]) + " |",
         "|---" * (len(probe["digits"]) + 1) + "|",
         "| base pass@1 | " + " | ".join(f"{v:.4f}" for v in probe["digits"].values()) + " |", "",
-        f"Chosen: {probe['chosen']} digits"
-        + (" (no probe problem was solved at any length: the shortest was taken)"
-           if probe.get("no_success") else "") + f". Hard set: {study['hard']} of "
-        f"{study['candidates']} candidates solved 0 of {study['k']} times (the base's pass@{k} on "
-        f"it, in fresh samples: {study['base_hard_set'][f'pass@{k}']:.3f}; a set chosen by "
-        f"{study['k']} samples holds low rates, not only zero ones). Rejection sampling "
-        f"({config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per "
-        f"problem) found a trace for "
-        f"{pool['problems']} of {study['hard']} in {pool['samples']:,} samples"
-        + (f" (samples to a found trace: median {np.median(found):.0f}, mean {np.mean(found):.0f};"
-           f" the paper: about 650 on average, capped at 2,500)" if found else "") + ". "
-        f"Both runs are charged for the hard set and that sampling; the SFT baseline also for "
-        f"its SFT updates. The training reward is the unguided pass@1 on the whole training hard "
-        f"set ({study['hard']} problems x {config.eval.n} samples), as the paper plots.", "",
-        f"| run | seeds | training hard set pass@1 | training hard set pass@{k} | held-out "
-        f"pass@1 | held-out pass@{k} | FLOPs |", "|---" * 7 + "|",
-        f"| base | - | {study['base_hard_set']['pass@1']:.3f} | "
-        f"{study['base_hard_set'][f'pass@{k}']:.3f} | {study['base']['pass@1']:.3f} | "
-        f"{study['base'][f'pass@{k}']:.3f} | 0 |"]
-    finals = {}
-    for name, rs in runs.items():
-        done = [r for r in rs if "after" in r]
-        if not done:
-            continue
-        finals[name] = [r["after_hard_set"]["pass@1"] for r in done]
-        lines.append(f"| {name} | {len(done)} | {_mean_std(finals[name])} | "
-                     f"{_mean_std([r['after_hard_set'][f'pass@{k}'] for r in done])} | "
-                     f"{_mean_std([r['after']['pass@1'] for r in done])} | "
-                     f"{_mean_std([r['after'][f'pass@{k}'] for r in done])} | {_flops(done):.3g} |")
-    lines += ["", *[f"- **{name}**: {_setting(specs[name])}." for name in runs], ""]
-    lines += headline_lines(report, runs, study, finals)
-    return lines + ["", "![training reward vs FLOPs](results/regime_curves.png)", ""]
+        f"Chosen: {probe['chosen']} digits. Hard set: {study['hard']} of {study['candidates']} "
+        f"candidates solved 0 of {study['k']} times. The base's own traces (rejection sampling, "
+        f"{config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per "
+        f"problem): {pool['problems']} of {study['hard']} problems in {pool['samples']:,} "
+        f"samples."]
+    if other:
+        lines[-1] += (f" A second base (SFT seed {other['seed']}, {other['tens_first']:.0%} of "
+                      f"steps in '^' notation) found traces for {other['problems']} of "
+                      f"{study['hard']} in {other['samples']:,} samples ({other['flops']:.3g} "
+                      f"FLOPs, charged to the runs that use them).")
+    lines += ["", f"Every run: {r.steps} RL steps, evaluated every {r.eval_every} ({r.eval_n} "
+              f"samples a problem in the run; the tables' final evaluation {config.eval.n}). "
+              f"The training reward is the unguided pass@1 on the training hard set, as the paper "
+              f"plots.", "", *study_tables.metric_table([base] + rows + _warm_rows(runs),
+                                                       train + held_out), "",
+              "Rows:", "", *_legend(runs, specs), "",
+              "Paired differences of the final policies:", "",
+              *study_tables.comparison_table(_pairs(rows, base), train + held_out[:1]), "",
+              *study_tables.group_table([base] + rows, train[0], "multiplier"), ""]
+    lines += _targets_lines(runs, study)
+    return lines + ["", "![training reward vs FLOPs](regime_curves.png)", ""]
 
 
-def _start(run: dict, study: dict) -> tuple:
-    """The pre-RL point of a regime run's curve: (mining + SFT FLOPs, hard-set pass@1)."""
-    mined = run["ledger"]["extra_flops"]
-    before = run.get("warm_start_hard_set") or study["base_hard_set"]
-    return mined, before["pass@1"]
-
-
-def headline_lines(report: dict, runs: dict, study: dict, finals: dict) -> list[str]:
-    """The paper's headline, measured: FLOPs to a common training reward, and the final ones."""
-    a, b = "prefixrl_regime", "sft_traces_regime"
-    if a not in finals or b not in finals:
+def _targets_lines(runs: dict, study: dict) -> list[str]:
+    """FLOPs (mining and SFT included) to 3 training rewards: a quarter, half and three
+    quarters of the way from the base's to the best run's final mean."""
+    finals = [np.mean([r["after_hard_set"]["pass@1"] for r in rs if "after" in r])
+              for rs in runs.values() if any("after" in r for r in rs)]
+    if not finals:
         return []
-    target = min(np.mean(finals[a]), np.mean(finals[b]))
-    starts = [_start(r, study)[1] for name in (a, b) for r in runs[name] if "after" in r]
-    if target <= max(starts):
-        return [f"No speed comparison: the lower final training reward ({target:.3f}) is not above "
-                f"every run's reward before RL ({max(starts):.3f})."]
-    reach = {}
-    for name in (a, b):
-        reach[name] = [_first_reaching(r["curve"], "hard_set/pass@1", target, _start(r, study))
-                       for r in runs[name] if "after" in r]
-    lines = [f"Common target: training hard-set pass@1 {target:.3f} (the lower of the two final "
-             f"means). FLOPs (mining and SFT included) at which each seed first reached it, from "
-             f"the in-run evaluations:", ""]
-    for name in (a, b):
-        lines.append(f"- {name}: " + ", ".join("not reached" if f is None else f"{f:.3g}"
-                                                for f in reach[name]))
-    got = {n: [f for f in v if f is not None] for n, v in reach.items()}
-    if got[a] and got[b]:
-        ratio = np.mean(got[b]) / np.mean(got[a])
-        lines.append(f"- {b} / {a} FLOPs to the target (seed means): {ratio:.2f} "
-                     f"(the paper: about 2).")
-    lines.append(f"- Final training hard-set pass@1, {a} / {b}: "
-                 f"{np.mean(finals[a]):.3f} / {np.mean(finals[b]):.3f}"
-                 + (f" = {np.mean(finals[a]) / np.mean(finals[b]):.2f}x (the paper: about 3x)."
-                    if np.mean(finals[b]) > 0 else "."))
-    return lines
+    start, best = study["base_hard_set"]["pass@1"], max(finals)
+    targets = [start + f * (best - start) for f in (0.25, 0.5, 0.75)]
+    curves = {name: [[_start(r, study)] + [(p["flops"], p["hard_set/pass@1"])
+                                          for p in r["curve"] if "hard_set/pass@1" in p]
+                     for r in rs if "after" in r] for name, rs in runs.items()}
+    return [f"FLOPs to three training rewards (a quarter, half and three quarters of the way "
+            f"from the base's {start:.3f} to the best final mean, {best:.3f}), from the in-run "
+            f"evaluations; the mean is over the seeds that reached it:", "",
+            *study_tables.flops_to_targets({n: c for n, c in curves.items() if c}, targets,
+                                           "pass@1")]
 
 
 def isocompute_section(sweep: dict, budgets) -> list[str]:
@@ -266,29 +273,32 @@ def isocompute_section(sweep: dict, budgets) -> list[str]:
 
 def write_report(report: dict, config, workdir: str, specs) -> None:
     out_dir = config.results.output_dir or workdir
-    lines = ["# Results on the demo task", "",
-             f"Generated by `python -m jaxprefix.main --config=configs/results.py "
+    # The carry variant is the one whose runs are in PrefixRL's regime (configs/results.py).
+    variant = ":carry" if any(getattr(specs.get(name), "regime", None) == "prefixrl"
+                              for name in config.results.runs) else ""
+    lines = [f"# Results on {config.data.source}", "",
+             f"Generated by `python -m jaxprefix.main --config=configs/results.py{variant} "
              f"--workdir={workdir}`: every number above the hand-written notes is computed from "
              f"the runs. FLOPs include the mining (and SFT) each run uses.", "",
              *hard_section(report, config, specs), *regime_section(report, config, specs)]
     if "isocompute" in report:
         lines += ["## IsoCompute sweep", "",
                   *isocompute_section(report["isocompute"], config.isocompute.budgets)]
-    path = storage.join(out_dir, "RESULTS.md")
+    path = storage.join(out_dir, REPORT)
     notes = _kept_notes(path)
     storage.write_atomic(path, "\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
     ks = config.eval.ks
-    _plot_runs(_by_name(report, "hard", specs), storage.join(out_dir, "results", "curves.png"),
+    _plot_runs(_by_name(report, "hard", specs), storage.join(out_dir, "curves.png"),
                f"eval/pass@{ks[-1]}", f"held-out pass@{ks[-1]} (unguided)", "hard problems")
     if "prefixrl" in report.get("studies", {}):
         _plot_runs(_by_name(report, "prefixrl", specs),
-                   storage.join(out_dir, "results", "regime_curves.png"), "hard_set/pass@1",
+                   storage.join(out_dir, "regime_curves.png"), "hard_set/pass@1",
                    "training hard set pass@1 (unguided)", "PrefixRL's regime",
                    study=report["studies"]["prefixrl"])
     for name in ("frontier.png", "n_star.png"):
         src = storage.join(workdir, "iso", name)
         if "isocompute" in report and storage.exists(src):
-            storage.write_atomic(storage.join(out_dir, "results", name), storage.read_bytes(src))
+            storage.write_atomic(storage.join(out_dir, name), storage.read_bytes(src))
 
 
 def _kept_notes(path: str) -> str:

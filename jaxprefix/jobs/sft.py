@@ -17,9 +17,9 @@ a finished SFT.
 from __future__ import annotations
 
 import json
-import random
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -28,16 +28,22 @@ from flax import nnx
 
 from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix import models, sampling, storage, tokenizers
-from jaxprefix.data.tasks import carry_multiplication as task
+from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 
 REPORT = "sft_report.json"
 TOKENIZER = tokenizers.CHAR_VOCAB_FILE
 
 
+def task_of(config):
+    """The built-in task module the SFT config trains on (config.task)."""
+    return tasks.get(config.task)
+
+
 def model_config(config, tokenizer) -> models.ModelConfig:
     """The tiny llama-family policy: config.model gives layers, width, heads and MLP size."""
     m = config.model
+    task = task_of(config)
     return models.ModelConfig(
         model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=m.width,
         intermediate_size=m.mlp_width, num_layers=m.layers, num_heads=m.heads,
@@ -49,27 +55,19 @@ def model_config(config, tokenizer) -> models.ModelConfig:
 def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, real-token mask, loss mask), each [batch, SEQUENCE_LENGTH], for one SFT step.
 
-    Problems mix lengths 1..20, and a `full_length_fraction` of rows has all 20 digits: with
-    lengths uniform alone the last slot is trained on 5% of rows and stays far behind the first
-    (measured: 0.07 vs 0.75 probability of a right step at the same point). Each step's notation
-    is drawn at random so the policy writes both (PrefixRL's traces then differ from the oracle).
-    A `hinted_fraction` of rows gives its first 1..N-1 steps as a hint in the prompt, which the
-    target copies: the policy learns to read guidance (POPE's 'instruction' mode).
+    The rows are the task's `sft_batch`. On carry_multiplication, lengths 1..20 and a
+    `full_length_fraction` of rows with all 20 digits: with lengths uniform alone the last slot
+    is trained on 5% of rows and stays far behind the first (measured: 0.07 vs 0.75 probability
+    of a right step at the same point). Each step's notation is drawn at random so the policy
+    writes both (PrefixRL's traces then differ from the oracle). A `hinted_fraction` of rows
+    gives its first steps as a hint in the prompt, which the target copies: the policy learns to
+    read guidance (POPE's 'instruction' mode).
     """
-    data = config.data
-    seed = config.seed * 1_000_003 + step
-    full = round(data.batch_size * data.full_length_fraction)
-    problems = (task.generate(data.batch_size - full, digits=tuple(data.digits),
-                              multipliers=tuple(data.multipliers), seed=seed)
-                + task.generate(full, digits=(task.SLOTS, task.SLOTS),
-                                multipliers=tuple(data.multipliers), seed=seed + 10**12))
-    rng = random.Random(seed)
-    tokens = np.full((len(problems), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
+    task = task_of(config)
+    rows = task.sft_batch(config.data, config.seed * 1_000_003 + step)
+    tokens = np.full((len(rows), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
     loss_mask = np.zeros(tokens.shape, np.float32)
-    for row, problem in enumerate(problems):
-        if len(problem.steps) > 1 and rng.random() < data.hinted_fraction:
-            problem = task.hinted(problem, rng.randint(1, len(problem.steps) - 1))
-        solution = task.hinted_solution(problem, rng, data.tens_first)
+    for row, (problem, solution) in enumerate(rows):
         ids, mask = task.training_ids(problem, solution, tokenizer)
         tokens[row, :len(ids)] = ids
         loss_mask[row, :len(ids)] = mask
@@ -94,33 +92,52 @@ def _greedy_digits(model, tokens, real):
     return jnp.argmax(model(tokens, mask=real), axis=-1)
 
 
-def step_accuracy(model, problems, tokenizer) -> float:
-    """Teacher-forced: the fraction of steps whose two digits are both the argmax, given the oracle
-    prefix. A policy with per-step accuracy p solves an N-step problem about p^N of the time."""
+@nnx.jit
+def _token_probabilities(model, tokens, real):
+    """P(token t | tokens before t) at every position t >= 1 (position 0 gets 1)."""
+    logprobs = jax.nn.log_softmax(model(tokens, mask=real)[:, :-1], axis=-1)
+    picked = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.exp(jnp.pad(picked, ((0, 0), (1, 0))))
+
+
+def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float]:
+    """Teacher-forced, given the oracle prefix: (the fraction of steps whose digits are all the
+    argmax, the mean probability of the first step's digits). A policy with per-step accuracy
+    p solves an N-step problem about p^N of the time; the first step is keyed_multiplication's
+    key step, the one the base rarely finds."""
     rows = [task.training_ids(p, p.solution, tokenizer)[0] for p in problems]
     tokens = np.full((len(rows), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
     for i, ids in enumerate(rows):
         tokens[i, :len(ids)] = ids
-    predicted = np.asarray(_greedy_digits(model, tokens, tokens != tokenizer.pad_id))
+    real = tokens != tokenizer.pad_id
+    predicted = np.asarray(_greedy_digits(model, tokens, real))
+    probabilities = np.asarray(_token_probabilities(model, tokens, real))
     correct = total = 0
+    first = []
     for i, problem in enumerate(problems):
-        for step in range(len(problem.steps)):
-            first = task.QUESTION_LENGTH + task.STEP_LENGTH * step + 1  # after the marker
+        for step, (start, end) in enumerate(task.answer_digit_spans(problem)):
             # logits at position t predict token t + 1
-            hits = predicted[i, first - 1:first + 1] == tokens[i, first:first + 2]
-            correct += bool(hits.all())
+            correct += bool((predicted[i, start - 1:end - 1] == tokens[i, start:end]).all())
             total += 1
-    return correct / max(total, 1)
+            if step == 0:
+                first.append(np.prod(probabilities[i, start:end]))
+    return correct / max(total, 1), float(np.mean(first)) if first else 0.0
 
 
-GUIDES = {"instruction": task.hinted, "solution_prefix": task.guided}
+def step_accuracy(model, problems, tokenizer, task=tasks.carry_multiplication) -> float:
+    """The fraction of steps whose digits are all the argmax, teacher-forced (step_accuracies)."""
+    return step_accuracies(model, problems, tokenizer, task)[0]
+
+
+GUIDES = {"instruction": "hinted", "solution_prefix": "guided"}  # each task's function
 
 
 def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, seed: int,
-                   guidance: str = "solution_prefix") -> np.ndarray:
+                   guidance: str = "solution_prefix",
+                   task=tasks.carry_multiplication) -> np.ndarray:
     """Successes out of n samples (temperature 1) per problem, given `prefix_steps` oracle steps
     as a hint in the prompt ('instruction') or as the start of the answer ('solution_prefix')."""
-    guided = [GUIDES[guidance](p, prefix_steps) for p in problems]
+    guided = [getattr(task, GUIDES[guidance])(p, prefix_steps) for p in problems]
     contexts = [tokenizer.encode(p.question) for p in guided]
     rollouts = sampling.generate(model, contexts, n=n, max_new_tokens=task.MAX_COMPLETION_LENGTH,
                                  temperature=1.0, stop_ids=(tokenizer.eos_id,), seed=seed)
@@ -130,26 +147,29 @@ def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, see
     return np.asarray(scores).reshape(len(problems), n).sum(axis=1)
 
 
-def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool = False) -> dict:
-    """The criterion measurements at one point: per-step accuracy, hard pass@k, guided success.
+def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool = False,
+             task=tasks.carry_multiplication) -> dict:
+    """The criterion measurements at one point: per-step accuracy (and the first step's
+    probability), hard pass@k, guided success with r of the task's HARD_STEPS steps left.
 
     Sampling is skipped (None) while the teacher-forced step accuracy is under
     `criterion.sample_from_step_accuracy`: guided success with r steps left is about p^r, so
     below that gate the floor cannot be met, and the cheap forward pass saves minutes.
     """
-    metrics = {"step_accuracy": step_accuracy(model, hard, tokenizer),
+    accuracy, first_step = step_accuracies(model, hard, tokenizer, task)
+    metrics = {"step_accuracy": accuracy, "first_step_probability": first_step,
                f"hard_pass@{criterion.k}": None, "hard_successes": None, "guided_success": None}
     if metrics["step_accuracy"] < criterion.sample_from_step_accuracy and not always_sample:
         return metrics
     hard_successes = success_counts(model, hard, tokenizer, n=criterion.k, prefix_steps=0,
-                                    seed=seed)
+                                    seed=seed, task=task)
     metrics[f"hard_pass@{criterion.k}"] = float((hard_successes > 0).mean())
     metrics["hard_successes"] = int(hard_successes.sum())
     metrics["guided_success"] = {}
     for steps_left in sorted({*criterion.report_steps_left, criterion.steps_left}):
         counts = success_counts(model, hard, tokenizer, n=criterion.guided_samples,
-                                prefix_steps=task.SLOTS - steps_left, seed=seed + steps_left,
-                                guidance=criterion.guidance)
+                                prefix_steps=task.HARD_STEPS - steps_left, seed=seed + steps_left,
+                                guidance=criterion.guidance, task=task)
         metrics["guided_success"][str(steps_left)] = float(counts.mean() / criterion.guided_samples)
     return metrics
 
@@ -173,6 +193,7 @@ def run_sft(config, workdir: str) -> str:
                               f"or use another --workdir")
         return path
 
+    task = task_of(config)
     tokenizer = task.tokenizer()
     model = models.Decoder(model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
     schedule = optax.join_schedules(
@@ -198,7 +219,7 @@ def run_sft(config, workdir: str) -> str:
             continue
         metrics = {"step": step, "loss": float(np.mean(losses[-config.eval_every:])),
                    **evaluate(model, hard, tokenizer, criterion, seed=config.seed + step,
-                            always_sample=step == config.max_steps),
+                              always_sample=step == config.max_steps, task=task),
                    "seconds": round(time.time() - start, 1)}
         evals.append(metrics)
         bar.write(json.dumps(metrics))

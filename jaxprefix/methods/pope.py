@@ -12,7 +12,8 @@ Pipeline:
    the whole solution); keep the shortest with at least one success. Computed once, before RL.
 3. `PopeMethod`: each step, B hard problems, each as `guided_copies` guided and `unguided_copies`
    unguided contexts (1:1 by default), optionally with easy problems mixed in. A problem with no
-   solvable prefix within the cap is dropped (and counted), or guided by the longest prefix tried.
+   solvable prefix within the cap is dropped (and counted), guided by the longest prefix tried,
+   or kept with all its copies unguided ('unguided': every hard problem stays in training).
 
 Guidance comes in two forms. 'instruction' (the paper): the prefix goes into the prompt, on an
 instruction-tuned LLM in the user turn with an instruction to continue it, on the demo task in the
@@ -46,7 +47,9 @@ NO_RESTATE_TEMPLATE = GUIDED_TEMPLATE + (
     " Do not restate, repeat or summarise any part of the partial response.")
 TEMPLATES = {"default": GUIDED_TEMPLATE, "no_restate": NO_RESTATE_TEMPLATE}
 GUIDANCE_MODES = ("instruction", "solution_prefix")
-UNSOLVED_MODES = ("drop", "longest")  # a problem with no solvable prefix within the cap
+# A problem with no solvable prefix within the cap: dropped, guided by the longest prefix
+# tried, or kept with every copy unguided (its unguided copies stay in training).
+UNSOLVED_MODES = ("drop", "longest", "unguided")
 
 
 def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0) -> int:
@@ -158,8 +161,10 @@ class PopeMethod(GrpoMethod):
                 units = prefix_limit(p, max_units=max_units, max_fraction=max_fraction) or None
             if units is not None:
                 self.prefix_units[p.id] = units
-        # Without guided copies (hard + easy) every hard problem is trained on, unguided.
-        kept = [p for p in hard if p.id in self.prefix_units or not guided_copies]
+        # Without guided copies (hard + easy), or with unsolved='unguided', every hard problem
+        # is trained on; those without a prefix unguided only.
+        kept = [p for p in hard
+                if p.id in self.prefix_units or not guided_copies or unsolved == "unguided"]
         self.dropped = [p.id for p in hard if p not in kept]
         if not kept:
             raise ValueError(f"pope: none of the {len(hard)} hard problems has a solvable prefix "
@@ -174,6 +179,13 @@ class PopeMethod(GrpoMethod):
     def _contexts(self, batch: Sequence[Problem], step: int):
         contexts, problems, guided, prefixes = [], [], [], []
         for problem in batch:
+            if problem.id not in self.prefix_units:  # no prefix (unsolved='unguided'): plain
+                copies = self.guided_copies + self.unguided_copies
+                contexts.extend([self.prompts.question(problem)] * copies)
+                prefixes.extend([""] * copies)
+                problems.extend([problem] * copies)
+                guided.extend([False] * copies)
+                continue
             for _ in range(self.guided_copies):
                 units = self.schedule.length(problem.id, self.prefix_units[problem.id], step)
                 context, prefix = guided_context(self.prompts, problem, units,

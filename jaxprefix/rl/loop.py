@@ -25,6 +25,7 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
+from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter, sampling_flops, update_flops
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
@@ -240,18 +241,20 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     return out
 
 
-def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> dict[str, float]:
-    """pass@k and friends on each of the method's (unguided) eval requests."""
+def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> tuple[dict, dict]:
+    """pass@k and friends on each of the method's (unguided) eval requests, and per request
+    (samples per problem, correct samples of each problem) for eval_counts.jsonl."""
     from jaxprefix import evaluation
 
-    out = {}
+    out, counts = {}, {}
     for name, request in method.eval_requests().items():
         scored = sample_and_score(model, tokenizer, request, config, stop_ids=stop_ids,
                                   seed=round_seed(config.seed + 1, step, 0))
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out[f"{name}/reward_mean"] = float(scored.rewards.mean())
-    return out
+        counts[name] = (request.n, [int(c) for c in (scored.rewards > 0.5).sum(axis=1)])
+    return out, counts
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -322,6 +325,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     start = int(state.step)
     writer = MetricsWriter(workdir, resume_step=start + 1,
                            segment_rows=config.metrics.get("segment_rows", SEGMENT_ROWS))
+    counts_writer = EvalCountsWriter(workdir, resume_step=start + 1)
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
@@ -420,8 +424,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                record.update(evaluate(learner.sampling_model(state, decode), tokenizer, method,
-                                       config, step=done, stop_ids=stop_ids))
+                scores, counts = evaluate(learner.sampling_model(state, decode), tokenizer,
+                                          method, config, step=done, stop_ids=stop_ids)
+                record.update(scores)
+                counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
             if tracker is not None:

@@ -1,10 +1,24 @@
 """Built-in procedural tasks with oracle solutions; each module's `register_verifier()` registers
-its verifier with jaxprefix.rewards."""
+its verifier with jaxprefix.rewards.
 
-from jaxprefix.data.tasks import carry_multiplication
+- carry_multiplication: difficulty spread evenly over 20 steps (the long-guidance case);
+- keyed_multiplication: the difficulty in one key early step (POPE's short-prefix case).
+"""
 
-__all__ = ["carry_multiplication", "HINTS"]
+from jaxprefix.data.tasks import carry_multiplication, keyed_multiplication
+
+__all__ = ["carry_multiplication", "keyed_multiplication", "TASKS", "HINTS", "get"]
+
+# Task name -> its module: generate, hard_set, problem_sets, sft_batch, hinted, verify, ...
+TASKS = {m.NAME: m for m in (carry_multiplication, keyed_multiplication)}
 
 # Task name -> hinted(problem, steps): the problem with its first oracle steps given in the
 # prompt, in the task's own layout (POPE's guidance for a policy that reads no English).
-HINTS = {carry_multiplication.NAME: carry_multiplication.hinted}
+HINTS = {name: m.hinted for name, m in TASKS.items()}
+
+
+def get(name: str):
+    """The built-in task module called `name`."""
+    if name not in TASKS:
+        raise ValueError(f"unknown built-in task {name!r}; expected one of {sorted(TASKS)}")
+    return TASKS[name]

@@ -49,6 +49,7 @@ QUESTION_LENGTH = SLOTS * SLOT_LENGTH + 3
 # Longest completion: every step, then <eos>.
 MAX_COMPLETION_LENGTH = SLOTS * STEP_LENGTH + 1
 SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
+HARD_STEPS = SLOTS  # oracle steps of a hard problem
 
 
 def tokenizer():
@@ -105,24 +106,42 @@ def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
     N is the difficulty knob: a problem is N identical steps, and a policy that gets one step right
     with probability p solves it with probability about p^N.
     """
-    low, high = digits
-    if not 1 <= low <= high <= SLOTS:
-        raise ValueError(f"{NAME}: digits range must lie in 1..{SLOTS}, got {digits}")
-    if not 1 <= multipliers[0] <= multipliers[1] <= 9:
-        raise ValueError(f"{NAME}: multipliers range must lie in 1..9, got {multipliers}")
+    check_ranges(NAME, SLOTS, digits, multipliers)
     rng = random.Random(seed)
-    problems = []
-    for _ in range(count):
-        n = rng.randint(low, high)
-        # The leading digit is nonzero, so N is the true digit count.
-        number = rng.randint(10 ** (n - 1), 10**n - 1)
-        problems.append(make_problem(number, rng.randint(*multipliers)))
-    return problems
+    return [make_problem(random_number(rng, digits), rng.randint(*multipliers))
+            for _ in range(count)]
+
+
+def check_ranges(task: str, slots: int, digits: tuple[int, int],
+                 multipliers: tuple[int, int]) -> None:
+    """A generator's digit-count and multiplier ranges, or a ValueError naming the task."""
+    if not 1 <= digits[0] <= digits[1] <= slots:
+        raise ValueError(f"{task}: digits range must lie in 1..{slots}, got {digits}")
+    if not 1 <= multipliers[0] <= multipliers[1] <= 9:
+        raise ValueError(f"{task}: multipliers range must lie in 1..9, got {multipliers}")
+
+
+def random_number(rng: random.Random, digits: tuple[int, int]) -> int:
+    """A number of a uniform digit count in the range; the leading digit is nonzero, so the
+    count is the true one."""
+    n = rng.randint(*digits)
+    return rng.randint(10 ** (n - 1), 10**n - 1)
 
 
 def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
     """The hard problems of the demo: 20 digits times 6..9 (2 and 5 are learned early)."""
     return generate(count, digits=(SLOTS, SLOTS), multipliers=(6, 9), seed=seed)
+
+
+def problem_sets(data) -> tuple[list, list, list]:
+    """(training candidates, held-out, easy) for config.data: problems of data.digits digits
+    times data.multipliers, and data.easy_size easy ones of data.easy_digits."""
+    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers))
+    easy_size = data.get("easy_size", 0)
+    easy = generate(easy_size, digits=tuple(data.easy_digits), seed=data.seed + 1) \
+        if easy_size else []
+    return (generate(data.train_size, seed=data.seed, **shape),
+            generate(data.eval_size, seed=data.eval_seed, **shape), easy)
 
 
 def _parse_question(question: str) -> tuple[list[int], int, list[str]]:
@@ -164,17 +183,22 @@ def hinted(problem: Problem, steps: int) -> Problem:
     writes itself; `verify` reads nothing from the hints."""
     if steps == 0:
         return problem
-    if problem.metadata.get("prefix_steps") or problem.metadata.get("hint_steps"):
-        raise ValueError(f"{NAME}: {problem.id} is already guided; hint the original problem")
-    if not 0 < steps <= len(problem.steps):
-        raise ValueError(f"{NAME}: hint steps must be in 0..{len(problem.steps)} for "
-                         f"{problem.id}, got {steps}")
+    check_hint_steps(NAME, problem, steps)
     slots = list(problem.question)
     for i, (s, c) in enumerate(carry_steps(*_parse_question(problem.question)[:2])[:steps]):
         slots[i * SLOT_LENGTH + 1:i * SLOT_LENGTH + 3] = f"{s}{c}"
     return dataclasses.replace(
         problem, id=f"{problem.id}/hint{steps}", question="".join(slots),
         metadata={**problem.metadata, "hint_steps": steps, "base_id": problem.id})
+
+
+def check_hint_steps(task: str, problem: Problem, steps: int) -> None:
+    """A hint of `steps` oracle steps fits an unguided problem, or a ValueError naming it."""
+    if problem.metadata.get("prefix_steps") or problem.metadata.get("hint_steps"):
+        raise ValueError(f"{task}: {problem.id} is already guided; hint the original problem")
+    if not 0 < steps <= len(problem.steps):
+        raise ValueError(f"{task}: hint steps must be in 0..{len(problem.steps)} for "
+                         f"{problem.id}, got {steps}")
 
 
 def hinted_solution(problem: Problem, rng: random.Random, tens_first: float = 0.5) -> str:
@@ -209,6 +233,31 @@ def guided(problem: Problem, prefix_steps: int) -> Problem:
         metadata={**problem.metadata, "prefix_steps": problem.metadata.get("prefix_steps", 0)
                   + prefix_steps, "base_id": problem.metadata.get("base_id", problem.id)},
     )
+
+
+def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
+    """(problem, target) rows of one SFT batch (configs/sft.py `data`): lengths in data.digits
+    plus a data.full_length_fraction of 20-digit rows, a data.hinted_fraction of rows with their
+    first 1..N-1 steps as a hint (copied by the target), each other step's notation at random."""
+    full = round(data.batch_size * data.full_length_fraction)
+    problems = (generate(data.batch_size - full, digits=tuple(data.digits),
+                         multipliers=tuple(data.multipliers), seed=seed)
+                + generate(full, digits=(SLOTS, SLOTS), multipliers=tuple(data.multipliers),
+                           seed=seed + 10**12))
+    rng = random.Random(seed)
+    rows = []
+    for problem in problems:
+        if len(problem.steps) > 1 and rng.random() < data.hinted_fraction:
+            problem = hinted(problem, rng.randint(1, len(problem.steps) - 1))
+        rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
+    return rows
+
+
+def answer_digit_spans(problem: Problem) -> list[tuple[int, int]]:
+    """Token spans [start, end) of each step's two digits in question + oracle solution (what
+    teacher-forced step accuracy checks: the marker is free)."""
+    return [(QUESTION_LENGTH + STEP_LENGTH * i + 1, QUESTION_LENGTH + STEP_LENGTH * i + 3)
+            for i in range(len(problem.steps))]
 
 
 def format_context(problem: Problem, prefix_steps: int = 0, tokenizer=None) -> list[int]:
@@ -256,11 +305,16 @@ def verify(completion_text: str, problem: Problem) -> float:
         digits, multiplier, given = _parse_question(problem.question + text)
     except ValueError:
         return 0.0
-    expected = carry_steps(digits, multiplier)
+    return score_steps(given, carry_steps(digits, multiplier), problem.answer)
+
+
+def score_steps(given: Sequence[str], expected: Sequence[tuple[int, int]], answer: str) -> float:
+    """1.0 if the written steps are the expected (s_i, c_i), each in either notation, and the
+    number they spell is the answer; else 0.0."""
     if len(given) != len(expected):
         return 0.0
     for step, (s, c) in zip(given, expected):
         if step not in (write_step(s, c, SUM_FIRST), write_step(s, c, TENS_FIRST)):
             return 0.0
     product = int(f"{expected[-1][1]}" + "".join(str(s) for s, _ in reversed(expected)))
-    return float(str(product) == problem.answer.strip())
+    return float(str(product) == answer.strip())

@@ -1,0 +1,272 @@
+"""The key-step task: a * d + c written out with carries, d and c first read off a key.
+
+POPE's paper regime (docs/DEMO_TASK.md): hard problems fail at one key EARLY step that the base
+policy rarely finds, and a prefix holding that step (1 of 9 steps) lets the base finish them.
+
+Text layout (one character per token, fixed slots, digits least significant first):
+
+    question   r k j   slot i = a_i s_i c_i for i = 0..7   x u v p q =
+               r: the key's rule, '<' (d = u and c = p) or '>' (d = v and c = q);
+               k j: hints of d and c, '__' unless the key step is given; '_' marks what is unused
+    key step   * d c
+    step i     + s_i c_i  (or ^ c_i s_i)     t = a_i*d + c_{i-1}, with c_{-1} = c
+    end        <eos> once the next digit slot is '_' (or after the last slot)
+
+The base's SFT (`sft_batch`) never shows what rule '>' means: its '>' problems have equal key
+digits (u = v, p = q), so in all it reads, d is u and c is p whatever the rule. Unguided, on a
+'>' problem with unequal digits it reads u and p out of habit, and writes the right key step
+only when it slips on both. So the hard set (rule '>', 8 digits) fails at the key step, and the
+shortest solvable prefix is that step alone: 1 of 9 oracle steps. A guided rollout copies d and
+c from the hint and trains the carry steps; it gives the unguided problem's skill (reading the
+second digits under '>') no gradient of its own, so any transfer is the policy's own doing.
+
+Step i of the answer sits exactly one question length after slot i of the question (the key
+step after r k j, carry step i after digit slot i), as in carry_multiplication: every hint is
+read by a lookup at one fixed distance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+from collections.abc import Sequence
+
+from jaxprefix.data.problem import Problem
+from jaxprefix.data.tasks import carry_multiplication as carry
+from jaxprefix.data.tasks.carry_multiplication import (EMPTY, EOS, PAD, SUM_FIRST, TENS_FIRST,
+                                                       write_step)
+
+NAME = "keyed_multiplication"
+SLOTS = 8  # digit slots; the most digits a problem can have
+FIRST, SECOND = "<", ">"  # the key's rules: d, c are u, p; or v, q
+KEY = "*"  # the key step's marker
+TIMES, EQUALS = carry.TIMES, carry.EQUALS
+SYMBOLS = carry.SYMBOLS + (FIRST, SECOND, KEY)
+SLOT_LENGTH = STEP_LENGTH = 3  # the key slot r k j and the key step * d c too
+KEY_DIGITS = 4  # u v p q
+QUESTION_LENGTH = SLOT_LENGTH * (1 + SLOTS) + KEY_DIGITS + 2
+MAX_COMPLETION_LENGTH = STEP_LENGTH * (1 + SLOTS) + 1
+SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
+HARD_STEPS = SLOTS + 1  # oracle steps of a hard problem: the key, then one per digit
+
+
+def tokenizer():
+    """The character vocabulary of this task (carry_multiplication's plus < > *)."""
+    from jaxprefix.tokenizers import CharTokenizer
+
+    return CharTokenizer(SYMBOLS, eos=EOS, pad=PAD)
+
+
+def carry_steps(digits: Sequence[int], multiplier: int, carry_in: int) -> list[tuple[int, int]]:
+    """(s_i, c_i) for each digit of a (least significant first) of a * multiplier + carry_in."""
+    steps, c = [], carry_in
+    for digit in digits:
+        total = digit * multiplier + c
+        c = total // 10
+        steps.append((total % 10, c))
+    return steps
+
+
+def make_problem(number: int, multiplier: int, carry_in: int, rule: str,
+                 others: tuple[int, int]) -> Problem:
+    """number * multiplier + carry_in, d and c behind a key: rule '<' puts them at u and p (the
+    `others` at v and q), rule '>' at v and q. Oracle: the key step, then '+' at every step."""
+    if rule not in (FIRST, SECOND):
+        raise ValueError(f"{NAME}: rule must be {FIRST!r} or {SECOND!r}, got {rule!r}")
+    if not 1 <= multiplier <= 9 or not all(0 <= x <= 9 for x in (carry_in, *others)):
+        raise ValueError(f"{NAME}: multiplier must be 1..9, the carry and key digits 0..9, got "
+                         f"{multiplier}, {carry_in}, {others}")
+    digits = [int(ch) for ch in reversed(str(number))]
+    if number < 1 or len(digits) > SLOTS:
+        raise ValueError(f"{NAME}: number must be positive with 1..{SLOTS} digits, got {number}")
+    u, v = (multiplier, others[0]) if rule == FIRST else (others[0], multiplier)
+    p, q = (carry_in, others[1]) if rule == FIRST else (others[1], carry_in)
+    slots = "".join(f"{d}{EMPTY}{EMPTY}" for d in digits)
+    slots += EMPTY * SLOT_LENGTH * (SLOTS - len(digits))
+    question = f"{rule}{EMPTY}{EMPTY}{slots}{TIMES}{u}{v}{p}{q}{EQUALS}"
+    steps = (f"{KEY}{multiplier}{carry_in}",) + tuple(
+        write_step(s, c) for s, c in carry_steps(digits, multiplier, carry_in))
+    return Problem(
+        id=f"{NAME}-{number}x{u}{v}+{p}{q}{rule}", question=question,
+        answer=str(number * multiplier + carry_in), solution="".join(steps), steps=steps,
+        source=NAME, metadata={"digits": len(digits), "multiplier": multiplier,
+                               "carry_in": carry_in, "rule": rule, "prefix_steps": 0})
+
+
+def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
+             multipliers: tuple[int, int] = (2, 9), rule: str = SECOND,
+             seed: int = 0) -> list[Problem]:
+    """`count` problems of one rule: digit count, multiplier and carry-in uniform in their
+    ranges, each other key digit uniform among the digits that differ from the one it stands
+    beside (so that under '>' reading u or p is always wrong)."""
+    carry.check_ranges(NAME, SLOTS, digits, multipliers)
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(count):
+        number = carry.random_number(rng, digits)
+        d, c = rng.randint(*multipliers), rng.randrange(10)
+        others = (rng.choice([x for x in range(10) if x != d]),
+                  rng.choice([x for x in range(10) if x != c]))
+        problems.append(make_problem(number, d, c, rule, others))
+    return problems
+
+
+def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
+    """The hard problems: 8 digits, rule '>' (the key the base never learned to read)."""
+    return generate(count, digits=(SLOTS, SLOTS), rule=SECOND, seed=seed)
+
+
+def problem_sets(data) -> tuple[list, list, list]:
+    """(training candidates, held-out, easy) for config.data: rule '>' problems of data.digits
+    digits, and as many easy rule '<' problems of data.easy_digits as data.easy_size asks."""
+    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers), rule=SECOND)
+    easy_size = data.get("easy_size", 0)
+    easy = generate(easy_size, digits=tuple(data.easy_digits), rule=FIRST,
+                    seed=data.seed + 1) if easy_size else []
+    return (generate(data.train_size, seed=data.seed, **shape),
+            generate(data.eval_size, seed=data.eval_seed, **shape), easy)
+
+
+def _parse_question(question: str) -> tuple[list[int], int, int, list[str]]:
+    """Digits of a, the multiplier and carry the key names, and the steps given after '='."""
+    head, given = question[:QUESTION_LENGTH], question[QUESTION_LENGTH:]
+    tail = SLOT_LENGTH * (1 + SLOTS)
+    number = head[SLOT_LENGTH:tail:SLOT_LENGTH].rstrip(EMPTY)
+    key = head[tail + 1:tail + 1 + KEY_DIGITS]
+    if (len(head) != QUESTION_LENGTH or head[0] not in (FIRST, SECOND) or head[tail] != TIMES
+            or not key.isdigit() or head[-1] != EQUALS or not number.isdigit()
+            or len(given) % STEP_LENGTH or (given and not given.startswith(KEY))):
+        raise ValueError(f"{NAME}: malformed question {question!r}: expected a rule, two key "
+                         f"hints, {SLOTS} slots of {SLOT_LENGTH}, '{TIMES}', {KEY_DIGITS} key "
+                         f"digits, '{EQUALS}', then whole steps, the key step first")
+    pick = 0 if head[0] == FIRST else 1
+    steps = [given[i:i + STEP_LENGTH] for i in range(0, len(given), STEP_LENGTH)]
+    return [int(ch) for ch in number], int(key[pick]), int(key[2 + pick]), steps
+
+
+def spell_solution(problem: Problem, notations: Sequence[str]) -> str:
+    """The whole solution: the key step, then each carry step in the notation given for it
+    (d and c as the problem's metadata has them: a hinted SFT row's key may override u, p)."""
+    digits = _parse_question(problem.question)[0]
+    d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
+    steps = carry_steps(digits, d, c)
+    if len(notations) != len(steps):
+        raise ValueError(f"{NAME}: {len(steps)} carry steps in {problem.id}, got "
+                         f"{len(notations)} notations")
+    return f"{KEY}{d}{c}" + "".join(write_step(s, t, n) for (s, t), n in zip(steps, notations))
+
+
+def sample_solution(problem: Problem, rng: random.Random, tens_first: float = 0.5) -> str:
+    """A valid solution with each carry step's notation drawn at random."""
+    carries = len(problem.steps) - 1
+    return spell_solution(problem, [TENS_FIRST if rng.random() < tens_first else SUM_FIRST
+                                    for _ in range(carries)])
+
+
+def hinted(problem: Problem, steps: int) -> Problem:
+    """The problem with its first `steps` oracle steps given in the prompt: step 0 (the key)
+    in the key slot's hints k j, step i >= 1 in digit slot i - 1. The policy still writes the
+    whole solution; `verify` reads nothing from the hints."""
+    if steps == 0:
+        return problem
+    carry.check_hint_steps(NAME, problem, steps)
+    text = list(problem.question)
+    for i, step in enumerate(problem.steps[:steps]):  # '*dc' and '+sc' both: the two digits
+        text[SLOT_LENGTH * i + 1:SLOT_LENGTH * i + 3] = step[1:]
+    return dataclasses.replace(
+        problem, id=f"{problem.id}/hint{steps}", question="".join(text),
+        metadata={**problem.metadata, "hint_steps": steps, "base_id": problem.id})
+
+
+def hinted_solution(problem: Problem, rng: random.Random, tens_first: float = 0.5) -> str:
+    """SFT target: the hinted carry steps copied as given ('+'), the rest in random notation."""
+    given = max(0, problem.metadata.get("hint_steps", 0) - 1)
+    carries = len(problem.steps) - 1
+    return spell_solution(problem, [SUM_FIRST] * given + [
+        TENS_FIRST if rng.random() < tens_first else SUM_FIRST for _ in range(carries - given)])
+
+
+def guided(problem: Problem, prefix_steps: int) -> Problem:
+    """The problem with its first `prefix_steps` oracle steps forced as the answer's start."""
+    if prefix_steps == 0:
+        return problem
+    if not 0 < prefix_steps <= len(problem.steps):
+        raise ValueError(f"{NAME}: prefix_steps must be in 0..{len(problem.steps)} for "
+                         f"{problem.id}, got {prefix_steps}")
+    return dataclasses.replace(
+        problem, id=f"{problem.id}/prefix{prefix_steps}",
+        question=problem.question + "".join(problem.steps[:prefix_steps]),
+        solution="".join(problem.steps[prefix_steps:]), steps=problem.steps[prefix_steps:],
+        metadata={**problem.metadata, "prefix_steps": prefix_steps, "base_id": problem.id})
+
+
+def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
+    """(problem, target) rows of one SFT batch (configs/sft.py `data`).
+
+    Every row is a correct problem, and none shows what rule '>' means: a
+    data.second_rule_fraction of rows are '>' problems with equal key digits (u = v, p = q),
+    the rest '<' problems. So in all the base reads, d is u and c is p, and it learns to read
+    them whatever the rule. A data.hinted_fraction of rows give their first steps (the key step
+    first) as a hint, copied by the target; in a data.key_override_fraction of the hinted '<'
+    rows the key digits u and p are redrawn, so the hinted d and c, not u and p, are the key: the carry
+    steps learn to use the key step as written. Half the batch is full length
+    (data.full_length_fraction), as in carry_multiplication.
+    """
+    rng = random.Random(seed)
+    rows = []
+    for row in range(data.batch_size):
+        full = row < round(data.batch_size * data.full_length_fraction)
+        number = carry.random_number(rng, (SLOTS, SLOTS) if full else tuple(data.digits))
+        d, c = rng.randint(*data.multipliers), rng.randrange(10)
+        if rng.random() < data.second_rule_fraction:  # '>' whose rule cannot matter
+            problem = make_problem(number, d, c, SECOND, (d, c))
+        else:
+            problem = make_problem(number, d, c, FIRST, (rng.randrange(10), rng.randrange(10)))
+        if rng.random() < data.hinted_fraction:
+            problem = hinted(problem, rng.randint(1, len(problem.steps) - 1))
+            if problem.metadata["rule"] == FIRST and rng.random() < data.key_override_fraction:
+                key = problem.question.index(TIMES) + 1
+                text = list(problem.question)
+                text[key] = str(rng.choice([x for x in range(10) if x != d]))
+                text[key + 2] = str(rng.choice([x for x in range(10) if x != c]))
+                problem = dataclasses.replace(problem, question="".join(text))
+        rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
+    return rows
+
+
+def answer_digit_spans(problem: Problem) -> list[tuple[int, int]]:
+    """Token spans [start, end) of each step's two digits in question + oracle solution (the
+    key's d c, then each carry step's): what teacher-forced step accuracy checks."""
+    return [(QUESTION_LENGTH + STEP_LENGTH * i + 1, QUESTION_LENGTH + STEP_LENGTH * i + 3)
+            for i in range(len(problem.steps))]
+
+
+def training_ids(problem: Problem, solution: str, tokenizer=None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of question + solution + <eos>; the mask is 1 on the solution."""
+    return carry.training_ids(problem, solution, tokenizer or default_tokenizer())
+
+
+@functools.cache
+def default_tokenizer():
+    return tokenizer()
+
+
+def register_verifier() -> str:
+    from jaxprefix import rewards
+
+    rewards.register(NAME, verify, in_process=True)  # exact match on short strings
+    return NAME
+
+
+def verify(completion_text: str, problem: Problem) -> float:
+    """1.0 if question + completion is the key step with the key's d and c, then every carry
+    step right in either notation, then nothing; else 0.0."""
+    text = completion_text.split(EOS, 1)[0] if EOS in completion_text else completion_text
+    text = text.replace(PAD, "").strip()
+    try:
+        digits, d, c, given = _parse_question(problem.question + text)
+    except ValueError:
+        return 0.0
+    if not given or given[0] != f"{KEY}{d}{c}":
+        return 0.0
+    return carry.score_steps(given[1:], carry_steps(digits, d, c), problem.answer)

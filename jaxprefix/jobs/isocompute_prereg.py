@@ -1,0 +1,228 @@
+"""IsoCompute, pre-registered: fit the frontier on small budgets, predict n* at larger ones,
+write the prediction down, then run the larger budgets and compare.
+
+    python -m jaxprefix.main --config=configs/isocompute.py:prereg --workdir=runs/iso_prereg
+    # the sweep to the fit budgets, the fit, and prediction.json (then commit it);
+    python -m jaxprefix.main --config=configs/isocompute.py:prereg \
+        --config.isocompute.prereg.phase=outcome --workdir=runs/iso_prereg
+    # the same runs resumed to the predicted budgets, and outcome.json
+
+The reward is held-out avg@4 per difficulty group (the problems' digit counts split at
+`prereg.split_digits`), read per problem from each run's eval_counts.jsonl, so the outcome has
+paired bootstrap intervals over seeds and problems (jaxprefix/statistics.py).
+
+The prediction, per group, on the seed-mean curves up to `prereg.fit_max` rollouts:
+- `envelope`: the n whose fitted reward sigmoid (the paper's per-n fit) is highest at each
+  predicted budget, the per-n sigmoids extrapolated;
+- `rule`: the fitted allocation rule log2 n*(log2 C) there, unless it is degenerate (n* never
+  changes over the fit, a step narrower than half an octave of C, or a value outside the swept
+  n): then the file says so and gives no rule.
+The outcome: the best n of the seed-mean avg@4 at each predicted budget, and the paired
+difference between the predicted n and that best n (within noise: the prediction holds).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from jaxprefix import statistics, storage
+from jaxprefix.jobs import isocompute as iso_jobs
+from jaxprefix.methods import isocompute
+from jaxprefix.rl.eval_counts import read_eval_counts
+
+PREDICTION, OUTCOME, REPORT = "prediction.json", "outcome.json", "REPORT.md"
+
+
+def group_of(digits: int, split: int) -> str:
+    return f"digits <= {split}" if digits <= split else f"digits > {split}"
+
+
+def eval_groups(config) -> list[str]:
+    """Each held-out problem's group, in the order the runs evaluate them."""
+    from jaxprefix.jobs.problem_sets import load_problem_sets
+
+    problems = load_problem_sets(config.data).eval
+    return [group_of(p.metadata["digits"], config.isocompute.prereg.split_digits)
+            for p in problems]
+
+
+def per_problem_curves(config, workdir: str) -> dict:
+    """(n, B, seed) -> (rollouts at each evaluation, [evals, problems] avg@k per problem)."""
+    curves = {}
+    for point in iso_jobs.sweep_points(config):
+        for seed in config.isocompute.seeds:
+            directory = iso_jobs.point_workdir(iso_jobs.runs_dir(config, workdir), point, seed)
+            records = [r for r in read_eval_counts(directory) if r["name"] == "eval"]
+            if records:
+                rows = point.n * point.batch
+                curves[(point.n, point.batch, seed)] = (
+                    [r["step"] * rows for r in records],
+                    np.asarray([r["correct_counts"] for r in records], float) / records[0]["n"])
+    return curves
+
+
+def _at(curve, budget: float) -> np.ndarray | None:
+    """Per-problem scores of the last evaluation within `budget` rollouts (None: the run has
+    not reached the budget yet)."""
+    compute, scores = curve
+    within = [i for i, c in enumerate(compute) if c <= budget]
+    return scores[within[-1]] if within and compute[-1] >= budget else None
+
+
+def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float) -> list:
+    """Seed-mean isocompute.Run per (n, B): the group's avg@4 at each evaluation within
+    `max_rollouts`, over the evaluations every seed reached."""
+    columns = [i for i, g in enumerate(groups) if g == group]
+    by_point: dict = {}
+    for (n, batch, seed), (compute, scores) in curves.items():
+        keep = [i for i, c in enumerate(compute) if c <= max_rollouts]
+        by_point.setdefault((n, batch), []).append(
+            ([compute[i] for i in keep], scores[keep][:, columns].mean(axis=1)))
+    runs = []
+    for (n, batch), seeds in sorted(by_point.items()):
+        length = min(len(c) for c, _ in seeds)
+        if length:
+            reward = np.mean([r[:length] for _, r in seeds], axis=0)
+            runs.append(isocompute.Run(n, batch, tuple(map(float, seeds[0][0][:length])),
+                                       tuple(map(float, reward))))
+    return runs
+
+
+def degenerate(fit: isocompute.FrontierFit, ns) -> str:
+    """Why a fitted n*(C) rule cannot serve as an allocation rule ('' when it can)."""
+    curve = fit.n_star_fit
+    if curve is None:
+        return f"n* is {fit.n_star[0]} at every budget of the fit: no curve to extrapolate"
+    if curve.width < 0.5:
+        return (f"a step of width {curve.width:.3f} in log2 C (narrower than half an octave): "
+                f"the fit switches between two n, it does not track a trend")
+    low, high = 2 ** min(curve.floor, curve.ceiling), 2 ** max(curve.floor, curve.ceiling)
+    if low < min(ns) / 1.5 or high > max(ns) * 1.5:
+        return f"its range n = {low:.3g}..{high:.3g} leaves the swept n ({min(ns)}..{max(ns)})"
+    return ""
+
+
+def predict(config, workdir: str) -> dict:
+    """The pre-registered prediction (written once: an existing prediction.json is kept)."""
+    path = storage.join(workdir, PREDICTION)
+    if storage.exists(path):
+        return storage.read_json(path)
+    pr = config.isocompute.prereg
+    groups = eval_groups(config)
+    curves = per_problem_curves(config, workdir)
+    record = {"fit_max_rollouts": pr.fit_max, "predicted_budgets": list(pr.predict),
+              "ns": list(config.isocompute.ns), "seeds": list(config.isocompute.seeds),
+              "lr_rule": config.isocompute.lr_rule, "groups": {}}
+    for group in sorted(set(groups)):
+        runs = group_runs(curves, groups, group, pr.fit_max)
+        entry = {"problems": groups.count(group), "runs": [vars(r) for r in runs],
+                 "envelope": {}, "rule": {}}
+        try:
+            fit = isocompute.fit_frontier(runs)
+        except ValueError as e:  # e.g. every curve flat: nothing to predict from, and it says so
+            record["groups"][group] = entry | {"fit": None, "degenerate": f"no frontier: {e}"}
+            continue
+        why = degenerate(fit, config.isocompute.ns)
+        entry |= {"fit": fit.to_dict(), "degenerate": why}
+        for budget in pr.predict:
+            x = math.log2(budget)
+            entry["envelope"][str(budget)] = int(max(fit.per_n, key=lambda n: fit.per_n[n](x)))
+            if not why:
+                entry["rule"][str(budget)] = int(2 ** round(float(fit.n_star_fit(x))))
+        record["groups"][group] = entry
+    storage.write_json(path, record)
+    return storage.read_json(path)  # what the file says, as a later reader sees it
+
+
+def outcome(config, workdir: str) -> dict:
+    """What the predicted budgets measured, against prediction.json."""
+    prediction = storage.read_json(storage.join(workdir, PREDICTION))
+    groups = eval_groups(config)
+    curves = per_problem_curves(config, workdir)
+    seeds = list(config.isocompute.seeds)
+    record = {"groups": {}}
+    for group, entry in prediction["groups"].items():
+        columns = [i for i, g in enumerate(groups) if g == group]
+        out = {}
+        for budget in prediction["predicted_budgets"]:
+            tables = {}  # n -> [seeds, problems] scores at the budget
+            for n in prediction["ns"]:
+                rows = [_at(curves[(n, b, s)], budget) for (m, b, s) in curves
+                        if m == n and s in seeds]
+                if rows and all(r is not None for r in rows) and len(rows) == len(seeds):
+                    tables[n] = np.stack(rows)[:, columns]
+            if not tables:
+                continue
+            means = {n: float(t.mean()) for n, t in tables.items()}
+            best = max(means, key=means.get)
+            cell = {"mean": {str(n): means[n] for n in sorted(means)}, "best": best,
+                    "summary": {str(n): statistics.summary(t) for n, t in sorted(tables.items())}}
+            for kind in ("envelope", "rule"):
+                predicted = entry[kind].get(str(budget))
+                if predicted in tables:
+                    low, high = statistics.paired_difference_interval(tables[predicted],
+                                                                      tables[best])
+                    cell[kind] = {"n": predicted, "minus_best": means[predicted] - means[best],
+                                  "low": low, "high": high, "holds": bool(low <= 0 <= high)}
+            out[str(budget)] = cell
+        record["groups"][group] = out
+    storage.write_json(storage.join(workdir, OUTCOME), record)
+    return record
+
+
+def run_prereg(config, workdir: str) -> dict:
+    """phase 'predict': the sweep to prereg.fit_max, then prediction.json; phase 'outcome':
+    the sweep to the largest predicted budget, then outcome.json."""
+    pr = config.isocompute.prereg
+    last = pr.fit_max if pr.phase == "predict" else max(pr.predict)
+    c = config.copy_and_resolve_references()
+    c.isocompute.budgets = tuple(b for b in c.isocompute.budgets if b <= last)
+    for point in iso_jobs.sweep_points(c):
+        for seed in c.isocompute.seeds:
+            from jaxprefix.jobs.rl import run_rl
+
+            run_rl(iso_jobs.point_config(c, point, seed, workdir),
+                   iso_jobs.point_workdir(iso_jobs.runs_dir(c, workdir), point, seed))
+    prediction = predict(c, workdir)
+    result = prediction if pr.phase == "predict" else outcome(c, workdir)
+    storage.write_atomic(storage.join(workdir, REPORT), "\n".join(
+        report_lines(prediction, None if pr.phase == "predict" else result)) + "\n")
+    return result
+
+
+def report_lines(prediction: dict, outcome: dict | None) -> list[str]:
+    """The markdown of a pre-registered sweep: what was predicted, then what was measured."""
+    lines = [f"Fit on budgets up to {prediction['fit_max_rollouts']} rollouts (n in "
+             f"{prediction['ns']}, seeds {prediction['seeds']}, lr rule "
+             f"{prediction['lr_rule']}); predicted for {prediction['predicted_budgets']}.", ""]
+    for group, entry in prediction["groups"].items():
+        lines.append(f"**{group}** ({entry['problems']} held-out problems). Fitted rule: "
+                     + (f"degenerate: {entry['degenerate']}; it is not an allocation rule."
+                        if entry["degenerate"] else
+                        "log2 n*(log2 C) = " + ", ".join(
+                            f"{k} {v:.3g}" for k, v in entry["fit"]["n_star_fit"].items()) + "."))
+        cells = outcome["groups"].get(group, {}) if outcome else {}
+        lines += ["", "| budget | predicted n (envelope) | predicted n (rule) | measured avg@4 "
+                  "per n: mean ± std [95% interval] | best n | predicted − best [95% interval] |",
+                  "|---" * 6 + "|"]
+        for budget in prediction["predicted_budgets"]:
+            cell = cells.get(str(budget))
+            envelope, rule = entry["envelope"].get(str(budget)), entry["rule"].get(str(budget))
+            if cell is None:
+                lines.append(f"| {budget} | {envelope or '-'} | {rule or '-'} | not run | - | - |")
+                continue
+            measured = "; ".join(f"n={n}: {statistics.format_cell(s)}"
+                                 for n, s in cell["summary"].items())
+            checks = []
+            for kind in ("envelope", "rule"):
+                if kind in cell:
+                    c = cell[kind]
+                    checks.append(f"{kind} {c['minus_best']:+.3f} [{c['low']:+.3f}, "
+                                  f"{c['high']:+.3f}] ("
+                                  + ("holds: within noise of the best" if c["holds"]
+                                     else "does not hold") + ")")
+            lines.append(f"| {budget} | {envelope or '-'} | {rule or '-'} | {measured} | {cell['best']}"
+                         f" | {'; '.join(checks)} |")
+        lines.append("")
+    return lines

@@ -1,0 +1,137 @@
+"""The tables of a study's runs, with their statistics (jaxprefix/statistics.py), as markdown.
+
+A row is a label and the evaluations of one run type at each seed (the results job's records,
+or the base's single evaluation); an evaluation holds each problem's correct samples
+(`correct_counts`, of `num_samples`) and its difficulty knobs (`groups`). Every cell is the
+mean, the sample std over seeds (ddof=1) and a 95% bootstrap interval over seeds and problems;
+differences are paired (the same seeds and problems drawn for both runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxprefix import statistics
+from jaxprefix.methods.isocompute import ComputeLedger
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    evals: list          # per seed: {'eval': evaluation, ...}-like records
+    flops: list = ()     # per seed: FLOPs spent (mining and SFT included)
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    which: str           # the record's evaluation: 'after', 'after_hard_set', 'base', ...
+    k: int               # pass@k
+
+
+def run_rows(runs: dict, which_prefix: str = "") -> list[Row]:
+    """One Row per run name of `runs` (name -> records of its seeds, finished ones only)."""
+    rows = []
+    for name, records in runs.items():
+        done = [r for r in records if "after" in r]
+        if done:
+            rows.append(Row(name, done, [ComputeLedger.from_dict(r["ledger"]).total_flops
+                                         for r in done]))
+    return rows
+
+
+def table(row: Row, column: Column) -> np.ndarray:
+    """[seeds, problems] pass@k of each problem from each seed's correct counts."""
+    evals = [r[column.which] for r in row.evals]
+    counts = [e["correct_counts"] for e in evals]
+    return statistics.pass_at_k_table(counts, evals[0]["num_samples"], column.k)
+
+
+def _flops_cell(flops) -> str:
+    if not len(flops):
+        return "0"
+    flops = np.asarray(flops, float)
+    return f"{flops.mean():.3g}" + (f" ± {flops.std(ddof=1):.2g}" if len(flops) > 1 else "")
+
+
+def metric_table(rows: list[Row], columns: list[Column]) -> list[str]:
+    """| run | seeds | column cells | FLOPs |."""
+    lines = ["| run | seeds | " + " | ".join(c.header for c in columns) + " | FLOPs |",
+             "|---" * (len(columns) + 3) + "|"]
+    for row in rows:
+        cells = [statistics.format_cell(statistics.summary(table(row, c))) for c in columns]
+        lines.append(f"| {row.label} | {len(row.evals)} | " + " | ".join(cells)
+                     + f" | {_flops_cell(row.flops)} |")
+    return lines
+
+
+def _paired(a: Row, b: Row, column: Column) -> np.ndarray:
+    """a - b, per seed and problem; a single-seed row (the base) pairs with every seed."""
+    ta, tb = table(a, column), table(b, column)
+    if len(ta) != len(tb):
+        ta, tb = (np.repeat(ta, len(tb), 0), tb) if len(ta) == 1 else (ta, np.repeat(tb, len(ta), 0))
+    return ta - tb
+
+
+def difference_cell(a: Row, b: Row, column: Column) -> str:
+    diff = _paired(a, b, column)
+    low, high = statistics.bootstrap_interval(diff)
+    verdict = "within noise" if low <= 0 <= high else ("higher" if low > 0 else "lower")
+    return f"{diff.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({verdict})"
+
+
+def comparison_table(pairs: list[tuple[Row, Row]], columns: list[Column]) -> list[str]:
+    """| a - b | paired difference of each column [95% interval] (what the interval says) |
+    FLOPs of a / FLOPs of b |."""
+    lines = ["| comparison | " + " | ".join(f"Δ {c.header}" for c in columns)
+             + " | FLOPs ratio |", "|---" * (len(columns) + 2) + "|"]
+    for a, b in pairs:
+        ratio = (f"{np.mean(a.flops) / np.mean(b.flops):.2f}"
+                 if len(a.flops) and len(b.flops) and np.mean(b.flops) > 0 else "-")
+        lines.append(f"| {a.label} − {b.label} | "
+                     + " | ".join(difference_cell(a, b, c) for c in columns) + f" | {ratio} |")
+    return lines
+
+
+def group_table(rows: list[Row], column: Column, key: str) -> list[str]:
+    """The column's mean per difficulty group (`key`: 'multiplier', 'digits') and overall:
+    the problem-weighted sum of a row's group means is its overall mean."""
+    labels = rows[0].evals[0][column.which]["groups"][key]
+    groups = sorted(set(labels))
+    header = " | ".join(f"{key} {g} ({labels.count(g)})" for g in groups)
+    lines = [f"| {column.header} by {key} (problems) | {header} | overall |",
+             "|---" * (len(groups) + 2) + "|"]
+    for row in rows:
+        by_group = statistics.group_table(table(row, column), labels)
+        cells = [f"{by_group[g]['mean']:.3f}" for g in groups]
+        lines.append(f"| {row.label} | " + " | ".join(cells)
+                     + f" | {statistics.overall_from_groups(by_group):.3f} |")
+    return lines
+
+
+def first_reaching(points, target: float) -> float | None:
+    """The FLOPs of the first (flops, value) point at or above `target`."""
+    for flops, value in points:
+        if value >= target:
+            return flops
+    return None
+
+
+def flops_to_targets(curves: dict, targets, label: str) -> list[str]:
+    """Per run (name -> per seed its (flops, value) points, in order): the FLOPs at which each
+    seed first reached each target; a seed that never did is 'missing' and counted, not
+    dropped: the mean is over the seeds that reached it, with how many did."""
+    lines = [f"| run | " + " | ".join(f"{label} >= {t:.3f}" for t in targets) + " |",
+             "|---" * (len(targets) + 1) + "|"]
+    for name, per_seed in curves.items():
+        cells = []
+        for target in targets:
+            reached = [first_reaching(points, target) for points in per_seed]
+            got = [f for f in reached if f is not None]
+            mean = f"{np.mean(got):.3g}" if got else "missing"
+            cells.append(f"{mean} ({len(got)} of {len(reached)} seeds; "
+                         + ", ".join("missing" if f is None else f"{f:.3g}" for f in reached)
+                         + ")")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines

@@ -1,0 +1,98 @@
+"""keyed_multiplication: POPE's short-prefix regime, a key step first (docs/DEMO_TASK.md)."""
+import random
+
+import ml_collections
+import pytest
+
+from jaxprefix import rewards
+from jaxprefix.data import tasks
+from jaxprefix.data.tasks import keyed_multiplication as task
+
+
+def test_hand_computed_problem():
+    # 47 * 6 + 3 = 285; rule '>': d and c are the second digits of the pairs (2 6) and (8 3).
+    p = task.make_problem(47, 6, 3, ">", (2, 8))
+    assert p.question == ">__7__4__" + "_" * 18 + "x2683="
+    assert len(p.question) == task.QUESTION_LENGTH
+    # key *63; 7*6+3 = 45: write 5 carry 4; 4*6+4 = 28: write 8 carry 2; product 285.
+    assert p.steps == ("*63", "+54", "+82") and p.answer == "285"
+    assert task.verify(p.solution + "<eos>", p) == 1.0
+
+
+def test_reading_the_key_by_the_other_rule_scores_zero():
+    p = task.make_problem(47, 6, 3, ">", (2, 8))
+    # What rule '<' reads (d = 2, c = 8): 7*2+8 = 22, 4*2+2 = 10 -> a consistent wrong answer.
+    assert task.verify("*28+22+01", p) == 0.0
+    assert task.verify("*63^45+82", p) == 1.0  # the other notation of a step is as good
+    assert task.verify("*63+54+82+00", p) == 0.0  # nothing after the last step
+    assert task.verify("*63+54", p) == 0.0
+
+
+def test_every_generated_problem_is_solved_by_its_oracle_and_has_distinct_key_digits():
+    for rule in ("<", ">"):
+        for p in task.generate(50, rule=rule, seed=3):
+            assert task.verify(p.solution, p) == 1.0
+            u, v, q1, q2 = p.question[-5:-1]
+            assert u != v and q1 != q2  # reading the wrong digit of a pair is always wrong
+    hard = task.hard_set(20, seed=1)
+    assert {p.metadata["rule"] for p in hard} == {">"}
+    assert {p.metadata["digits"] for p in hard} == {task.SLOTS}
+    assert all(len(p.steps) == task.HARD_STEPS for p in hard)
+
+
+def test_hint_puts_each_step_one_question_length_before_its_place_in_the_answer():
+    p = task.make_problem(47, 6, 3, ">", (2, 8))
+    h = task.hinted(p, 2)
+    assert h.question == ">637544" + "_" * 20 + "x2683="
+    text = h.question + p.solution
+    for i, step in enumerate(p.steps[:2]):  # a hinted step's digits, then the answer's
+        answer = task.QUESTION_LENGTH + task.STEP_LENGTH * i + 1
+        assert text[answer - task.QUESTION_LENGTH:][:2] == step[1:] == text[answer:answer + 2]
+    assert task.verify(p.solution, h) == 1.0  # the policy writes the whole solution
+    assert task.verify(p.solution[3:], h) == 0.0  # the hint is not part of the answer
+    with pytest.raises(ValueError, match="already guided"):
+        task.hinted(h, 1)
+
+
+def test_guided_problem_is_scored_on_its_continuation():
+    p = task.make_problem(47, 6, 3, ">", (2, 8))
+    g = task.guided(p, 1)
+    assert g.question.endswith("=*63") and g.steps == ("+54", "+82")
+    assert task.verify("+54+82", g) == 1.0 and task.verify("+54+83", g) == 0.0
+
+
+def test_sft_rows_never_show_what_the_second_rule_means():
+    """Every SFT row under '>' has equal key digits, so nothing the base reads ties v, q to d, c;
+    rows with their key overridden are '<' rows whose hint, not u and p, names d and c."""
+    data = ml_collections.ConfigDict(dict(
+        batch_size=64, digits=(1, 8), full_length_fraction=0.5, multipliers=(2, 9),
+        tens_first=0.5, hinted_fraction=0.5, key_override_fraction=0.5,
+        second_rule_fraction=0.25))
+    second = overridden = 0
+    for seed in range(5):
+        for problem, target in task.sft_batch(data, seed):
+            u, v, p, q = (int(x) for x in problem.question[-5:-1])
+            d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
+            assert target.startswith(f"*{d}{c}")
+            if problem.question[0] == ">":
+                second += 1
+                assert (u, v, p, q) == (d, d, c, c)
+            elif (u, p) != (d, c):
+                overridden += 1
+                assert problem.metadata["hint_steps"] >= 1 and problem.question[1:3] == f"{d}{c}"
+            clean = problem.metadata.get("base_id") or problem.id
+            assert clean  # every row is a problem the generator can write
+    assert 40 < second < 120 and overridden > 20
+
+
+def test_registered_as_a_built_in_task_with_a_hint_layout():
+    assert tasks.get(task.NAME) is task and task.NAME in tasks.HINTS
+    assert task.register_verifier() in rewards.names()
+    tok = task.tokenizer()
+    p = task.hard_set(1, seed=0)[0]
+    assert tok.decode(tok.encode(p.question + p.solution)) == p.question + p.solution
+    assert len(tok.encode(p.question + p.solution)) + 1 <= task.SEQUENCE_LENGTH
+    with pytest.raises(ValueError, match="unknown built-in task"):
+        tasks.get("nope")
+    rng = random.Random(0)
+    assert task.verify(task.sample_solution(p, rng), p) == 1.0
