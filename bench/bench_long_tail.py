@@ -1,7 +1,7 @@
 """Long-tail rollouts: generated tokens/s of the continuous sampler vs the static one at equal KV memory.
 
-The demo task's own policy (the tiny carry-multiplication model, trained here for --sft-steps on
-configs/sft.py's demo data, or loaded with --base from an `sft` job's base directory) samples
+The carry-multiplication task's own policy (the tiny model trained here for --sft-steps on
+configs/sft.py:carry's data, or loaded with --base from an `sft` job's base directory) samples
 --contexts problems of 1..20 digits, --n samples each, temperature 1, stopping at <eos>: a
 completion is ~3 tokens per digit plus <eos>, so lengths spread ~10x within one request.
 
@@ -46,7 +46,7 @@ def train_base(steps: int, path: str):
     from jaxprefix.jobs import sft
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
     from configs import sft as sft_config
-    config = sft_config.get_config('demo')
+    config = sft_config.get_config('carry')
     tokenizer = task.tokenizer()
     model = models.Decoder(sft.model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
     schedule = optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup_steps),
