@@ -73,28 +73,23 @@ class TrainCheckpointer:
         wait: return only once the checkpoint is complete, saving it again while it fails
         transiently (up to the deadline): the run's last save, which no later one would replace.
         """
-        started, delay = time.monotonic(), storage_faults.FIRST_DELAY_S
-        while True:
+        operation = f"saving checkpoint {step} to"
+
+        def attempt() -> bool:
             self._settle()
             if step in self._manager.all_steps():
                 return False
             errors.check_free_space(self.directory, sum(x.nbytes for x in jax.tree.leaves(arrays)))
             args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                       meta=ocp.args.JsonSave(dict(meta or {})))
-            with storage_faults.reported(f"saving checkpoint {step} to", self.directory):
+            with storage_faults.reported(operation, self.directory):
                 saved = self._manager.save(step, args=args, force=True)
             self._pending = step
-            if not wait:
-                return saved
-            try:
+            if wait:
                 self._settle(tolerate=False)
-                return saved
-            except storage_faults.StorageUnavailable as e:
-                if time.monotonic() - started + delay > storage_faults.deadline_s():
-                    raise
-                logging.warning("%s; saving it again in %.0f s", e, delay)
-                time.sleep(delay)
-                delay = min(2 * delay, storage_faults.MAX_DELAY_S)
+            return saved
+
+        return storage_faults.retrying(operation, self.directory, attempt) if wait else attempt()
 
     def _settle(self, *, tolerate: bool = True) -> None:
         """Waits for the save in flight. One that failed transiently is logged and tolerated
