@@ -3,12 +3,11 @@
 The static decode holds every context's KV and a cache of the full new-token bucket T for every
 row: C x Sc + C x n x T tokens of KV (Sc the context length bucket). The continuous decode
 (continuous.py) holds, on each of D row devices, K group slots of Sc context tokens in pages and
-a pool of pages for the rows' own tokens; at most s rows are active there, each promised `reserve` pages (a whole row's
-T / page_size by default: no row is ever preempted). K is twice the groups that s rows need at
-once and a quarter more (_groups), so groups whose last samples run long do not starve the
-queue; F =
-ceil(s / n) contexts (at most MAX_ADMIT) are prefilled per admission, so one admission feeds
-the rows that free up over about one row's life.
+a pool of pages for the rows' own tokens; at most s rows are active there, each promised
+`reserve` pages (a whole row's T / page_size by default: no row is ever preempted). K is the
+groups that s rows need at once and a quarter more (_groups), so groups whose last samples run
+long do not starve the queue; F = ceil(s / n) contexts (at most MAX_ADMIT) are prefilled per
+admission, so one admission feeds the rows that free up over about one row's life.
 """
 from __future__ import annotations
 
