@@ -126,9 +126,9 @@ def test_a_run_killed_again_and_again_ends_as_an_uninterrupted_one(tmp_path):
     assert strip(rows) == strip(expected)
     assert all(r["grad_norm"] > 0 for r in expected)  # the weights moved at every step
     # Each process's open files, threads and verifier workers, sampled all along its life: the
-    # most over its last 10 steps against the most over 10 steps early on (each window holds
-    # two checkpoint saves, whose threads and files come and go): flat, where a leak of one a
-    # step would add ten or more.
+    # fewest over its last 10 steps against the fewest over 10 steps early on. A checkpoint save's
+    # threads and files come and go, so a window's most depends on whether a sample fell inside a
+    # save; its fewest does not, and a leak of one a step raises it by ten or more.
     flat = []
     for life in lives:
         first, last = life[0][0], life[-1][0]
@@ -136,14 +136,14 @@ def test_a_run_killed_again_and_again_ends_as_an_uninterrupted_one(tmp_path):
             continue
         early = [r for n, r in life if first + 5 <= n < first + 15]
         late = [r for n, r in life if n > last - 10]
-        peak = lambda window, key: max(r[key] for r in window)
-        flat.append({key: (peak(early, key), peak(late, key)) for key in early[0]})
+        floor = lambda window, key: min(r[key] for r in window)
+        flat.append({key: (floor(early, key), floor(late, key)) for key in early[0]})
         assert all(r["children"] == 1 for n, r in life if n > first), life
-    print(f"soak: resources (most early, most late) of each long-lived process: {flat}")
+    print(f"soak: resources (fewest early, fewest late) of each long-lived process: {flat}")
     assert flat
-    for peaks in flat:
-        assert peaks["fds"][1] <= peaks["fds"][0] + 3, flat
-        assert peaks["threads"][1] <= peaks["threads"][0] + 4, flat
+    for floors in flat:
+        assert floors["fds"][1] <= floors["fds"][0] + 3, flat
+        assert floors["threads"][1] <= floors["threads"][0] + 4, flat
     assert not _tagged(tag)  # no verifier outlived its run
     steps = sorted(n for n in os.listdir(soak_dir / "checkpoints"))
     assert len(steps) <= KEEP and all(n.isdigit() for n in steps), steps  # no partial saves left
