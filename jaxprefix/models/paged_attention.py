@@ -11,8 +11,9 @@ and the sampler writes its keys and values into the pages after the pass.
 
 The attention returns (output, log-sum-exp) so that it merges with the other parts (the
 context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
-(paged_kernel.py) reads only the pages a group needs; elsewhere `reference` gathers the group's
-pages and masks; tpu_attention.attend_pages picks by backend.
+(paged_kernel.py) reads only the pages a group needs; elsewhere `reference` reads every page of
+the layer where it lies, against its owner group's queries, and masks the rest;
+tpu_attention.attend_pages picks by backend.
 
 Pools are [Hkv, D * layers * pages_per_layer, page_size, Dh]: the D blocks of rows (one per row
 device) each own a contiguous run of pages, so under a mesh a device holds its rows' pages and
@@ -76,38 +77,59 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 def reference(q, k_pages, v_pages, q_start, first_token, lengths, table, layer, *,
               pages_per_layer: int, scale: float, logit_cap: float | None = None, k_scales=None,
               v_scales=None):
-    """What paged_kernel.paged_decode_attention computes, in jnp: gathers each group's pages of
-    layer `layer` (all of the table, those outside the tokens masked). Same arguments and
-    results; first_token only saves the kernel work."""
+    """What paged_kernel.paged_decode_attention computes, in jnp. Same arguments and results;
+    first_token only saves the kernel work. A page holds tokens of at most one group (as the
+    sampler's pools do).
+
+    Page-major: it reads the layer's pages where they lie, each page against the queries of the
+    group that owns it, and merges each group's pages by their log-sum-exp. Gathering each
+    group's pages into rows instead copies every page of every table, at its full width, once a
+    layer and step: on CPU that copy took 37% of a long-tail decode step, where this reads each
+    page of the pool once and copies only the (few) queries.
+    """
     del first_token
-    b, hkv, g, dh = q.shape
+    groups, hkv, queries, dh = q.shape
     page_size = k_pages.shape[2]
-    pages = layer * pages_per_layer + jnp.clip(table, 0, pages_per_layer - 1)  # [B, W]
+    pages = pages_per_layer
+    # Each page's owner (groups: none) and its index in the owner's table, for the pages that
+    # hold the owner's tokens.
+    width = table.shape[1]
+    used = jnp.arange(width)[None, :] * page_size < lengths[:, None]  # [G, W]
+    ids = jnp.where(used, jnp.clip(table, 0, pages - 1), pages).reshape(-1)  # unused: dropped
+    owner = jnp.full(pages, groups, jnp.int32).at[ids].set(
+        jnp.repeat(jnp.arange(groups, dtype=jnp.int32), width), mode='drop')
+    rank = jnp.zeros(pages, jnp.int32).at[ids].set(
+        jnp.tile(jnp.arange(width, dtype=jnp.int32), groups), mode='drop')
+    mine = owner < groups
+    by_page = lambda x: x[jnp.minimum(owner, groups - 1)]  # [G, ...] -> [P, ...]
 
-    # KV heads stay the leading batch dimension throughout (pool[:, pages] is [Hkv, B, W, ...]):
-    # moving them behind the rows would copy every gathered page once more (measured on CPU).
-    def rows(pool):  # [Hkv, N, ps, ...] -> [Hkv, B, W * ps, ...]
-        return pool[:, pages].reshape(hkv, b, -1, *pool.shape[3:])
-
-    k, v = rows(k_pages).astype(q.dtype), rows(v_pages).astype(q.dtype)
-    s = jnp.einsum('bhgd,hbnd->hbgn', q, k, preferred_element_type=jnp.float32)
+    layer_pages = lambda pool: jax.lax.dynamic_slice_in_dim(pool, layer * pages, pages, axis=1)
+    k, v = layer_pages(k_pages).astype(q.dtype), layer_pages(v_pages).astype(q.dtype)
+    q_pages = by_page(q).swapaxes(0, 1)  # [Hkv, P, Q, Dh]
+    s = jnp.einsum('hpqd,hpnd->hpqn', q_pages, k, preferred_element_type=jnp.float32)
     if k_scales is not None:
-        s = s * rows(k_scales)[:, :, None, :]
+        s = s * layer_pages(k_scales)[:, :, None, :]
     s = s * scale
     if logit_cap is not None:
         s = logit_cap * jnp.tanh(s / logit_cap)
-    column = jnp.arange(table.shape[1] * page_size)
-    seen = (column >= q_start) & (column < lengths[:, None, None])  # [G, Q, N]
+    column = rank[:, None] * page_size + jnp.arange(page_size)  # [P, ps]: the owner's token
+    seen = (mine[:, None, None] & (column[:, None, :] >= by_page(q_start))
+            & (column < by_page(lengths)[:, None])[:, None, :])  # [P, Q, ps]
     s = jnp.where(seen, s, MASKED)
-    peak = s.max(axis=-1, keepdims=True)
-    p = jnp.where(seen, jnp.exp(s - peak), 0.0)
-    total = p.sum(axis=-1, keepdims=True)
+    # Per group: its pages' greatest score, then each page's share against it.
+    def per_group(x, init, combine):  # [Hkv, P, ...] -> [Hkv, G, ...], pages combined
+        empty = jnp.full((hkv, groups + 1) + x.shape[2:], init, x.dtype)  # + 1: no owner
+        return getattr(empty.at[:, owner], combine)(x)[:, :groups]
+    peak = per_group(s.max(axis=-1), MASKED, 'max')  # [Hkv, G, Q]
+    p = jnp.where(seen, jnp.exp(s - peak[:, jnp.minimum(owner, groups - 1), :, None]), 0.0)
+    total = per_group(p.sum(axis=-1), 0.0, 'add')[..., None]
     if v_scales is not None:
-        p = p * rows(v_scales)[:, :, None, :]
-    out = jnp.einsum('hbgn,hbnd->hbgd', p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+        p = p * layer_pages(v_scales)[:, :, None, :]
+    out = per_group(jnp.einsum('hpqn,hpnd->hpqd', p.astype(q.dtype), v,
+                               preferred_element_type=jnp.float32), 0.0, 'add')
     some = total > 0
     out = jnp.where(some, out / jnp.where(some, total, 1.0), 0.0)
-    lse = jnp.where(some, peak + jnp.log(jnp.where(some, total, 1.0)), MASKED)
+    lse = jnp.where(some, peak[..., None] + jnp.log(jnp.where(some, total, 1.0)), MASKED)
     return out.swapaxes(0, 1), lse.swapaxes(0, 1)
 
 

@@ -275,7 +275,10 @@ def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
                                SEGMENTS[i]))
     r = tables.table.shape[1]
     first_own = jnp.repeat(state.groups.last_position, n, axis=1)  # own token 0's position
-    views.append(state.pool.view(tables.table.reshape(d * r, -1), state.rows.t.reshape(-1),
+    # Only active rows read pages: a stopped or preempted row's table still names pages that
+    # other rows hold now.
+    own_lengths = jnp.where(active, state.rows.t, 0).reshape(-1)
+    views.append(state.pool.view(tables.table.reshape(d * r, -1), own_lengths,
                                  first_own.reshape(-1), pages, 'own'))
     return tuple(views)
 
