@@ -124,8 +124,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
     # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
     # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
-    # segment_rows: rows metrics.jsonl (and events a TensorBoard file) holds before it is sealed
-    # and the next starts, which bounds what a flush writes (GCS has no append; rl/metrics.py).
+    # segment_rows: rows metrics.jsonl and eval_counts.jsonl (and events a TensorBoard file) hold
+    # before they are sealed and the next starts, which bounds what a flush writes (GCS has no
+    # append; rl/row_log.py).
     c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
                                                wandb_mode="", segment_rows=1000))
     c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))

@@ -24,6 +24,7 @@ from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.rl import dynamic_sampling as ds
+from jaxprefix.rl.eval_counts import EvalCountsWriter, read_eval_counts
 from jaxprefix.rl.loop import RolloutRequest, train, validate
 from jaxprefix.rl.metrics import MetricsWriter, count_params, read_metrics, sampling_flops, \
     update_flops
@@ -146,6 +147,25 @@ def test_metrics_of_a_workdir_from_before_segments_stay_readable_and_resume(tmp_
     writer.close()
     assert [r["loss"] for r in read_metrics(str(tmp_path))] == [1, 2, 3, 4, 5, 60, 70]
     assert os.listdir(tmp_path / "metrics") == ["000000001.jsonl"]  # the 5 old rows, sealed
+
+
+def test_eval_counts_are_sealed_like_metrics_and_resume_per_request(tmp_path):
+    workdir = str(tmp_path)
+    writer = EvalCountsWriter(workdir, segment_rows=4)
+    for step in range(1, 6):  # two requests a step: a flush rewrites at most 4 + 2 rows
+        writer.write(step, {"eval": (4, [step, 0]), "hard": (4, [0, step])})
+        assert len((tmp_path / "eval_counts.jsonl").read_text().splitlines()) <= 6
+    assert sorted(os.listdir(tmp_path / "eval_counts")) == ["000000001.jsonl", "000000003.jsonl"]
+    rows = read_eval_counts(workdir)
+    assert [(r["step"], r["name"]) for r in rows] == [
+        (s, name) for s in range(1, 6) for name in ("eval", "hard")]
+    # Resumed at step 4: rows of steps 1-3 stay, the segment of 3-4 goes once they are rewritten.
+    resumed = EvalCountsWriter(workdir, segment_rows=4, resume_step=4)
+    resumed.write(4, {"eval": (4, [9, 9])})
+    assert [(r["step"], r["name"]) for r in read_eval_counts(workdir)] == [
+        (1, "eval"), (1, "hard"), (2, "eval"), (2, "hard"), (3, "eval"), (3, "hard"), (4, "eval")]
+    assert read_eval_counts(workdir)[-1]["correct_counts"] == [9, 9]
+    assert os.listdir(tmp_path / "eval_counts") == ["000000001.jsonl"]
 
 
 def test_flops_formulas():

@@ -323,9 +323,9 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
                 setattr(ledger, k, v)
     start = int(state.step)
-    writer = MetricsWriter(workdir, resume_step=start + 1,
-                           segment_rows=config.metrics.get("segment_rows", SEGMENT_ROWS))
-    counts_writer = EvalCountsWriter(workdir, resume_step=start + 1)
+    segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
+    writer = MetricsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
+    counts_writer = EvalCountsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
