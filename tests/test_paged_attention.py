@@ -77,17 +77,23 @@ def test_pages_go_to_growing_rows_and_come_back():
     assert set(np.asarray(tables.free[0, :4]).tolist()) == {0, 1} | held[0]
 
 
-def test_new_tokens_go_to_their_row_page_and_slot():
-    pool = page_pool.Pool(k=jnp.zeros((HKV, LAYERS * PAGES, PAGE, DH)),
-                          v=jnp.zeros((HKV, LAYERS * PAGES, PAGE, DH)))
+@pytest.mark.parametrize('per_layer', [False, True])
+def test_new_tokens_go_to_their_row_page_and_slot(per_layer):
+    """In one pool of every layer's pages (layer l's page p at l * PAGES + p) or a pool per
+    layer (page p at p)."""
+    arrays, layers_each = (LAYERS, 1) if per_layer else (1, LAYERS)
+    zeros = tuple(jnp.zeros((HKV, layers_each * PAGES, PAGE, DH)) for _ in range(arrays))
+    pool = page_pool.Pool(k=zeros, v=zeros)
     new = jnp.arange(LAYERS * 2 * HKV * DH, dtype=jnp.float32).reshape(LAYERS, 2, 1, HKV, DH)
     table = jnp.array([[3, 7], [5, 1]], jnp.int32)
     t = jnp.array([17, 2], jnp.int32)  # row 0: its second page, slot 1; row 1: first page, slot 2
     out = page_pool.write_tokens(pool, new, -new, table, t, jnp.array([True, False]), PAGES)
     for layer in range(LAYERS):
-        np.testing.assert_array_equal(out.k[:, layer * PAGES + 7, 1], new[layer, 0, 0])
-        np.testing.assert_array_equal(out.v[:, layer * PAGES + 7, 1], -new[layer, 0, 0])
-    assert np.count_nonzero(np.asarray(out.k)) == np.count_nonzero(np.asarray(new[:, 0]))
+        array, page = (layer, 7) if per_layer else (0, layer * PAGES + 7)
+        np.testing.assert_array_equal(out.k[array][:, page, 1], new[layer, 0, 0])
+        np.testing.assert_array_equal(out.v[array][:, page, 1], -new[layer, 0, 0])
+    written = sum(np.count_nonzero(np.asarray(k)) for k in out.k)
+    assert written == np.count_nonzero(np.asarray(new[:, 0]))
 
 
 def _tpu_continuous(rows: int):

@@ -164,6 +164,8 @@ class Decoder(nnx.Module):
             outs = []
             for i, weights in enumerate(layer_weights):
                 xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
+                if pages:  # a Python int here: it picks each layer's own page pool
+                    xs['index'] = i
                 carry, out = step(carry, xs)
                 outs.append(out)
             return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)

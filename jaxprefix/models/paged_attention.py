@@ -7,7 +7,7 @@ a group's i-th page to its page in the pool. Every layer's pages live in the sam
 l's page p at `l * pages_per_layer + p`), so a layer reads its pages straight from the pool: no
 layer is sliced out, and the pool rides in the decode loop's carry, written in place. During a
 forward pass the pools are read only: the new token attends to itself as a segment of its own,
-and the sampler writes its keys and values into the pages after the pass.
+and the sampler writes its keys and values into the pages before the next step's pass.
 
 The attention returns (output, log-sum-exp) so that it merges with the other parts (the
 context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
@@ -17,7 +17,9 @@ tpu_attention.attend_pages picks by backend.
 
 Pools are [Hkv, D * layers * pages_per_layer, page_size, Dh]: the D blocks of rows (one per row
 device) each own a contiguous run of pages, so under a mesh a device holds its rows' pages and
-its KV heads, and page ids in a table are local to the row's block.
+its KV heads, and page ids in a table are local to the row's block. Where the decoder unrolls its
+layers (CPU) each layer has a pool of its own instead (`layers` 1 in the layout above): XLA:CPU
+copies a layer's part out of a shared pool before its dots, a fifth of a long-tail decode step.
 """
 from __future__ import annotations
 
@@ -33,11 +35,11 @@ MASKED = -1e30
 class PagedKV:
     """A pool and G groups' view of it during one decode step. The B query rows are group-major:
     rows g * B/G .. (g + 1) * B/G - 1 read group g's pages (B/G = 1: a row's own tokens; n: a
-    context's)."""
-    k: jax.Array            # [Hkv, D * L * P, page_size, Dh], kv dtype
-    v: jax.Array
-    k_scale: jax.Array | None   # f32 [Hkv, D * L * P, page_size] for int8 pages, else None
-    v_scale: jax.Array | None
+    context's). The pool is one array of every layer's pages, or one array per layer."""
+    k: tuple                # ([Hkv, D * L * P, page_size, Dh],) or L x [Hkv, D * P, ...], kv dtype
+    v: tuple
+    k_scale: tuple | None   # f32 [Hkv, ..., page_size] for int8 pages, else None
+    v_scale: tuple | None
     table: jax.Array        # int32 [G, pages_per_group]: the group's pages (ids in its block)
     lengths: jax.Array      # int32 [G]: its tokens in those pages (0: nothing to read)
     first_position: jax.Array   # int32 [G]: the position of its first token (sliding windows)
@@ -46,7 +48,15 @@ class PagedKV:
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[2]
+
+    def layer(self, index):
+        """(k, v, k_scale, v_scale, layer within them) of layer `index`: with a pool per layer,
+        index is a Python int (the decoder's unrolled loop) and picks the layer's arrays."""
+        per_layer = len(self.k) > 1
+        pick = lambda x: None if x is None else x[index if per_layer else 0]
+        return (pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale),
+                0 if per_layer else index)
 
     @property
     def quantized(self) -> bool:

@@ -74,7 +74,8 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale
 def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV, layer, *,
                  scale: float, window=None, logit_cap: float | None = None) -> Partial:
     """The partial softmax of one decode query per row, q [B, 1, H, Dh] at positions q_pos
-    [B, 1], over the pages of layer `layer` (traced int32) its group reads: rows are group-major,
+    [B, 1], over the pages of layer `layer` (traced int32; a Python int with a pool per layer)
+    its group reads: rows are group-major,
     B / G of them per group (attention.attend's layout). `window` (traced) limits how far back
     a query sees.
 
@@ -84,7 +85,8 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
     (`paged_<name>_token_bytes_<n>`) for the compile job.
     """
     b, _, h, dh = q.shape
-    hkv = pages.k.shape[0]
+    k_pages, v_pages, k_scales, v_scales, layer = pages.layer(layer)
+    hkv = k_pages.shape[0]
     groups = pages.table.shape[0]
     r, g = b // groups, h // hkv
     queries = q.reshape(groups, r, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(
@@ -98,7 +100,7 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
     start = jnp.where(pos >= 0, start, pages.lengths[:, None])  # padding rows: nothing
     q_start = jnp.repeat(start, g, axis=1)[..., None]  # [G, r * g, 1]
     first_token = start.min(axis=1)
-    scales = (pages.k_scale, pages.v_scale) if pages.quantized else ()
+    scales = (k_scales, v_scales) if pages.quantized else ()
     kw = dict(pages_per_layer=pages.pages_per_layer, scale=scale, logit_cap=logit_cap)
 
     def local(queries, k, v, q_start, first_token, lengths, table, layer, *scales):
@@ -114,7 +116,7 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
             return jax.lax.platform_dependent(queries, k, v, q_start, first_token, lengths,
                                               table, layer, tpu=on_tpu, default=elsewhere)
 
-    args = (queries, pages.k, pages.v, q_start, first_token, pages.lengths, pages.table,
+    args = (queries, k_pages, v_pages, q_start, first_token, pages.lengths, pages.table,
             jnp.asarray(layer, jnp.int32))
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or 'tensor' not in mesh.axis_names:

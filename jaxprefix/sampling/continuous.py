@@ -16,7 +16,9 @@ block (see below), K group slots of n rows each:
     makes the youngest rows give theirs back (preempted: they start again from their first
     token later, drawing the same tokens);
   - attention reads the context segments and the row's filled pages only (the Pallas paged
-    kernel on TPU, tpu_attention.attend_pages), merged by their log-sum-exp.
+    kernel on TPU, tpu_attention.attend_pages), merged by their log-sum-exp. A step's new
+    token attends to itself as a segment of its own; its keys and values go into the pages at
+    the top of the next step (PendingTokens).
 So the KV memory is K x (context length) + pages x page_size per block, whatever the number of
 contexts and samples (budget.py chooses s, K, F and the pages); only the outputs ([C * n, T]
 tokens and log-probs, 8 bytes a token) grow with the request.
@@ -84,6 +86,19 @@ class Outputs:
 
 
 @flax.struct.dataclass
+class PendingTokens:
+    """The last step's new keys and values, written into the rows' pages at the top of the next
+    step: then the pool's in-place write comes before that step's reads of it (written after
+    the reads, nothing but the model's output orders them, and the K and V projections come
+    before attention: XLA copied every layer's pool each step to keep the reads safe)."""
+    k: jax.Array        # [L, D * R, 1, Hkv, Dh]
+    v: jax.Array
+    table: jax.Array    # int32 [D * R, W]: each row's pages then
+    t: jax.Array        # int32 [D * R]: the token's own index
+    valid: jax.Array    # bool [D * R]: rows still going (a stopped row's last token is not read)
+
+
+@flax.struct.dataclass
 class LoopState:
     step: jax.Array             # int32 []
     groups: Groups
@@ -93,6 +108,7 @@ class LoopState:
     store: tuple                # page_pool.Pools, one per context segment: the groups' contexts
     tables: page_pool.PageTables
     pool: page_pool.Pool        # the rows' own tokens
+    pending: PendingTokens      # the last step's, not yet in the pool
     out: Outputs
 
 
@@ -231,14 +247,14 @@ def _pool_constrained(pool: page_pool.Pool) -> page_pool.Pool:
 
 
 def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucket, page_size,
-                   pages, kv_dtype) -> LoopState:
+                   pages, kv_dtype, per_layer) -> LoopState:
     d, k = shards, context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
     store = tuple(
         _pool_constrained(page_pool.Pool.empty(
             config, blocks=d, pages=k * length // min(page_size, length),
-            page_size=min(page_size, length), dtype=kv_dtype))
+            page_size=min(page_size, length), dtype=kv_dtype, per_layer=per_layer))
         for length in _segment_lengths(contexts))
     segments = len(store)
     ints = lambda shape, fill=0: jnp.full(shape, fill, jnp.int32)
@@ -253,10 +269,15 @@ def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucke
                   lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
     tables = page_pool.PageTables.empty(d, pages, k * n, new_bucket // page_size)
     pool = _pool_constrained(page_pool.Pool.empty(config, blocks=d, pages=pages,
-                                                  page_size=page_size, dtype=kv_dtype))
+                                                  page_size=page_size, dtype=kv_dtype,
+                                                  per_layer=per_layer))
+    kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
+                   config.dtype)
+    pending = PendingTokens(k=kv, v=kv, table=ints((d * k * n, new_bucket // page_size)),
+                            t=ints((d * k * n,)), valid=jnp.zeros(d * k * n, bool))
     return LoopState(step=jnp.zeros((), jnp.int32), groups=_constrain_blocks(groups),
                      rows=_constrain_blocks(rows), next_context=ints((d,)), admitted=ints((d,)),
-                     store=store, tables=_constrain_blocks(tables), pool=pool,
+                     store=store, tables=_constrain_blocks(tables), pool=pool, pending=pending,
                      out=_constrain_blocks(out))
 
 
@@ -268,7 +289,8 @@ def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
     reading = active.reshape(d, k, n).any(axis=2).reshape(-1)
     views = []
     for i, pool in enumerate(state.store):
-        per_slot = pool.k.shape[1] // (d * layers * k)  # pages a slot holds of this segment
+        # Pages a slot holds of this segment (the pool: one array, or one per layer).
+        per_slot = pool.k[0].shape[1] * len(pool.k) // (d * layers * k)
         views.append(pool.view(page_pool.slot_tables(d, k, per_slot),
                                jnp.where(reading, state.groups.lengths[..., i].reshape(-1), 0),
                                state.groups.first[..., i].reshape(-1), k * per_slot,
@@ -293,7 +315,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     """Samples n continuations of each context of `contexts` (layout arrays, one row per context)
     with at most row_slots active rows per block, in group slots of n rows, over `pages` KV pages
     of page_size tokens per block and layer (`reserve` promised to each active row);
-    hoist_layers as in static.decode.
+    hoist_layers as in static.decode (and then each layer's pages are a pool of their own).
 
     Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
     """
@@ -309,6 +331,9 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         return jnp.any(state.rows.state != IDLE) | jnp.any(state.next_context < num_valid)
 
     def one_step(state: LoopState) -> LoopState:
+        last = state.pending
+        state = state.replace(pool=page_pool.write_tokens(state.pool, last.k, last.v, last.table,
+                                                          last.t, last.valid, pages))
         state = jax.lax.cond(_wants_contexts(contexts, state, admit=admit),
                              functools.partial(_admit, model, contexts, n=n, admit=admit),
                              lambda s: s, state)
@@ -329,12 +354,12 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         keys = row_step_keys(seed_key, row_ids.reshape(-1), rows.t.reshape(-1))
         tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
         tokens, logprobs = tokens.reshape(rows.t.shape), logprobs.reshape(rows.t.shape)
-        pool = page_pool.write_tokens(state.pool, new_kv.k, new_kv.v,
-                                      tables.table.reshape(-1, tables.table.shape[-1]),
-                                      rows.t.reshape(-1), active.reshape(-1), pages)
         hit_stop = active & jnp.any(tokens[..., None] == stop_ids, axis=-1)
         t = rows.t + 1
         finished = active & (hit_stop | (t >= max_new_tokens))
+        pending = PendingTokens(k=new_kv.k, v=new_kv.v,
+                                table=tables.table.reshape(-1, tables.table.shape[-1]),
+                                t=rows.t.reshape(-1), valid=(active & ~finished).reshape(-1))
 
         out = state.out
         at = jnp.where(active, row_ids, out.lengths.shape[0])  # past the end: dropped
@@ -349,10 +374,10 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         busy = (rows.state != IDLE).reshape(d, -1, n).any(axis=2)
         groups = state.groups.replace(context=jnp.where(busy, state.groups.context, -1))
         return state.replace(step=state.step + 1, groups=groups, rows=rows, tables=tables,
-                             pool=pool, out=out)
+                             pending=pending, out=out)
 
     state = _initial_state(model, contexts, n=n, shards=d, context_slots=context_slots,
                            new_bucket=new_bucket, page_size=page_size, pages=pages,
-                           kv_dtype=kv_dtype)
+                           kv_dtype=kv_dtype, per_layer=hoist_layers)
     out = jax.lax.while_loop(keep_going, one_step, state).out
     return out.completions, out.logprobs, out.lengths, out.stopped

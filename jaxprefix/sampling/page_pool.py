@@ -1,7 +1,8 @@
 """The continuous sampler's KV pages: pools, page tables, and the writes into them.
 
 Two kinds of pool, both in the layout of paged_attention.py ([Hkv, D * L * pages, page_size,
-Dh], layer l's copy of page p at `l * pages + p` within its block):
+Dh], layer l's copy of page p at `l * pages + p` within its block; or, where the decoder unrolls
+its layers, one such array per layer):
   - the rows' pool: each block of rows (one per row device) owns `pages` pages per layer. A
     row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
     i * page_size .. (i + 1) * page_size - 1. Free pages sit on a stack per block. `grow` hands
@@ -76,18 +77,38 @@ def release(tables: PageTables, rows: jax.Array) -> PageTables:
 
 @flax.struct.dataclass
 class Pool:
-    """The pages' keys and values, every block and layer: [Hkv, D * L * pages, page_size, Dh]
-    (int8 pools: with per-token scales [Hkv, D * L * pages, page_size])."""
-    k: jax.Array
-    v: jax.Array
-    k_scale: jax.Array | None = None
-    v_scale: jax.Array | None = None
+    """The pages' keys and values, every block and layer, in arrays of [Hkv, D * L' * pages,
+    page_size, Dh] (int8 pools: with per-token scales [Hkv, D * L' * pages, page_size]): one
+    array of all L layers (L' = L), or one per layer (L' = 1)."""
+    k: tuple
+    v: tuple
+    k_scale: tuple | None = None
+    v_scale: tuple | None = None
 
     @classmethod
-    def empty(cls, config, *, blocks: int, pages: int, page_size: int, dtype) -> Pool:
-        return cls(*paged_attention.empty_pool(
+    def empty(cls, config, *, blocks: int, pages: int, page_size: int, dtype,
+              per_layer: bool = False) -> Pool:
+        arrays = config.num_layers if per_layer else 1
+        parts = [paged_attention.empty_pool(
             kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            pages=blocks * config.num_layers * pages, page_size=page_size, dtype=dtype))
+            pages=blocks * config.num_layers // arrays * pages, page_size=page_size, dtype=dtype)
+            for _ in range(arrays)]
+        k, v, ks, vs = (tuple(x) for x in zip(*parts))
+        return cls(k, v, None if ks[0] is None else ks, None if vs[0] is None else vs)
+
+    def arrays(self) -> list[tuple]:
+        """(k, v, k_scale, v_scale) of each array."""
+        scales = lambda x: (None,) * len(self.k) if x is None else x
+        return list(zip(self.k, self.v, scales(self.k_scale), scales(self.v_scale)))
+
+    @classmethod
+    def of(cls, arrays: list[tuple]) -> Pool:
+        k, v, ks, vs = (tuple(x) for x in zip(*arrays))
+        return cls(k, v, None if ks[0] is None else ks, None if vs[0] is None else vs)
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
 
     def view(self, table: jax.Array, lengths: jax.Array, first_position: jax.Array,
              pages: int, name: str) -> paged_attention.PagedKV:
@@ -108,12 +129,13 @@ def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Arra
     """A context pool with admitted contexts' KV new_k, new_v [L, D * F, S, Hkv, Dh] written at
     group slots target [D, F] of each block (target >= K: dropped), S tokens a slot, page by
     page. Under a mesh each device writes its own block and KV heads (shard_map)."""
-    layers, _, length, _, dh = new_k.shape
+    _, _, length, _, dh = new_k.shape
     d, admit = target.shape
-    page_size = pool.k.shape[2]
+    page_size = pool.page_size
     per_slot = length // page_size
 
     def local(k, v, ks, vs, new_k, new_v, target):
+        layers = new_k.shape[0]  # the array's
         slots = k.shape[1] // (layers * per_slot)  # K: one block here (a device's, or the only)
 
         def paged(x):  # [L, S, Hkv, Dh] -> [L * W, Hkv, page_size, Dh]
@@ -130,7 +152,7 @@ def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Arra
                           jnp.zeros_like(pages), valid)
         return jax.lax.fori_loop(0, admit, one, (k, v, ks, vs))
 
-    return _on_devices(local, pool, new_k, new_v, target)
+    return _per_array(local, pool, new_k, new_v, target)
 
 
 def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Array,
@@ -140,10 +162,10 @@ def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Arra
     new_k, new_v [L, B, 1, Hkv, Dh] (the model's new-token KVSegment), table [B, W], t and
     active [B]. Under a mesh each device writes its own rows and KV heads.
     """
-    layers = new_k.shape[0]
-    page_size = pool.k.shape[2]
+    page_size = pool.page_size
 
     def local(k, v, ks, vs, new_k, new_v, table, t, active):
+        layers = new_k.shape[0]  # the array's
         rows = jnp.arange(table.shape[0])
         page = table[rows, jnp.minimum(t // page_size, table.shape[1] - 1)]
         layer = jnp.arange(layers)[:, None]
@@ -153,7 +175,7 @@ def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Arra
         tokens = lambda x: x.reshape(-1, *x.shape[2:]).swapaxes(1, 2)  # [L * B, Hkv, 1, Dh]
         return _write((k, v, ks, vs), tokens(new_k), tokens(new_v), at, slot, valid)
 
-    return _on_devices(local, pool, new_k, new_v, table, t, active)
+    return _per_array(local, pool, new_k, new_v, table, t, active)
 
 
 def _write(arrays, keys, values, pages, slots, valid):
@@ -187,24 +209,33 @@ def _write_pages(pool: jax.Array, new: jax.Array, pages: jax.Array, slots: jax.A
     return flat.reshape(pool.shape)
 
 
-def _on_devices(local, pool: Pool, new_k, new_v, *by_row) -> Pool:
-    """local(k, v, k_scale, v_scale, new_k, new_v, *by_row) -> the pool's arrays, run on each
-    device's block of rows and its KV heads (shard_map) under a mesh: XLA's partitioner would
-    otherwise gather every row's update to every device. `by_row` arrays have rows (or blocks)
-    first; new_k and new_v have them second."""
-    args = (pool.k, pool.v, pool.k_scale, pool.v_scale, new_k, new_v, *by_row)
+def _per_array(local, pool: Pool, new_k, new_v, *by_row) -> Pool:
+    """The pool with local(k, v, k_scale, v_scale, new_k, new_v, *by_row) run on each of its
+    arrays and those arrays' layers of new_k, new_v [L, ...]."""
+    arrays = pool.arrays()
+    layers = new_k.shape[0] // len(arrays)
+    return Pool.of([_on_devices(local, a, new_k[i * layers:(i + 1) * layers],
+                                new_v[i * layers:(i + 1) * layers], *by_row)
+                    for i, a in enumerate(arrays)])
+
+
+def _on_devices(local, arrays: tuple, new_k, new_v, *by_row) -> tuple:
+    """local(k, v, k_scale, v_scale, new_k, new_v, *by_row) -> (k, v, k_scale, v_scale), run on
+    each device's block of rows and its KV heads (shard_map) under a mesh: XLA's partitioner
+    would otherwise gather every row's update to every device. `by_row` arrays have rows (or
+    blocks) first; new_k and new_v have them second."""
+    args = (*arrays, new_k, new_v, *by_row)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or 'tensor' not in mesh.axis_names:
-        return Pool(*local(*args))
+        return local(*args)
     shape = dict(mesh.shape)
     rows = logical_spec(('batch',), by_row[0].shape[:1], shape)[0]
-    heads = logical_spec(('kv_heads',), (pool.k.shape[0],), shape)[0]
+    heads = logical_spec(('kv_heads',), (arrays[0].shape[0],), shape)[0]
     pages_spec = P(heads, rows, None, None)
-    scales = None if pool.k_scale is None else P(heads, rows, None)
+    scales = None if arrays[2] is None else P(heads, rows, None)
     new_spec = P(None, rows, None, heads, None)
     row_specs = tuple(P(rows, *(None,) * (x.ndim - 1)) for x in by_row)
-    out = jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
-                                         new_spec, *row_specs),
-                        out_specs=(pages_spec, pages_spec, scales, scales),
-                        check_vma=False)(*args)
-    return Pool(*out)
+    return jax.shard_map(local, in_specs=(pages_spec, pages_spec, scales, scales, new_spec,
+                                          new_spec, *row_specs),
+                         out_specs=(pages_spec, pages_spec, scales, scales),
+                         check_vma=False)(*args)
