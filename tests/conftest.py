@@ -21,3 +21,13 @@ def gcs():
 
     with GcsEmulator(buckets=("bucket",)) as emulator:
         yield emulator
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_freed_after_each_module():
+    """Every module's compiled programs are dropped when it ends: one process runs the whole
+    suite, and a few hundred test programs held to the end add up."""
+    yield
+    import jax
+
+    jax.clear_caches()

@@ -126,7 +126,7 @@ def test_gcs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(gcs, caplog):
 
 def test_gcs_lock_of_two_simultaneous_runs_goes_to_one(gcs):
     # The generation precondition (ifGenerationMatch=0) decides; the other run is refused.
-    start, outcomes = threading.Barrier(2), []
+    start, outcomes, held = threading.Barrier(2), [], []
 
     def contend():
         lock = workdir_lock._GcsLock("gs://bucket/contended", 60)
@@ -134,6 +134,7 @@ def test_gcs_lock_of_two_simultaneous_runs_goes_to_one(gcs):
         try:
             lock.acquire(stale_minutes=10)
             outcomes.append("held")
+            held.append(lock)
         except workdir_lock.WorkdirLocked:
             outcomes.append("refused")
 
@@ -142,6 +143,8 @@ def test_gcs_lock_of_two_simultaneous_runs_goes_to_one(gcs):
         t.start()
     for t in threads:
         t.join()
+    for lock in held:  # its heartbeat thread would outlive the emulator, beating at nothing
+        lock.release()
     assert sorted(outcomes) == ["held", "refused"]
 
 
