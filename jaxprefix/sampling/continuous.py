@@ -90,11 +90,10 @@ class PendingTokens:
     """The last step's new keys and values, written into the rows' pages at the top of the next
     step: then the pool's in-place write comes before that step's reads of it (written after
     the reads, nothing but the model's output orders them, and the K and V projections come
-    before attention: XLA copied every layer's pool each step to keep the reads safe)."""
+    before attention: XLA copied every layer's pool each step to keep the reads safe). A row
+    still going then has the same page table and one token more (its own index t - 1)."""
     k: jax.Array        # [L, D * R, 1, Hkv, Dh]
     v: jax.Array
-    table: jax.Array    # int32 [D * R, W]: each row's pages then
-    t: jax.Array        # int32 [D * R]: the token's own index
     valid: jax.Array    # bool [D * R]: rows still going (a stopped row's last token is not read)
 
 
@@ -273,8 +272,7 @@ def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucke
                                                   per_layer=per_layer))
     kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
                    config.dtype)
-    pending = PendingTokens(k=kv, v=kv, table=ints((d * k * n, new_bucket // page_size)),
-                            t=ints((d * k * n,)), valid=jnp.zeros(d * k * n, bool))
+    pending = PendingTokens(k=kv, v=kv, valid=jnp.zeros(d * k * n, bool))
     return LoopState(step=jnp.zeros((), jnp.int32), groups=_constrain_blocks(groups),
                      rows=_constrain_blocks(rows), next_context=ints((d,)), admitted=ints((d,)),
                      store=store, tables=_constrain_blocks(tables), pool=pool, pending=pending,
@@ -331,9 +329,10 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         return jnp.any(state.rows.state != IDLE) | jnp.any(state.next_context < num_valid)
 
     def one_step(state: LoopState) -> LoopState:
-        last = state.pending
-        state = state.replace(pool=page_pool.write_tokens(state.pool, last.k, last.v, last.table,
-                                                          last.t, last.valid, pages))
+        last, table = state.pending, state.tables.table
+        state = state.replace(pool=page_pool.write_tokens(
+            state.pool, last.k, last.v, table.reshape(-1, table.shape[-1]),
+            state.rows.t.reshape(-1) - 1, last.valid, pages))
         state = jax.lax.cond(_wants_contexts(contexts, state, admit=admit),
                              functools.partial(_admit, model, contexts, n=n, admit=admit),
                              lambda s: s, state)
@@ -357,9 +356,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         hit_stop = active & jnp.any(tokens[..., None] == stop_ids, axis=-1)
         t = rows.t + 1
         finished = active & (hit_stop | (t >= max_new_tokens))
-        pending = PendingTokens(k=new_kv.k, v=new_kv.v,
-                                table=tables.table.reshape(-1, tables.table.shape[-1]),
-                                t=rows.t.reshape(-1), valid=(active & ~finished).reshape(-1))
+        pending = PendingTokens(k=new_kv.k, v=new_kv.v, valid=(active & ~finished).reshape(-1))
 
         out = state.out
         at = jnp.where(active, row_ids, out.lengths.shape[0])  # past the end: dropped

@@ -89,12 +89,10 @@ class Pool:
     def empty(cls, config, *, blocks: int, pages: int, page_size: int, dtype,
               per_layer: bool = False) -> Pool:
         arrays = config.num_layers if per_layer else 1
-        parts = [paged_attention.empty_pool(
+        return cls.of([paged_attention.empty_pool(
             kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             pages=blocks * config.num_layers // arrays * pages, page_size=page_size, dtype=dtype)
-            for _ in range(arrays)]
-        k, v, ks, vs = (tuple(x) for x in zip(*parts))
-        return cls(k, v, None if ks[0] is None else ks, None if vs[0] is None else vs)
+            for _ in range(arrays)])
 
     def arrays(self) -> list[tuple]:
         """(k, v, k_scale, v_scale) of each array."""
