@@ -142,8 +142,12 @@ class VllmWorker:
 
   def __init__(self, python: str, hf_dir: str, max_model_len: int, threads: int, log_path: str):
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}  # the venv's packages only
-    # vLLM cuts torch to 1 thread on a 2-core box unless told; our arm uses every core.
+    # As vLLM's CPU docs set it up for a machine of its own: its OpenMP threads bound to every
+    # core and none reserved for the engine's frontend (left alone, vLLM 0.32 reserves one of
+    # two cores and binds its compute to core 0 alone, while our arm uses both).
     env['OMP_NUM_THREADS'] = str(threads)
+    env['VLLM_CPU_OMP_THREADS_BIND'] = f'0-{threads - 1}'
+    env['VLLM_CPU_NUM_OF_RESERVED_CPU'] = '0'
     env.setdefault('VLLM_CPU_KVCACHE_SPACE', '2')  # GiB; n=32 x 640 tokens of f32 KV is ~1 GiB
     self.log_path = log_path
     with open(log_path, 'w') as log:
@@ -195,6 +199,17 @@ def greedy_agreement(model, worker, context) -> str:
           f'equal, identical up to position {first}')
 
 
+def arm_cores(arms) -> dict:
+  """How each in-process arm uses the machine's cores, as its own docs set it up: XLA:CPU (ours
+  and Tunix's) runs on every core by default; transformers on torch's intra-op threads."""
+  xla = f"XLA:CPU on {os.cpu_count()} cores, XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+  out = {arm: xla for arm in arms if arm in ('jaxprefix', 'tunix')}
+  if 'transformers' in arms:
+    import torch
+    out['transformers'] = f'torch threads {torch.get_num_threads()} of {os.cpu_count()} cores'
+  return out
+
+
 def timed(runners, n, repeats, pause_s):
   """{arm: (median s, spread s, tokens of the last call)}: each arm compiled at this shape, then
   `repeats` rounds calling every arm once, in an order rotated each round (bench/common.py)."""
@@ -241,6 +256,7 @@ def main():
   save_pretrained(model, config, hf_dir, tokenizer=tokenizers.load(path))
 
   runners, worker, notes = {}, None, []
+  cores = arm_cores(arms)  # each arm's threads and cores, printed beside its figures
   for arm in arms:
     if arm == 'jaxprefix':
       runners[arm] = jaxprefix_arm(model, context, args.new)
@@ -265,6 +281,9 @@ def main():
           notes.append(greedy_agreement(model, worker, context))
           print(notes[-1], flush=True)
       runners[arm] = vllm_arm(worker, context, args.new, copies=arm == 'vllm_copies')
+      cores[arm] = (f"OMP_NUM_THREADS={args.vllm_threads}, VLLM_CPU_OMP_THREADS_BIND="
+                    f"{worker.info.get('threads_bind')}, VLLM_CPU_NUM_OF_RESERVED_CPU="
+                    f"{worker.info.get('reserved_cpus')}, torch threads {worker.info['threads']}")
 
   if not runners:
     raise SystemExit('no arm to run (see the notes above)')
@@ -277,7 +296,7 @@ def main():
       for arm, (seconds, spread, tokens) in timed(runners, n, args.repeats, args.pause).items():
         results[arm, n] = seconds
         print(f'  n={n:3d} {arm:12s} {seconds:8.2f} s (spread {spread:.2f})  '
-              f'{tokens / seconds:8.1f} tok/s', flush=True)
+              f'{tokens / seconds:8.1f} tok/s  [{cores[arm]}]', flush=True)
       common.print_load()
   finally:
     if worker is not None:

@@ -5,7 +5,8 @@ project's: `VENV/bin/python bench/vllm_worker.py HF_DIR MAX_MODEL_LEN` loads our
 is (f32, prefix caching on) and then answers one JSON object per line on stdin with one per line
 on stdout. vLLM's own logging goes to stderr (stdout is the protocol).
 
-  first line out:  {"ready": true, "vllm": version, "dtype": ..., "threads": torch threads}
+  first line out:  {"ready": true, "vllm": version, "dtype": ..., "threads": torch threads,
+                    "threads_bind": ..., "reserved_cpus": ...}
   request:         {"prompt_ids": [...], "n": 8, "max_tokens": 128, "temperature": 1.0,
                     "seed": 1, "copies": false, "return_ids": false}
   reply:           {"tokens": generated tokens in all, "ids": [[...], ...] when return_ids}
@@ -32,8 +33,10 @@ def main():
   llm = LLM(model=model_dir, dtype='float32', max_model_len=max_model_len,
             enable_prefix_caching=True, seed=0)
   dtype = str(llm.llm_engine.model_config.dtype)
-  protocol.write(json.dumps({'ready': True, 'vllm': vllm.__version__, 'dtype': dtype,
-                             'threads': torch.get_num_threads()}) + '\n')
+  protocol.write(json.dumps({
+      'ready': True, 'vllm': vllm.__version__, 'dtype': dtype, 'threads': torch.get_num_threads(),
+      'threads_bind': os.environ.get('VLLM_CPU_OMP_THREADS_BIND', 'auto'),
+      'reserved_cpus': os.environ.get('VLLM_CPU_NUM_OF_RESERVED_CPU', 'default')}) + '\n')
   for line in sys.stdin:
     request = json.loads(line)
     if request.get('quit'):
