@@ -23,6 +23,13 @@ class ConfigError(UserError, ValueError):
     """A config field out of range or inconsistent: `config.<field>=<value>: expected ...`."""
 
 
+def need(ok: bool, field: str, value, expected: str) -> None:
+    """A setting's check: raises ValueError("<field>=<value>: expected <expected>") unless `ok`.
+    Validators raise it where the settings are read; preflight turns it into a ConfigError."""
+    if not ok:
+        raise ValueError(f"{field}={value!r}: expected {expected}")
+
+
 class ModelError(UserError, ValueError):
     """A model directory, GGUF file or tokenizer that cannot be what the run needs."""
 
@@ -41,10 +48,6 @@ class DiskFull(UserError, OSError):
 
     def __str__(self):
         return self.args[1]
-
-
-class MissingDependency(UserError, ImportError):
-    """A package the configured feature needs is not installed."""
 
 
 # Import name -> pip package, where they differ.
