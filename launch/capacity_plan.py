@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxprefix import storage  # noqa: E402
 from jaxprefix.models import published  # noqa: E402
 from jaxprefix.models.config import ModelConfig  # noqa: E402
+from jaxprefix.sampling.budget import page_bytes_per_token  # noqa: E402
 from jaxprefix.tpu.topology import CHIPS  # noqa: E402
 
 GiB = 2**30
@@ -126,7 +127,7 @@ def memory(config: ModelConfig, run: RunShape) -> dict[str, float]:
     """Bytes of each component of one RL step, summed over the whole slice."""
     n_params = config.num_params()
     per_param = bytes_per_param(run)
-    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * BYTES[run.kv_dtype]
+    kv_per_token = page_bytes_per_token(config, run.kv_dtype)
     seq = run.prompt_len + run.response_len
     d, f = config.hidden_size, config.intermediate_size
     # Remat keeps each layer's input; one layer at a time holds its full working set in f32.

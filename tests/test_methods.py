@@ -18,7 +18,8 @@ from jaxprefix.data.problem import Problem
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
-from jaxprefix.methods.probing import Prober, SamplingSpec
+from jaxprefix.methods.probing import Prober
+from jaxprefix.sampling import RolloutSpec
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts, oracle_prefix_text
 from jaxprefix.methods.schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
 from jaxprefix.models.config import ModelConfig
@@ -59,8 +60,8 @@ def model():
 
 
 def prober(model, verifier, rows_per_call=8, max_new_tokens=6):
-    spec = SamplingSpec(max_new_tokens=max_new_tokens, stop_ids=STOP)
-    return Prober(model, TOKENIZER, spec, verifier=verifier,
+    spec = RolloutSpec(max_new_tokens=max_new_tokens)
+    return Prober(model, TOKENIZER, spec, stop_ids=STOP, verifier=verifier,
                   ledger=ComputeLedger(MODEL.num_params()), rows_per_call=rows_per_call,
                   progress=False)
 

@@ -28,7 +28,7 @@ from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.models.tpu_attention import kernel_flops, paged_kernel_bytes
 from jaxprefix.rl import loop
-from jaxprefix.sampling import decode_layout
+from jaxprefix.sampling import RolloutSpec, decode_layout
 from jaxprefix.tpu import compiled_stats, programs, topology
 
 GiB = 2**30
@@ -108,11 +108,9 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
     train = loop.validate(config, mesh, contexts)
     r = config.rollout
-    step = programs.StepShape(
-        contexts=contexts, context_length=c.context_length, n=r.n,
-        max_new_tokens=r.max_new_tokens, max_rows_in_flight=r.max_rows_in_flight,
-        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, page_size=r.page_size,
-        kv_dtype=r.kv_dtype, kv_reserve=r.kv_reserve, tensor_parallel=r.tensor_parallel)
+    spec = RolloutSpec.from_config(r)
+    step = programs.StepShape(contexts=contexts, context_length=c.context_length, n=r.n,
+                              rollout=spec)
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
@@ -120,7 +118,7 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
         model, train, mesh, step))
     # While the sampler runs on its compute-dtype copy of the weights, the training state (master
     # weights or adapters, optimizer moments) stays in HBM.
-    decode = decode_layout(mesh, model_config, r.tensor_parallel)
+    decode = decode_layout(mesh, model_config, spec.tensor_parallel)
     sampler_model, copies, copies_note, reshard = programs.sampling_model(learner, state, decode)
     if reshard is not None:
         compiled.append(reshard)
@@ -134,7 +132,7 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     # The sampler's weights, and their tensor-parallel copy when the decode reshards them.
     weights = programs.bytes_per_chip(nnx.state(sampler_model))
     weights += programs.decode_copy_bytes(sampler_model, step)
-    kv_budget = kv_budget_bytes(r, slice_.chip, mesh.size, resident + weights)
+    kv_budget = spec.kv_budget_bytes(slice_.chip.hbm_bytes, mesh.size, resident + weights)
     try:
         compiled += _timed('sampler', lambda: programs.sampler_programs(
             sampler_model, mesh, step, kv_budget_bytes=kv_budget, resident_bytes=resident,
@@ -163,8 +161,8 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
                   'lora_rank': config.train.get('lora_rank', 0)},
         'step': {'contexts': step.contexts, 'n': step.n, 'rows': step.rows,
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
-                 'max_rows_in_flight': step.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
-                 'kv_dtype': step.kv_dtype or model_config.dtype, 'page_size': step.page_size,
+                 'max_rows_in_flight': spec.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
+                 'kv_dtype': spec.kv_dtype or model_config.dtype, 'page_size': spec.page_size,
                  'learner_width': step.learner_width,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline']),
@@ -187,7 +185,7 @@ def sampler_figures(rows: list, step: programs.StepShape, model_config: ModelCon
     Weights and activations are left out of it, so no schedule reaches it."""
     from jaxprefix.sampling import budget
 
-    token = budget.page_bytes_per_token(model_config, step.kv_dtype or model_config.dtype)
+    token = budget.page_bytes_per_token(model_config, step.rollout.kv_dtype or model_config.dtype)
     tokens = (step.rows * step.max_new_tokens * (step.max_new_tokens - 1) / 2
               + step.contexts * step.context_length * step.max_new_tokens)
     floor = tokens * token / (chips * chip.hbm_bytes_per_s)
@@ -199,15 +197,6 @@ def sampler_figures(rows: list, step: programs.StepShape, model_config: ModelCon
             'sampler_vs_floor': hbm / floor if floor else None,
             'sampler_ici_s': sum(p['calls_per_step'] * p['roofline']['ici_s'] for p in sampler),
             'generated_tokens_per_s_per_chip': generated / seconds / chips if seconds else None}
-
-
-def kv_budget_bytes(rollout, chip: topology.Chip, chips: int, in_use_per_chip: float) -> int:
-    """The sampler's KV budget as the run sets it (sampling.memory_settings): rollout.kv_budget_gib,
-    or by default what the chips hold beyond rollout.memory_headroom of their HBM when it
-    samples, i.e. less the training state and the sampler's weights."""
-    if rollout.kv_budget_gib:
-        return int(rollout.kv_budget_gib * GiB)
-    return int(chips * max(0.0, chip.hbm_bytes * (1 - rollout.memory_headroom) - in_use_per_chip))
 
 
 def run_model_config(config) -> ModelConfig:

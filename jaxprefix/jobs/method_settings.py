@@ -5,6 +5,7 @@ compile), so none of them imports another job for it.
 """
 from __future__ import annotations
 
+from jaxprefix.errors import need
 from jaxprefix.methods import pope
 from jaxprefix.methods.schedules import make_schedule
 
@@ -13,22 +14,24 @@ METHODS = ("grpo", "pope", "prefixrl")
 
 def check_method_settings(config) -> None:
     """Fails before any model is loaded or problem mined when a method field is off."""
-    def need(ok, field, value, expected):
-        if not ok:
-            raise ValueError(f"config.{field}={value!r}: expected {expected}")
-    need(config.method in METHODS, "method", config.method, f"one of {METHODS}")
-    need(config.pope.guidance in pope.GUIDANCE_MODES, "pope.guidance", config.pope.guidance,
+    need(config.method in METHODS, "config.method", config.method, f"one of {METHODS}")
+    need(config.pope.guidance in pope.GUIDANCE_MODES, "config.pope.guidance",
+         config.pope.guidance,
          f"one of {pope.GUIDANCE_MODES}")
-    need(config.pope.template in pope.TEMPLATES, "pope.template", config.pope.template,
+    need(config.pope.template in pope.TEMPLATES, "config.pope.template",
+         config.pope.template,
          f"one of {tuple(pope.TEMPLATES)}")
-    need(0.0 < config.pope.max_prefix_fraction <= 1.0, "pope.max_prefix_fraction",
+    need(0.0 < config.pope.max_prefix_fraction <= 1.0, "config.pope.max_prefix_fraction",
          config.pope.max_prefix_fraction, "in (0, 1]")
-    need(config.pope.unsolved in pope.UNSOLVED_MODES, "pope.unsolved", config.pope.unsolved,
+    need(config.pope.unsolved in pope.UNSOLVED_MODES, "config.pope.unsolved",
+         config.pope.unsolved,
          f"one of {pope.UNSOLVED_MODES}")
     p = config.prefixrl
-    need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "prefixrl.cut_lo/cut_hi", (p.cut_lo, p.cut_hi),
+    need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "config.prefixrl.cut_lo/cut_hi",
+         (p.cut_lo, p.cut_hi),
          "0 <= cut_lo <= cut_hi <= 1")
-    need(config.mining.train_on in ("all", "hard"), "mining.train_on", config.mining.train_on,
+    need(config.mining.train_on in ("all", "hard"), "config.mining.train_on",
+         config.mining.train_on,
          "'all' or 'hard'")
     schedule(config)  # raises naming the schedule field
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import sampling, storage
+from jaxprefix import storage
+from jaxprefix.sampling import RolloutSpec
 from jaxprefix.jobs.method_settings import check_method_settings
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.isocompute import ComputeLedger
-from jaxprefix.methods.probing import Prober, SamplingSpec
+from jaxprefix.methods.probing import Prober
 
 HARD_SET, LEDGER = "hard_set.json", "ledger.json"
 TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
@@ -46,11 +47,9 @@ def mining_dir(config, workdir: str) -> str:
 
 
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
-    rollout = config.rollout
-    spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                        top_p=rollout.top_p, top_k=rollout.top_k, stop_ids=policy.stop_ids,
-                        memory=sampling.memory_settings(rollout))
-    return Prober(policy.model, policy.tokenizer, spec, verifier=verifier, ledger=ledger,
+    spec = RolloutSpec.from_config(config.rollout)
+    return Prober(policy.model, policy.tokenizer, spec, stop_ids=policy.stop_ids,
+                  verifier=verifier, ledger=ledger,
                   rows_per_call=config.mining.rows_per_call,
                   verifier_timeout_s=config.rewards.timeout_s,
                   verifier_max_chars=config.rewards.max_chars)

@@ -118,7 +118,7 @@ def build_trace_pool(prober: Prober, prompts, problems: Sequence[Problem], *,
         for problem, success in zip(pending, result.first_success):
             spent[problem.id] += samples_per_round
             if success is not None:
-                if success and success[-1] in prober.spec.stop_ids:
+                if success and success[-1] in prober.stop_ids:
                     success = success[:-1]  # the stop token is the policy's to write, not a prefix's
                 traces[problem.id] = Trace(problem.id, tuple(success), spent[problem.id])
             elif spent[problem.id] + samples_per_round <= max_samples:

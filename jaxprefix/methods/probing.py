@@ -19,6 +19,7 @@ from jaxprefix.data.problem import Problem
 from jaxprefix.methods.isocompute import ComputeLedger
 from jaxprefix.rl import boundaries
 from jaxprefix.rl.loop import completion_texts
+from jaxprefix.sampling import RolloutSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,28 +35,17 @@ class ProbeResult:
         return self.correct.sum(axis=1)
 
 
-@dataclasses.dataclass
-class SamplingSpec:
-    """How a policy is sampled: the sampler knobs, the stop tokens, and the sampler's memory
-    bounds (`sampling.generate`'s; they change its speed, never its samples)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_ids: tuple = ()
-    memory: dict = dataclasses.field(default_factory=dict)  # sampling.memory_settings(rollout)
-
-
 class Prober:
     """Samples and scores a policy; every sampled token is recorded in `ledger`."""
 
-    def __init__(self, model, tokenizer, spec: SamplingSpec, *, verifier: str,
+    def __init__(self, model, tokenizer, spec: RolloutSpec, *, stop_ids: Sequence[int],
+                 verifier: str,
                  ledger: ComputeLedger, rows_per_call: int = 1024, verifier_timeout_s: float = 10.0,
                  verifier_max_chars: int = rewards.MAX_CHARS, progress: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.spec = spec
+        self.stop_ids = tuple(stop_ids)
         self.verifier = verifier
         self.ledger = ledger
         self.rows_per_call = rows_per_call
@@ -84,10 +74,8 @@ class Prober:
             stop = min(start + per_call, len(contexts))
             boundaries.check_contexts(contexts[start:stop], vocab_size=self.model.config.vocab_size)
             rollouts = sampling.generate(
-                self.model, list(contexts[start:stop]), n=k, max_new_tokens=self.spec.max_new_tokens,
-                temperature=self.spec.temperature, top_p=self.spec.top_p, top_k=self.spec.top_k,
-                stop_ids=self.spec.stop_ids, seed=seed * 1_000_003 + chunk_index,
-                **self.spec.memory)
+                self.model, list(contexts[start:stop]), n=k, stop_ids=self.stop_ids,
+                seed=seed * 1_000_003 + chunk_index, **self.spec.sampler_keywords())
             prefixes = None if response_prefixes is None else list(response_prefixes[start:stop])
             texts = completion_texts(self.tokenizer, rollouts, prefixes)
             row_problems = [problems[start + g] for g in rollouts.group_ids]

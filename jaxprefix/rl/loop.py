@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
 from jaxprefix.checkpoints import recovery
+from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
@@ -106,38 +107,24 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
 
     contexts_per_step: the contexts a step samples, n times each (default: one per problem; a
     method with guided copies or prefixes has more)."""
-    def need(ok, field, value, expected):
-        if not ok:
-            raise ValueError(f"config.{field}={value!r}: expected {expected}")
     t, r = config.train, config.rollout
-    need(t.advantage in objectives.ADVANTAGE_MODES, "train.advantage", t.advantage,
+    need(t.advantage in objectives.ADVANTAGE_MODES, "config.train.advantage", t.advantage,
          f"one of {objectives.ADVANTAGE_MODES}")
-    need(r.n >= 2, "rollout.n", r.n, f"n >= 2 samples per context: {t.advantage} advantages "
-         "compare the samples of a group")
+    need(r.n >= 2, "config.rollout.n", r.n,
+         f"n >= 2 samples per context: {t.advantage} advantages compare the samples of a group")
     if t.advantage == "pass_at_k":
-        need(1 <= t.get("pass_k", 1) <= r.n, "train.pass_k", t.get("pass_k"),
+        need(1 <= t.get("pass_k", 1) <= r.n, "config.train.pass_k", t.get("pass_k"),
              f"1 <= pass_k <= rollout.n={r.n}")
-    need(r.max_new_tokens >= 1, "rollout.max_new_tokens", r.max_new_tokens, ">= 1")
-    need(r.temperature >= 0, "rollout.temperature", r.temperature, ">= 0")
-    need(r.max_rows_in_flight >= 0, "rollout.max_rows_in_flight", r.max_rows_in_flight,
-         ">= 0 (0: set by rollout.kv_budget_gib)")
-    need(r.kv_budget_gib >= 0, "rollout.kv_budget_gib", r.kv_budget_gib,
-         ">= 0 (0: the accelerators' memory beyond rollout.memory_headroom)")
-    need(0 <= r.memory_headroom < 1, "rollout.memory_headroom", r.memory_headroom,
-         "a fraction in [0, 1)")
-    need(r.page_size >= 1 and r.page_size & (r.page_size - 1) == 0, "rollout.page_size",
-         r.page_size, "a power of two (tokens per KV page)")
-    need(0 < r.kv_reserve <= 1, "rollout.kv_reserve", r.kv_reserve, "a fraction in (0, 1]")
-    need(r.tensor_parallel >= 0, "rollout.tensor_parallel", r.tensor_parallel,
-         ">= 0 (0: automatic)")
-    need(r.kv_dtype in ("", *sampling.KV_DTYPES), "rollout.kv_dtype", r.kv_dtype,
-         f"'' (the compute dtype) or one of {sampling.KV_DTYPES}")
-    need(t.problems_per_step >= 1, "train.problems_per_step", t.problems_per_step, ">= 1")
-    need(t.total_steps >= 0, "train.total_steps", t.total_steps, ">= 0")
-    need(t.max_refill_rounds >= 0, "train.max_refill_rounds", t.max_refill_rounds, ">= 0")
-    need(config.checkpoint.every >= 1, "checkpoint.every", config.checkpoint.every, ">= 1")
-    need(config.checkpoint.keep >= 1, "checkpoint.keep", config.checkpoint.keep, ">= 1")
-    need(config.eval.every >= 0, "eval.every", config.eval.every, ">= 0 (0: never)")
+    sampling.RolloutSpec.from_config(r)  # raises naming the rollout field
+    need(t.problems_per_step >= 1, "config.train.problems_per_step", t.problems_per_step,
+         ">= 1")
+    need(t.total_steps >= 0, "config.train.total_steps", t.total_steps, ">= 0")
+    need(t.max_refill_rounds >= 0, "config.train.max_refill_rounds", t.max_refill_rounds,
+         ">= 0")
+    need(config.checkpoint.every >= 1, "config.checkpoint.every", config.checkpoint.every,
+         ">= 1")
+    need(config.checkpoint.keep >= 1, "config.checkpoint.keep", config.checkpoint.keep, ">= 1")
+    need(config.eval.every >= 0, "config.eval.every", config.eval.every, ">= 0 (0: never)")
     lora_config(config)
     rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     learner_config = train_config(config)
@@ -198,10 +185,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
     r = config.rollout
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
-    rollouts = sampling.generate(model, request.contexts, n=request.n,
-                                 max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                 top_p=r.top_p, top_k=r.top_k, stop_ids=stop_ids, seed=seed,
-                                 **sampling.memory_settings(r))
+    rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
+                                 seed=seed, **sampling.RolloutSpec.from_config(r).sampler_keywords())
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)

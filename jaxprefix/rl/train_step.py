@@ -30,6 +30,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxprefix.errors import need
 from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.models.sharding import constrain_params, state_shardings
@@ -79,38 +80,33 @@ class TrainConfig:
     tis_cap: float = 0.0
 
     def __post_init__(self):
-        def need(ok, field, expected):
-            if not ok:
-                raise ValueError(f"TrainConfig.{field}={getattr(self, field)!r}: expected {expected}")
-        need(self.learning_rate >= 0, "learning_rate", ">= 0")
-        need(self.schedule in ("constant", "cosine"), "schedule", "'constant' or 'cosine'")
-        need(self.warmup_steps >= 0, "warmup_steps", ">= 0")
-        need(self.decay_steps > 0, "decay_steps", "> 0")
-        need(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
-        need(self.max_grad_norm > 0, "max_grad_norm", "> 0")
-        need(self.num_minibatches >= 1, "num_minibatches", ">= 1")
-        need(self.num_epochs >= 1, "num_epochs", ">= 1")
-        need(self.micro_batch_size >= 0, "micro_batch_size", ">= 0")
-        need(self.eps_low >= 0, "eps_low", ">= 0")
-        need(self.eps_high >= 0, "eps_high", ">= 0")
-        need(self.ratio in objectives.RATIO_LEVELS, "ratio", f"one of {objectives.RATIO_LEVELS}")
-        need(self.aggregation in objectives.AGGREGATIONS, "aggregation",
+        def check(ok, field, expected):
+            need(ok, f"TrainConfig.{field}", getattr(self, field), expected)
+        check(self.learning_rate >= 0, "learning_rate", ">= 0")
+        check(self.schedule in ("constant", "cosine"), "schedule", "'constant' or 'cosine'")
+        check(self.warmup_steps >= 0, "warmup_steps", ">= 0")
+        check(self.decay_steps > 0, "decay_steps", "> 0")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
+        check(self.max_grad_norm > 0, "max_grad_norm", "> 0")
+        check(self.num_minibatches >= 1, "num_minibatches", ">= 1")
+        check(self.num_epochs >= 1, "num_epochs", ">= 1")
+        check(self.micro_batch_size >= 0, "micro_batch_size", ">= 0")
+        check(self.eps_low >= 0, "eps_low", ">= 0")
+        check(self.eps_high >= 0, "eps_high", ">= 0")
+        check(self.ratio in objectives.RATIO_LEVELS, "ratio", f"one of {objectives.RATIO_LEVELS}")
+        check(self.aggregation in objectives.AGGREGATIONS, "aggregation",
              f"one of {objectives.AGGREGATIONS}")
-        need(self.kl_coef >= 0, "kl_coef", ">= 0")
-        need(self.kl_kind in objectives.KL_KINDS, "kl_kind", f"one of {objectives.KL_KINDS}")
-        need(self.logprob_chunk > 0, "logprob_chunk", "> 0")
-        need(self.temperature > 0, "temperature", "> 0")
-        need(self.entropy_coef >= 0, "entropy_coef", ">= 0")
-        need(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
+        check(self.kl_coef >= 0, "kl_coef", ">= 0")
+        check(self.kl_kind in objectives.KL_KINDS, "kl_kind", f"one of {objectives.KL_KINDS}")
+        check(self.logprob_chunk > 0, "logprob_chunk", "> 0")
+        check(self.temperature > 0, "temperature", "> 0")
+        check(self.entropy_coef >= 0, "entropy_coef", ">= 0")
+        check(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
              f"one of {objectives.OLD_LOGPROBS}")
-        need(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
-        need(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
+        check(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
+        check(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
              "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "
              "is 1)")
-
-    @property
-    def updates_per_batch(self) -> int:
-        return self.num_minibatches * self.num_epochs
 
     def check_batch(self, batch_size: int, batch_shards: int = 1):
         """Raises unless `batch_size` rows split into minibatches and sharded micro-batches."""

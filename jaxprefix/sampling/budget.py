@@ -168,17 +168,3 @@ def _least_free(devices, headroom: float) -> int | None:
         free = max(0, int(limit * (1 - headroom)) - stats.get('bytes_in_use', 0))
         least = free if least is None else min(least, free)
     return least
-
-
-def memory_settings(rollout) -> dict:
-    """generate()'s memory keywords from a config's `rollout` block: max_rows_in_flight 0 means
-    no cap; kv_budget_gib 0 means what the devices hold beyond `memory_headroom` of their memory
-    once the sampler's weights are placed (no bound where they report nothing: CPU);
-    kv_dtype '' means the compute dtype; tensor_parallel 0 means the widest on TPU."""
-    budget_gib = float(rollout.kv_budget_gib)
-    return dict(max_rows_in_flight=int(rollout.max_rows_in_flight) or None,
-                kv_budget_bytes=int(budget_gib * 2**30) if budget_gib else None,
-                memory_headroom=None if budget_gib else float(rollout.memory_headroom),
-                page_size=int(rollout.page_size), kv_dtype=rollout.kv_dtype or None,
-                reserve_fraction=float(rollout.kv_reserve),
-                tensor_parallel=int(rollout.tensor_parallel))

@@ -23,6 +23,7 @@ from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import param_shardings
 from jaxprefix.rl.dynamic_sampling import bucket as batch_width_bucket
 from jaxprefix.rl.train_step import BATCH_AXES, Learner, TrainConfig
+from jaxprefix.sampling.rollout_spec import RolloutSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +32,11 @@ class StepShape:
     contexts: int              # contexts sampled per step (each n times)
     context_length: int        # longest context in tokens (prompt plus guidance or prefix)
     n: int
-    max_new_tokens: int
-    max_rows_in_flight: int = 0  # sampler rows decoded at once; 0 = as the KV budget allows
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    page_size: int = 128         # the sampler's KV pages (rollout.page_size, .kv_dtype, ...)
-    kv_dtype: str = ''
-    kv_reserve: float = 1.0
-    tensor_parallel: int = 0
+    rollout: RolloutSpec       # how they are sampled (rollout.*)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.rollout.max_new_tokens
 
     @property
     def rows(self) -> int:
@@ -180,11 +177,11 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
     """
     from jaxprefix.sampling import sampler
 
+    keywords = step.rollout.sampler_keywords()
+    del keywords['memory_headroom']  # the budget is given: the slice's chips report no memory
     found = sampler.abstract_programs(
         model, num_contexts=step.contexts, context_length=step.context_length, n=step.n,
-        max_new_tokens=step.max_new_tokens, max_rows_in_flight=step.max_rows_in_flight or None,
-        kv_budget_bytes=kv_budget_bytes, temperature=step.temperature, top_p=step.top_p,
-        top_k=step.top_k, **sampler_memory(step))
+        **{**keywords, 'kv_budget_bytes': kv_budget_bytes})
     common = dict(resident_bytes=resident_bytes, resident_note=resident_note)
     out = []
     if 'reshard' in found:
@@ -218,16 +215,10 @@ def decode_copy_bytes(model, step: StepShape) -> float:
 
     mesh = next(leaf.sharding.mesh for leaf in jax.tree.leaves(nnx.state(model))
                 if isinstance(leaf.sharding, NamedSharding))
-    layout = decode_mesh.decode_layout(mesh, model.config, step.tensor_parallel)
+    layout = decode_mesh.decode_layout(mesh, model.config, step.rollout.tensor_parallel)
     if layout is mesh:
         return 0.0
     return bytes_per_chip(decode_mesh.reshard(model, layout).eval_shape(nnx.state(model)))
-
-
-def sampler_memory(step: StepShape) -> dict:
-    """generate()'s page and layout keywords for the step (sampling.memory_settings's)."""
-    return dict(page_size=step.page_size, kv_dtype=step.kv_dtype or None,
-                reserve_fraction=step.kv_reserve, tensor_parallel=step.tensor_parallel)
 
 
 def _decode_mesh(found: dict, mesh):
