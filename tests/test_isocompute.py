@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 
 from jaxprefix.methods import isocompute as ic
+from jaxprefix.rl.compute_ledger import ComputeLedger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_rollouts_and_ledger_by_hand():
     assert ic.rollouts(batch=64, n=16, steps=100) == 102_400
-    ledger = ic.ComputeLedger(n_params=1_000)
+    ledger = ComputeLedger(n_params=1_000)
     # 2 problems x n=4: prompts of 10 tokens prefilled once each, 4 x 2 x 5 tokens generated.
     ledger.record_sampling(rollouts=8, prefill_tokens=20, generated_tokens=40)
     ledger.record_update(tokens=8 * 15)        # every rollout row: 10 context + 5 completion
@@ -25,12 +26,12 @@ def test_rollouts_and_ledger_by_hand():
     assert ledger.update_flops == 6 * 1_000 * 120 == 720_000
     assert ledger.extra_flops == 2 * 1_000 * 3_000 and ledger.extra_rollouts == 100
     assert ledger.total_flops == 120_000 + 720_000 + 6_000_000
-    back = ic.ComputeLedger.from_dict(json.loads(json.dumps(ledger.to_dict())))
+    back = ComputeLedger.from_dict(json.loads(json.dumps(ledger.to_dict())))
     assert back == ledger
     with pytest.raises(ValueError, match='n_params'):
-        ic.ComputeLedger.from_dict({'rollouts': 3})
+        ComputeLedger.from_dict({'rollouts': 3})
     with pytest.raises(ValueError, match='positive'):
-        ic.ComputeLedger(n_params=0)
+        ComputeLedger(n_params=0)
 
 
 def test_allocation_monotone_saturating_and_within_budget():

@@ -26,8 +26,8 @@ from jaxprefix.models.sharding import make_mesh
 from jaxprefix.rl import dynamic_sampling as ds
 from jaxprefix.rl.eval_counts import EvalCountsWriter, read_eval_counts
 from jaxprefix.rl.loop import RolloutRequest, train, validate
-from jaxprefix.rl.metrics import MetricsWriter, count_params, read_metrics, sampling_flops, \
-    update_flops
+from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
+from jaxprefix.rl.metrics import MetricsWriter, count_params, read_metrics
 from jaxprefix.sampling import Rollouts
 
 TIMING = ("time/", "throughput/")

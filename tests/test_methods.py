@@ -17,7 +17,7 @@ from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.data.problem import Problem
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.methods import pope, prefixrl
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
 from jaxprefix.sampling import RolloutSpec
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts, oracle_prefix_text
@@ -25,7 +25,7 @@ from jaxprefix.methods.schedules import AdaptivePrefix, AnnealedPrefix, FixedPre
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.rl import dynamic_sampling, objectives
-from jaxprefix.rl.metrics import sampling_flops
+from jaxprefix.rl.compute_ledger import sampling_flops
 from jaxprefix.sampling import SharedContext
 
 TOKENIZER = task.tokenizer()

@@ -25,7 +25,7 @@ from jaxprefix import storage
 from jaxprefix import statistics
 from jaxprefix.jobs.rl import mined_artifacts, run_rl
 from jaxprefix.jobs.study import Study
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 METHODS = ("pope", "grpo")  # POPE first: GRPO runs on to its FLOPs

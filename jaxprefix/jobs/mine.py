@@ -22,7 +22,7 @@ from jaxprefix import storage
 from jaxprefix.sampling import RolloutSpec
 from jaxprefix.jobs.method_settings import check_method_settings
 from jaxprefix.methods import pope, prefixrl
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
 
 HARD_SET, LEDGER = "hard_set.json", "ledger.json"

@@ -23,7 +23,7 @@ from jaxprefix.jobs import sft
 from jaxprefix.jobs.mine import make_prober
 from jaxprefix.jobs.policy import Policy
 from jaxprefix.methods import prefixrl
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.prompting import TaskPrompts
 
 OTHER_POOL, OTHER_POOL_STATS = "other_trace_pool.jsonl", "other_trace_pool_stats.json"

@@ -32,7 +32,7 @@ from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.rl import mined_artifacts, run_rl
 from jaxprefix.jobs.study import Study
 from jaxprefix.methods import prefixrl
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 

@@ -18,7 +18,7 @@ from jaxprefix.jobs.policy import load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl import loop
 
 def mined_artifacts(config) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
 from jaxprefix.jobs.policy import base_dir, load_policy
 from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_problem
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 
 
 @dataclasses.dataclass

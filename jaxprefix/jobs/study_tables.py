@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxprefix import statistics
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 
 
 @dataclass(frozen=True)

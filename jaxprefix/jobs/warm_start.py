@@ -26,7 +26,7 @@ from flax import nnx
 from jaxprefix.checkpoints.hf import save_pretrained
 from jaxprefix import storage
 from jaxprefix.jobs import sft
-from jaxprefix.methods.isocompute import update_flops
+from jaxprefix.rl.compute_ledger import update_flops
 
 REPORT = "warm_start.json"
 

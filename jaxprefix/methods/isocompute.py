@@ -19,7 +19,6 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from jaxprefix import storage
-from jaxprefix.rl.metrics import sampling_flops, update_flops  # 2 N D and 6 N D
 
 # ---------------------------------------------------------------------------------------------
 # Compute accounting
@@ -29,61 +28,6 @@ from jaxprefix.rl.metrics import sampling_flops, update_flops  # 2 N D and 6 N D
 def rollouts(batch: int, n: int, steps: int) -> int:
     """C = B * n * M: rollouts sampled by a run of `steps` updates on `batch` problems x `n`."""
     return int(batch) * int(n) * int(steps)
-
-
-@dataclasses.dataclass
-class ComputeLedger:
-    """Running totals of what a run spent; saved in checkpoints via to_dict/from_dict.
-
-    `sampled_tokens` counts every token the sampler processed (prefilled context + generated), so
-    a shared prompt prefilled once counts once. `extra_*` is compute spent outside the RL loop
-    that a compute-matched comparison must still pay for, e.g. PrefixRL's rejection sampling.
-    """
-
-    n_params: int
-    rollouts: int = 0
-    sampled_tokens: int = 0
-    trained_tokens: int = 0
-    sampling_flops: float = 0.0
-    update_flops: float = 0.0
-    extra_rollouts: int = 0
-    extra_flops: float = 0.0
-
-    def __post_init__(self):
-        if int(self.n_params) <= 0:
-            raise ValueError(f'ComputeLedger.n_params must be a positive parameter count, '
-                             f'got {self.n_params!r}')
-
-    def record_sampling(self, *, rollouts: int, prefill_tokens: int, generated_tokens: int):
-        tokens = int(prefill_tokens) + int(generated_tokens)
-        self.rollouts += int(rollouts)
-        self.sampled_tokens += tokens
-        self.sampling_flops += sampling_flops(self.n_params, tokens)
-
-    def record_update(self, *, tokens: int):
-        """`tokens`: every token the update forwards (context + completion), masked or not."""
-        self.trained_tokens += int(tokens)
-        self.update_flops += update_flops(self.n_params, tokens)
-
-    def record_extra_sampling(self, *, rollouts: int, tokens: int):
-        self.extra_rollouts += int(rollouts)
-        self.extra_flops += sampling_flops(self.n_params, tokens)
-
-    @property
-    def total_flops(self) -> float:
-        return self.sampling_flops + self.update_flops + self.extra_flops
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> 'ComputeLedger':
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - names or 'n_params' not in d:
-            raise ValueError(f'ComputeLedger.from_dict: expected n_params and fields among '
-                             f'{sorted(names)}, got {sorted(d)}')
-        cast = {f.name: float if f.type == 'float' else int for f in dataclasses.fields(cls)}
-        return cls(**{k: cast[k](v) for k, v in d.items()})
 
 
 # ---------------------------------------------------------------------------------------------

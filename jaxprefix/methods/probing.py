@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from jaxprefix import rewards, sampling
 from jaxprefix.data.problem import Problem
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl import boundaries
 from jaxprefix.rl.loop import completion_texts
 from jaxprefix.sampling import RolloutSpec

@@ -27,7 +27,8 @@ from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.eval_counts import EvalCountsWriter
-from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter, sampling_flops, update_flops
+from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
+from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter
 from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
 
 
@@ -283,7 +284,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
 
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
       with config.train.lora_rank > 0 the frozen base that adapters are trained on.
-    ledger: an optional isocompute.ComputeLedger, updated and checkpointed with the run.
+    ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)

@@ -21,16 +21,6 @@ from jaxprefix import storage
 from jaxprefix.rl import row_log
 
 
-def sampling_flops(num_params: int, tokens: int) -> float:
-    """Forward FLOPs of producing or scoring `tokens` tokens: 2 N D."""
-    return 2.0 * num_params * tokens
-
-
-def update_flops(num_params: int, tokens: int) -> float:
-    """Forward + backward FLOPs of training on `tokens` tokens: 6 N D."""
-    return 6.0 * num_params * tokens
-
-
 def count_params(params) -> int:
     """Number of scalars in a parameter pytree (N of the FLOPs formulas)."""
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(params)))
