@@ -50,17 +50,11 @@ def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n:
 
 
 def run_eval(config, workdir: str) -> dict:
-    from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
-    from jaxprefix.jobs.policy import load_policy
-    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
+    from jaxprefix.jobs.mine import prefix_search, set_up
     from jaxprefix.rl.loop import restore_trained_params
 
-    policy = load_policy(config, workdir)
+    policy, sets, mining = set_up(config, workdir)
     step = restore_trained_params(policy.model, workdir, config)
-    sets = load_problem_sets(config.data,
-                             prompt_limit(config, policy.prompts, policy.context_length),
-                             rewards_path=config.rewards.path)
-    mining = Mining(config, policy, sets, mining_dir(config, workdir))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),
               "unguided": evaluate_unguided(mining.prober, policy.prompts, sets.eval, n=e.n,

@@ -195,18 +195,24 @@ class Mining:
         return pool
 
 
-def run_mine(config, workdir: str) -> dict:
-    """Computes (or reads) everything the configured method needs; returns a summary."""
+def set_up(config, workdir: str) -> tuple:
+    """What every job that samples the configured policy starts from: (policy, problem sets,
+    mining), the method's settings checked first. The base policy is trained first if the
+    config names an SFT'd one that is absent."""
     from jaxprefix.jobs.policy import load_policy
     from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
-
 
     check_method_settings(config)
     policy = load_policy(config, workdir)
     sets = load_problem_sets(config.data,
                              prompt_limit(config, policy.prompts, policy.context_length),
                              rewards_path=config.rewards.path)
-    mining = Mining(config, policy, sets, mining_dir(config, workdir))
+    return policy, sets, Mining(config, policy, sets, mining_dir(config, workdir))
+
+
+def run_mine(config, workdir: str) -> dict:
+    """Computes (or reads) everything the configured method needs; returns a summary."""
+    policy, sets, mining = set_up(config, workdir)
     hard = mining.hard_set()
     summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}
     if config.method == "pope":

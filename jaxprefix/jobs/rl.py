@@ -13,9 +13,7 @@ from absl import logging
 from jaxprefix import distributed, models, run_identity, storage, workdir_lock
 from jaxprefix.jobs import method_settings
 from jaxprefix.jobs.allocation import allocated
-from jaxprefix.jobs.mine import Mining, mining_dir, prefix_search
-from jaxprefix.jobs.policy import load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
+from jaxprefix.jobs.mine import prefix_search, set_up
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.rl.compute_ledger import ComputeLedger
@@ -34,7 +32,7 @@ def mined_artifacts(config) -> tuple[str, ...]:
     return hard
 
 
-def build_method(config, policy, sets, mining: Mining):
+def build_method(config, policy, sets, mining):
     """The configured method over its training problems, mining first where it needs to."""
     # Every host builds the same global request (problem lists are small): the sampler and the
     # learner then place their rows over the global mesh, and all hosts agree on every batch.
@@ -74,13 +72,9 @@ def run_rl(config, workdir: str) -> dict:
     contexts = method_settings.contexts_per_step(config)
     loop.validate(config, contexts_per_step=contexts)
     run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
-    policy = load_policy(config, workdir)
+    policy, sets, mining = set_up(config, workdir)
     mesh = models.make_mesh(**config.mesh)
-    models.shard_model(policy.model, mesh)
-    sets = load_problem_sets(config.data,
-                             prompt_limit(config, policy.prompts, policy.context_length),
-                             rewards_path=config.rewards.path)
-    mining = Mining(config, policy, sets, mining_dir(config, workdir))
+    models.shard_model(policy.model, mesh)  # in place: the prober samples the sharded model
     method = build_method(config, policy, sets, mining)
     mined = mining.cost(mined_artifacts(config))
     ledger = ComputeLedger(policy.model.config.num_params())

@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprefix.jobs.evaluate import evaluate_unguided
-from jaxprefix.jobs.mine import Mining, make_prober, mining_dir
-from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
-from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_problem
+from jaxprefix.jobs.mine import Mining, make_prober, set_up
+from jaxprefix.jobs.policy import base_dir
+from jaxprefix.jobs.method_settings import contexts_per_problem
 from jaxprefix.rl.compute_ledger import ComputeLedger
 
 
@@ -29,12 +28,7 @@ class Study:
                 trace_pool: bool = False) -> "Study":
         """Base policy (trained if absent), problem sets, hard set [, POPE prefixes] [, trace
         pool]."""
-        check_method_settings(config)
-        policy = load_policy(config, workdir)
-        sets = load_problem_sets(config.data,
-                                 prompt_limit(config, policy.prompts, policy.context_length),
-                                 rewards_path=config.rewards.path)
-        mining = Mining(config, policy, sets, mining_dir(config, workdir))
+        policy, sets, mining = set_up(config, workdir)
         hard = mining.hard_set()
         if prefixes:
             mining.prefixes(hard)
