@@ -46,3 +46,44 @@ def test_no_module_imports_itself_back():
     assert "jaxprefix.jobs.rl" in graph and graph["jaxprefix.jobs.rl"]  # the walk sees imports
     cycles = [c for c in (_cycle_from(m, graph) for m in sorted(graph)) if c]
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# The floors, top first: a module imports from its own floor or below, never above (lazily
+# inside a function included). The model knows nothing of decoding or training, the sampler
+# nothing of losses or papers, the learner nothing of methods, verifiers only text and problems.
+FLOORS = (
+    ("main",),
+    ("jobs",),
+    ("run_config",),           # the configs' defaults and variants, read by jobs and configs/
+    ("tpu",),                  # the compile job's programs: the learner and sampler, compiled
+    ("methods",),              # POPE, PrefixRL, IsoCompute: what to sample and how to mix it
+    ("rl",),                   # the loop, the learner, the compute ledger
+    ("statistics",),
+    ("evaluation",),
+    ("rewards",),              # verifiers: text and problems in, scores out
+    ("data",),
+    ("tokenizers",),
+    ("sampling",),             # the sampler: token ids in, rollouts out
+    ("checkpoints",),          # model files (HF, GGUF, orbax) to models
+    ("models",),
+    ("run_identity", "workdir_lock"),
+    ("distributed",),
+    ("storage",),
+    ("storage_faults",),
+    ("errors", "jaxprefix"),   # leaves (jaxprefix: the package's version)
+)
+
+
+def _floor(module: str) -> int:
+    top = module.split(".")[1] if "." in module else module
+    for index, names in enumerate(FLOORS):
+        if top in names:
+            return index
+    raise AssertionError(f"{module}: its package {top!r} has no floor in FLOORS: add it")
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    graph = _import_graph()
+    upward = [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
+              if _floor(b) < _floor(a)]
+    assert not upward, "imports up a floor (FLOORS):\n" + "\n".join(upward)

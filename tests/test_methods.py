@@ -546,7 +546,6 @@ def test_trace_pool_jsonl_round_trip(tmp_path):
 def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
     """Another model's traces: one right, one wrong (a digit changed), one for a problem not in
     the training set; only the right one is kept, and the drops are counted by reason."""
-    task.register_verifier()
     right, wrong = PROBLEMS[0], PROBLEMS[1]
     bad_text = wrong.solution[:-2] + str((int(wrong.solution[-2]) + 1) % 10) + wrong.solution[-1]
     path = tmp_path / "pool.jsonl"

@@ -142,8 +142,7 @@ def test_tokenization_round_trip(problems):
 def test_verifier_is_registered():
     from jaxprefix import rewards
 
-    assert task.register_verifier() == task.NAME
-    task.register_verifier()  # registering again is harmless
+    assert task.NAME in rewards.names()  # rewards registers every built-in task's verifier
     problem = task.make_problem(47, 6)
     scores, _ = rewards.score_batch(task.NAME, ["+24+82<eos>", "+24+81", "^42+82"], [problem] * 3)
     assert scores.tolist() == [1.0, 0.0, 1.0]

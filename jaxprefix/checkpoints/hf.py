@@ -289,9 +289,7 @@ def save_pretrained(model: Decoder, config: ModelConfig | None, path, *, dtype=N
     storage.makedirs(path)
     write_safetensors(storage.join(path, 'model.safetensors'), hf_tensors(model, dtype))
     if tokenizer is not None:
-        from jaxprefix import tokenizers  # lazily: a model file needs no tokenizer code
-
-        tokenizers.save(tokenizer, path)
+        tokenizer.save(path)
     storage.write_json(storage.join(path, 'generation_config.json'), generation_config(config),
                        indent=2)
     storage.write_json(storage.join(path, 'config.json'), config.to_hf(), indent=2)

@@ -119,7 +119,6 @@ def _load(data, where: dict) -> ProblemSets:
         from jaxprefix.data import tasks
 
         task = tasks.get(data.source)
-        task.register_verifier()
         return ProblemSets(*task.problem_sets(data), data.verifier)
     if data.source == "file":
         from jaxprefix.data import read_problem_file

@@ -3,7 +3,8 @@
 A verifier is a top-level function `fn(completion_text, problem) -> float` (reward in [0, 1]).
 Built in: `math` (last `\\boxed{}` vs the reference, math-verify), `math_lenient` (also "answer is
 X" and the last number), `exact` (normalised text), `reasoning_gym` (the generator's
-score_answer) and `format` (a closed `\\boxed{}` is present). Others register their own:
+score_answer), `format` (a closed `\\boxed{}` is present) and each built-in task's exact check
+under the task's name (data/tasks). Others register their own:
 
     rewards.register("my_task", my_task_verifier, in_process=True)
 
@@ -31,6 +32,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jaxprefix.data.problem import Problem
+from jaxprefix.data.tasks import TASKS
 from jaxprefix.rewards import from_file
 from jaxprefix.rewards.exact import exact_match
 from jaxprefix.rewards.math import format_reward, math_reward, math_verifier, math_verifier_lenient
@@ -193,6 +195,8 @@ register("math_lenient", math_verifier_lenient)
 register("exact", exact_match, in_process=True)
 register("format", format_reward, in_process=True)
 register("reasoning_gym", reasoning_gym_verifier)
+for _name, _task in TASKS.items():  # exact match on short strings: cheap and safe, in process
+    register(_name, _task.verify, in_process=True)
 
 __all__ = [
     "Verifier", "VerifierPool", "close_pools", "default_workers", "exact_match", "format_reward",

@@ -12,7 +12,7 @@ from jaxprefix import storage
 from jaxprefix.tokenizers.chars import CHAR_VOCAB_FILE, CONCATENATE_CONTENTS, CharTokenizer
 from jaxprefix.tokenizers.gguf_vocab import load_gguf_tokenizer
 from jaxprefix.tokenizers.huggingface import HFTokenizer, load_tokenizer_json, \
-    read_tokenizer_config, save_tokenizer_files
+    read_tokenizer_config
 from jaxprefix.tokenizers.interface import Tokenizer
 from jaxprefix.tokenizers.sentencepiece_model import SentencePieceTokenizer
 
@@ -52,22 +52,5 @@ def load(path: str | os.PathLike) -> Tokenizer:
     raise ValueError(f"{path}: unknown tokenizer format (expected {_EXPECTED})")
 
 
-def save(tokenizer: Tokenizer, directory: str) -> None:
-    """Writes `tokenizer`'s files into an HF model directory (local or gs://), so that `load`
-    (and, except for a character vocabulary, transformers) reads the same tokenizer back."""
-    if isinstance(tokenizer, HFTokenizer):  # tokenizer.json and GGUF vocabularies alike
-        save_tokenizer_files(tokenizer, directory)
-    elif isinstance(tokenizer, SentencePieceTokenizer):
-        storage.write_atomic(storage.join(directory, "tokenizer.model"), tokenizer.model_proto)
-        config = {"tokenizer_class": "LlamaTokenizer", **tokenizer.special_tokens}
-        if tokenizer.chat_template:
-            config["chat_template"] = tokenizer.chat_template
-        storage.write_json(storage.join(directory, "tokenizer_config.json"), config, indent=2)
-    elif isinstance(tokenizer, CharTokenizer):
-        storage.write_json(storage.join(directory, CHAR_VOCAB_FILE), tokenizer.to_json())
-    else:
-        raise TypeError(f"tokenizers.save: no file format for {type(tokenizer).__name__}")
-
-
 __all__ = ["CHAR_VOCAB_FILE", "CONCATENATE_CONTENTS", "CharTokenizer", "HFTokenizer",
-           "SentencePieceTokenizer", "Tokenizer", "load", "load_gguf_tokenizer", "save"]
+           "SentencePieceTokenizer", "Tokenizer", "load", "load_gguf_tokenizer"]

@@ -4,13 +4,14 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
+from jaxprefix import storage
 from jaxprefix.tokenizers.interface import Tokenizer
 
 # The "chat template" of a character vocabulary: the contents, concatenated, with nothing between
 # turns and no generation header. A task's prompt is the user content; an assistant prefix
 # (continue_final_message) is simply appended to it.
 CONCATENATE_CONTENTS = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
-# The file a character vocabulary is saved in, beside the model (tokenizers.save / load).
+# The file a character vocabulary is saved in, beside the model (CharTokenizer.save, tokenizers.load).
 CHAR_VOCAB_FILE = "task_tokenizer.json"
 
 
@@ -58,6 +59,9 @@ class CharTokenizer(Tokenizer):
     def to_json(self) -> dict:
         """What CHAR_VOCAB_FILE holds; `CharTokenizer(**d)` rebuilds the tokenizer."""
         return {"symbols": list(self.symbols), "eos": self._pieces[1], "pad": self._pieces[0]}
+
+    def save(self, directory: str) -> None:
+        storage.write_json(storage.join(directory, CHAR_VOCAB_FILE), self.to_json())
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         out = []

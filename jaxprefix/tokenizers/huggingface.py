@@ -43,6 +43,16 @@ class HFTokenizer(Tokenizer):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def save(self, directory: str) -> None:
+        """tokenizer.json, tokenizer_config.json (special tokens) and chat_template.jinja, as
+        transformers writes them: `load_tokenizer_json` and transformers read them back."""
+        storage.write_atomic(storage.join(directory, "tokenizer.json"), self.backend.to_str())
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
+        storage.write_json(storage.join(directory, "tokenizer_config.json"), config, indent=2)
+        if self.chat_template:
+            storage.write_atomic(storage.join(directory, "chat_template.jinja"),
+                                 self.chat_template)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -107,13 +117,3 @@ def load_tokenizer_json(directory: str) -> HFTokenizer:
         raise ValueError(f"{path}: not a valid tokenizer.json ({e})") from e
     special, template = read_tokenizer_config(directory)
     return HFTokenizer(backend, special_tokens=special, chat_template=template, source=directory)
-
-
-def save_tokenizer_files(tokenizer: HFTokenizer, directory: str) -> None:
-    """tokenizer.json, tokenizer_config.json (special tokens) and chat_template.jinja, as
-    transformers writes them: `load_tokenizer_json` and transformers read them back."""
-    storage.write_atomic(storage.join(directory, "tokenizer.json"), tokenizer.backend.to_str())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens}
-    storage.write_json(storage.join(directory, "tokenizer_config.json"), config, indent=2)
-    if tokenizer.chat_template:
-        storage.write_atomic(storage.join(directory, "chat_template.jinja"), tokenizer.chat_template)

@@ -35,6 +35,12 @@ class Tokenizer(abc.ABC):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; with `skip_special_tokens` special tokens are left out."""
 
+    @abc.abstractmethod
+    def save(self, directory: str) -> None:
+        """Writes this tokenizer's files into an HF model directory (local or gs://), so that
+        `tokenizers.load` (and, except for a character vocabulary, transformers) reads the same
+        tokenizer back."""
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, tokenize: bool = False):
         """The model's chat template applied to `messages` (dicts with 'role' and 'content').

@@ -23,7 +23,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.source = os.fspath(model_file)
         if not storage.isfile(self.source):
             raise FileNotFoundError(f"SentencePiece model not found: {self.source}")
-        self.model_proto = storage.read_bytes(self.source)  # what tokenizers.save writes back
+        self.model_proto = storage.read_bytes(self.source)  # what save writes back
         try:
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
         except Exception as e:  # RuntimeError / OSError from the C++ parser
@@ -55,6 +55,13 @@ class SentencePieceTokenizer(Tokenizer):
         if add_special_tokens and self.bos_id is not None:
             ids = [self.bos_id] + ids
         return ids
+
+    def save(self, directory: str) -> None:
+        storage.write_atomic(storage.join(directory, "tokenizer.model"), self.model_proto)
+        config = {"tokenizer_class": "LlamaTokenizer", **self.special_tokens}
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        storage.write_json(storage.join(directory, "tokenizer_config.json"), config, indent=2)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         # The processor drops control pieces silently; decode the runs between them and put

@@ -1,5 +1,5 @@
-"""Built-in procedural tasks with oracle solutions; each module's `register_verifier()` registers
-its verifier with jaxprefix.rewards.
+"""Built-in procedural tasks with oracle solutions; each module's `verify(text, problem)` is its
+verifier, which jaxprefix.rewards registers under the task's NAME.
 
 - carry_multiplication: difficulty spread evenly over 20 steps (the long-guidance case);
 - keyed_multiplication: the difficulty in one key early step (POPE's short-prefix case).

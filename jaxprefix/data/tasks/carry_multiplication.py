@@ -284,15 +284,6 @@ def _default_tokenizer():
     return _TOKENIZER
 
 
-def register_verifier() -> str:
-    """Registers `verify` with the rewards registry under NAME; returns NAME."""
-    from jaxprefix import rewards
-
-    # Exact match on short strings: cheap and safe, so no worker process is needed.
-    rewards.register(NAME, verify, in_process=True)
-    return NAME
-
-
 def verify(completion_text: str, problem: Problem) -> float:
     """1.0 if question + completion is a complete correct solution in any notation, else 0.0.
 

@@ -251,13 +251,6 @@ def default_tokenizer():
     return tokenizer()
 
 
-def register_verifier() -> str:
-    from jaxprefix import rewards
-
-    rewards.register(NAME, verify, in_process=True)  # exact match on short strings
-    return NAME
-
-
 def verify(completion_text: str, problem: Problem) -> float:
     """1.0 if question + completion is the key step with the key's d and c, then every carry
     step right in either notation, then nothing; else 0.0."""
