@@ -121,7 +121,7 @@ def main():
     kv_bytes = budget.kv_bytes_per_token(model.config) * budget.static_kv_tokens(
         lay.valid.shape[0], args.n, context_length, new_bucket)
     paging = dict(page_size=args.page_size, reserve_fraction=args.reserve)
-    schedule = budget.plan(num_contexts=layout.bucket(args.contexts), n=args.n,
+    plan = budget.plan(num_contexts=layout.bucket(args.contexts), n=args.n,
                            context_length=context_length, new_bucket=new_bucket, shards=1,
                            bytes_per_token=budget.kv_bytes_per_token(model.config),
                            page_bytes=budget.page_bytes_per_token(model.config,
@@ -129,7 +129,7 @@ def main():
                            kv_budget_bytes=kv_bytes, **paging)
     print(f'{args.contexts} contexts x {args.n} samples, digits {low}..{high}; KV budget '
           f'{kv_bytes / 2**20:.2f} MiB = static chunks of {args.static_contexts} contexts '
-          f'({args.static_contexts * args.n} rows in flight); continuous: {schedule}')
+          f'({args.static_contexts * args.n} rows in flight); continuous: {plan}')
 
     def static_arm(seed=0):
         tokens = 0
@@ -154,7 +154,7 @@ def main():
           f'median {np.median(lengths):.0f}, p90 {np.percentile(lengths, 90):.0f}, max '
           f'{lengths.max()}; generated tokens per call: {tokens}')
     static_steps, continuous_steps = decode_steps(lengths, args.n, args.static_contexts,
-                                                  schedule.rows_in_flight)
+                                                  plan.rows_in_flight)
     print(f'decode steps these lengths need: static {static_steps}, continuous '
           f'{continuous_steps} (ideal refill): at equal cost a step, continuous / static ~ '
           f'{static_steps / continuous_steps:.2f}')

@@ -64,8 +64,8 @@ def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature,
                            max_rows_in_flight=rows, kv_budget_bytes=None, page_size=page_size,
                            **REQUEST)
     # 24 rows: every row fits, so the static decode runs; fewer: the continuous one, with that cap.
-    assert (req.schedule is None) == (rows >= 24)
-    assert req.schedule is None or req.schedule.rows_in_flight == rows
+    assert (req.plan is None) == (rows >= 24)
+    assert req.plan is None or req.plan.rows_in_flight == rows
     r = generate(model, CONTEXTS, temperature=temperature, max_rows_in_flight=rows,
                  page_size=page_size, **REQUEST)
     assert_same_rollouts(r, reference)
@@ -78,7 +78,7 @@ def test_kv_budget_sets_rows_in_flight(model, static):
     allowed = (3 * 32 + 6 * 32) * page_token
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=None, kv_budget_bytes=allowed, **REQUEST)
-    assert req.schedule == budget.Schedule(shards=1, row_slots=6, context_slots=3, admit=2,
+    assert req.plan == budget.ContinuousPlan(shards=1, row_slots=6, context_slots=3, admit=2,
                                            page_size=32, pages=6, reserve=1)
     r = generate(model, CONTEXTS, temperature=1.0, kv_budget_bytes=allowed, **REQUEST)
     assert_same_rollouts(r, static(1.0))
@@ -93,7 +93,7 @@ def test_rows_preempted_when_pages_run_out_draw_the_same_tokens(model, static):
     req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=8, kv_budget_bytes=allowed, page_size=16,
                            reserve_fraction=0.5, **REQUEST)
-    assert (req.schedule.row_slots, req.schedule.pages, req.schedule.reserve) == (8, 8, 1)
+    assert (req.plan.row_slots, req.plan.pages, req.plan.reserve) == (8, 8, 1)
     reference = static(1.0)
     assert (reference.lengths > 16).sum() > 8  # more rows outgrow one page than pages allow
     r = generate(model, CONTEXTS, temperature=1.0, max_rows_in_flight=8, kv_budget_bytes=allowed,
@@ -212,18 +212,18 @@ def test_plan():
     assert budget.plan(**kw, max_rows_in_flight=32) is None
     # A cap: rows per device rounded down, one at least; K = ceil(s / n) and a quarter more (one
     # at least), F = ceil(s / n); pages: a whole row (one page of 64 tokens here) a row.
-    assert budget.plan(**kw, max_rows_in_flight=13) == budget.Schedule(2, 6, 3, 2, 64, 6, 1)
-    assert budget.plan(**kw, max_rows_in_flight=1) == budget.Schedule(2, 1, 2, 1, 64, 1, 1)
+    assert budget.plan(**kw, max_rows_in_flight=13) == budget.ContinuousPlan(2, 6, 3, 2, 64, 6, 1)
+    assert budget.plan(**kw, max_rows_in_flight=1) == budget.ContinuousPlan(2, 1, 2, 1, 64, 1, 1)
     # Pages of 16 tokens: 4 a row; half of them promised to each active row.
-    assert budget.plan(**kw, max_rows_in_flight=8, page_size=16) == budget.Schedule(
+    assert budget.plan(**kw, max_rows_in_flight=8, page_size=16) == budget.ContinuousPlan(
         2, 4, 2, 1, 16, 16, 4)
     assert budget.plan(**kw, max_rows_in_flight=8, page_size=16, reserve_fraction=0.5) == \
-        budget.Schedule(2, 4, 2, 1, 16, 8, 2)
+        budget.ContinuousPlan(2, 4, 2, 1, 16, 8, 2)
     # A budget: the most rows whose group slots and reserved pages fit, 2 x (K x 32 context
     # tokens + s x 64 page tokens); what the contexts leave goes to pages.
     allowed = 2 * (3 * 32 + 5 * 64) * 10
-    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.Schedule(2, 5, 3, 2, 64, 5, 1)
-    assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.Schedule(2, 4, 2, 1, 64, 5, 1)
+    assert budget.plan(**kw, kv_budget_bytes=allowed) == budget.ContinuousPlan(2, 5, 3, 2, 64, 5, 1)
+    assert budget.plan(**kw, kv_budget_bytes=allowed - 1) == budget.ContinuousPlan(2, 4, 2, 1, 64, 5, 1)
     with pytest.raises(ValueError, match=r'kv_budget_bytes=100 holds no row: .* need 2560 bytes'):
         budget.plan(**kw, kv_budget_bytes=100)
 

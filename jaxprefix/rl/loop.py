@@ -277,6 +277,89 @@ def _state_arrays(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
+def _rollout_chunks(policy, tokenizer, method: Method, config, step: int,
+                    stop_ids) -> list[Scored]:
+    """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
+    while too few groups carry signal, each round seeded by (run seed, step, round)."""
+    request = method.next_request(step)
+    chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
+                               seed=round_seed(config.seed, step, 0))]
+    method.observe(request, chunks[0].rewards)
+    target = len(request.contexts)
+    while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
+            [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
+        more = method.next_request(step)
+        chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
+                                       seed=round_seed(config.seed, step, len(chunks))))
+        method.observe(more, chunks[-1].rewards)
+    return chunks
+
+
+def _batch(chunks: list[Scored], train) -> tuple:
+    """(the groups selected, the update's batch) from a step's scored rollouts: as many groups
+    as the method's request had contexts."""
+    target = len(chunks[0].request.contexts)
+    advantages = [np.asarray(objectives.group_advantages(
+        c.rewards, train.advantage, k=train.get("pass_k", 1))) for c in chunks]
+    selection = dynamic_sampling.select_groups(
+        [c.rewards for c in chunks], target, drop_zero_variance=train.dynamic_sampling)
+    batch = dynamic_sampling.build_batch(
+        [c.rollouts for c in chunks], advantages, selection,
+        mask_truncated=train.get("mask_truncated", False))
+    return selection, batch
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepCost:
+    sampled: int          # tokens the sampler processed (contexts prefilled + generated)
+    generated: int
+    forwarded: int        # tokens the update forwarded and backpropagated, over its epochs
+    flops_sampling: float
+    flops_update: float
+
+
+def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: TrainConfig,
+               with_reference: bool) -> _StepCost:
+    sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
+                  for c in chunks)
+    real = int(batch["token_mask"].sum())
+    forwarded = real * learner_config.num_epochs
+    # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
+    forwards = with_reference + (learner_config.old_logprobs == "learner")
+    return _StepCost(sampled, sum(int(c.rollouts.lengths.sum()) for c in chunks), forwarded,
+                     sampling_flops(n_params, sampled),
+                     update_flops(n_params, forwarded) + forwards * sampling_flops(n_params, real))
+
+
+def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCost, totals: dict,
+                 *, step_seconds: float, update_seconds: float) -> dict[str, float]:
+    """The step's metrics.jsonl row (evaluation scores are added to it on eval steps)."""
+    record = reward_metrics(chunks[0])
+    record.update({k: float(v) for k, v in update_metrics.items()})
+    record.update({
+        "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
+        "dynamic/refill_rounds": len(chunks) - 1,
+        "dynamic/trainable_groups": int(selection.trainable.sum()),
+        "completion_length/mean": float(np.mean([c.rollouts.lengths.mean() for c in chunks])),
+        "truncated_fraction": float(np.mean([(~c.rollouts.stopped).mean() for c in chunks])),
+        "tokens/sampled": cost.sampled,
+        "tokens/generated": cost.generated,
+        "tokens/trained": cost.forwarded,
+        "tokens/sampled_total": totals["tokens_sampled"],
+        "tokens/trained_total": totals["tokens_trained"],
+        "flops/sampling": cost.flops_sampling,
+        "flops/update": cost.flops_update,
+        "flops/total": totals["flops"],
+        "time/sampling": sum(c.seconds_sampling for c in chunks),
+        "time/reward": sum(c.seconds_reward for c in chunks),
+        "time/update": update_seconds,
+        "time/step": step_seconds,
+        "throughput/tokens_per_s": (cost.sampled + cost.forwarded) / max(step_seconds, 1e-9),
+        "throughput/update_tokens_per_s": cost.forwarded / max(update_seconds, 1e-9),
+    })
+    return record
+
+
 def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
           ledger=None, contexts_per_step: int | None = None,
           progress: bool = True) -> dict[str, Any]:
@@ -334,25 +417,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
-            request = method.next_request(step)
-            chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
-                                       seed=round_seed(config.seed, step, 0))]
-            method.observe(request, chunks[0].rewards)
-            target = len(request.contexts)
-            while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
-                [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
-                more = method.next_request(step)
-                chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
-                                               seed=round_seed(config.seed, step, len(chunks))))
-                method.observe(more, chunks[-1].rewards)
-
-            advantages = [np.asarray(objectives.group_advantages(
-                c.rewards, config.train.advantage, k=config.train.get("pass_k", 1))) for c in chunks]
-            selection = dynamic_sampling.select_groups(
-                [c.rewards for c in chunks], target, drop_zero_variance=config.train.dynamic_sampling)
-            batch = dynamic_sampling.build_batch(
-                [c.rollouts for c in chunks], advantages, selection,
-                mask_truncated=config.train.get("mask_truncated", False))
+            chunks = _rollout_chunks(policy, tokenizer, method, config, step, stop_ids)
+            selection, batch = _batch(chunks, config.train)
             del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
             if ref_params is not None:
@@ -362,51 +428,28 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             update_metrics = distributed.to_host(update_metrics)
             update_seconds = time.perf_counter() - update_start
 
-            sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
-                          for c in chunks)
-            forwarded = int(batch["token_mask"].sum()) * learner_config.num_epochs
-            flops_sampling = sampling_flops(n_params, sampled)
-            flops_update = update_flops(n_params, forwarded)
-            # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
-            forwards = (ref_params is not None) + (learner_config.old_logprobs == "learner")
-            flops_update += forwards * sampling_flops(n_params, int(batch["token_mask"].sum()))
-            totals["tokens_sampled"] += sampled
-            totals["tokens_trained"] += forwarded
-            totals["flops"] += flops_sampling + flops_update
+            cost = _step_cost(chunks, batch, n_params, learner_config, ref_params is not None)
+            totals["tokens_sampled"] += cost.sampled
+            totals["tokens_trained"] += cost.forwarded
+            totals["flops"] += cost.flops_sampling + cost.flops_update
             if ledger is not None:
                 for c in chunks:
                     ledger.record_sampling(rollouts=len(c.rollouts.lengths),
                                            prefill_tokens=int(c.rollouts.context_lengths.sum()),
                                            generated_tokens=int(c.rollouts.lengths.sum()))
-                ledger.record_update(tokens=forwarded)
-
-            seconds = time.perf_counter() - step_start
-            record = reward_metrics(chunks[0])
-            record.update({k: float(v) for k, v in update_metrics.items()})
-            record.update({
-                "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
-                "dynamic/refill_rounds": len(chunks) - 1,
-                "dynamic/trainable_groups": int(selection.trainable.sum()),
-                "completion_length/mean": float(np.mean([c.rollouts.lengths.mean() for c in chunks])),
-                "truncated_fraction": float(np.mean([(~c.rollouts.stopped).mean() for c in chunks])),
-                "tokens/sampled": sampled,
-                "tokens/generated": sum(int(c.rollouts.lengths.sum()) for c in chunks),
-                "tokens/trained": forwarded,
-                "tokens/sampled_total": totals["tokens_sampled"],
-                "tokens/trained_total": totals["tokens_trained"],
-                "flops/sampling": flops_sampling,
-                "flops/update": flops_update,
-                "flops/total": totals["flops"],
-                "time/sampling": sum(c.seconds_sampling for c in chunks),
-                "time/reward": sum(c.seconds_reward for c in chunks),
-                "time/update": update_seconds,
-                "time/step": seconds,
-                "throughput/tokens_per_s": (sampled + forwarded) / max(seconds, 1e-9),
-                "throughput/update_tokens_per_s": forwarded / max(update_seconds, 1e-9),
-            })
+                ledger.record_update(tokens=cost.forwarded)
+            record = _step_record(chunks, selection, update_metrics, cost, totals,
+                                  step_seconds=time.perf_counter() - step_start,
+                                  update_seconds=update_seconds)
             done = step + 1
-            if flops_budget and totals["flops"] + flops_sampling + flops_update > flops_budget:
-                totals["budget_spent"] = True
+            if flops_budget:
+                step_flops = cost.flops_sampling + cost.flops_update
+                if totals["flops"] + step_flops > flops_budget:
+                    totals["budget_spent"] = True
+                # The bar counts the steps the budget leaves at this step's cost, not total_steps.
+                ahead = 0 if totals.get("budget_spent") else \
+                    int((flops_budget - totals["flops"]) // step_flops)
+                bar.total = min(total, done + ahead)
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()

@@ -26,7 +26,7 @@ MAX_ADMIT = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class ContinuousPlan:
     """Continuous decode sizes, per block of rows (one block per row device)."""
     shards: int         # D: row devices, one scheduling block each
     row_slots: int      # s: active rows per block at most
@@ -66,8 +66,8 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
          bytes_per_token: int, page_bytes: int | None = None,
          page_size: int = DEFAULT_PAGE_SIZE, reserve_fraction: float = 1.0,
          max_rows_in_flight: int | None = None,
-         kv_budget_bytes: int | None = None) -> Schedule | None:
-    """The continuous schedule for a request, or None when every row can be in flight at once
+         kv_budget_bytes: int | None = None) -> ContinuousPlan | None:
+    """The continuous decode's plan for a request, or None when every row can be in flight at once
     (the static decode: no cap given, or a cap and budget that hold all rows and contexts).
 
     num_contexts is the padded count (a multiple of `shards`); bytes_per_token is a static
@@ -101,7 +101,7 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
 
     page_token_bytes = page_size * page_bytes
     if kv_budget_bytes is None:
-        return _schedule(shards, row_slots, per_block, n, page_size,
+        return _continuous_plan(shards, row_slots, per_block, n, page_size,
                          max(row_slots * reserve, row_pages), reserve)
     block_budget = kv_budget_bytes // shards
 
@@ -120,7 +120,7 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
     # Every byte the contexts leave goes to pages (rows that outgrow their reserve use them),
     # up to what every row of the block at full length would take.
     pages = min((block_budget - context_bytes(low)) // page_token_bytes, per_block * n * row_pages)
-    return _schedule(shards, low, per_block, n, page_size, pages, reserve)
+    return _continuous_plan(shards, low, per_block, n, page_size, pages, reserve)
 
 
 def _groups(row_slots: int, contexts_per_block: int, n: int) -> int:
@@ -132,10 +132,10 @@ def _groups(row_slots: int, contexts_per_block: int, n: int) -> int:
     return max(1, min(contexts_per_block, need + max(1, need // 4)))
 
 
-def _schedule(shards, row_slots, contexts_per_block, n, page_size, pages, reserve) -> Schedule:
+def _continuous_plan(shards, row_slots, contexts_per_block, n, page_size, pages, reserve) -> ContinuousPlan:
     context_slots = _groups(row_slots, contexts_per_block, n)
     admit = min(context_slots, -(-row_slots // n), MAX_ADMIT)
-    return Schedule(shards, row_slots, context_slots, admit=admit, page_size=page_size,
+    return ContinuousPlan(shards, row_slots, context_slots, admit=admit, page_size=page_size,
                     pages=pages, reserve=reserve)
 
 
@@ -145,7 +145,7 @@ def free_device_memory(devices=None, headroom: float = 0.0) -> int | None:
 
     Only this process's devices can be asked (other hosts' raise), so each process takes the
     least free memory of its own devices and, on several hosts, the least over all processes
-    (one small collective): every process then plans the same schedule. The answer is that
+    (one small collective): every process then makes the same plan. The answer is that
     least share times the number of devices, the memory an evenly sharded KV cache may use.
     """
     devices = list(devices if devices is not None else jax.devices())

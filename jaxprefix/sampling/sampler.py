@@ -56,7 +56,7 @@ class _Request:
     params: object
     mesh: jax.sharding.Mesh | None
     layout: ContextLayout
-    schedule: budget.Schedule | None  # None: the static decode
+    plan: budget.ContinuousPlan | None  # None: the static decode
     n: int
     new_bucket: int
     settings: SamplingSettings
@@ -137,16 +137,16 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
     shards = _rows_per_device(mesh)
     # Static rows (C * n) must divide over the row devices; continuous contexts themselves must.
     lay = layout_contexts(contexts, config.vocab_size, shards // math.gcd(n, shards))
-    schedule = budget.plan(
+    plan = budget.plan(
         num_contexts=math.lcm(lay.valid.shape[0], shards), n=n,
         context_length=lay.prompt_tokens.shape[1] + lay.suffix_tokens.shape[1],
         new_bucket=new_bucket, shards=shards, bytes_per_token=budget.kv_bytes_per_token(config),
         page_bytes=budget.page_bytes_per_token(config, kv_dtype), page_size=page_size,
         reserve_fraction=reserve_fraction, max_rows_in_flight=max_rows_in_flight,
         kv_budget_bytes=kv_budget_bytes)
-    if schedule is not None and lay.valid.shape[0] % shards:
+    if plan is not None and lay.valid.shape[0] % shards:
         lay = layout_contexts(contexts, config.vocab_size, shards)
-    return _Request(graphdef, params, mesh, lay, schedule, int(n), new_bucket, settings,
+    return _Request(graphdef, params, mesh, lay, plan, int(n), new_bucket, settings,
                     stop_array, int(max_new_tokens), int(seed), platform == 'cpu', kv_dtype,
                     reshard)
 
@@ -193,7 +193,7 @@ def _decode_program(req: _Request, segments, state) -> Program:
 
 
 def _continuous_program(req: _Request) -> Program:
-    s = req.schedule
+    s = req.plan
     return Program(continuous.sample_continuous,
                    (req.graphdef, req.params, _layout_arrays(req.layout, True),
                     *_sampling_args(req)),
@@ -239,7 +239,7 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     with _mesh_scope(req.mesh):
-        if req.schedule is None:
+        if req.plan is None:
             segments, state = _prefill_program(req)()
             state = _decode_program(req, segments, state)()
             outputs = (state.completions, state.logprobs, state.lengths, state.stopped)
@@ -323,7 +323,7 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
         params = _abstract_params(req.reshard.fn.eval_shape(params))
     req = dataclasses.replace(req, params=params, reshard=None)
     with _mesh_scope(req.mesh):
-        if req.schedule is not None:
+        if req.plan is not None:
             return programs | {'continuous': _continuous_program(req)}
         prefill = _prefill_program(req)
         segments, state = _abstract(prefill.fn.eval_shape(*prefill.args, **prefill.kwargs),
