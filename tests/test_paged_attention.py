@@ -7,6 +7,7 @@ import pytest
 
 from jaxprefix import models
 from jaxprefix.models import paged_attention, paged_kernel
+from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.sampling import page_pool, sampler
 from jaxprefix.tpu import programs, topology
@@ -81,13 +82,14 @@ def test_pages_go_to_growing_rows_and_come_back():
 def test_new_tokens_go_to_their_row_page_and_slot(per_layer):
     """In one pool of every layer's pages (layer l's page p at l * PAGES + p) or a pool per
     layer (page p at p)."""
-    arrays, layers_each = (LAYERS, 1) if per_layer else (1, LAYERS)
-    zeros = tuple(jnp.zeros((HKV, layers_each * PAGES, PAGE, DH)) for _ in range(arrays))
-    pool = page_pool.Pool(k=zeros, v=zeros)
+    layout = PageLayout(kv_heads=HKV, head_dim=DH, layers=LAYERS, blocks=1, pages=PAGES,
+                        page_size=PAGE, dtype='float32', per_layer=per_layer)
+    pool = page_pool.Pool.empty(layout)
+    assert len(pool.k) == layout.arrays == (LAYERS if per_layer else 1)
     new = jnp.arange(LAYERS * 2 * HKV * DH, dtype=jnp.float32).reshape(LAYERS, 2, 1, HKV, DH)
     table = jnp.array([[3, 7], [5, 1]], jnp.int32)
     t = jnp.array([17, 2], jnp.int32)  # row 0: its second page, slot 1; row 1: first page, slot 2
-    out = page_pool.write_tokens(pool, new, -new, table, t, jnp.array([True, False]), PAGES)
+    out = page_pool.write_tokens(pool, new, -new, table, t, jnp.array([True, False]))
     for layer in range(LAYERS):
         array, page = (layer, 7) if per_layer else (0, layer * PAGES + 7)
         np.testing.assert_array_equal(out.k[array][:, page, 1], new[layer, 0, 0])
@@ -113,7 +115,7 @@ def _tpu_continuous(rows: int):
                                       kv_budget_bytes=budget)
     program = found['continuous']
     with jax.set_mesh(mesh):
-        return program.kwargs['pages'], program.lower().compile()
+        return program.kwargs['layout'].pages, program.lower().compile()
 
 
 def test_tpu_program_reads_the_page_pool_in_place():

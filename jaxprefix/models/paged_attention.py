@@ -1,11 +1,11 @@
-"""KV in pages: the layout, and a jnp reference of the attention over it.
+"""KV in pages: the layout (`PageLayout`), and a jnp reference of the attention over it.
 
 The continuous sampler keeps every KV it decodes against in pages of `page_size` tokens: the
 context of each group slot (read by the group's n rows together) and the tokens each row has
 generated (pages drawn from a pool as the row grows; sampling/page_pool.py). A page table maps
 a group's i-th page to its page in the pool. Every layer's pages live in the same pool (layer
-l's page p at `l * pages_per_layer + p`), so a layer reads its pages straight from the pool: no
-layer is sliced out, and the pool rides in the decode loop's carry, written in place. During a
+l's page p at `page_row(l, p, pages_per_layer)`), so a layer reads its pages straight from the
+pool: no layer is sliced out, and the pool rides in the decode loop's carry, written in place. During a
 forward pass the pools are read only: the new token attends to itself as a segment of its own,
 and the sampler writes its keys and values into the pages before the next step's pass.
 
@@ -15,13 +15,15 @@ context, the new token) as attention.attend merges segments. On TPU the Pallas k
 the layer where it lies, against its owner group's queries, and masks the rest;
 tpu_attention.attend_pages picks by backend.
 
-Pools are [Hkv, D * layers * pages_per_layer, page_size, Dh]: the D blocks of rows (one per row
-device) each own a contiguous run of pages, so under a mesh a device holds its rows' pages and
-its KV heads, and page ids in a table are local to the row's block. Where the decoder unrolls its
-layers (CPU) each layer has a pool of its own instead (`layers` 1 in the layout above): XLA:CPU
-copies a layer's part out of a shared pool before its dots, a fifth of a long-tail decode step.
+`PageLayout` says a pool's shape and where each page lies; the sampler's pools, the writes into
+them, the views a decode step reads, this reference and the kernel all take it from there.
+Where the decoder unrolls its layers (CPU) each layer has a pool of its own (`per_layer`):
+XLA:CPU copies a layer's part out of a shared pool before its dots, a fifth of a long-tail
+decode step.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -29,6 +31,64 @@ import jax.numpy as jnp
 import numpy as np
 
 MASKED = -1e30
+
+
+def page_row(layer, page, pages_per_layer: int):
+    """Where page `page` of `layer` lies in a block's run of a pool array: layer-major."""
+    return layer * pages_per_layer + page
+
+
+@dataclasses.dataclass(frozen=True)
+class PageLayout:
+    """One pool's shape, and where each page of it lies: the one owner of the page arithmetic.
+
+    A pool holds `pages` pages a layer for each of `blocks` blocks of rows, each page
+    `page_size` tokens of every KV head. Its arrays are [kv_heads, blocks * L * pages,
+    page_size, head_dim] (int8: with f32 scales [kv_heads, blocks * L * pages, page_size]),
+    block-major, so that under a mesh a device holds its block's run; L is every layer (one
+    array: `per_layer` False, TPU) or 1 (one array per layer: where the decoder unrolls its
+    layers). Page ids in a table are local to their block. Static: hashable, jit-safe."""
+    kv_heads: int
+    head_dim: int
+    layers: int
+    blocks: int
+    pages: int         # per layer and block
+    page_size: int     # tokens per page
+    dtype: str         # the pages' dtype (int8: quantized, with per-token scales)
+    per_layer: bool = False
+
+    @property
+    def arrays(self) -> int:
+        """How many arrays the pool is: one, or one per layer."""
+        return self.layers if self.per_layer else 1
+
+    @property
+    def layers_per_array(self) -> int:
+        return 1 if self.per_layer else self.layers
+
+    @property
+    def quantized(self) -> bool:
+        return np.dtype(self.dtype) == np.int8
+
+    def array_shape(self) -> tuple[int, int, int, int]:
+        return (self.kv_heads, self.blocks * self.layers_per_array * self.pages, self.page_size,
+                self.head_dim)
+
+    def array_of(self, layer: int) -> tuple[int, int]:
+        """(the array holding `layer`, the layer's index within it); `layer` a Python int."""
+        return (layer, 0) if self.per_layer else (0, layer)
+
+    def index(self, layer_in_array, page):
+        """The row of page `page` of a layer (its index in its array) within a block's run."""
+        return page_row(layer_in_array, page, self.pages)
+
+    def empty(self) -> list[tuple]:
+        """(k, v, k_scale, v_scale) of each array, zeroed (int8 scales 1)."""
+        shape = self.array_shape()
+        dtype = jnp.dtype(self.dtype)
+        scales = (jnp.ones(shape[:3], jnp.float32),) * 2 if self.quantized else (None, None)
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) + scales
+                for _ in range(self.arrays)]
 
 
 @flax.struct.dataclass
@@ -43,33 +103,26 @@ class PagedKV:
     table: jax.Array        # int32 [G, pages_per_group]: the group's pages (ids in its block)
     lengths: jax.Array      # int32 [G]: its tokens in those pages (0: nothing to read)
     first_position: jax.Array   # int32 [G]: the position of its first token (sliding windows)
-    pages_per_layer: int = flax.struct.field(pytree_node=False)
+    layout: PageLayout = flax.struct.field(pytree_node=False)
     name: str = flax.struct.field(pytree_node=False, default='pages')  # what it holds
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.layout.page_size
 
     def layer(self, index):
         """(k, v, k_scale, v_scale, layer within them) of layer `index`: with a pool per layer,
         index is a Python int (the decoder's unrolled loop) and picks the layer's arrays."""
-        per_layer = len(self.k) > 1
-        pick = lambda x: None if x is None else x[index if per_layer else 0]
-        return (pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale),
-                0 if per_layer else index)
+        if self.layout.per_layer:
+            array, within = self.layout.array_of(index)
+        else:  # a traced index (the decoder's scan) into the one array
+            array, within = 0, index
+        pick = lambda x: None if x is None else x[array]
+        return pick(self.k), pick(self.v), pick(self.k_scale), pick(self.v_scale), within
 
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
-
-
-def empty_pool(*, kv_heads: int, head_dim: int, pages: int, page_size: int, dtype):
-    """(k, v, k_scale, v_scale) of a pool of `pages` pages (all layers and blocks); int8 pools
-    carry per-token scales."""
-    dtype = jnp.dtype(dtype)
-    shape = (kv_heads, pages, page_size, head_dim)
-    scales = (jnp.ones(shape[:3], jnp.float32),) * 2 if dtype == jnp.int8 else (None, None)
-    return (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) + scales
 
 
 # int8 pages: x = q * scale / 127, scale = max |x| over head_dim, per token and head.
@@ -113,7 +166,8 @@ def reference(q, k_pages, v_pages, q_start, first_token, lengths, table, layer, 
     mine = owner < groups
     by_page = lambda x: x[jnp.minimum(owner, groups - 1)]  # [G, ...] -> [P, ...]
 
-    layer_pages = lambda pool: jax.lax.dynamic_slice_in_dim(pool, layer * pages, pages, axis=1)
+    layer_pages = lambda pool: jax.lax.dynamic_slice_in_dim(pool, page_row(layer, 0, pages), pages,
+                                                            axis=1)
     k, v = layer_pages(k_pages).astype(q.dtype), layer_pages(v_pages).astype(q.dtype)
     q_pages = by_page(q).swapaxes(0, 1)  # [Hkv, P, Q, Dh]
     s = jnp.einsum('hpqd,hpnd->hpqn', q_pages, k, preferred_element_type=jnp.float32)

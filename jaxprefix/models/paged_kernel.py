@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxprefix.models import paged_attention
+
 MASKED = -1e30  # finite: a query with nothing to read yields 0 and this log-sum-exp, never NaN
 
 
@@ -49,7 +51,7 @@ def _kernel(layer_ref, first_ref, lengths_ref, table_ref,           # scalar pre
         out = []
         for i in range(pages_per_block):
             page_no = which * pages_per_block + i
-            page = layer_ref[0] * pages_per_layer + table_ref[g, page_no]
+            page = paged_attention.page_row(layer_ref[0], table_ref[g, page_no], pages_per_layer)
             pairs = [(k_hbm.at[h, page], kbuf.at[slot, i]), (v_hbm.at[h, page], vbuf.at[slot, i])]
             if quantized:  # a page's scales land in its lanes of the block's [1, N] row
                 lanes = pl.ds(i * page_size, page_size)

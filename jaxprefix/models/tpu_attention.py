@@ -101,7 +101,7 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
     q_start = jnp.repeat(start, g, axis=1)[..., None]  # [G, r * g, 1]
     first_token = start.min(axis=1)
     scales = (k_scales, v_scales) if pages.quantized else ()
-    kw = dict(pages_per_layer=pages.pages_per_layer, scale=scale, logit_cap=logit_cap)
+    kw = dict(pages_per_layer=pages.layout.pages, scale=scale, logit_cap=logit_cap)
 
     def local(queries, k, v, q_start, first_token, lengths, table, layer, *scales):
         sc = dict(k_scales=scales[0], v_scales=scales[1]) if scales else {}

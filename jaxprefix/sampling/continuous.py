@@ -37,6 +37,7 @@ keeps the loop going while the others idle: the price of not moving KV between d
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -44,6 +45,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import constrain
 from jaxprefix.sampling import page_pool
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
@@ -245,16 +247,20 @@ def _pool_constrained(pool: page_pool.Pool) -> page_pool.Pool:
                         pool)
 
 
-def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucket, page_size,
-                   pages, kv_dtype, per_layer) -> LoopState:
-    d, k = shards, context_slots
+def _context_layout(layout: PageLayout, slots: int, length: int) -> PageLayout:
+    """A context segment's pool: `slots` group slots a block of `length` tokens each, in pages
+    of the rows' size (or one page of the segment, if shorter)."""
+    page_size = min(layout.page_size, length)
+    return dataclasses.replace(layout, pages=slots * length // page_size, page_size=page_size)
+
+
+def _initial_state(model, contexts: dict, *, n, context_slots, new_bucket,
+                   layout: PageLayout) -> LoopState:
+    d, k = layout.blocks, context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
-    store = tuple(
-        _pool_constrained(page_pool.Pool.empty(
-            config, blocks=d, pages=k * length // min(page_size, length),
-            page_size=min(page_size, length), dtype=kv_dtype, per_layer=per_layer))
-        for length in _segment_lengths(contexts))
+    store = tuple(_pool_constrained(page_pool.Pool.empty(_context_layout(layout, k, length)))
+                  for length in _segment_lengths(contexts))
     segments = len(store)
     ints = lambda shape, fill=0: jnp.full(shape, fill, jnp.int32)
     rows = Rows(state=ints((d, k * n), IDLE), t=ints((d, k * n)), token=ints((d, k * n)),
@@ -266,10 +272,8 @@ def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucke
     out = Outputs(completions=ints((rows_total, new_bucket)),
                   logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
                   lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
-    tables = page_pool.PageTables.empty(d, pages, k * n, new_bucket // page_size)
-    pool = _pool_constrained(page_pool.Pool.empty(config, blocks=d, pages=pages,
-                                                  page_size=page_size, dtype=kv_dtype,
-                                                  per_layer=per_layer))
+    tables = page_pool.PageTables.empty(d, layout.pages, k * n, new_bucket // layout.page_size)
+    pool = _pool_constrained(page_pool.Pool.empty(layout))
     kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
                    config.dtype)
     pending = PendingTokens(k=kv, v=kv, valid=jnp.zeros(d * k * n, bool))
@@ -279,48 +283,45 @@ def _initial_state(model, contexts: dict, *, n, shards, context_slots, new_bucke
                      out=_constrain_blocks(out))
 
 
-def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *, n: int,
-           pages: int, layers: int) -> tuple:
+def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
+           n: int) -> tuple:
     """What a decode step attends to besides the new token: each group's context segments (read
     once for its n rows; nothing for a group with no active row) and each row's own pages."""
     d, k = state.groups.context.shape
     reading = active.reshape(d, k, n).any(axis=2).reshape(-1)
     views = []
     for i, pool in enumerate(state.store):
-        # Pages a slot holds of this segment (the pool: one array, or one per layer).
-        per_slot = pool.k[0].shape[1] * len(pool.k) // (d * layers * k)
+        per_slot = pool.layout.pages // k  # pages a slot holds of this segment
         views.append(pool.view(page_pool.slot_tables(d, k, per_slot),
                                jnp.where(reading, state.groups.lengths[..., i].reshape(-1), 0),
-                               state.groups.first[..., i].reshape(-1), k * per_slot,
-                               SEGMENTS[i]))
+                               state.groups.first[..., i].reshape(-1), SEGMENTS[i]))
     r = tables.table.shape[1]
     first_own = jnp.repeat(state.groups.last_position, n, axis=1)  # own token 0's position
     # Only active rows read pages: a stopped or preempted row's table still names pages that
     # other rows hold now.
     own_lengths = jnp.where(active, state.rows.t, 0).reshape(-1)
     views.append(state.pool.view(tables.table.reshape(d * r, -1), own_lengths,
-                                 first_own.reshape(-1), pages, 'own'))
+                                 first_own.reshape(-1), 'own'))
     return tuple(views)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'shards', 'row_slots',
-                                             'context_slots', 'admit', 'new_bucket', 'page_size',
-                                             'pages', 'reserve', 'kv_dtype', 'hoist_layers'))
+@functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'row_slots', 'context_slots',
+                                             'admit', 'new_bucket', 'reserve', 'layout'))
 def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key,
-                      stop_ids, max_new_tokens, *, n: int, shards: int, row_slots: int,
-                      context_slots: int, admit: int, new_bucket: int, page_size: int, pages: int,
-                      reserve: int, kv_dtype: str, hoist_layers: bool = False):
+                      stop_ids, max_new_tokens, *, n: int, row_slots: int, context_slots: int,
+                      admit: int, new_bucket: int, reserve: int, layout: PageLayout):
     """Samples n continuations of each context of `contexts` (layout arrays, one row per context)
-    with at most row_slots active rows per block, in group slots of n rows, over `pages` KV pages
-    of page_size tokens per block and layer (`reserve` promised to each active row);
-    hoist_layers as in static.decode (and then each layer's pages are a pool of their own).
+    with at most row_slots active rows per block, in group slots of n rows, over the rows' KV
+    pages `layout` describes (one block per row device; `reserve` pages promised to each active
+    row). Where the layout has a pool per layer, the decode slices each layer's weights once,
+    before the loop, as static.decode's hoist_layers does.
 
     Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
     """
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
-    layer_weights = model.layer_weights() if hoist_layers else None
-    d = shards
+    layer_weights = model.layer_weights() if layout.per_layer else None
+    d, page_size = layout.blocks, layout.page_size
     num_contexts = contexts['valid'].shape[0]
     block_start = jnp.arange(d, dtype=jnp.int32)[:, None] * (num_contexts // d)
     num_valid = _blocks(contexts['valid'], d).sum(axis=1)
@@ -332,7 +333,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         last, table = state.pending, state.tables.table
         state = state.replace(pool=page_pool.write_tokens(
             state.pool, last.k, last.v, table.reshape(-1, table.shape[-1]),
-            state.rows.t.reshape(-1) - 1, last.valid, pages))
+            state.rows.t.reshape(-1) - 1, last.valid))
         state = jax.lax.cond(_wants_contexts(contexts, state, admit=admit),
                              functools.partial(_admit, model, contexts, n=n, admit=admit),
                              lambda s: s, state)
@@ -345,7 +346,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         active = rows.state == ACTIVE
         logits, new_kv = model.extend(
             rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
-            pages=_views(state, tables, active, n=n, pages=pages, layers=model.config.num_layers),
+            pages=_views(state, tables, active, n=n),
             layer_weights=layer_weights)
         slot_context = jnp.repeat(jnp.maximum(state.groups.context, 0), n, axis=1)  # [D, R]
         sample = jnp.arange(rows.t.shape[1]) % n
@@ -373,8 +374,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         return state.replace(step=state.step + 1, groups=groups, rows=rows, tables=tables,
                              pending=pending, out=out)
 
-    state = _initial_state(model, contexts, n=n, shards=d, context_slots=context_slots,
-                           new_bucket=new_bucket, page_size=page_size, pages=pages,
-                           kv_dtype=kv_dtype, per_layer=hoist_layers)
+    state = _initial_state(model, contexts, n=n, context_slots=context_slots,
+                           new_bucket=new_bucket, layout=layout)
     out = jax.lax.while_loop(keep_going, one_step, state).out
     return out.completions, out.logprobs, out.lengths, out.stopped

@@ -1,8 +1,7 @@
 """The continuous sampler's KV pages: pools, page tables, and the writes into them.
 
-Two kinds of pool, both in the layout of paged_attention.py ([Hkv, D * L * pages, page_size,
-Dh], layer l's copy of page p at `l * pages + p` within its block; or, where the decoder unrolls
-its layers, one such array per layer):
+Two kinds of pool, each laid out as its `paged_attention.PageLayout` says (the one owner of
+where a page lies and what it weighs):
   - the rows' pool: each block of rows (one per row device) owns `pages` pages per layer. A
     row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
     i * page_size .. (i + 1) * page_size - 1. Free pages sit on a stack per block. `grow` hands
@@ -77,22 +76,17 @@ def release(tables: PageTables, rows: jax.Array) -> PageTables:
 
 @flax.struct.dataclass
 class Pool:
-    """The pages' keys and values, every block and layer, in arrays of [Hkv, D * L' * pages,
-    page_size, Dh] (int8 pools: with per-token scales [Hkv, D * L' * pages, page_size]): one
-    array of all L layers (L' = L), or one per layer (L' = 1)."""
+    """The pages' keys and values in the arrays its `layout` describes (int8 pools: with
+    per-token scales)."""
     k: tuple
     v: tuple
-    k_scale: tuple | None = None
-    v_scale: tuple | None = None
+    k_scale: tuple | None
+    v_scale: tuple | None
+    layout: paged_attention.PageLayout = flax.struct.field(pytree_node=False)
 
     @classmethod
-    def empty(cls, config, *, blocks: int, pages: int, page_size: int, dtype,
-              per_layer: bool = False) -> Pool:
-        arrays = config.num_layers if per_layer else 1
-        return cls.of([paged_attention.empty_pool(
-            kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            pages=blocks * config.num_layers // arrays * pages, page_size=page_size, dtype=dtype)
-            for _ in range(arrays)])
+    def empty(cls, layout: paged_attention.PageLayout) -> Pool:
+        return cls.of(layout.empty(), layout)
 
     def arrays(self) -> list[tuple]:
         """(k, v, k_scale, v_scale) of each array."""
@@ -100,21 +94,21 @@ class Pool:
         return list(zip(self.k, self.v, scales(self.k_scale), scales(self.v_scale)))
 
     @classmethod
-    def of(cls, arrays: list[tuple]) -> Pool:
+    def of(cls, arrays: list[tuple], layout: paged_attention.PageLayout) -> Pool:
         k, v, ks, vs = (tuple(x) for x in zip(*arrays))
-        return cls(k, v, None if ks[0] is None else ks, None if vs[0] is None else vs)
+        return cls(k, v, None if ks[0] is None else ks, None if vs[0] is None else vs, layout)
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[2]
+        return self.layout.page_size
 
     def view(self, table: jax.Array, lengths: jax.Array, first_position: jax.Array,
-             pages: int, name: str) -> paged_attention.PagedKV:
+             name: str) -> paged_attention.PagedKV:
         """What the model reads in a decode step: groups [G] with their tables [G, W], lengths
-        and first positions, over `pages` pages a layer per block; `name` says what they hold."""
+        and first positions; `name` says what they hold."""
         return paged_attention.PagedKV(self.k, self.v, self.k_scale, self.v_scale, table=table,
                                        lengths=lengths, first_position=first_position,
-                                       pages_per_layer=pages, name=name)
+                                       layout=self.layout, name=name)
 
 
 def slot_tables(blocks: int, slots: int, pages_per_slot: int) -> jax.Array:
@@ -129,12 +123,13 @@ def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Arra
     page. Under a mesh each device writes its own block and KV heads (shard_map)."""
     _, _, length, _, dh = new_k.shape
     d, admit = target.shape
-    page_size = pool.page_size
+    layout = pool.layout
+    page_size = layout.page_size
     per_slot = length // page_size
+    slots = layout.pages // per_slot  # K: group slots a block
 
     def local(k, v, ks, vs, new_k, new_v, target):
         layers = new_k.shape[0]  # the array's
-        slots = k.shape[1] // (layers * per_slot)  # K: one block here (a device's, or the only)
 
         def paged(x):  # [L, S, Hkv, Dh] -> [L * W, Hkv, page_size, Dh]
             x = x.reshape(layers, per_slot, page_size, -1, dh).transpose(0, 1, 3, 2, 4)
@@ -143,8 +138,8 @@ def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Arra
         # One context at a time: the temporaries (int8: its quantization) are one context's.
         def one(f, arrays):
             slot = target[0, f]
-            pages = ((jnp.arange(layers)[:, None] * slots + slot) * per_slot
-                     + jnp.arange(per_slot)[None, :]).reshape(-1)  # [L * W]
+            pages = layout.index(jnp.arange(layers)[:, None],
+                                 slot * per_slot + jnp.arange(per_slot)[None, :]).reshape(-1)
             valid = jnp.broadcast_to(slot < slots, pages.shape)
             return _write(arrays, paged(new_k[:, f]), paged(new_v[:, f]), pages,
                           jnp.zeros_like(pages), valid)
@@ -154,20 +149,20 @@ def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Arra
 
 
 def write_tokens(pool: Pool, new_k: jax.Array, new_v: jax.Array, table: jax.Array,
-                 t: jax.Array, active: jax.Array, pages: int) -> Pool:
+                 t: jax.Array, active: jax.Array) -> Pool:
     """The pool with each active row's new token (own index t) written to its page, in place.
 
     new_k, new_v [L, B, 1, Hkv, Dh] (the model's new-token KVSegment), table [B, W], t and
     active [B]. Under a mesh each device writes its own rows and KV heads.
     """
-    page_size = pool.page_size
+    layout = pool.layout
+    page_size = layout.page_size
 
     def local(k, v, ks, vs, new_k, new_v, table, t, active):
         layers = new_k.shape[0]  # the array's
         rows = jnp.arange(table.shape[0])
         page = table[rows, jnp.minimum(t // page_size, table.shape[1] - 1)]
-        layer = jnp.arange(layers)[:, None]
-        at = (layer * pages + page[None, :]).reshape(-1)  # [L * B]
+        at = layout.index(jnp.arange(layers)[:, None], page[None, :]).reshape(-1)  # [L * B]
         slot = jnp.broadcast_to(t % page_size, (layers, t.shape[0])).reshape(-1)
         valid = jnp.broadcast_to(active, (layers, t.shape[0])).reshape(-1)
         tokens = lambda x: x.reshape(-1, *x.shape[2:]).swapaxes(1, 2)  # [L * B, Hkv, 1, Dh]
@@ -214,7 +209,7 @@ def _per_array(local, pool: Pool, new_k, new_v, *by_row) -> Pool:
     layers = new_k.shape[0] // len(arrays)
     return Pool.of([_on_devices(local, a, new_k[i * layers:(i + 1) * layers],
                                 new_v[i * layers:(i + 1) * layers], *by_row)
-                    for i, a in enumerate(arrays)])
+                    for i, a in enumerate(arrays)], pool.layout)
 
 
 def _on_devices(local, arrays: tuple, new_k, new_v, *by_row) -> tuple:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix import distributed
+from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import logical_spec
 from jaxprefix.sampling import budget, continuous, decode_mesh, static
 from jaxprefix.sampling.prefill import TRACE_COUNTS
@@ -64,7 +65,7 @@ class _Request:
     max_new_tokens: int
     seed: int
     hoist_layers: bool  # the decode runs on CPU (see Decoder.extend's layer_weights)
-    kv_dtype: str       # the KV pages' dtype (the continuous decode)
+    pages: PageLayout | None  # the continuous decode's pages for the rows' own tokens
     reshard: Program | None = None  # lays the weights out for `mesh` (tensor-parallel decode)
 
 
@@ -146,9 +147,14 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
         kv_budget_bytes=kv_budget_bytes)
     if plan is not None and lay.valid.shape[0] % shards:
         lay = layout_contexts(contexts, config.vocab_size, shards)
+    hoist_layers = platform == 'cpu'
+    # One pool per layer where the decoder unrolls its layers (CPU), else every layer in one.
+    pages = None if plan is None else PageLayout(
+        kv_heads=config.num_kv_heads, head_dim=config.head_dim, layers=config.num_layers,
+        blocks=plan.shards, pages=plan.pages, page_size=plan.page_size, dtype=kv_dtype,
+        per_layer=hoist_layers)
     return _Request(graphdef, params, mesh, lay, plan, int(n), new_bucket, settings,
-                    stop_array, int(max_new_tokens), int(seed), platform == 'cpu', kv_dtype,
-                    reshard)
+                    stop_array, int(max_new_tokens), int(seed), hoist_layers, pages, reshard)
 
 
 def _bytes_per_device(params, reshard) -> int:
@@ -197,10 +203,9 @@ def _continuous_program(req: _Request) -> Program:
     return Program(continuous.sample_continuous,
                    (req.graphdef, req.params, _layout_arrays(req.layout, True),
                     *_sampling_args(req)),
-                   dict(n=req.n, shards=s.shards, row_slots=s.row_slots,
-                        context_slots=s.context_slots, admit=s.admit, new_bucket=req.new_bucket,
-                        page_size=s.page_size, pages=s.pages, reserve=s.reserve,
-                        kv_dtype=req.kv_dtype, hoist_layers=req.hoist_layers))
+                   dict(n=req.n, row_slots=s.row_slots, context_slots=s.context_slots,
+                        admit=s.admit, new_bucket=req.new_bucket, reserve=s.reserve,
+                        layout=req.pages))
 
 
 def _mesh_scope(mesh):

@@ -232,7 +232,8 @@ def _decode_mesh(found: dict, mesh):
 
 def _continuous(program, step: StepShape, common: dict) -> Program:
     s = program.kwargs
-    shards, contexts = s['shards'], program.args[2]['prompt_tokens'].shape[0]
+    pages = s['layout']
+    shards, contexts = pages.blocks, program.args[2]['prompt_tokens'].shape[0]
     rows_per_block = contexts // shards * step.n
     # The loop runs until every row stopped: at most max_new_tokens steps per generation of rows
     # through a block's active slots (the worst case: every row runs to max_new_tokens).
@@ -250,8 +251,8 @@ def _continuous(program, step: StepShape, common: dict) -> Program:
         tokens_per_call[name] = float(per_block * t * real / trips)
     shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
               f"{s['row_slots']} active rows, {s['context_slots']} group slots of {step.n} rows "
-              f"(admitting {s['admit']}), {s['pages']} pages of {s['page_size']} tokens "
-              f"({s['kv_dtype']}), {s['reserve']} promised a row")
+              f"(admitting {s['admit']}), {pages.pages} pages of {pages.page_size} tokens "
+              f"({pages.dtype}), {s['reserve']} promised a row")
     return compile_program('sampler continuous', program.lower(), unknown_trip_count=trips,
                            rare_branch_calls=admissions, shapes=shapes,
                            paged_tokens_per_call=tokens_per_call, **common)
