@@ -83,7 +83,9 @@ def remote_paths(config, workdir: str) -> list[str]:
             for item in value.values():
                 visit(item)
     visit(config.compile if config.job == "compile" else config)
-    return [p for p in found if "://" in p]
+    from jaxprefix import storage  # a placeholder the job reads was refused; the others are unread
+
+    return [p for p in found if "://" in p and not storage.is_placeholder(p)]
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -159,6 +161,9 @@ def main(argv):
         except ValueError as e:
             raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+        from jaxprefix.jobs import preflight
+
+        preflight.refuse_placeholders(config, workdir)  # gs://YOUR_BUCKET/...: never tried
         for path in remote_paths(config, workdir):  # a missing client package or bucket
             try:
                 storage.require_backend(path)
@@ -166,8 +171,6 @@ def main(argv):
                 raise errors.ConfigError(str(e)) from None
         distributed.initialize(config.distributed)
         logging.info("job %s, workdir %s", config.job, workdir)
-        from jaxprefix.jobs import preflight
-
         preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards
 

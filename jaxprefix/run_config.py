@@ -514,9 +514,9 @@ def paper(c: ml_collections.ConfigDict) -> None:
     # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
     c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
                    param_dtype="float32", dtype="bfloat16", system_prompt=BOXED_ANSWER_PROMPT)
-    c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
-                  eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
-                  eval_size=0)
+    # No eval set unless given (--config.data.eval_path=gs://.../aime25.jsonl, the paper's).
+    c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl", eval_path="",
+                  verifier="math", train_size=0, eval_size=0)
     c.rollout.update(n=8, temperature=0.8, max_new_tokens=16384)
     c.train.update(problems_per_step=64, total_steps=400, learning_rate=1e-6, schedule="cosine",
                    warmup_steps=10, decay_steps=400, max_grad_norm=0.3, weight_decay=0.01,
