@@ -196,6 +196,31 @@ def test_pope_drops_problems_without_a_solvable_prefix_and_counts_them():
                         guidance="solution_prefix", problems_per_step=1, n=2, seed=0)
 
 
+def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it():
+    from jaxprefix import errors
+
+    hard = PROBLEMS[:3]
+    none_found = {p.id: None for p in hard}
+    with pytest.raises(errors.NothingToTrain) as e:
+        pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(), max_units=4,
+                        max_fraction=0.25, guidance="solution_prefix", problems_per_step=1, n=2,
+                        seed=0)
+    line = errors.one_line(e.value)
+    assert line.startswith("error: pope: none of the 3 hard problems has a solvable prefix "
+                           "within the cap (0.25 of the solution, 4 steps)")
+    for field in ("pope.max_prefix_fraction", "mining.max_prefix_units", "mining.prefix_samples",
+                  "pope.unsolved=unguided"):
+        assert field in line and "\n" not in line
+    with pytest.raises(errors.NothingToTrain, match="no hard problem to train on.*mining.k"):
+        pope.PopeMethod(PROMPTS, [], {}, schedule=FixedPrefix(), guidance="solution_prefix",
+                        problems_per_step=1, n=2, seed=0)
+    # pope.unsolved=unguided trains what it can: every hard problem, unguided
+    method = pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(),
+                             unsolved="unguided", guidance="solution_prefix",
+                             problems_per_step=1, n=2, seed=0)
+    assert method.dropped == [] and method.prefix_units == {}
+
+
 def test_pope_longest_fallback_never_guides_with_the_whole_solution():
     hard = PROBLEMS[:3]
     method = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxprefix.data.loader import ProblemLoader
+from jaxprefix.errors import NothingToTrain
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.probing import Prober
@@ -166,9 +167,18 @@ class PopeMethod(GrpoMethod):
         kept = [p for p in hard
                 if p.id in self.prefix_units or not guided_copies or unsolved == "unguided"]
         self.dropped = [p.id for p in hard if p not in kept]
+        if not hard:
+            raise NothingToTrain(
+                "pope: no hard problem to train on (each training problem was solved at least "
+                "once in mining.k samples); expected harder problems (data.path), a larger "
+                "mining.k, or plain GRPO on all of them (configs/grpo.py)")
         if not kept:
-            raise ValueError(f"pope: none of the {len(hard)} hard problems has a solvable prefix "
-                             f"within the cap (pope.max_prefix_fraction, mining.max_prefix_units)")
+            raise NothingToTrain(
+                f"pope: none of the {len(hard)} hard problems has a solvable prefix within the "
+                f"cap ({max_fraction:g} of the solution, {max_units or 'any'} steps); expected "
+                f"one: raise pope.max_prefix_fraction, mining.max_prefix_units or "
+                f"mining.prefix_samples, or train them unguided with pope.unsolved=unguided "
+                f"(or guided by the longest prefix tried: pope.unsolved=longest)")
         super().__init__(prompts, kept, seed=seed, **kwargs)
         self.schedule = schedule
         self.guidance, self.template = guidance, template
