@@ -45,6 +45,18 @@ def mining_dir(config, workdir: str) -> str:
     return config.mining.get("dir") or storage.join(workdir, "mining")
 
 
+def sampling_cost(what: str, problems, samples: int, max_new_tokens: int, prompts,
+                  num_params: int) -> str:
+    """The line logged before a mining stage samples: problems x samples x tokens (at most
+    max_new_tokens sampled after each question) and its FLOPs bound, 2 N D (D: the question's
+    tokens plus the most a sample may generate, every sample)."""
+    question_tokens = sum(len(prompts.question(p)) for p in problems)
+    tokens = samples * (question_tokens + len(problems) * max_new_tokens)
+    return (f"{what}: will sample {len(problems)} problems x {samples} samples x up to "
+            f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens with the questions), "
+            f"<= {2 * num_params * tokens:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
+
+
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
     rollout = config.rollout
     spec = SamplingSpec(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -81,6 +93,11 @@ class Mining:
                              f"again")
         return {name: ComputeLedger.from_dict(d) for name, d in record.items()}
 
+    def _log_cost(self, what: str, problems, samples: int) -> None:
+        logging.info("%s", sampling_cost(what, problems, samples,
+                                         self.config.rollout.max_new_tokens, self.policy.prompts,
+                                         self.policy.model.config.num_params()))
+
     def _booking(self, artifact: str) -> None:
         """Books the prober's next samples to `artifact`."""
         self.prober.ledger = self.costs[artifact] = self._new_ledger()
@@ -111,6 +128,7 @@ class Mining:
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
         k = self.config.mining.k
+        self._log_cost("mining the hard set", self.sets.train, k)
         self._booking("hard_set")
         hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
                                   seed=self.config.seed)
@@ -138,6 +156,9 @@ class Mining:
                                  f"the config asks {settings} (mining.prefix_samples, "
                                  f"mining.max_prefix_units); use another mining.dir")
             return record
+        # Every prefix length up to the cap, m samples each (a solved problem stops early).
+        self._log_cost(f"{name} (up to {m.max_prefix_units} prefix lengths)", hard.problems,
+                       m.prefix_samples * m.max_prefix_units)
         self._booking(name)
         search = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
@@ -185,6 +206,8 @@ class Mining:
                 pool.samples_per_problem = stats["samples_per_problem"]
             return pool
         p = self.config.prefixrl
+        self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
+                       p.max_samples)
         self._booking("trace_pool")
         pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
                                          samples_per_round=p.samples_per_round,
