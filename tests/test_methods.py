@@ -192,7 +192,7 @@ def test_pope_drops_problems_without_a_solvable_prefix_and_counts_them():
     request = method.next_request(0)
     assert hard[1].id not in {p.id for p in request.problems}
     with pytest.raises(ValueError, match="none of the 1 hard problems has a solvable prefix"):
-        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(),
+        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(), max_units=4,
                         guidance="solution_prefix", problems_per_step=1, n=2, seed=0)
 
 
@@ -211,6 +211,18 @@ def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it
     for field in ("pope.max_prefix_fraction", "mining.max_prefix_units", "mining.prefix_samples",
                   "pope.unsolved=unguided"):
         assert field in line and "\n" not in line
+    # one-line solutions: a prefix must be shorter than the solution, so none fits any cap
+    short = [Problem(id=f"s{i}", question="2+2?", answer="4", solution="2 + 2 = 4.")
+             for i in range(2)]
+    with pytest.raises(errors.NothingToTrain) as e:
+        pope.PopeMethod(PROMPTS, short, {}, schedule=FixedPrefix(), max_units=4,
+                        max_fraction=0.25, guidance="solution_prefix", problems_per_step=1, n=2,
+                        seed=0)
+    assert errors.one_line(e.value) == (
+        "error: pope: no prefix of the 2 hard problems' solutions fits the cap: they have at "
+        "most 1 step(s) (lines), and a prefix is at most mining.max_prefix_units=4 steps and "
+        "pope.max_prefix_fraction=0.25 of them, never all; expected solutions of several lines "
+        "(one step a line), a larger cap, or pope.unsolved=unguided to train them unguided")
     with pytest.raises(errors.NothingToTrain, match="no hard problem to train on.*mining.k"):
         pope.PopeMethod(PROMPTS, [], {}, schedule=FixedPrefix(), guidance="solution_prefix",
                         problems_per_step=1, n=2, seed=0)

@@ -77,12 +77,16 @@ LAUNCH_PROGRAMS = {"launch/tpu.sh": "launch", "python launch/capacity_plan.py": 
                    "export": "external", "tensorboard": "external"}
 
 MORE_PROBLEMS = [
-    {"question": "A box holds 6 pens. How many pens are in 5 boxes?",
-     "solution": "Each box holds 6 pens, so 5 boxes hold 5 * 6 = 30.", "answer": "30"},
-    {"question": "Sara had 20 dollars and spent 8. How many dollars are left?",
-     "solution": "She has 20 - 8 = 12 left.", "answer": "12"},
-    {"question": "12 eggs are shared equally by 4 people. How many does each get?",
-     "solution": "Each gets 12 / 4 = 3.", "answer": "3"},
+    {"question": "A box holds 6 pens. Ann buys 5 boxes and loses 3 pens. How many are left?",
+     "solution": "Each box holds 6 pens.\nFive boxes hold 5 * 6 = 30 pens.\n"
+                 "She loses 3: 30 - 3 = 27.\nShe has 27 pens left.", "answer": "27"},
+    {"question": "Sara had 20 dollars, spent 8 and then earned 5. How many dollars has she?",
+     "solution": "She starts with 20 dollars.\nShe spends 8: 20 - 8 = 12.\n"
+                 "She earns 5: 12 + 5 = 17.\nShe has 17 dollars.", "answer": "17"},
+    {"question": "12 eggs are shared equally by 4 people, who each eat one. How many are left "
+                 "per person?",
+     "solution": "There are 12 eggs.\nShared by 4, each gets 12 / 4 = 3.\n"
+                 "Each eats one: 3 - 1 = 2.\nEach has 2 eggs left.", "answer": "2"},
 ]
 
 
