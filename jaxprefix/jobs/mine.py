@@ -157,8 +157,10 @@ class Mining:
                                  f"mining.max_prefix_units); use another mining.dir")
             return record
         # Every prefix length up to the cap, m samples each (a solved problem stops early).
-        self._log_cost(f"{name} (up to {m.max_prefix_units} prefix lengths)", hard.problems,
-                       m.prefix_samples * m.max_prefix_units)
+        lengths = max((pope.prefix_limit(p, max_units=m.max_prefix_units, max_fraction=cap)
+                       for p in hard.problems), default=0)
+        self._log_cost(f"{name} (up to {lengths} prefix lengths)", hard.problems,
+                       m.prefix_samples * lengths)
         self._booking(name)
         search = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
