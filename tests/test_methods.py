@@ -599,10 +599,9 @@ def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
 def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
     from jaxprefix.jobs.mine import sampling_cost
 
-    problems = PROBLEMS[:3]
-    question_tokens = sum(len(PROMPTS.question(p)) for p in problems)
-    tokens = 16 * (question_tokens + 3 * 61)  # 16 samples of each, up to 61 new tokens
-    line = sampling_cost("mining the hard set", problems, 16, 61, PROMPTS, num_params=1000)
-    assert line == (f"mining the hard set: will sample 3 problems x 16 samples x up to 61 new "
-                    f"tokens (D <= {tokens:.3g} tokens with the questions), <= "
+    lengths = [len(PROMPTS.question(p)) for p in PROBLEMS[:3]]
+    tokens = 16 * (sum(lengths) + 3 * 61)  # 16 samples of each, up to 61 new tokens
+    line = sampling_cost("mining the hard set", lengths, 16, 61, num_params=1000)
+    assert line == (f"mining the hard set: will sample 3 contexts x 16 samples x up to 61 new "
+                    f"tokens (D <= {tokens:.3g} tokens, contexts included), <= "
                     f"{2 * 1000 * tokens:.3g} FLOPs (2 N D, N = 1e+03 parameters)")

@@ -45,16 +45,21 @@ def mining_dir(config, workdir: str) -> str:
     return config.mining.get("dir") or storage.join(workdir, "mining")
 
 
-def sampling_cost(what: str, problems, samples: int, max_new_tokens: int, prompts,
+def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
                   num_params: int) -> str:
-    """The line logged before a mining stage samples: problems x samples x tokens (at most
-    max_new_tokens sampled after each question) and its FLOPs bound, 2 N D (D: the question's
-    tokens plus the most a sample may generate, every sample)."""
-    question_tokens = sum(len(prompts.question(p)) for p in problems)
-    tokens = samples * (question_tokens + len(problems) * max_new_tokens)
-    return (f"{what}: will sample {len(problems)} problems x {samples} samples x up to "
-            f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens with the questions), "
+    """The line logged before a mining stage samples: contexts x samples x tokens (at most
+    max_new_tokens sampled after each context) and its FLOPs bound, 2 N D (D: every sample's
+    context plus the most it may generate, the ledger's accounting)."""
+    contexts = len(context_lengths)
+    tokens = samples * (sum(context_lengths) + contexts * max_new_tokens)
+    return (f"{what}: will sample {contexts} contexts x {samples} samples x up to "
+            f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens, contexts included), "
             f"<= {2 * num_params * tokens:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
+
+
+def _length(context) -> int:
+    return len(context.prompt) + len(context.suffix) if hasattr(context, "suffix") \
+        else len(context)
 
 
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
@@ -93,9 +98,13 @@ class Mining:
                              f"again")
         return {name: ComputeLedger.from_dict(d) for name, d in record.items()}
 
-    def _log_cost(self, what: str, problems, samples: int) -> None:
-        logging.info("%s", sampling_cost(what, problems, samples,
-                                         self.config.rollout.max_new_tokens, self.policy.prompts,
+    def _log_cost(self, what: str, items, samples: int, contexts: bool = False) -> None:
+        """Logs sampling_cost of `samples` samples of each problem's question (or of each given
+        context)."""
+        lengths = [_length(c) if contexts else len(self.policy.prompts.question(c))
+                   for c in items]
+        logging.info("%s", sampling_cost(what, lengths, samples,
+                                         self.config.rollout.max_new_tokens,
                                          self.policy.model.config.num_params()))
 
     def _booking(self, artifact: str) -> None:
@@ -156,11 +165,16 @@ class Mining:
                                  f"the config asks {settings} (mining.prefix_samples, "
                                  f"mining.max_prefix_units); use another mining.dir")
             return record
-        # Every prefix length up to the cap, m samples each (a solved problem stops early).
-        lengths = max((pope.prefix_limit(p, max_units=m.max_prefix_units, max_fraction=cap)
-                       for p in hard.problems), default=0)
-        self._log_cost(f"{name} (up to {lengths} prefix lengths)", hard.problems,
-                       m.prefix_samples * lengths)
+        # Every prefix length the cap allows each problem, m samples each (a problem stops at
+        # its first solved length): the guided contexts the search may sample.
+        guide = dict(guidance=self.config.pope.guidance,
+                     template=pope.TEMPLATES[self.config.pope.template])
+        guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
+                  for problem in hard.problems
+                  for units in range(1, pope.prefix_limit(problem, max_units=m.max_prefix_units,
+                                                          max_fraction=cap) + 1)]
+        self._log_cost(f"{name} (every length the cap allows)", guided, m.prefix_samples,
+                       contexts=True)
         self._booking(name)
         search = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
