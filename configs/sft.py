@@ -10,7 +10,7 @@ Training stops at the first evaluation point where the hard set is never solved 
 
 import ml_collections
 
-from jaxprefix import distributed
+from jaxprefix import run_config
 
 
 VARIANTS = ("demo", "smoke", "carry", "carry_smoke")
@@ -53,44 +53,7 @@ def keyed(smoke: bool) -> ml_collections.ConfigDict:
 def carry(smoke: bool) -> ml_collections.ConfigDict:
     """The base of carry_multiplication (the long-guidance case, and PrefixRL's regime)."""
     variant = "smoke" if smoke else "demo"
-    config = ml_collections.ConfigDict()
-    config.job = "sft"
-    config.task = "carry_multiplication"
-    config.seed = 0
-    config.distributed = distributed.default_config()
-
-    # 2 layers, width 64, 4 heads, MLP 4x: ~110K parameters, a few ms per step on one CPU core.
-    config.model = ml_collections.ConfigDict(dict(layers=2, width=64, heads=4, mlp_width=256))
-
-    # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
-    # first; multipliers 2..9 (1 is copying); each step's notation '^' with probability tens_first;
-    # a hinted_fraction of rows with their first steps as a hint in the prompt.
-    config.data = ml_collections.ConfigDict(dict(
-        batch_size=64, digits=(1, 20), full_length_fraction=0.5, multipliers=(2, 9),
-        tens_first=0.5, hinted_fraction=0.75))
-
-    # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
-    config.lr = 1e-3
-    config.warmup_steps = 100
-    config.weight_decay = 1e-4
-    config.max_steps = 1500
-    # Each point costs one forward pass; sampling starts once the step accuracy passes a gate.
-    config.eval_start = 300
-    config.eval_every = 25
-
-    config.criterion = ml_collections.ConfigDict(dict(
-        k=16,                      # the mining k: hard pass@k must be exactly 0
-        hard_count=64,             # hard problems (20 digits x 6..9) measured at each point
-        hard_seed=10_000,          # distinct from the RL sets' seeds
-        steps_left=2,              # guided success is measured with this many steps left ...
-        guided_floor=0.25,         # ... and must reach this floor
-        guided_samples=8,
-        # Guided as POPE guides the demo: the hint in the prompt ('instruction', the policy
-        # writes the whole answer) or forced as the start of the answer ('solution_prefix').
-        guidance="instruction",
-        report_steps_left=(1, 2, 4),
-        # Sampling is skipped below this teacher-forced step accuracy p (guided ~ p^steps_left).
-        sample_from_step_accuracy=0.3))
+    config = run_config.sft_base_config()  # its fields, defaults and docs (SFT_FIELDS)
 
     if variant == "smoke":
         config.data.batch_size = 16

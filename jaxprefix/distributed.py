@@ -38,22 +38,28 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxprefix.config_fields import Field, build
+
 MODES = ("auto", "off")
+
+
+FIELDS = {
+    "mode": Field("auto", "'auto' (detect, see module doc) or 'off'"),
+    "coordinator_address": Field("", "'host:port' of process 0; setting it makes the cluster "
+                                     "explicit"),
+    "num_processes": Field(1, "processes of an explicit cluster"),
+    "process_id": Field(0, "this process's id in an explicit cluster (differs per process)"),
+    "cpu_collectives": Field("gloo", "CPU cross-process collectives (jax's own choice is none)"),
+    "num_cpu_devices": Field(0, "> 0: simulate this many CPU devices in each process"),
+    "initialization_timeout_s": Field(300, "seconds to wait for every process to join"),
+    "lost_process_timeout_s": Field(60.0, "a process silent this long is lost: the others stop "
+                                          "in one line (exit 75)"),
+}
 
 
 def default_config() -> ml_collections.ConfigDict:
     """The `config.distributed` block with its defaults (single process unless on a TPU VM)."""
-    return ml_collections.ConfigDict(dict(
-        mode="auto",              # 'auto' (detect, see module doc) or 'off'
-        coordinator_address="",   # 'host:port' of process 0; setting it makes the cluster explicit
-        num_processes=1,          # explicit cluster only
-        process_id=0,             # explicit cluster only; differs per process
-        cpu_collectives="gloo",   # CPU cross-process collectives (jax's own choice is none)
-        num_cpu_devices=0,        # > 0: simulate this many CPU devices in each process
-        initialization_timeout_s=300,
-        # A process silent this long is lost: the others stop in one line (exit 75).
-        lost_process_timeout_s=60.0,
-    ))
+    return build(FIELDS)
 
 
 def on_cloud_tpu_vm() -> bool:

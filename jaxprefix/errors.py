@@ -38,6 +38,11 @@ class CheckpointError(UserError):
     """No checkpoint of a workdir restores, or one was written by another model."""
 
 
+class NothingToTrain(UserError, ValueError):
+    """A method left with no problem to train on (none hard, or no solvable prefix within the
+    cap); names the fields that would change it."""
+
+
 class DiskFull(UserError, OSError):
     """Not enough space where a run writes; names the path and the bytes needed."""
 

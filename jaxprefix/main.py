@@ -5,7 +5,7 @@
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
 `config.job` picks the job (sft, mine, rl, eval, sweep, fit, prereg, demo, results, export,
-compile); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
+compile; `describe` prints every field with its value and what it does, and runs nothing); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
 run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
 and every path field may be local or gs:// (jaxprefix.storage).
 
@@ -83,7 +83,9 @@ def remote_paths(config, workdir: str) -> list[str]:
             for item in value.values():
                 visit(item)
     visit(config.compile if config.job == "compile" else config)
-    return [p for p in found if "://" in p]
+    from jaxprefix import storage  # a placeholder the job reads was refused; the others are unread
+
+    return [p for p in found if "://" in p and not storage.is_placeholder(p)]
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -96,14 +98,32 @@ def parse_flags(argv: list[str]) -> list[str]:
         reason = lines[-1] if len(lines) > 1 else ""
         _exit_with(f"error: {head}{': ' + reason if reason else ''}", 2)
     except (AttributeError, KeyError) as e:  # ml_collections on a field the config lacks
-        text = str(e).replace("\\'", "'")
-        field = re.search(r"'(\w+)'", text)
-        field = field.group(1) if field else ""
-        arg = next((a for a in argv if a.startswith("--config.")
-                    and field in a.split("=", 1)[0].split(".")), "--config")
-        hint = re.search(r'Did you mean "(\w+)"', text)
-        _exit_with(f"error: {arg}: no such config field {field!r}; expected a field of the "
-                   f"config file{f' (did you mean {hint.group(1)!r}?)' if hint else ''}", 2)
+        _exit_with(f"error: {_unknown_field(argv, e)}", 2)
+
+
+def _unknown_field(argv: list[str], error: Exception) -> str:
+    """`--config.trian.total_steps=1: no such config field 'trian.total_steps'; ... (nearest:
+    'train.total_steps')`: the override naming a field the config lacks, and the closest names
+    of that config (config_fields.nearest over its leaves)."""
+    from jaxprefix import config_fields, run_config
+
+    config_arg = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+    try:
+        names = [n for n, _ in config_fields.leaves(run_config.from_file(
+            *config_arg.split(":", 1)))]
+    except Exception:  # noqa: BLE001  (the config loaded before the override failed; be safe)
+        names = []
+    blocks = {n.rsplit(".", i)[0] for n in names for i in range(1, n.count(".") + 1)}
+    for arg in argv:
+        if arg.startswith("--config.") and "=" in arg:
+            field = arg.split("=", 1)[0].removeprefix("--config.")
+            if names and field not in names and field not in blocks:
+                close = config_fields.nearest(field, names)
+                hint = f" (nearest: {', '.join(repr(c) for c in close)})" if close else ""
+                return (f"{arg}: no such config field {field!r}; expected a field of the config "
+                        f"file (python -m jaxprefix.main --config={config_arg} "
+                        f"--config.job=describe lists them){hint}")
+    return f"--config: no such config field: {str(error).splitlines()[0]}"
 
 
 def _exit_with(line: str, status: int):
@@ -125,6 +145,11 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_OnlyOurInfo())
     config = _CONFIG.value
+    if config.job == "describe":  # every field, its value and what it does; nothing runs
+        from jaxprefix import config_fields, run_config
+
+        print("\n".join(config_fields.describe(config, run_config.field_docs(config))))
+        return
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
     from jaxprefix import distributed, errors, storage, storage_faults
@@ -136,6 +161,9 @@ def main(argv):
         except ValueError as e:
             raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
+        from jaxprefix.jobs import preflight
+
+        preflight.refuse_placeholders(config, workdir)  # gs://YOUR_BUCKET/...: never tried
         for path in remote_paths(config, workdir):  # a missing client package or bucket
             try:
                 storage.require_backend(path)
@@ -143,8 +171,6 @@ def main(argv):
                 raise errors.ConfigError(str(e)) from None
         distributed.initialize(config.distributed)
         logging.info("job %s, workdir %s", config.job, workdir)
-        from jaxprefix.jobs import preflight
-
         preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards
 

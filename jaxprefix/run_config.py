@@ -12,160 +12,363 @@ import os
 
 import ml_collections
 
-from jaxprefix import distributed
+from jaxprefix import config_fields, distributed
+from jaxprefix.config_fields import Field
+
+
+F = Field
+
+# The blocks of every run, each field with its default and one line of what it does (the
+# describe job prints them: --config.job=describe). Longer explanations are comments above.
+FIELDS = {
+    "job": F("rl", "sft | mine | rl | eval | sweep | fit | prereg | demo | results | export | "
+                   "compile | describe"),
+    "method": F("grpo", "grpo | pope | prefixrl"),
+    "seed": F(0, "seed of the run's sampling and initialisation"),
+    # Resuming refuses a change to a field that alters the run (run_identity.py) unless listed.
+    "allow_changes": F("", "fields a resumed run may change, e.g. 'train.learning_rate,rollout.n'"
+                           " (a block name covers its fields)"),
+    # Where the policy comes from (jobs/policy.py). param_dtype: the master copy the optimizer
+    # updates; dtype: the forward/backward's and the sampler's copy of the weights.
+    "model": {
+        "source": F("sft", "where the policy comes from: sft (the tiny demo base) | hf | gguf"),
+        "path": F("", "HF directory or GGUF file, local or gs:// ('bundled' with gguf: SmolLM2)"),
+        "param_dtype": F("float32", "dtype of the trained weights and optimizer moments"),
+        "dtype": F("float32", "compute dtype of forward, backward and sampling"),
+        "system_prompt": F("", "system message of the chat template ('' : none)"),
+    },
+    # The tiny base model's SFT (model.source 'sft' only): configs/sft.py's fields (SFT_FIELDS).
+    "sft": {},
+    # Problem sets (jobs/problem_sets.py). Bad records and over-long prompts are refused (one
+    # line naming file and line), or skipped and counted with skip_invalid.
+    "data": {
+        "source": F("carry_multiplication", "problems from: file | hf | tfds | reasoning_gym | "
+                                            "a built-in task name"),
+        "task": F("", "the reasoning_gym task (e.g. gsm_symbolic)"),
+        "path": F("", "training problems: a JSON-lines / JSON / parquet file or directory, or "
+                      "a dataset directory"),
+        "eval_path": F("", "evaluation problems ('' with file: none; with hf/tfds: path's "
+                           "eval_split)"),
+        "split": F("train", "split of an hf or tfds dataset to train on"),
+        "eval_split": F("", "split of an hf or tfds dataset to evaluate on"),
+        "question_field": F("question", "record field holding the problem text"),
+        "solution_field": F("solution", "record field holding a worked solution (POPE's and "
+                                        "PrefixRL's oracle)"),
+        "answer_field": F("answer", "record field holding the reference answer"),
+        "verifier": F("math", "reward: math | math_lenient | exact | format | reasoning_gym | "
+                              "a task name"),
+        "train_size": F(256, "training problems used (0: all of the file)"),
+        "eval_size": F(128, "evaluation problems used (0: all)"),
+        "seed": F(1, "seed of the training set's order (and generation for built-in tasks)"),
+        "eval_seed": F(2, "seed of the evaluation set"),
+        "digits": F((20, 20), "built-in tasks: the hard problems' digit range"),
+        "multipliers": F((6, 9), "built-in tasks: the multiplier range"),
+        "easy_size": F(0, "built-in tasks: easy problems added (POPE's hard + easy runs)"),
+        "easy_digits": F((1, 10), "built-in tasks: the easy problems' digit range"),
+        "skip_invalid": F(False, "skip and count bad records instead of refusing the file"),
+        "max_prompt_tokens": F(0, "refuse (or skip) longer prompts (0: the model's context less "
+                                  "rollout.max_new_tokens)"),
+    },
+    # Sampling of training rollouts (and of mining, at the same settings). None of
+    # max_rows_in_flight .. tensor_parallel changes the rollouts, only the speed.
+    "rollout": {
+        "n": F(8, "samples per problem (the group size)"),
+        "temperature": F(1.0, "sampling temperature"),
+        "top_p": F(1.0, "nucleus sampling (1: off)"),
+        "top_k": F(0, "top-k sampling (0: off)"),
+        "max_new_tokens": F(64, "longest completion in tokens"),
+        "max_rows_in_flight": F(0, "rows decoded at once (0: as many as kv_budget_gib holds)"),
+        "kv_budget_gib": F(0.0, "KV cache budget over all devices (0: accelerator memory less "
+                                "memory_headroom; unbounded on CPU)"),
+        "memory_headroom": F(0.16, "share of accelerator memory kept free by the KV budget"),
+        "page_size": F(128, "tokens per KV page of the continuous decode"),
+        "kv_reserve": F(1.0, "share of a row's pages promised at its start (< 1: more rows, the "
+                             "youngest preempted when pages run out)"),
+        "tensor_parallel": F(0, "devices the decode splits heads over (0: widest on TPU, the "
+                                "learner's layout elsewhere)"),
+        "kv_dtype": F("", "KV pages' dtype ('': compute dtype; 'int8' halves KV memory, changes"
+                          " log-probs a little)"),
+    },
+    # The learner (rl/train_step.py TrainConfig fields) and the loop.
+    "train": {
+        "problems_per_step": F(32, "problems (contexts) sampled per RL step"),
+        "total_steps": F(100, "RL steps"),
+        "advantage": F("grpo", "grpo | dr_grpo | rloo | pass_at_k"),
+        "dynamic_sampling": F(False, "DAPO: drop zero-variance groups and refill"),
+        "max_refill_rounds": F(2, "dynamic sampling's refill rounds per step"),
+        "learning_rate": F(1e-4, "peak learning rate (AdamW)"),
+        "schedule": F("constant", "learning-rate schedule: constant | cosine"),
+        "warmup_steps": F(0, "linear warmup steps"),
+        "decay_steps": F(1000, "steps of the schedule's decay"),
+        "min_lr_ratio": F(0.0, "final learning rate as a share of the peak"),
+        "b1": F(0.9, "Adam beta1"),
+        "b2": F(0.999, "Adam beta2"),
+        "adam_eps": F(1e-8, "Adam epsilon"),
+        "weight_decay": F(0.0, "AdamW weight decay"),
+        "max_grad_norm": F(1.0, "gradient clipping by global norm (0: off)"),
+        "num_minibatches": F(1, "optimizer updates per step's batch"),
+        "num_epochs": F(1, "passes over each step's batch"),
+        "micro_batch_size": F(0, "rows per gradient-accumulation micro-batch (0: all at once)"),
+        "eps_low": F(0.2, "PPO clip below 1"),
+        "eps_high": F(0.2, "PPO clip above 1 (DAPO clip-higher: 0.28)"),
+        "ratio": F("token", "importance ratio per token, or per sequence (GSPO)"),
+        "aggregation": F("token_mean", "token_mean | seq_mean_token_mean | seq_mean_token_sum_norm"),
+        "max_len": F(0, "seq_mean_token_sum_norm's normaliser (0: the batch width)"),
+        "kl_coef": F(0.0, "KL penalty to the reference policy (0: off, no reference kept)"),
+        "kl_kind": F("k3", "KL estimator: k1 | k3"),
+        "logprob_chunk": F(1024, "tokens per chunk of the log-prob computation (no [B, T, V] "
+                                 "logits)"),
+        "mask_truncated": F(False, "exclude completions cut at max_new_tokens from the loss"),
+        "remat": F(False, "recompute each layer in the backward pass (large models)"),
+        # tis_cap > 0 (with 'learner'): each token's policy-gradient term times
+        # min(pi_old / pi_sampler, tis_cap) (verl's TIS).
+        "old_logprobs": F("sampler", "pi_old of the ratio: 'sampler' (rollouts' log-probs) or "
+                                     "'learner' (recomputed)"),
+        "tis_cap": F(0.0, "truncated importance sampling cap (with old_logprobs='learner'; 0: "
+                          "off)"),
+        "logprobs_at_sampling_temperature": F(True, "score softmax(logits / temperature) (TRL, "
+                                                    "verl, Tunix); False: T = 1"),
+        "entropy_coef": F(0.0, "> 0: entropy bonus"),
+        "pass_k": F(4, "the k of advantage='pass_at_k' (Pass@k Training)"),
+        "flops_budget": F(0.0, "> 0: stop before a step would pass this many RL FLOPs"),
+        # LoRA (models/lora.py): scale alpha / r as PEFT; alpha 32 at any rank and ~10x the full
+        # fine-tuning learning rate, as in "LoRA without regret" (Schulman et al. 2025).
+        "lora_rank": F(0, "0: train every weight; r > 0: only LoRA adapters of rank r"),
+        "lora": {
+            "alpha": F(32.0, "LoRA scale numerator (scale alpha / rank)"),
+            "dropout": F(0.0, "LoRA dropout"),
+            "targets": F(("q", "k", "v", "o", "gate", "up", "down"), "projections given "
+                                                                     "adapters"),
+            "merged_sampling": F(True, "sample with adapters folded into the base (faster), "
+                                       "else per token"),
+        },
+    },
+    # Computed once before RL with the base policy (jobs/mine.py).
+    "mining": {
+        "train_on": F("all", "GRPO's training problems: 'all' or the mined 'hard' set"),
+        "k": F(16, "samples per problem; hard = solved 0 of k (paper: 128 at a 32k budget)"),
+        "prefix_samples": F(8, "samples per prefix length in the shortest-prefix search"),
+        "max_prefix_units": F(4, "longest prefix tried, in oracle steps"),
+        "rows_per_call": F(1024, "rows per sampler call while mining"),
+        "dir": F("", "where mining results are kept ('': <workdir>/mining)"),
+    },
+    "pope": {
+        "guidance": F("instruction", "'instruction', or 'solution_prefix' for policies that "
+                                     "follow no instruction"),
+        "template": F("default", "guided prompt: 'default' or 'no_restate' (the paper's "
+                                 "ablation)"),
+        # A published summary says the authors' prefixes reach about a quarter (unconfirmed).
+        "max_prefix_fraction": F(0.25, "longest prefix searched, as a share of the oracle "
+                                       "solution (never all of it)"),
+        "unsolved": F("drop", "hard problems with no solvable prefix in the cap: drop | longest "
+                              "| unguided"),
+        "guided_copies": F(1, "guided contexts per hard problem a step"),
+        "unguided_copies": F(1, "unguided contexts per hard problem a step"),
+        "easy_per_step": F(0, "easy problems mixed in per step (with data.easy_size)"),
+    },
+    "prefixrl": {
+        "prefixes_per_problem": F(3, "prefixed contexts per problem"),
+        "unprefixed_copies": F(1, "unprefixed contexts per problem"),
+        "cut_lo": F(0.4, "shortest cut point, as a share of the trace"),
+        "cut_hi": F(0.8, "longest cut point, as a share of the trace"),
+        "samples_per_round": F(64, "rejection-sampling samples per round"),
+        "max_samples": F(2500, "rejection-sampling samples per problem at most"),
+        "pool_path": F("", "another model's traces (id + text or tokens), verified on load"),
+        "pool_flops": F(0.0, "what generating pool_path cost, when declared: charged to the run"),
+        "oracle_traces": F(False, "oracle solutions as the traces, no rejection sampling"),
+    },
+    # Prefix-length schedule (methods/schedules.py); the chosen kind's fields are its block.
+    "schedule": {
+        "kind": F("fixed", "prefix-length schedule: fixed | annealed | adaptive"),
+        "annealed": {
+            "steps": F(100, "steps from start_fraction to end_fraction"),
+            "start_fraction": F(1.0, "prefix share of the cap at the start"),
+            "end_fraction": F(0.0, "prefix share of the cap at the end"),
+            "shape": F("linear", "linear | cosine"),
+        },
+        "adaptive": {
+            "window": F(16, "recent guided attempts per problem considered"),
+            "threshold": F(0.5, "guided success rate that shortens the prefix"),
+            "stride": F(1, "prefix units moved at a time"),
+            "lengthen": F(False, "also lengthen a prefix that stops being solved"),
+        },
+    },
+    "eval": {
+        "every": F(25, "steps between evaluations (unguided, on the eval set)"),
+        "n": F(16, "samples per evaluation problem"),
+        "ks": F((1, 8, 16), "the k of pass@k reported"),
+        "hard_set": F(False, "also evaluate on the mined training hard set (hard_set/*)"),
+    },
+    # metrics.jsonl and TensorBoard always (rl/metrics.py, rl/row_log.py: GCS has no append).
+    "metrics": {
+        "wandb": F(False, "also log to Weights & Biases (rl/wandb_writer.py)"),
+        "wandb_project": F("jaxprefix", "the W&B project"),
+        "wandb_mode": F("", "W&B mode: 'offline' needs no network ('': WANDB_MODE / default)"),
+        "segment_rows": F(1000, "rows a metrics file holds before it is sealed and the next "
+                                "starts"),
+    },
+    "checkpoint": {
+        "every": F(25, "steps between checkpoints"),
+        "keep": F(3, "checkpoints kept"),
+    },
+    "export": {"dtype": F("", "the export job's HF weights dtype ('': param_dtype)")},
+    # Verifiers (rewards/): in worker processes with timeouts.
+    "rewards": {
+        "timeout_s": F(10.0, "seconds a verifier may take per completion"),
+        "workers": F(0, "verifier worker processes (0: the verifier's default)"),
+        "max_chars": F(200_000, "longer completions score 0 unread (reward/too_long; 0: no "
+                                "cap)"),
+        "path": F("", "'FILE.py:FUNCTION' scoring fn(completion, problem) -> float instead of "
+                      "data.verifier"),
+        "max_memory_mb": F(8192, "address-space cap of each verifier worker (0: none)"),
+    },
+    # GCS (storage_faults.py): then, or at a permanent failure (403), one line; rerun resumes.
+    "storage": {"retry_deadline_s": F(600.0, "seconds a transient GCS failure is retried")},
+    "mesh": {
+        "data": F(-1, "data-parallel mesh axis (-1: the devices left)"),
+        "fsdp": F(1, "fully-sharded mesh axis (-1: the devices left)"),
+        "tensor": F(1, "tensor-parallel mesh axis"),
+    },
+    # One run per workdir (workdir_lock.py).
+    "workdir_lock": {
+        "stale_minutes": F(10.0, "a gs:// lock without heartbeat this long is taken over"),
+        "heartbeat_s": F(60.0, "seconds between the lock's heartbeats"),
+    },
+    # The compile job (jobs/compile.py): does a run fit a TPU slice, compiled from this machine.
+    "compile": {
+        "topology": F("", "TPU slice type: v6e-8, v5litepod-16, v5p-32, ..."),
+        "slices": F(1, "slices (multi-slice over DCN)"),
+        "context_length": F(1024, "longest context in tokens (prompt plus guidance or prefix)"),
+        "headroom": F(0.1, "share of HBM kept free"),
+        "model_config": F("", "a config.json to use when the model path's is not readable "
+                              "from here"),
+    },
+    "distributed": distributed.FIELDS,
+    "isocompute": {
+        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
+        "budgets": F((2**12, 2**13, 2**14), "the sweep's compute budgets (isocompute.budget_unit)"),
+        "ns": F((2, 4, 8, 16), "the sweep's samples per problem"),
+        "batches": F((8, 16), "the sweep's problems per step"),
+        "seeds": F((0,), "the sweep's seeds"),
+        "runs_dir": F("", "where the sweep's runs go ('': under the workdir)"),
+        "eval_every_rollouts": F(1024, "rollouts between a sweep run's evaluations"),
+        "print_only": F(False, "print the sweep's commands instead of running them"),
+        "config_arg": F("", "the --config its printed commands start from"),
+        # A run with R = n * B rollouts a step: train.learning_rate at lr_reference_rollouts,
+        # times (R / reference)^(0 | 1/2 | 1) for constant | sqrt | linear.
+        "lr_rule": F("sqrt", "learning rate vs rollouts a step: constant | sqrt | linear"),
+        "lr_reference_rollouts": F(512, "rollouts a step at which train.learning_rate holds"),
+        # An rl run allocated by the rule: n, B, M (and the lr by lr_rule) from a fitted curve.
+        "budget": F(0.0, "> 0: set n, B and M from the fitted frontier for this budget"),
+        "budget_unit": F("rollouts", "unit of budget and budgets: rollouts | flops"),
+        "frontier_path": F("", "a fit job's frontier.json ('': the default curve)"),
+        "batch": F(0, "problems per step of an allocated run (0: the rule's)"),
+        "n_min": F(2, "smallest n an allocation may pick"),
+        "n_max": F(1024, "largest n an allocation may pick"),
+    },
+}
+
+# configs/sft.py: the tiny base policy's SFT (the demo's base; `config.sft` of its RL runs).
+SFT_FIELDS = {
+    "job": F("sft", "the SFT job"),
+    "task": F("carry_multiplication", "the built-in task trained on"),
+    "seed": F(0, "seed of initialisation and data"),
+    "distributed": distributed.FIELDS,
+    # 2 layers, width 64, 4 heads, MLP 4x: ~110K parameters, a few ms per step on one CPU core.
+    "model": {
+        "layers": F(2, "decoder layers"),
+        "width": F(64, "model width"),
+        "heads": F(4, "attention heads"),
+        "mlp_width": F(256, "MLP hidden width"),
+    },
+    # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
+    # first; multipliers 2..9 (1 is copying).
+    "data": {
+        "batch_size": F(64, "rows per step"),
+        "digits": F((1, 20), "problem lengths trained on"),
+        "full_length_fraction": F(0.5, "share of rows at the longest length"),
+        "multipliers": F((2, 9), "multiplier range"),
+        "tens_first": F(0.5, "probability of each step's '^' notation"),
+        "hinted_fraction": F(0.75, "share of rows with their first steps as a hint in the "
+                                   "prompt"),
+    },
+
+    # AdamW 1e-3 with warmup: the feasibility study's recipe. A lower rate widens the window.
+    "lr": F(1e-3, "AdamW learning rate"),
+    "warmup_steps": F(100, "linear warmup steps"),
+    "weight_decay": F(1e-4, "AdamW weight decay"),
+    "max_steps": F(1500, "longest SFT"),
+    # Each point costs one forward pass; sampling starts once the step accuracy passes a gate.
+    "eval_start": F(300, "first step evaluated"),
+    "eval_every": F(25, "steps between evaluation points"),
+    "criterion": {
+        "k": F(16, "the mining k: hard pass@k must be exactly 0"),
+        "hard_count": F(64, "hard problems measured at each point"),
+        "hard_seed": F(10_000, "seed of those (distinct from the RL sets')"),
+        "steps_left": F(2, "guided success is measured with this many steps left ..."),
+        "guided_floor": F(0.25, "... and must reach this floor"),
+        "guided_samples": F(8, "samples per guided measurement"),
+        "guidance": F("instruction", "guided as POPE guides: 'instruction' or 'solution_prefix'"),
+        "report_steps_left": F((1, 2, 4), "steps left reported at each point"),
+        "sample_from_step_accuracy": F(0.3, "sampling skipped below this teacher-forced step "
+                                            "accuracy"),
+    },
+}
+
+# Blocks that one config file adds (configs/results.py, configs/isocompute.py): their fields'
+# defaults stay there; their docs live here so that describe lists them too.
+SFT_KEYED_DOCS = {
+    "data.second_rule_fraction": "share of rows under rule '>' with u = v",
+    "data.key_override_fraction": "share of hinted rows whose key digit is overridden",
+}
+RESULTS_DOCS = {
+    "seeds": "seeds of every run of the study",
+    "runs": "the runs of the study (jobs/results.py RUNS)",
+    "isocompute": "also the isocompute comparison",
+    "report_only": "the report of the finished runs; the others are 'not run'",
+    "output_dir": "where the report and its plots go",
+    "warm_start.epochs": "SFT warm starts: epochs over their examples",
+    "warm_start.batch_size": "SFT warm starts: rows per step",
+    "warm_start.learning_rate": "SFT warm starts: Adam learning rate",
+    "warm_start.warmup_fraction": "SFT warm starts: share of steps warming the rate up",
+    "regime.probe_digits": "PrefixRL regime: problem lengths probed",
+    "regime.probe_problems": "PrefixRL regime: problems probed per length",
+    "regime.probe_samples": "PrefixRL regime: samples per probed problem",
+    "regime.steps": "PrefixRL regime: RL steps of its runs",
+    "regime.contexts_per_step": "PrefixRL regime: contexts per step",
+    "regime.eval_every": "PrefixRL regime: steps between evaluations",
+    "regime.eval_n": "PrefixRL regime: samples per evaluation problem",
+    "other_base.seed": "the second base's SFT seed",
+    "other_base.tens_first": "the second base's share of '^' notation",
+    "iso_digits": "isocompute comparison: problem digit range",
+    "iso_eval_size": "isocompute comparison: evaluation problems",
+}
+PREREG_DOCS = {
+    "phase": "pre-registered sweep: 'predict' (fit, write n*) or the test",
+    "fit_max": "largest budget the fit uses",
+    "predict": "budgets at which n* is predicted",
+    "split_digits": "held-out groups: digits <= split_digits, and above",
+}
+
+SFT_DOCS = {**config_fields.docs(SFT_FIELDS), **SFT_KEYED_DOCS}
+DOCS = {**config_fields.docs(FIELDS), **{f"sft.{k}": v for k, v in SFT_DOCS.items()},
+        **{f"results.{k}": v for k, v in RESULTS_DOCS.items()},
+        **{f"isocompute.prereg.{k}": v for k, v in PREREG_DOCS.items()}}
 
 
 def base_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.job = "rl"  # sft | mine | rl | eval | sweep | fit | demo | results | export | compile
-    c.method = "grpo"  # grpo | pope | prefixrl
-    c.seed = 0
-    # Resuming refuses a change to a field that alters the run (run_identity.py) unless it is
-    # listed here: 'train.learning_rate,rollout.n' (a block name covers its fields).
-    c.allow_changes = ""
+    return config_fields.build(FIELDS)
 
-    # Where the policy comes from (jobs/policy.py): sft | hf | gguf ('bundled' = SmolLM2).
-    # param_dtype: the weights the optimizer updates and its moments (master copy); dtype: the
-    # compute dtype of the forward/backward and of the sampler's copy of the weights.
-    c.model = ml_collections.ConfigDict(dict(source="sft", path="", param_dtype="float32",
-                                             dtype="float32", system_prompt=""))
-    # The tiny base model's SFT (source 'sft' only); filled from configs/sft.py by the files.
-    c.sft = ml_collections.ConfigDict()
 
-    # Problem sets (jobs/problem_sets.py); split / eval_split: of an 'hf' or 'tfds' dataset.
-    c.data = ml_collections.ConfigDict(dict(
-        source="carry_multiplication", task="", path="", eval_path="", split="train", eval_split="",
-        question_field="question", solution_field="solution", answer_field="answer",
-        verifier="math", train_size=256,
-        eval_size=128, seed=1, eval_seed=2, digits=(20, 20), multipliers=(6, 9), easy_size=0,
-        easy_digits=(1, 10),
-        # Bad records and over-long prompts: refused (one line naming file and line), or skipped
-        # and counted with skip_invalid. Prompts must fit the model's context less
-        # rollout.max_new_tokens, and max_prompt_tokens when set (0: no cap of its own).
-        skip_invalid=False, max_prompt_tokens=0))
+def sft_base_config() -> ml_collections.ConfigDict:
+    return config_fields.build(SFT_FIELDS)
 
-    # Sampling of training rollouts (and of mining, at the same settings).
-    # max_rows_in_flight: rows decoded at once (0: as many as kv_budget_gib holds, all when it
-    # binds nothing); kv_budget_gib: KV cache budget over all devices (0: what the accelerators
-    # hold beyond memory_headroom of their memory, unbounded on CPU); page_size: tokens per KV
-    # page of the continuous decode; kv_reserve: share of a whole row's pages promised to each
-    # row it starts (below 1: more rows, the youngest preempted and restarted when pages run
-    # out); tensor_parallel: devices the decode splits heads over (0: the widest on TPU, the
-    # learner's layout elsewhere). None of these changes the rollouts, only the speed.
-    # kv_dtype: the KV pages' dtype ('': the compute dtype; 'int8' halves KV memory and reads,
-    # and changes the log-probs a little: see train.old_logprobs).
-    c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
-                                               max_new_tokens=64, max_rows_in_flight=0,
-                                               kv_budget_gib=0.0, memory_headroom=0.16,
-                                               page_size=128, kv_reserve=1.0, tensor_parallel=0,
-                                               kv_dtype=''))
 
-    # The learner (rl/train_step.py TrainConfig fields) and the loop.
-    c.train = ml_collections.ConfigDict(dict(
-        problems_per_step=32, total_steps=100, advantage="grpo", dynamic_sampling=False,
-        max_refill_rounds=2, learning_rate=1e-4, schedule="constant", warmup_steps=0,
-        decay_steps=1000, min_lr_ratio=0.0, b1=0.9, b2=0.999, adam_eps=1e-8, weight_decay=0.0,
-        max_grad_norm=1.0, num_minibatches=1, num_epochs=1, micro_batch_size=0, eps_low=0.2,
-        eps_high=0.2, ratio="token", aggregation="token_mean", max_len=0, kl_coef=0.0,
-        kl_kind="k3", logprob_chunk=1024, mask_truncated=False,
-        remat=False,  # True: recompute each layer in the backward pass (large models)
-        # pi_old of the ratio: 'sampler' (the rollouts' log-probs) or 'learner' (one more forward
-        # recomputes them in the learner's numerics; logs rollout/logprob_mismatch_mean, _max).
-        # tis_cap > 0 (with 'learner'): truncated importance sampling, each token's
-        # policy-gradient term times min(pi_old / pi_sampler, tis_cap) (verl's TIS; 0: off).
-        old_logprobs="sampler", tis_cap=0.0,
-        # Log-probs and loss of softmax(logits / rollout.temperature) (TRL, verl, Tunix); False
-        # scores the raw model (T = 1) whatever the sampling temperature.
-        logprobs_at_sampling_temperature=True,
-        entropy_coef=0.0,  # > 0: entropy bonus (a baseline POPE reports failing on hard problems)
-        pass_k=4,  # the k of advantage='pass_at_k' (Pass@k Training, Chen et al. 2025)
-        flops_budget=0.0,  # > 0: stop before a step would pass this many RL FLOPs
-        # LoRA (models/lora.py): rank 0 trains every weight; rank r > 0 trains only adapters of
-        # rank r on `targets` (scale alpha / r, as PEFT). alpha 32 at any rank, as in "LoRA
-        # without regret" (Schulman et al. 2025), and ~10x the full fine-tuning learning rate.
-        lora_rank=0,
-        # merged_sampling: sample with the adapters folded into the base (faster; a copy of the
-        # targeted weights while sampling), else apply them per token.
-        lora=dict(alpha=32.0, dropout=0.0, targets=("q", "k", "v", "o", "gate", "up", "down"),
-                  merged_sampling=True)))
-
-    # Computed once before RL with the base policy (jobs/mine.py).
-    c.mining = ml_collections.ConfigDict(dict(
-        train_on="all",        # GRPO's training problems: 'all' or the mined 'hard' set
-        k=16,                  # hard = solved 0 of k (paper: k=128 at a 32k budget)
-        prefix_samples=8,      # m samples per prefix length in the shortest-prefix search
-        max_prefix_units=4,    # longest prefix tried, in oracle steps
-        rows_per_call=1024, dir=""))
-
-    c.pope = ml_collections.ConfigDict(dict(
-        guidance="instruction",  # or 'solution_prefix' for policies that follow no instruction
-        template="default",      # or 'no_restate' (the paper's ablation)
-        # The longest prefix searched, as a fraction of the oracle solution (a published summary
-        # says the authors' prefixes reach about a quarter; unconfirmed). Never the whole one.
-        max_prefix_fraction=0.25,
-        unsolved="drop",  # no solvable prefix within the cap: 'drop' it, or 'longest' (tried)
-        guided_copies=1, unguided_copies=1, easy_per_step=0))
-
-    c.prefixrl = ml_collections.ConfigDict(dict(
-        prefixes_per_problem=3, unprefixed_copies=1, cut_lo=0.4, cut_hi=0.8,
-        samples_per_round=64, max_samples=2500,
-        pool_path="",     # another model's traces (id + text or tokens), verified on load
-        pool_flops=0.0,   # what generating pool_path cost, when declared: charged to the run
-        oracle_traces=False))  # True: oracle solutions as the traces, no rejection sampling
-
-    # Prefix-length schedule (methods/schedules.py): fixed | annealed | adaptive.
-    # The fields of the chosen kind are in the block of that name.
-    c.schedule = ml_collections.ConfigDict(dict(
-        kind="fixed",
-        annealed=dict(steps=100, start_fraction=1.0, end_fraction=0.0, shape="linear"),
-        adaptive=dict(window=16, threshold=0.5, stride=1, lengthen=False)))
-
-    # hard_set: also evaluate on the mined training hard set, unguided (hard_set/* metrics).
-    c.eval = ml_collections.ConfigDict(dict(every=25, n=16, ks=(1, 8, 16), hard_set=False))
-    # metrics.jsonl and TensorBoard always; wandb=True adds Weights & Biases (rl/wandb_writer.py;
-    # wandb_mode 'offline' needs no network, '' leaves it to WANDB_MODE / the logged-in default).
-    # segment_rows: rows metrics.jsonl and eval_counts.jsonl (and events a TensorBoard file) hold
-    # before they are sealed and the next starts, which bounds what a flush writes (GCS has no
-    # append; rl/row_log.py).
-    c.metrics = ml_collections.ConfigDict(dict(wandb=False, wandb_project="jaxprefix",
-                                               wandb_mode="", segment_rows=1000))
-    c.checkpoint = ml_collections.ConfigDict(dict(every=25, keep=3))
-    # The export job's HF directory (<workdir>/export): weights in `dtype` ('' = param_dtype).
-    c.export = ml_collections.ConfigDict(dict(dtype=""))
-    # workers 0: the verifier's default (a process pool for math, in-process for exact match).
-    # max_chars: longer completions score 0 unread, counted in reward/too_long (0: no cap).
-    # path 'FILE.py:FUNCTION': score with fn(completion, problem) -> float of a Python file
-    # instead of data.verifier (rewards/from_file.py), in the same worker pool and timeout.
-    # max_memory_mb: the address-space cap of each verifier worker process (0: none); an answer
-    # that allocates past it fails in its worker (scored 0, counted) instead of taking the host.
-    c.rewards = ml_collections.ConfigDict(dict(timeout_s=10.0, workers=0, max_chars=200_000,
-                                               path="", max_memory_mb=8192))
-    # GCS (storage_faults.py): a transient failure (429, 5xx, a dropped connection) is retried
-    # for up to retry_deadline_s seconds; then, or at a permanent one (403), the run stops in one
-    # line and the same command resumes.
-    c.storage = ml_collections.ConfigDict(dict(retry_deadline_s=600.0))
-    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
-    # One run per workdir (workdir_lock.py); on gs:// a lock without heartbeat for stale_minutes
-    # is taken over.
-    c.workdir_lock = ml_collections.ConfigDict(dict(stale_minutes=10.0, heartbeat_s=60.0))
-    # The compile job (jobs/compile.py): a TPU type (v6e-8, v5litepod-16, v5p-32), a slice count,
-    # the longest context in tokens (prompt plus guidance or prefix), the HBM share kept free,
-    # and optionally a config.json to use when the model path's is not readable from here.
-    c.compile = ml_collections.ConfigDict(dict(topology="", slices=1, context_length=1024,
-                                               headroom=0.1, model_config=""))
-    c.distributed = distributed.default_config()
-    c.isocompute = ml_collections.ConfigDict(dict(
-        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
-        budgets=(2**12, 2**13, 2**14), ns=(2, 4, 8, 16), batches=(8, 16), seeds=(0,), runs_dir="",
-        eval_every_rollouts=1024, print_only=False,
-        config_arg="",  # the --config its printed commands start from (configs/isocompute.py)
-        # Learning rate of a run with R = n * B rollouts a step: train.learning_rate at
-        # lr_reference_rollouts, times (R / reference)^(0 | 1/2 | 1) for constant | sqrt | linear.
-        lr_rule="sqrt", lr_reference_rollouts=512,
-        # An rl run allocated by the rule: budget > 0 sets n, B and M (and the lr by lr_rule) from
-        # the fitted curve in frontier_path (a fit job's frontier.json; '' = the default curve).
-        budget=0.0, budget_unit="rollouts", frontier_path="", batch=0, n_min=2, n_max=1024))
-    return c
+def field_docs(config) -> dict[str, str]:
+    """`dotted.name -> doc` of a config: an RL-side config, or configs/sft.py's own."""
+    if "method" in config:
+        return DOCS
+    return SFT_DOCS
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
@@ -311,9 +514,9 @@ def paper(c: ml_collections.ConfigDict) -> None:
     # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
     c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
                    param_dtype="float32", dtype="bfloat16", system_prompt=BOXED_ANSWER_PROMPT)
-    c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl",
-                  eval_path="gs://YOUR_BUCKET/aime25.jsonl", verifier="math", train_size=0,
-                  eval_size=0)
+    # No eval set unless given (--config.data.eval_path=gs://.../aime25.jsonl, the paper's).
+    c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl", eval_path="",
+                  verifier="math", train_size=0, eval_size=0)
     c.rollout.update(n=8, temperature=0.8, max_new_tokens=16384)
     c.train.update(problems_per_step=64, total_steps=400, learning_rate=1e-6, schedule="cosine",
                    warmup_steps=10, decay_steps=400, max_grad_norm=0.3, weight_decay=0.01,

@@ -47,6 +47,17 @@ def is_remote(path) -> bool:
     return "://" in str(path)
 
 
+# The bucket names the configs and docs print for "your bucket": a path in one is a
+# placeholder, refused in one line by a job that must read it (jobs/preflight.py), never tried.
+PLACEHOLDER_BUCKETS = ("YOUR_BUCKET", "MY_BUCKET", "BUCKET")
+
+
+def is_placeholder(path) -> bool:
+    """True for 'gs://YOUR_BUCKET/...' and the like: a path still to be filled in."""
+    return is_remote(path) and str(path).split("://", 1)[1].split("/", 1)[0] in \
+        PLACEHOLDER_BUCKETS
+
+
 def _scheme(path) -> str:
     return str(path).split("://", 1)[0]
 

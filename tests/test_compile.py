@@ -257,10 +257,9 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     assert (config.model.param_dtype, config.model.dtype) == ('float32', 'bfloat16')
     config.job = 'compile'
     config.compile.topology = 'v6e-8'
-    # The shipped config.json, named: the variant's placeholder bucket is not asked (no traffic).
-    shipped = tmp_path / 'config.json'
-    shipped.write_text(json.dumps(published.hf_config(config.model.path)))
-    config.compile.model_config = str(shipped)
+    # As printed: model.path is the variant's placeholder, so its shipped config.json is used
+    # and the bucket is never asked.
+    assert config.model.path == 'gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507'
     report = run_compile(config, str(tmp_path))
     # The run itself, not a smaller one: 64 problems asked guided and plainly, 8 samples each,
     # 16,384 new tokens after 2,048-token contexts, trained at the bucketed width.

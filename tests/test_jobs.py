@@ -234,8 +234,10 @@ def test_misspelt_config_field_is_one_line(tmp_path):
     status, lines = run_main_failing("configs/grpo.py:smoke", tmp_path / "w",
                                      "--config.train.learnin_rate=1e-3")
     assert status == 2 and lines == [
-        "error: --config.train.learnin_rate=1e-3: no such config field 'learnin_rate'; expected a "
-        "field of the config file (did you mean 'learning_rate'?)"]
+        "error: --config.train.learnin_rate=1e-3: no such config field 'train.learnin_rate'; "
+        "expected a field of the config file (python -m jaxprefix.main "
+        "--config=configs/grpo.py:smoke --config.job=describe lists them) (nearest: "
+        "'train.learning_rate', 'train.min_lr_ratio', 'train.lora_rank')"]
 
 
 def test_malformed_data_file_fails_in_seconds_before_sft_writing_nothing(tmp_path):

@@ -193,8 +193,45 @@ def test_pope_drops_problems_without_a_solvable_prefix_and_counts_them():
     request = method.next_request(0)
     assert hard[1].id not in {p.id for p in request.problems}
     with pytest.raises(ValueError, match="none of the 1 hard problems has a solvable prefix"):
-        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(),
+        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(), max_units=4,
                         guidance="solution_prefix", problems_per_step=1, n=2, seed=0)
+
+
+def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it():
+    from jaxprefix import errors
+
+    hard = PROBLEMS[:3]
+    none_found = {p.id: None for p in hard}
+    with pytest.raises(errors.NothingToTrain) as e:
+        pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(), max_units=4,
+                        max_fraction=0.25, guidance="solution_prefix", problems_per_step=1, n=2,
+                        seed=0)
+    line = errors.one_line(e.value)
+    assert line.startswith("error: pope: none of the 3 hard problems has a solvable prefix "
+                           "within the cap (0.25 of the solution, 4 steps)")
+    for field in ("pope.max_prefix_fraction", "mining.max_prefix_units", "mining.prefix_samples",
+                  "pope.unsolved=unguided"):
+        assert field in line and "\n" not in line
+    # one-line solutions: a prefix must be shorter than the solution, so none fits any cap
+    short = [Problem(id=f"s{i}", question="2+2?", answer="4", solution="2 + 2 = 4.")
+             for i in range(2)]
+    with pytest.raises(errors.NothingToTrain) as e:
+        pope.PopeMethod(PROMPTS, short, {}, schedule=FixedPrefix(), max_units=4,
+                        max_fraction=0.25, guidance="solution_prefix", problems_per_step=1, n=2,
+                        seed=0)
+    assert errors.one_line(e.value) == (
+        "error: pope: no prefix of the 2 hard problems' solutions fits the cap: they have at "
+        "most 1 step(s) (lines), and a prefix is at most mining.max_prefix_units=4 steps and "
+        "pope.max_prefix_fraction=0.25 of them, never all; expected solutions of several lines "
+        "(one step a line), a larger cap, or pope.unsolved=unguided to train them unguided")
+    with pytest.raises(errors.NothingToTrain, match="no hard problem to train on.*mining.k"):
+        pope.PopeMethod(PROMPTS, [], {}, schedule=FixedPrefix(), guidance="solution_prefix",
+                        problems_per_step=1, n=2, seed=0)
+    # pope.unsolved=unguided trains what it can: every hard problem, unguided
+    method = pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(),
+                             unsolved="unguided", guidance="solution_prefix",
+                             problems_per_step=1, n=2, seed=0)
+    assert method.dropped == [] and method.prefix_units == {}
 
 
 def test_pope_longest_fallback_never_guides_with_the_whole_solution():
@@ -557,3 +594,14 @@ def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
                                          decode=TOKENIZER.decode)
     assert set(kept.traces) == {right.id}
     assert stats == {"traces": 3, "kept": 1, "unknown_problem": 1, "failed_verification": 1}
+
+
+def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
+    from jaxprefix.jobs.mine import sampling_cost
+
+    lengths = [len(PROMPTS.question(p)) for p in PROBLEMS[:3]]
+    tokens = 16 * (sum(lengths) + 3 * 61)  # 16 samples of each, up to 61 new tokens
+    line = sampling_cost("mining the hard set", lengths, 16, 61, num_params=1000)
+    assert line == (f"mining the hard set: will sample 3 contexts x 16 samples x up to 61 new "
+                    f"tokens (D <= {tokens:.3g} tokens, contexts included), <= "
+                    f"{2 * 1000 * tokens:.3g} FLOPs (2 N D, N = 1e+03 parameters)")

@@ -113,16 +113,20 @@ def test_stop_ids_end_samples(checkpoints):
     greedy = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0)
     stop = greedy.completions()[0][4]
     first = greedy.completions()[0].index(stop)
+    assert not greedy.stopped[0]  # no stop id: completions() is every sampled token
     r = generate(model, contexts, n=1, max_new_tokens=NEW_TOKENS, temperature=0.0,
                  stop_ids=(3, stop))
-    assert r.completions()[0] == greedy.completions()[0][:first + 1] and r.stopped[0]
+    assert r.completions(keep_stop=True)[0] == greedy.completions()[0][:first + 1] and r.stopped[0]
+    assert r.completions()[0] == greedy.completions()[0][:first]  # the stop token stripped
     # Sampled, several stop ids: a stop id appears only as the last completion token.
     stops = (5, 9, 17, 33)
     r = generate(model, contexts, n=4, max_new_tokens=NEW_TOKENS, temperature=1.5, stop_ids=stops)
     assert r.stopped.any() and not r.stopped.all()
-    for row, completion in enumerate(r.completions()):
-        hits = [i for i, t in enumerate(completion) if t in stops]
-        assert hits == ([len(completion) - 1] if r.stopped[row] else []), row
+    for row, (completion, kept) in enumerate(zip(r.completions(), r.completions(keep_stop=True))):
+        hits = [i for i, t in enumerate(kept) if t in stops]
+        assert hits == ([len(kept) - 1] if r.stopped[row] else []), row
+        assert kept[:len(completion)] == completion and not set(completion) & set(stops)
+        assert len(kept) - len(completion) == int(r.stopped[row])
         assert r.stopped[row] or r.lengths[row] == NEW_TOKENS
         end = r.context_lengths[row] + r.lengths[row]
         assert r.completion_mask[row].sum() == r.lengths[row]

@@ -218,6 +218,8 @@ def hf_config(config) -> dict:
     if given:
         return storage.read_json(given)
     path = m.path
+    if storage.is_placeholder(path):  # gs://YOUR_BUCKET/<name>: the shipped config of <name>
+        return _shipped(path)
     try:
         if m.source == 'gguf':
             from jaxprefix.checkpoints import gguf
@@ -229,6 +231,10 @@ def hf_config(config) -> dict:
             return storage.read_json(storage.join(path, 'config.json'))
     except Exception as e:  # noqa: BLE001 - an unreachable bucket: fall back to the shipped copy
         logging.info('compile: %s not readable here (%s); looking for a shipped config', path, e)
+    return _shipped(path)
+
+
+def _shipped(path: str) -> dict:
     shipped = published.hf_config(path)
     if shipped is None:
         raise ValueError(f'config.model.path={path!r}: no config.json readable there and no '

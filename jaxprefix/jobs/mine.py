@@ -46,6 +46,23 @@ def mining_dir(config, workdir: str) -> str:
     return config.mining.get("dir") or storage.join(workdir, "mining")
 
 
+def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
+                  num_params: int) -> str:
+    """The line logged before a mining stage samples: contexts x samples x tokens (at most
+    max_new_tokens sampled after each context) and its FLOPs bound, 2 N D (D: every sample's
+    context plus the most it may generate, the ledger's accounting)."""
+    contexts = len(context_lengths)
+    tokens = samples * (sum(context_lengths) + contexts * max_new_tokens)
+    return (f"{what}: will sample {contexts} contexts x {samples} samples x up to "
+            f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens, contexts included), "
+            f"<= {2 * num_params * tokens:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
+
+
+def _length(context) -> int:
+    return len(context.prompt) + len(context.suffix) if hasattr(context, "suffix") \
+        else len(context)
+
+
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
     spec = RolloutSpec.from_config(config.rollout)
     return Prober(policy.model, policy.tokenizer, spec, stop_ids=policy.stop_ids,
@@ -80,6 +97,15 @@ class Mining:
                              f"again")
         return {name: ComputeLedger.from_dict(d) for name, d in record.items()}
 
+    def _log_cost(self, what: str, items, samples: int, contexts: bool = False) -> None:
+        """Logs sampling_cost of `samples` samples of each problem's question (or of each given
+        context)."""
+        lengths = [_length(c) if contexts else len(self.policy.prompts.question(c))
+                   for c in items]
+        logging.info("%s", sampling_cost(what, lengths, samples,
+                                         self.config.rollout.max_new_tokens,
+                                         self.policy.model.config.num_params()))
+
     def _booking(self, artifact: str) -> None:
         """Books the prober's next samples to `artifact`."""
         self.prober.ledger = self.costs[artifact] = self._new_ledger()
@@ -110,6 +136,7 @@ class Mining:
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
         k = self.config.mining.k
+        self._log_cost("mining the hard set", self.sets.train, k)
         self._booking("hard_set")
         hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
                                   seed=self.config.seed)
@@ -137,6 +164,16 @@ class Mining:
                                  f"the config asks {settings} (mining.prefix_samples, "
                                  f"mining.max_prefix_units); use another mining.dir")
             return record
+        # Every prefix length the cap allows each problem, m samples each (a problem stops at
+        # its first solved length): the guided contexts the search may sample.
+        guide = dict(guidance=self.config.pope.guidance,
+                     template=pope.TEMPLATES[self.config.pope.template])
+        guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
+                  for problem in hard.problems
+                  for units in range(1, pope.prefix_limit(problem, max_units=m.max_prefix_units,
+                                                          max_fraction=cap) + 1)]
+        self._log_cost(f"{name} (every length the cap allows)", guided, m.prefix_samples,
+                       contexts=True)
         self._booking(name)
         search = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
@@ -184,6 +221,8 @@ class Mining:
                 pool.samples_per_problem = stats["samples_per_problem"]
             return pool
         p = self.config.prefixrl
+        self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
+                       p.max_samples)
         self._booking("trace_pool")
         pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
                                          samples_per_round=p.samples_per_round,

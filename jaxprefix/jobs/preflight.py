@@ -9,12 +9,46 @@ main calls it before it locks the workdir. Every failure is a UserError, one lin
 """
 from __future__ import annotations
 
+from jaxprefix import storage
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
 # weights) and checks its own settings before it compiles.
 NOTHING_TO_CHECK = ("fit", "compile")
+
+
+def refuse_placeholders(config, workdir: str) -> None:
+    """A placeholder path (storage.PLACEHOLDER_BUCKETS) in a field the job reads, or as the
+    workdir, is refused naming the field, before any storage client is asked about it."""
+    if storage.is_placeholder(workdir):
+        raise ConfigError(f"--workdir={workdir}: a placeholder; expected a local directory or "
+                          f"a gs:// path of your own")
+    found = [(n, v) for n, v in read_paths(config) if storage.is_placeholder(v)]
+    if found:
+        fields = ", ".join(f"config.{n}={v!r}" for n, v in found)
+        given = " ".join(f"--config.{n}=..." for n, _ in found)
+        raise ConfigError(f"{fields}: {'a placeholder' if len(found) == 1 else 'placeholders'}"
+                          f" the {config.job} job reads; expected paths of your own ({given})")
+
+
+def read_paths(config) -> list[tuple[str, str]]:
+    """(dotted field, value) of every non-empty string field that `config.job` reads as a path.
+    The compile job reads only its own block (the model's shapes come from a shipped
+    config.json when model.path cannot be read); the model and data paths count only for the
+    sources that read them."""
+    from jaxprefix import config_fields
+
+    fields = [(n, v) for n, v in config_fields.leaves(config) if isinstance(v, str) and v]
+    if config.job == "compile":
+        return [(n, v) for n, v in fields if n.startswith("compile.")]
+    model, data = config.get("model", {}), config.get("data", {})
+    unread = set()
+    if model.get("source") not in ("hf", "gguf"):
+        unread.add("model.path")
+    if data.get("source") not in ("file", "hf", "tfds"):
+        unread |= {"data.path", "data.eval_path"}
+    return [(n, v) for n, v in fields if n not in unread]
 
 
 def check(config, workdir: str) -> None:

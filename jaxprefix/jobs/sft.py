@@ -141,7 +141,7 @@ def success_counts(model, problems, tokenizer, *, n: int, prefix_steps: int, see
     contexts = [tokenizer.encode(p.question) for p in guided]
     rollouts = sampling.generate(model, contexts, n=n, max_new_tokens=task.MAX_COMPLETION_LENGTH,
                                  temperature=1.0, stop_ids=(tokenizer.eos_id,), seed=seed)
-    completions = rollouts.completions()
+    completions = rollouts.completions(keep_stop=True)
     scores = [task.verify(tokenizer.decode(ids), guided[row // n])
               for row, ids in enumerate(completions)]
     return np.asarray(scores).reshape(len(problems), n).sum(axis=1)

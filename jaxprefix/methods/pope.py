@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxprefix.data.loader import ProblemLoader
+from jaxprefix.errors import NothingToTrain
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.probing import Prober
@@ -166,9 +167,27 @@ class PopeMethod(GrpoMethod):
         kept = [p for p in hard
                 if p.id in self.prefix_units or not guided_copies or unsolved == "unguided"]
         self.dropped = [p.id for p in hard if p not in kept]
+        if not hard:
+            raise NothingToTrain(
+                "pope: no hard problem to train on (each training problem was solved at least "
+                "once in mining.k samples); expected harder problems (data.path), a larger "
+                "mining.k, or plain GRPO on all of them (configs/grpo.py)")
+        if not kept and not any(prefix_limit(p, max_units=max_units, max_fraction=max_fraction)
+                                for p in hard):
+            longest = max(oracle_units(p) for p in hard)
+            raise NothingToTrain(
+                f"pope: no prefix of the {len(hard)} hard problems' solutions fits the cap: "
+                f"they have at most {longest} step(s) (lines), and a prefix is at most "
+                f"mining.max_prefix_units={max_units} steps and pope.max_prefix_fraction="
+                f"{max_fraction:g} of them, never all; expected solutions of several lines (one "
+                f"step a line), a larger cap, or pope.unsolved=unguided to train them unguided")
         if not kept:
-            raise ValueError(f"pope: none of the {len(hard)} hard problems has a solvable prefix "
-                             f"within the cap (pope.max_prefix_fraction, mining.max_prefix_units)")
+            raise NothingToTrain(
+                f"pope: none of the {len(hard)} hard problems has a solvable prefix within the "
+                f"cap ({max_fraction:g} of the solution, {max_units} steps); expected "
+                f"one: raise pope.max_prefix_fraction, mining.max_prefix_units or "
+                f"mining.prefix_samples, or train them unguided with pope.unsolved=unguided "
+                f"(or guided by the longest prefix tried: pope.unsolved=longest)")
         super().__init__(prompts, kept, seed=seed, **kwargs)
         self.schedule = schedule
         self.guidance, self.template = guidance, template

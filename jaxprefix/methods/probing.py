@@ -87,7 +87,7 @@ class Prober:
             correct[start:stop] = chunk_correct
             self._record(rollouts, extra_compute)
             if keep_successes:
-                completions = rollouts.completions()
+                completions = rollouts.completions(keep_stop=True)  # traces end on it
                 for g, row in zip(*np.nonzero(chunk_correct)):
                     if first_success[start + g] is None:
                         first_success[start + g] = list(completions[g * k + row])

@@ -175,7 +175,6 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
     """Each row's response prefix + its decoded completion, the stop token left out."""
     texts = []
     for row, ids in enumerate(rollouts.completions()):
-        ids = ids[:-1] if rollouts.stopped[row] else ids
         prefix = prefixes[rollouts.group_ids[row]] if prefixes else ""
         texts.append(prefix + tokenizer.decode(list(ids)))
     return texts

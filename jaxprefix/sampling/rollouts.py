@@ -84,15 +84,18 @@ class Rollouts:
     def truncated(self) -> np.ndarray:
         return ~self.stopped
 
-    def completions(self) -> list[list[int]]:
-        """The sampled token ids of each row (the stop token included when one was sampled)."""
-        return [self.tokens[row, start:start + length].tolist()
+    def completions(self, keep_stop: bool = False) -> list[list[int]]:
+        """The sampled token ids of each row, without the stop token that ended it (a row that
+        stopped ends on one; `keep_stop` keeps it, as a trace to train on needs)."""
+        return [self.tokens[row, start:start + length - (self.stopped[row] and not keep_stop)]
+                .tolist()
                 for row, (start, length) in enumerate(zip(self.context_lengths, self.lengths))]
 
-    def completion_texts(self, tokenizer) -> list[str]:
-        """Decoded completions; `tokenizer` needs a `decode(list[int]) -> str` method."""
+    def completion_texts(self, tokenizer, keep_stop: bool = False) -> list[str]:
+        """Decoded completions (without the stop token unless `keep_stop`); `tokenizer` needs a
+        `decode(list[int]) -> str` method."""
         decode: Callable[[list[int]], str] = tokenizer.decode
-        return [decode(ids) for ids in self.completions()]
+        return [decode(ids) for ids in self.completions(keep_stop)]
 
     def grouped(self, values: np.ndarray) -> np.ndarray:
         """Reshapes a per-row array [N, ...] to [contexts, n, ...] (e.g. rewards for advantages)."""
