@@ -48,7 +48,8 @@ def eval_groups(config) -> list[str]:
 
 
 def per_problem_curves(config, workdir: str) -> dict:
-    """(n, B, seed) -> (rollouts at each evaluation, [evals, problems] avg@k per problem)."""
+    """(n, B, seed) -> (rollouts at each evaluation, [evals, problems] avg@k per problem, the
+    samples per problem of each evaluation)."""
     curves = {}
     for point in iso_jobs.sweep_points(config):
         for seed in config.isocompute.seeds:
@@ -58,14 +59,15 @@ def per_problem_curves(config, workdir: str) -> dict:
                 rows = point.n * point.batch
                 curves[(point.n, point.batch, seed)] = (
                     [r["step"] * rows for r in records],
-                    np.asarray([r["correct_counts"] for r in records], float) / records[0]["n"])
+                    np.asarray([r["correct_counts"] for r in records], float) / records[0]["n"],
+                    records[0]["n"])
     return curves
 
 
 def _at(curve, budget: float) -> np.ndarray | None:
     """Per-problem scores of the last evaluation within `budget` rollouts (None: the run has
     not reached the budget yet)."""
-    compute, scores = curve
+    compute, scores, _ = curve
     within = [i for i, c in enumerate(compute) if c <= budget]
     return scores[within[-1]] if within and compute[-1] >= budget else None
 
@@ -75,7 +77,7 @@ def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float)
     `max_rollouts`, over the evaluations every seed reached."""
     columns = [i for i, g in enumerate(groups) if g == group]
     by_point: dict = {}
-    for (n, batch, seed), (compute, scores) in curves.items():
+    for (n, batch, seed), (compute, scores, _) in curves.items():
         keep = [i for i, c in enumerate(compute) if c <= max_rollouts]
         by_point.setdefault((n, batch), []).append(
             ([compute[i] for i in keep], scores[keep][:, columns].mean(axis=1)))
@@ -146,18 +148,21 @@ def outcome(config, workdir: str) -> dict:
         columns = [i for i, g in enumerate(groups) if g == group]
         out = {}
         for budget in prediction["predicted_budgets"]:
-            tables = {}  # n -> [seeds, problems] scores at the budget
+            tables, samples = {}, {}  # n -> [seeds, problems] scores at the budget, samples
             for n in prediction["ns"]:
                 rows = [_at(curves[(n, b, s)], budget) for (m, b, s) in curves
                         if m == n and s in seeds]
                 if rows and all(r is not None for r in rows) and len(rows) == len(seeds):
                     tables[n] = np.stack(rows)[:, columns]
+                    per_problem = [curves[k][2] for k in curves if k[0] == n and k[2] in seeds]
+                    samples[n] = sum(per_problem) * len(columns)
             if not tables:
                 continue
             means = {n: float(t.mean()) for n, t in tables.items()}
             best = max(means, key=means.get)
             cell = {"mean": {str(n): means[n] for n in sorted(means)}, "best": best,
-                    "summary": {str(n): statistics.summary(t) for n, t in sorted(tables.items())}}
+                    "summary": {str(n): statistics.summary(t, samples=samples[n])
+                                for n, t in sorted(tables.items())}}
             for kind in ("envelope", "rule"):
                 predicted = entry[kind].get(str(budget))
                 if predicted in tables:

@@ -2,7 +2,8 @@
 
 Every number and statement above the hand-written notes is computed here from results.json;
 nothing is typed in by hand, and a regenerated report keeps the notes (from NOTES_MARKER on).
-Each table cell is mean ± sample std over seeds [95% bootstrap interval over seeds and problems]
+Each table cell is mean ± sample std over seeds [95% crossed bootstrap interval over seeds and
+problems], with the 95% upper bound on the per-sample rate where nothing succeeded
 (jobs/study_tables.py); comparisons are paired differences, said to be "within noise" when
 their interval holds 0.
 """
