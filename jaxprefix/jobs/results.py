@@ -72,7 +72,9 @@ RUNS = {
                                   "data.easy_size": 1024},
                          "hard + as many easy (1..10-digit) problems, no guidance"),
     # A warm start's row says what the SFT learnt from (results_report: "SFT on ..., then GRPO").
-    "sft_guided": RunSpec("grpo", {}, "POPE's SFT baseline", warm_start="own_guided"),
+    # Not transfer: the SFT trains the unguided question followed by the answer, key step and all.
+    "sft_guided": RunSpec("grpo", {}, "POPE's SFT baseline (direct supervision of the unguided "
+                          "question's answer, not transfer)", warm_start="own_guided"),
     "sft_oracle": RunSpec("grpo", {}, "the oracle solutions' SFT baseline", warm_start="oracle"),
     "prefixrl": RunSpec("prefixrl", {}, "PrefixRL with its own rejection-sampled traces (limit "
                         "case: few traces exist)"),

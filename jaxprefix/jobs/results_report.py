@@ -37,7 +37,7 @@ def _by_name(report: dict, regime: str, specs) -> dict:
 def _setting(spec) -> str:
     fields = ", ".join(f"`{k}={v}`" for k, v in spec.settings.items())
     warm = {"oracle": "the oracle solutions", "own_guided": "the policy's own correct guided "
-            "answers (found by the prefix search)", "traces": "the trace pool's traces",
+            "answers (found by the prefix search), placed after the unguided question", "traces": "the trace pool's traces",
             "other_traces": "a second base's traces", "more_sft": "oracle solutions of as many "
             "problems outside the hard set"}
     parts = [spec.about] + ([f"fields {fields}"] if fields else [])
