@@ -34,6 +34,10 @@ from jaxprefix.methods import isocompute
 from jaxprefix.rl.eval_counts import read_eval_counts
 
 PREDICTION, OUTCOME, REPORT = "prediction.json", "outcome.json", "REPORT.md"
+# Beside them: every run's per-problem correct counts at each evaluation, the problems' groups
+# and the seeds, so the outcome and REPORT.md are rebuilt from the repository alone
+# (`python -m jaxprefix.jobs.report_tables`; runs/ is not committed).
+COUNTS = "counts.json"
 
 
 def group_of(digits: int, split: int) -> str:
@@ -182,12 +186,38 @@ def predict(config, workdir: str) -> dict:
     return storage.read_json(path)  # what the file says, as a later reader sees it
 
 
+def write_counts(path: str, curves: dict, groups: list[str], seeds) -> None:
+    """counts.json: per run (n, B, seed) its rollouts and per-problem correct counts at each
+    evaluation, of `samples` each; the held-out problems' groups; the seeds."""
+    runs = [{"n": n, "batch": b, "seed": s, "compute": list(map(int, compute)),
+             "samples": int(samples),
+             "correct_counts": np.rint(scores * samples).astype(int).tolist()}
+            for (n, b, s), (compute, scores, samples) in sorted(curves.items())]
+    storage.write_json(path, {"groups": list(groups), "seeds": list(seeds), "runs": runs},
+                       indent=None)
+
+
+def read_counts(path: str) -> tuple[dict, list[str], list]:
+    """(curves as per_problem_curves gives them, groups, seeds) from a counts.json."""
+    record = storage.read_json(path)
+    curves = {(r["n"], r["batch"], r["seed"]): (
+        r["compute"], np.asarray(r["correct_counts"], float) / r["samples"], r["samples"])
+        for r in record["runs"]}
+    return curves, record["groups"], record["seeds"]
+
+
 def outcome(config, workdir: str) -> dict:
-    """What the predicted budgets measured, against prediction.json."""
+    """What the predicted budgets measured, against prediction.json; written to outcome.json."""
     prediction = storage.read_json(storage.join(workdir, PREDICTION))
     groups = eval_groups(config)
     curves = per_problem_curves(config, workdir)
-    seeds = list(config.isocompute.seeds)
+    record = outcome_of(prediction, curves, groups, list(config.isocompute.seeds))
+    storage.write_json(storage.join(workdir, OUTCOME), record)
+    return record
+
+
+def outcome_of(prediction: dict, curves: dict, groups: list[str], seeds) -> dict:
+    """The outcome record of `prediction` on per-problem `curves`."""
     record = {"groups": {}}
     for group, entry in prediction["groups"].items():
         columns = [i for i, g in enumerate(groups) if g == group]
@@ -217,7 +247,6 @@ def outcome(config, workdir: str) -> dict:
                                   "low": low, "high": high, "holds": bool(low <= 0 <= high)}
             out[str(budget)] = cell
         record["groups"][group] = out
-    storage.write_json(storage.join(workdir, OUTCOME), record)
     return record
 
 
@@ -236,6 +265,8 @@ def run_prereg(config, workdir: str) -> dict:
                    iso_jobs.point_workdir(iso_jobs.runs_dir(c, workdir), point, seed))
     prediction = predict(c, workdir)
     result = prediction if pr.phase == "predict" else outcome(c, workdir)
+    write_counts(storage.join(workdir, COUNTS), per_problem_curves(c, workdir), eval_groups(c),
+                 list(c.isocompute.seeds))
     storage.write_atomic(storage.join(workdir, REPORT), "\n".join(
         report_lines(prediction, None if pr.phase == "predict" else result)) + "\n")
     return result

@@ -158,6 +158,7 @@ def run_results(config, workdir: str) -> dict:
     if config.results.isocompute:
         report["isocompute"] = _isocompute(studies["hard"], storage.join(workdir, "iso"))
     storage.write_json(storage.join(workdir, "results.json"), report, default=float)
+    results_report.write_counts(report, config, workdir)
     results_report.write_report(report, config, workdir, RUNS)
     return report
 
