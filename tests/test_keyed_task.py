@@ -85,6 +85,30 @@ def test_sft_rows_never_show_what_the_second_rule_means():
     assert 40 < second < 120 and overridden > 20
 
 
+def test_the_overlap_knob_shows_the_second_rule_in_that_share_of_its_rows():
+    data = ml_collections.ConfigDict(dict(
+        batch_size=64, digits=(1, 8), full_length_fraction=0.5, multipliers=(2, 9),
+        tens_first=0.5, hinted_fraction=0.5, key_override_fraction=0.5,
+        second_rule_fraction=0.25))
+    plain = task.sft_batch(data, 3)
+    data.second_rule_taught = 0.0
+    assert task.sft_batch(data, 3) == plain  # at 0: the very batches of the demo's base
+    data.second_rule_taught = 1.0
+    second = 0
+    for seed in range(5):
+        for problem, target in task.sft_batch(data, seed):
+            if problem.question[0] == ">":
+                second += 1
+                u, v, p, q = (int(x) for x in problem.question[-5:-1])
+                d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
+                assert (v, q) == (d, c) and u != v and p != q and target.startswith(f"*{d}{c}")
+                assert task.verify(target, problem) == 1.0
+    assert 40 < second < 120
+    data.second_rule_taught = 1.5
+    with pytest.raises(ValueError, match="second_rule_taught=1.5"):
+        task.sft_batch(data, 0)
+
+
 def test_registered_as_a_built_in_task_with_a_hint_layout():
     assert tasks.get(task.NAME) is task and task.NAME in tasks.HINTS
     assert task.register_verifier() in rewards.names()

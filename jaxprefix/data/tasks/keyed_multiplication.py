@@ -211,15 +211,29 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     rows the key digits u and p are redrawn, so the hinted d and c, not u and p, are the key: the carry
     steps learn to use the key step as written. Half the batch is full length
     (data.full_length_fraction), as in carry_multiplication.
+
+    The overlap knob (issue 28): a data.second_rule_taught fraction of the '>' rows (default 0)
+    have unequal key digits and the true target (d = v, c = q), so the base does see what '>'
+    means, that often: it sets eps, the base's unguided P(right key step) on hard problems. At
+    0 no draw is made for it, so the batches are exactly those of a config without the field.
     """
+    taught = data.get("second_rule_taught", 0.0)
+    if not 0.0 <= taught <= 1.0:
+        raise ValueError(f"config.sft.data.second_rule_taught={taught!r}: expected a fraction "
+                         f"in [0, 1] of the '>' rows")
     rng = random.Random(seed)
     rows = []
     for row in range(data.batch_size):
         full = row < round(data.batch_size * data.full_length_fraction)
         number = carry.random_number(rng, (SLOTS, SLOTS) if full else tuple(data.digits))
         d, c = rng.randint(*data.multipliers), rng.randrange(10)
-        if rng.random() < data.second_rule_fraction:  # '>' whose rule cannot matter
-            problem = make_problem(number, d, c, SECOND, (d, c))
+        if rng.random() < data.second_rule_fraction:
+            if taught and rng.random() < taught:  # '>' read by its rule: u != v, p != q
+                others = (rng.choice([x for x in range(10) if x != d]),
+                          rng.choice([x for x in range(10) if x != c]))
+                problem = make_problem(number, d, c, SECOND, others)
+            else:  # '>' whose rule cannot matter
+                problem = make_problem(number, d, c, SECOND, (d, c))
         else:
             problem = make_problem(number, d, c, FIRST, (rng.randrange(10), rng.randrange(10)))
         if rng.random() < data.hinted_fraction:
