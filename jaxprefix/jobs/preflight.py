@@ -38,7 +38,7 @@ def check(config, workdir: str) -> None:
         _check_sft_settings(config)
         return
     if config.job in FIELDS_CHECKED:
-        _refuse_unread(unread(config), f"job {config.job} with method {config.method}")
+        _check_fields_read(config)
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
     from jaxprefix.jobs.policy import check_policy_inputs
     from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
@@ -103,6 +103,19 @@ def unread_fields(config, fields, methods) -> list[tuple[str, str]]:
     return unread
 
 
+def _check_fields_read(config) -> None:
+    """The config's set fields, and each results run's settings, all read by some stage."""
+    _refuse_unread(unread(config), f"job {config.job} with method {config.method}")
+    if config.job == "results":
+        from jaxprefix.jobs.results import RUNS
+
+        for name in config.results.runs:
+            if name in RUNS:
+                spec = RUNS[name]
+                _refuse_unread(unread_fields(config, spec.settings, (spec.method,)),
+                               f"run {name} of job results (method {spec.method})")
+
+
 def _refuse_unread(unread: list[tuple[str, str]], where: str) -> None:
     if unread:
         field, why = unread[0]
@@ -120,11 +133,6 @@ def _check_template_read(config, prompts) -> None:
 
         templates |= {name: RUNS[name].settings["pope.template"] for name in config.results.runs
                       if name in RUNS and "pope.template" in RUNS[name].settings}
-        for name in config.results.runs:
-            if name in RUNS:
-                spec = RUNS[name]
-                _refuse_unread(unread_fields(config, spec.settings, (spec.method,)),
-                               f"run {name} of job results (method {spec.method})")
     for run, template in templates.items():
         if template == "default":
             continue
