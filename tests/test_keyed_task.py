@@ -145,9 +145,10 @@ def test_restating_hint_is_the_oracle_prefix_ending_at_the_rule_name():
     # ... by rule '<' (2, 8), a consistent computation, it does not.
     assert task.verify("28+22+01", r) == 0.0 and task.verify("63+54+83", r) == 0.0
     assert task.verify("*63+54+82", p) == 0.0  # the named notation is the only one
+    assert task.restating_prefix(task.make_problem(47, 6, 3, ">", (2, 8))) == ""
     with pytest.raises(ValueError, match="no rule name"):
-        task.restating_prefix(task.make_problem(47, 6, 3, ">", (2, 8)))
-    with pytest.raises(ValueError, match="no rule name"):
+        task.restated(task.make_problem(47, 6, 3, ">", (2, 8)))
+    with pytest.raises(ValueError, match="already guided"):
         task.restating_prefix(task.guided(p, 1))
 
 

@@ -232,11 +232,12 @@ def guided(problem: Problem, prefix_steps: int) -> Problem:
 
 def restating_prefix(problem: Problem) -> str:
     """The restating hint's text: the oracle solution's prefix up to and including the name of
-    the rule its key step reads by (one token, '>' on a hard problem)."""
-    if not problem.metadata.get("key_names_rule") or problem.metadata.get("prefix_steps"):
-        raise ValueError(f"{NAME}: {problem.id} has no rule name to restate from (expected an "
-                         f"unguided problem made with data.key_names_rule=True)")
-    return problem.steps[0][:1]
+    the rule its key step reads by (one token, '>' on a hard problem); '' for a problem whose
+    key step names no rule (data.key_names_rule off: the value hint is the only one)."""
+    if problem.metadata.get("prefix_steps") or problem.metadata.get("restated"):
+        raise ValueError(f"{NAME}: {problem.id} is already guided; a restating hint is for the "
+                         f"unguided problem")
+    return problem.steps[0][:1] if problem.metadata.get("key_names_rule") else ""
 
 
 def restated(problem: Problem) -> Problem:
@@ -244,6 +245,9 @@ def restated(problem: Problem) -> Problem:
     policy writing d and c (the rule read) and every carry step. `verify(continuation,
     restated(problem))` is `verify(name + continuation, problem)`."""
     name = restating_prefix(problem)
+    if not name:
+        raise ValueError(f"{NAME}: {problem.id} has no rule name to restate (expected a problem "
+                         f"made with data.key_names_rule=True)")
     return dataclasses.replace(
         problem, id=f"{problem.id}/restate", question=problem.question + name,
         solution=problem.solution[len(name):],
