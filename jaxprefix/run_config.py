@@ -224,7 +224,10 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     _tiny_policy(c, sft)
     # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
     c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
-                  multipliers=(2, 9), easy_digits=(1, 8))
+                  multipliers=(2, 9), easy_digits=(1, 8),
+                  # the base's notation (the restating route when on): preflight refuses a
+                  # run whose problems are written otherwise than its base's SFT rows
+                  key_names_rule=sft.data.get("key_names_rule", False))
     c.rollout.max_new_tokens = 27  # the key step, 8 steps of 3 tokens, <eos>
     c.mining.max_prefix_units = 2
     if c.method == "pope":  # a field of a method the run does not run is refused (preflight)

@@ -253,6 +253,24 @@ def test_fields_no_stage_of_the_job_reads_are_refused_in_preflight(tmp_path):
     assert not (tmp_path / "w").exists()  # preflight writes nothing
 
 
+def test_template_is_read_on_the_restating_notation_and_the_notation_is_the_bases(tmp_path):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs import preflight
+
+    workdir = str(tmp_path / "w")
+    c = run_config.from_file(os.path.join(ROOT, "configs", "pope.py"), "smoke")
+    assert c.data.key_names_rule is False and c.sft.data.key_names_rule is False
+    c.sft.data.key_names_rule = c.data.key_names_rule = True  # the restating route
+    for template in ("default", "no_restate"):  # restating hint, value hint: both read
+        c.pope.template = template
+        preflight.check(c, workdir)
+    c.data.key_names_rule = False
+    with pytest.raises(ConfigError, match=r"^config.data.key_names_rule=False but the SFT base "
+                                          r"writes config.sft.data.key_names_rule=True"):
+        preflight.check(c, workdir)
+    assert not (tmp_path / "w").exists()
+
+
 # --- array contracts between modules ---------------------------------------------------------
 
 def test_boundary_checks_name_the_array_that_is_off():

@@ -13,6 +13,9 @@ by a variant or on the command line) on a job that runs no method reading it, a 
 kind's fields under another kind, and pope.template on a policy whose prompts have no template
 (a built-in task's TaskPrompts: its hint is a layout, not English) or with guidance that puts
 no instruction in the prompt. The results job checks each of its runs' settings the same way.
+On keyed_multiplication with data.key_names_rule (the restating route) pope.template is read:
+'default' guides by the restating hint, 'no_restate' by the value hint; and the run's notation
+must be its SFT base's.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ def check(config, workdir: str) -> None:
     _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
     if config.job in FIELDS_CHECKED:
+        _check_notation(config)
         _check_template_read(config, inputs.prompts)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
     sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
@@ -124,7 +128,8 @@ def _refuse_unread(unread: list[tuple[str, str]], where: str) -> None:
 
 
 def _check_template_read(config, prompts) -> None:
-    """pope.template shapes an English instruction in a chat model's prompt, and nothing else."""
+    """pope.template shapes an English instruction in a chat model's prompt, or chooses a
+    built-in task's restating hint over its value hint (`_task_restates`), and nothing else."""
     from jaxprefix.methods.prompting import TaskPrompts
 
     templates = {"": config.pope.template} if "pope" in _methods_run(config) else {}
@@ -137,15 +142,38 @@ def _check_template_read(config, prompts) -> None:
         if template == "default":
             continue
         where = f"run {run} of job results" if run else f"job {config.job}"
-        if isinstance(prompts, TaskPrompts):
+        if isinstance(prompts, TaskPrompts) and not _task_restates(config.data):
             raise ConfigError(f"config.pope.template={template!r} is set but no stage of {where} "
                               f"reads it: a built-in task's prompts ({config.data.source}) put "
-                              f"the hint in the task's layout, with no template; expected "
+                              f"the hint in the task's layout, with no template (only a notation "
+                              f"that names the key step's rule, keyed_multiplication's "
+                              f"data.key_names_rule, has a restating hint to forbid); expected "
                               f"pope.template='default'")
         if config.pope.guidance != "instruction":
             raise ConfigError(f"config.pope.template={template!r} is set but no stage of {where} "
                               f"reads it: pope.guidance={config.pope.guidance!r} puts no "
                               f"instruction in the prompt; expected pope.template='default'")
+
+
+def _task_restates(data) -> bool:
+    """Whether the built-in task of `data` writes a notation with a restating hint, so that
+    pope.template chooses between it ('default') and the value hint ('no_restate')."""
+    from jaxprefix.data import tasks
+
+    task = tasks.TASKS.get(data.source)
+    return bool(task is not None and hasattr(task, "restating_notation")
+                and task.restating_notation(data))
+
+
+def _check_notation(config) -> None:
+    """The run's problems are written in its SFT base's notation (data.key_names_rule)."""
+    if config.model.source != "sft" or "key_names_rule" not in config.data:
+        return
+    base = config.sft.data.get("key_names_rule", False)
+    if config.data.key_names_rule != base:
+        raise ConfigError(f"config.data.key_names_rule={config.data.key_names_rule!r} but the SFT "
+                          f"base writes config.sft.data.key_names_rule={base!r}: expected the "
+                          f"same notation for the base and the run's problems")
 
 
 def _guides_in_prompt(config) -> bool:
