@@ -36,8 +36,11 @@ def get_config(arg: str = ""):
     c.isocompute.config_arg = os.path.relpath(__file__) + (f":{arg}" if arg else "")
     # The pre-registered sweep (jobs/isocompute_prereg.py): fit up to fit_max rollouts, predict
     # n* at `predict`; held-out avg@4 in two difficulty groups (digits <= split_digits, above).
+    # span_resamples: crossed bootstrap draws of the n* fit's span (each refits the frontier,
+    # ~0.1 s on a loaded core); the span's sign, not its third digit, is what they decide.
     c.isocompute.prereg = ml_collections.ConfigDict(dict(
-        phase="predict", fit_max=2**11, predict=(2**12, 2**13), split_digits=9))
+        phase="predict", fit_max=2**11, predict=(2**12, 2**13), split_digits=9,
+        span_resamples=200))
     if args.variant == "prereg":
         # n from 2 to 64 at B = 4, 3 seeds, one learning rate for every n (lr_rule constant:
         # n and the rate do not move together); evaluated every 2^9 rollouts on 192 problems.

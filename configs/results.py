@@ -50,6 +50,7 @@ def get_config(arg: str = ""):
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if args.variant in ("smoke", "carry_smoke"):
         c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
+        c.prefixrl.update(**run_config.SMOKE_PREFIXRL)  # results runs PrefixRL too
         c.results.regime.update(probe_digits=(2, 4), probe_problems=4, probe_samples=4, steps=2,
                                 contexts_per_step=16, eval_every=1, eval_n=4)
     return c

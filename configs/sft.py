@@ -34,8 +34,12 @@ def keyed(smoke: bool) -> ml_collections.ConfigDict:
     # Lengths 1..8 plus half full-length rows; a quarter of rows under rule '>' with u = v (the
     # rule never matters in what the base reads); half the rows hinted, half of those with the
     # key digit u overridden by the hinted d (the carry steps use the key step as written).
+    # second_rule_taught: the overlap knob eps (issue 28), the share of '>' rows that show the
+    # rule (unequal digits, the true target); 0 is the demo's base, which never sees it.
+    # key_names_rule: the restating route (issue 28): the key step names the rule it reads the
+    # key by ('<' or '>' in place of '*'); off is the demo's base. The RL side follows it.
     config.data.update(digits=(1, 8), second_rule_fraction=0.25, hinted_fraction=0.5,
-                       key_override_fraction=0.5)
+                       key_override_fraction=0.5, second_rule_taught=0.0, key_names_rule=False)
     config.criterion.update(steps_left=8, report_steps_left=(8, 7))
     if not smoke:
         # Sampled evaluation points cost 2/3 of this SFT's time at every 25 steps from a step

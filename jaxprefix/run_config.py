@@ -427,11 +427,15 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     _tiny_policy(c, sft)
     # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
     c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
-                  multipliers=(2, 9), easy_digits=(1, 8))
+                  multipliers=(2, 9), easy_digits=(1, 8),
+                  # the base's notation (the restating route when on): preflight refuses a
+                  # run whose problems are written otherwise than its base's SFT rows
+                  key_names_rule=sft.data.get("key_names_rule", False))
     c.rollout.max_new_tokens = 27  # the key step, 8 steps of 3 tokens, <eos>
     c.mining.max_prefix_units = 2
-    c.pope.max_prefix_fraction = 0.25
-    c.pope.unsolved = "unguided"  # every hard problem stays in training, unguided if need be
+    if c.method == "pope":  # a field of a method the run does not run is refused (preflight)
+        c.pope.max_prefix_fraction = 0.25
+        c.pope.unsolved = "unguided"  # every hard problem stays in training, unguided if need be
     c.eval.update(every=10, n=16, ks=(1, 8, 16))  # every 10 steps: curves with 10 points
     c.checkpoint.every = 50
 
@@ -446,7 +450,8 @@ def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> 
     c.mining.max_prefix_units = 19
     # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
     # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md).
-    c.pope.max_prefix_fraction = 1.0
+    if c.method == "pope":
+        c.pope.max_prefix_fraction = 1.0
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50
 
@@ -473,13 +478,17 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict,
     c.rollout.n = 4
     c.train.update(problems_per_step=4, total_steps=2, micro_batch_size=16)  # 32 rows a step
     c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
-    # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE still runs.
-    c.pope.unsolved = "longest"
-    # The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
-    c.prefixrl.update(samples_per_round=4, max_samples=8, oracle_traces=True)
+    if c.method == "pope":
+        # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE runs.
+        c.pope.unsolved = "longest"
+    if c.method == "prefixrl":
+        c.prefixrl.update(**SMOKE_PREFIXRL)
     c.eval.update(every=2, n=4, ks=(1, 4))
     c.checkpoint.every = 1
 
+
+# The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
+SMOKE_PREFIXRL = dict(samples_per_round=4, max_samples=8, oracle_traces=True)
 
 # The system prompt of the real-model variants: their verifiers read the last \boxed{}.
 BOXED_ANSWER_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."

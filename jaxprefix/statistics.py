@@ -1,15 +1,30 @@
-"""Statistics of a study's score tables: sample std, paired bootstrap intervals, group breakdowns.
+"""Statistics of a study's score tables: sample std, crossed bootstrap intervals, zero-success
+bounds, group breakdowns.
 
 A score table is [seeds, problems]: one run type's per-problem scores (an unbiased pass@k from
-n samples, say) at each seed, every seed evaluated on the same problems. What the tables of
-docs/RESULTS.md report:
+n samples, say) at each seed. The design is CROSSED: every seed, and every arm of a comparison,
+is evaluated on the SAME held-out problems, so a hard problem is hard at every seed and for
+every arm. The intervals resample that design (Brennan's "boot-p,i" for a seeds x problems
+table): each bootstrap draw picks seeds with replacement and, independently, ONE draw of the
+problems with replacement, used for every drawn seed (and for both arms of a paired
+comparison). A nested draw (a fresh problem resample per seed slot, this module before issue
+28) averages S independent problem draws and divides the problem variance by S: on tables
+where problems dominate it came out ~0.58x the crossed width. For a table y = m + r_s + c_p +
+e_sp (its exact two-way decomposition) the crossed draw's variance is exactly
+mean(r^2)/S + mean(c^2)/P + mean(e^2)/(S P) (`crossed_variance`); the test checks the draws
+against it.
+
+What the tables of docs/RESULTS.md report:
 
 - `seed_std`: the sample std (ddof=1) of the per-seed means: the spread of a rerun.
-- `bootstrap_interval`: a 95% percentile interval of the mean, resampling seeds and then
-  problems with replacement (two-stage): both the RL seed and the choice of problems vary.
+- `bootstrap_interval`: a 95% percentile interval of the mean, seeds and problems resampled
+  (crossed, above).
 - `paired_difference_interval`: the same for the difference of two run types, PAIRED: each
-  bootstrap draw takes the same seed indices and the same problem indices for both, so what
-  the problems share (a hard problem is hard for both) cancels.
+  draw takes the same seed indices and the same problem indices for both, so what the problems
+  share cancels.
+- `zero_upper_bound`: a cell with no success at all states the one-sided 95% upper bound on the
+  per-sample success rate over the samples behind it (exact binomial, Clopper-Pearson: for 0 of
+  N it is 1 - 0.05^(1/N), ~3/N): "0.000 [0.000, 0.000]" alone hides what 0 of N bounds.
 - `group_table`: per group (a multiplier, a digit count), the problems and their mean; the
   problem-weighted sum of the group means is the overall mean (`overall_from_groups`).
 
@@ -51,20 +66,35 @@ def seed_std(scores) -> float:
     return float(means.std(ddof=1)) if len(means) > 1 else float("nan")
 
 
-def _draws(seeds: int, problems: int, resamples: int, seed: int):
-    """Seed and problem indices of each bootstrap draw: [R, S] and [R, S, P]."""
-    rng = np.random.default_rng(seed)
-    seed_idx = rng.integers(0, seeds, size=(resamples, seeds))
-    problem_idx = rng.integers(0, problems, size=(resamples, seeds, problems))
-    return seed_idx, problem_idx
+def _weights(n: int, resamples: int, rng) -> np.ndarray:
+    """How often each of n units is drawn in each of `resamples` draws of n with replacement:
+    [R, n] counts, each row summing to n."""
+    return rng.multinomial(n, np.full(n, 1.0 / n), size=resamples).astype(np.float64)
 
 
 def bootstrap_means(scores, *, resamples: int = RESAMPLES, seed: int = 0) -> np.ndarray:
-    """The mean of each two-stage bootstrap draw of a [seeds, problems] table: [resamples]."""
+    """The mean of each crossed bootstrap draw of a [seeds, problems] table: [resamples]. A
+    draw's seed counts w [S] and problem counts v [P] (one problem draw for every seed) give
+    the mean w^T table v / (S P)."""
     table = as_table(scores)
-    seed_idx, problem_idx = _draws(*table.shape, resamples, seed)
-    rows = table[seed_idx]  # [R, S, P]: the drawn seeds' rows
-    return np.take_along_axis(rows, problem_idx, axis=2).mean(axis=(1, 2))
+    seeds, problems = table.shape
+    rng = np.random.default_rng(seed)
+    w = _weights(seeds, resamples, rng)
+    v = _weights(problems, resamples, rng)
+    return ((w @ table) * v).sum(axis=1) / (seeds * problems)
+
+
+def crossed_variance(scores) -> float:
+    """The exact variance of the crossed bootstrap mean of a table: mean(r^2)/S + mean(c^2)/P
+    + mean(e^2)/(S P), with r, c, e its seed effects, problem effects and residuals."""
+    table = as_table(scores)
+    seeds, problems = table.shape
+    grand = table.mean()
+    r = table.mean(axis=1) - grand
+    c = table.mean(axis=0) - grand
+    e = table - grand - r[:, None] - c[None, :]
+    return float((r ** 2).mean() / seeds + (c ** 2).mean() / problems
+                 + (e ** 2).mean() / (seeds * problems))
 
 
 def percentile_interval(draws, level: float = LEVEL) -> tuple[float, float]:
@@ -75,7 +105,8 @@ def percentile_interval(draws, level: float = LEVEL) -> tuple[float, float]:
 
 def bootstrap_interval(scores, *, level: float = LEVEL, resamples: int = RESAMPLES,
                        seed: int = 0) -> tuple[float, float]:
-    """95% interval of the table's mean, seeds and problems resampled."""
+    """95% interval of the table's mean, seeds and problems resampled (crossed: one problem
+    draw for every seed)."""
     return percentile_interval(bootstrap_means(scores, resamples=resamples, seed=seed), level)
 
 
@@ -109,16 +140,39 @@ def overall_from_groups(groups: dict) -> float:
     return sum(g["problems"] * g["mean"] for g in groups.values()) / total
 
 
-def summary(scores, *, resamples: int = RESAMPLES, seed: int = 0) -> dict:
-    """mean, sample std over seeds (ddof=1), 95% bootstrap interval, per-seed means."""
+def zero_upper_bound(samples: int, level: float = LEVEL) -> float:
+    """One-sided `level` upper bound on a per-sample success rate after 0 successes in
+    `samples` (exact binomial, Clopper-Pearson): the p with (1 - p)^N = 1 - level."""
+    if samples < 1:
+        raise ValueError(f"an upper bound needs at least one sample, got {samples}")
+    return float(1.0 - (1.0 - level) ** (1.0 / samples))
+
+
+def summary(scores, *, samples: int | None = None, resamples: int = RESAMPLES,
+            seed: int = 0) -> dict:
+    """mean, sample std over seeds (ddof=1), 95% crossed bootstrap interval, per-seed means.
+    `samples`: how many samples lie behind the whole table (seeds x problems x samples per
+    problem); given and no cell of the table scores, 'upper' is the one-sided 95% bound on the
+    per-sample rate (`zero_upper_bound`)."""
     table = as_table(scores)
     low, high = bootstrap_interval(table, resamples=resamples, seed=seed)
-    return {"mean": float(table.mean()), "std": seed_std(table), "low": low, "high": high,
-            "per_seed": [float(m) for m in table.mean(axis=1)], "seeds": table.shape[0],
-            "problems": table.shape[1]}
+    out = {"mean": float(table.mean()), "std": seed_std(table), "low": low, "high": high,
+           "per_seed": [float(m) for m in table.mean(axis=1)], "seeds": table.shape[0],
+           "problems": table.shape[1]}
+    if samples is not None and not table.any():
+        out |= {"samples": int(samples), "upper": zero_upper_bound(samples)}
+    return out
+
+
+def zero_bound_note(samples: int) -> str:
+    """' (rate < 4.9e-4, 0 of 6144)': what a cell with no success in `samples` bounds."""
+    mantissa, exponent = f"{zero_upper_bound(samples):.1e}".split("e")
+    return f" (rate < {mantissa}e{int(exponent)}, 0 of {samples})"
 
 
 def format_cell(s: dict) -> str:
-    """'0.341 ± 0.010 [0.30, 0.38]': mean ± sample std over seeds [95% bootstrap interval]."""
+    """'0.341 ± 0.010 [0.300, 0.380]': mean ± sample std over seeds [95% bootstrap interval];
+    a cell with no success adds its bound: '(rate < 4.9e-4, 0 of 6144)'."""
     std = "" if np.isnan(s["std"]) else f" ± {s['std']:.3f}"
-    return f"{s['mean']:.3f}{std} [{s['low']:.3f}, {s['high']:.3f}]"
+    bound = zero_bound_note(s["samples"]) if "upper" in s else ""
+    return f"{s['mean']:.3f}{std} [{s['low']:.3f}, {s['high']:.3f}]{bound}"

@@ -15,6 +15,7 @@ import pytest
 
 from jaxprefix import main as entry
 from jaxprefix import run_config
+from jaxprefix.jobs import preflight
 from jaxprefix.rl import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,6 +53,8 @@ def test_variant_builds_and_passes_the_loop_checks(name, variant):
     assert config.job in entry.JOBS
     if job != "sft":
         loop.validate(config)  # raises, naming the field, on any value the loop cannot run
+    if job in preflight.FIELDS_CHECKED:  # a variant sets no field its job leaves unread
+        assert preflight.unread(config) == []
     if "smoke" in variant and job != "sft":
         assert config.train.total_steps <= 3 and config.data.train_size <= 16
         assert config.sft.max_steps == build("sft.py", "smoke").max_steps
@@ -128,6 +131,17 @@ def test_locked_config_refuses_a_misspelt_field(tmp_path):
     result = run_main("--config=configs/grpo.py:smoke", "--config.train.nope=1", workdir=workdir)
     assert result.returncode != 0
     assert "nope" in result.stderr
+    assert not workdir.exists()
+
+
+def test_a_field_the_job_does_not_read_is_refused_before_any_work(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_main("--config=configs/grpo.py:smoke", "--config.pope.unsolved=longest",
+                      workdir=workdir)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config.pope.unsolved is set but no stage of job rl with method grpo reads it "
+        "(only pope read pope.*); expected it left at its default")
     assert not workdir.exists()
 
 

@@ -258,9 +258,14 @@ def test_preregistered_prediction_is_written_once_and_checked_against_the_outcom
         for seed in (0, 1):
             curves = [(b // (n * 4), [int(round(4 * rate(n, b)))] * len(groups)) for b in budgets]
             _write_counts(os.path.join(workdir, "runs", f"n{n}_b4_s{seed}"), 4, n * 4, curves)
-    config.isocompute.prereg.update(fit_max=2048, predict=(4096, 8192))
+    # Every problem and seed alike: every bootstrap draw is the same, so few are needed.
+    config.isocompute.prereg.update(fit_max=2048, predict=(4096, 8192), span_resamples=10)
     predicted = prereg.predict(config, workdir)
     assert set(predicted["groups"]) == set(groups)
+    for entry in predicted["groups"].values():  # up to 2^11 n = 2 leads or ties: n* is 2
+        assert entry["n_star_span"] == {"log2": 0.0, "low": 0.0, "high": 0.0,
+                                        "direction": "undecided"}
+        assert "holds 0" in entry["degenerate"] and entry["rule"] == {}
     stamp = os.path.getmtime(os.path.join(workdir, prereg.PREDICTION))
     assert prereg.predict(config, workdir) == predicted  # written once: never refitted
     assert os.path.getmtime(os.path.join(workdir, prereg.PREDICTION)) == stamp
@@ -276,16 +281,62 @@ def test_preregistered_prediction_is_written_once_and_checked_against_the_outcom
                                        "holds": guess == 8}
 
 
-def test_a_step_like_fitted_rule_is_called_degenerate():
-    from jaxprefix.jobs.isocompute_prereg import degenerate
+def test_degenerate_is_decided_by_the_span_and_its_interval():
+    from jaxprefix.jobs.isocompute_prereg import degenerate, direction
 
-    def fit(curve, n_star=(4, 8)):
-        return ic.FrontierFit(points={}, per_n={}, log_c=[10.0, 11.0], envelope=[0.1, 0.2],
-                              n_star=list(n_star), n_star_fit=curve)
+    # The last study's n* step (width 0.019 in log2 C) is no reason by itself: its interval is.
+    assert "holds 0" in degenerate(-0.52, (-1.0, 0.1), {"4096": 4}, (2, 4, 8, 16))
+    assert "holds 0" in degenerate(0.0, (0.0, 0.0), {}, (2, 4, 8, 16))  # n* never moved
+    assert degenerate(-2.0, (-2.6, -1.1), {"4096": 4, "8192": 2}, (2, 4, 8, 16)) == ""
+    assert "leaves the swept n" in degenerate(-2.0, (-2.6, -1.1), {"8192": 1}, (2, 4, 8, 16))
+    assert [direction(0, i) for i in [(0.2, 1.0), (-2.0, -0.1), (-0.5, 0.5)]] == [
+        "rises", "falls", "undecided"]
 
-    step = ic.Sigmoid(floor=1.99, ceiling=2.51, center=11.65, width=0.019)  # the last study's
-    assert "step of width 0.019" in degenerate(fit(step), (2, 4, 8, 16))
-    assert "every budget" in degenerate(fit(None, (4, 4)), (2, 4, 8, 16))
-    wide = ic.Sigmoid(floor=1.0, ceiling=3.0, center=12.0, width=1.5)
-    assert degenerate(fit(wide), (2, 4, 8, 16)) == ""
-    assert "leaves the swept n" in degenerate(fit(ic.Sigmoid(1.0, 9.0, 12.0, 1.5)), (2, 4, 8))
+
+def test_n_star_that_falls_with_the_budget_is_fitted_falling():
+    """fit_sigmoid fitted n* rising only: the study's n* fell (32 -> 16 -> 8 over 2^9..2^11)
+    and came out a constant. Now the data decide the direction."""
+    log_c = np.linspace(9, 11, 64)
+    n_star = np.where(log_c < 9.67, 32, np.where(log_c < 10.33, 16, 8))
+    fit = ic.fit_n_star(log_c, n_star)
+    assert fit(9.0) == pytest.approx(5.0, abs=0.2) and fit(11.0) == pytest.approx(3.0, abs=0.2)
+    frontier = ic.FrontierFit({}, {}, log_c.tolist(), [0.0] * 64, n_star.tolist(), fit)
+    assert ic.n_star_span(frontier) == pytest.approx(-2.0, abs=0.3)
+    x = np.linspace(8, 22, 40)
+    falling = ic.fit_sigmoid(x, ic.Sigmoid(0.7, 0.1, 14.0, 1.5)(x), rising_only=False)
+    np.testing.assert_allclose([falling.floor, falling.ceiling, falling.center, falling.width],
+                               [0.7, 0.1, 14.0, 1.5], atol=0.02, rtol=0.05)
+
+
+def test_preregistered_fit_states_that_n_star_falls_with_an_interval(tmp_path):
+    """Hand-written curves where n = 8 leads at 2^9 and n = 2 overtakes it by 2^11 (n* falls,
+    as in the study), each problem and seed a little different: the prediction says 'falls',
+    with a span interval below 0, and the report line says so against the paper's rise."""
+    from jaxprefix import run_config as rc
+    from jaxprefix.jobs import isocompute_prereg as prereg
+
+    config = rc.from_file(os.path.join(ROOT, "configs", "isocompute.py"), "prereg")
+    config.isocompute.update(ns=(2, 8), batches=(4,), seeds=(0, 1), budgets=(512, 1024, 2048))
+    config.data.eval_size = 8
+    groups = prereg.eval_groups(config)
+    budgets = [512, 1024, 2048]
+
+    def rate(n, budget):  # n = 8 starts ahead and stalls; n = 2 climbs past it
+        x = np.log2(budget) - 9
+        return 0.5 + 0.0625 * x if n == 8 else 0.25 + 0.375 * x
+
+    for n in (2, 8):
+        for seed in (0, 1):
+            curves = [(b // (n * 4), [int(np.clip(round(8 * rate(n, b) + (p % 3 - 1) * 0.6
+                                                         + seed * 0.3), 0, 8))
+                                      for p in range(len(groups))]) for b in budgets]
+            _write_counts(os.path.join(str(tmp_path), "runs", f"n{n}_b4_s{seed}"), 8, n * 4,
+                          curves)
+    # 40 draws: the span's sign is the same in every one here (fewer: a faster test).
+    config.isocompute.prereg.update(fit_max=2048, predict=(4096,), span_resamples=40)
+    predicted = prereg.predict(config, str(tmp_path))
+    lines = prereg.report_lines(predicted, None)
+    for group, entry in predicted["groups"].items():
+        span = entry["n_star_span"]
+        assert span["direction"] == "falls" and span["log2"] < 0 and span["high"] < 0, span
+    assert any("n* falls with the budget" in l and "the paper's rises" in l for l in lines)

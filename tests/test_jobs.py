@@ -407,6 +407,7 @@ def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_pat
     config = run_config.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
                                       "smoke")[0]
     config.model.path = base
+    config.prefixrl.update(run_config.SMOKE_PREFIXRL)  # what configs/results.py:smoke sets
     config.prefixrl.oracle_traces = False  # rejection sampling, as the study mines its pool
     study = Study.prepare(config, str(tmp_path), trace_pool=True)
     with open(tmp_path / "mining" / "ledger.json") as f:

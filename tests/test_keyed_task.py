@@ -85,6 +85,30 @@ def test_sft_rows_never_show_what_the_second_rule_means():
     assert 40 < second < 120 and overridden > 20
 
 
+def test_the_overlap_knob_shows_the_second_rule_in_that_share_of_its_rows():
+    data = ml_collections.ConfigDict(dict(
+        batch_size=64, digits=(1, 8), full_length_fraction=0.5, multipliers=(2, 9),
+        tens_first=0.5, hinted_fraction=0.5, key_override_fraction=0.5,
+        second_rule_fraction=0.25))
+    plain = task.sft_batch(data, 3)
+    data.second_rule_taught = 0.0
+    assert task.sft_batch(data, 3) == plain  # at 0: the very batches of the demo's base
+    data.second_rule_taught = 1.0
+    second = 0
+    for seed in range(5):
+        for problem, target in task.sft_batch(data, seed):
+            if problem.question[0] == ">":
+                second += 1
+                u, v, p, q = (int(x) for x in problem.question[-5:-1])
+                d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
+                assert (v, q) == (d, c) and u != v and p != q and target.startswith(f"*{d}{c}")
+                assert task.verify(target, problem) == 1.0
+    assert 40 < second < 120
+    data.second_rule_taught = 1.5
+    with pytest.raises(ValueError, match="second_rule_taught=1.5"):
+        task.sft_batch(data, 0)
+
+
 def test_registered_as_a_built_in_task_with_a_hint_layout():
     assert tasks.get(task.NAME) is task and task.NAME in tasks.HINTS
     assert task.NAME in rewards.names()
@@ -96,3 +120,70 @@ def test_registered_as_a_built_in_task_with_a_hint_layout():
         tasks.get("nope")
     rng = random.Random(0)
     assert task.verify(task.sample_solution(p, rng), p) == 1.0
+
+
+def _sft_data(**extra):
+    return ml_collections.ConfigDict(dict(
+        batch_size=64, digits=(1, 8), full_length_fraction=0.5, multipliers=(2, 9),
+        tens_first=0.5, hinted_fraction=0.5, key_override_fraction=0.5,
+        second_rule_fraction=0.25, **extra))
+
+
+def test_restating_hint_is_the_oracle_prefix_ending_at_the_rule_name():
+    p = task.make_problem(47, 6, 3, ">", (2, 8), names_rule=True)
+    assert p.steps == (">63", "+54", "+82")  # the key step names rule '>', then reads d, c
+    prefix = task.restating_prefix(p)
+    assert prefix == ">" and p.solution.startswith(prefix)
+    ids = task.tokenizer().encode(p.question + p.solution)
+    hint = task.tokenizer().encode(p.question + prefix)
+    assert ids[:len(hint)] == hint and task.tokenizer().decode(hint[-1:]) == ">"
+    r = task.restated(p)
+    assert r.question == p.question + ">" and r.question + r.solution == p.question + p.solution
+    # After the name the policy does the read: by rule '>' (6, 3) it verifies ...
+    assert task.verify("63+54+82<eos>", r) == 1.0
+    assert task.verify("63+54+82", r) == task.verify(">63+54+82", p) == 1.0
+    # ... by rule '<' (2, 8), a consistent computation, it does not.
+    assert task.verify("28+22+01", r) == 0.0 and task.verify("63+54+83", r) == 0.0
+    assert task.verify("*63+54+82", p) == 0.0  # the named notation is the only one
+    assert task.restating_prefix(task.make_problem(47, 6, 3, ">", (2, 8))) == ""
+    with pytest.raises(ValueError, match="no rule name"):
+        task.restated(task.make_problem(47, 6, 3, ">", (2, 8)))
+    with pytest.raises(ValueError, match="already guided"):
+        task.restating_prefix(task.guided(p, 1))
+
+
+def test_key_step_names_the_first_rule_that_reads_the_key_right():
+    assert task.make_problem(47, 6, 3, "<", (2, 8), names_rule=True).steps[0] == "<63"
+    same = task.make_problem(47, 6, 3, ">", (6, 3), names_rule=True)  # SFT's '>' rows
+    assert same.steps[0] == "<63" and task.verify(same.solution, same) == 1.0
+    assert task.verify(">63+54+82", same) == 1.0  # both rules read this key right
+    hard = task.hard_set(30, seed=1, names_rule=True)
+    assert {p.steps[0][0] for p in hard} == {">"}
+    assert all(task.verify(p.solution, p) == 1.0 for p in hard)
+    # a value hint still works: the policy names its habit and copies the hinted digits
+    p = hard[0]
+    assert task.verify("<" + p.solution[1:], task.hinted(p, 1)) == 1.0
+    with pytest.raises(ValueError, match="key_names_rule='yes'"):
+        task.problem_sets(ml_collections.ConfigDict(dict(
+            digits=(8, 8), multipliers=(2, 9), train_size=2, eval_size=2, seed=0, eval_seed=1,
+            key_names_rule="yes")))
+
+
+def test_with_the_notation_off_problems_and_sft_batches_are_as_before():
+    plain = task.sft_batch(_sft_data(), 7)
+    assert task.sft_batch(_sft_data(key_names_rule=False), 7) == plain
+    sets = dict(digits=(8, 8), multipliers=(2, 9), train_size=4, eval_size=4, seed=0,
+                eval_seed=1, easy_size=4, easy_digits=(1, 8))
+    before = task.problem_sets(ml_collections.ConfigDict(sets))
+    assert task.problem_sets(ml_collections.ConfigDict(dict(sets, key_names_rule=False))) == before
+    assert all(p.steps[0][0] == "*" and "key_names_rule" not in p.metadata
+               for group in before for p in group)
+    # on: the same rows, only the key step's first token named; '>' as a name never shown
+    named = task.sft_batch(_sft_data(key_names_rule=True), 7)
+    assert [p.question for p, _ in named] == [p.question for p, _ in plain]
+    assert [t[1:] for _, t in named] == [t[1:] for _, t in plain]
+    assert {t[0] for _, t in named} == {"<"}
+    taught = task.sft_batch(_sft_data(key_names_rule=True, second_rule_taught=1.0), 7)
+    for problem, target in taught:
+        if problem.question[0] == ">":  # the knob's rows name '>' and are right
+            assert target[0] == ">" and task.verify(target, problem) == 1.0

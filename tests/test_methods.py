@@ -133,6 +133,52 @@ def test_pope_instruction_on_the_demo_task_puts_steps_in_the_hint_slots():
         assert response_prefix == ""  # the policy writes the whole answer itself
 
 
+def test_pope_restating_hint_on_the_keyed_task_is_the_oracle_prefix_up_to_the_rule_name():
+    from jaxprefix.data.tasks import keyed_multiplication as keyed
+
+    prompts = TaskPrompts(keyed.tokenizer())
+    named = keyed.make_problem(47, 6, 3, ">", (2, 8), names_rule=True)  # oracle >63+54+82
+    plain = keyed.make_problem(47, 6, 3, ">", (2, 8))                   # oracle *63+54+82
+    for units in (1, 2):  # the default template allows restating: the name, whatever units
+        context, prefix = pope.guided_context(prompts, named, units, guidance="instruction")
+        assert prefix == ">" and named.solution.startswith(prefix)
+        assert isinstance(context, SharedContext)
+        assert list(context.prompt) + list(context.suffix) == prompts.tokenizer.encode(
+            named.question + ">")
+        assert keyed.verify(prefix + "63+54+82", named) == 1.0  # read by '>': right
+        assert keyed.verify(prefix + "28+22+01", named) == 0.0  # read by '<': wrong
+    # no_restate: the value hint (d, c in the prompt's key hints), the policy writes it all
+    context, prefix = pope.guided_context(prompts, named, 1, guidance="instruction",
+                                          template=pope.NO_RESTATE_TEMPLATE)
+    assert prefix == "" and context == prompts.hinted_question(named, 1)
+    assert prompts.tokenizer.decode(context)[:3] == ">63"
+    # the notation off: the value hint under either template, exactly as before
+    for template in pope.TEMPLATES.values():
+        context, prefix = pope.guided_context(prompts, plain, 1, guidance="instruction",
+                                              template=template)
+        assert prefix == "" and context == prompts.tokenizer.encode(keyed.hinted(plain, 1).question)
+    assert ChatPrompts(None).restating_prefix(named) == ""
+
+
+def test_pope_restating_groups_sample_the_rule_read_themselves():
+    from jaxprefix.data.tasks import keyed_multiplication as keyed
+
+    prompts = TaskPrompts(keyed.tokenizer())
+    hard = keyed.hard_set(4, seed=3, names_rule=True)
+    method = pope.PopeMethod(prompts, hard, {p.id: 1 for p in hard}, schedule=FixedPrefix(),
+                             guidance="instruction", problems_per_step=4, n=2, seed=0)
+    request = method.next_request(0)
+    for context, problem, guided, prefix in zip(request.contexts, request.problems,
+                                                request.tags["guided"],
+                                                request.response_prefixes):
+        if guided:  # the name is forced; the digits d, c are the policy's own tokens
+            assert prefix == ">" and list(context.suffix) == prompts.response(">")
+            assert keyed.verify(prefix + problem.solution[1:], problem) == 1.0
+        else:
+            assert prefix == "" and context == prompts.question(problem)
+    assert sum(request.tags["guided"]) == 4
+
+
 # --- mix ratios ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("guided_copies,unguided_copies", [(1, 1), (2, 1), (0, 3)])

@@ -218,6 +218,59 @@ def test_prompt_guidance_a_task_policy_cannot_read_fails_in_preflight(tmp_path):
     assert not (tmp_path / "w").exists()  # preflight writes nothing
 
 
+def test_fields_no_stage_of_the_job_reads_are_refused_in_preflight(tmp_path):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs import preflight
+
+    def config(name, **fields):
+        c = run_config.from_file(os.path.join(ROOT, "configs", name), "smoke")
+        for field, value in fields.items():
+            block, key = field.split("__", 1)
+            c[block][key] = value
+        return c
+
+    workdir = str(tmp_path / "w")
+    with pytest.raises(ConfigError, match=r"^config.prefixrl.cut_lo is set but no stage of job "
+                                          r"rl with method pope reads it \(only prefixrl read"):
+        preflight.check(config("pope.py", prefixrl__cut_lo=0.5), workdir)
+    with pytest.raises(ConfigError, match=r"config.schedule.annealed.steps is set .*"
+                                          r"\(schedule.kind='fixed' reads only"):
+        preflight.check(config("pope.py", schedule__annealed=dict(steps=7, start_fraction=1.0,
+                                                                 end_fraction=0.0,
+                                                                 shape="linear")), workdir)
+    # The ablation's template on the demo task: its hint is a layout, with no English to change.
+    with pytest.raises(ConfigError, match=r"config.pope.template='no_restate' is set but no stage"
+                                          r" of job rl reads it: a built-in task's prompts"):
+        preflight.check(config("pope.py", pope__template="no_restate"), workdir)
+    results = config("results.py")
+    results.results.runs = ("pope_cap0.25", "pope_no_restate")
+    with pytest.raises(ConfigError, match=r"'no_restate' is set but no stage of run "
+                                          r"pope_no_restate of job results"):
+        preflight.check(results, workdir)
+    # What the method reads passes: POPE's own fields on POPE, PrefixRL's on PrefixRL.
+    preflight.check(config("pope.py", pope__unsolved="drop", schedule__kind="annealed"), workdir)
+    preflight.check(config("prefixrl.py", prefixrl__cut_lo=0.5), workdir)
+    assert not (tmp_path / "w").exists()  # preflight writes nothing
+
+
+def test_template_is_read_on_the_restating_notation_and_the_notation_is_the_bases(tmp_path):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs import preflight
+
+    workdir = str(tmp_path / "w")
+    c = run_config.from_file(os.path.join(ROOT, "configs", "pope.py"), "smoke")
+    assert c.data.key_names_rule is False and c.sft.data.key_names_rule is False
+    c.sft.data.key_names_rule = c.data.key_names_rule = True  # the restating route
+    for template in ("default", "no_restate"):  # restating hint, value hint: both read
+        c.pope.template = template
+        preflight.check(c, workdir)
+    c.data.key_names_rule = False
+    with pytest.raises(ConfigError, match=r"^config.data.key_names_rule=False but the SFT base "
+                                          r"writes config.sft.data.key_names_rule=True"):
+        preflight.check(c, workdir)
+    assert not (tmp_path / "w").exists()
+
+
 # --- array contracts between modules ---------------------------------------------------------
 
 def test_boundary_checks_name_the_array_that_is_off():

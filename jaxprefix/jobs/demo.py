@@ -65,11 +65,14 @@ def run_demo(config, workdir: str) -> dict:
 
 
 def _cell(evaluation: dict, k: int) -> str:
-    """pass@k [95% bootstrap interval over the held-out problems] (one seed: no std)."""
-    scores = statistics.pass_at_k_table([evaluation["correct_counts"]],
-                                        evaluation["num_samples"], k)
+    """pass@k [95% bootstrap interval over the held-out problems] (one seed: no std); with no
+    success, the one-sided 95% bound on the per-sample rate."""
+    counts = evaluation["correct_counts"]
+    scores = statistics.pass_at_k_table([counts], evaluation["num_samples"], k)
     low, high = statistics.bootstrap_interval(scores)
-    return f"{evaluation[f'pass@{k}']:.3f} [{low:.3f}, {high:.3f}]"
+    bound = "" if any(counts) else statistics.zero_bound_note(len(counts)
+                                                               * evaluation["num_samples"])
+    return f"{evaluation[f'pass@{k}']:.3f} [{low:.3f}, {high:.3f}]{bound}"
 
 
 def table(report: dict, ks) -> str:

@@ -14,9 +14,11 @@ paired bootstrap intervals over seeds and problems (jaxprefix/statistics.py).
 The prediction, per group, on the seed-mean curves up to `prereg.fit_max` rollouts:
 - `envelope`: the n whose fitted reward sigmoid (the paper's per-n fit) is highest at each
   predicted budget, the per-n sigmoids extrapolated;
-- `rule`: the fitted allocation rule log2 n*(log2 C) there, unless it is degenerate (n* never
-  changes over the fit, a step narrower than half an octave of C, or a value outside the swept
-  n): then the file says so and gives no rule.
+- `rule`: the fitted allocation rule log2 n*(log2 C) there (rising or falling: the data decide),
+  unless it is degenerate: the 95% interval of its span (how far log2 n* moves over the fit's
+  budgets; seeds and problems resampled crossed, the frontier refitted per draw) holds 0, or
+  its n at a predicted budget leaves the swept n. Then the file says so and gives no rule.
+  Either way it states the direction of n* with that interval.
 The outcome: the best n of the seed-mean avg@4 at each predicted budget, and the paired
 difference between the predicted n and that best n (within noise: the prediction holds).
 """
@@ -32,6 +34,10 @@ from jaxprefix.methods import isocompute
 from jaxprefix.rl.eval_counts import read_eval_counts
 
 PREDICTION, OUTCOME, REPORT = "prediction.json", "outcome.json", "REPORT.md"
+# Beside them: every run's per-problem correct counts at each evaluation, the problems' groups
+# and the seeds, so the outcome and REPORT.md are rebuilt from the repository alone
+# (`python -m jaxprefix.jobs.report_tables`; runs/ is not committed).
+COUNTS = "counts.json"
 
 
 def group_of(digits: int, split: int) -> str:
@@ -48,7 +54,8 @@ def eval_groups(config) -> list[str]:
 
 
 def per_problem_curves(config, workdir: str) -> dict:
-    """(n, B, seed) -> (rollouts at each evaluation, [evals, problems] avg@k per problem)."""
+    """(n, B, seed) -> (rollouts at each evaluation, [evals, problems] avg@k per problem, the
+    samples per problem of each evaluation)."""
     curves = {}
     for point in iso_jobs.sweep_points(config):
         for seed in config.isocompute.seeds:
@@ -58,48 +65,86 @@ def per_problem_curves(config, workdir: str) -> dict:
                 rows = point.n * point.batch
                 curves[(point.n, point.batch, seed)] = (
                     [r["step"] * rows for r in records],
-                    np.asarray([r["correct_counts"] for r in records], float) / records[0]["n"])
+                    np.asarray([r["correct_counts"] for r in records], float) / records[0]["n"],
+                    records[0]["n"])
     return curves
 
 
 def _at(curve, budget: float) -> np.ndarray | None:
     """Per-problem scores of the last evaluation within `budget` rollouts (None: the run has
     not reached the budget yet)."""
-    compute, scores = curve
+    compute, scores, _ = curve
     within = [i for i, c in enumerate(compute) if c <= budget]
     return scores[within[-1]] if within and compute[-1] >= budget else None
 
 
-def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float) -> list:
+def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float,
+               seed_weights: dict | None = None, problem_weights=None) -> list:
     """Seed-mean isocompute.Run per (n, B): the group's avg@4 at each evaluation within
-    `max_rollouts`, over the evaluations every seed reached."""
+    `max_rollouts`, over the evaluations every seed reached. `seed_weights` (seed -> how often
+    a bootstrap draw took it) and `problem_weights` (per problem of the group) weight the means;
+    None: every seed and problem once."""
     columns = [i for i, g in enumerate(groups) if g == group]
+    v = np.ones(len(columns)) if problem_weights is None else np.asarray(problem_weights, float)
     by_point: dict = {}
-    for (n, batch, seed), (compute, scores) in curves.items():
-        keep = [i for i, c in enumerate(compute) if c <= max_rollouts]
-        by_point.setdefault((n, batch), []).append(
-            ([compute[i] for i in keep], scores[keep][:, columns].mean(axis=1)))
+    for (n, batch, seed), (compute, scores, _) in curves.items():
+        w = 1.0 if seed_weights is None else seed_weights.get(seed, 0.0)
+        if w > 0:
+            keep = [i for i, c in enumerate(compute) if c <= max_rollouts]
+            by_point.setdefault((n, batch), []).append(
+                ([compute[i] for i in keep], scores[keep][:, columns] @ v / v.sum(), w))
     runs = []
     for (n, batch), seeds in sorted(by_point.items()):
-        length = min(len(c) for c, _ in seeds)
+        length = min(len(c) for c, _, _ in seeds)
         if length:
-            reward = np.mean([r[:length] for _, r in seeds], axis=0)
+            reward = np.average([r[:length] for _, r, _ in seeds], axis=0,
+                                weights=[w for _, _, w in seeds])
             runs.append(isocompute.Run(n, batch, tuple(map(float, seeds[0][0][:length])),
                                        tuple(map(float, reward))))
     return runs
 
 
-def degenerate(fit: isocompute.FrontierFit, ns) -> str:
-    """Why a fitted n*(C) rule cannot serve as an allocation rule ('' when it can)."""
-    curve = fit.n_star_fit
-    if curve is None:
-        return f"n* is {fit.n_star[0]} at every budget of the fit: no curve to extrapolate"
-    if curve.width < 0.5:
-        return (f"a step of width {curve.width:.3f} in log2 C (narrower than half an octave): "
-                f"the fit switches between two n, it does not track a trend")
-    low, high = 2 ** min(curve.floor, curve.ceiling), 2 ** max(curve.floor, curve.ceiling)
-    if low < min(ns) / 1.5 or high > max(ns) * 1.5:
-        return f"its range n = {low:.3g}..{high:.3g} leaves the swept n ({min(ns)}..{max(ns)})"
+def span_interval(curves: dict, groups: list[str], group: str, max_rollouts: float, *,
+                  resamples: int, seed: int = 0) -> tuple[float, float]:
+    """95% interval of the fitted n* curve's span (isocompute.n_star_span), the seeds and the
+    group's problems resampled crossed (jaxprefix/statistics.py: one problem draw for every
+    seed and every (n, B)), the frontier refitted on each draw."""
+    rng = np.random.default_rng(seed)
+    seeds = sorted({s for _, _, s in curves})
+    problems = groups.count(group)
+    spans = []
+    for _ in range(resamples):
+        picked = rng.multinomial(len(seeds), np.full(len(seeds), 1 / len(seeds)))
+        v = rng.multinomial(problems, np.full(problems, 1 / problems))
+        runs = group_runs(curves, groups, group, max_rollouts,
+                          dict(zip(seeds, picked.astype(float))), v)
+        try:
+            spans.append(isocompute.n_star_span(isocompute.fit_frontier(runs)))
+        except ValueError:  # a draw whose curves are all flat: n* does not move
+            spans.append(0.0)
+    return statistics.percentile_interval(spans)
+
+
+def direction(span: float, interval: tuple[float, float]) -> str:
+    """'rises' / 'falls' when the span's interval excludes 0, else 'undecided'."""
+    low, high = interval
+    return "rises" if low > 0 else "falls" if high < 0 else "undecided"
+
+
+def degenerate(span: float, interval: tuple[float, float], rule: dict, ns) -> str:
+    """Why a fitted n*(C) rule cannot serve as an allocation rule ('' when it can): its span's
+    interval holds 0 (the fit cannot tell whether n* rises or falls, let alone how fast), or
+    its n at a predicted budget (`rule`: budget -> n) leaves the swept n, where no run can
+    check it."""
+    low, high = interval
+    if low <= 0 <= high:
+        return (f"log2 n* moves {span:+.2f} over the fit's budgets [95% interval {low:+.2f}, "
+                f"{high:+.2f}]: the interval holds 0, so the fit cannot tell whether n* rises "
+                f"or falls")
+    outside = {b: n for b, n in rule.items() if not min(ns) <= n <= max(ns)}
+    if outside:
+        return (f"the rule's n at budget {', '.join(f'{b}: {n}' for b, n in outside.items())} "
+                f"leaves the swept n ({min(ns)}..{max(ns)})")
     return ""
 
 
@@ -123,41 +168,76 @@ def predict(config, workdir: str) -> dict:
         except ValueError as e:  # e.g. every curve flat: nothing to predict from, and it says so
             record["groups"][group] = entry | {"fit": None, "degenerate": f"no frontier: {e}"}
             continue
-        why = degenerate(fit, config.isocompute.ns)
-        entry |= {"fit": fit.to_dict(), "degenerate": why}
+        span = isocompute.n_star_span(fit)
+        interval = span_interval(curves, groups, group, pr.fit_max,
+                                 resamples=pr.span_resamples)
+        rule = {} if fit.n_star_fit is None else {
+            str(b): int(2 ** round(float(fit.n_star_fit(math.log2(b))))) for b in pr.predict}
+        why = degenerate(span, interval, rule, config.isocompute.ns)
+        entry |= {"fit": fit.to_dict(), "degenerate": why,
+                  "n_star_span": {"log2": span, "low": interval[0], "high": interval[1],
+                                  "direction": direction(span, interval)}}
         for budget in pr.predict:
             x = math.log2(budget)
             entry["envelope"][str(budget)] = int(max(fit.per_n, key=lambda n: fit.per_n[n](x)))
-            if not why:
-                entry["rule"][str(budget)] = int(2 ** round(float(fit.n_star_fit(x))))
+        entry["rule"] = {} if why else rule
         record["groups"][group] = entry
     storage.write_json(path, record)
     return storage.read_json(path)  # what the file says, as a later reader sees it
 
 
+def write_counts(path: str, curves: dict, groups: list[str], seeds) -> None:
+    """counts.json: per run (n, B, seed) its rollouts and per-problem correct counts at each
+    evaluation, of `samples` each; the held-out problems' groups; the seeds."""
+    runs = [{"n": n, "batch": b, "seed": s, "compute": list(map(int, compute)),
+             "samples": int(samples),
+             "correct_counts": np.rint(scores * samples).astype(int).tolist()}
+            for (n, b, s), (compute, scores, samples) in sorted(curves.items())]
+    storage.write_json(path, {"groups": list(groups), "seeds": list(seeds), "runs": runs},
+                       indent=None)
+
+
+def read_counts(path: str) -> tuple[dict, list[str], list]:
+    """(curves as per_problem_curves gives them, groups, seeds) from a counts.json."""
+    record = storage.read_json(path)
+    curves = {(r["n"], r["batch"], r["seed"]): (
+        r["compute"], np.asarray(r["correct_counts"], float) / r["samples"], r["samples"])
+        for r in record["runs"]}
+    return curves, record["groups"], record["seeds"]
+
+
 def outcome(config, workdir: str) -> dict:
-    """What the predicted budgets measured, against prediction.json."""
+    """What the predicted budgets measured, against prediction.json; written to outcome.json."""
     prediction = storage.read_json(storage.join(workdir, PREDICTION))
     groups = eval_groups(config)
     curves = per_problem_curves(config, workdir)
-    seeds = list(config.isocompute.seeds)
+    record = outcome_of(prediction, curves, groups, list(config.isocompute.seeds))
+    storage.write_json(storage.join(workdir, OUTCOME), record)
+    return record
+
+
+def outcome_of(prediction: dict, curves: dict, groups: list[str], seeds) -> dict:
+    """The outcome record of `prediction` on per-problem `curves`."""
     record = {"groups": {}}
     for group, entry in prediction["groups"].items():
         columns = [i for i, g in enumerate(groups) if g == group]
         out = {}
         for budget in prediction["predicted_budgets"]:
-            tables = {}  # n -> [seeds, problems] scores at the budget
+            tables, samples = {}, {}  # n -> [seeds, problems] scores at the budget, samples
             for n in prediction["ns"]:
                 rows = [_at(curves[(n, b, s)], budget) for (m, b, s) in curves
                         if m == n and s in seeds]
                 if rows and all(r is not None for r in rows) and len(rows) == len(seeds):
                     tables[n] = np.stack(rows)[:, columns]
+                    per_problem = [curves[k][2] for k in curves if k[0] == n and k[2] in seeds]
+                    samples[n] = sum(per_problem) * len(columns)
             if not tables:
                 continue
             means = {n: float(t.mean()) for n, t in tables.items()}
             best = max(means, key=means.get)
             cell = {"mean": {str(n): means[n] for n in sorted(means)}, "best": best,
-                    "summary": {str(n): statistics.summary(t) for n, t in sorted(tables.items())}}
+                    "summary": {str(n): statistics.summary(t, samples=samples[n])
+                                for n, t in sorted(tables.items())}}
             for kind in ("envelope", "rule"):
                 predicted = entry[kind].get(str(budget))
                 if predicted in tables:
@@ -167,7 +247,6 @@ def outcome(config, workdir: str) -> dict:
                                   "low": low, "high": high, "holds": bool(low <= 0 <= high)}
             out[str(budget)] = cell
         record["groups"][group] = out
-    storage.write_json(storage.join(workdir, OUTCOME), record)
     return record
 
 
@@ -186,6 +265,8 @@ def run_prereg(config, workdir: str) -> dict:
                    iso_jobs.point_workdir(iso_jobs.runs_dir(c, workdir), point, seed))
     prediction = predict(c, workdir)
     result = prediction if pr.phase == "predict" else outcome(c, workdir)
+    write_counts(storage.join(workdir, COUNTS), per_problem_curves(c, workdir), eval_groups(c),
+                 list(c.isocompute.seeds))
     storage.write_atomic(storage.join(workdir, REPORT), "\n".join(
         report_lines(prediction, None if pr.phase == "predict" else result)) + "\n")
     return result
@@ -197,7 +278,12 @@ def report_lines(prediction: dict, outcome: dict | None) -> list[str]:
              f"{prediction['ns']}, seeds {prediction['seeds']}, lr rule "
              f"{prediction['lr_rule']}); predicted for {prediction['predicted_budgets']}.", ""]
     for group, entry in prediction["groups"].items():
-        lines.append(f"**{group}** ({entry['problems']} held-out problems). Fitted rule: "
+        span = entry.get("n_star_span")
+        moves = "" if span is None else (
+            f"n* {span['direction']} with the budget over the fit: log2 n* {span['log2']:+.2f} "
+            f"[95% interval {span['low']:+.2f}, {span['high']:+.2f}] (the paper's rises, then "
+            f"saturates). ")
+        lines.append(f"**{group}** ({entry['problems']} held-out problems). {moves}Fitted rule: "
                      + (f"degenerate: {entry['degenerate']}; it is not an allocation rule."
                         if entry["degenerate"] else
                         "log2 n*(log2 C) = " + ", ".join(

@@ -6,6 +6,16 @@ safetensors header and size) or GGUF file (header, tensor data length), the toke
 record of the problem files and every prompt's length against the model's context, and the
 verifier (main has checked the storage backends of every gs:// path first). It writes nothing:
 main calls it before it locks the workdir. Every failure is a UserError, one line from main.
+
+Every field a run is given takes effect, or the run is refused (`unread_fields`): a method
+block's field (pope.*, prefixrl.*, schedule.*) that differs from run_config.base_config() (set
+by a variant or on the command line) on a job that runs no method reading it, a schedule
+kind's fields under another kind, and pope.template on a policy whose prompts have no template
+(a built-in task's TaskPrompts: its hint is a layout, not English) or with guidance that puts
+no instruction in the prompt. The results job checks each of its runs' settings the same way.
+On keyed_multiplication with data.key_names_rule (the restating route) pope.template is read:
+'default' guides by the restating hint, 'no_restate' by the value hint; and the run's notation
+must be its SFT base's.
 """
 from __future__ import annotations
 
@@ -13,6 +23,12 @@ from jaxprefix import storage
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg")
+# The config blocks each method reads, and the methods a job runs (demo: POPE and GRPO, results:
+# its RUNS, each with its own method; the other jobs config.method alone).
+BLOCKS_READ = {"grpo": (), "pope": ("pope", "schedule"), "prefixrl": ("prefixrl", "schedule")}
+METHOD_BLOCKS = ("pope", "prefixrl", "schedule")
+JOB_METHODS = {"demo": ("pope", "grpo"), "results": ("grpo", "pope", "prefixrl")}
+FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
 # weights) and checks its own settings before it compiles.
 NOTHING_TO_CHECK = ("fit", "compile")
@@ -58,18 +74,140 @@ def check(config, workdir: str) -> None:
     if config.job == "sft":
         _check_sft_settings(config)
         return
+    if config.job in FIELDS_CHECKED:
+        _check_fields_read(config)
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
     from jaxprefix.jobs.policy import check_policy_inputs
     from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
 
     _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
+    if config.job in FIELDS_CHECKED:
+        _check_notation(config)
+        _check_template_read(config, inputs.prompts)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
     sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
     if _guides_in_prompt(config):
         from jaxprefix.methods.prompting import check_hint_layouts
 
         _as_config_error(check_hint_layouts, inputs.prompts, sets.train)
+
+
+def _flat(node, prefix: str = "") -> dict:
+    out = {}
+    for key, value in node.items():
+        if hasattr(value, "items"):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _changed(config) -> dict:
+    """The method blocks' fields whose value differs from run_config.base_config()'s."""
+    from jaxprefix.run_config import base_config
+
+    base = base_config()
+    out = {}
+    for block in METHOD_BLOCKS:
+        defaults = _flat(base[block], f"{block}.")
+        out |= {k: v for k, v in _flat(config[block], f"{block}.").items()
+                if k not in defaults or defaults[k] != v}
+    return out
+
+
+def _methods_run(config) -> tuple[str, ...]:
+    return JOB_METHODS.get(config.job, (config.method,))
+
+
+def unread(config) -> list[tuple[str, str]]:
+    """The config's set method-block fields that its job does not read, with why."""
+    return unread_fields(config, _changed(config), _methods_run(config))
+
+
+def unread_fields(config, fields, methods) -> list[tuple[str, str]]:
+    """Of `fields` (dotted names), those no stage of a job running `methods` reads, each with
+    why: [(field, reason)]."""
+    read = {block for m in methods for block in BLOCKS_READ.get(m, ())}
+    unread = []
+    for field in fields:
+        block, _, rest = field.partition(".")
+        if block in METHOD_BLOCKS and block not in read:
+            readers = " and ".join(m for m, blocks in BLOCKS_READ.items() if block in blocks)
+            unread.append((field, f"only {readers} read {block}.*"))
+        elif block == "schedule" and "." in rest and rest.split(".")[0] != config.schedule.kind:
+            unread.append((field, f"schedule.kind={config.schedule.kind!r} reads only "
+                                  f"schedule.{config.schedule.kind}.*"))
+    return unread
+
+
+def _check_fields_read(config) -> None:
+    """The config's set fields, and each results run's settings, all read by some stage."""
+    _refuse_unread(unread(config), f"job {config.job} with method {config.method}")
+    if config.job == "results":
+        from jaxprefix.jobs.results import RUNS
+
+        for name in config.results.runs:
+            if name in RUNS:
+                spec = RUNS[name]
+                _refuse_unread(unread_fields(config, spec.settings, (spec.method,)),
+                               f"run {name} of job results (method {spec.method})")
+
+
+def _refuse_unread(unread: list[tuple[str, str]], where: str) -> None:
+    if unread:
+        field, why = unread[0]
+        raise ConfigError(f"config.{field} is set but no stage of {where} reads it ({why}); "
+                          f"expected it left at its default")
+
+
+def _check_template_read(config, prompts) -> None:
+    """pope.template shapes an English instruction in a chat model's prompt, or chooses a
+    built-in task's restating hint over its value hint (`_task_restates`), and nothing else."""
+    from jaxprefix.methods.prompting import TaskPrompts
+
+    templates = {"": config.pope.template} if "pope" in _methods_run(config) else {}
+    if config.job == "results":
+        from jaxprefix.jobs.results import RUNS
+
+        templates |= {name: RUNS[name].settings["pope.template"] for name in config.results.runs
+                      if name in RUNS and "pope.template" in RUNS[name].settings}
+    for run, template in templates.items():
+        if template == "default":
+            continue
+        where = f"run {run} of job results" if run else f"job {config.job}"
+        if isinstance(prompts, TaskPrompts) and not _task_restates(config.data):
+            raise ConfigError(f"config.pope.template={template!r} is set but no stage of {where} "
+                              f"reads it: a built-in task's prompts ({config.data.source}) put "
+                              f"the hint in the task's layout, with no template (only a notation "
+                              f"that names the key step's rule, keyed_multiplication's "
+                              f"data.key_names_rule, has a restating hint to forbid); expected "
+                              f"pope.template='default'")
+        if config.pope.guidance != "instruction":
+            raise ConfigError(f"config.pope.template={template!r} is set but no stage of {where} "
+                              f"reads it: pope.guidance={config.pope.guidance!r} puts no "
+                              f"instruction in the prompt; expected pope.template='default'")
+
+
+def _task_restates(data) -> bool:
+    """Whether the built-in task of `data` writes a notation with a restating hint, so that
+    pope.template chooses between it ('default') and the value hint ('no_restate')."""
+    from jaxprefix.data import tasks
+
+    task = tasks.TASKS.get(data.source)
+    return bool(task is not None and hasattr(task, "restating_notation")
+                and task.restating_notation(data))
+
+
+def _check_notation(config) -> None:
+    """The run's problems are written in its SFT base's notation (data.key_names_rule)."""
+    if config.model.source != "sft" or "key_names_rule" not in config.data:
+        return
+    base = config.sft.data.get("key_names_rule", False)
+    if config.data.key_names_rule != base:
+        raise ConfigError(f"config.data.key_names_rule={config.data.key_names_rule!r} but the SFT "
+                          f"base writes config.sft.data.key_names_rule={base!r}: expected the "
+                          f"same notation for the base and the run's problems")
 
 
 def _guides_in_prompt(config) -> bool:

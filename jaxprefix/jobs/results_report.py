@@ -2,7 +2,8 @@
 
 Every number and statement above the hand-written notes is computed here from results.json;
 nothing is typed in by hand, and a regenerated report keeps the notes (from NOTES_MARKER on).
-Each table cell is mean ± sample std over seeds [95% bootstrap interval over seeds and problems]
+Each table cell is mean ± sample std over seeds [95% crossed bootstrap interval over seeds and
+problems], with the 95% upper bound on the per-sample rate where nothing succeeded
 (jobs/study_tables.py); comparisons are paired differences, said to be "within noise" when
 their interval holds 0.
 """
@@ -16,6 +17,10 @@ from jaxprefix.jobs.study_tables import Column, Row
 
 NOTES_MARKER = "<!-- hand-written notes below: kept when the report is regenerated -->"
 REPORT = "REPORT.md"  # in results.output_dir, beside its figures
+# Beside REPORT.md: every per-problem count its tables come from, with the config they were
+# read under, so a rerun commits them and `python -m jaxprefix.jobs.report_tables` rebuilds
+# every table from the repository alone (runs/ is not committed).
+COUNTS = "counts.json"
 
 
 def _mean_std(values) -> str:
@@ -36,7 +41,8 @@ def _by_name(report: dict, regime: str, specs) -> dict:
 def _setting(spec) -> str:
     fields = ", ".join(f"`{k}={v}`" for k, v in spec.settings.items())
     warm = {"oracle": "the oracle solutions", "own_guided": "the policy's own correct guided "
-            "answers (found by the prefix search)", "traces": "the trace pool's traces",
+            "answers (found by the prefix search), placed after the unguided question",
+            "traces": "the trace pool's traces",
             "other_traces": "a second base's traces", "more_sft": "oracle solutions of as many "
             "problems outside the hard set"}
     parts = [spec.about] + ([f"fields {fields}"] if fields else [])
@@ -269,6 +275,16 @@ def isocompute_section(sweep: dict, budgets) -> list[str]:
                      f"{a['n_curve']}, B = {a['batch']}, {a['flops_per_rollout']:.3g} FLOPs per "
                      f"rollout.")
     return lines + ["", "![frontier](results/frontier.png) ![n*](results/n_star.png)"]
+
+
+def write_counts(report: dict, config, workdir: str) -> str:
+    """counts.json in the report's folder: the results record (each evaluation's per-problem
+    correct counts, samples, groups; ledgers; curves) and the config, as write_report reads
+    them. Its path."""
+    path = storage.join(config.results.output_dir or workdir, COUNTS)
+    storage.write_json(path, {"workdir": workdir, "config": config.to_dict(), "report": report},
+                       indent=None, default=float)
+    return path
 
 
 def write_report(report: dict, config, workdir: str, specs) -> None:

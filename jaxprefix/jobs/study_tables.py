@@ -3,8 +3,10 @@
 A row is a label and the evaluations of one run type at each seed (the results job's records,
 or the base's single evaluation); an evaluation holds each problem's correct samples
 (`correct_counts`, of `num_samples`) and its difficulty knobs (`groups`). Every cell is the
-mean, the sample std over seeds (ddof=1) and a 95% bootstrap interval over seeds and problems;
-differences are paired (the same seeds and problems drawn for both runs).
+mean, the sample std over seeds (ddof=1) and a 95% crossed bootstrap interval over seeds and
+problems (one problem draw for every seed); a cell with no success also states its one-sided
+95% upper bound on the per-sample rate over the samples behind it. Differences are paired (the
+same seeds and problems drawn for both runs).
 """
 from __future__ import annotations
 
@@ -48,6 +50,17 @@ def table(row: Row, column: Column) -> np.ndarray:
     return statistics.pass_at_k_table(counts, evals[0]["num_samples"], column.k)
 
 
+def samples(row: Row, column: Column) -> int:
+    """The samples behind a cell: per seed, its problems x samples per problem."""
+    evals = [r[column.which] for r in row.evals]
+    return sum(len(e["correct_counts"]) * e["num_samples"] for e in evals)
+
+
+def cell(row: Row, column: Column) -> str:
+    return statistics.format_cell(statistics.summary(table(row, column),
+                                                     samples=samples(row, column)))
+
+
 def _flops_cell(flops) -> str:
     if not len(flops):
         return "0"
@@ -60,7 +73,7 @@ def metric_table(rows: list[Row], columns: list[Column]) -> list[str]:
     lines = ["| run | seeds | " + " | ".join(c.header for c in columns) + " | FLOPs |",
              "|---" * (len(columns) + 3) + "|"]
     for row in rows:
-        cells = [statistics.format_cell(statistics.summary(table(row, c))) for c in columns]
+        cells = [cell(row, c) for c in columns]
         lines.append(f"| {row.label} | {len(row.evals)} | " + " | ".join(cells)
                      + f" | {_flops_cell(row.flops)} |")
     return lines

@@ -37,7 +37,8 @@ def rollouts(batch: int, n: int, steps: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Sigmoid:
-    """y = floor + (ceiling - floor) * sigmoid((x - center) / width); monotone for width > 0."""
+    """y = floor + (ceiling - floor) * sigmoid((x - center) / width); monotone for width > 0:
+    rising when ceiling > floor, falling when ceiling < floor."""
 
     floor: float
     ceiling: float
@@ -61,13 +62,15 @@ def _logistic(z):
 
 
 def fit_sigmoid(x: Sequence[float], y: Sequence[float], *,
-                bounds: tuple[float, float] | None = None) -> Sigmoid:
-    """Least-squares monotone (non-decreasing) sigmoid through (x, y).
+                bounds: tuple[float, float] | None = None, rising_only: bool = True) -> Sigmoid:
+    """Least-squares monotone sigmoid through (x, y): non-decreasing (`rising_only`, a reward
+    against compute), or rising or falling, whichever fits (log2 n* against compute: the data
+    decide its direction).
 
     Variable projection: for each (center, width) on a grid, floor and span have a closed-form
-    least-squares solution (span clipped to >= 0, so the curve never decreases); the best grid
-    cell is refined by zooming in. Deterministic and numpy only. `bounds` (e.g. (0, 1) for a
-    reward) clip floor and ceiling.
+    least-squares solution (with `rising_only` the span is clipped to >= 0, so the curve never
+    decreases); the best grid cell is refined by zooming in. Deterministic and numpy only.
+    `bounds` (e.g. (0, 1) for a reward) clip floor and ceiling.
     """
     x = np.asarray(x, dtype=np.float64).ravel()
     y = np.asarray(y, dtype=np.float64).ravel()
@@ -79,24 +82,27 @@ def fit_sigmoid(x: Sequence[float], y: Sequence[float], *,
     centers = np.linspace(x.min() - span_x, x.max() + span_x, 61)
     log_widths = np.linspace(np.log(span_x / 200), np.log(span_x * 2), 41)
     for _ in range(4):
-        best = _best_on_grid(x, y, centers, np.exp(log_widths), bounds)
+        best = _best_on_grid(x, y, centers, np.exp(log_widths), bounds, rising_only)
         dc, dw = centers[1] - centers[0], log_widths[1] - log_widths[0]
         centers = np.linspace(best[2] - 2 * dc, best[2] + 2 * dc, 21)
         log_widths = np.linspace(np.log(best[3]) - 2 * dw, np.log(best[3]) + 2 * dw, 21)
     return Sigmoid(*map(float, best))
 
 
-def _best_on_grid(x, y, centers, widths, bounds):
+def _best_on_grid(x, y, centers, widths, bounds, rising_only):
     s = _logistic((x[None, None, :] - centers[:, None, None]) / widths[None, :, None])  # [C, W, P]
     s_mean, y_mean = s.mean(-1, keepdims=True), y.mean()
     var = ((s - s_mean) ** 2).sum(-1)
     cov = ((s - s_mean) * (y - y_mean)).sum(-1)
-    span = np.where(var > 1e-12, cov / np.maximum(var, 1e-12), 0.0).clip(min=0.0)
+    span = np.where(var > 1e-12, cov / np.maximum(var, 1e-12), 0.0)
+    if rising_only:
+        span = span.clip(min=0.0)
     floor = y_mean - span * s_mean[..., 0]
     ceiling = floor + span
     if bounds is not None:
-        floor = floor.clip(*bounds)
-        ceiling = np.maximum(ceiling.clip(*bounds), floor)
+        floor, ceiling = floor.clip(*bounds), ceiling.clip(*bounds)
+        if rising_only:
+            ceiling = np.maximum(ceiling, floor)
     pred = floor[..., None] + (ceiling - floor)[..., None] * s
     sse = ((pred - y) ** 2).sum(-1)
     i, j = np.unravel_index(np.argmin(sse), sse.shape)
@@ -261,8 +267,17 @@ def upper_envelope(fits: Mapping[int, Sigmoid], log_c: Sequence[float]):
 
 
 def fit_n_star(log_c: Sequence[float], n_star: Sequence[int]) -> Sigmoid:
-    """log2 n* as a monotone sigmoid in log2 C."""
-    return fit_sigmoid(log_c, np.log2(np.asarray(n_star, dtype=np.float64)))
+    """log2 n* as a monotone sigmoid in log2 C, rising or falling: the paper's n* rises with
+    the budget, then saturates, but nothing makes a sweep's do the same (this repo's fell)."""
+    return fit_sigmoid(log_c, np.log2(np.asarray(n_star, dtype=np.float64)), rising_only=False)
+
+
+def n_star_span(fit: 'FrontierFit') -> float:
+    """How far the fitted log2 n* moves over the fit's budgets (last minus first): > 0 n* rises
+    with the budget, < 0 it falls, 0 it never changes (no fit)."""
+    if fit.n_star_fit is None:
+        return 0.0
+    return float(fit.n_star_fit(fit.log_c[-1]) - fit.n_star_fit(fit.log_c[0]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,8 +62,18 @@ def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0)
 
 def guided_context(prompts, problem: Problem, units: int, *, guidance: str,
                    template: str = GUIDED_TEMPLATE):
-    """(context, response prefix text) of `problem` guided by its first `units` oracle steps."""
+    """(context, response prefix text) of `problem` guided by its first `units` oracle steps.
+
+    With guidance in the prompt, a built-in task whose notation names the key step's rule
+    (keyed_multiplication, data.key_names_rule) is guided by its restating hint unless the
+    template forbids restating: the oracle's prefix up to that name, forced as the answer's
+    start, whatever `units` (the policy reads the key itself: docs/DEMO_TASK.md). Under
+    'no_restate' it gets the value hint, as every task without such a notation does."""
     if guidance == "instruction":
+        restating = prompts.restating_prefix(problem) if template != NO_RESTATE_TEMPLATE else ""
+        if restating:
+            return (with_response_prefix(prompts, problem, prompts.response(restating)),
+                    restating)
         return prompts.hinted_question(problem, units, template), ""
     if guidance == "solution_prefix":
         partial = oracle_prefix_text(problem, units)

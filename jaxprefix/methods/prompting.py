@@ -51,6 +51,10 @@ class ChatPrompts:
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def restating_prefix(self, problem: Problem) -> str:
+        """'': a chat model restates the guidance in its own answer, as its template allows."""
+        return ""
+
     def render_unfinished(self, problem: Problem, response_text: str) -> str:
         """The text of an unfinished assistant turn, as the chat template itself renders it."""
         messages = self._messages(problem.question) + [{"role": "assistant", "content": response_text}]
@@ -72,6 +76,13 @@ class TaskPrompts:
         template is English for chat models: unused here)."""
         check_hint_layouts(self, [problem])
         return self.tokenizer.encode(tasks.HINTS[problem.source](problem, units).question)
+
+    def restating_prefix(self, problem: Problem) -> str:
+        """The task's restating hint for `problem`, forced as its answer's start: the oracle
+        solution up to the name of the rule its key step reads by, so that the policy does the
+        read itself ('' where the task or the problem's notation has none)."""
+        hint = tasks.RESTATING.get(problem.source)
+        return hint(problem) if hint else ""
 
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -23,6 +23,14 @@ second digits under '>') no gradient of its own, so any transfer is the policy's
 Step i of the answer sits exactly one question length after slot i of the question (the key
 step after r k j, carry step i after digit slot i), as in carry_multiplication: every hint is
 read by a lookup at one fixed distance.
+
+The restating route (issue 28, `data.key_names_rule`, off by default): the key step NAMES the
+rule it reads the key by in place of '*' (`> d c`: "by rule '>', d and c are ..."; where both
+rules read the key right, as on SFT's '>' rows with equal digits, it names the first), so its
+first token is the insight and its digits are the read. `restated(problem)` guides a problem by
+the token-level prefix of its oracle solution up to and including that name: the policy then
+reads d and c itself, and the samples of a group differ exactly at that read. The value hint
+(`hinted`) stays as the no_restate arm. Off, every problem, batch and verdict is as before.
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ NAME = "keyed_multiplication"
 SLOTS = 8  # digit slots; the most digits a problem can have
 FIRST, SECOND = "<", ">"  # the key's rules: d, c are u, p; or v, q
 KEY = "*"  # the key step's marker
+KEY_MARKERS = (KEY, FIRST, SECOND)  # '*', or the rule the key step names (data.key_names_rule)
 TIMES, EQUALS = carry.TIMES, carry.EQUALS
 SYMBOLS = carry.SYMBOLS + (FIRST, SECOND, KEY)
 SLOT_LENGTH = STEP_LENGTH = 3  # the key slot r k j and the key step * d c too
@@ -68,9 +77,10 @@ def carry_steps(digits: Sequence[int], multiplier: int, carry_in: int) -> list[t
 
 
 def make_problem(number: int, multiplier: int, carry_in: int, rule: str,
-                 others: tuple[int, int]) -> Problem:
+                 others: tuple[int, int], *, names_rule: bool = False) -> Problem:
     """number * multiplier + carry_in, d and c behind a key: rule '<' puts them at u and p (the
-    `others` at v and q), rule '>' at v and q. Oracle: the key step, then '+' at every step."""
+    `others` at v and q), rule '>' at v and q. Oracle: the key step, then '+' at every step.
+    With `names_rule` the key step starts with the rule it reads the key by, not '*'."""
     if rule not in (FIRST, SECOND):
         raise ValueError(f"{NAME}: rule must be {FIRST!r} or {SECOND!r}, got {rule!r}")
     if not 1 <= multiplier <= 9 or not all(0 <= x <= 9 for x in (carry_in, *others)):
@@ -84,18 +94,35 @@ def make_problem(number: int, multiplier: int, carry_in: int, rule: str,
     slots = "".join(f"{d}{EMPTY}{EMPTY}" for d in digits)
     slots += EMPTY * SLOT_LENGTH * (SLOTS - len(digits))
     question = f"{rule}{EMPTY}{EMPTY}{slots}{TIMES}{u}{v}{p}{q}{EQUALS}"
-    steps = (f"{KEY}{multiplier}{carry_in}",) + tuple(
+    marker = key_name(u, p, multiplier, carry_in) if names_rule else KEY
+    steps = (f"{marker}{multiplier}{carry_in}",) + tuple(
         write_step(s, c) for s, c in carry_steps(digits, multiplier, carry_in))
     return Problem(
         id=f"{NAME}-{number}x{u}{v}+{p}{q}{rule}", question=question,
         answer=str(number * multiplier + carry_in), solution="".join(steps), steps=steps,
         source=NAME, metadata={"digits": len(digits), "multiplier": multiplier,
-                               "carry_in": carry_in, "rule": rule, "prefix_steps": 0})
+                               "carry_in": carry_in, "rule": rule, "prefix_steps": 0,
+                               **({"key_names_rule": True} if names_rule else {})})
+
+
+def key_name(u: int, p: int, multiplier: int, carry_in: int) -> str:
+    """The rule a key step reads the key by: '<' where the first digits are d and c (every '<'
+    problem, and a '>' problem whose pairs hold equal digits: both rules read it right, and the
+    first is the reading every SFT row does), else '>'."""
+    return FIRST if (u, p) == (multiplier, carry_in) else SECOND
+
+
+def restating_notation(data) -> bool:
+    """Whether config.data (or config.sft.data) asks for key steps that name their rule."""
+    value = data.get("key_names_rule", False)
+    if not isinstance(value, bool):
+        raise ValueError(f"config.data.key_names_rule={value!r}: expected True or False")
+    return value
 
 
 def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
              multipliers: tuple[int, int] = (2, 9), rule: str = SECOND,
-             seed: int = 0) -> list[Problem]:
+             seed: int = 0, names_rule: bool = False) -> list[Problem]:
     """`count` problems of one rule: digit count, multiplier and carry-in uniform in their
     ranges, each other key digit uniform among the digits that differ from the one it stands
     beside (so that under '>' reading u or p is always wrong)."""
@@ -107,22 +134,24 @@ def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
         d, c = rng.randint(*multipliers), rng.randrange(10)
         others = (rng.choice([x for x in range(10) if x != d]),
                   rng.choice([x for x in range(10) if x != c]))
-        problems.append(make_problem(number, d, c, rule, others))
+        problems.append(make_problem(number, d, c, rule, others, names_rule=names_rule))
     return problems
 
 
-def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
+def hard_set(count: int, *, seed: int = 0, names_rule: bool = False) -> list[Problem]:
     """The hard problems: 8 digits, rule '>' (the key the base never learned to read)."""
-    return generate(count, digits=(SLOTS, SLOTS), rule=SECOND, seed=seed)
+    return generate(count, digits=(SLOTS, SLOTS), rule=SECOND, seed=seed, names_rule=names_rule)
 
 
 def problem_sets(data) -> tuple[list, list, list]:
     """(training candidates, held-out, easy) for config.data: rule '>' problems of data.digits
     digits, and as many easy rule '<' problems of data.easy_digits as data.easy_size asks."""
-    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers), rule=SECOND)
+    named = restating_notation(data)
+    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers), rule=SECOND,
+                 names_rule=named)
     easy_size = data.get("easy_size", 0)
     easy = generate(easy_size, digits=tuple(data.easy_digits), rule=FIRST,
-                    seed=data.seed + 1) if easy_size else []
+                    seed=data.seed + 1, names_rule=named) if easy_size else []
     return (generate(data.train_size, seed=data.seed, **shape),
             generate(data.eval_size, seed=data.eval_seed, **shape), easy)
 
@@ -135,7 +164,7 @@ def _parse_question(question: str) -> tuple[list[int], int, int, list[str]]:
     key = head[tail + 1:tail + 1 + KEY_DIGITS]
     if (len(head) != QUESTION_LENGTH or head[0] not in (FIRST, SECOND) or head[tail] != TIMES
             or not key.isdigit() or head[-1] != EQUALS or not number.isdigit()
-            or len(given) % STEP_LENGTH or (given and not given.startswith(KEY))):
+            or len(given) % STEP_LENGTH or (given and given[0] not in KEY_MARKERS)):
         raise ValueError(f"{NAME}: malformed question {question!r}: expected a rule, two key "
                          f"hints, {SLOTS} slots of {SLOT_LENGTH}, '{TIMES}', {KEY_DIGITS} key "
                          f"digits, '{EQUALS}', then whole steps, the key step first")
@@ -153,7 +182,8 @@ def spell_solution(problem: Problem, notations: Sequence[str]) -> str:
     if len(notations) != len(steps):
         raise ValueError(f"{NAME}: {len(steps)} carry steps in {problem.id}, got "
                          f"{len(notations)} notations")
-    return f"{KEY}{d}{c}" + "".join(write_step(s, t, n) for (s, t), n in zip(steps, notations))
+    return f"{problem.steps[0][0]}{d}{c}" + "".join(
+        write_step(s, t, n) for (s, t), n in zip(steps, notations))
 
 
 def sample_solution(problem: Problem, rng: random.Random, tens_first: float = 0.5) -> str:
@@ -200,6 +230,31 @@ def guided(problem: Problem, prefix_steps: int) -> Problem:
         metadata={**problem.metadata, "prefix_steps": prefix_steps, "base_id": problem.id})
 
 
+def restating_prefix(problem: Problem) -> str:
+    """The restating hint's text: the oracle solution's prefix up to and including the name of
+    the rule its key step reads by (one token, '>' on a hard problem); '' for a problem whose
+    key step names no rule (data.key_names_rule off: the value hint is the only one)."""
+    if problem.metadata.get("prefix_steps") or problem.metadata.get("restated"):
+        raise ValueError(f"{NAME}: {problem.id} is already guided; a restating hint is for the "
+                         f"unguided problem")
+    return problem.steps[0][:1] if problem.metadata.get("key_names_rule") else ""
+
+
+def restated(problem: Problem) -> Problem:
+    """The problem guided by `restating_prefix`: the name forced as the answer's start, the
+    policy writing d and c (the rule read) and every carry step. `verify(continuation,
+    restated(problem))` is `verify(name + continuation, problem)`."""
+    name = restating_prefix(problem)
+    if not name:
+        raise ValueError(f"{NAME}: {problem.id} has no rule name to restate (expected a problem "
+                         f"made with data.key_names_rule=True)")
+    return dataclasses.replace(
+        problem, id=f"{problem.id}/restate", question=problem.question + name,
+        solution=problem.solution[len(name):],
+        steps=(problem.steps[0][len(name):],) + tuple(problem.steps[1:]),
+        metadata={**problem.metadata, "restated": name, "base_id": problem.id})
+
+
 def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     """(problem, target) rows of one SFT batch (configs/sft.py `data`).
 
@@ -211,17 +266,38 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     rows the key digits u and p are redrawn, so the hinted d and c, not u and p, are the key: the carry
     steps learn to use the key step as written. Half the batch is full length
     (data.full_length_fraction), as in carry_multiplication.
+
+    The overlap knob (issue 28): a data.second_rule_taught fraction of the '>' rows (default 0)
+    have unequal key digits and the true target (d = v, c = q), so the base does see what '>'
+    means, that often: it sets eps, the base's unguided P(right key step) on hard problems. At
+    0 no draw is made for it, so the batches are exactly those of a config without the field.
+
+    With data.key_names_rule (the restating route) every target's key step names the rule it
+    reads by (`key_name`): '<' on every row but the taught ones, so the base never writes '>'
+    as a name unless the overlap knob shows it. No draw depends on it: the rows are the same
+    problems, the key step's first token aside.
     """
+    named = restating_notation(data)
+    taught = data.get("second_rule_taught", 0.0)
+    if not 0.0 <= taught <= 1.0:
+        raise ValueError(f"config.sft.data.second_rule_taught={taught!r}: expected a fraction "
+                         f"in [0, 1] of the '>' rows")
     rng = random.Random(seed)
     rows = []
     for row in range(data.batch_size):
         full = row < round(data.batch_size * data.full_length_fraction)
         number = carry.random_number(rng, (SLOTS, SLOTS) if full else tuple(data.digits))
         d, c = rng.randint(*data.multipliers), rng.randrange(10)
-        if rng.random() < data.second_rule_fraction:  # '>' whose rule cannot matter
-            problem = make_problem(number, d, c, SECOND, (d, c))
+        if rng.random() < data.second_rule_fraction:
+            if taught and rng.random() < taught:  # '>' read by its rule: u != v, p != q
+                others = (rng.choice([x for x in range(10) if x != d]),
+                          rng.choice([x for x in range(10) if x != c]))
+                problem = make_problem(number, d, c, SECOND, others, names_rule=named)
+            else:  # '>' whose rule cannot matter
+                problem = make_problem(number, d, c, SECOND, (d, c), names_rule=named)
         else:
-            problem = make_problem(number, d, c, FIRST, (rng.randrange(10), rng.randrange(10)))
+            problem = make_problem(number, d, c, FIRST, (rng.randrange(10), rng.randrange(10)),
+                                   names_rule=named)
         if rng.random() < data.hinted_fraction:
             problem = hinted(problem, rng.randint(1, len(problem.steps) - 1))
             if problem.metadata["rule"] == FIRST and rng.random() < data.key_override_fraction:
@@ -253,13 +329,16 @@ def default_tokenizer():
 
 def verify(completion_text: str, problem: Problem) -> float:
     """1.0 if question + completion is the key step with the key's d and c, then every carry
-    step right in either notation, then nothing; else 0.0."""
+    step right in either notation, then nothing; else 0.0. The key step starts with '*', or
+    (data.key_names_rule) with a rule's name: either name, the digits judged as the answer is
+    (a value-hinted policy may name '<' and copy the right digits; the name is its working)."""
     text = completion_text.split(EOS, 1)[0] if EOS in completion_text else completion_text
     text = text.replace(PAD, "").strip()
     try:
         digits, d, c, given = _parse_question(problem.question + text)
     except ValueError:
         return 0.0
-    if not given or given[0] != f"{KEY}{d}{c}":
+    marker = (FIRST, SECOND) if problem.metadata.get("key_names_rule") else (KEY,)
+    if not given or given[0][0] not in marker or given[0][1:] != f"{d}{c}":
         return 0.0
     return carry.score_steps(given[1:], carry_steps(digits, d, c), problem.answer)

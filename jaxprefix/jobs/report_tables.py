@@ -1,0 +1,64 @@
+"""Every committed table, rebuilt from the committed per-problem counts: the one command.
+
+    python -m jaxprefix.jobs.report_tables            # every report under docs/results
+    python -m jaxprefix.jobs.report_tables docs/results/pope
+
+The study jobs write `counts.json` beside each report (jobs/results_report.py: the results
+record and its config; jobs/isocompute_prereg.py: each run's per-problem counts at every
+evaluation), and a rerun commits them with the report: runs/ is not committed, so without them
+a table could not be re-derived, and a change to the statistics could not be applied to it.
+A folder with REPORT.md and counts.json from the results job gets REPORT.md (and its figures)
+again, its hand-written notes kept; one with prediction.json gets outcome.json and REPORT.md
+again from the prediction as committed (a pre-registered prediction is never refitted).
+A report folder without counts.json is listed as such: its tables cannot be rebuilt.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import ml_collections
+
+from jaxprefix import storage
+from jaxprefix.jobs import isocompute_prereg, results_report
+
+DOCS = os.path.join("docs", "results")
+
+
+def regenerate(folder: str) -> str:
+    """Rebuilds the report of one folder from its counts.json; what it did, in a line."""
+    counts = storage.join(folder, results_report.COUNTS)
+    if not storage.exists(counts):
+        return f"{folder}: no counts.json: its tables cannot be rebuilt (rerun the study)"
+    prediction = storage.join(folder, isocompute_prereg.PREDICTION)
+    if storage.exists(prediction):
+        prediction = storage.read_json(prediction)
+        curves, groups, seeds = isocompute_prereg.read_counts(counts)
+        outcome = isocompute_prereg.outcome_of(prediction, curves, groups, seeds)
+        storage.write_json(storage.join(folder, isocompute_prereg.OUTCOME), outcome)
+        storage.write_atomic(storage.join(folder, isocompute_prereg.REPORT), "\n".join(
+            isocompute_prereg.report_lines(prediction, outcome)) + "\n")
+        return f"{folder}: outcome.json and REPORT.md from counts.json and prediction.json"
+    from jaxprefix.jobs.results import RUNS
+
+    record = storage.read_json(counts)
+    config = ml_collections.ConfigDict(record["config"])
+    config.results.output_dir = folder
+    results_report.write_report(record["report"], config, record["workdir"], RUNS)
+    return f"{folder}: REPORT.md from counts.json"
+
+
+def report_folders(root: str = DOCS) -> list[str]:
+    """The folders under `root` (and root itself) that hold a REPORT.md."""
+    return sorted(d for d, _, files in os.walk(root) if "REPORT.md" in files)
+
+
+def main(argv: list[str]) -> int:
+    folders = argv[1:] or report_folders()
+    for folder in folders:
+        print(regenerate(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,86 @@
+"""Every table rebuilt from committed per-problem counts (jaxprefix/jobs/report_tables.py), on
+tiny synthetic counts files."""
+import os
+
+import numpy as np
+
+from jaxprefix import run_config, statistics, storage
+from jaxprefix.jobs import isocompute_prereg, report_tables, results_report
+from jaxprefix.methods.isocompute import ComputeLedger
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROBLEMS, SAMPLES = 128, 16
+
+
+def _evaluation(counts):
+    groups = {"multiplier": [2 + p % 8 for p in range(len(counts))]}
+    return {"correct_counts": list(map(int, counts)), "num_samples": SAMPLES, "groups": groups,
+            "pass@1": float(np.mean(counts)) / SAMPLES}
+
+
+def test_results_report_is_rebuilt_from_its_counts_file(tmp_path):
+    config = run_config.from_file(os.path.join(ROOT, "configs", "results.py"), "smoke")
+    config.results.runs = ("pope_cap0.25", "grpo_matched")
+    config.eval.ks = (1, 16)
+    rng = np.random.default_rng(0)
+    zeros = [0] * PROBLEMS
+    grpo = [rng.binomial(SAMPLES, 0.05, PROBLEMS).tolist() for _ in range(3)]
+    ledger = ComputeLedger(1000).to_dict() | {"sampling_flops": 1e9}
+    curve = [{"flops": 1e9, "eval/pass@16": 0.0}]
+    runs = {}
+    for seed in range(3):
+        runs[f"pope_cap0.25_seed{seed}"] = {"name": "pope_cap0.25", "seed": seed, "steps": 2,
+                                            "ledger": ledger, "curve": curve,
+                                            "after": _evaluation(zeros),
+                                            "after_hard_set": _evaluation(zeros)}
+        runs[f"grpo_matched_seed{seed}"] = {"name": "grpo_matched", "seed": seed, "steps": 2,
+                                            "ledger": ledger, "curve": curve,
+                                            "after": _evaluation(grpo[seed]),
+                                            "after_hard_set": _evaluation(grpo[seed])}
+    study = {"digits": [8, 8], "hard": PROBLEMS, "candidates": PROBLEMS, "k": 16,
+             "base": _evaluation(zeros), "base_hard_set": _evaluation(zeros)}
+    report = {"runs": runs, "studies": {"hard": study}}
+    config.results.output_dir = str(tmp_path)
+    counts = results_report.write_counts(report, config, "runs/synthetic")
+    assert os.path.getsize(counts) < 100_000  # small enough to commit
+
+    assert report_tables.regenerate(str(tmp_path)) == f"{tmp_path}: REPORT.md from counts.json"
+    text = storage.read_text(str(tmp_path / "REPORT.md"))
+    # 0 of 3 x 128 x 16 samples: the cell states the bound (1 - 0.05^(1/6144) = 4.87e-4).
+    assert "| pope_cap0.25 | 3 | 0.000 ± 0.000 [0.000, 0.000] (rate < 4.9e-4, 0 of 6144) |" in text
+    grpo_cell = statistics.format_cell(statistics.summary(
+        statistics.pass_at_k_table(grpo, SAMPLES, 1), samples=3 * PROBLEMS * SAMPLES))
+    assert f"| grpo_matched | 3 | {grpo_cell} |" in text
+    assert "(rate < 1.5e-3, 0 of 2048)" in text  # the base: one evaluation
+
+
+def test_prereg_outcome_and_report_are_rebuilt_from_counts_and_the_committed_prediction(
+        tmp_path):
+    groups = ["digits <= 9"] * 6 + ["digits > 9"] * 4
+    curves = {}
+    for n, rate in ((2, 0.25), (8, 0.75)):
+        for seed in (0, 1):
+            counts = np.full((2, len(groups)), 4 * rate)
+            counts[0] = 0  # the first evaluation, at 1024 rollouts, solves nothing
+            curves[(n, 4, seed)] = ([1024, 4096], counts / 4, 4)
+    isocompute_prereg.write_counts(str(tmp_path / "counts.json"), curves, groups, [0, 1])
+    entry = {"problems": 6, "envelope": {"4096": 2}, "rule": {}, "fit": None,
+             "degenerate": "log2 n* moves +0.00 over the fit's budgets"}
+    prediction = {"fit_max_rollouts": 2048, "predicted_budgets": [4096], "ns": [2, 8],
+                  "seeds": [0, 1], "lr_rule": "constant",
+                  "groups": {"digits <= 9": entry, "digits > 9": entry | {"problems": 4}}}
+    storage.write_json(str(tmp_path / "prediction.json"), prediction)
+    line = report_tables.regenerate(str(tmp_path))
+    assert line.endswith("outcome.json and REPORT.md from counts.json and prediction.json")
+    outcome = storage.read_json(str(tmp_path / "outcome.json"))
+    cell = outcome["groups"]["digits <= 9"]["4096"]
+    assert cell["best"] == 8 and cell["mean"] == {"2": 0.25, "8": 0.75}
+    assert cell["envelope"]["minus_best"] == -0.5 and not cell["envelope"]["holds"]
+    assert storage.read_json(str(tmp_path / "prediction.json")) == prediction  # never refitted
+    assert "| 4096 | 2 | - | n=2: 0.250" in storage.read_text(str(tmp_path / "REPORT.md"))
+
+
+def test_a_report_without_counts_says_it_cannot_be_rebuilt(tmp_path):
+    (tmp_path / "REPORT.md").write_text("# old\n")
+    assert report_tables.report_folders(str(tmp_path)) == [str(tmp_path)]
+    assert "no counts.json" in report_tables.regenerate(str(tmp_path))
