@@ -13,9 +13,11 @@ from flax import nnx
 
 from jaxprefix import tools
 from jaxprefix.models import Decoder, ModelConfig, token_logprobs
+from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
+from jaxprefix.rl.train_step import Learner, TrainConfig
 from jaxprefix.tokenizers import CharTokenizer
-from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, episode_metrics, \
-    reprefilled_tokens, rollout_episodes
+from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
+    episode_metrics, reprefilled_tokens, rollout_episodes
 from jaxprefix.tools.observations import observation_tokens
 
 # A character-level chat template: "<role initial>:<content><eos>" per message.
@@ -144,3 +146,32 @@ def test_tool_failures_are_observations(policy):
     assert e.tool_calls == 1 and e.tool_failures == 1 and e.turns == 2
     assert "error: no tool named 'calculator'" in tokenizer.decode(
         e.tokens[e.observation_mask == 1].tolist())
+
+
+def test_observation_tokens_carry_no_loss(policy, episodes):
+    """Episodes through the learner's own path (as_rollouts -> build_batch -> Learner.update):
+    the observation tokens' old log-probs do not touch the gradient; unmasking them does."""
+    model, _, _ = policy
+    rollouts = as_rollouts(episodes, n=2)
+    for row, e in enumerate(episodes):
+        assert rollouts.tokens[row, :len(e.tokens)].tolist() == e.tokens.tolist()
+        assert rollouts.completion_mask[row].sum() == e.sampled.sum()
+    selection = GroupSelection(picks=[(0, 0), (0, 1), (0, 2)], trainable=np.ones(3, bool),
+                               zero_variance_fraction=0.0)
+    advantages = [np.array([[1.0, 0.5], [-0.5, 1.0], [0.25, -1.0]], np.float32)]
+    batch = build_batch([rollouts], advantages, selection)
+    observation = np.zeros(batch["tokens"].shape, bool)  # batch rows are the episodes, in order
+    for row, e in enumerate(episodes):
+        observation[row, :len(e.tokens)] = e.observation_mask == 1
+    assert observation.sum() > 0 and not batch["completion_mask"][observation].any()
+    assert batch["token_mask"][observation].all()  # in the sequence, out of the loss
+    learner = Learner(model, TrainConfig(learning_rate=1e-3, micro_batch_size=6))
+
+    def grad_norm(batch):
+        return float(learner.update(learner.init_state(), batch)[1]["grad_norm"])
+    masked = grad_norm(batch)
+    garbage = np.where(observation, -7.0, batch["old_logprobs"]).astype(np.float32)
+    assert grad_norm({**batch, "old_logprobs": garbage}) == masked
+    unmasked = {**batch, "completion_mask": np.where(observation, 1.0, batch["completion_mask"])
+                .astype(np.float32)}
+    assert abs(grad_norm(unmasked) - masked) > 1e-3 * masked

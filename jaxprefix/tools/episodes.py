@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxprefix.sampling import generate
+from jaxprefix.sampling import Rollouts, generate
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, ToolResult, error
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
@@ -176,6 +176,36 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     for episode in running:
         episode.ended = episode.ended or MAX_TURNS
     return [e.freeze() for e in running]
+
+
+def as_rollouts(episodes: Sequence[Episode], n: int) -> Rollouts:
+    """Episodes laid out as the learner's `Rollouts` (episode i*n + j in row i*n + j), so that
+    rl.dynamic_sampling.build_batch makes their batch as it does for one-turn rollouts.
+
+    The row's "context" is the prompt and its "completion" everything after it; the loss mask
+    (completion_mask) is 1 on sampled tokens only, so observation tokens carry no loss and no
+    importance ratio, and `logprobs` are the sampler's own on sampled tokens (for the ratios
+    and TIS). `lengths` count observation tokens too (the row's extent); `stopped` is True
+    where the episode ended on a final answer.
+    """
+    if len(episodes) % n:
+        raise ValueError(f"as_rollouts: {len(episodes)} episodes is not a multiple of n={n}")
+    width = max(len(e.tokens) for e in episodes)
+    tokens = np.zeros((len(episodes), width), np.int32)
+    mask = np.zeros((len(episodes), width), np.int32)
+    logprobs = np.zeros((len(episodes), width), np.float32)
+    for row, e in enumerate(episodes):
+        tokens[row, :len(e.tokens)] = e.tokens
+        mask[row, :len(e.tokens)] = e.sampled
+        logprobs[row, :len(e.tokens)] = e.logprobs
+    total = np.array([len(e.tokens) for e in episodes], np.int32)
+    context = np.array([e.prompt_length for e in episodes], np.int32)
+    columns = np.arange(width, dtype=np.int32)[None, :]
+    return Rollouts(tokens=tokens, positions=np.where(columns < total[:, None], columns, 0),
+                    completion_mask=mask, logprobs=logprobs, context_lengths=context,
+                    lengths=total - context,
+                    stopped=np.array([e.ended == ANSWER for e in episodes]),
+                    group_ids=np.array([e.group for e in episodes], np.int32), n=n)
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
