@@ -54,11 +54,13 @@ def base_config() -> ml_collections.ConfigDict:
     # learner's layout elsewhere). None of these changes the rollouts, only the speed.
     # kv_dtype: the KV pages' dtype ('': the compute dtype; 'int8' halves KV memory and reads,
     # and changes the log-probs a little: see train.old_logprobs).
+    # max_turns: assistant turns of an episode with tools (docs/TOOLS.md); only 1 (one turn,
+    # no tools) until the RL loop trains on episodes.
     c.rollout = ml_collections.ConfigDict(dict(n=8, temperature=1.0, top_p=1.0, top_k=0,
                                                max_new_tokens=64, max_rows_in_flight=0,
                                                kv_budget_gib=0.0, memory_headroom=0.16,
                                                page_size=128, kv_reserve=1.0, tensor_parallel=0,
-                                               kv_dtype=''))
+                                               kv_dtype='', max_turns=1))
 
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     c.train = ml_collections.ConfigDict(dict(
