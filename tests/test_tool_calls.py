@@ -121,3 +121,27 @@ def test_template_that_cannot_continue_is_refused():
     with pytest.raises(ValueError, match="renders neither a tool message"):
         observation_text(first_two, ["5"])
     assert chat_template.render(first_two, [{"role": "user", "content": "x"}]) == "x"
+
+
+# Qwen3's tool section, written small: the schemas as JSON lines in a system turn.
+LISTS_TOOLS = ("{% if tools %}<|im_start|>system\n# Tools\n<tools>"
+               "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+               "{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+               "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+               "{% endif %}")
+
+
+def test_prompt_lists_the_registry_tools_as_transformers_renders_them():
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from jaxprefix import tools
+    schemas = tools.registry(["calculator"]).schemas()
+    assert schemas[0]["function"]["name"] == "calculator"
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    ours = chat_template.render(LISTS_TOOLS, messages, add_generation_prompt=True,
+                                tools=schemas)
+    (theirs,), _ = render_jinja_template(conversations=[messages], tools=schemas,
+                                         chat_template=LISTS_TOOLS, add_generation_prompt=True)
+    assert ours == theirs
+    assert '"name": "calculator"' in ours and ours.endswith("<|im_start|>assistant\n")
+    assert "<tools>" not in chat_template.render(LISTS_TOOLS, messages, tools=[])

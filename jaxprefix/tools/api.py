@@ -102,6 +102,10 @@ class Registry:
     def __iter__(self):
         return iter(self._tools.values())
 
+    def schemas(self) -> list[dict]:
+        """The tools' function schemas, for a chat template's tool list (apply_chat_template)."""
+        return [tool.schema() for tool in self]
+
     @property
     def names(self) -> list[str]:
         return sorted(self._tools)
