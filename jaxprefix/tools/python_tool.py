@@ -92,8 +92,11 @@ def run_code(code: str, limits: PythonLimits = PythonLimits()) -> ToolResult:
             text = f.read(limits.output_bytes).decode("utf-8", errors="replace")
     if timed_out:
         return error(f"python: timed out after {limits.wall_s:g} s wall clock")
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):  # soft, then hard RLIMIT_CPU
+    if returncode == -signal.SIGXCPU:  # the soft RLIMIT_CPU
         return error(f"python: CPU time limit of {limits.cpu_s} s exceeded")
+    if returncode == -signal.SIGKILL:
+        return error(f"python: killed by SIGKILL (the hard CPU time limit of {limits.cpu_s + 1} "
+                     "s, or the kernel out of memory)")
     if flooded or returncode == -signal.SIGXFSZ:
         return error(f"python: output over {limits.output_bytes} bytes")
     if returncode < 0:
