@@ -4,8 +4,8 @@ The sampled assistant turn is already in the episode's tokens; what comes next i
 template puts between the end of an assistant message's content and the next assistant turn's
 first token, with the tool messages in between:
 
-    ...<tool_call>{...}</tool_call>|<|im_end|>\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n
-                                   ^ this "bridge" is what observation_tokens() returns
+    ...</tool_call>|<|im_end|>⏎<|im_start|>tool⏎5<|im_end|>⏎<|im_start|>assistant⏎
+                   ^ this "bridge" (SmolLM2's) is what observation_tokens() returns
 
 It is found by rendering a probe conversation twice (ending in an open assistant message, then
 with the tool messages and a generation prompt) and taking the difference, so every template
