@@ -69,7 +69,7 @@ def _rollout(policy, **overrides):
     model, tokenizer, contexts = policy
     kwargs = dict(tokenizer=tokenizer, tools=tools.registry(["calculator"]), n=2, max_turns=3,
                   episode_token_budget=400, max_new_tokens=MAX_NEW, temperature=0.0,
-                  stop_ids=[tokenizer.eos_id])
+                  stop_ids=[tokenizer.eos_id], tool_workers=2)
     return rollout_episodes(model, contexts, **{**kwargs, **overrides})
 
 

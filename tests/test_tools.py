@@ -114,3 +114,15 @@ def test_python_tool_hang_is_killed_at_the_wall_timeout():
     code = "import time\ntime.sleep(60)"  # asleep: no CPU used, only the wall clock stops it
     result = run_code(code, limits)
     assert result == tools.ToolResult("error: python: timed out after 1 s wall clock", False)
+
+
+def test_calls_run_together_answer_in_order():
+    from jaxprefix.tools.calls import ToolCall
+    from jaxprefix.tools.episodes import run_calls
+    registry = tools.registry(["calculator", "python"], python=LIMITS)
+    calls = [ToolCall("python", {"code": f"print({i} * {i})"}) for i in range(4)] + [
+        ToolCall("calculator", {"expression": "6 * 7"}), ToolCall("", {}, "tool call is not JSON")]
+    sequential = run_calls(calls, registry)
+    assert [r.text for r in sequential] == ["0\n", "1\n", "4\n", "9\n", "42",
+                                            "error: tool call is not JSON"]
+    assert run_calls(calls, registry, workers=4) == sequential

@@ -19,6 +19,7 @@ turn t > 0 samples the episodes still running, in episode order, one row each, f
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from typing import Callable, Sequence
 
@@ -99,18 +100,24 @@ class _Running:
                        self.ended, self.group)
 
 
-def run_calls(calls: Sequence[ToolCall], tools: Registry,
-              max_chars: int = DEFAULT_MAX_CHARS) -> list[ToolResult]:
-    """The observation of each call; a malformed call is answered with its parse error."""
-    return [error(c.error, max_chars) if c.error else tools.run(c.name, c.arguments, max_chars)
-            for c in calls]
+def run_calls(calls: Sequence[ToolCall], tools: Registry, max_chars: int = DEFAULT_MAX_CHARS,
+              workers: int = 1) -> list[ToolResult]:
+    """The observation of each call, in order; a malformed call is answered with its parse
+    error. `workers` > 1 runs that many calls at once in threads: the python tool's calls are
+    subprocesses, so they overlap; in-process tools must then be thread-safe."""
+    def one(c: ToolCall) -> ToolResult:
+        return error(c.error, max_chars) if c.error else tools.run(c.name, c.arguments, max_chars)
+    if workers <= 1 or len(calls) <= 1:
+        return [one(c) for c in calls]
+    with concurrent.futures.ThreadPoolExecutor(min(workers, len(calls))) as pool:
+        return list(pool.map(one, calls))
 
 
 def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, tools: Registry,
                      n: int, max_turns: int, episode_token_budget: int, max_new_tokens: int,
                      stop_ids: Sequence[int] = (), seed: int = 0,
                      parse: Callable[[str], list[ToolCall]] | None = None,
-                     max_observation_chars: int = DEFAULT_MAX_CHARS,
+                     max_observation_chars: int = DEFAULT_MAX_CHARS, tool_workers: int = 1,
                      **sampler) -> list[Episode]:
     """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
     answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
@@ -120,7 +127,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     whole (the reference arm: see the module docstring). A turn whose text holds tool calls
     (`parse`: the chat template's format by default) has its tools run and the observations'
     tokens appended (tools/observations.py); a turn without a call that ended on a stop token is
-    the final answer.
+    the final answer. The calls of a turn's episodes run together, `tool_workers` at a time
+    (run_calls), between that turn's generate call and the next.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
@@ -146,6 +154,7 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
         else:
             rollouts = generate(model, [e.tokens for e in active], n=1, seed=seed + turn,
                                 **kwargs)
+        waiting = []  # (episode, its calls, the stop token its turn ended on)
         for row, episode in enumerate(active):
             start, length = rollouts.context_lengths[row], rollouts.lengths[row]
             ids = rollouts.tokens[row, start:start + length]
@@ -164,15 +173,19 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
             elif turn == max_turns - 1:
                 episode.ended = MAX_TURNS
             else:
-                results = run_calls(calls, tools, max_observation_chars)
-                episode.tool_calls += len(calls)
-                episode.tool_failures += sum(not r.ok for r in results)
                 last = int(ids[-1]) if stopped and int(ids[-1]) in stops else None
-                observation = observation_tokens(tokenizer, [r.text for r in results], last)
-                if len(episode.tokens) + len(observation) >= episode_token_budget:
-                    episode.ended = BUDGET  # no room for the observation and a next token
-                else:
-                    episode.append(observation)
+                waiting.append((episode, calls, last))
+        results = run_calls([c for _, calls, _ in waiting for c in calls], tools,
+                            max_observation_chars, tool_workers)
+        for episode, calls, last in waiting:
+            mine, results = results[:len(calls)], results[len(calls):]
+            episode.tool_calls += len(calls)
+            episode.tool_failures += sum(not r.ok for r in mine)
+            observation = observation_tokens(tokenizer, [r.text for r in mine], last)
+            if len(episode.tokens) + len(observation) >= episode_token_budget:
+                episode.ended = BUDGET  # no room for the observation and a next token
+            else:
+                episode.append(observation)
     for episode in running:
         episode.ended = episode.ended or MAX_TURNS
     return [e.freeze() for e in running]
