@@ -88,6 +88,8 @@ FIELDS = {
                                 "learner's layout elsewhere)"),
         "kv_dtype": F("", "KV pages' dtype ('': compute dtype; 'int8' halves KV memory, changes"
                           " log-probs a little)"),
+        "max_turns": F(1, "assistant turns of an episode with tools (docs/TOOLS.md); only 1 "
+                          "until the RL loop trains on episodes"),
     },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     "train": {

@@ -58,6 +58,7 @@ FLOORS = (
     ("tpu",),                  # the compile job's programs: the learner and sampler, compiled
     ("methods",),              # POPE, PrefixRL, IsoCompute: what to sample and how to mix it
     ("rl",),                   # the loop, the learner, the compute ledger
+    ("tools",),                # tools and multi-turn episodes (docs/TOOLS.md)
     ("statistics",),
     ("evaluation",),
     ("rewards",),              # verifiers: text and problems in, scores out
@@ -70,7 +71,8 @@ FLOORS = (
     ("distributed",),
     ("storage",),
     ("storage_faults",),
-    ("errors", "jaxprefix"),   # leaves (jaxprefix: the package's version)
+    ("errors", "config_fields", "jaxprefix"),  # leaves (config_fields: a field's default and
+                                               # doc; jaxprefix: the package's version)
 )
 
 

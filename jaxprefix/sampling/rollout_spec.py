@@ -34,6 +34,7 @@ class RolloutSpec:
     kv_reserve: float = 1.0        # share of a whole row's pages promised to each started row
     kv_dtype: str = ''             # '': the compute dtype
     tensor_parallel: int = 0       # 0: the widest that divides the heads, on TPU
+    max_turns: int = 1             # assistant turns of an episode with tools (docs/TOOLS.md)
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -49,6 +50,9 @@ class RolloutSpec:
              "a power of two (tokens per KV page)")
         check(0 < self.kv_reserve <= 1, "kv_reserve", "a fraction in (0, 1]")
         check(self.tensor_parallel >= 0, "tensor_parallel", ">= 0 (0: automatic)")
+        check(self.max_turns == 1, "max_turns", "1 (multi-turn episodes with tools are built "
+              "on the host, jaxprefix/tools, but the RL loop does not train on them yet: "
+              "docs/TOOLS.md)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",
              f"'' (the compute dtype) or one of {KV_DTYPES}")
 

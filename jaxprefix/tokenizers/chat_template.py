@@ -73,8 +73,11 @@ def _check_messages(messages) -> list[dict]:
 
 
 def render(template: str, messages, *, add_generation_prompt: bool = False,
-           continue_final_message: bool = False, **variables) -> str:
+           continue_final_message: bool = False, tools: list[dict] | None = None,
+           **variables) -> str:
     """The template's text for `messages`; `variables` are the special tokens (bos_token, ...).
+    `tools`: function schemas ({"type": "function", "function": {...}}) for templates that list
+    the tools a model may call (Qwen3, Llama 3.1); None, as transformers, when there are none.
 
     With `continue_final_message` the text ends right after the final message's content, without
     its end-of-turn markup (and `add_generation_prompt` is ignored).
@@ -90,7 +93,7 @@ def render(template: str, messages, *, add_generation_prompt: bool = False,
         messages[-1] = {**messages[-1], "content": final + _CONTINUE_TAG}
         add_generation_prompt = False
     text = compile_template(template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+        messages=messages, add_generation_prompt=add_generation_prompt, tools=tools or None,
         documents=None, **variables)
     if not continue_final_message:
         return text

@@ -42,13 +42,15 @@ class Tokenizer(abc.ABC):
         tokenizer back."""
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, tokenize: bool = False):
+                            continue_final_message: bool = False, tokenize: bool = False,
+                            tools: list[dict] | None = None):
         """The model's chat template applied to `messages` (dicts with 'role' and 'content').
 
         `add_generation_prompt` appends the header of a new assistant turn.
         `continue_final_message` instead leaves the final message open (no end-of-turn markup) so
         the model continues it; it overrides `add_generation_prompt`. With `tokenize` returns ids
-        (special tokens not added again, as in transformers), else the text.
+        (special tokens not added again, as in transformers), else the text. `tools`: function
+        schemas the template lists (tools.Registry.schemas()), where it has a tool section.
         """
         if self.chat_template is None:
             raise ValueError(f"{self.source}: this tokenizer has no chat template (expected "
@@ -57,7 +59,7 @@ class Tokenizer(abc.ABC):
         text = chat_template.render(
             self.chat_template, messages,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **self.special_tokens)
+            continue_final_message=continue_final_message, tools=tools, **self.special_tokens)
         return self.encode(text) if tokenize else text
 
     def __repr__(self):

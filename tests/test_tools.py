@@ -1,0 +1,128 @@
+"""Tools: the calculator's values and refusals, the python tool's caps and empty environment,
+and the contract that no tool failure ever raises into the rollout."""
+import os
+
+import pytest
+
+from jaxprefix import tools
+from jaxprefix.tools import calculator
+from jaxprefix.tools.python_tool import PythonLimits, run_code
+
+# wall_s well above cpu_s: a CPU-bound snippet meets its CPU cap first even on a loaded machine.
+LIMITS = PythonLimits(cpu_s=1, memory_mb=256, wall_s=20.0, output_bytes=8192)
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("1 + 2 * 3", 7), ("(1 + 2) * 3", 9), ("-4 ** 2", -16), ("(-4) ** 2", 16),
+    ("7 / 2", 3.5), ("7 // 2", 3), ("-7 // 2", -4), ("7 % 3", 1), ("2 ** 10", 1024),
+    ("2 ** -1", 0.5), ("--3", 3), ("+5", 5), ("1.5 * 4", 6.0), (" 12*13 ", 156),
+    ("(12 + 3) * -4 ** 2 // 7", -35),
+])
+def test_calculator_values(expression, value):
+    assert calculator.evaluate(expression) == value
+    assert type(calculator.evaluate(expression)) is type(value)
+
+
+@pytest.mark.parametrize("expression, why", [
+    ("__import__('os').system('true')", "unsupported syntax: Call"),
+    ("x + 1", "unsupported syntax: Name"),
+    ("(1).real", "unsupported syntax: Attribute"),
+    ("'a' * 3", "unsupported syntax: Constant"),
+    ("1 < 2", "unsupported syntax: Compare"),
+    ("[1, 2]", "unsupported syntax: List"),
+    ("1 +", "syntax error"),
+    ("1 / 0", "division by zero"), ("5 % 0", "division by zero"),
+    ("9 ** 9 ** 9", "exponent"), ("2 ** 5000", "exponent"),
+    ("(10 ** 999) * (10 ** 999) * (10 ** 999) * (10 ** 999)", "bits"),
+    ("1e308 * 10", "not finite"), ("(-8) ** 0.5", "complex"),
+    ("1 + " * 60 + "1", "characters"),
+])
+def test_calculator_refusals(expression, why):
+    with pytest.raises(calculator.CalculatorError, match=why):
+        calculator.evaluate(expression)
+
+
+def test_calculator_as_a_tool_never_raises():
+    registry = tools.registry(["calculator"])
+    assert registry.run("calculator", {"expression": "12 * 13"}) == tools.ToolResult("156", True)
+    for arguments in ({"expression": "1/0"}, {"expr": "1"}, {"expression": 5}, ["1+1"]):
+        result = registry.run("calculator", arguments)
+        assert not result.ok and result.text.startswith("error: ")
+        assert "\n" not in result.text
+    unknown = registry.run("search", {})
+    assert not unknown.ok and "no tool named 'search'" in unknown.text
+
+
+def test_tool_outputs_are_capped_and_failures_one_line(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text("def flood(arguments):\n    return 'x' * 10**6\n"
+                    "def crash(arguments):\n    raise RuntimeError('bad\\nthing ' * 1000)\n"
+                    "def number(arguments):\n    return 3\n")
+    registry = tools.registry([f"{path}:flood", f"{path}:crash", f"{path}:number"])
+    flood = registry.run("flood", {}, max_chars=500)
+    assert flood.ok and len(flood.text) == 500 and "more characters cut" in flood.text
+    for name in ("crash", "number"):
+        result = registry.run(name, {})
+        assert not result.ok and "\n" not in result.text and len(result.text) <= 300
+
+
+def test_registry_refuses_unknown_and_unrequested_python(tmp_path):
+    with pytest.raises(ValueError, match="unknown tool 'shell'"):
+        tools.registry(["shell"])
+    with pytest.raises(ValueError, match="opt-in"):
+        tools.registry(["python"])
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        tools.registry([f"{tmp_path}/missing.py:f"])
+    assert tools.registry(["python"], python=LIMITS).names == ["python"]
+
+
+def test_python_tool_runs_code():
+    result = run_code("print(sum(range(10)))", LIMITS)
+    assert result == tools.ToolResult("45\n", True)
+
+
+def test_python_tool_environment_and_directory_are_empty(monkeypatch):
+    monkeypatch.setenv("JAXPREFIX_TEST_SECRET", "hunter2")
+    result = run_code("import os\nprint(sorted(os.environ))\nprint(sorted(os.listdir('.')))\n"
+                      "print(os.getcwd())", LIMITS)
+    environ, listing, cwd = result.text.splitlines()
+    # The interpreter itself sets LC_CTYPE (PEP 538 locale coercion); nothing is inherited.
+    assert eval(environ) in ([], ["LC_CTYPE"])
+    assert "hunter2" not in result.text
+    assert eval(listing) == ["output.txt"]  # its own output file, nothing else
+    assert cwd != os.getcwd() and not os.path.exists(cwd)  # a temporary directory, deleted
+
+
+@pytest.mark.parametrize("code, why", [
+    ("while True:\n    pass", "CPU time limit of 1 s"),
+    ("x = bytearray(10 ** 10)", "MemoryError"),
+    ("x = [0] * 10 ** 9", "MemoryError"),
+    ("print('y' * 10 ** 7)", "output over 8192 bytes"),
+    ("while True:\n    print('z' * 1000)", "output over 8192 bytes"),
+    ("raise ValueError('boom')", "ValueError: boom"),
+    ("import os\nos._exit(3)", "exit status 3"),
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
+])
+def test_python_tool_failures_end_as_error_observations(code, why):
+    result = tools.call(tools.python_tool(LIMITS), {"code": code})
+    assert not result.ok and result.text.startswith("error: python: ") and why in result.text
+    assert "\n" not in result.text and len(result.text) <= 300
+
+
+def test_python_tool_hang_is_killed_at_the_wall_timeout():
+    limits = PythonLimits(cpu_s=1, memory_mb=256, wall_s=1.0, output_bytes=8192)
+    code = "import time\ntime.sleep(60)"  # asleep: no CPU used, only the wall clock stops it
+    result = run_code(code, limits)
+    assert result == tools.ToolResult("error: python: timed out after 1 s wall clock", False)
+
+
+def test_calls_run_together_answer_in_order():
+    from jaxprefix.tools.calls import ToolCall
+    from jaxprefix.tools.episodes import run_calls
+    registry = tools.registry(["calculator", "python"], python=LIMITS)
+    calls = [ToolCall("python", {"code": f"print({i} * {i})"}) for i in range(4)] + [
+        ToolCall("calculator", {"expression": "6 * 7"}), ToolCall("", {}, "tool call is not JSON")]
+    sequential = run_calls(calls, registry)
+    assert [r.text for r in sequential] == ["0\n", "1\n", "4\n", "9\n", "42",
+                                            "error: tool call is not JSON"]
+    assert run_calls(calls, registry, workers=4) == sequential
