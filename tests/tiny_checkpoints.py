@@ -36,6 +36,10 @@ FAMILIES = {
               dict(tie_word_embeddings=False, rope_theta=1_000_000.0)),
     'qwen3': (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(tie_word_embeddings=True, rope_theta=1_000_000.0)),
+    # A mixture of experts: 4 experts, 2 per token, renormalised; tests vary the MoE fields.
+    'qwen3_moe': (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(tie_word_embeddings=False, rope_theta=1_000_000.0, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=40, norm_topk_prob=True)),
     'gemma3': (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM,
                dict(tie_word_embeddings=True, sliding_window=4, query_pre_attn_scalar=20,
                     layer_types=['sliding_attention', 'full_attention'],

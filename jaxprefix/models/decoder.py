@@ -4,6 +4,10 @@ One code path serves training and sampling: `_run` embeds the new tokens, then e
 attends over the read-only context segments plus either the new tokens themselves (no cache)
 or a KVCache the new tokens are first written into. The layer weights are stacked along a
 leading 'layers' axis and the layers run under lax.scan, so a 30-layer model compiles as one.
+
+A mixture of experts (config.num_experts) may mix dense and sparse layers: the attention weights
+are stacked over every layer, the dense MLP's over the dense layers only and the experts' over the
+sparse ones (`stacked_layers`), and each run of consecutive same-kind layers is one scan.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers, lora, tpu_attention
+from jaxprefix.models import layers, lora, moe, tpu_attention
 from jaxprefix.models.attention import KVCache, KVSegment, attend
 from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
@@ -34,10 +38,17 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         'v': ((d, kv, dh), ('embed', 'kv_heads', 'head_dim')),
         'o': ((h, dh, d), ('heads', 'head_dim', 'embed')),
         'mlp_norm': ((d,), ('norm',)),
-        'gate': ((d, f), ('embed', 'mlp')),
-        'up': ((d, f), ('embed', 'mlp')),
-        'down': ((f, d), ('mlp', 'embed')),
     }
+    sparse = c.sparse_layers
+    if not all(sparse):
+        shapes.update(gate=((d, f), ('embed', 'mlp')), up=((d, f), ('embed', 'mlp')),
+                      down=((f, d), ('mlp', 'embed')))
+    if any(sparse):
+        e, fm = c.num_experts, c.moe_intermediate_size
+        shapes.update(router=((d, e), ('embed', 'expert')),
+                      expert_gate=((e, d, fm), ('expert', 'embed', 'mlp')),
+                      expert_up=((e, d, fm), ('expert', 'embed', 'mlp')),
+                      expert_down=((e, fm, d), ('expert', 'mlp', 'embed')))
     if c.qkv_bias:
         shapes.update(q_bias=((h, dh), ('heads', 'head_dim')),
                       k_bias=((kv, dh), ('kv_heads', 'head_dim')),
@@ -49,6 +60,30 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
     if c.sandwich_norms:
         shapes.update(post_attn_norm=((d,), ('norm',)), post_mlp_norm=((d,), ('norm',)))
     return shapes
+
+
+_DENSE_MLP = frozenset({'gate', 'up', 'down'})
+_SPARSE_MLP = frozenset({'router', 'expert_gate', 'expert_up', 'expert_down'})
+
+
+def stacked_layers(c: ModelConfig, name: str) -> tuple[int, ...]:
+    """The layers a stacked weight holds, in order: the dense MLP's the dense layers, the
+    experts' the sparse ones, every other weight all layers."""
+    sparse = c.sparse_layers
+    if name in _DENSE_MLP or name in _SPARSE_MLP:
+        return tuple(i for i, s in enumerate(sparse) if s == (name in _SPARSE_MLP))
+    return tuple(range(c.num_layers))
+
+
+def _layer_runs(c: ModelConfig) -> tuple[tuple[int, int, bool], ...]:
+    """(start, stop, sparse) of each run of consecutive layers of one kind."""
+    runs, sparse = [], c.sparse_layers
+    for i, s in enumerate(sparse):
+        if runs and runs[-1][2] == s:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1, s])
+    return tuple(map(tuple, runs))
 
 
 class Decoder(nnx.Module):
@@ -71,7 +106,8 @@ class Decoder(nnx.Module):
         for name, (shape, axes) in _layer_shapes(c).items():
             init = norm_init if name.endswith('norm') else (
                 nnx.initializers.zeros if name.endswith('bias') else normal)
-            setattr(self, name, param((c.num_layers, *shape), ('layers', *axes), init))
+            setattr(self, name, param((len(stacked_layers(c, name)), *shape), ('layers', *axes),
+                                      init))
         self.final_norm = param((c.hidden_size,), ('norm',), norm_init)
         if not c.tie_word_embeddings:
             self.lm_head = param((c.vocab_size, c.hidden_size), ('vocab', 'embed'), normal)
@@ -101,8 +137,12 @@ class Decoder(nnx.Module):
 
     def layer_weights(self) -> list[dict[str, jax.Array]]:
         """Each layer's weights as arrays of their own, for `extend(layer_weights=...)`."""
-        stacked = {name: getattr(self, name)[...] for name in self.layer_names}
-        return [{name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers)]
+        out = [{} for _ in range(self.config.num_layers)]
+        for name in self.layer_names:
+            stacked = getattr(self, name)[...]
+            for j, i in enumerate(stacked_layers(self.config, name)):
+                out[i][name] = stacked[j]
+        return out
 
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
                cache: KVCache | None = None, layer_weights: Sequence[dict] | None = None,
@@ -154,13 +194,34 @@ class Decoder(nnx.Module):
         per_layer = dict(sliding=jnp.asarray(sliding), window=window,
                          context=[(s.k, s.v) for s in context],
                          lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
-        if layer_weights is None:
-            per_layer['weights'] = {name: getattr(self, name)[...] for name in self.layer_names}
+        runs = _layer_runs(c)
+
+        def run_weights(start, stop):
+            """The stacked weights of the layers start..stop (one kind), sliced to them."""
+            out = {}
+            for name in self.layer_names:
+                held = stacked_layers(c, name)
+                if start in held:
+                    w = getattr(self, name)[...]
+                    first = held.index(start)
+                    out[name] = w if len(runs) == 1 else w[first:first + stop - start]
+            return out
 
         def over_layers(step, carry):
-            """scan(step, carry, per_layer), or a Python loop over the given layer weights."""
+            """scan(step, carry, per_layer) per run of same-kind layers, or a Python loop over
+            the given layer weights."""
             if layer_weights is None:
-                return jax.lax.scan(step, carry, per_layer, unroll=_unroll(c))
+                if len(runs) == 1:
+                    xs = {**per_layer, 'weights': run_weights(0, c.num_layers)}
+                    return jax.lax.scan(step, carry, xs, unroll=_unroll(c))
+                outs = []
+                for start, stop, _ in runs:
+                    xs = jax.tree.map(lambda a: a[start:stop], per_layer)
+                    xs['weights'] = run_weights(start, stop)
+                    unroll = stop - start if c.num_layers <= _UNROLL_UP_TO_LAYERS else 1
+                    carry, out = jax.lax.scan(step, carry, xs, unroll=unroll)
+                    outs.append(out)
+                return carry, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
             outs = []
             for i, weights in enumerate(layer_weights):
                 xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
@@ -212,7 +273,10 @@ class Decoder(nnx.Module):
                 a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = x + a
             h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            m = layers.gated_mlp(h, project, c.activation)
+            if 'router' in w:  # a sparse layer (the weights of a run are of one kind)
+                m = moe.sparse_mlp(h, w, c.num_experts_per_tok, c.norm_topk_prob, c.activation)
+            else:
+                m = layers.gated_mlp(h, project, c.activation)
             if c.sandwich_norms:
                 m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = constrain(x + m, ('batch', 'length', 'act_embed'))

@@ -1,0 +1,210 @@
+"""Qwen3-MoE against transformers (CPU torch, f32): logits over routing variants, greedy decode,
+export; the sampler's two decodes and a GRPO update on a tiny MoE; the shipped 30B-A3B config."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import tiny_checkpoints as tc
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
+from jaxprefix.models import Decoder, ModelConfig, moe, published, token_logprobs
+from jaxprefix.rl import objectives
+from jaxprefix.rl.train_step import Learner, TrainConfig
+from jaxprefix.sampling import SharedContext, generate
+
+TOL = 1e-4
+forward = nnx.jit(lambda model, tokens, mask=None: model(tokens, mask=mask))
+
+# name -> overrides of tiny_checkpoints' qwen3_moe (4 experts, top-2, renormalised)
+VARIANTS = {
+    'normalised_top2_of_4': dict(),
+    'unnormalised_top3_of_8': dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False),
+    'mlp_only_layer': dict(num_hidden_layers=3, mlp_only_layers=[1]),
+    'sparse_step_2': dict(num_hidden_layers=4, decoder_sparse_step=2),  # dense, sparse, ...
+}
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+    """variant -> (checkpoint path, our Decoder loaded from it, the transformers model)."""
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            # Small shards: every checkpoint goes through the index file.
+            path, hf = tc.save_checkpoint('qwen3_moe', tmp_path_factory.mktemp(variant),
+                                          max_shard_size='40KB', **VARIANTS[variant])
+            assert (path / 'model.safetensors.index.json').is_file()
+            cache[variant] = (path, from_pretrained(path, dtype=jnp.float32)[0], hf)
+        return cache[variant]
+    return get
+
+
+@pytest.mark.parametrize('variant', list(VARIANTS))
+def test_logits_equal_transformers(checkpoints, variant):
+    _, model, hf = checkpoints(variant)
+    tokens = tc.random_tokens(2, 11, seed=1)
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :3] = False  # left padding in one row
+    ours = np.asarray(forward(model, tokens, mask))
+    np.testing.assert_allclose(ours[mask], tc.hf_logits(hf, tokens, mask)[mask], atol=TOL, rtol=0)
+
+
+def test_dense_layers_among_sparse_ones_keep_their_own_stacks(checkpoints):
+    _, model, _ = checkpoints('sparse_step_2')
+    assert model.config.sparse_layers == (False, True, False, True)
+    assert model.gate.shape == (2, 64, 96) and model.expert_up.shape == (2, 4, 64, 40)
+    assert model.q.shape[0] == 4
+    # Each layer's own weights, as the CPU decode hoists them, are of that layer's kind.
+    kinds = ['router' in w for w in model.layer_weights()]
+    assert kinds == [False, True, False, True]
+
+
+def test_routing_renormalises_top_k_and_dispatch_is_dropless():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    router = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+    weights, experts = moe.route(x, router, 2, normalize=True)
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)
+    raw, same = moe.route(x, router, 2, normalize=False)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(experts))
+    probs = jax.nn.softmax(x @ router)
+    np.testing.assert_allclose(np.asarray(raw), np.sort(np.asarray(probs), -1)[:, ::-1][:, :2],
+                               rtol=1e-6)
+    # Every token through its experts, one at a time, with no capacity limit.
+    wg, wu, wd = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                  for s in ((4, 8, 6), (4, 8, 6), (4, 6, 8)))
+    out = moe.experts_mlp(x, weights, experts, wg, wu, wd, 'silu')
+    expected = np.zeros((32, 8), np.float32)
+    for n in range(32):
+        for j in range(2):
+            e = int(experts[n, j])
+            expected[n] += float(weights[n, j]) * np.asarray(
+                (jax.nn.silu(x[n] @ wg[e]) * (x[n] @ wu[e])) @ wd[e])
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+
+
+def hf_greedy(hf, context, max_new_tokens):
+    ids = torch.tensor([context], dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                          pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    return out[0, len(context):].tolist()
+
+
+def test_greedy_generation_equals_transformers(checkpoints):
+    _, model, hf = checkpoints('mlp_only_layer')
+    contexts = [tc.random_tokens(1, 7, seed=1)[0].tolist(),
+                tc.random_tokens(1, 12, seed=2)[0].tolist()]
+    r = generate(model, contexts, n=1, max_new_tokens=16, temperature=0.0)
+    for row, context in enumerate(contexts):
+        assert r.completions()[row] == hf_greedy(hf, context, 16), row
+
+
+def test_export_round_trip_through_transformers(checkpoints, tmp_path):
+    _, model, _ = checkpoints('sparse_step_2')
+    out = save_pretrained(model, model.config, tmp_path / 'out')
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation='eager').eval()
+    assert isinstance(reloaded, transformers.Qwen3MoeForCausalLM)
+    assert reloaded.config.mlp_only_layers == [] and reloaded.config.decoder_sparse_step == 2
+    tokens = tc.random_tokens(2, 9, seed=3)
+    np.testing.assert_allclose(tc.hf_logits(reloaded, tokens), np.asarray(forward(model, tokens)),
+                               atol=TOL, rtol=0)
+    again, config = from_pretrained(out)
+    assert config == model.config
+    for name in model.layer_names + ('embed', 'final_norm', 'lm_head'):
+        np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]),
+                                      np.asarray(getattr(model, name)[...]))
+
+
+# --- the sampler and the learner on a tiny MoE -----------------------------------------------
+
+TINY = ModelConfig(model_type='qwen3_moe', vocab_size=64, hidden_size=32, intermediate_size=48,
+                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                   norm_topk_prob=True, mlp_only_layers=(1,), max_position_embeddings=256)
+
+
+def tiny_moe():
+    return Decoder(TINY, rngs=nnx.Rngs(0))
+
+
+def test_continuous_decode_equals_the_static_one():
+    model = tiny_moe()
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(3, 64, size=n).tolist() for n in (3, 9, 7))
+    contexts = [a, b, c, SharedContext(b, a)]
+    request = dict(n=3, max_new_tokens=12, stop_ids=(5, 9, 17), seed=3, temperature=1.0)
+    static = generate(model, contexts, **request)
+    continuous = generate(model, contexts, max_rows_in_flight=4, page_size=16, **request)
+    assert continuous.completions() == static.completions()
+    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-6, rtol=0)
+    # The sampler's log-probs are the model's own (teacher-forced) ones.
+    reference, _ = token_logprobs(model, static.tokens, static.token_mask)
+    reference = np.where(static.completion_mask, np.asarray(reference), 0.0)
+    np.testing.assert_allclose(static.logprobs, reference, atol=1e-5, rtol=0)
+
+
+def test_grpo_update_is_the_adam_step_of_the_direct_gradient():
+    """4 accumulated micro-batches == the whole-batch gradient (through the router's top-k and
+    the grouped matmuls): Adam's first step moves every weight by lr * sign(grad)."""
+    config = TrainConfig(learning_rate=1e-3, max_grad_norm=1e9, adam_eps=1e-12,
+                         micro_batch_size=4, eps_low=0.2, eps_high=0.28)
+    learner = Learner(tiny_moe(), config)
+    state = learner.init_state()
+    rng = np.random.default_rng(0)
+    rows, width = 16, 12
+    tokens = rng.integers(1, 64, (rows, width)).astype(np.int32)
+    context = rng.integers(3, 6, rows)
+    length = context + rng.integers(2, 7, rows)
+    cols = np.arange(width)[None]
+    token_mask = cols < length[:, None]
+    batch = {'tokens': np.where(token_mask, tokens, 0),
+             'positions': np.where(token_mask, cols, 0).astype(np.int32),
+             'token_mask': token_mask,
+             'completion_mask': ((cols >= context[:, None]) & token_mask).astype(np.float32),
+             'advantages': rng.normal(size=rows).astype(np.float32)}
+    logp = np.asarray(learner.logprobs(state.params, batch))
+    batch['old_logprobs'] = (logp + 0.1 * rng.normal(size=logp.shape)).astype(np.float32) \
+        * batch['completion_mask']
+
+    def loss(params):
+        model = nnx.merge(learner.graphdef, params, learner.rest)
+        lp, _ = token_logprobs(model, batch['tokens'], batch['token_mask'],
+                               positions=batch['positions'])
+        return objectives.policy_loss(lp, batch['old_logprobs'], batch['advantages'],
+                                      batch['completion_mask'], eps_low=0.2, eps_high=0.28,
+                                      aggregation=config.aggregation)[0]
+    before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    value, grads = jax.value_and_grad(loss)(state.params)
+    state, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(metrics['loss'], value, rtol=1e-5)
+    np.testing.assert_allclose(metrics['grad_norm'], optax.tree.norm(grads), rtol=1e-4)
+    moved = 0
+    for b, a, g in zip(before, jax.tree.leaves(state.params), jax.tree.leaves(grads)):
+        g = np.asarray(g)
+        big = np.abs(g) > 1e-6
+        moved += big.sum()
+        np.testing.assert_allclose((np.asarray(a) - b)[big], -1e-3 * np.sign(g[big]),
+                                   rtol=1e-3, atol=1e-7)
+    router_grad = np.asarray(jax.tree.leaves(grads['router'])[0])
+    assert np.abs(router_grad).max() > 0  # the router learns
+    assert moved > 0
+
+
+# --- the shipped config -------------------------------------------------------------------------
+
+def test_shipped_qwen3_30b_a3b_config():
+    config = ModelConfig.from_hf(published.hf_config('Qwen/Qwen3-30B-A3B'))
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (128, 8, True)
+    assert all(config.sparse_layers) and len(config.sparse_layers) == 48
+    # The model card: 30.5B parameters in all, 3.3B activated.
+    assert 30.4e9 < config.num_params() < 30.6e9
+    assert 3.2e9 < config.num_params(active=True) < 3.4e9
+    assert ModelConfig.from_hf(config.to_hf()) == config
