@@ -16,12 +16,18 @@ import jax.numpy as jnp
 from jaxprefix.models import layers, tpu_attention
 
 
-def route(x: jax.Array, router: jax.Array, k: int,
-          normalize: bool) -> tuple[jax.Array, jax.Array]:
-    """(gate weights [N, k] f32, expert ids [N, k] int32) of tokens x [N, D]; router [D, E]."""
+def route(x: jax.Array, router: jax.Array, k: int, normalize: bool,
+          experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(gate weights [N, k] f32, expert ids [N, k] int32) of tokens x [N, D]; router [D, E].
+
+    Given `experts` [N, k] (routing replay: the experts the sampler chose), those are used, with
+    gate weights from this router's probabilities over them, so the router still learns."""
     logits = jnp.einsum('nd,de->ne', x, router.astype(x.dtype), preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, k)
+    if experts is None:
+        weights, experts = jax.lax.top_k(probs, k)
+    else:
+        weights = jnp.take_along_axis(probs, experts, axis=-1)
     if normalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
@@ -44,13 +50,16 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ja
     return jnp.einsum('nkd,nk->nd', y, weights.astype(y.dtype))
 
 
-def sparse_mlp(x: jax.Array, w: dict, k: int, normalize: bool, activation: str) -> jax.Array:
-    """The MoE MLP of hidden states x [B, T, D] with layer weights w (router, expert_*)."""
+def sparse_mlp(x: jax.Array, w: dict, k: int, normalize: bool, activation: str,
+               experts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the MoE MLP of hidden states x [B, T, D], the experts [B, T, k] int32 it used) with
+    layer weights w (router, expert_*); `experts` replays a recorded routing (see route)."""
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
-    weights, experts = route(flat, w['router'], k, normalize)
+    given = None if experts is None else experts.reshape(b * t, k).astype(jnp.int32)
+    weights, chosen = route(flat, w['router'], k, normalize, given)
     # transformers casts the gate weights to the compute dtype before the combine
     weights = weights.astype(x.dtype)
-    out = experts_mlp(flat, weights, experts, w['expert_gate'], w['expert_up'], w['expert_down'],
+    out = experts_mlp(flat, weights, chosen, w['expert_gate'], w['expert_up'], w['expert_down'],
                       activation)
-    return out.reshape(b, t, d)
+    return out.reshape(b, t, d), chosen.reshape(b, t, k)
