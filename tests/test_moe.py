@@ -1,5 +1,6 @@
-"""Qwen3-MoE against transformers (CPU torch, f32): logits over routing variants, greedy decode,
-export; the sampler's two decodes and a GRPO update on a tiny MoE; the shipped 30B-A3B config."""
+"""Qwen3-MoE (and Qwen2-MoE's shared expert) against transformers (CPU torch, f32): logits over
+routing variants, greedy decode, export; the sampler's two decodes, a GRPO update, sharding and
+routing replay on a tiny MoE; the shipped 30B-A3B config."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +121,20 @@ def test_export_round_trip_through_transformers(checkpoints, tmp_path):
     for name in model.layer_names + ('embed', 'final_norm', 'lm_head'):
         np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]),
                                       np.asarray(getattr(model, name)[...]))
+
+
+def test_qwen2_moe_shared_expert_loads_and_exports(tmp_path):
+    src, hf = tc.save_checkpoint('qwen2_moe', tmp_path / 'src')  # a dense layer 1, q/k/v biases
+    model, config = from_pretrained(src)
+    assert config.shared_expert_intermediate_size == 56 and config.qkv_bias
+    tokens = tc.random_tokens(2, 9, seed=5)
+    ours = np.asarray(forward(model, tokens))
+    np.testing.assert_allclose(ours, tc.hf_logits(hf, tokens), atol=TOL, rtol=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        save_pretrained(model, config, tmp_path / 'out'), dtype=torch.float32,
+        attn_implementation='eager').eval()
+    assert isinstance(reloaded, transformers.Qwen2MoeForCausalLM)
+    np.testing.assert_allclose(tc.hf_logits(reloaded, tokens), ours, atol=TOL, rtol=0)
 
 
 # --- the sampler and the learner on a tiny MoE -----------------------------------------------

@@ -109,6 +109,10 @@ def _layer_table(config: ModelConfig) -> dict[str, tuple[str, int]]:
         'expert_gate': ('mlp.experts.{j}.gate_proj.weight', 1),
         'expert_up': ('mlp.experts.{j}.up_proj.weight', 1),
         'expert_down': ('mlp.experts.{j}.down_proj.weight', 1),
+        'shared_gate': ('mlp.shared_expert.gate_proj.weight', 1),
+        'shared_up': ('mlp.shared_expert.up_proj.weight', 1),
+        'shared_down': ('mlp.shared_expert.down_proj.weight', 1),
+        'shared_expert_gate': ('mlp.shared_expert_gate.weight', 1),
     }
     return table
 

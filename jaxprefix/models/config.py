@@ -1,7 +1,7 @@
 """ModelConfig: one frozen, hashable description of a decoder-only LM.
 
-Covers Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B), Gemma 3 (text) and
-SmolLM2 (a tied-embedding Llama).
+Covers Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B), Qwen2-MoE (a shared
+expert too), Gemma 3 (text) and SmolLM2 (a tied-embedding Llama).
 
 It is static under jit, so every field is a Python scalar, string or tuple. `from_hf` reads a
 transformers config.json dict (old `rope_theta`/`rope_scaling` or new `rope_parameters` style);
@@ -14,9 +14,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'qwen3', 'gemma3_text', 'qwen3_moe')
+SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'qwen3', 'gemma3_text', 'qwen3_moe', 'qwen2_moe')
+_MOE_TYPES = ('qwen3_moe', 'qwen2_moe')
 _ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
                   'qwen3': 'Qwen3ForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
+                  'qwen2_moe': 'Qwen2MoeForCausalLM',
                   'gemma3_text': 'Gemma3ForCausalLM'}
 FULL, SLIDING = 'full_attention', 'sliding_attention'
 
@@ -95,6 +97,7 @@ class ModelConfig:
     norm_topk_prob: bool = False          # renormalise the top-k router probabilities to sum 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: + sigmoid(gate(x)) * a gated MLP of this width
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -199,7 +202,9 @@ class ModelConfig:
             rope=rope, local_rope=local_rope,
             max_position_embeddings=hf.get('max_position_embeddings', 8192),
             tie_word_embeddings=bool(hf.get('tie_word_embeddings', gemma)),
-            qkv_bias=bias or model_type == 'qwen2', out_bias=bias,
+            qkv_bias=bias or model_type == 'qwen2' or (model_type == 'qwen2_moe'
+                                                       and hf.get('qkv_bias', True)),
+            out_bias=bias,
             qk_norm=model_type in ('qwen3', 'qwen3_moe', 'gemma3_text'),
             norm_plus_one=gemma, sandwich_norms=gemma, embed_scale=gemma,
             activation=activations[act],
@@ -211,7 +216,7 @@ class ModelConfig:
             bos_token_id=hf.get('bos_token_id'), eos_token_ids=eos,
             pad_token_id=hf.get('pad_token_id'),
             param_dtype=param_dtype, dtype=dtype, remat=remat,
-            **(_moe_from_hf(hf) if model_type == 'qwen3_moe' else {}))
+            **(_moe_from_hf(hf) if model_type in _MOE_TYPES else {}))
 
     def to_hf(self) -> dict:
         """A config.json dict that transformers loads into the same architecture."""
@@ -239,8 +244,10 @@ class ModelConfig:
                        attn_logit_softcapping=self.attn_logit_softcapping,
                        final_logit_softcapping=self.final_logit_softcapping)
         else:
-            if self.model_type == 'qwen2' and self.out_bias:
-                raise ValueError('qwen2 has no o_proj bias; this config cannot be exported as qwen2')
+            qwen2 = self.model_type in ('qwen2', 'qwen2_moe')
+            if qwen2 and self.out_bias:
+                raise ValueError(f'{self.model_type} has no o_proj bias; this config cannot be '
+                                 f'exported as {self.model_type}')
             if self.model_type == 'qwen2' and not self.qkv_bias:
                 raise ValueError('qwen2 always has q/k/v biases; this config cannot be exported as qwen2')
             act = {'silu': 'silu', 'gelu_tanh': 'gelu_pytorch_tanh'}[self.activation]
@@ -255,6 +262,9 @@ class ModelConfig:
                        norm_topk_prob=self.norm_topk_prob,
                        decoder_sparse_step=self.decoder_sparse_step,
                        mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == 'qwen2_moe':
+            out.update(qkv_bias=self.qkv_bias,
+                       shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return out
 
     # --- accounting ---------------------------------------------------------------------------
@@ -271,6 +281,8 @@ class ModelConfig:
         experts = self.num_experts_per_tok if active else self.num_experts
         mlp = (l - sparse) * 3 * d * f
         mlp += sparse * (d * self.num_experts + experts * 3 * d * self.moe_intermediate_size)
+        if self.shared_expert_intermediate_size:
+            mlp += sparse * (3 * d * self.shared_expert_intermediate_size + d)
         total = l * per_layer + mlp + d
         total += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         if not embeddings:
@@ -294,7 +306,8 @@ class ModelConfig:
 
 
 def _moe_from_hf(hf: dict) -> dict:
-    """The MoE fields of a qwen3_moe config.json (transformers 5 writes num_local_experts)."""
+    """The MoE fields of a qwen3_moe / qwen2_moe config.json (transformers 5 writes
+    num_local_experts)."""
     experts = hf.get('num_experts', hf.get('num_local_experts'))
     if experts is None:
         raise KeyError('num_experts')
@@ -302,4 +315,5 @@ def _moe_from_hf(hf: dict) -> dict:
                 moe_intermediate_size=int(hf['moe_intermediate_size']),
                 norm_topk_prob=bool(hf.get('norm_topk_prob', False)),
                 decoder_sparse_step=int(hf.get('decoder_sparse_step', 1)),
-                mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()))
+                mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()),
+                shared_expert_intermediate_size=int(hf.get('shared_expert_intermediate_size') or 0))

@@ -49,6 +49,12 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
                       expert_gate=((e, d, fm), ('expert', 'embed', 'mlp')),
                       expert_up=((e, d, fm), ('expert', 'embed', 'mlp')),
                       expert_down=((e, fm, d), ('expert', 'mlp', 'embed')))
+        fs = c.shared_expert_intermediate_size
+        if fs:  # Qwen2-MoE's shared expert, scaled by sigmoid(x @ shared_expert_gate)
+            shapes.update(shared_gate=((d, fs), ('embed', 'mlp')),
+                          shared_up=((d, fs), ('embed', 'mlp')),
+                          shared_down=((fs, d), ('mlp', 'embed')),
+                          shared_expert_gate=((d, 1), ('embed', None)))
     if c.qkv_bias:
         shapes.update(q_bias=((h, dh), ('heads', 'head_dim')),
                       k_bias=((kv, dh), ('kv_heads', 'head_dim')),
@@ -63,7 +69,8 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
 
 
 _DENSE_MLP = frozenset({'gate', 'up', 'down'})
-_SPARSE_MLP = frozenset({'router', 'expert_gate', 'expert_up', 'expert_down'})
+_SPARSE_MLP = frozenset({'router', 'expert_gate', 'expert_up', 'expert_down', 'shared_gate',
+                         'shared_up', 'shared_down', 'shared_expert_gate'})
 
 
 def stacked_layers(c: ModelConfig, name: str) -> tuple[int, ...]:

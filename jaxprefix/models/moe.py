@@ -6,7 +6,8 @@ with no capacity factor, so the logits are transformers'. The pairs are sorted b
 each expert's gated MLP runs on its contiguous group through a grouped matmul
 (`tpu_attention.grouped_matmul`: jax.lax.ragged_dot over the group sizes), then the outputs
 are unsorted and summed with their gate weights. The experts are stacked weights: gate and up
-[E, D, F], down [E, F, D].
+[E, D, F], down [E, F, D]. Qwen2-MoE adds a shared expert every token passes through, scaled by
+sigmoid(x @ shared_expert_gate).
 """
 from __future__ import annotations
 
@@ -62,4 +63,10 @@ def sparse_mlp(x: jax.Array, w: dict, k: int, normalize: bool, activation: str,
     weights = weights.astype(x.dtype)
     out = experts_mlp(flat, weights, chosen, w['expert_gate'], w['expert_up'], w['expert_down'],
                       activation)
-    return out.reshape(b, t, d), chosen.reshape(b, t, k)
+    out = out.reshape(b, t, d)
+    if 'shared_gate' in w:
+        act = layers.activation_fn(activation)
+        shared = jnp.einsum('btf,fd->btd', act(jnp.einsum('btd,df->btf', x, w['shared_gate']))
+                            * jnp.einsum('btd,df->btf', x, w['shared_up']), w['shared_down'])
+        out = out + jax.nn.sigmoid(jnp.einsum('btd,do->bto', x, w['shared_expert_gate'])) * shared
+    return out, chosen.reshape(b, t, k)
