@@ -271,3 +271,14 @@ def test_sharded_moe_equals_one_device():
         with jax.set_mesh(mesh):
             out = np.asarray(forward(sharded, tokens))
         np.testing.assert_allclose(out, single, atol=1e-5, rtol=0)
+
+
+def test_lora_on_the_attention_of_a_moe():
+    from jaxprefix.models import lora
+    model = tiny_moe()
+    tokens = np.random.default_rng(5).integers(1, 64, (2, 7)).astype(np.int32)
+    adapted = lora.with_adapters(model, lora.LoraConfig(4, targets=('q', 'k', 'v', 'o')))
+    np.testing.assert_array_equal(np.asarray(forward(adapted, tokens)),
+                                  np.asarray(forward(model, tokens)))
+    with pytest.raises(ValueError, match='gate, up, down are not adaptable on a mixture'):
+        lora.with_adapters(model, lora.LoraConfig(4))
