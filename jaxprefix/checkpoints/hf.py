@@ -25,7 +25,7 @@ from jaxprefix import storage
 from jaxprefix.checkpoints import gguf
 from jaxprefix.models import sharding
 from jaxprefix.models.config import ModelConfig
-from jaxprefix.models.decoder import Decoder
+from jaxprefix.models.decoder import Decoder, stacked_layers
 
 _DTYPES = {'F64': np.float64, 'F32': np.float32, 'F16': np.float16,
            'BF16': ml_dtypes.bfloat16, 'I64': np.int64, 'I32': np.int32, 'I16': np.int16,
@@ -88,7 +88,9 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
 # --- name and layout mapping ---------------------------------------------------------------
 
 def _layer_table(config: ModelConfig) -> dict[str, tuple[str, int]]:
-    """Decoder layer weight -> (HF name under model.layers.{i}., input axes of a linear or 0)."""
+    """Decoder layer weight -> (HF name under model.layers.{i}., input axes of a linear or 0).
+
+    A name with {j} is one tensor per expert j, stacked along the Decoder weight's expert axis."""
     gemma = config.sandwich_norms
     table = {
         'attn_norm': ('input_layernorm.weight', 0),
@@ -103,6 +105,14 @@ def _layer_table(config: ModelConfig) -> dict[str, tuple[str, int]]:
         'q_norm': ('self_attn.q_norm.weight', 0), 'k_norm': ('self_attn.k_norm.weight', 0),
         'post_attn_norm': ('post_attention_layernorm.weight', 0),
         'post_mlp_norm': ('post_feedforward_layernorm.weight', 0),
+        'router': ('mlp.gate.weight', 1),
+        'expert_gate': ('mlp.experts.{j}.gate_proj.weight', 1),
+        'expert_up': ('mlp.experts.{j}.up_proj.weight', 1),
+        'expert_down': ('mlp.experts.{j}.down_proj.weight', 1),
+        'shared_gate': ('mlp.shared_expert.gate_proj.weight', 1),
+        'shared_up': ('mlp.shared_expert.up_proj.weight', 1),
+        'shared_down': ('mlp.shared_expert.down_proj.weight', 1),
+        'shared_expert_gate': ('mlp.shared_expert_gate.weight', 1),
     }
     return table
 
@@ -177,12 +187,18 @@ def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.flo
         variable = getattr(model, ours)
         variable.set_value(_place(take(hf_name, tuple(variable.shape), None), variable, mesh))
     table = _layer_table(config)
+    def layer(i: int, hf_name: str, shape: tuple[int, ...], in_axes: int) -> np.ndarray:
+        if '{j}' not in hf_name:
+            return take(f'model.layers.{i}.{hf_name}', shape, in_axes)
+        return np.stack([take(f'model.layers.{i}.{hf_name.format(j=j)}', shape[1:], in_axes)
+                         for j in range(shape[0])])
+
     for ours in model.layer_names:
         hf_name, in_axes = table[ours]
         variable = getattr(model, ours)
         shape = tuple(variable.shape[1:])
-        stacked = np.stack([take(f'model.layers.{i}.{hf_name}', shape, in_axes)
-                            for i in range(config.num_layers)])
+        stacked = np.stack([layer(i, hf_name, shape, in_axes)
+                            for i in stacked_layers(config, ours)])
         variable.set_value(_place(stacked, variable, mesh))
     return model, config
 
@@ -248,8 +264,12 @@ def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
     for ours in model.layer_names:
         hf_name, in_axes = table[ours]
         stacked = host(getattr(model, ours))
-        for i in range(config.num_layers):
-            out[f'model.layers.{i}.{hf_name}'] = _to_hf_layout(stacked[i], in_axes)
+        for w, i in zip(stacked, stacked_layers(config, ours)):
+            if '{j}' not in hf_name:
+                out[f'model.layers.{i}.{hf_name}'] = _to_hf_layout(w, in_axes)
+                continue
+            for j, expert in enumerate(w):
+                out[f'model.layers.{i}.{hf_name.format(j=j)}'] = _to_hf_layout(expert, in_axes)
     return out
 
 

@@ -1,6 +1,7 @@
 """ModelConfig: one frozen, hashable description of a decoder-only LM.
 
-Covers Llama 3.x, Qwen2/2.5, Qwen3, Gemma 3 (text) and SmolLM2 (a tied-embedding Llama).
+Covers Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B), Qwen2-MoE (a shared
+expert too), Gemma 3 (text) and SmolLM2 (a tied-embedding Llama).
 
 It is static under jit, so every field is a Python scalar, string or tuple. `from_hf` reads a
 transformers config.json dict (old `rope_theta`/`rope_scaling` or new `rope_parameters` style);
@@ -13,9 +14,12 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'qwen3', 'gemma3_text')
+SUPPORTED_MODEL_TYPES = ('llama', 'qwen2', 'qwen3', 'gemma3_text', 'qwen3_moe', 'qwen2_moe')
+_MOE_TYPES = ('qwen3_moe', 'qwen2_moe')
 _ARCHITECTURES = {'llama': 'LlamaForCausalLM', 'qwen2': 'Qwen2ForCausalLM',
-                  'qwen3': 'Qwen3ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
+                  'qwen3': 'Qwen3ForCausalLM', 'qwen3_moe': 'Qwen3MoeForCausalLM',
+                  'qwen2_moe': 'Qwen2MoeForCausalLM',
+                  'gemma3_text': 'Gemma3ForCausalLM'}
 FULL, SLIDING = 'full_attention', 'sliding_attention'
 
 
@@ -84,6 +88,16 @@ class ModelConfig:
     param_dtype: str = 'float32'
     dtype: str = 'float32'                # compute dtype; softmax, norms and logits stay f32
     remat: bool = False                   # rematerialise each layer in the backward pass
+    # Mixture of experts (Qwen3-MoE); num_experts=0 is a dense model. A layer is sparse unless
+    # it is in mlp_only_layers or (layer + 1) % decoder_sparse_step != 0 (transformers' rule);
+    # dense layers keep the gated MLP of width intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False          # renormalise the top-k router probabilities to sum 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: + sigmoid(gate(x)) * a gated MLP of this width
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -99,6 +113,13 @@ class ModelConfig:
                              f'num_layers={self.num_layers}')
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError('layer_types has sliding_attention layers but sliding_window is not set')
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f'num_experts_per_tok ({self.num_experts_per_tok}) must be in '
+                                 f'1..num_experts ({self.num_experts})')
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ValueError('a MoE needs moe_intermediate_size > 0 and decoder_sparse_step > 0')
+        object.__setattr__(self, 'mlp_only_layers', tuple(self.mlp_only_layers))
         # Dtypes are kept as names so the config stays hashable and JSON-friendly.
         object.__setattr__(self, 'param_dtype', jnp.dtype(self.param_dtype).name)
         object.__setattr__(self, 'dtype', jnp.dtype(self.dtype).name)
@@ -111,6 +132,12 @@ class ModelConfig:
     @property
     def is_sliding(self) -> tuple[bool, ...]:
         return tuple(t == SLIDING for t in self.layer_types) or (False,) * self.num_layers
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Per layer: does its MLP route over experts (else it is the dense gated MLP)?"""
+        return tuple(bool(self.num_experts) and i not in self.mlp_only_layers
+                     and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_layers))
 
     @property
     def attn_scale(self) -> float:
@@ -175,8 +202,10 @@ class ModelConfig:
             rope=rope, local_rope=local_rope,
             max_position_embeddings=hf.get('max_position_embeddings', 8192),
             tie_word_embeddings=bool(hf.get('tie_word_embeddings', gemma)),
-            qkv_bias=bias or model_type == 'qwen2', out_bias=bias,
-            qk_norm=model_type in ('qwen3', 'gemma3_text'),
+            qkv_bias=bias or model_type == 'qwen2' or (model_type == 'qwen2_moe'
+                                                       and hf.get('qkv_bias', True)),
+            out_bias=bias,
+            qk_norm=model_type in ('qwen3', 'qwen3_moe', 'gemma3_text'),
             norm_plus_one=gemma, sandwich_norms=gemma, embed_scale=gemma,
             activation=activations[act],
             query_pre_attn_scalar=hf.get('query_pre_attn_scalar', 256) if gemma else None,
@@ -186,7 +215,8 @@ class ModelConfig:
             final_logit_softcapping=hf.get('final_logit_softcapping'),
             bos_token_id=hf.get('bos_token_id'), eos_token_ids=eos,
             pad_token_id=hf.get('pad_token_id'),
-            param_dtype=param_dtype, dtype=dtype, remat=remat)
+            param_dtype=param_dtype, dtype=dtype, remat=remat,
+            **(_moe_from_hf(hf) if model_type in _MOE_TYPES else {}))
 
     def to_hf(self) -> dict:
         """A config.json dict that transformers loads into the same architecture."""
@@ -214,8 +244,10 @@ class ModelConfig:
                        attn_logit_softcapping=self.attn_logit_softcapping,
                        final_logit_softcapping=self.final_logit_softcapping)
         else:
-            if self.model_type == 'qwen2' and self.out_bias:
-                raise ValueError('qwen2 has no o_proj bias; this config cannot be exported as qwen2')
+            qwen2 = self.model_type in ('qwen2', 'qwen2_moe')
+            if qwen2 and self.out_bias:
+                raise ValueError(f'{self.model_type} has no o_proj bias; this config cannot be '
+                                 f'exported as {self.model_type}')
             if self.model_type == 'qwen2' and not self.qkv_bias:
                 raise ValueError('qwen2 always has q/k/v biases; this config cannot be exported as qwen2')
             act = {'silu': 'silu', 'gelu_tanh': 'gelu_pytorch_tanh'}[self.activation]
@@ -224,18 +256,34 @@ class ModelConfig:
             if self.layer_types:
                 out.update(use_sliding_window=True, sliding_window=self.sliding_window,
                            max_window_layers=layer_types.index(SLIDING))
+        if self.num_experts:
+            out.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == 'qwen2_moe':
+            out.update(qkv_bias=self.qkv_bias,
+                       shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         return out
 
     # --- accounting ---------------------------------------------------------------------------
 
-    def num_params(self, *, embeddings: bool = True) -> int:
-        """Parameter count; with embeddings=False the input embedding table is left out."""
+    def num_params(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Parameter count; with embeddings=False the input embedding table is left out; with
+        active=True a sparse layer counts only the experts one token passes through."""
         d, f, l = self.hidden_size, self.intermediate_size, self.num_layers
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+        per_layer = d * (q + 2 * kv) + q * d + 2 * d
         per_layer += (q + 2 * kv) * self.qkv_bias + d * self.out_bias
         per_layer += 2 * self.head_dim * self.qk_norm + 2 * d * self.sandwich_norms
-        total = l * per_layer + d
+        sparse = sum(self.sparse_layers)
+        experts = self.num_experts_per_tok if active else self.num_experts
+        mlp = (l - sparse) * 3 * d * f
+        mlp += sparse * (d * self.num_experts + experts * 3 * d * self.moe_intermediate_size)
+        if self.shared_expert_intermediate_size:
+            mlp += sparse * (3 * d * self.shared_expert_intermediate_size + d)
+        total = l * per_layer + mlp + d
         total += self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
         if not embeddings:
             total -= self.vocab_size * d
@@ -244,13 +292,28 @@ class ModelConfig:
     def flops_per_token(self, context_length: int = 0) -> float:
         """Forward FLOPs of one token: 2N + 4 * layers * context * heads * head_dim.
 
-        N counts every matmul weight a token passes through: all layers plus the unembedding
+        N counts every matmul weight a token passes through (of a MoE layer, the router and the
+        top-k experts): all layers plus the unembedding
         (a real V x D matmul even when tied; the embedding lookup is free, so it is left out).
         The attention term is the QK^T and AV products against `context_length` earlier keys
         (Kaplan et al. 2020). A training step costs about 3x this (forward + backward).
         """
-        n = self.num_params(embeddings=False)
+        n = self.num_params(embeddings=False, active=True)
         if self.tie_word_embeddings:
             n += self.vocab_size * self.hidden_size
         attn = 4 * self.num_layers * context_length * self.num_heads * self.head_dim
         return float(2 * n + attn)
+
+
+def _moe_from_hf(hf: dict) -> dict:
+    """The MoE fields of a qwen3_moe / qwen2_moe config.json (transformers 5 writes
+    num_local_experts)."""
+    experts = hf.get('num_experts', hf.get('num_local_experts'))
+    if experts is None:
+        raise KeyError('num_experts')
+    return dict(num_experts=int(experts), num_experts_per_tok=int(hf['num_experts_per_tok']),
+                moe_intermediate_size=int(hf['moe_intermediate_size']),
+                norm_topk_prob=bool(hf.get('norm_topk_prob', False)),
+                decoder_sparse_step=int(hf.get('decoder_sparse_step', 1)),
+                mlp_only_layers=tuple(hf.get('mlp_only_layers') or ()),
+                shared_expert_intermediate_size=int(hf.get('shared_expert_intermediate_size') or 0))

@@ -4,6 +4,10 @@ One code path serves training and sampling: `_run` embeds the new tokens, then e
 attends over the read-only context segments plus either the new tokens themselves (no cache)
 or a KVCache the new tokens are first written into. The layer weights are stacked along a
 leading 'layers' axis and the layers run under lax.scan, so a 30-layer model compiles as one.
+
+A mixture of experts (config.num_experts) may mix dense and sparse layers: the attention weights
+are stacked over every layer, the dense MLP's over the dense layers only and the experts' over the
+sparse ones (`stacked_layers`), and each run of consecutive same-kind layers is one scan.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers, lora, tpu_attention
+from jaxprefix.models import layers, lora, moe, tpu_attention
 from jaxprefix.models.attention import KVCache, KVSegment, attend
 from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
@@ -34,10 +38,23 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         'v': ((d, kv, dh), ('embed', 'kv_heads', 'head_dim')),
         'o': ((h, dh, d), ('heads', 'head_dim', 'embed')),
         'mlp_norm': ((d,), ('norm',)),
-        'gate': ((d, f), ('embed', 'mlp')),
-        'up': ((d, f), ('embed', 'mlp')),
-        'down': ((f, d), ('mlp', 'embed')),
     }
+    sparse = c.sparse_layers
+    if not all(sparse):
+        shapes.update(gate=((d, f), ('embed', 'mlp')), up=((d, f), ('embed', 'mlp')),
+                      down=((f, d), ('mlp', 'embed')))
+    if any(sparse):
+        e, fm = c.num_experts, c.moe_intermediate_size
+        shapes.update(router=((d, e), ('embed', 'expert')),
+                      expert_gate=((e, d, fm), ('expert', 'embed', 'mlp')),
+                      expert_up=((e, d, fm), ('expert', 'embed', 'mlp')),
+                      expert_down=((e, fm, d), ('expert', 'mlp', 'embed')))
+        fs = c.shared_expert_intermediate_size
+        if fs:  # Qwen2-MoE's shared expert, scaled by sigmoid(x @ shared_expert_gate)
+            shapes.update(shared_gate=((d, fs), ('embed', 'mlp')),
+                          shared_up=((d, fs), ('embed', 'mlp')),
+                          shared_down=((fs, d), ('mlp', 'embed')),
+                          shared_expert_gate=((d, 1), ('embed', None)))
     if c.qkv_bias:
         shapes.update(q_bias=((h, dh), ('heads', 'head_dim')),
                       k_bias=((kv, dh), ('kv_heads', 'head_dim')),
@@ -49,6 +66,31 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
     if c.sandwich_norms:
         shapes.update(post_attn_norm=((d,), ('norm',)), post_mlp_norm=((d,), ('norm',)))
     return shapes
+
+
+_DENSE_MLP = frozenset({'gate', 'up', 'down'})
+_SPARSE_MLP = frozenset({'router', 'expert_gate', 'expert_up', 'expert_down', 'shared_gate',
+                         'shared_up', 'shared_down', 'shared_expert_gate'})
+
+
+def stacked_layers(c: ModelConfig, name: str) -> tuple[int, ...]:
+    """The layers a stacked weight holds, in order: the dense MLP's the dense layers, the
+    experts' the sparse ones, every other weight all layers."""
+    sparse = c.sparse_layers
+    if name in _DENSE_MLP or name in _SPARSE_MLP:
+        return tuple(i for i, s in enumerate(sparse) if s == (name in _SPARSE_MLP))
+    return tuple(range(c.num_layers))
+
+
+def _layer_runs(c: ModelConfig) -> tuple[tuple[int, int, bool], ...]:
+    """(start, stop, sparse) of each run of consecutive layers of one kind."""
+    runs, sparse = [], c.sparse_layers
+    for i, s in enumerate(sparse):
+        if runs and runs[-1][2] == s:
+            runs[-1][1] = i + 1
+        else:
+            runs.append([i, i + 1, s])
+    return tuple(map(tuple, runs))
 
 
 class Decoder(nnx.Module):
@@ -71,7 +113,8 @@ class Decoder(nnx.Module):
         for name, (shape, axes) in _layer_shapes(c).items():
             init = norm_init if name.endswith('norm') else (
                 nnx.initializers.zeros if name.endswith('bias') else normal)
-            setattr(self, name, param((c.num_layers, *shape), ('layers', *axes), init))
+            setattr(self, name, param((len(stacked_layers(c, name)), *shape), ('layers', *axes),
+                                      init))
         self.final_norm = param((c.hidden_size,), ('norm',), norm_init)
         if not c.tie_word_embeddings:
             self.lm_head = param((c.vocab_size, c.hidden_size), ('vocab', 'embed'), normal)
@@ -82,15 +125,26 @@ class Decoder(nnx.Module):
         """Logits [B, T, V] (f32) of a (padded) batch; causal by position among valid tokens."""
         return self.unembed(self.hidden(tokens, positions, mask))
 
-    def hidden(self, tokens, positions=None, mask=None) -> jax.Array:
-        """Final-normed hidden states [B, T, D]."""
+    def hidden(self, tokens, positions=None, mask=None, routes=None) -> jax.Array:
+        """Final-normed hidden states [B, T, D]. `routes` (a MoE; int [B, T, sparse layers, k],
+        from `route`): each token's experts in each sparse layer, replayed instead of the
+        router's top-k (gate weights still from the router, over those experts)."""
+        return self._hidden(tokens, positions, mask, routes)[0]
+
+    def route(self, tokens, positions=None, mask=None) -> jax.Array:
+        """The experts int32 [B, T, sparse layers, k] each token's forward routes to (a MoE)."""
+        if not any(self.config.sparse_layers):
+            raise ValueError('route: the model has no sparse (mixture-of-experts) layers')
+        return self._hidden(tokens, positions, mask, None)[1]
+
+    def _hidden(self, tokens, positions, mask, routes):
         tokens = jnp.asarray(tokens, jnp.int32)
         mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _ = self._run(tokens, positions, (), None, None, ())
-        return h
+        h, _, used = self._run(tokens, positions, (), None, None, (), routes)
+        return h, used
 
     def unembedding(self) -> jax.Array:
         """The [V, D] unembedding matrix (the embedding table when tied)."""
@@ -101,8 +155,12 @@ class Decoder(nnx.Module):
 
     def layer_weights(self) -> list[dict[str, jax.Array]]:
         """Each layer's weights as arrays of their own, for `extend(layer_weights=...)`."""
-        stacked = {name: getattr(self, name)[...] for name in self.layer_names}
-        return [{name: w[i] for name, w in stacked.items()} for i in range(self.config.num_layers)]
+        out = [{} for _ in range(self.config.num_layers)]
+        for name in self.layer_names:
+            stacked = getattr(self, name)[...]
+            for j, i in enumerate(stacked_layers(self.config, name)):
+                out[i][name] = stacked[j]
+        return out
 
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
                cache: KVCache | None = None, layer_weights: Sequence[dict] | None = None,
@@ -127,13 +185,14 @@ class Decoder(nnx.Module):
         pages = tuple(pages)
         if pages and (cache is not None or tokens.shape[1] != 1):
             raise ValueError('pages take one new token per row and no cache')
-        h, kv = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
+        h, kv, _ = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
         return self.unembed(h), kv
 
     # --- the one forward path -----------------------------------------------------------------
 
     def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
-             layer_weights: Sequence[dict] | None, pages: tuple[PagedKV, ...]):
+             layer_weights: Sequence[dict] | None, pages: tuple[PagedKV, ...], routes=None):
+        """(final-normed h, the new KV, the experts [B, T, sparse layers, k] or None)."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -154,21 +213,56 @@ class Decoder(nnx.Module):
         per_layer = dict(sliding=jnp.asarray(sliding), window=window,
                          context=[(s.k, s.v) for s in context],
                          lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
-        if layer_weights is None:
-            per_layer['weights'] = {name: getattr(self, name)[...] for name in self.layer_names}
+        runs = _layer_runs(c)
+
+        def run_weights(start, stop):
+            """The stacked weights of the layers start..stop (one kind), sliced to them."""
+            out = {}
+            for name in self.layer_names:
+                held = stacked_layers(c, name)
+                if start in held:
+                    w = getattr(self, name)[...]
+                    first = held.index(start)
+                    out[name] = w if len(runs) == 1 else w[first:first + stop - start]
+            return out
+
+        # Replayed experts, one entry per sparse layer along the leading axis.
+        replay = None if routes is None else jnp.moveaxis(jnp.asarray(routes, jnp.int32), 2, 0)
 
         def over_layers(step, carry):
-            """scan(step, carry, per_layer), or a Python loop over the given layer weights."""
+            """(carry, outputs stacked over all layers, experts [B, T, sparse layers, k] or
+            None): scan(step, carry, per_layer) per run of same-kind layers, or a Python loop
+            over the given layer weights. step(carry, xs) -> (carry, (output, experts))."""
+            outs, experts = [], []
             if layer_weights is None:
-                return jax.lax.scan(step, carry, per_layer, unroll=_unroll(c))
-            outs = []
-            for i, weights in enumerate(layer_weights):
-                xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
-                if pages:  # a Python int here: it picks each layer's own page pool
-                    xs['index'] = i
-                carry, out = step(carry, xs)
-                outs.append(out)
-            return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs)
+                for start, stop, sparse in runs:
+                    whole = len(runs) == 1
+                    xs = per_layer if whole else jax.tree.map(lambda a: a[start:stop], per_layer)
+                    xs = {**xs, 'weights': run_weights(start, stop)}
+                    if sparse and replay is not None:
+                        first = sum(c.sparse_layers[:start])
+                        xs['routes'] = replay[first:first + stop - start]
+                    unroll = stop - start if c.num_layers <= _UNROLL_UP_TO_LAYERS else 1
+                    carry, (out, used) = jax.lax.scan(step, carry, xs, unroll=unroll)
+                    outs.append(out)
+                    experts += [used] if sparse else []
+                out = outs[0] if len(outs) == 1 else jax.tree.map(
+                    lambda *a: jnp.concatenate(a), *outs)
+            else:
+                for i, weights in enumerate(layer_weights):
+                    xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
+                    if pages:  # a Python int here: it picks each layer's own page pool
+                        xs['index'] = i
+                    if c.sparse_layers[i] and replay is not None:
+                        xs['routes'] = replay[sum(c.sparse_layers[:i])]
+                    carry, (out, used) = step(carry, xs)
+                    outs.append(out)
+                    experts += [used[None]] if c.sparse_layers[i] else []
+                out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+            if not experts:
+                return carry, out, None
+            experts = experts[0] if len(experts) == 1 else jnp.concatenate(experts)
+            return carry, out, jnp.moveaxis(experts, 0, 2)
         context_pos = [s.pos for s in context]
         # Without a cache the new tokens attend to each other: T x T scores, too large to
         # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
@@ -212,18 +306,24 @@ class Decoder(nnx.Module):
                 a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = x + a
             h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            m = layers.gated_mlp(h, project, c.activation)
+            experts = None
+            if 'router' in w:  # a sparse layer (the weights of a run are of one kind)
+                m, experts = moe.sparse_mlp(h, w, c.num_experts_per_tok, c.norm_topk_prob,
+                                            c.activation, xs.get('routes'))
+            else:
+                m = layers.gated_mlp(h, project, c.activation)
             if c.sandwich_norms:
                 m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = constrain(x + m, ('batch', 'length', 'act_embed'))
-            return x, new_kv
+            return x, new_kv, experts
 
         if cache is None:
             def step(x, xs):
-                return layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
+                x, kv, experts = layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
+                return x, (kv, experts)
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
-            x, (ks, vs) = over_layers(step, x)
+            x, (ks, vs), used = over_layers(step, x)
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
             t = tokens.shape[1]
@@ -242,23 +342,20 @@ class Decoder(nnx.Module):
                     cache_k, cache_v = put(cache_k, i, k), put(cache_v, i, v)
                     return (cache_k[i], cache_v[i], cache_pos), None
 
-                x, _ = layer(x, xs, write)
-                return (x, cache_k, cache_v), None
+                x, _, experts = layer(x, xs, write)
+                return (x, cache_k, cache_v), (None, experts)
 
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
-            (x, ks, vs), _ = over_layers(step, (x, cache.k, cache.v))
+            (x, ks, vs), _, used = over_layers(step, (x, cache.k, cache.v))
             kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
-        return layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one), kv
+        h = layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one)
+        return h, kv, used
 
 
 # A scan over layers compiles once however deep the model; on a few layers its loop costs more
 # than it saves (the demo's 2-layer policy trains ~1.7x faster unrolled on CPU).
 _UNROLL_UP_TO_LAYERS = 4
-
-
-def _unroll(config: ModelConfig) -> int:
-    return config.num_layers if config.num_layers <= _UNROLL_UP_TO_LAYERS else 1
 
 
 def unembed(h: jax.Array, unembedding: jax.Array, config: ModelConfig) -> jax.Array:

@@ -132,6 +132,11 @@ def with_adapters(model: nnx.Module, config: LoraConfig, seed: int = 0) -> nnx.M
     """
     if has_adapters(model):
         raise ValueError('with_adapters: the model already has adapters')
+    mlp = [t for t in config.targets if t in ('gate', 'up', 'down')]
+    if mlp and any(model.config.sparse_layers):
+        raise ValueError(f'LoraConfig.targets={config.targets!r}: {", ".join(mlp)} are not '
+                         f'adaptable on a mixture of experts; expected attention projections '
+                         f"only, e.g. ('q', 'k', 'v', 'o')")
     adapted = nnx.merge(*nnx.split(model), copy=True)  # new Variables over the same arrays
     c = adapted.config
     if c.param_dtype != c.dtype:

@@ -2,7 +2,8 @@
 known without its weights (the compile job builds it abstractly from these).
 
 Each file in published/ is the model's config.json as its Hugging Face repository publishes it
-(Qwen/Qwen3-4B-Instruct-2507, Qwen/Qwen3-1.7B, HuggingFaceTB/SmolLM2-135M-Instruct).
+(Qwen/Qwen3-4B-Instruct-2507, Qwen/Qwen3-1.7B, Qwen/Qwen3-30B-A3B,
+HuggingFaceTB/SmolLM2-135M-Instruct).
 """
 from __future__ import annotations
 

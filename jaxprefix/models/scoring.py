@@ -12,17 +12,18 @@ from jaxprefix.models.decoder import Decoder, unembed
 
 
 def token_logprobs(model: Decoder, tokens, mask, *, positions=None, chunk_size: int = 128,
-                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                   temperature: float = 1.0, routes=None) -> tuple[jax.Array, jax.Array]:
     """(logprobs [B, T], entropy [B, T]) of tokens[:, t] given tokens[:, :t].
 
     Column 0, and any column whose token or predecessor is masked out, gets 0. Both are of the
     tempered distribution softmax(logits / temperature): the one a sampler at that temperature
-    draws from. Differentiable with respect to model.
+    draws from. Differentiable with respect to model. `routes` (a MoE) replays recorded
+    experts (Decoder.hidden).
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     mask = jnp.asarray(mask, bool)
     b, t = tokens.shape
-    h = model.hidden(tokens, positions, mask)
+    h = model.hidden(tokens, positions, mask, routes)
     # Hidden state at t-1 predicts token t.
     h, targets = h[:, :-1], tokens[:, 1:]
     valid = mask[:, 1:] & mask[:, :-1]

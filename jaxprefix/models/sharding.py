@@ -25,6 +25,7 @@ RULES: dict[str, tuple[str, ...]] = {
     'vocab': ('tensor',),
     'embed': ('fsdp',),
     'mlp': ('tensor',),
+    'expert': (),           # a MoE's experts: replicated (no expert-parallel mesh axis yet)
     'heads': ('tensor',),
     'kv_heads': ('tensor',),
     'head_dim': (),

@@ -2,7 +2,10 @@
   - self-attention without a cache (training, prefill): splash attention (Pallas) on TPU,
     blockwise online softmax (blockwise_attention.py) elsewhere;
   - the sampler's decode over KV pages (`attend_pages`): the Pallas paged kernel
-    (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere.
+    (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere;
+  - the experts' grouped matmul of a MoE layer (`grouped_matmul`): jax.lax.ragged_dot on every
+    backend for now (Megablox gmm, jax.experimental.pallas.ops.tpu.megablox, is the TPU kernel
+    to choose here).
 
 Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by index, not by
 position: a causal (or causal + local) mask over the row's slots, and segment ids. Our masks are
@@ -154,6 +157,12 @@ def paged_kernel_bytes(op_name: str, operand_bytes: list,
         return None
     tokens = tokens_per_call.get(match.group(1), 0.0)
     return sum(operand_bytes[:_PAGED_WHOLE_OPERANDS]) + tokens * int(match.group(2))
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """[M, K] rows, sorted into consecutive groups of `group_sizes` [G], times their group's
+    [K, N] of rhs [G, K, N] -> [M, N] (a MoE layer's tokens through their experts)."""
+    return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes)
 
 
 def splash_fits(q_shape) -> bool:

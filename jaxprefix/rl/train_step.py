@@ -362,9 +362,10 @@ def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
     model = nnx.merge(graphdef, params, rest)
     if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
         lora.set_dropout_key(model, batch["dropout_key"])
+    # batch["routes"] (a MoE, int [B, T, sparse layers, k]): the sampler's experts, replayed
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
                           positions=batch["positions"], chunk_size=chunk_size,
-                          temperature=temperature)
+                          temperature=temperature, routes=batch.get("routes"))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
@@ -466,7 +467,7 @@ def _learner_old_logprobs(graphdef, c: TrainConfig, sharded: bool, params, rest,
     """(arranged batch, metrics): 'old_logprobs' recomputed by the learner at `params`, one
     micro-batch at a time and without dropout (as the sampler saw the policy), the sampler's
     kept as 'sampler_logprobs'; metrics: their mean and max |difference| over the loss tokens."""
-    fields = ("tokens", "token_mask", "positions")
+    fields = ("tokens", "token_mask", "positions") + (("routes",) if "routes" in arranged else ())
     micros = {k: arranged[k].reshape((-1,) + arranged[k].shape[2:]) for k in fields}
 
     def one(micro):

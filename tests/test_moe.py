@@ -1,0 +1,284 @@
+"""Qwen3-MoE (and Qwen2-MoE's shared expert) against transformers (CPU torch, f32): logits over
+routing variants, greedy decode, export; the sampler's two decodes, a GRPO update, sharding and
+routing replay on a tiny MoE; the shipped 30B-A3B config."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+import tiny_checkpoints as tc
+from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
+from jaxprefix.models import Decoder, ModelConfig, moe, published, token_logprobs
+from jaxprefix.rl import objectives
+from jaxprefix.rl.train_step import Learner, TrainConfig
+from jaxprefix.sampling import SharedContext, generate
+
+TOL = 1e-4
+forward = nnx.jit(lambda model, tokens, mask=None: model(tokens, mask=mask))
+
+# name -> overrides of tiny_checkpoints' qwen3_moe (4 experts, top-2, renormalised)
+VARIANTS = {
+    'normalised_top2_of_4': dict(),
+    'unnormalised_top3_of_8': dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False),
+    'mlp_only_layer': dict(num_hidden_layers=3, mlp_only_layers=[1]),
+    'sparse_step_2': dict(num_hidden_layers=4, decoder_sparse_step=2),  # dense, sparse, ...
+}
+
+
+@pytest.fixture(scope='module')
+def checkpoints(tmp_path_factory):
+    """variant -> (checkpoint path, our Decoder loaded from it, the transformers model)."""
+    cache = {}
+
+    def get(variant):
+        if variant not in cache:
+            # Small shards: every checkpoint goes through the index file.
+            path, hf = tc.save_checkpoint('qwen3_moe', tmp_path_factory.mktemp(variant),
+                                          max_shard_size='40KB', **VARIANTS[variant])
+            assert (path / 'model.safetensors.index.json').is_file()
+            cache[variant] = (path, from_pretrained(path, dtype=jnp.float32)[0], hf)
+        return cache[variant]
+    return get
+
+
+@pytest.mark.parametrize('variant', list(VARIANTS))
+def test_logits_equal_transformers(checkpoints, variant):
+    _, model, hf = checkpoints(variant)
+    tokens = tc.random_tokens(2, 11, seed=1)
+    mask = np.ones(tokens.shape, bool)
+    mask[1, :3] = False  # left padding in one row
+    ours = np.asarray(forward(model, tokens, mask))
+    np.testing.assert_allclose(ours[mask], tc.hf_logits(hf, tokens, mask)[mask], atol=TOL, rtol=0)
+
+
+def test_dense_layers_among_sparse_ones_keep_their_own_stacks(checkpoints):
+    _, model, _ = checkpoints('sparse_step_2')
+    assert model.config.sparse_layers == (False, True, False, True)
+    assert model.gate.shape == (2, 64, 96) and model.expert_up.shape == (2, 4, 64, 40)
+    assert model.q.shape[0] == 4
+    # Each layer's own weights, as the CPU decode hoists them, are of that layer's kind.
+    kinds = ['router' in w for w in model.layer_weights()]
+    assert kinds == [False, True, False, True]
+
+
+def test_routing_renormalises_top_k_and_dispatch_is_dropless():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    router = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
+    weights, experts = moe.route(x, router, 2, normalize=True)
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)
+    raw, same = moe.route(x, router, 2, normalize=False)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(experts))
+    probs = jax.nn.softmax(x @ router)
+    np.testing.assert_allclose(np.asarray(raw), np.sort(np.asarray(probs), -1)[:, ::-1][:, :2],
+                               rtol=1e-6)
+    # Every token through its experts, one at a time, with no capacity limit.
+    wg, wu, wd = (jnp.asarray(rng.normal(size=s), jnp.float32)
+                  for s in ((4, 8, 6), (4, 8, 6), (4, 6, 8)))
+    out = moe.experts_mlp(x, weights, experts, wg, wu, wd, 'silu')
+    expected = np.zeros((32, 8), np.float32)
+    for n in range(32):
+        for j in range(2):
+            e = int(experts[n, j])
+            expected[n] += float(weights[n, j]) * np.asarray(
+                (jax.nn.silu(x[n] @ wg[e]) * (x[n] @ wu[e])) @ wd[e])
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+
+
+def hf_greedy(hf, context, max_new_tokens):
+    ids = torch.tensor([context], dtype=torch.long)
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=None,
+                          pad_token_id=0, top_k=None, top_p=None, temperature=None)
+    return out[0, len(context):].tolist()
+
+
+def test_greedy_generation_equals_transformers(checkpoints):
+    _, model, hf = checkpoints('mlp_only_layer')
+    contexts = [tc.random_tokens(1, 7, seed=1)[0].tolist(),
+                tc.random_tokens(1, 12, seed=2)[0].tolist()]
+    r = generate(model, contexts, n=1, max_new_tokens=16, temperature=0.0)
+    for row, context in enumerate(contexts):
+        assert r.completions()[row] == hf_greedy(hf, context, 16), row
+
+
+def test_export_round_trip_through_transformers(checkpoints, tmp_path):
+    _, model, _ = checkpoints('sparse_step_2')
+    out = save_pretrained(model, model.config, tmp_path / 'out')
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation='eager').eval()
+    assert isinstance(reloaded, transformers.Qwen3MoeForCausalLM)
+    assert reloaded.config.mlp_only_layers == [] and reloaded.config.decoder_sparse_step == 2
+    tokens = tc.random_tokens(2, 9, seed=3)
+    np.testing.assert_allclose(tc.hf_logits(reloaded, tokens), np.asarray(forward(model, tokens)),
+                               atol=TOL, rtol=0)
+    again, config = from_pretrained(out)
+    assert config == model.config
+    for name in model.layer_names + ('embed', 'final_norm', 'lm_head'):
+        np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]),
+                                      np.asarray(getattr(model, name)[...]))
+
+
+def test_qwen2_moe_shared_expert_loads_and_exports(tmp_path):
+    src, hf = tc.save_checkpoint('qwen2_moe', tmp_path / 'src')  # a dense layer 1, q/k/v biases
+    model, config = from_pretrained(src)
+    assert config.shared_expert_intermediate_size == 56 and config.qkv_bias
+    tokens = tc.random_tokens(2, 9, seed=5)
+    ours = np.asarray(forward(model, tokens))
+    np.testing.assert_allclose(ours, tc.hf_logits(hf, tokens), atol=TOL, rtol=0)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        save_pretrained(model, config, tmp_path / 'out'), dtype=torch.float32,
+        attn_implementation='eager').eval()
+    assert isinstance(reloaded, transformers.Qwen2MoeForCausalLM)
+    np.testing.assert_allclose(tc.hf_logits(reloaded, tokens), ours, atol=TOL, rtol=0)
+
+
+# --- the sampler and the learner on a tiny MoE -----------------------------------------------
+
+TINY = ModelConfig(model_type='qwen3_moe', vocab_size=64, hidden_size=32, intermediate_size=48,
+                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True,
+                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                   norm_topk_prob=True, mlp_only_layers=(1,), max_position_embeddings=256)
+
+
+def tiny_moe():
+    return Decoder(TINY, rngs=nnx.Rngs(0))
+
+
+def test_continuous_decode_equals_the_static_one():
+    model = tiny_moe()
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(3, 64, size=n).tolist() for n in (3, 9, 7))
+    contexts = [a, b, c, SharedContext(b, a)]
+    request = dict(n=3, max_new_tokens=12, stop_ids=(5, 9, 17), seed=3, temperature=1.0)
+    static = generate(model, contexts, **request)
+    continuous = generate(model, contexts, max_rows_in_flight=4, page_size=16, **request)
+    assert continuous.completions() == static.completions()
+    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-6, rtol=0)
+    # The sampler's log-probs are the model's own (teacher-forced) ones: same routing.
+    score = nnx.jit(lambda m, t, mask: token_logprobs(m, t, mask)[0])
+    reference = score(model, static.tokens, static.token_mask)
+    reference = np.where(static.completion_mask, np.asarray(reference), 0.0)
+    np.testing.assert_allclose(static.logprobs, reference, atol=1e-5, rtol=0)
+
+
+def test_grpo_update_trains_experts_and_router():
+    """One GRPO update over 4 accumulated micro-batches: its loss is the clipped objective of the
+    learner's own log-probs, and every kind of weight moves (the router through the top-k)."""
+    config = TrainConfig(learning_rate=1e-3, micro_batch_size=4, eps_low=0.2, eps_high=0.28)
+    learner = Learner(tiny_moe(), config)
+    state = learner.init_state()
+    rng = np.random.default_rng(0)
+    rows, width = 16, 12
+    tokens = rng.integers(1, 64, (rows, width)).astype(np.int32)
+    context = rng.integers(3, 6, rows)
+    length = context + rng.integers(2, 7, rows)
+    cols = np.arange(width)[None]
+    token_mask = cols < length[:, None]
+    batch = {'tokens': np.where(token_mask, tokens, 0),
+             'positions': np.where(token_mask, cols, 0).astype(np.int32),
+             'token_mask': token_mask,
+             'completion_mask': ((cols >= context[:, None]) & token_mask).astype(np.float32),
+             'advantages': rng.normal(size=rows).astype(np.float32)}
+    logp = np.asarray(learner.logprobs(state.params, batch))
+    batch['old_logprobs'] = ((logp + 0.1 * rng.normal(size=logp.shape)).astype(np.float32)
+                             * batch['completion_mask'])
+    expected = objectives.policy_loss(jnp.asarray(logp), batch['old_logprobs'],
+                                      batch['advantages'], batch['completion_mask'],
+                                      eps_low=0.2, eps_high=0.28,
+                                      aggregation=config.aggregation)[0]
+    before = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(state.params)}
+    state, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(metrics['loss'], expected, rtol=1e-5)
+    assert int(state.updates) == 1 and float(metrics['grad_norm']) > 0
+    after = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(state.params)}
+    for name in ('router', 'expert_gate', 'expert_down', 'gate', 'q'):
+        key = next(k for k in after if k[-1] == name)
+        assert np.abs(after[key] - before[key]).max() > 1e-5, name
+
+
+# --- the shipped config -------------------------------------------------------------------------
+
+def test_shipped_qwen3_30b_a3b_config():
+    config = ModelConfig.from_hf(published.hf_config('Qwen/Qwen3-30B-A3B'))
+    assert (config.num_experts, config.num_experts_per_tok, config.norm_topk_prob) == (128, 8, True)
+    assert all(config.sparse_layers) and len(config.sparse_layers) == 48
+    # The model card: 30.5B parameters in all, 3.3B activated.
+    assert 30.4e9 < config.num_params() < 30.6e9
+    assert 3.2e9 < config.num_params(active=True) < 3.4e9
+    assert ModelConfig.from_hf(config.to_hf()) == config
+
+
+# --- routing replay ------------------------------------------------------------------------------
+
+def test_replaying_the_models_own_routes_changes_nothing():
+    model = tiny_moe()
+    tokens = jnp.asarray(np.random.default_rng(1).integers(1, 64, (3, 10)), jnp.int32)
+    mask = jnp.ones(tokens.shape, bool)
+    routes = nnx.jit(lambda m, t: m.route(t))(model, tokens)
+    assert routes.shape == (3, 10, 2, 2)  # two sparse layers (layer 1 is dense), top-2
+
+    def loss(m, routes):
+        return token_logprobs(m, tokens, mask, routes=routes)[0].sum()
+    grad = nnx.jit(nnx.value_and_grad(loss))
+    free, free_grads = grad(model, None)
+    replayed, replay_grads = grad(model, routes)
+    np.testing.assert_allclose(float(replayed), float(free), rtol=1e-7)
+    for a, b in zip(jax.tree.leaves(free_grads), jax.tree.leaves(replay_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-7, rtol=1e-6)
+    # Gate weights come from the router over the replayed experts: the router still learns.
+    assert np.abs(np.asarray(replay_grads.router[...])).max() > 0
+
+
+def test_replay_forcing_other_experts_changes_the_logprobs():
+    model = tiny_moe()
+    tokens = jnp.asarray(np.random.default_rng(2).integers(1, 64, (2, 8)), jnp.int32)
+    mask = jnp.ones(tokens.shape, bool)
+    own = np.asarray(nnx.jit(lambda m, t: m.route(t))(model, tokens))
+    other = (own + 1) % TINY.num_experts  # every token forced to other experts
+    logp = nnx.jit(lambda m, r: token_logprobs(m, tokens, mask, routes=r)[0])
+    assert np.abs(np.asarray(logp(model, own)) - np.asarray(logp(model, other))).max() > 1e-3
+
+
+def test_learner_replays_batch_routes():
+    learner = Learner(tiny_moe(), TrainConfig(micro_batch_size=2))
+    state = learner.init_state()
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(1, 64, (4, 9)).astype(np.int32)
+    batch = {'tokens': tokens, 'token_mask': np.ones(tokens.shape, bool),
+             'positions': np.tile(np.arange(9, dtype=np.int32), (4, 1))}
+    model = nnx.merge(learner.graphdef, state.params, learner.rest)
+    own = np.asarray(model.route(tokens))
+    free = np.asarray(learner.logprobs(state.params, batch))
+    np.testing.assert_allclose(np.asarray(learner.logprobs(state.params, {**batch, 'routes': own})),
+                               free, atol=1e-6, rtol=0)
+    forced = np.asarray(learner.logprobs(state.params, {**batch, 'routes': (own + 1) % 4}))
+    assert np.abs(forced - free).max() > 1e-3
+
+
+def test_sharded_moe_equals_one_device():
+    """FSDP over 8 simulated devices, and heads / expert widths over tensor=2: same logits."""
+    from jaxprefix.models import make_mesh, shard_model
+    tokens = np.random.default_rng(4).integers(1, 64, (8, 10)).astype(np.int32)
+    single = np.asarray(forward(tiny_moe(), tokens))
+    for mesh in (make_mesh(1, 8, 1), make_mesh(2, 2, 2)):
+        sharded = shard_model(tiny_moe(), mesh)
+        assert len(sharded.expert_up[...].sharding.device_set) == 8
+        with jax.set_mesh(mesh):
+            out = np.asarray(forward(sharded, tokens))
+        np.testing.assert_allclose(out, single, atol=1e-5, rtol=0)
+
+
+def test_lora_on_the_attention_of_a_moe():
+    from jaxprefix.models import lora
+    model = tiny_moe()
+    tokens = np.random.default_rng(5).integers(1, 64, (2, 7)).astype(np.int32)
+    adapted = lora.with_adapters(model, lora.LoraConfig(4, targets=('q', 'k', 'v', 'o')))
+    np.testing.assert_array_equal(np.asarray(forward(adapted, tokens)),
+                                  np.asarray(forward(model, tokens)))
+    with pytest.raises(ValueError, match='gate, up, down are not adaptable on a mixture'):
+        lora.with_adapters(model, lora.LoraConfig(4))
