@@ -122,6 +122,33 @@ def test_criterion():
                                load_config("demo").criterion)
 
 
+def test_restating_notation_reaches_the_criterion_and_reports_rho_and_a():
+    """With data.key_names_rule the criterion's hard set names '>' in its oracle, and each point
+    reports a = P(name '>' | question) beside rho = P(right d c | '>') (first_step_probability);
+    without it, the hard set and the report keys are the demo's."""
+    from flax import nnx
+
+    from jaxprefix import models
+
+    config = load_config("smoke")
+    config.criterion.update(hard_count=4, sample_from_step_accuracy=2.0)  # no sampling
+    plain = sft.criterion_hard_set(config)
+    assert [p.steps[0][0] for p in plain] == ["*"] * 4
+    tokenizer = keyed.tokenizer()
+    model = models.Decoder(sft.model_config(config, tokenizer), rngs=nnx.Rngs(0))
+    assert "key_name_probability" not in sft.evaluate(model, plain, tokenizer, config.criterion,
+                                                      seed=0, task=keyed)
+    config.data.key_names_rule = True
+    named = sft.criterion_hard_set(config)
+    assert [p.steps[0][0] for p in named] == [">"] * 4
+    assert [p.question for p in named] == [p.question for p in plain]
+    metrics = sft.evaluate(model, named, tokenizer, config.criterion, seed=0, task=keyed)
+    assert 0.0 < metrics["key_name_probability"] < 1.0
+    assert 0.0 < metrics["first_step_probability"] < 1.0
+    # an untrained model: each token about uniform over the vocabulary
+    assert 0.1 / tokenizer.vocab_size < metrics["key_name_probability"] < 10 / tokenizer.vocab_size
+
+
 def test_unknown_variant():
     with pytest.raises(ValueError, match="unknown variant"):
         load_config("large")

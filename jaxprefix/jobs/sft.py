@@ -100,11 +100,23 @@ def _token_probabilities(model, tokens, real):
     return jnp.exp(jnp.pad(picked, ((0, 0), (1, 0))))
 
 
-def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float]:
+def criterion_hard_set(config) -> list:
+    """The criterion's hard problems, written in the notation the base is trained in (on
+    keyed_multiplication with data.key_names_rule, key steps that name their rule)."""
+    task, criterion = task_of(config), config.criterion
+    named = hasattr(task, "restating_notation") and task.restating_notation(config.data)
+    return task.hard_set(criterion.hard_count, seed=criterion.hard_seed,
+                         **({"names_rule": True} if named else {}))
+
+
+def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float, float]:
     """Teacher-forced, given the oracle prefix: (the fraction of steps whose digits are all the
-    argmax, the mean probability of the first step's digits). A policy with per-step accuracy
-    p solves an N-step problem about p^N of the time; the first step is keyed_multiplication's
-    key step, the one the base rarely finds."""
+    argmax, the mean probability of the first step's digits, the mean probability of the
+    first step's marker). A policy with per-step accuracy p solves an N-step problem about p^N
+    of the time; the first step is keyed_multiplication's key step, the one the base rarely
+    finds. With key steps that name their rule, the last two are P(right d c | the oracle's
+    name, '>' on a hard problem) and P(that name | the question): rho and a of
+    docs/results/pope/PREDICTIONS.md, whose product is about eps."""
     rows = [task.training_ids(p, p.solution, tokenizer)[0] for p in problems]
     tokens = np.full((len(rows), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
     for i, ids in enumerate(rows):
@@ -113,7 +125,7 @@ def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float]:
     predicted = np.asarray(_greedy_digits(model, tokens, real))
     probabilities = np.asarray(_token_probabilities(model, tokens, real))
     correct = total = 0
-    first = []
+    first, marker = [], []
     for i, problem in enumerate(problems):
         for step, (start, end) in enumerate(task.answer_digit_spans(problem)):
             # logits at position t predict token t + 1
@@ -121,7 +133,9 @@ def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float]:
             total += 1
             if step == 0:
                 first.append(np.prod(probabilities[i, start:end]))
-    return correct / max(total, 1), float(np.mean(first)) if first else 0.0
+                marker.append(probabilities[i, start - 1])
+    mean = lambda values: float(np.mean(values)) if values else 0.0  # noqa: E731
+    return correct / max(total, 1), mean(first), mean(marker)
 
 
 def step_accuracy(model, problems, tokenizer, task=tasks.carry_multiplication) -> float:
@@ -156,9 +170,11 @@ def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool =
     `criterion.sample_from_step_accuracy`: guided success with r steps left is about p^r, so
     below that gate the floor cannot be met, and the cheap forward pass saves minutes.
     """
-    accuracy, first_step = step_accuracies(model, hard, tokenizer, task)
+    accuracy, first_step, marker = step_accuracies(model, hard, tokenizer, task)
     metrics = {"step_accuracy": accuracy, "first_step_probability": first_step,
                f"hard_pass@{criterion.k}": None, "hard_successes": None, "guided_success": None}
+    if hard and hard[0].metadata.get("key_names_rule"):  # the restating route's a (rho: above)
+        metrics["key_name_probability"] = marker
     if metrics["step_accuracy"] < criterion.sample_from_step_accuracy and not always_sample:
         return metrics
     hard_successes = success_counts(model, hard, tokenizer, n=criterion.k, prefix_steps=0,
@@ -203,7 +219,7 @@ def run_sft(config, workdir: str) -> str:
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=config.weight_decay),
                               wrt=nnx.Param)
     criterion = config.criterion
-    hard = task.hard_set(criterion.hard_count, seed=criterion.hard_seed)
+    hard = criterion_hard_set(config)
 
     evals, chosen, chosen_state, losses = [], None, None, []
     start = time.time()
