@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprefix import run_config, storage
+from jaxprefix import config_fields, run_config, storage
 from jaxprefix.jobs import allocation
 from jaxprefix.jobs.policy import base_dir
 from jaxprefix.methods import isocompute
@@ -73,16 +73,6 @@ def runs_dir(config, workdir: str) -> str:
     return config.isocompute.runs_dir or storage.join(workdir, "runs")
 
 
-def _leaves(config, prefix: str = "") -> dict:
-    out = {}
-    for key, value in config.items():
-        if hasattr(value, "items"):
-            out |= _leaves(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def point_command(config, point: isocompute.SweepPoint, seed: int, workdir: str) -> str:
     """The command that runs one point: every field in which its config differs from what
     `isocompute.config_arg` loads (the point's settings and any override of the sweep's own)."""
@@ -91,8 +81,8 @@ def point_command(config, point: isocompute.SweepPoint, seed: int, workdir: str)
         raise ValueError("config.isocompute.config_arg is empty: print_only needs the --config "
                          "the printed commands start from (configs/isocompute.py sets it)")
     path, _, variant = arg.partition(":")
-    fresh = _leaves(run_config.from_file(path, variant))
-    wanted = _leaves(point_config(config, point, seed, workdir))
+    fresh = dict(config_fields.leaves(run_config.from_file(path, variant)))
+    wanted = dict(config_fields.leaves(point_config(config, point, seed, workdir)))
     overrides = {k: v for k, v in wanted.items() if fresh.get(k) != v}
     return isocompute.run_command(arg, overrides,
                                   point_workdir(runs_dir(config, workdir), point, seed))

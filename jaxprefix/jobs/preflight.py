@@ -19,7 +19,7 @@ must be its SFT base's.
 """
 from __future__ import annotations
 
-from jaxprefix import storage
+from jaxprefix import config_fields, storage
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg")
@@ -53,8 +53,6 @@ def read_paths(config) -> list[tuple[str, str]]:
     The compile job reads only its own block (the model's shapes come from a shipped
     config.json when model.path cannot be read); the model and data paths count only for the
     sources that read them."""
-    from jaxprefix import config_fields
-
     fields = [(n, v) for n, v in config_fields.leaves(config) if isinstance(v, str) and v]
     if config.job == "compile":
         return [(n, v) for n, v in fields if n.startswith("compile.")]
@@ -93,16 +91,6 @@ def check(config, workdir: str) -> None:
         _as_config_error(check_hint_layouts, inputs.prompts, sets.train)
 
 
-def _flat(node, prefix: str = "") -> dict:
-    out = {}
-    for key, value in node.items():
-        if hasattr(value, "items"):
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def _changed(config) -> dict:
     """The method blocks' fields whose value differs from run_config.base_config()'s."""
     from jaxprefix.run_config import base_config
@@ -110,8 +98,8 @@ def _changed(config) -> dict:
     base = base_config()
     out = {}
     for block in METHOD_BLOCKS:
-        defaults = _flat(base[block], f"{block}.")
-        out |= {k: v for k, v in _flat(config[block], f"{block}.").items()
+        defaults = dict(config_fields.leaves(base[block], f"{block}."))
+        out |= {k: v for k, v in config_fields.leaves(config[block], f"{block}.")
                 if k not in defaults or defaults[k] != v}
     return out
 
