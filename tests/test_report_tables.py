@@ -6,7 +6,7 @@ import numpy as np
 
 from jaxprefix import run_config, statistics, storage
 from jaxprefix.jobs import isocompute_prereg, report_tables, results_report
-from jaxprefix.methods.isocompute import ComputeLedger
+from jaxprefix.rl.compute_ledger import ComputeLedger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEMS, SAMPLES = 128, 16
