@@ -65,6 +65,8 @@ FIELDS = {
         "multipliers": F((6, 9), "built-in tasks: the multiplier range"),
         "easy_size": F(0, "built-in tasks: easy problems added (POPE's hard + easy runs)"),
         "easy_digits": F((1, 10), "built-in tasks: the easy problems' digit range"),
+        "key_names_rule": F(False, "keyed_multiplication: key steps name the rule they read the "
+                                   "key by (the restating route; the SFT base's notation)"),
         "skip_invalid": F(False, "skip and count bad records instead of refusing the file"),
         "max_prompt_tokens": F(0, "refuse (or skip) longer prompts (0: the model's context less "
                                   "rollout.max_new_tokens)"),
@@ -322,6 +324,10 @@ SFT_FIELDS = {
 SFT_KEYED_DOCS = {
     "data.second_rule_fraction": "share of rows under rule '>' with u = v",
     "data.key_override_fraction": "share of hinted rows whose key digit is overridden",
+    "data.second_rule_taught": "the overlap knob eps: share of '>' rows that show the rule "
+                               "(unequal digits, the true target)",
+    "data.key_names_rule": "the restating route: the key step names the rule it reads the key "
+                           "by ('<' or '>' in place of '*')",
 }
 RESULTS_DOCS = {
     "seeds": "seeds of every run of the study",
@@ -350,6 +356,8 @@ PREREG_DOCS = {
     "fit_max": "largest budget the fit uses",
     "predict": "budgets at which n* is predicted",
     "split_digits": "held-out groups: digits <= split_digits, and above",
+    "span_resamples": "bootstrap draws of the fitted n*(C) span ('degenerate': its interval "
+                      "holds 0)",
 }
 
 SFT_DOCS = {**config_fields.docs(SFT_FIELDS), **SFT_KEYED_DOCS}
