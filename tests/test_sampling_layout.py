@@ -72,7 +72,8 @@ def test_rollouts_rows():
     np.testing.assert_array_equal(r.group_ids, [0, 0, 1, 1])
     np.testing.assert_array_equal(r.context_lengths, [2, 2, 1, 1])
     np.testing.assert_array_equal(r.token_mask.sum(1), [4, 3, 4, 1])
-    assert r.completions() == [[3, 4], [5], [6, 7, 8], []]
+    assert r.completions() == [[3], [5], [6, 7, 8], []]  # the stop token that ended row 0 left out
+    assert r.completions(keep_stop=True) == [[3, 4], [5], [6, 7, 8], []]
     np.testing.assert_array_equal(r.truncated, [False, True, True, True])
     assert r.grouped(np.arange(4)).tolist() == [[0, 1], [2, 3]]
 
