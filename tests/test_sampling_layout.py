@@ -80,4 +80,5 @@ def test_rollouts_rows():
     class Chars:
         def decode(self, ids):
             return ''.join(chr(ord('a') + i) for i in ids)
-    assert r.completion_texts(Chars()) == ['de', 'f', 'ghi', '']
+    assert r.completion_texts(Chars()) == ['d', 'f', 'ghi', '']
+    assert r.completion_texts(Chars(), keep_stop=True) == ['de', 'f', 'ghi', '']
