@@ -41,7 +41,9 @@ def params(model, kind=nnx.Param):
     return {path: np.asarray(v) for path, v in nnx.to_flat_state(nnx.state(model, kind))}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+# The adapters wrap the same projections in every family: llama, and gemma3 (its own norms,
+# scaled embeddings, sliding windows) stand for them; the PEFT export below runs them all.
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_fresh_adapters_leave_the_logits_exactly_the_base(family, tmp_path):
     model, _, _ = tiny(family, tmp_path)
     adapted = lora.with_adapters(model, lora.LoraConfig(RANK))

@@ -53,9 +53,10 @@ def assert_same_rollouts(r, reference):
     np.testing.assert_array_equal(r.stopped, reference.stopped)
 
 
+# One row at a time; a few rows on small pages (pages run out: preemption); greedy on large
+# pages; every row at once (the static decode).
 @pytest.mark.parametrize('rows,temperature,page_size', [
-    (1, 1.0, 128), (3, 1.0, 16), (8, 1.0, 128), (8, 1.0, 16), (24, 1.0, 16), (3, 0.0, 16),
-    (8, 0.0, 128)])
+    (1, 1.0, 128), (3, 1.0, 16), (8, 0.0, 128), (24, 1.0, 16)])
 def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature, page_size):
     reference = static(temperature)
     stopped_at = set(reference.lengths[reference.stopped].tolist())

@@ -154,7 +154,7 @@ def test_unknown_variant():
         load_config("large")
 
 
-@pytest.mark.slow  # trains the demo base: a few minutes on 2 cores
+@pytest.mark.study  # trains the demo base: a few minutes on 2 cores
 def test_demo_base_fails_at_the_key_step_and_a_quarter_prefix_unlocks_most_hard_problems(
         tmp_path):
     """The regime POPE's paper describes, on the demo task: alone the base never solves a hard
@@ -173,7 +173,7 @@ def test_demo_base_fails_at_the_key_step_and_a_quarter_prefix_unlocks_most_hard_
     assert (guided > 0).mean() > 0.5
 
 
-@pytest.mark.slow  # trains the carry base: about 8 minutes on 2 cores
+@pytest.mark.study  # trains the carry base: about 8 minutes on 2 cores
 def test_carry_base_solves_hard_problems_only_with_guidance(tmp_path):
     """The long-guidance case: alone the carry base never solves a hard problem in 16 samples;
     given the first 18 of 20 oracle steps as a hint in its prompt (POPE's mode) it often does,
