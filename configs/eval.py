@@ -6,10 +6,10 @@
 Loads the workdir's latest RL checkpoint (or the configured base model when there is none) and
 writes <workdir>/eval_report.json with pass@k, avg@k, best@k, worst@k and maj@k.
 """
-from jaxprefix import run_config
+from jaxprefix import variants
 
 
 def get_config(arg: str = ""):
-    c, _ = run_config.method_config(__file__, "pope", arg)
+    c, _ = variants.method_config(__file__, "pope", arg)
     c.job = "eval"
     return c

@@ -9,9 +9,9 @@ Loss family as fields: `--config.train.advantage=dr_grpo|rloo`, `--config.train.
 (DAPO clip-higher), `--config.train.dynamic_sampling=True`, `--config.train.ratio=sequence`
 (GSPO), `--config.train.aggregation=seq_mean_token_mean`, `--config.train.kl_coef=0.001`.
 """
-from jaxprefix import run_config
+from jaxprefix import variants
 
 
 def get_config(arg: str = ""):
-    c, _ = run_config.method_config(__file__, "grpo", arg)
+    c, _ = variants.method_config(__file__, "grpo", arg)
     return c

@@ -18,7 +18,7 @@ import os
 
 import ml_collections
 
-from jaxprefix import run_config
+from jaxprefix import run_config, variants
 
 
 def get_config(arg: str = ""):
@@ -27,7 +27,7 @@ def get_config(arg: str = ""):
     # problems; smollm2, paper, colab are the method config's own.
     base = {"demo": "carry", "fit": "carry", "prereg": "carry"}.get(args.variant, args.variant)
     base = "carry_smoke" if base.endswith("smoke") else base
-    c, _ = run_config.method_config(__file__, "grpo", ",".join([base] + arg.split(",")[1:]))
+    c, _ = variants.method_config(__file__, "grpo", ",".join([base] + arg.split(",")[1:]))
     c.job = "prereg" if args.variant.startswith("prereg") else (
         "fit" if args.variant == "fit" else "sweep")
     c.data.update(digits=(6, 12), multipliers=(2, 9))

@@ -13,11 +13,11 @@ Options as fields, e.g. `--config.pope.template=no_restate` (the paper's ablatio
 `--config.pope.easy_per_step=16` with `--config.data.easy_size=1024` (hard + easy),
 `--config.schedule.kind=adaptive` (shorten a problem's prefix once it is solved guided).
 """
-from jaxprefix import run_config
+from jaxprefix import variants
 
 
 def get_config(arg: str = ""):
-    c, args = run_config.method_config(__file__, "pope", arg, extra_variants=("rl", "demo_smoke"))
+    c, args = variants.method_config(__file__, "pope", arg, extra_variants=("rl", "demo_smoke"))
     # With no variant the command runs the whole demo pipeline (jobs/demo.py).
     c.job = "demo" if args.variant in ("demo", "demo_smoke") else "rl"
     return c

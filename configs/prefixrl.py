@@ -10,11 +10,11 @@ The trace pool is mined once (mining/trace_pool.jsonl) and its sampling compute 
 text, or tokens). Paper settings: 3 cuts per trace in [0.4, 0.8] of its tokens, 3 prefixed : 1
 unprefixed, up to 2,500 samples per problem.
 """
-from jaxprefix import run_config
+from jaxprefix import variants
 
 
 def get_config(arg: str = ""):
-    c, args = run_config.method_config(__file__, "prefixrl", arg)
+    c, args = variants.method_config(__file__, "prefixrl", arg)
     if args.variant == "demo":
         # 4 contexts per problem (3 prefixed + 1 plain): 16 problems keep 64 groups a step.
         c.train.problems_per_step = 16

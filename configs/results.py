@@ -15,7 +15,7 @@ resumes, finished runs are only re-evaluated. jobs/results.py lists the runs (RU
 """
 import ml_collections
 
-from jaxprefix import run_config
+from jaxprefix import variants
 
 POPE_RUNS = ("pope_cap0.25", "grpo_matched", "sft_guided")
 PREFIXRL_RUNS = ("prefixrl_regime", "sft_traces_regime", "grpo_regime", "sft_more_regime",
@@ -23,7 +23,7 @@ PREFIXRL_RUNS = ("prefixrl_regime", "sft_traces_regime", "grpo_regime", "sft_mor
 
 
 def get_config(arg: str = ""):
-    c, args = run_config.method_config(__file__, "pope", arg)
+    c, args = variants.method_config(__file__, "pope", arg)
     c.job = "results"
     carry = args.variant in ("carry", "carry_smoke")
     c.results = ml_collections.ConfigDict(dict(
@@ -50,7 +50,7 @@ def get_config(arg: str = ""):
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if args.variant in ("smoke", "carry_smoke"):
         c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
-        c.prefixrl.update(**run_config.SMOKE_PREFIXRL)  # results runs PrefixRL too
+        c.prefixrl.update(**variants.SMOKE_PREFIXRL)  # results runs PrefixRL too
         c.results.regime.update(probe_digits=(2, 4), probe_problems=4, probe_samples=4, steps=2,
                                 contexts_per_step=16, eval_every=1, eval_n=4)
     return c

@@ -54,7 +54,8 @@ def test_no_module_imports_itself_back():
 FLOORS = (
     ("main",),
     ("jobs",),
-    ("run_config",),           # the configs' defaults and variants, read by jobs and configs/
+    ("variants",),             # the variants configs/*.py share
+    ("run_config",),           # every field's default and doc, read by jobs and configs/
     ("tpu",),                  # the compile job's programs: the learner and sampler, compiled
     ("methods",),              # POPE, PrefixRL, IsoCompute: what to sample and how to mix it
     ("rl",),                   # the loop, the learner, the compute ledger

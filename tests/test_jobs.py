@@ -25,7 +25,7 @@ from jaxprefix.rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-# The smoke configs (run_config.smoke): 8 training candidates, k=2 mining samples, 4 problems
+# The smoke configs (variants.smoke): 8 training candidates, k=2 mining samples, 4 problems
 # a step, n=4 rollouts each, 2 steps, prefix search over 1..2 steps with 2 samples each.
 CANDIDATES, K, PROBLEMS_PER_STEP, N, STEPS, PREFIX_SAMPLES = 8, 2, 4, 4, 2, 2
 PREFIX_SEARCH = "prefixes_instruction_default_f0.25"  # guidance in the prompt, the demo's cap
@@ -400,14 +400,14 @@ def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_pat
     """SFT on traces is charged PrefixRL's rejection sampling, SFT on own guided answers POPE's
     prefix search, SFT on oracle solutions nothing (they used to be charged none of it: in the
     study, SFT-on-traces-then-RL ran 1.1e12 FLOPs cheaper than PrefixRL on the same traces)."""
-    from jaxprefix import run_config
+    from jaxprefix import variants
     from jaxprefix.jobs.results import warm_start_mining
     from jaxprefix.jobs.study import Study
 
-    config = run_config.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
+    config = variants.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
                                       "smoke")[0]
     config.model.path = base
-    config.prefixrl.update(run_config.SMOKE_PREFIXRL)  # what configs/results.py:smoke sets
+    config.prefixrl.update(variants.SMOKE_PREFIXRL)  # what configs/results.py:smoke sets
     config.prefixrl.oracle_traces = False  # rejection sampling, as the study mines its pool
     study = Study.prepare(config, str(tmp_path), trace_pool=True)
     with open(tmp_path / "mining" / "ledger.json") as f:

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jaxprefix.checkpoints.hf import save_pretrained
-from jaxprefix import run_config
+from jaxprefix import run_config, variants
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.rl.loop import check_update_resolution
@@ -91,5 +91,5 @@ def test_policy_loading_honours_param_dtype_and_dtype(tmp_path):
     c.model.param_dtype = "int8"
     with pytest.raises(ValueError, match=r"config.model.param_dtype='int8': expected one of"):
         load_policy(c, str(tmp_path))
-    paper, _ = run_config.method_config("configs/grpo.py", "grpo", "paper")
+    paper, _ = variants.method_config("configs/grpo.py", "grpo", "paper")
     assert (paper.model.param_dtype, paper.model.dtype) == ("float32", "bfloat16")

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxprefix import errors, run_config, run_identity, workdir_lock
+from jaxprefix import errors, run_config, run_identity, variants, workdir_lock
 from jaxprefix.data import DataError
 from jaxprefix.rl import boundaries
 
@@ -206,7 +206,7 @@ def test_prompt_guidance_a_task_policy_cannot_read_fails_in_preflight(tmp_path):
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"question": "12", "answer": "1"}) + "\n")
-    config = run_config.method_config(os.path.join(ROOT, "configs", "pope.py"), "pope", "smoke")[0]
+    config = variants.method_config(os.path.join(ROOT, "configs", "pope.py"), "pope", "smoke")[0]
     assert config.pope.guidance == "instruction" and config.model.source == "sft"
     config.data.update(source="file", path=str(path), verifier="exact")
     # Used to pass here and fail at the prefix search, after the base's SFT and the mining.
@@ -293,7 +293,7 @@ def test_boundary_checks_name_the_array_that_is_off():
 def test_sft_base_whose_save_was_cut_short_is_trained_again_not_loaded(tmp_path):
     from jaxprefix.jobs import policy as policy_job, sft
 
-    config = run_config.method_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo", "smoke")[0]
+    config = variants.method_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo", "smoke")[0]
     config.sft.update(max_steps=2, eval_start=2, eval_every=2)  # an SFT of seconds
     workdir = tmp_path / "w"
     base = workdir / "base"

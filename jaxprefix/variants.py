@@ -1,0 +1,194 @@
+"""The variants every configs/*.py shares (demo, smoke, carry, carry_smoke, smollm2, paper, colab):
+what each sets on top of `run_config.base_config()`. A config file names its method and picks a
+variant with `method_config`; the fields themselves, their defaults and docs, are run_config's.
+"""
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+from jaxprefix.run_config import base_config, parse_arg, sibling_config
+
+
+def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """The CPU demo (docs/DEMO_TASK.md): the tiny SFT policy on keyed_multiplication, POPE's
+    regime: hard problems (8 digits, key rule '>') fail at the key step, the first of 9, and
+    POPE searches prefixes of at most a quarter of the solution (the key step, or it and one
+    more), as the paper's are.
+
+    Recipe from the feasibility study on this kind of machine: 8 samples per problem, Adam 1e-4
+    (3e-4 collapsed, 3e-5 too slow), one on-policy update per batch, temperature 1.
+    """
+    _tiny_policy(c, sft)
+    # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
+    c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
+                  multipliers=(2, 9), easy_digits=(1, 8),
+                  # the base's notation (the restating route when on): preflight refuses a
+                  # run whose problems are written otherwise than its base's SFT rows
+                  key_names_rule=sft.data.get("key_names_rule", False))
+    c.rollout.max_new_tokens = 27  # the key step, 8 steps of 3 tokens, <eos>
+    c.mining.max_prefix_units = 2
+    if c.method == "pope":  # a field of a method the run does not run is refused (preflight)
+        c.pope.max_prefix_fraction = 0.25
+        c.pope.unsolved = "unguided"  # every hard problem stays in training, unguided if need be
+    c.eval.update(every=10, n=16, ks=(1, 8, 16))  # every 10 steps: curves with 10 points
+    c.checkpoint.every = 50
+
+
+def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """The long-guidance case (docs/DEMO_TASK.md): carry_multiplication's 20-digit problems,
+    whose difficulty is spread evenly over the steps, so a solvable prefix is long; the PrefixRL
+    regime of configs/results.py:carry is on this task too."""
+    _tiny_policy(c, sft)
+    c.data.update(source="carry_multiplication", verifier="carry_multiplication")
+    c.rollout.max_new_tokens = 61  # 20 steps of 3 tokens + <eos>
+    c.mining.max_prefix_units = 19
+    # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
+    # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md).
+    if c.method == "pope":
+        c.pope.max_prefix_fraction = 1.0
+    c.eval.update(every=50, n=16, ks=(1, 8, 16))
+    c.checkpoint.every = 50
+
+
+def _tiny_policy(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
+    """What both built-in tasks' runs share: the SFT base, sets, rollouts, learner, mining."""
+    c.model.source = "sft"
+    c.sft = sft
+    c.data.train_size, c.data.eval_size = 256, 128
+    c.rollout.update(n=8, temperature=1.0)
+    # Micro-batches of 64 rows: the same gradient, ~30% faster on 2 CPU cores than all 512
+    # rows at once (activations stay in cache).
+    c.train.update(problems_per_step=32, total_steps=100, learning_rate=1e-4, max_grad_norm=1.0,
+                   micro_batch_size=64)
+    c.mining.update(train_on="hard", k=16, prefix_samples=8)
+    c.pope.guidance = "instruction"  # the hint in the prompt's hint slots (docs/DEMO_TASK.md)
+
+
+def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict,
+          task=demo_task) -> None:
+    """Seconds on a CPU: every stage runs, nothing is expected to learn."""
+    task(c, sft)
+    c.data.train_size, c.data.eval_size = 8, 4
+    c.rollout.n = 4
+    c.train.update(problems_per_step=4, total_steps=2, micro_batch_size=16)  # 32 rows a step
+    c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
+    if c.method == "pope":
+        # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE runs.
+        c.pope.unsolved = "longest"
+    if c.method == "prefixrl":
+        c.prefixrl.update(**SMOKE_PREFIXRL)
+    c.eval.update(every=2, n=4, ks=(1, 4))
+    c.checkpoint.every = 1
+
+
+# The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
+SMOKE_PREFIXRL = dict(samples_per_round=4, max_samples=8, oracle_traces=True)
+
+# The system prompt of the real-model variants: their verifiers read the last \boxed{}.
+BOXED_ANSWER_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def smollm2(c: ml_collections.ConfigDict) -> None:
+    """A real model on CPU: SmolLM2-135M-Instruct (GGUF) on reasoning-gym's gsm_symbolic, whose
+    problems come with a worked solution (the oracle). Slow: minutes per step on 2 cores."""
+    c.model.update(source="gguf", path="bundled",
+                   system_prompt=BOXED_ANSWER_PROMPT)
+    c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=16, eval_size=16,
+                  verifier="math_lenient")
+    c.rollout.update(n=4, temperature=0.8, max_new_tokens=160)
+    # Remat and micro-batches of 8 rows: the update of 16 rows x 512 tokens needs 2.2 GiB of XLA
+    # temporaries (20.4 GiB without remat: every layer's attention scores kept for backward).
+    c.train.update(problems_per_step=2, total_steps=3, learning_rate=1e-6, max_grad_norm=0.3,
+                   weight_decay=0.01, advantage="dr_grpo", logprob_chunk=256, remat=True,
+                   micro_batch_size=8)
+    c.mining.update(k=4, prefix_samples=4, max_prefix_units=4, rows_per_call=64)
+    c.pope.guidance = "instruction"
+    c.eval.update(every=3, n=4, ks=(1, 4))
+    c.checkpoint.every = 3
+
+
+def paper(c: ml_collections.ConfigDict) -> None:
+    """Paper scale on a TPU slice: Qwen3-4B-Instruct-2507 from an HF directory (paths as fields).
+
+    The authors' settings (papers.md; unconfirmed as the paper's): lr 1e-6 cosine, grad clip 0.3,
+    weight decay 0.01, no KL, 8 rollouts per prompt, advantages not divided by std.
+    """
+    # f32 master weights, bf16 compute: an AdamW step of 1e-6 is below bf16's resolution (a bf16
+    # weight of 0.02 moves by steps of 1.2e-4), so bf16 weights would never change.
+    c.model.update(source="hf", path="gs://YOUR_BUCKET/Qwen3-4B-Instruct-2507",
+                   param_dtype="float32", dtype="bfloat16", system_prompt=BOXED_ANSWER_PROMPT)
+    # No eval set unless given (--config.data.eval_path=gs://.../aime25.jsonl, the paper's).
+    c.data.update(source="file", path="gs://YOUR_BUCKET/hard_problems.jsonl", eval_path="",
+                  verifier="math", train_size=0, eval_size=0)
+    c.rollout.update(n=8, temperature=0.8, max_new_tokens=16384)
+    c.train.update(problems_per_step=64, total_steps=400, learning_rate=1e-6, schedule="cosine",
+                   warmup_steps=10, decay_steps=400, max_grad_norm=0.3, weight_decay=0.01,
+                   advantage="dr_grpo", num_minibatches=4, micro_batch_size=8, logprob_chunk=512,
+                   remat=True)
+    c.mining.update(k=128, prefix_samples=8, max_prefix_units=8, rows_per_call=2048)
+    c.eval.update(every=25, n=16, ks=(1, 16))
+    c.checkpoint.every = 10
+    c.mesh.update(data=1, fsdp=-1, tensor=1)
+    c.compile.context_length = 2048  # problem plus oracle-solution guidance (assumed)
+
+
+def colab(c: ml_collections.ConfigDict) -> None:
+    """One free TPU chip (Colab's v5e-1, 16 GiB HBM; unchanged on Kaggle's v5e-8, data-parallel):
+    LoRA RL of Qwen2.5-1.5B-Instruct (model.path: its HF directory; launch/colab_tpu.ipynb
+    downloads it) on reasoning-gym's gsm_symbolic, whose worked solutions are POPE's oracle.
+
+    The base stays frozen in bf16 (3.1 GB); adapters of rank 16 and their AdamW moments are 0.3%
+    of it. 16 contexts x 8 rollouts x 1k new tokens of KV cache is 3.8 GB with the model's 2 KV
+    heads. LoRA's learning rate is ~10x full fine-tuning's ("LoRA without regret").
+    """
+    c.model.update(source="hf", path="", dtype="bfloat16",
+                   system_prompt=BOXED_ANSWER_PROMPT)
+    c.data.update(source="reasoning_gym", task="gsm_symbolic", train_size=128, eval_size=64,
+                  verifier="math_lenient")
+    c.rollout.update(n=8, temperature=1.0, max_new_tokens=1024)
+    c.train.update(problems_per_step=8, total_steps=40, learning_rate=2e-5, max_grad_norm=1.0,
+                   advantage="dr_grpo", micro_batch_size=8, logprob_chunk=256, remat=True,
+                   lora_rank=16)
+    c.mining.update(k=8, prefix_samples=4, max_prefix_units=4, rows_per_call=256)
+    c.pope.guidance = "instruction"
+    c.eval.update(every=10, n=8, ks=(1, 8))
+    c.checkpoint.every = 5
+
+
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "smollm2", "paper", "colab")
+
+
+def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
+    """(config, args) of `method` for the variant named first in `arg` (default 'demo').
+
+    demo / smoke use the demo task, keyed_multiplication (smoke: seconds); carry / carry_smoke
+    carry_multiplication (the long-guidance case); smollm2 a real model on CPU; paper a TPU
+    run; colab LoRA on one free TPU chip.
+    `extra_variants` are names a config file handles itself on top of one of these.
+    """
+    args = parse_arg(arg, variant="demo")
+    known = VARIANTS + tuple(extra_variants)
+    if args.variant not in known:
+        raise ValueError(f"{os.path.basename(config_file)}: unknown variant {args.variant!r}; "
+                         f"expected one of {known}")
+    c = base_config()
+    c.method = method
+    if args.variant == "carry_smoke":
+        smoke(c, sibling_config(config_file, "sft.py", "carry_smoke"), task=carry_task)
+    elif args.variant == "smoke" or args.variant.endswith("_smoke"):
+        smoke(c, sibling_config(config_file, "sft.py", "smoke"))
+    elif args.variant == "carry":
+        carry_task(c, sibling_config(config_file, "sft.py", "carry"))
+    elif args.variant == "smollm2":
+        smollm2(c)
+    elif args.variant == "paper":
+        paper(c)
+    elif args.variant == "colab":
+        colab(c)
+    else:
+        demo_task(c, sibling_config(config_file, "sft.py", "demo"))
+    if "seed" in args:
+        c.seed = args.seed
+    return c, args
