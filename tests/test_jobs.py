@@ -122,7 +122,11 @@ def mining_rollouts(workdir: str) -> int:
 
 
 def test_grpo_smoke_then_resume(base, tmp_path):
-    workdir = rl_run("configs/grpo.py:smoke", tmp_path / "grpo", base)
+    result = run_main("configs/grpo.py:smoke", tmp_path / "grpo", f"--config.model.path={base}")
+    workdir = str(tmp_path / "grpo")
+    # What the run will sample and train, before it does (one line, from the config).
+    assert f"grpo: will train {STEPS} steps x {PROBLEMS_PER_STEP} contexts x {N} samples x " \
+        f"up to " in result.stderr
     _, ledger = check_rl_outputs(workdir, STEPS, tags=("unguided",))
     assert ledger["rollouts"] == STEPS * PROBLEMS_PER_STEP * N
     assert ledger["extra_rollouts"] == mining_rollouts(workdir)  # train_on = 'hard'

@@ -16,6 +16,7 @@ from jaxprefix.jobs.allocation import allocated
 from jaxprefix.jobs.mine import prefix_search, set_up
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.rl import compute_ledger
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl import loop
 
@@ -64,6 +65,20 @@ def build_method(config, policy, sets, mining):
     raise ValueError(f"config.method={config.method!r}: expected one of {method_settings.METHODS}")
 
 
+def training_cost(config, contexts_per_step: int, num_params: int) -> str:
+    """The line logged before the RL loop samples: steps x contexts x samples x new tokens, and
+    the FLOPs bound of sampling them (2 N D) and training on them (6 N D), D the generated tokens
+    at their cap (contexts add their own length, which varies by problem)."""
+    steps, n, new = config.train.total_steps, config.rollout.n, config.rollout.max_new_tokens
+    rollouts = steps * contexts_per_step * n
+    tokens = rollouts * new
+    return (f"{config.method}: will train {steps} steps x {contexts_per_step} contexts x {n} "
+            f"samples x up to {new} new tokens ({rollouts} rollouts): <= "
+            f"{compute_ledger.sampling_flops(num_params, tokens):.3g} FLOPs to sample and <= "
+            f"{compute_ledger.update_flops(num_params, tokens):.3g} to train on them (2 N D and "
+            f"6 N D, N = {num_params:.3g} parameters; contexts add their length)")
+
+
 @workdir_lock.holds_workdir
 def run_rl(config, workdir: str) -> dict:
     """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
@@ -79,6 +94,7 @@ def run_rl(config, workdir: str) -> dict:
     mined = mining.cost(mined_artifacts(config))
     ledger = ComputeLedger(policy.model.config.num_params())
     logging.info("%s: mining spent %.3g FLOPs", config.method, mined.extra_flops)
+    logging.info(training_cost(config, contexts, ledger.n_params))
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
                         ledger=ledger, contexts_per_step=contexts)
