@@ -6,6 +6,7 @@ this file whose outcome is known in advance (by problem id, or by how much of th
 a text starts with), so the hard set, the shortest prefixes and the sample counts can be checked
 against numbers counted by hand.
 """
+import dataclasses
 import json
 
 import numpy as np
@@ -66,10 +67,20 @@ def prober(model, verifier, rows_per_call=8, max_new_tokens=6):
                   progress=False)
 
 
+SETTINGS = {f.name for f in dataclasses.fields(pope.PopeSettings)}
+
+
+def pope_settings(**kwargs) -> pope.PopeSettings:
+    return pope.PopeSettings(**{"guidance": "solution_prefix", **kwargs})
+
+
 def pope_method(hard=PROBLEMS[:4], units=2, schedule=None, **kwargs):
-    settings = dict(guidance="solution_prefix", problems_per_step=len(hard), n=2, seed=0)
-    return pope.PopeMethod(PROMPTS, hard, {p.id: units for p in hard},
-                           schedule=schedule or FixedPrefix(), **(settings | kwargs))
+    """A PopeMethod; keywords that are PopeSettings fields go to its settings."""
+    settings = pope_settings(**{k: v for k, v in kwargs.items() if k in SETTINGS})
+    rest = dict(problems_per_step=len(hard), n=2, seed=0) | {
+        k: v for k, v in kwargs.items() if k not in SETTINGS}
+    return pope.PopeMethod(PROMPTS, hard, {p.id: units for p in hard}, settings=settings,
+                           schedule=schedule or FixedPrefix(), **rest)
 
 
 def prefixrl_method(problems=PROBLEMS[:4], schedule=None, **kwargs):
@@ -166,7 +177,8 @@ def test_pope_restating_groups_sample_the_rule_read_themselves():
     prompts = TaskPrompts(keyed.tokenizer())
     hard = keyed.hard_set(4, seed=3, names_rule=True)
     method = pope.PopeMethod(prompts, hard, {p.id: 1 for p in hard}, schedule=FixedPrefix(),
-                             guidance="instruction", problems_per_step=4, n=2, seed=0)
+                             settings=pope_settings(guidance="instruction"),
+                             problems_per_step=4, n=2, seed=0)
     request = method.next_request(0)
     for context, problem, guided, prefix in zip(request.contexts, request.problems,
                                                 request.tags["guided"],
@@ -212,11 +224,14 @@ def test_pope_easy_problems_are_added_unguided():
     assert [list(c) for c in request.contexts[8:]] == [PROMPTS.question(p) for p in easy]
 
 
-def test_pope_rejects_no_copies_and_unknown_guidance():
-    with pytest.raises(ValueError, match="guided_copies and unguided_copies"):
-        pope_method(guided_copies=0, unguided_copies=0)
-    with pytest.raises(ValueError, match="pope.guidance"):
-        pope_method(guidance="hint")
+def test_pope_settings_reject_no_copies_and_unknown_guidance_naming_the_field():
+    with pytest.raises(ValueError, match=r"^config.pope.guided_copies/unguided_copies=\(0, 0\): "
+                                         r"expected >= 0 each, not both 0$"):
+        pope.PopeSettings(guided_copies=0, unguided_copies=0)
+    with pytest.raises(ValueError, match=r"^config.pope.guidance='hint': expected one of"):
+        pope.PopeSettings(guidance="hint")
+    with pytest.raises(ValueError, match=r"^config.pope.template='terse': expected one of"):
+        pope.PopeSettings(template="terse")
 
 
 def test_prefix_limit_caps_by_units_fraction_and_never_the_whole_solution():
@@ -233,14 +248,14 @@ def test_pope_drops_problems_without_a_solvable_prefix_and_counts_them():
     hard = PROBLEMS[:3]  # 4..6 steps each
     found = {hard[0].id: 1, hard[1].id: None, hard[2].id: 2}
     method = pope.PopeMethod(PROMPTS, hard, found, schedule=FixedPrefix(),
-                             guidance="solution_prefix", problems_per_step=2, n=2, seed=0)
+                             settings=pope_settings(), problems_per_step=2, n=2, seed=0)
     assert method.prefix_units == {hard[0].id: 1, hard[2].id: 2}
     assert method.dropped == [hard[1].id]
     request = method.next_request(0)
     assert hard[1].id not in {p.id for p in request.problems}
     with pytest.raises(ValueError, match="none of the 1 hard problems has a solvable prefix"):
-        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(), max_units=4,
-                        guidance="solution_prefix", problems_per_step=1, n=2, seed=0)
+        pope.PopeMethod(PROMPTS, hard[1:2], found, schedule=FixedPrefix(),
+                        settings=pope_settings(max_units=4), problems_per_step=1, n=2, seed=0)
 
 
 def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it():
@@ -249,9 +264,9 @@ def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it
     hard = PROBLEMS[:3]
     none_found = {p.id: None for p in hard}
     with pytest.raises(errors.NothingToTrain) as e:
-        pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(), max_units=4,
-                        max_fraction=0.25, guidance="solution_prefix", problems_per_step=1, n=2,
-                        seed=0)
+        pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(),
+                        settings=pope_settings(max_units=4, max_fraction=0.25),
+                        problems_per_step=1, n=2, seed=0)
     line = errors.one_line(e.value)
     assert line.startswith("error: pope: none of the 3 hard problems has a solvable prefix "
                            "within the cap (0.25 of the solution, 4 steps)")
@@ -262,20 +277,20 @@ def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it
     short = [Problem(id=f"s{i}", question="2+2?", answer="4", solution="2 + 2 = 4.")
              for i in range(2)]
     with pytest.raises(errors.NothingToTrain) as e:
-        pope.PopeMethod(PROMPTS, short, {}, schedule=FixedPrefix(), max_units=4,
-                        max_fraction=0.25, guidance="solution_prefix", problems_per_step=1, n=2,
-                        seed=0)
+        pope.PopeMethod(PROMPTS, short, {}, schedule=FixedPrefix(),
+                        settings=pope_settings(max_units=4, max_fraction=0.25),
+                        problems_per_step=1, n=2, seed=0)
     assert errors.one_line(e.value) == (
         "error: pope: no prefix of the 2 hard problems' solutions fits the cap: they have at "
         "most 1 step(s) (lines), and a prefix is at most mining.max_prefix_units=4 steps and "
         "pope.max_prefix_fraction=0.25 of them, never all; expected solutions of several lines "
         "(one step a line), a larger cap, or pope.unsolved=unguided to train them unguided")
     with pytest.raises(errors.NothingToTrain, match="no hard problem to train on.*mining.k"):
-        pope.PopeMethod(PROMPTS, [], {}, schedule=FixedPrefix(), guidance="solution_prefix",
+        pope.PopeMethod(PROMPTS, [], {}, schedule=FixedPrefix(), settings=pope_settings(),
                         problems_per_step=1, n=2, seed=0)
     # pope.unsolved=unguided trains what it can: every hard problem, unguided
     method = pope.PopeMethod(PROMPTS, hard, none_found, schedule=FixedPrefix(),
-                             unsolved="unguided", guidance="solution_prefix",
+                             settings=pope_settings(unsolved="unguided"),
                              problems_per_step=1, n=2, seed=0)
     assert method.dropped == [] and method.prefix_units == {}
 
@@ -283,12 +298,13 @@ def test_pope_with_nothing_to_train_is_one_line_naming_the_fields_that_change_it
 def test_pope_longest_fallback_never_guides_with_the_whole_solution():
     hard = PROBLEMS[:3]
     method = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),
-                             guidance="solution_prefix", unsolved="longest", max_units=19,
-                             max_fraction=0.5, problems_per_step=3, n=2, seed=0)
+                             settings=pope_settings(unsolved="longest", max_units=19,
+                                                    max_fraction=0.5),
+                             problems_per_step=3, n=2, seed=0)
     for problem in hard:  # the longest prefix the search tried: half the steps, rounded down
         assert method.prefix_units[problem.id] == len(problem.steps) // 2 < len(problem.steps)
     uncapped = pope.PopeMethod(PROMPTS, hard, {p.id: None for p in hard}, schedule=FixedPrefix(),
-                               guidance="solution_prefix", unsolved="longest", max_units=99,
+                               settings=pope_settings(unsolved="longest", max_units=99),
                                problems_per_step=3, n=2, seed=0)
     assert all(uncapped.prefix_units[p.id] == len(p.steps) - 1 for p in hard)
     request = uncapped.next_request(0)
@@ -304,7 +320,8 @@ def test_instruction_mode_on_the_demo_task_hint_carries_no_loss():
     no loss on them, and the policy's whole answer is scored against the unguided problem."""
     hard = task.hard_set(4, seed=3)
     method = pope.PopeMethod(PROMPTS, hard, {p.id: 5 for p in hard}, schedule=FixedPrefix(),
-                             guidance="instruction", problems_per_step=4, n=2, seed=0)
+                             settings=pope_settings(guidance="instruction"),
+                             problems_per_step=4, n=2, seed=0)
     request = method.next_request(0)
     model = Decoder(MODEL, rngs=nnx.Rngs(0))
     rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5,
@@ -342,8 +359,8 @@ def test_instruction_mode_guided_prompt_carries_no_loss(smollm2):
     prompts = ChatPrompts(smollm2)
     model = Decoder(MODEL.replace(vocab_size=smollm2.vocab_size), rngs=nnx.Rngs(0))
     method = pope.PopeMethod(prompts, CHAT_PROBLEMS, {p.id: 1 for p in CHAT_PROBLEMS},
-                             schedule=FixedPrefix(), guidance="instruction", problems_per_step=4,
-                             n=2, seed=0)
+                             schedule=FixedPrefix(), settings=pope_settings(guidance="instruction"),
+                             problems_per_step=4, n=2, seed=0)
     request = method.next_request(0)
     rollouts = sampling.generate(model, request.contexts, n=2, max_new_tokens=5,
                                  stop_ids=(smollm2.eos_id,), seed=0)

@@ -15,17 +15,7 @@ METHODS = ("grpo", "pope", "prefixrl")
 def check_method_settings(config) -> None:
     """Fails before any model is loaded or problem mined when a method field is off."""
     need(config.method in METHODS, "config.method", config.method, f"one of {METHODS}")
-    need(config.pope.guidance in pope.GUIDANCE_MODES, "config.pope.guidance",
-         config.pope.guidance,
-         f"one of {pope.GUIDANCE_MODES}")
-    need(config.pope.template in pope.TEMPLATES, "config.pope.template",
-         config.pope.template,
-         f"one of {tuple(pope.TEMPLATES)}")
-    need(0.0 < config.pope.max_prefix_fraction <= 1.0, "config.pope.max_prefix_fraction",
-         config.pope.max_prefix_fraction, "in (0, 1]")
-    need(config.pope.unsolved in pope.UNSOLVED_MODES, "config.pope.unsolved",
-         config.pope.unsolved,
-         f"one of {pope.UNSOLVED_MODES}")
+    pope.PopeSettings.from_config(config)  # raises naming the pope field
     p = config.prefixrl
     need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "config.prefixrl.cut_lo/cut_hi",
          (p.cut_lo, p.cut_hi),

@@ -47,14 +47,9 @@ def build_method(config, policy, sets, mining):
         return GrpoMethod(policy.prompts, train, **common)
     if config.method == "pope":
         hard = mining.hard_set()
-        p = config.pope
         return pope.PopeMethod(
             policy.prompts, hard.problems, mining.prefixes(hard), schedule=schedule,
-            guidance=p.guidance, template=pope.TEMPLATES[p.template],
-            guided_copies=p.guided_copies, unguided_copies=p.unguided_copies, easy=sets.easy,
-            easy_per_step=p.easy_per_step, unsolved=p.unsolved,
-            max_units=config.mining.max_prefix_units, max_fraction=p.max_prefix_fraction,
-            **common)
+            settings=pope.PopeSettings.from_config(config), easy=sets.easy, **common)
     if config.method == "prefixrl":
         hard = mining.hard_set()
         p = config.prefixrl

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxprefix.data.loader import ProblemLoader
-from jaxprefix.errors import NothingToTrain
+from jaxprefix.errors import NothingToTrain, need
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.probing import Prober
@@ -51,6 +51,49 @@ GUIDANCE_MODES = ("instruction", "solution_prefix")
 # A problem with no solvable prefix within the cap: dropped, guided by the longest prefix
 # tried, or kept with every copy unguided (its unguided copies stay in training).
 UNSOLVED_MODES = ("drop", "longest", "unguided")
+
+
+@dataclasses.dataclass(frozen=True)
+class PopeSettings:
+    """How POPE mixes and guides its contexts: the config's `pope` block (and the prefix cap in
+    steps, mining.max_prefix_units), checked once, where it is made. Preflight makes one from
+    the config before any work (`from_config`); the rl job hands the same to PopeMethod."""
+    guidance: str = "instruction"  # GUIDANCE_MODES
+    template: str = "default"      # a TEMPLATES name: the instruction around a guided prompt
+    guided_copies: int = 1
+    unguided_copies: int = 1
+    easy_per_step: int = 0
+    unsolved: str = "drop"         # UNSOLVED_MODES
+    max_units: int = 0             # the cap in steps (0: none beyond the fraction)
+    max_fraction: float = 1.0      # the cap as a share of the solution (never all of it)
+
+    def __post_init__(self):
+        need(self.guidance in GUIDANCE_MODES, "config.pope.guidance", self.guidance,
+             f"one of {GUIDANCE_MODES}")
+        need(self.template in TEMPLATES, "config.pope.template", self.template,
+             f"one of {tuple(TEMPLATES)}")
+        need(min(self.guided_copies, self.unguided_copies) >= 0
+             and self.guided_copies + self.unguided_copies > 0,
+             "config.pope.guided_copies/unguided_copies",
+             (self.guided_copies, self.unguided_copies), ">= 0 each, not both 0")
+        need(self.easy_per_step >= 0, "config.pope.easy_per_step", self.easy_per_step, ">= 0")
+        need(self.unsolved in UNSOLVED_MODES, "config.pope.unsolved", self.unsolved,
+             f"one of {UNSOLVED_MODES}")
+        need(self.max_units >= 0, "config.mining.max_prefix_units", self.max_units, ">= 0")
+        need(0.0 < self.max_fraction <= 1.0, "config.pope.max_prefix_fraction",
+             self.max_fraction, "in (0, 1]")
+
+    @classmethod
+    def from_config(cls, config) -> PopeSettings:
+        p = config.pope
+        return cls(guidance=p.guidance, template=p.template, guided_copies=p.guided_copies,
+                   unguided_copies=p.unguided_copies, easy_per_step=p.easy_per_step,
+                   unsolved=p.unsolved, max_units=config.mining.max_prefix_units,
+                   max_fraction=p.max_prefix_fraction)
+
+    @property
+    def template_text(self) -> str:
+        return TEMPLATES[self.template]
 
 
 def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0) -> int:
@@ -155,16 +198,10 @@ class PopeMethod(GrpoMethod):
     name = "pope"
 
     def __init__(self, prompts, hard: Sequence[Problem], prefix_units: dict, *, schedule,
-                 guidance: str = "instruction", template: str = GUIDED_TEMPLATE,
-                 guided_copies: int = 1, unguided_copies: int = 1,
-                 easy: Sequence[Problem] = (), easy_per_step: int = 0, unsolved: str = "drop",
-                 max_units: int = 0, max_fraction: float = 1.0, seed: int, **kwargs):
-        if guidance not in GUIDANCE_MODES:
-            raise ValueError(f"pope.guidance must be one of {GUIDANCE_MODES}, got {guidance!r}")
-        if guided_copies < 0 or unguided_copies < 0 or guided_copies + unguided_copies == 0:
-            raise ValueError("pope: guided_copies and unguided_copies must be >= 0, not both 0")
-        if unsolved not in UNSOLVED_MODES:
-            raise ValueError(f"pope.unsolved must be one of {UNSOLVED_MODES}, got {unsolved!r}")
+                 settings: PopeSettings = PopeSettings(), easy: Sequence[Problem] = (),
+                 seed: int, **kwargs):
+        guided_copies, unsolved = settings.guided_copies, settings.unsolved
+        max_units, max_fraction = settings.max_units, settings.max_fraction
         self.prefix_units = {}
         for p in hard:
             units = prefix_units.get(p.id)
@@ -200,10 +237,10 @@ class PopeMethod(GrpoMethod):
                 f"(or guided by the longest prefix tried: pope.unsolved=longest)")
         super().__init__(prompts, kept, seed=seed, **kwargs)
         self.schedule = schedule
-        self.guidance, self.template = guidance, template
-        self.guided_copies, self.unguided_copies = guided_copies, unguided_copies
-        self.easy_loader = (ProblemLoader(list(easy), easy_per_step, seed + 1)
-                            if easy and easy_per_step else None)
+        self.guidance, self.template = settings.guidance, settings.template_text
+        self.guided_copies, self.unguided_copies = guided_copies, settings.unguided_copies
+        self.easy_loader = (ProblemLoader(list(easy), settings.easy_per_step, seed + 1)
+                            if easy and settings.easy_per_step else None)
 
     def _contexts(self, batch: Sequence[Problem], step: int):
         contexts, problems, guided, prefixes = [], [], [], []
