@@ -10,8 +10,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # smoke programs in many `python -m jaxprefix.main` processes, each of which would compile
 # them again. A fresh directory per session, so a test never reads another run's programs.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
     import tempfile
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxprefix-test-xla-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 # gcsfs reads this once, at import: tests only ever talk to the emulator (tests/gcs_emulator.py),

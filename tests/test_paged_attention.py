@@ -142,7 +142,8 @@ def _greedy_agreement(a, b, new_tokens: int) -> list[float]:
     return shares
 
 
-@pytest.mark.slow
+@pytest.mark.study  # a quality figure of int8 pages on a real model (3 minutes); the int8
+# pages' code is checked by the default suite's kernel and reference tests
 def test_smollm2_int8_pages_decode_greedily_as_bf16_pages_mostly():
     """SmolLM2-135M (f32 compute), 8 prompts, 64 greedy tokens through the paged decode: with
     int8 pages the tokens agree with bf16 pages for most of the 64 (measured 2026-12-01: 0.78
