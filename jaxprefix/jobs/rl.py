@@ -67,7 +67,8 @@ def training_cost(config, contexts_per_step: int, num_params: int) -> str:
     steps, n, new = config.train.total_steps, config.rollout.n, config.rollout.max_new_tokens
     rollouts = steps * contexts_per_step * n
     tokens = rollouts * new
-    return (f"{config.method}: will train {steps} steps x {contexts_per_step} contexts x {n} "
+    return (f"{config.method}: will train {steps} step{'s' * (steps != 1)} x {contexts_per_step} "
+            f"contexts x {n} "
             f"samples x up to {new} new tokens ({rollouts} rollouts): <= "
             f"{compute_ledger.sampling_flops(num_params, tokens):.3g} FLOPs to sample and <= "
             f"{compute_ledger.update_flops(num_params, tokens):.3g} to train on them (2 N D and "
