@@ -67,12 +67,14 @@ def training_cost(config, contexts_per_step: int, num_params: int) -> str:
     steps, n, new = config.train.total_steps, config.rollout.n, config.rollout.max_new_tokens
     rollouts = steps * contexts_per_step * n
     tokens = rollouts * new
+    budget = float(config.train.get("flops_budget", 0.0))
+    # Under a FLOPs budget total_steps is only a cap: the ledger ends the run before it.
+    until = f", or fewer: the run stops at its FLOPs budget {budget:.3g}" if budget else ""
     return (f"{config.method}: will train {steps} step{'s' * (steps != 1)} x {contexts_per_step} "
-            f"contexts x {n} "
-            f"samples x up to {new} new tokens ({rollouts} rollouts): <= "
+            f"contexts x {n} samples x up to {new} new tokens ({rollouts} rollouts): <= "
             f"{compute_ledger.sampling_flops(num_params, tokens):.3g} FLOPs to sample and <= "
             f"{compute_ledger.update_flops(num_params, tokens):.3g} to train on them (2 N D and "
-            f"6 N D, N = {num_params:.3g} parameters; contexts add their length)")
+            f"6 N D, N = {num_params:.3g} parameters; contexts add their length){until}")
 
 
 @workdir_lock.holds_workdir
