@@ -202,6 +202,9 @@ FIELDS = {
         "n": F(16, "samples per evaluation problem"),
         "ks": F((1, 8, 16), "the k of pass@k reported"),
         "hard_set": F(False, "also evaluate on the mined training hard set (hard_set/*)"),
+        "key_step_probe": F(False, "built-in tasks: also log the teacher-forced key-step probe "
+                                   "of the eval set (probe/*: eps, the rule's name, its read, "
+                                   "success given the key; jaxprefix/key_step_probe.py)"),
     },
     # metrics.jsonl and TensorBoard always (rl/metrics.py, rl/row_log.py: GCS has no append).
     "metrics": {
@@ -306,7 +309,11 @@ SFT_FIELDS = {
     "eval_start": F(300, "first step evaluated"),
     "eval_every": F(25, "steps between evaluation points"),
     "criterion": {
-        "k": F(16, "the mining k: hard pass@k must be exactly 0"),
+        "k": F(16, "the mining k: hard pass@k must be exactly 0 (unless not hard_unsolved)"),
+        # The overlap knob's bases (issue 28) set eps through the data: at eps ~1e-2 a base
+        # solves a few hard problems whatever its step; the RL hard set is mined from it anyway.
+        "hard_unsolved": F(True, "stop and choose only where hard pass@k = 0; False: the first "
+                                 "point at the guided floor, hard successes allowed"),
         "hard_count": F(64, "hard problems measured at each point"),
         "hard_seed": F(10_000, "seed of those (distinct from the RL sets')"),
         "steps_left": F(2, "guided success is measured with this many steps left ..."),

@@ -61,7 +61,7 @@ FLOORS = (
     ("rl",),                   # the loop, the learner, the compute ledger
     ("tools",),                # tools and multi-turn episodes (docs/TOOLS.md)
     ("statistics",),
-    ("evaluation",),
+    ("evaluation", "key_step_probe"),  # pass@k of samples; teacher-forced step probabilities
     ("rewards",),              # verifiers: text and problems in, scores out
     ("data",),
     ("tokenizers",),

@@ -80,7 +80,8 @@ def rl_run(config: str, workdir, base: str, *flags):
 
 @pytest.fixture(scope="module")
 def pope_run(base, tmp_path_factory):
-    return rl_run("configs/pope.py:smoke", tmp_path_factory.mktemp("pope"), base)
+    return rl_run("configs/pope.py:smoke", tmp_path_factory.mktemp("pope"), base,
+                  "--config.eval.key_step_probe=True")
 
 
 def check_rl_outputs(workdir: str, steps: int, tags=()):
@@ -281,6 +282,12 @@ def test_pope_smoke(pope_run):
     assert ledger["rollouts"] == STEPS * PROBLEMS_PER_STEP * 2 * N
     assert ledger["extra_rollouts"] == mining_rollouts(pope_run)
     assert ledger["extra_flops"] > 0
+    # eval.key_step_probe: the teacher-forced figures at each evaluation, and only there.
+    evaluated = [r for r in records if "eval/pass@1" in r]
+    assert [r["step"] for r in records if "probe/key_step" in r] == [r["step"] for r in evaluated]
+    for r in evaluated:
+        assert 0 <= r["probe/success"] <= r["probe/key_step"] <= 1
+        assert 0 <= r["probe/key_name"] * r["probe/key_digits"] <= r["probe/key_step"]
 
 
 def test_prefixrl_smoke(base, tmp_path):

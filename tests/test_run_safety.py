@@ -247,8 +247,13 @@ def test_fields_no_stage_of_the_job_reads_are_refused_in_preflight(tmp_path):
     with pytest.raises(ConfigError, match=r"'no_restate' is set but no stage of run "
                                           r"pope_no_restate of job results"):
         preflight.check(results, workdir)
+    # The key-step probe reads a built-in task's oracle solutions, at evaluations.
+    with pytest.raises(ConfigError, match=r"^config.eval.key_step_probe=True is set but no "
+                                          r"stage reads it: eval.every=0 never evaluates"):
+        preflight.check(config("pope.py", eval__key_step_probe=True, eval__every=0), workdir)
     # What the method reads passes: POPE's own fields on POPE, PrefixRL's on PrefixRL.
-    preflight.check(config("pope.py", pope__unsolved="drop", schedule__kind="annealed"), workdir)
+    preflight.check(config("pope.py", pope__unsolved="drop", schedule__kind="annealed",
+                           eval__key_step_probe=True), workdir)
     preflight.check(config("prefixrl.py", prefixrl__cut_lo=0.5), workdir)
     assert not (tmp_path / "w").exists()  # preflight writes nothing
 

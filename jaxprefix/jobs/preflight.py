@@ -83,6 +83,7 @@ def check(config, workdir: str) -> None:
     if config.job in FIELDS_CHECKED:
         _check_notation(config)
         _check_template_read(config, inputs.prompts)
+        _check_probe_read(config)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
     sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
     if _guides_in_prompt(config):
@@ -147,6 +148,22 @@ def _refuse_unread(unread: list[tuple[str, str]], where: str) -> None:
         field, why = unread[0]
         raise ConfigError(f"config.{field} is set but no stage of {where} reads it ({why}); "
                           f"expected it left at its default")
+
+
+def _check_probe_read(config) -> None:
+    """eval.key_step_probe runs at evaluations, on a built-in task's oracle solutions."""
+    if not config.eval.get("key_step_probe"):
+        return
+    from jaxprefix.data.tasks import TASKS
+
+    if config.data.source not in TASKS:
+        raise ConfigError(f"config.eval.key_step_probe=True is set but no stage of job "
+                          f"{config.job} reads it: data.source={config.data.source!r} has no "
+                          f"oracle solutions to probe; expected a built-in task "
+                          f"({', '.join(sorted(TASKS))}) or key_step_probe=False")
+    if not config.eval.every:
+        raise ConfigError("config.eval.key_step_probe=True is set but no stage reads it: "
+                          "eval.every=0 never evaluates; expected eval.every > 0")
 
 
 def _check_template_read(config, prompts) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import distributed, models, run_identity, storage, workdir_lock
+from jaxprefix import (distributed, key_step_probe, models, run_identity, storage,
+                       workdir_lock)
+from jaxprefix.data import tasks
 from jaxprefix.jobs import method_settings
 from jaxprefix.jobs.allocation import allocated
 from jaxprefix.jobs.mine import prefix_search, set_up
@@ -60,6 +62,15 @@ def build_method(config, policy, sets, mining):
     raise ValueError(f"config.method={config.method!r}: expected one of {method_settings.METHODS}")
 
 
+def key_step_probe_of(config, policy, sets):
+    """The loop's probe under eval.key_step_probe: the teacher-forced key-step figures of the
+    eval set (jaxprefix/key_step_probe.py), logged as probe/* at each evaluation; else None."""
+    if not config.eval.get("key_step_probe"):
+        return None
+    task, problems, tokenizer = tasks.get(config.data.source), list(sets.eval), policy.tokenizer
+    return lambda model: key_step_probe.probe(model, problems, tokenizer, task).metrics()
+
+
 def training_cost(config, contexts_per_step: int, num_params: int) -> str:
     """The line logged before the RL loop samples: steps x contexts x samples x new tokens, and
     the FLOPs bound of sampling them (2 N D) and training on them (6 N D), D the generated tokens
@@ -95,7 +106,8 @@ def run_rl(config, workdir: str) -> dict:
     logging.info(training_cost(config, contexts, ledger.n_params))
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
-                        ledger=ledger, contexts_per_step=contexts)
+                        ledger=ledger, contexts_per_step=contexts,
+                        probe=key_step_probe_of(config, policy, sets))
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:

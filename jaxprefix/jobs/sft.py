@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -27,7 +26,7 @@ import tqdm
 from flax import nnx
 
 from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
-from jaxprefix import models, sampling, storage, tokenizers
+from jaxprefix import key_step_probe, models, sampling, storage, tokenizers
 from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 
@@ -87,19 +86,6 @@ def train_step(model, optimizer, tokens, real, loss_mask):
     return loss
 
 
-@nnx.jit
-def _greedy_digits(model, tokens, real):
-    return jnp.argmax(model(tokens, mask=real), axis=-1)
-
-
-@nnx.jit
-def _token_probabilities(model, tokens, real):
-    """P(token t | tokens before t) at every position t >= 1 (position 0 gets 1)."""
-    logprobs = jax.nn.log_softmax(model(tokens, mask=real)[:, :-1], axis=-1)
-    picked = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
-    return jnp.exp(jnp.pad(picked, ((0, 0), (1, 0))))
-
-
 def criterion_hard_set(config) -> list:
     """The criterion's hard problems, written in the notation the base is trained in (on
     keyed_multiplication with data.key_names_rule, key steps that name their rule)."""
@@ -117,13 +103,10 @@ def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float, flo
     finds. With key steps that name their rule, the last two are P(right d c | the oracle's
     name, '>' on a hard problem) and P(that name | the question): rho and a of
     docs/results/pope/PREDICTIONS.md, whose product is about eps."""
-    rows = [task.training_ids(p, p.solution, tokenizer)[0] for p in problems]
-    tokens = np.full((len(rows), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
-    for i, ids in enumerate(rows):
-        tokens[i, :len(ids)] = ids
-    real = tokens != tokenizer.pad_id
-    predicted = np.asarray(_greedy_digits(model, tokens, real))
-    probabilities = np.asarray(_token_probabilities(model, tokens, real))
+    tokens, real = key_step_probe.forced_rows(problems, [p.solution for p in problems],
+                                              tokenizer, task)
+    predicted = np.asarray(key_step_probe.greedy_tokens(model, tokens, real))
+    probabilities = np.asarray(key_step_probe.token_probabilities(model, tokens, real))
     correct = total = 0
     first, marker = [], []
     for i, problem in enumerate(problems):
@@ -191,8 +174,9 @@ def evaluate(model, hard, tokenizer, criterion, seed: int, always_sample: bool =
 
 
 def meets_criterion(metrics: dict, criterion) -> bool:
-    """Hard pass@k = 0 and guided success with `steps_left` steps left at least the floor."""
-    return (metrics["hard_successes"] == 0
+    """Hard pass@k = 0 (where criterion.hard_unsolved) and guided success with `steps_left`
+    steps left at least the floor."""
+    return ((metrics["hard_successes"] == 0 or not criterion.hard_unsolved)
             and metrics["guided_success"][str(criterion.steps_left)] >= criterion.guided_floor)
 
 
@@ -241,7 +225,7 @@ def run_sft(config, workdir: str) -> str:
         bar.write(json.dumps(metrics))
         if metrics["hard_successes"] is None:
             continue
-        if metrics["hard_successes"]:
+        if metrics["hard_successes"] and criterion.hard_unsolved:
             break  # past the window: more training only makes hard problems easier
         if chosen is None or _closer(metrics, chosen, criterion):
             chosen, chosen_state = metrics, nnx.clone(model)

@@ -360,13 +360,15 @@ def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCos
 
 
 def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
-          ledger=None, contexts_per_step: int | None = None,
+          ledger=None, contexts_per_step: int | None = None, probe=None,
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
       with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
+    probe: an optional function of the sampling model, called at each evaluation; its figures
+      join the step's record (the rl job's key-step probe, eval.key_step_probe).
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
@@ -452,9 +454,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
-                scores, counts = evaluate(learner.sampling_model(state, decode), tokenizer,
-                                          method, config, step=done, stop_ids=stop_ids)
-                record.update(scores)
+                policy = learner.sampling_model(state, decode)
+                scores, counts = evaluate(policy, tokenizer, method, config, step=done,
+                                          stop_ids=stop_ids)
+                record.update(scores | (probe(policy) if probe else {}))
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)

@@ -310,6 +310,12 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     return rows
 
 
+def key_markers(problem: Problem) -> tuple[str, ...]:
+    """The first tokens `verify` accepts for the key step: '*', or (data.key_names_rule) either
+    rule's name (a value-hinted policy may name '<' and copy the right digits)."""
+    return (FIRST, SECOND) if problem.metadata.get("key_names_rule") else (KEY,)
+
+
 def answer_digit_spans(problem: Problem) -> list[tuple[int, int]]:
     """Token spans [start, end) of each step's two digits in question + oracle solution (the
     key's d c, then each carry step's): what teacher-forced step accuracy checks."""
@@ -338,7 +344,6 @@ def verify(completion_text: str, problem: Problem) -> float:
         digits, d, c, given = _parse_question(problem.question + text)
     except ValueError:
         return 0.0
-    marker = (FIRST, SECOND) if problem.metadata.get("key_names_rule") else (KEY,)
-    if not given or given[0][0] not in marker or given[0][1:] != f"{d}{c}":
+    if not given or given[0][0] not in key_markers(problem) or given[0][1:] != f"{d}{c}":
         return 0.0
     return carry.score_steps(given[1:], carry_steps(digits, d, c), problem.answer)
