@@ -3,12 +3,19 @@
     python -m jaxprefix.main --config=configs/results.py --workdir=runs/pope_study    # POPE
     python -m jaxprefix.main --config=configs/results.py:carry --workdir=runs/prefixrl_study
     python -m jaxprefix.main --config=configs/results.py:smoke --workdir=/tmp/results_smoke
+    python -m jaxprefix.main --config=configs/results.py:eps --workdir=runs/eps_taught0.05 \
+        --config.sft.data.second_rule_taught=0.05 \
+        --config.results.output_dir=docs/results/pope_eps/taught0.05     # one eps level
 
 Not part of CI (hours on 2 cores). Each run has its own workdir under --workdir: rerunning
 resumes, finished runs are only re-evaluated. jobs/results.py lists the runs (RUNS).
 
 - default: POPE's regime, keyed_multiplication (the demo task): POPE with prefixes of at most a
   quarter of the solution, plain GRPO run on to POPE's FLOPs, and POPE's SFT baseline.
+- eps: POPE along the overlap axis (docs/results/pope/PREDICTIONS.md): the restating notation
+  (the key step names its rule), eps set by sft.data.second_rule_taught (one level a workdir),
+  POPE with the value hint and with the restating hint, GRPO run on to the larger's FLOPs, and
+  the teacher-forced key-step probe (probe/*) at every evaluation.
 - carry: carry_multiplication, PrefixRL's regime (a problem length chosen by a stated rule) and
   its controls: PrefixRL and SFT-then-GRPO on the base's own traces and on a second base's,
   plain GRPO, and more SFT on problems outside the hard set, then GRPO.
@@ -18,18 +25,21 @@ import ml_collections
 from jaxprefix import variants
 
 POPE_RUNS = ("pope_cap0.25", "grpo_matched", "sft_guided")
+EPS_RUNS = ("pope_value_hint", "pope_restating_hint", "grpo_matched_hints")
 PREFIXRL_RUNS = ("prefixrl_regime", "sft_traces_regime", "grpo_regime", "sft_more_regime",
                  "prefixrl_other_regime", "sft_other_traces_regime")
 
 
 def get_config(arg: str = ""):
-    c, args = variants.method_config(__file__, "pope", arg)
+    c, args = variants.method_config(__file__, "pope", arg, extra_variants=("eps", "eps_smoke"))
     c.job = "results"
     carry = args.variant in ("carry", "carry_smoke")
+    eps = args.variant in ("eps", "eps_smoke")
     c.results = ml_collections.ConfigDict(dict(
-        seeds=(0, 1, 2), runs=PREFIXRL_RUNS if carry else POPE_RUNS, isocompute=False,
+        seeds=(0, 1, 2), runs=PREFIXRL_RUNS if carry else EPS_RUNS if eps else POPE_RUNS,
+        isocompute=False,
         report_only=False,  # True: the report of the finished runs; the others are "not run"
-        output_dir="docs/results/prefixrl" if carry else "docs/results/pope",
+        output_dir="" if eps else "docs/results/prefixrl" if carry else "docs/results/pope",
         # The SFT warm starts: Adam at the base SFT's rate, 10 epochs over their examples, the
         # rate warmed up over the first 30% (the lowest final SFT loss of 1e-3, 3e-4, 1e-4 on
         # the own guided answers; without a warmup the loss jumped 0.58 -> 2.8 at step 2).
@@ -48,9 +58,23 @@ def get_config(arg: str = ""):
     # Rejection sampling: 64 a round, up to 512 per problem (the paper: ~650 on average, capped
     # at 2,500).
     c.prefixrl.update(samples_per_round=64, max_samples=512)
-    if args.variant in ("smoke", "carry_smoke"):
+    if eps:
+        overlap_axis(c)
+    if args.variant in ("smoke", "carry_smoke", "eps_smoke"):
         c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
         c.prefixrl.update(**variants.SMOKE_PREFIXRL)  # results runs PrefixRL too
         c.results.regime.update(probe_digits=(2, 4), probe_problems=4, probe_samples=4, steps=2,
                                 contexts_per_step=16, eval_every=1, eval_n=4)
     return c
+
+
+def overlap_axis(c) -> None:
+    """The eps sweep's settings: the restating notation in the base and the runs, the knob's
+    bases chosen by success given the key alone (at eps ~1e-2 a base solves a few hard problems
+    at every step; the RL hard set is mined from it all the same), and the probe logged."""
+    c.sft.data.key_names_rule = c.data.key_names_rule = True
+    # Sampled from step 700 on: teacher-forced along the oracle's '>' the step accuracy gate
+    # stays shut at low eps (a name the base never writes), though guided it finishes problems.
+    c.sft.update(eval_start=700)
+    c.sft.criterion.update(hard_unsolved=False, sample_from_step_accuracy=0.0)
+    c.eval.key_step_probe = True

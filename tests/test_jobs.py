@@ -21,6 +21,7 @@ import pytest
 
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.jobs.results_report import NOTES_MARKER, prefix_search_lines
+from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -405,6 +406,26 @@ def test_results_pipeline_smoke(base, tmp_path):
     assert "Paired differences" in text and "by multiplier" in text
     check_png(str(workdir / "curves.png"))
     check_png(str(workdir / "regime_curves.png"))
+
+
+def test_eps_sweep_smoke(base, tmp_path):
+    """The overlap axis' runs: both hints on the restating notation, GRPO to the larger's FLOPs,
+    the key-step probe in every curve and of the base."""
+    workdir = tmp_path / "eps"
+    run_main("configs/results.py:eps_smoke", workdir, f"--config.model.path={base}")
+    with open(workdir / "results.json") as f:
+        report = json.load(f)
+    runs = {r["name"]: r for r in report["runs"].values()}
+    assert sorted(runs) == ["grpo_matched_hints", "pope_restating_hint", "pope_value_hint"]
+    total = {n: ComputeLedger.from_dict(r["ledger"]).total_flops for n, r in runs.items()}
+    spent = max(total["pope_restating_hint"], total["pope_value_hint"])
+    matched = runs["grpo_matched_hints"]
+    assert matched["flops_budget"] == pytest.approx(spent - report["studies"]["hard"]["mining"]
+                                                    ["hard_set"]["extra_flops"])
+    assert total["grpo_matched_hints"] <= spent
+    for run in runs.values():
+        assert 0 <= run["curve"][-1]["probe/success"] <= run["curve"][-1]["probe/key_step"] <= 1
+    assert report["studies"]["hard"]["base_probe"]["probe/key_name"] > 0
 
 
 def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_path):

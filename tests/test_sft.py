@@ -188,3 +188,13 @@ def test_carry_base_solves_hard_problems_only_with_guidance(tmp_path):
         guided = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=18, seed=seed,
                                     guidance=guidance)
         assert (guided > 0).mean() >= 0.25, guidance  # guided pass@16 well above 0
+
+
+def test_overlap_knob_bases_may_meet_the_floor_with_hard_successes():
+    criterion = load_config("demo").criterion
+    point = {"hard_successes": 2, "guided_success": {str(criterion.steps_left): 0.3}}
+    assert criterion.hard_unsolved and not sft.meets_criterion(point, criterion)
+    criterion.hard_unsolved = False  # eps set by the data: a few hard successes are allowed
+    assert sft.meets_criterion(point, criterion)
+    point["guided_success"][str(criterion.steps_left)] = 0.2  # the floor still holds
+    assert not sft.meets_criterion(point, criterion)

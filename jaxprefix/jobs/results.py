@@ -29,7 +29,7 @@ from jaxprefix.jobs import results_report, warm_start
 from jaxprefix.jobs.method_settings import contexts_per_problem
 from jaxprefix.jobs.mine import LEDGER
 from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.rl import mined_artifacts, run_rl
+from jaxprefix.jobs.rl import key_step_probe_of, mined_artifacts, run_rl
 from jaxprefix.jobs.study import Study
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
@@ -45,14 +45,15 @@ class RunSpec:
     #                         'other_traces' (a second base's) | 'more_sft' (non-hard problems)
     regime: str = "hard"    # 'hard': the task's hard set; 'prefixrl': PrefixRL's regime
     pool: str = ""          # PrefixRL's traces: '' its own, 'other': a second base's
-    flops_match: str = ""   # run on past total_steps until this run's FLOPs at the same seed
+    # Run on past total_steps until the largest FLOPs of these runs at the same seed.
+    flops_match: tuple[str, ...] = ()
 
 
 RUNS = {
     "grpo": RunSpec("grpo", {}, "plain GRPO on the hard set"),
     "grpo_matched": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to POPE's FLOPs "
                             "(pope_cap0.25's at the same seed, its mining included)",
-                            flops_match="pope_cap0.25"),
+                            flops_match=("pope_cap0.25",)),
     "pope_cap1": RunSpec("pope", {"pope.max_prefix_fraction": 1.0},
                          "POPE, prefixes up to all steps but one"),
     "pope_cap0.5": RunSpec("pope", {"pope.max_prefix_fraction": 0.5},
@@ -65,6 +66,18 @@ RUNS = {
         "(PrefixRL's mechanism; the ablation of pope_cap1)"),
     "pope_no_restate": RunSpec("pope", {"pope.template": "no_restate"},
                                "POPE, the instruction forbids restating the prefix"),
+    # The eps sweep's arms (configs/results.py:eps, docs/results/pope/PREDICTIONS.md): on the
+    # restating notation (data.key_names_rule) POPE guides by the restating hint unless the
+    # template forbids it, and then by the value hint; GRPO runs on to the larger's FLOPs.
+    "pope_value_hint": RunSpec("pope", {"pope.max_prefix_fraction": 0.25,
+                                        "pope.template": "no_restate"},
+                               "POPE with the value hint (d and c in the prompt's key slot)"),
+    "pope_restating_hint": RunSpec("pope", {"pope.max_prefix_fraction": 0.25},
+                                   "POPE with the restating hint (the oracle prefix up to the "
+                                   "rule's name, forced; the policy reads d and c itself)"),
+    "grpo_matched_hints": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to the larger "
+                                  "of the two POPE arms' FLOPs at the same seed (mining included)",
+                                  flops_match=("pope_value_hint", "pope_restating_hint")),
     "grpo_entropy": RunSpec("grpo", {"train.entropy_coef": 0.01}, "GRPO + entropy bonus"),
     "grpo_pass_at_k": RunSpec("grpo", {"train.advantage": "pass_at_k", "train.pass_k": 4},
                               "GRPO with pass@k advantages (Chen et al. 2025)"),
@@ -149,10 +162,9 @@ def run_results(config, workdir: str) -> dict:
             if config.results.report_only and not storage.exists(saved):
                 report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
                 continue
-            match = RUNS[name].flops_match
+            matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match]
             report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
-                                       storage.join(workdir, key),
-                                       report["runs"].get(f"{match}_seed{seed}"))
+                                       storage.join(workdir, key), matched)
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
     report["studies"] = {name: _study_record(study) for name, study in studies.items()}
     if config.results.isocompute:
@@ -171,6 +183,9 @@ def _study_record(study: Study) -> dict:
               "base_hard_set": study.evaluate(study.policy.model, "eval base on the hard set",
                                               study.hard.problems),
               "mining": {}}
+    if study.config.eval.get("key_step_probe"):  # the base's eps, a, rho: the sweep's x axis
+        record["base_probe"] = key_step_probe_of(study.config, study.policy, study.sets)(
+            study.policy.model)
     record["mining"] = storage.read_json(storage.join(study.mining.dir, LEDGER))
     if "trace_pool" in record["mining"]:
         pool = study.mining.trace_pool(study.hard.problems)
@@ -196,17 +211,22 @@ def _study_record(study: Study) -> dict:
 RECORD = "results_record.json"  # a finished run's record: evaluated once, read back after
 
 
-def _run(study: Study, name: str, seed: int, run_dir: str, matched: dict | None = None) -> dict:
+def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     """Trains one run (or finds it finished) and evaluates it; its record for the report.
-    `matched`: the record of the run whose FLOPs this one spends (RunSpec.flops_match)."""
+    `matched`: the records of the runs whose largest FLOPs this one spends (RunSpec.flops_match)."""
     spec = RUNS[name]
     c = run_config(study, name, seed)
     if spec.flops_match:
-        if not matched or "ledger" not in matched:
-            raise ConfigError(f"results run {name} spends {spec.flops_match}'s FLOPs: expected "
-                              f"{spec.flops_match} before it in config.results.runs")
-        # RL FLOPs up to the matched run's total (mining included) less this run's mining.
-        target = ComputeLedger.from_dict(matched["ledger"]).total_flops
+        if not all(matched):
+            runs = " and ".join(spec.flops_match)
+            raise ConfigError(f"results run {name} spends {runs}'s FLOPs: expected {runs} "
+                              f"before it in config.results.runs")
+        ran = [m for m in matched if "ledger" in m]  # a skipped run spent nothing to match
+        if not ran:
+            return {"name": name, "seed": seed,
+                    "skipped": f"none of {', '.join(spec.flops_match)} ran to match"}
+        # RL FLOPs up to the largest matched total (mining included) less this run's mining.
+        target = max(ComputeLedger.from_dict(m["ledger"]).total_flops for m in ran)
         c.train.flops_budget = target - study.mining.cost(mined_artifacts(c)).extra_flops
         c.train.total_steps *= 10  # the budget, not the steps, ends it
     saved = storage.join(run_dir, RECORD)
@@ -359,12 +379,12 @@ def _isocompute(study: Study, iso_dir: str) -> dict:
 
 
 def _curve(run_dir: str, warm_flops: float = 0.0) -> list:
-    """Per in-run evaluation: FLOPs (RL + mining + `warm_flops`) and every eval/* and
-    hard_set/* metric."""
+    """Per in-run evaluation: FLOPs (RL + mining + `warm_flops`) and every eval/*, hard_set/*
+    and probe/* metric."""
     extra = storage.read_json(storage.join(run_dir, "compute.json"))["extra_flops"] + warm_flops
     points = []
     for r in read_metrics(run_dir):
-        metrics = {k: v for k, v in r.items() if k.startswith(("eval/", "hard_set/"))}
+        metrics = {k: v for k, v in r.items() if k.startswith(("eval/", "hard_set/", "probe/"))}
         if metrics:
             points.append({"step": r["step"], "flops": r["flops/total"] + extra} | metrics)
     return points
