@@ -90,6 +90,8 @@ def test_smoke_sft_lowers_loss_and_saves(smoke_run):
     point = report["evals"][-1]
     assert {"step", "loss", "step_accuracy", "hard_successes", "guided_success"} <= set(point)
     assert report["chosen_step"] in [e["step"] for e in report["evals"]]
+    with open(os.path.join(workdir, sft.EVALS)) as f:  # written at each point, as it trains
+        assert json.load(f) == report["evals"]
 
     model, tokenizer = sft.load_base(path)
     assert tokenizer.vocab_size == model.config.vocab_size == len(task.SYMBOLS) + 2

@@ -11,7 +11,8 @@ first point that meets the criterion, rather than trusting a step count.
 writes <workdir>/base/ (local or gs://): model.safetensors, task_tokenizer.json (the character
 vocabulary), generation_config.json and config.json (an ordinary HF directory, config.json
 written after the weights), then sft_report.json (every evaluation point), whose presence marks
-a finished SFT.
+a finished SFT. While it trains, the progress bar shows the last point's criterion figures and
+<workdir>/sft_evals.json holds every point so far.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 
 REPORT = "sft_report.json"
+EVALS = "sft_evals.json"  # in the workdir: every evaluation point so far, rewritten at each
 TOKENIZER = tokenizers.CHAR_VOCAB_FILE
 
 
@@ -205,7 +207,7 @@ def run_sft(config, workdir: str) -> str:
     criterion = config.criterion
     hard = criterion_hard_set(config)
 
-    evals, chosen, chosen_state, losses = [], None, None, []
+    evals, chosen, chosen_state, losses, figures = [], None, None, [], {}
     start = time.time()
     bar = tqdm.trange(1, config.max_steps + 1, desc="sft", dynamic_ncols=True)
     for step in bar:
@@ -213,7 +215,7 @@ def run_sft(config, workdir: str) -> str:
         loss = train_step(model, optimizer, *map(jnp.asarray, batch))
         losses.append(float(loss))
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", **figures)
         at_eval_point = step >= config.eval_start and step % config.eval_every == 0
         if not (at_eval_point or step == config.max_steps):
             continue
@@ -222,7 +224,9 @@ def run_sft(config, workdir: str) -> str:
                               always_sample=step == config.max_steps, task=task),
                    "seconds": round(time.time() - start, 1)}
         evals.append(metrics)
-        bar.write(json.dumps(metrics))
+        # The criterion's figures on the bar; every point's in the workdir (and the report).
+        figures = _criterion_figures(metrics, criterion)
+        storage.write_json(storage.join(workdir, EVALS), evals)
         if metrics["hard_successes"] is None:
             continue
         if metrics["hard_successes"] and criterion.hard_unsolved:
@@ -245,6 +249,15 @@ def run_sft(config, workdir: str) -> str:
               "seconds": round(time.time() - start, 1), "config": settings}
     storage.write_json(report_path, report)
     return path
+
+
+def _criterion_figures(metrics: dict, criterion) -> dict[str, str]:
+    """The last evaluation point's criterion figures, short, for the progress bar."""
+    guided = (metrics["guided_success"] or {}).get(str(criterion.steps_left))
+    return {"eval_step": str(metrics["step"]), "step_acc": f"{metrics['step_accuracy']:.2f}",
+            f"hard_pass@{criterion.k}": "-" if metrics["hard_successes"] is None
+            else f"{metrics[f'hard_pass@{criterion.k}']:.2f}",
+            f"guided@{criterion.steps_left}_left": "-" if guided is None else f"{guided:.2f}"}
 
 
 def is_complete(path: str) -> bool:
