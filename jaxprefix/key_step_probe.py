@@ -64,7 +64,7 @@ class KeyStepProbe:
         return {f"{prefix}{k}": v for k, v in dataclasses.asdict(self).items()}
 
 
-def _steps(model, problems, solutions, tokenizer, task):
+def steps(model, problems, solutions, tokenizer, task):
     """Per row: P(the key step's marker), P(its digits | the marker), P(every carry step's
     digits | the key step), along `solutions`; and the greedy step accuracy."""
     tokens, real = forced_rows(problems, solutions, tokenizer, task)
@@ -84,7 +84,7 @@ def probe(model, problems, tokenizer, task) -> KeyStepProbe:
     """The teacher-forced key-step probe of `model` on `problems` (module docstring)."""
     if not problems:
         raise ValueError("key_step_probe: no problems to probe")
-    name, digits, carry, accuracy = _steps(model, problems, [p.solution for p in problems],
+    name, digits, carry, accuracy = steps(model, problems, [p.solution for p in problems],
                                            tokenizer, task)
     key_step, success = name * digits, name * digits * carry
     # Every other marker the verifier accepts: the same solution with it in the oracle's place.
@@ -92,7 +92,7 @@ def probe(model, problems, tokenizer, task) -> KeyStepProbe:
     for other in sorted({m for p in problems for m in accepted(p)}):
         rows = [i for i, p in enumerate(problems) if other in accepted(p) and other != p.solution[0]]
         if rows:
-            n, d, c, _ = _steps(model, [problems[i] for i in rows],
+            n, d, c, _ = steps(model, [problems[i] for i in rows],
                                 [other + problems[i].solution[1:] for i in rows], tokenizer, task)
             key_step[rows] += n * d
             success[rows] += n * d * c

@@ -1,5 +1,7 @@
 """The teacher-forced key-step probe against the same probabilities read off the model by hand."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -58,3 +60,22 @@ def test_probe_matches_the_probabilities_read_by_hand(names_rule):
 def test_probe_refuses_no_problems():
     with pytest.raises(ValueError, match="no problems"):
         key_step_probe.probe(MODEL, [], TOKENIZER, task)
+
+
+def test_probe_bases_on_a_base_with_the_restating_notation(tmp_path):
+    from jaxprefix.jobs import probe_bases
+
+    config = load_config("smoke")
+    config.data.key_names_rule = True
+    base = sft.run_sft(config, str(tmp_path / "named"))
+    out = tmp_path / "bases.json"
+    probe_bases.main([base, "--out", str(out)])
+    (row,) = json.loads(out.read_text())
+    assert row["base"] == base and row["chosen_step"] == config.max_steps
+    # A hard problem's oracle names '>': the probe's read is the own-'>' way's.
+    assert row["key_digits"] == pytest.approx(row["key_digits_own_>"])
+    for key, value in row.items():
+        if key.startswith(("key_", "carry_", "success")):
+            assert 0 <= value <= 1, key
+    with pytest.raises(ValueError, match="without data.key_names_rule"):
+        probe_bases.probe_base(sft.run_sft(load_config("smoke"), str(tmp_path / "plain")))
