@@ -79,7 +79,7 @@ def metric_table(rows: list[Row], columns: list[Column]) -> list[str]:
     return lines
 
 
-def _paired(a: Row, b: Row, column: Column) -> np.ndarray:
+def paired(a: Row, b: Row, column: Column) -> np.ndarray:
     """a - b, per seed and problem; a single-seed row (the base) pairs with every seed."""
     ta, tb = table(a, column), table(b, column)
     if len(ta) != len(tb):
@@ -88,7 +88,7 @@ def _paired(a: Row, b: Row, column: Column) -> np.ndarray:
 
 
 def difference_cell(a: Row, b: Row, column: Column) -> str:
-    diff = _paired(a, b, column)
+    diff = paired(a, b, column)
     low, high = statistics.bootstrap_interval(diff)
     verdict = "within noise" if low <= 0 <= high else ("higher" if low > 0 else "lower")
     return f"{diff.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({verdict})"
