@@ -12,8 +12,8 @@ study, docs/results/pope/PREDICTIONS.md) the quantities the predictions name are
 - `success`: P(a right key step, then every carry step's digits right), each carry step along
   the oracle's digits (its notation as the oracle writes it; the digits are what is judged):
   the unguided per-sample success rate, without sampling;
-- `carry_given_key`: `success` / `key_step`, success given a right key step as the policy
-  writes it (with the notation, mostly '<' and the right digits where '>' is rarely named);
+- `carry_given_key`: `success` / `key_step`, success given a right key step, weighted by how
+  the policy writes it (under either name, with the notation);
 - `step_accuracy`: the fraction of steps whose digits are all the argmax.
 
 Each is a mean over problems of a per-problem probability.
@@ -65,19 +65,22 @@ class KeyStepProbe:
 
 
 def steps(model, problems, solutions, tokenizer, task):
-    """Per row: P(the key step's marker), P(its digits | the marker), P(every carry step's
-    digits | the key step), along `solutions`; and the greedy step accuracy."""
+    """Per row, along `solutions`: P(the key step's marker), P(its digits | the marker),
+    P(every carry step's digits | the key step); and the fraction of steps whose digits are all
+    the argmax."""
     tokens, real = forced_rows(problems, solutions, tokenizer, task)
     probabilities = np.asarray(token_probabilities(model, tokens, real))
     predicted = np.asarray(greedy_tokens(model, tokens, real))
-    spans = [task.answer_digit_spans(p) for p in problems]
-    name = np.asarray([probabilities[i, s[0][0] - 1] for i, s in enumerate(spans)])
-    digits, carry = (np.asarray([np.prod([np.prod(probabilities[i, a:b]) for a, b in part(s)])
-                                 for i, s in enumerate(spans)])
-                     for part in (lambda s: s[:1], lambda s: s[1:]))
-    right = [bool((predicted[i, a - 1:b - 1] == tokens[i, a:b]).all())
-             for i, s in enumerate(spans) for a, b in s]
-    return name, digits, carry, float(np.mean(right))
+    name, digits, carry, right = [], [], [], []
+    for i, problem in enumerate(problems):
+        spans = task.answer_digit_spans(problem)  # the key's d c, then each carry step's
+        step_probability = [np.prod(probabilities[i, a:b]) for a, b in spans]
+        name.append(probabilities[i, spans[0][0] - 1])
+        digits.append(step_probability[0])
+        carry.append(np.prod(step_probability[1:]))
+        # logits at position t predict token t + 1
+        right += [bool((predicted[i, a - 1:b - 1] == tokens[i, a:b]).all()) for a, b in spans]
+    return np.asarray(name), np.asarray(digits), np.asarray(carry), float(np.mean(right))
 
 
 def probe(model, problems, tokenizer, task) -> KeyStepProbe:
@@ -90,7 +93,8 @@ def probe(model, problems, tokenizer, task) -> KeyStepProbe:
     # Every other marker the verifier accepts: the same solution with it in the oracle's place.
     accepted = getattr(task, "key_markers", lambda p: (p.solution[0],))
     for other in sorted({m for p in problems for m in accepted(p)}):
-        rows = [i for i, p in enumerate(problems) if other in accepted(p) and other != p.solution[0]]
+        rows = [i for i, p in enumerate(problems)
+                if other in accepted(p) and other != p.solution[0]]
         if rows:
             n, d, c, _ = steps(model, [problems[i] for i in rows],
                                 [other + problems[i].solution[1:] for i in rows], tokenizer, task)

@@ -105,22 +105,10 @@ def step_accuracies(model, problems, tokenizer, task) -> tuple[float, float, flo
     finds. With key steps that name their rule, the last two are P(right d c | the oracle's
     name, '>' on a hard problem) and P(that name | the question): rho and a of
     docs/results/pope/PREDICTIONS.md, whose product is about eps."""
-    tokens, real = key_step_probe.forced_rows(problems, [p.solution for p in problems],
-                                              tokenizer, task)
-    predicted = np.asarray(key_step_probe.greedy_tokens(model, tokens, real))
-    probabilities = np.asarray(key_step_probe.token_probabilities(model, tokens, real))
-    correct = total = 0
-    first, marker = [], []
-    for i, problem in enumerate(problems):
-        for step, (start, end) in enumerate(task.answer_digit_spans(problem)):
-            # logits at position t predict token t + 1
-            correct += bool((predicted[i, start - 1:end - 1] == tokens[i, start:end]).all())
-            total += 1
-            if step == 0:
-                first.append(np.prod(probabilities[i, start:end]))
-                marker.append(probabilities[i, start - 1])
-    mean = lambda values: float(np.mean(values)) if values else 0.0  # noqa: E731
-    return correct / max(total, 1), mean(first), mean(marker)
+    name, first, _, accuracy = key_step_probe.steps(model, problems,
+                                                    [p.solution for p in problems], tokenizer,
+                                                    task)
+    return accuracy, float(first.mean()), float(name.mean())
 
 
 def step_accuracy(model, problems, tokenizer, task=tasks.carry_multiplication) -> float:
