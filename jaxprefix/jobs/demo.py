@@ -1,13 +1,17 @@
-"""The demo: on problems where plain GRPO gets no signal, does POPE make the policy solve them?
+"""The demo: on problems where plain GRPO gets little signal, does POPE make the policy solve them?
 
-    python -m jaxprefix.main --config=configs/pope.py              # ~6 minutes on 2 idle cores
+    python -m jaxprefix.main --config=configs/pope.py              # ~11 minutes on 2 idle cores
+
+The regime the overlap study pre-registered as the paper's mechanism (configs/pope.py,
+docs/DEMO_TASK.md "The demo's regime"): the key step names its rule and POPE's hint is the
+oracle prefix up to that name, so the policy reads the key itself.
 
 1. SFT a tiny policy on the built-in keyed_multiplication task, stopping at a measured window
-   (hard problems never solved alone, solved when the key step, the first of 9, is given).
+   (hard problems at most rarely solved alone, solved when the key step, the first of 9, is
+   given).
 2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix of at most
-   pope.max_prefix_fraction of the solution, given as a hint in the prompt (the task's hint
-   slots, docs/DEMO_TASK.md); a problem with none is handled as pope.unsolved says (the demo:
-   kept in POPE's training, unguided) and counted.
+   pope.max_prefix_fraction of the solution (the demo: the restating hint); a problem with none
+   is handled as pope.unsolved says (the demo: kept in POPE's training, unguided) and counted.
 3. Train POPE, then plain GRPO from the same base at the same rollouts per step, run on to
    POPE's FLOPs (its prefix search included).
 4. Evaluate both, unguided, on held-out hard problems; print a table and write
@@ -98,7 +102,7 @@ def _write(report: dict, workdir: str, config) -> None:
             f"{config.eval.n} samples each. Hard set: {report['hard_set']['hard']} of "
             f"{report['hard_set']['candidates']} candidates solved 0 of "
             f"{report['hard_set']['k']} times by the base policy. POPE's guidance "
-            f"({prefixes['guidance']}): a solvable oracle prefix for {prefixes['found']} of them "
+            f"({_guidance(config)}): a solvable oracle prefix for {prefixes['found']} of them "
             f"(revealing {np.min(fractions):.2f}-{np.max(fractions):.2f} of the solution, median "
             f"{np.median(fractions):.2f}); the others are "
             + UNSOLVED[config.pope.unsolved] + ". GRPO runs on to POPE's FLOPs. Cells: "
@@ -109,6 +113,13 @@ def _write(report: dict, workdir: str, config) -> None:
     storage.write_json(storage.join(workdir, "demo_report.json"), report)
     plot_curves(workdir, list(report["runs"]), storage.join(workdir, "demo_curves.png"),
                 ks=config.eval.ks, base=report["base"])
+
+
+def _guidance(config) -> str:
+    if config.data.get("key_names_rule") and config.pope.template == "default":
+        return ("the restating hint: the oracle answer up to the rule's name, forced; the "
+                "lengths searched, below, all force that one token")
+    return config.pope.guidance
 
 
 def plot_curves(workdir: str, methods, path: str, ks, base: dict | None = None) -> None:
