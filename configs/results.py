@@ -49,32 +49,25 @@ def get_config(arg: str = ""):
         # Its runs: `steps` RL steps of contexts_per_step contexts (x rollout.n samples),
         # evaluated every eval_every with eval_n samples a problem. 60 steps of 32 contexts:
         # what 18 runs on 2 shared cores allow (the previous study: 60 steps of 64).
+        # flops_budget: every arm runs to this total (mining, SFT warm start and second base
+        # included; 0: `steps` each). 4e12: the dearest arm (SFT on the second base's traces,
+        # ~2.2e12 before RL) still gets ~70 RL steps, plain GRPO ~150.
         regime=dict(probe_digits=(8, 10, 12, 14, 16, 18), probe_problems=32, probe_samples=32,
-                    steps=60, contexts_per_step=32, eval_every=10, eval_n=4),
+                    steps=60, contexts_per_step=32, eval_every=10, eval_n=4,
+                    flops_budget=4e12 if carry and args.variant == "carry" else 0.0),
         # The second base of PrefixRL's "traces from a different policy": another SFT seed and
-        # 90% of steps in '^' notation (the first base: 50%).
-        other_base=dict(seed=1, tens_first=0.9),
+        # another shape (4 layers of width 48, the first base 2 of 64, about as many
+        # parameters), the same notation mix, so the gap is not a notation change.
+        other_base=dict(seed=1, layers=4, width=48, mlp_width=192),
         iso_digits=(6, 12), iso_eval_size=512))
     # Rejection sampling: 64 a round, up to 512 per problem (the paper: ~650 on average, capped
     # at 2,500).
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if eps:
-        overlap_axis(c)
+        variants.overlap_axis(c)
     if args.variant in ("smoke", "carry_smoke", "eps_smoke"):
         c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
         c.prefixrl.update(**variants.SMOKE_PREFIXRL)  # results runs PrefixRL too
         c.results.regime.update(probe_digits=(2, 4), probe_problems=4, probe_samples=4, steps=2,
                                 contexts_per_step=16, eval_every=1, eval_n=4)
     return c
-
-
-def overlap_axis(c) -> None:
-    """The eps sweep's settings: the restating notation in the base and the runs, the knob's
-    bases chosen by success given the key alone (at eps ~1e-2 a base solves a few hard problems
-    at every step; the RL hard set is mined from it all the same), and the probe logged."""
-    c.sft.data.key_names_rule = c.data.key_names_rule = True
-    # Sampled from step 700 on: teacher-forced along the oracle's '>' the step accuracy gate
-    # stays shut at low eps (a name the base never writes), though guided it finishes problems.
-    c.sft.update(eval_start=700)
-    c.sft.criterion.update(hard_unsolved=False, sample_from_step_accuracy=0.0)
-    c.eval.key_step_probe = True

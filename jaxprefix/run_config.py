@@ -353,8 +353,12 @@ RESULTS_DOCS = {
     "regime.contexts_per_step": "PrefixRL regime: contexts per step",
     "regime.eval_every": "PrefixRL regime: steps between evaluations",
     "regime.eval_n": "PrefixRL regime: samples per evaluation problem",
+    "regime.flops_budget": "PrefixRL regime: every arm's total FLOPs, its mining and SFT "
+                           "included (0: regime.steps each)",
     "other_base.seed": "the second base's SFT seed",
-    "other_base.tens_first": "the second base's share of '^' notation",
+    "other_base.layers": "the second base's decoder layers",
+    "other_base.width": "the second base's model width",
+    "other_base.mlp_width": "the second base's MLP hidden width",
     "iso_digits": "isocompute comparison: problem digit range",
     "iso_eval_size": "isocompute comparison: evaluation problems",
 }

@@ -408,6 +408,43 @@ def test_results_pipeline_smoke(base, tmp_path):
     check_png(str(workdir / "regime_curves.png"))
 
 
+def test_prefixrl_controls_smoke(base, tmp_path):
+    """PrefixRL's controls: the second base has another shape and is charged its SFT and its
+    sampling; the more-SFT control's problems are ones the base solves, charged their sampling;
+    every arm runs to one FLOPs total (results.regime.flops_budget)."""
+    workdir = tmp_path / "controls"
+    names = ["grpo_regime", "sft_more_regime", "prefixrl_other_regime", "sft_other_traces_regime"]
+    budget = 4e9
+    run_main("configs/results.py:smoke", workdir, f"--config.model.path={base}",
+             f"--config.results.runs=({','.join(repr(n) for n in names)})",
+             f"--config.results.regime.flops_budget={budget}")
+    with open(workdir / "results.json") as f:
+        report = json.load(f)
+    regime = report["studies"]["prefixrl"]
+    other = regime["other_trace_pool"]
+    assert other["shape"] == {"layers": 4, "width": 48, "mlp_width": 192}  # configs/results.py
+    assert other["sft_flops"] > 0 and other["flops"] == pytest.approx(
+        other["sft_flops"] + other["sampling_flops"])
+    with open(workdir / "other_base" / "base" / "config.json") as f:
+        assert json.load(f)["num_hidden_layers"] == 4
+    ran = [r for r in report["runs"].values() if "ledger" in r]
+    assert "grpo_regime" in {r["name"] for r in ran}
+    for run in ran:  # each to the budget: within one step of it, never past it
+        total = ComputeLedger.from_dict(run["ledger"]).total_flops
+        step = max(r["flops/sampling"] + r["flops/update"]
+                   for r in read_metrics(str(workdir / f"{run['name']}_seed0")))
+        assert budget - step < total <= budget, run["name"]
+    # The smoke bases solve nothing at this length: both pools come out empty, their arms say
+    # so, and the searches were made (and cost what the stats say).
+    solved = regime["solved_pool"]
+    assert solved["tried"] > 0 and solved["flops"] > 0 and other["samples"] > 0
+    runs = report["runs"]
+    assert (solved["problems"] == 0) == ("skipped" in runs["sft_more_regime_seed0"])
+    assert (other["problems"] == 0) == ("skipped" in runs["prefixrl_other_regime_seed0"])
+    text = (workdir / "REPORT.md").read_text()
+    assert "to 4e+09 FLOPs in all" in text and "4 layers of width 48" in text
+
+
 def test_eps_sweep_smoke(base, tmp_path):
     """The overlap axis' runs: both hints on the restating notation, GRPO to the larger's FLOPs,
     the key-step probe in every curve and of the base."""

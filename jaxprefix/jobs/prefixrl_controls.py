@@ -6,19 +6,22 @@ correct solutions is more base training; (b) the traces are the policy's own sam
 meets no distribution gap (the paper's SFT baseline learns from off-policy traces). The results
 job's controls test them:
 
-- `more_sft_examples`: oracle solutions, each step's notation drawn as the base's own SFT draws
-  it, of as many problems outside the hard set as the trace pool holds: more base training with
-  no hard problem in it (a), then GRPO;
-- `other_policy_pool`: a second base (another SFT seed and another notation mix) mines its own
-  traces on the same hard set: traces from a different policy, a real distribution gap for the
-  first base (b); PrefixRL and SFT-then-GRPO each run on them, charged for that sampling.
+- `solved_pool`: the base's own traces of as many problems it already solves (fresh problems of
+  the regime's length, outside the hard and held-out sets) as the hard set's trace pool holds:
+  the same kind of data as the traces baseline, on problems that are not hard; SFT on them is
+  more base training with no hard problem in it (a), then GRPO, charged for their sampling;
+- `other_policy_pool`: a second base of another architecture (results.other_base: depth and
+  width) and SFT seed, with the first base's notation mix, mines its own traces on the same hard
+  set: traces from a different policy, a distribution gap that is not a notation change (b);
+  PrefixRL and SFT-then-GRPO each run on them, charged for that base's SFT and sampling.
 """
 from __future__ import annotations
 
-import random
+import json
 
 from jaxprefix import storage
 from jaxprefix.data import tasks
+from jaxprefix.data.problem import Problem
 from jaxprefix.jobs import sft
 from jaxprefix.jobs.mine import make_prober
 from jaxprefix.jobs.policy import Policy
@@ -27,18 +30,20 @@ from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.prompting import TaskPrompts
 
 OTHER_POOL, OTHER_POOL_STATS = "other_trace_pool.jsonl", "other_trace_pool_stats.json"
+SOLVED_POOL, SOLVED_POOL_STATS = "solved_trace_pool.jsonl", "solved_trace_pool_stats.json"
+MAX_SOLVED_BATCHES = 16  # of 4 x count fresh problems: a base that solves almost none stops
 
 
 def other_base_config(study):
-    """The second base's SFT config: the study's, with results.other_base's seed and notation
-    mix (tens_first: the share of steps written '^', 0.5 in the first base), sampled every 50
-    steps from the start of evaluation: with the first base's gate (step accuracy 0.3) this
-    one solved a hard problem at its first sampled point (step 625), leaving no point to keep;
-    it is kept at its last point before that (any policy with traces serves here)."""
+    """The second base's SFT config: the study's, with results.other_base's seed and model
+    shape (the notation mix stays the first base's), sampled every 50 steps from the start of
+    evaluation: with the first base's gate (step accuracy 0.3) a second base solved a hard problem
+    at its first sampled point (step 625), leaving no point to keep; it is kept at its last point
+    before a hard success (any policy with traces serves here)."""
     c = study.config.sft.copy_and_resolve_references()
     other = study.config.results.other_base
     c.seed = other.seed
-    c.data.tens_first = other.tens_first
+    c.model.update(layers=other.layers, width=other.width, mlp_width=other.mlp_width)
     c.eval_every = 50
     c.criterion.sample_from_step_accuracy = 0.0
     return c
@@ -62,32 +67,56 @@ def other_policy_pool(study, workdir: str) -> tuple[str, dict]:
                                      max_samples=p.max_samples, seed=study.config.seed + 3)
     pool.save_jsonl(path, tokenizer)
     report = storage.read_json(storage.join(base, sft.REPORT))
-    stats = {"flops": ledger.extra_flops, "base": base, "problems": len(pool.traces),
+    other = study.config.results.other_base
+    # Charged: the second base's SFT updates and its rejection sampling (the first base's SFT
+    # is every run's alike).
+    stats = {"flops": ledger.extra_flops + report["flops"], "sft_flops": report["flops"],
+             "sampling_flops": ledger.extra_flops, "base": base, "problems": len(pool.traces),
              "samples": int(sum(pool.samples_per_problem.values())),
              "samples_found": [t.samples for t in pool.traces.values()],
-             "sft_chosen_step": report["chosen_step"],
-             "tens_first": study.config.results.other_base.tens_first,
-             "seed": study.config.results.other_base.seed}
+             "sft_chosen_step": report["chosen_step"], "seed": other.seed,
+             "params": model.config.num_params(),
+             "shape": {"layers": other.layers, "width": other.width,
+                       "mlp_width": other.mlp_width}}
     storage.write_json(stats_path, stats)  # written last: it marks a finished pool
     return path, stats
 
 
-def more_sft_examples(study, count: int, seed: int) -> list[tuple]:
-    """(problem, oracle solution tokens) of `count` fresh problems of the regime's length,
-    none in the training hard set or the held-out set, each step's notation drawn as the base's
-    SFT draws it (the base's own training distribution, at this length)."""
-    task = tasks.get(study.config.data.source)
+def solved_examples(study, count: int) -> tuple[list[tuple], dict]:
+    """(problem, the base's own trace) of `count` problems the base solves, and the stats of
+    finding them (the FLOPs their sampling spent): fresh problems of the regime's length, none in
+    the hard or held-out sets, sampled `mining.k` times each, in batches, until `count` have a
+    correct sample (or MAX_SOLVED_BATCHES have been tried: the stats say how many were found).
+    Mined once per study."""
+    path = storage.join(study.mining.dir, SOLVED_POOL)
+    stats_path = storage.join(study.mining.dir, SOLVED_POOL_STATS)
+    if not storage.exists(stats_path):
+        _mine_solved(study, count, path, stats_path)
+    records = [json.loads(line) for line in storage.read_text(path).splitlines() if line]
+    return ([(Problem.from_json(r["problem"]), r["tokens"]) for r in records],
+            storage.read_json(stats_path))
+
+
+def _mine_solved(study, count: int, path: str, stats_path: str) -> None:
+    task, data = tasks.get(study.config.data.source), study.config.data
     taken = {p.id for p in study.hard.problems} | {p.id for p in study.sets.eval}
-    data = study.config.data
-    rng = random.Random(seed)
-    examples, attempt = [], 0
-    while len(examples) < count:
-        fresh = task.generate(count, digits=tuple(data.digits),
-                              multipliers=tuple(data.multipliers), seed=seed * 1000 + attempt)
-        for problem in fresh:
-            if problem.id not in taken and len(examples) < count:
-                taken.add(problem.id)
-                solution = task.sample_solution(problem, rng, study.config.sft.data.tens_first)
-                examples.append((problem, study.policy.prompts.response(solution)))
-        attempt += 1
-    return examples
+    ledger = ComputeLedger(study.policy.model.config.num_params())
+    prober = make_prober(study.config, study.policy, ledger, study.sets.verifier)
+    k = study.config.mining.k
+    found, tried, batch = [], 0, 0
+    while len(found) < count and batch < MAX_SOLVED_BATCHES:
+        fresh = [p for p in task.generate(4 * count, digits=tuple(data.digits),
+                                          multipliers=tuple(data.multipliers),
+                                          seed=data.seed + 7919 + batch) if p.id not in taken]
+        taken |= {p.id for p in fresh}
+        tried += len(fresh)
+        pool = prefixrl.build_trace_pool(prober, study.policy.prompts, fresh,
+                                         samples_per_round=k, max_samples=k,
+                                         seed=study.config.seed + 5 + batch)
+        found += [(p, pool.traces[p.id].tokens) for p in fresh if p.id in pool.traces]
+        batch += 1
+    found = found[:count]
+    storage.write_atomic(path, "".join(json.dumps({"problem": p.to_json(), "tokens": list(t)})
+                                       + "\n" for p, t in found))
+    storage.write_json(stats_path, {"flops": ledger.extra_flops, "problems": len(found),
+                                    "tried": tried, "samples": tried * k})  # last: marks it done

@@ -25,7 +25,7 @@ import math
 from jaxprefix import storage
 from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.jobs import results_report, warm_start
+from jaxprefix.jobs import prefixrl_controls, results_report, warm_start
 from jaxprefix.jobs.method_settings import contexts_per_problem
 from jaxprefix.jobs.mine import LEDGER
 from jaxprefix.jobs.policy import base_dir, load_policy
@@ -100,7 +100,8 @@ RUNS = {
     # PrefixRL's controls (jobs/prefixrl_controls.py): which explanation of SFT's lead survives.
     "grpo_regime": RunSpec("grpo", {}, "plain GRPO on the regime's hard set", regime="prefixrl"),
     "sft_more_regime": RunSpec("grpo", {}, "the more-SFT control (is the base just "
-                               "undertrained?)", warm_start="more_sft", regime="prefixrl"),
+                               "undertrained?): SFT on the base's own traces of problems it "
+                               "already solves", warm_start="more_sft", regime="prefixrl"),
     "prefixrl_other_regime": RunSpec("prefixrl", {}, "PrefixRL on a second base's traces "
                                      "(off-policy traces)", regime="prefixrl", pool="other"),
     "sft_other_traces_regime": RunSpec("grpo", {}, "the off-policy SFT baseline",
@@ -133,9 +134,7 @@ def run_config(study: Study, name: str, seed: int):
         c.train.problems_per_step = max(1, r.contexts_per_step
                                         // contexts_per_problem(c, spec.method))
     if spec.pool == "other":
-        from jaxprefix.jobs.prefixrl_controls import other_policy_pool
-
-        c.prefixrl.pool_path, stats = other_policy_pool(study, storage.dirname(study.workdir))
+        c.prefixrl.pool_path, stats = _other_pool(study)
         c.prefixrl.pool_flops = stats["flops"]
     return c
 
@@ -192,11 +191,10 @@ def _study_record(study: Study) -> dict:
         samples = pool.samples_per_problem
         record["trace_pool"] = {"problems": len(pool.traces), "samples": int(sum(samples.values())),
                                 "samples_found": [int(t.samples) for t in pool.traces.values()]}
-    from jaxprefix.jobs.prefixrl_controls import OTHER_POOL_STATS
-
-    other = storage.join(study.mining.dir, OTHER_POOL_STATS)
-    if storage.exists(other):
-        record["other_trace_pool"] = storage.read_json(other)
+    for key, name in (("other_trace_pool", prefixrl_controls.OTHER_POOL_STATS),
+                      ("solved_pool", prefixrl_controls.SOLVED_POOL_STATS)):
+        if storage.exists(storage.join(study.mining.dir, name)):
+            record[key] = storage.read_json(storage.join(study.mining.dir, name))
     searches = {}
     for name in record["mining"]:
         if name.startswith("prefixes_"):
@@ -237,7 +235,7 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     record, warm_flops = {"name": name, "seed": seed}, 0.0
     if spec.flops_match:
         record["flops_budget"] = c.train.flops_budget
-    if spec.pool == "other" and not _other_traces(study):
+    if spec.pool == "other" and not _other_pool(study)[1]["problems"]:
         return record | {"skipped": "the second base found no trace"}
     if spec.method == "pope" and c.pope.guided_copies:
         kept = _pope_problems(study, c)
@@ -259,6 +257,15 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
         record["warm_start_hard_set"] = study.evaluate(policy.model, f"eval {name} SFT, hard set",
                                                        study.hard.problems)
         record["warm_start_examples"] = warm.report["problems"]
+    budget = float(study.config.results.regime.get("flops_budget", 0.0))
+    if spec.regime == "prefixrl" and budget:
+        # Every arm of the regime to one total: its mining, warm start and second base included.
+        fixed = study.mining.cost(mined_artifacts(c)).extra_flops + warm_flops
+        if fixed >= budget:
+            return record | {"skipped": f"its mining and SFT ({fixed:.3g} FLOPs) spend the "
+                             f"regime's whole budget ({budget:.3g})"}
+        c.train.flops_budget = record["flops_budget"] = budget - fixed
+        c.train.total_steps *= 10  # the budget, not the steps, ends it
     out = run_rl(c, run_dir)
     out["ledger"].extra_flops += warm_flops
     record |= {"steps": out["step"],
@@ -271,10 +278,9 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     return record
 
 
-def _other_traces(study: Study) -> int:
-    from jaxprefix.jobs.prefixrl_controls import other_policy_pool
-
-    return other_policy_pool(study, storage.dirname(study.workdir))[1]["problems"]
+def _other_pool(study: Study) -> tuple[str, dict]:
+    """The second base's trace pool (trained and mined beside the study's workdir, once)."""
+    return prefixrl_controls.other_policy_pool(study, storage.dirname(study.workdir))
 
 
 def _pope_problems(study: Study, c) -> int:
@@ -292,11 +298,14 @@ def warm_start_mining(study: Study, kind: str):
     """What mining the examples of a warm start of `kind` cost (a ledger), paid as the method
     they come from pays for it: the trace pool (PrefixRL's) for SFT on traces, the prefix search
     (POPE's) for SFT on own guided answers; oracle solutions cost nothing."""
-    if kind == "other_traces":  # the second base's rejection sampling
-        from jaxprefix.jobs.prefixrl_controls import other_policy_pool
-
-        cost = study.mining.cost(())
-        cost.extra_flops = other_policy_pool(study, storage.dirname(study.workdir))[1]["flops"]
+    if kind in ("other_traces", "more_sft"):  # a second base's SFT and sampling; the solved
+        cost = study.mining.cost(())          # problems' sampling
+        if kind == "other_traces":
+            stats = _other_pool(study)[1]
+        else:
+            count = len(study.mining.trace_pool(study.hard.problems).traces)
+            stats = prefixrl_controls.solved_examples(study, count)[1]
+        cost.extra_flops = stats["flops"]
         return cost
     method = {"traces": "prefixrl", "own_guided": "pope"}.get(kind)
     if method is None:  # oracle solutions (of the hard set, or more_sft's): nothing mined
@@ -307,14 +316,12 @@ def warm_start_mining(study: Study, kind: str):
 
 
 def _warm_examples(study: Study, kind: str, seed: int) -> list:
-    from jaxprefix.jobs import prefixrl_controls
-
     problems = study.hard.problems
     if kind == "more_sft":  # as many examples as the own trace pool has, none of them hard
         count = len(study.mining.trace_pool(problems).traces)
-        return prefixrl_controls.more_sft_examples(study, count, seed=1000 + seed)
+        return prefixrl_controls.solved_examples(study, count)[0]
     if kind == "other_traces":
-        path, stats = prefixrl_controls.other_policy_pool(study, storage.dirname(study.workdir))
+        path, stats = _other_pool(study)
         if not stats["problems"]:
             return []
         pool = prefixrl.TracePool.load_jsonl(path, study.policy.prompts)

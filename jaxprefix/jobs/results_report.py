@@ -43,8 +43,8 @@ def _setting(spec) -> str:
     warm = {"oracle": "the oracle solutions", "own_guided": "the policy's own correct guided "
             "answers (found by the prefix search), placed after the unguided question",
             "traces": "the trace pool's traces",
-            "other_traces": "a second base's traces", "more_sft": "oracle solutions of as many "
-            "problems outside the hard set"}
+            "other_traces": "a second base's traces", "more_sft": "the base's own traces of as "
+            "many problems it already solves (outside the hard and held-out sets)"}
     parts = [spec.about] + ([f"fields {fields}"] if fields else [])
     if spec.warm_start:
         parts.append(f"SFT on {warm[spec.warm_start]}, then GRPO")
@@ -189,21 +189,39 @@ def regime_section(report: dict, config, specs) -> list[str]:
         f"problem): {pool['problems']} of {study['hard']} problems in {pool['samples']:,} "
         f"samples."]
     if other:
-        lines[-1] += (f" A second base (SFT seed {other['seed']}, {other['tens_first']:.0%} of "
-                      f"steps in '^' notation) found traces for {other['problems']} of "
-                      f"{study['hard']} in {other['samples']:,} samples ({other['flops']:.3g} "
-                      f"FLOPs, charged to the runs that use them).")
-    lines += ["", f"Every run: {r.steps} RL steps, evaluated every {r.eval_every} ({r.eval_n} "
+        lines[-1] += _other_base_sentence(other, study["hard"])
+    solved = study.get("solved_pool")
+    if solved:
+        lines[-1] += (f" The more-SFT control's problems: the base solved {solved['problems']} of "
+                      f"the {solved['tried']:,} fresh ones it tried ({solved['samples']:,} "
+                      f"samples, {solved['flops']:.3g} FLOPs, charged to that run).")
+    budget = float(r.get("flops_budget", 0.0))
+    length = (f"to {budget:.3g} FLOPs in all (its mining, SFT and second base included)"
+              if budget else f"{r.steps} RL steps")
+    lines += ["", f"Every run: {length}, evaluated every {r.eval_every} steps ({r.eval_n} "
               f"samples a problem in the run; the tables' final evaluation {config.eval.n}). "
-              f"The training reward is the unguided pass@1 on the training hard set, as the paper "
-              f"plots.", "", *study_tables.metric_table([base] + rows + _warm_rows(runs),
-                                                       train + held_out), "",
+              f"Held-out pass@1 is the primary figure; the training reward (unguided pass@1 on "
+              f"the training hard set, which the paper plots) rewards memorising SFT'd traces.",
+              "", *study_tables.metric_table([base] + rows + _warm_rows(runs),
+                                             held_out + train), "",
               "Rows:", "", *_legend(runs, specs), "",
               "Paired differences of the final policies:", "",
-              *study_tables.comparison_table(_pairs(rows, base), train + held_out[:1]), "",
+              *study_tables.comparison_table(_pairs(rows, base), held_out[:1] + train[:1]), "",
               *study_tables.group_table([base] + rows, train[0], "multiplier"), ""]
     lines += _targets_lines(runs, study)
     return lines + ["", "![training reward vs FLOPs](regime_curves.png)", ""]
+
+
+def _other_base_sentence(other: dict, hard: int) -> str:
+    shape = other.get("shape")
+    who = (f"{shape['layers']} layers of width {shape['width']}, {other['params']:,} parameters, "
+           f"SFT seed {other['seed']}, the first base's notation mix" if shape else
+           f"SFT seed {other['seed']}, {other['tens_first']:.0%} of steps in '^' notation")
+    charged = (f"{other['sft_flops']:.3g} for its SFT and {other['sampling_flops']:.3g} for the "
+               f"sampling" if "sft_flops" in other else "its sampling only")
+    return (f" A second base ({who}) found traces for {other['problems']} of {hard} in "
+            f"{other['samples']:,} samples; {other['flops']:.3g} FLOPs ({charged}) are charged "
+            f"to the runs that use them.")
 
 
 def _targets_lines(runs: dict, study: dict) -> list[str]:

@@ -30,6 +30,7 @@ from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix import key_step_probe, models, sampling, storage, tokenizers
 from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
+from jaxprefix.rl.compute_ledger import update_flops
 
 REPORT = "sft_report.json"
 EVALS = "sft_evals.json"  # in the workdir: every evaluation point so far, rewritten at each
@@ -196,12 +197,14 @@ def run_sft(config, workdir: str) -> str:
     hard = criterion_hard_set(config)
 
     evals, chosen, chosen_state, losses, figures = [], None, None, [], {}
+    tokens_trained = 0  # real tokens through the updates: the base's SFT FLOPs (6 N D)
     start = time.time()
     bar = tqdm.trange(1, config.max_steps + 1, desc="sft", dynamic_ncols=True)
     for step in bar:
         batch = training_batch(config, step, tokenizer)
         loss = train_step(model, optimizer, *map(jnp.asarray, batch))
         losses.append(float(loss))
+        tokens_trained += int(batch[1].sum())
         if step % 10 == 0:
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", **figures)
         at_eval_point = step >= config.eval_start and step % config.eval_every == 0
@@ -210,7 +213,7 @@ def run_sft(config, workdir: str) -> str:
         metrics = {"step": step, "loss": float(np.mean(losses[-config.eval_every:])),
                    **evaluate(model, hard, tokenizer, criterion, seed=config.seed + step,
                               always_sample=step == config.max_steps, task=task),
-                   "seconds": round(time.time() - start, 1)}
+                   "tokens_trained": tokens_trained, "seconds": round(time.time() - start, 1)}
         evals.append(metrics)
         # The criterion's figures on the bar; every point's in the workdir (and the report).
         figures = _criterion_figures(metrics, criterion)
@@ -232,7 +235,10 @@ def run_sft(config, workdir: str) -> str:
 
     save_pretrained(chosen_state, model_config(config, tokenizer), path,
                            tokenizer=tokenizer)
+    # The updates up to the chosen point (its evaluations' sampling is not counted).
+    flops = update_flops(model_config(config, tokenizer).num_params(), chosen["tokens_trained"])
     report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
+              "flops": flops,
               "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
               "seconds": round(time.time() - start, 1), "config": settings}
     storage.write_json(report_path, report)
