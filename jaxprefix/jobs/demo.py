@@ -117,8 +117,8 @@ def _write(report: dict, workdir: str, config) -> None:
 
 def _guidance(config) -> str:
     if config.data.get("key_names_rule") and config.pope.template == "default":
-        return ("the restating hint: the oracle answer up to the rule's name, forced; the "
-                "lengths searched, below, all force that one token")
+        return ("the restating hint: the oracle answer up to the rule's name, one forced "
+                "token; the fractions revealed are the search's lengths, which all force it")
     return config.pope.guidance
 
 
