@@ -24,6 +24,7 @@ def get_config(arg: str = ""):
     if c.job == "demo":
         variants.overlap_axis(c)
         c.sft.data.second_rule_taught = variants.DEMO_OVERLAP
+    if args.variant == "demo":
         # Under 12 minutes on 2 idle cores (at the study's 32 problems a step it took 14:17):
         # 16 problems a step (32 contexts), and SFT sampled from step 1000 (this level's base
         # is chosen at 1200; each earlier point costs ~5 s and cannot be chosen).

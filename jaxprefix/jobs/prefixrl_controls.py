@@ -6,7 +6,7 @@ correct solutions is more base training; (b) the traces are the policy's own sam
 meets no distribution gap (the paper's SFT baseline learns from off-policy traces). The results
 job's controls test them:
 
-- `solved_pool`: the base's own traces of as many problems it already solves (fresh problems of
+- `solved_examples`: the base's own traces of as many problems it already solves (fresh problems of
   the regime's length, outside the hard and held-out sets) as the hard set's trace pool holds:
   the same kind of data as the traces baseline, on problems that are not hard; SFT on them is
   more base training with no hard problem in it (a), then GRPO, charged for their sampling;

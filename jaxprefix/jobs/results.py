@@ -283,6 +283,13 @@ def _other_pool(study: Study) -> tuple[str, dict]:
     return prefixrl_controls.other_policy_pool(study, storage.dirname(study.workdir))
 
 
+def _solved(study: Study) -> tuple[list, dict]:
+    """The more-SFT control's examples (the base's own traces of problems it solves, as many as
+    the hard set's trace pool holds, none of them hard) and the stats of finding them."""
+    count = len(study.mining.trace_pool(study.hard.problems).traces)
+    return prefixrl_controls.solved_examples(study, count)
+
+
 def _pope_problems(study: Study, c) -> int:
     """How many hard problems a POPE run guides (the rest have no solvable prefix in its cap)."""
     from jaxprefix.jobs.mine import Mining, mining_dir
@@ -303,12 +310,11 @@ def warm_start_mining(study: Study, kind: str):
         if kind == "other_traces":
             stats = _other_pool(study)[1]
         else:
-            count = len(study.mining.trace_pool(study.hard.problems).traces)
-            stats = prefixrl_controls.solved_examples(study, count)[1]
+            stats = _solved(study)[1]
         cost.extra_flops = stats["flops"]
         return cost
     method = {"traces": "prefixrl", "own_guided": "pope"}.get(kind)
-    if method is None:  # oracle solutions (of the hard set, or more_sft's): nothing mined
+    if method is None:  # oracle solutions: nothing mined
         return study.mining.cost(())
     c = study.config.copy_and_resolve_references()
     c.method = method
@@ -317,9 +323,8 @@ def warm_start_mining(study: Study, kind: str):
 
 def _warm_examples(study: Study, kind: str, seed: int) -> list:
     problems = study.hard.problems
-    if kind == "more_sft":  # as many examples as the own trace pool has, none of them hard
-        count = len(study.mining.trace_pool(problems).traces)
-        return prefixrl_controls.solved_examples(study, count)[0]
+    if kind == "more_sft":
+        return _solved(study)[0]
     if kind == "other_traces":
         path, stats = _other_pool(study)
         if not stats["problems"]:
