@@ -146,6 +146,10 @@ def run_results(config, workdir: str) -> dict:
     if unknown:
         raise ConfigError(f"config.results.runs: unknown runs {unknown}; expected among "
                           f"{sorted(RUNS)}, as a tuple: --config.results.runs=\"('grpo','pope_cap1')\"")
+    if config.results.regime.get("flops_budget", 0.0) < 0:
+        raise ConfigError(f"config.results.regime.flops_budget="
+                          f"{config.results.regime.flops_budget}: expected >= 0 FLOPs (0: "
+                          f"regime.steps each)")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}

@@ -233,10 +233,10 @@ def run_sft(config, workdir: str) -> str:
                            f"sampling began (last: {last}); lower config.lr or "
                            f"criterion.sample_from_step_accuracy, or raise config.max_steps")
 
-    save_pretrained(chosen_state, model_config(config, tokenizer), path,
-                           tokenizer=tokenizer)
+    shape = model_config(config, tokenizer)
+    save_pretrained(chosen_state, shape, path, tokenizer=tokenizer)
     # The updates up to the chosen point (its evaluations' sampling is not counted).
-    flops = update_flops(model_config(config, tokenizer).num_params(), chosen["tokens_trained"])
+    flops = update_flops(shape.num_params(), chosen["tokens_trained"])
     report = {"chosen_step": chosen["step"], "criterion_met": meets_criterion(chosen, criterion),
               "flops": flops,
               "criterion": criterion.to_dict(), "evals": evals, "train_losses": losses,
