@@ -115,7 +115,7 @@ def _tpu_continuous(rows: int):
                                       kv_budget_bytes=budget)
     program = found['continuous']
     with jax.set_mesh(mesh):
-        return program.kwargs['layout'].pages, program.lower().compile()
+        return program.kwargs['shape'].layout.pages, program.lower().compile()
 
 
 def test_tpu_program_reads_the_page_pool_in_place():

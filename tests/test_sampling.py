@@ -91,13 +91,11 @@ def test_mixed_lengths_and_shared_prompts_match_each_context_alone(checkpoints):
 def test_context_kv_is_held_once_not_per_sample(checkpoints):
     """The decode reads one copy of each context's KV; only the new tokens' cache has n rows."""
     from flax import nnx
-    from jaxprefix.sampling import static
+    from jaxprefix.sampling import sampler, static
     from jaxprefix.sampling.layout import layout_contexts
     model, _ = checkpoints('llama')
     lay = layout_contexts([list(range(3, 15)), [5, 6, 7]], model.config.vocab_size)
-    arrays = {name: getattr(lay, name) for name in (
-        'prompt_tokens', 'prompt_positions', 'prompt_index', 'suffix_tokens', 'suffix_positions',
-        'last_tokens', 'last_positions', 'valid')}
+    arrays = sampler._layout_arrays(lay, per_context=False)
     graphdef, params = nnx.split(model)
     segments, state = static.prefill(graphdef, params, arrays, n=4, new_bucket=NEW_TOKENS,
                                      gather_prompts=False)

@@ -103,21 +103,18 @@ def test_rows_preempted_when_pages_run_out_draw_the_same_tokens(model, static):
 
 
 def test_preemption_takes_the_fewest_youngest_rows():
-    from jaxprefix.sampling import continuous
-    active, queued = continuous.ACTIVE, continuous.QUEUED
-    rows = continuous.Rows(state=jnp.array([active, active, active, queued, active]),
-                           t=jnp.zeros(5, jnp.int32), token=jnp.zeros(5, jnp.int32),
-                           position=jnp.zeros(5, jnp.int32),
-                           started=jnp.array([0, 5, 3, 9, 7]))
+    from jaxprefix.sampling.page_pool import youngest_to_preempt
+    active = jnp.array([True, True, True, False, True])  # row 3 queued
+    started = jnp.array([0, 5, 3, 9, 7])
     held = jnp.array([3, 1, 2, 0, 1])
     needs = jnp.array([True, True, False, False, True])
     # 1 free page, 3 needed: giving back row 4's (youngest: 1 page, and its own need) leaves
     # 2 needed, 2 free. Rows 1 then 2 would come next.
-    picked = continuous._preempt_block(rows, held, jnp.int32(1), needs)
+    picked = youngest_to_preempt(active, started, held, jnp.int32(1), needs)
     assert picked.tolist() == [False, False, False, False, True]
-    picked = continuous._preempt_block(rows, held, jnp.int32(0), needs)
+    picked = youngest_to_preempt(active, started, held, jnp.int32(0), needs)
     assert picked.tolist() == [False, True, False, False, True]
-    picked = continuous._preempt_block(rows, held, jnp.int32(3), needs)
+    picked = youngest_to_preempt(active, started, held, jnp.int32(3), needs)
     assert not picked.any()
 
 

@@ -1,4 +1,5 @@
-"""Multi-turn episodes (the re-prefilling reference rollout) with a real tool.
+"""Multi-turn episodes with a real tool: the re-prefilling reference rollout, and the KV-kept one
+(rows leave the continuous decode for their tools) that must equal it.
 
 A tiny Decoder is first trained (a few hundred Adam steps on three conversations) to call the
 calculator on arithmetic questions, read the observation and answer, and to answer small talk
@@ -16,6 +17,7 @@ from jaxprefix.models import Decoder, ModelConfig, token_logprobs
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
 from jaxprefix.rl.train_step import Learner, TrainConfig
 from jaxprefix.tokenizers import CharTokenizer
+from jaxprefix.tools.calls import ToolCall
 from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
     episode_metrics, reprefilled_tokens, rollout_episodes
 from jaxprefix.tools.observations import observation_tokens
@@ -175,3 +177,64 @@ def test_observation_tokens_carry_no_loss(policy, episodes):
     unmasked = {**batch, "completion_mask": np.where(observation, 1.0, batch["completion_mask"])
                 .astype(np.float32)}
     assert abs(grad_norm(unmasked) - masked) > 1e-3 * masked
+
+
+def _every_turn_calls(text):
+    """A parser that reads every turn as a call of the calculator on its length: at a high
+    temperature the policy writes no calls, and this keeps its episodes going for every turn."""
+    return [ToolCall("calculator", {"expression": f"{len(text)}*3"})]
+
+
+# Sampled (T = 2, random text), every turn a call: three-turn episodes of different lengths.
+STOCHASTIC = dict(temperature=2.0, parse=_every_turn_calls, episode_token_budget=120)
+# f32 log-probs of two computations in other orders: generate's static and continuous decodes of
+# this model (code that predates turns) already differ by up to 1.4e-6 on the first turn, and a
+# later turn adds the reference's prefill of the conversation against the decode steps that
+# computed the same keys; measured across turns up to 3.6e-6 (logits up to 11 in magnitude).
+LOGPROB_ATOL = 4e-6
+
+
+@pytest.fixture(scope="module")
+def stochastic(policy):
+    return _rollout(policy, **STOCHASTIC)
+
+
+def assert_same_episodes(kept, reference):
+    for a, b in zip(kept, reference, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        assert a.sampled.tolist() == b.sampled.tolist()
+        assert (a.turn_starts, a.tool_calls, a.tool_failures, a.ended, a.group) == \
+            (b.turn_starts, b.tool_calls, b.tool_failures, b.ended, b.group)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stochastic):
+    """Every row in flight on 8 pages of 16 tokens, one promised to each: rows that grow past
+    them make the youngest give their pages back and start again, replaying their earlier turns
+    (counted as re-prefilled); the episodes are the reference's all the same."""
+    _, tokenizer, contexts = policy
+    assert [e.turns for e in stochastic] == [3] * 6 and len({len(e.tokens) for e in stochastic}) > 3
+    assert stochastic[3].ended == BUDGET and all(reprefilled_tokens(e) > 0 for e in stochastic)
+    page = 2 * 2 * 16 * 4 * 2  # K and V of 2 layers, 2 KV heads of 16, f32
+    kept = _rollout(policy, **STOCHASTIC, kv_kept=True, max_rows_in_flight=6, page_size=16,
+                    reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + 8 * 16) * page)
+    assert_same_episodes(kept, stochastic)
+    assert sum(reprefilled_tokens(e) for e in kept) > 0  # earlier turns replayed: preempted
+
+
+@pytest.mark.slow  # two more compiles of the continuous decode
+@pytest.mark.parametrize("rows", [1, 3])
+def test_kv_kept_episodes_equal_the_reference(policy, stochastic, rows):
+    """1 and 3 rows in flight (waiting rows included): the same episodes, and no token of an
+    earlier turn prefilled again."""
+    kept = _rollout(policy, **STOCHASTIC, kv_kept=True, max_rows_in_flight=rows, chunk_steps=8)
+    assert_same_episodes(kept, stochastic)
+    assert episode_metrics(kept)["rollout/reprefilled_tokens"] == 0
+
+
+@pytest.mark.slow  # one more compile
+def test_kv_kept_greedy_episodes_call_the_calculator_as_the_reference(policy, episodes):
+    kept = _rollout(policy, kv_kept=True)
+    assert_same_episodes(kept, episodes)
+    assert episode_metrics(kept) == {**episode_metrics(episodes),
+                                     "rollout/reprefilled_tokens": 0.0}

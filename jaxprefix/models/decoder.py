@@ -174,17 +174,18 @@ class Decoder(nnx.Module):
         by one on those arrays instead of scanning the stacked weights: XLA's CPU backend copies
         each layer's slice of a stacked weight before its matmul, which triples the weight reads
         of a memory-bound decode step (TPU fuses the slice into the matmul).
-        `pages` (no cache; one new token per row): the new tokens also attend to KV in pages
-        (paged_attention.py; a context each group of rows shares, each row's own earlier
-        tokens), read only; the returned KVSegment holds the new tokens' keys and values for the
-        caller to write into its pages.
+        `pages` (no cache): the new tokens also attend to KV in pages (paged_attention.py; a
+        context each group of rows shares, each row's own earlier tokens), read only, all of it
+        before them; the returned KVSegment holds the new tokens' keys and values for the
+        caller to write into its pages (a decode step: one token a row; tokens appended to a
+        row: several, attending causally to each other too).
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
         positions = jnp.where(positions >= 0, positions, -1)
         pages = tuple(pages)
-        if pages and (cache is not None or tokens.shape[1] != 1):
-            raise ValueError('pages take one new token per row and no cache')
+        if pages and cache is not None:
+            raise ValueError('pages take no cache')
         h, kv, _ = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
         return self.unembed(h), kv
 
@@ -266,7 +267,8 @@ class Decoder(nnx.Module):
         context_pos = [s.pos for s in context]
         # Without a cache the new tokens attend to each other: T x T scores, too large to
         # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
-        # A decode step over pages has one new token: plain attention, plus the pages' partial.
+        # Over pages (a decode step, or a few appended tokens): plain attention to the new
+        # tokens themselves, plus the pages' partials.
         attend_fn = attend if cache is not None or pages else functools.partial(
             tpu_attention.attend, sliding_window=c.sliding_window)
 

@@ -1,25 +1,18 @@
 """KV in pages: the layout (`PageLayout`), and a jnp reference of the attention over it.
 
-The continuous sampler keeps every KV it decodes against in pages of `page_size` tokens: the
-context of each group slot (read by the group's n rows together) and the tokens each row has
-generated (pages drawn from a pool as the row grows; sampling/page_pool.py). A page table maps
-a group's i-th page to its page in the pool. Every layer's pages live in the same pool (layer
-l's page p at `page_row(l, p, pages_per_layer)`), so a layer reads its pages straight from the
-pool: no layer is sliced out, and the pool rides in the decode loop's carry, written in place. During a
-forward pass the pools are read only: the new token attends to itself as a segment of its own,
-and the sampler writes its keys and values into the pages before the next step's pass.
+The continuous sampler keeps every KV it decodes against in pages (sampling/page_pool.py): the
+context of each group slot, read by the group's n rows together, and the tokens each row has
+generated. A page table maps a group's i-th page to its page in the pool; `PageLayout` says
+where that page lies, and the sampler's pools, the writes into them, the views a decode step
+reads, this reference and the kernel all take it from there. During a forward pass the pools
+are read only: the new token attends to itself as a segment of its own, and the sampler writes
+its keys and values into the pages before the next step's pass.
 
 The attention returns (output, log-sum-exp) so that it merges with the other parts (the
 context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
 (paged_kernel.py) reads only the pages a group needs; elsewhere `reference` reads every page of
 the layer where it lies, against its owner group's queries, and masks the rest;
 tpu_attention.attend_pages picks by backend.
-
-`PageLayout` says a pool's shape and where each page lies; the sampler's pools, the writes into
-them, the views a decode step reads, this reference and the kernel all take it from there.
-Where the decoder unrolls its layers (CPU) each layer has a pool of its own (`per_layer`):
-XLA:CPU copies a layer's part out of a shared pool before its dots, a fifth of a long-tail
-decode step.
 """
 from __future__ import annotations
 
@@ -45,9 +38,13 @@ class PageLayout:
     A pool holds `pages` pages a layer for each of `blocks` blocks of rows, each page
     `page_size` tokens of every KV head. Its arrays are [kv_heads, blocks * L * pages,
     page_size, head_dim] (int8: with f32 scales [kv_heads, blocks * L * pages, page_size]),
-    block-major, so that under a mesh a device holds its block's run; L is every layer (one
-    array: `per_layer` False, TPU) or 1 (one array per layer: where the decoder unrolls its
-    layers). Page ids in a table are local to their block. Static: hashable, jit-safe."""
+    block-major, so that under a mesh a device holds its block's run. Within a block's run the
+    pages are layer-major: page p of layer l is row `page_row(l, p, pages)`, so a layer reads
+    its pages straight from the pool (no layer is sliced out) and the pool rides in the decode
+    loop's carry, written in place. L is every layer (one array: `per_layer` False, TPU) or 1
+    (one array per layer, where the decoder unrolls its layers: XLA:CPU copies a layer's part
+    out of a shared pool before its dots, a fifth of a long-tail decode step). Page ids in a
+    table are local to their block. Static: hashable, jit-safe."""
     kv_heads: int
     head_dim: int
     layers: int

@@ -9,8 +9,8 @@ group of Q query vectors per page table (the group's rows times the query heads 
 and returns (output, log-sum-exp).
 
 Layout (one device's share; the caller shards groups and KV heads): queries [G, Hkv, Q, Dh],
-pages [Hkv, total_pages, page_size, Dh] with every layer's pages in one pool (layer l's page p
-is `layer * pages_per_layer + p`, so no layer is ever sliced out and copied), a page table
+pages [Hkv, total_pages, page_size, Dh] laid out as `paged_attention.PageLayout` says (every
+layer's pages in one pool, so no layer is ever sliced out and copied), a page table
 [G, pages_per_group], lengths [G] and, per query, the first token it may see (q_start [G, Q, 1]:
 sliding windows; 0 elsewhere) with first_token [G] their minimum. Grid (group, KV head, block of
 pages): each step copies `pages_per_block` pages from HBM into one half of a double buffer

@@ -76,22 +76,22 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale
 
 def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV, layer, *,
                  scale: float, window=None, logit_cap: float | None = None) -> Partial:
-    """The partial softmax of one decode query per row, q [B, 1, H, Dh] at positions q_pos
-    [B, 1], over the pages of layer `layer` (traced int32; a Python int with a pool per layer)
-    its group reads: rows are group-major,
-    B / G of them per group (attention.attend's layout). `window` (traced) limits how far back
-    a query sees.
+    """The partial softmax of queries q [B, T, H, Dh] at positions q_pos [B, T] (a decode step:
+    T = 1; a row's appended tokens: several) over the pages of layer `layer` (traced int32; a
+    Python int with a pool per layer) its group reads: rows are group-major, B / G of them per
+    group (attention.attend's layout), and every page lies before every query. `window`
+    (traced) limits how far back a query sees.
 
     Under a mesh each device runs it on its groups and KV heads (shard_map): groups over the
     batch axes, KV heads and their query heads over 'tensor' when they divide it. What the
     pages hold and the kernel's bytes per token read ride in the name stack
     (`paged_<name>_token_bytes_<n>`) for the compile job.
     """
-    b, _, h, dh = q.shape
+    b, t, h, dh = q.shape
     k_pages, v_pages, k_scales, v_scales, layer = pages.layer(layer)
     hkv = k_pages.shape[0]
     groups = pages.table.shape[0]
-    r, g = b // groups, h // hkv
+    r, g = b // groups * t, h // hkv  # r: a group's queries per head (its rows' tokens)
     queries = q.reshape(groups, r, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(
         groups, hkv, r * g, dh)
     # The first token of its group's pages each query sees: all of them, or a window's worth.
@@ -135,9 +135,9 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
         out, lse = jax.shard_map(local, in_specs=specs, out_specs=(per_group, per_group),
                                  check_vma=False)(*args, *scales)
 
-    def to_rows(x):  # [G, Hkv, r * g, ...] -> [B, 1, Hkv, g, ...]
+    def to_rows(x):  # [G, Hkv, r * g, ...] -> [B, T, Hkv, g, ...]
         x = x.reshape(groups, hkv, r, g, *x.shape[3:]).swapaxes(1, 2)
-        return x.reshape(b, 1, hkv, g, *x.shape[4:])
+        return x.reshape(b, t, hkv, g, *x.shape[4:])
     lse = to_rows(lse)[..., 0]
     return Partial(peak=lse, total=jnp.ones_like(lse), out=to_rows(out))
 

@@ -5,6 +5,7 @@ from jaxprefix.sampling.rollout_spec import RolloutSpec
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import KV_DTYPES, generate
 from jaxprefix.sampling.token_choice import SamplingSettings
+from jaxprefix.sampling.turns import TurnEnd, TurnRollouts, sample_turns
 
 __all__ = ['KV_DTYPES', 'RolloutSpec', 'Rollouts', 'SamplingSettings', 'SharedContext',
-           'decode_layout', 'generate']
+           'TurnEnd', 'TurnRollouts', 'decode_layout', 'generate', 'sample_turns']

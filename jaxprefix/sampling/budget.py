@@ -65,8 +65,8 @@ def static_kv_tokens(num_contexts: int, n: int, context_length: int, new_bucket:
 def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, shards: int,
          bytes_per_token: int, page_bytes: int | None = None,
          page_size: int = DEFAULT_PAGE_SIZE, reserve_fraction: float = 1.0,
-         max_rows_in_flight: int | None = None,
-         kv_budget_bytes: int | None = None) -> ContinuousPlan | None:
+         max_rows_in_flight: int | None = None, kv_budget_bytes: int | None = None,
+         paged: bool = False) -> ContinuousPlan | None:
     """The continuous decode's plan for a request, or None when every row can be in flight at once
     (the static decode: no cap given, or a cap and budget that hold all rows and contexts).
 
@@ -75,12 +75,14 @@ def plan(*, num_contexts: int, n: int, context_length: int, new_bucket: int, sha
     (default the same). A cap below the row
     devices' count still keeps one row per device. reserve_fraction: the share of a whole row's
     pages promised to each active row (below 1 more rows start, and the youngest are preempted
-    when pages run out). Raises ValueError when the budget holds no row at all.
+    when pages run out). paged: the continuous decode even when every row fits (the rows of
+    multi-turn episodes leave the loop and come back: sampling/turns.py). Raises ValueError
+    when the budget holds no row at all.
     """
     rows = num_contexts * n
     static_bytes = static_kv_tokens(num_contexts, n, context_length, new_bucket) * bytes_per_token
     fits = kv_budget_bytes is None or static_bytes <= kv_budget_bytes
-    if fits and (max_rows_in_flight is None or max_rows_in_flight >= rows):
+    if fits and (max_rows_in_flight is None or max_rows_in_flight >= rows) and not paged:
         return None
     if max_rows_in_flight is not None and max_rows_in_flight < 1:
         raise ValueError(f'max_rows_in_flight must be >= 1 (None: every row), got '

@@ -14,7 +14,7 @@ block (see below), K group slots of n rows each:
     are active in its block and the pages reserved for it (`reserve` a row) are unreserved;
     with a reserve below a full row, a row that outgrows its reservation when no page is free
     makes the youngest rows give theirs back (preempted: they start again from their first
-    token later, drawing the same tokens);
+    token later, feeding what they had drawn instead of drawing it again);
   - attention reads the context segments and the row's filled pages only (the Pallas paged
     kernel on TPU, tpu_attention.attend_pages), merged by their log-sum-exp. A step's new
     token attends to itself as a segment of its own; its keys and values go into the pages at
@@ -25,8 +25,13 @@ tokens and log-probs, 8 bytes a token) grow with the request.
 
 Results do not depend on the schedule: sample j of context i draws from (seed, i*n + j, t), t its
 own token index, and its keys and values are the same whatever page holds them, so it attends
-to the same keys in the same order as in the static decode (a preempted row, restarted, draws
-the same tokens again).
+to the same keys in the same order as in the static decode.
+
+Turns (turns.py): a row's episode may have several turns. One whose turn ends before its last
+goes WAITING, keeping its pages, group slot and reservation, and the loop, run in chunks
+(`advance`), returns to the host, which appends the tokens of the tools' answer after the row's
+last one (`turns.resume`); the row feeds them like tokens it had drawn and samples its next
+turn after them. `Limits` say where turns and episodes end: one turn for generate().
 
 Sharding: contexts and rows are split over the D devices of ('data', 'fsdp') in D contiguous
 blocks (block d holds contexts d*C/D .. (d+1)*C/D - 1 and their rows), and every scheduling array
@@ -51,8 +56,42 @@ from jaxprefix.sampling import page_pool
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
 
-IDLE, QUEUED, ACTIVE = 0, 1, 2
+IDLE, QUEUED, ACTIVE, WAITING = 0, 1, 2, 3  # WAITING: its turn ended, the host answers it
 SEGMENTS = ('prompt', 'suffix')  # a context's segments, as layout.py splits it
+_FOREVER = 2 ** 30  # steps, rows or tokens: no bound
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The decode's static sizes, per block of rows (budget.plan chooses them): group slots of
+    n rows, at most `row_slots` of them active, `admit` contexts prefilled together, up to
+    `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
+    pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
+    answer, a preempted row's replay) in passes of that many instead of one a step. Hashable:
+    the one static argument of the programs."""
+    n: int
+    new_bucket: int
+    row_slots: int
+    context_slots: int
+    admit: int
+    reserve: int
+    layout: PageLayout
+    append_tokens: int = 0  # known tokens a row feeds in one pass (0: one a decode step)
+
+
+@flax.struct.dataclass
+class Limits:
+    """Where a row's turn and its episode end (traced: other values do not recompile). A turn
+    ends after a stop id or `turn_tokens` sampled tokens; the episode after `turns` turns or
+    when its tokens (context included) reach `episode_tokens`. One turn of generate():
+    (max_new_tokens, 1, no bound)."""
+    turn_tokens: jax.Array     # int32 []
+    turns: jax.Array           # int32 []
+    episode_tokens: jax.Array  # int32 []
+
+    @classmethod
+    def one_turn(cls, max_new_tokens) -> Limits:
+        return cls(jnp.asarray(max_new_tokens, jnp.int32), jnp.int32(1), jnp.int32(_FOREVER))
 
 
 @flax.struct.dataclass
@@ -69,22 +108,31 @@ class Groups:
 
 @flax.struct.dataclass
 class Rows:
-    """[D, K * n] each; row r of a block is sample r % n of the group in slot r // n."""
-    state: jax.Array    # int32: IDLE (free slot or stopped), QUEUED or ACTIVE
-    t: jax.Array        # int32: tokens drawn so far (its next own token's index)
+    """[D, K * n] each; row r of a block is sample r % n of the group in slot r // n. A row's
+    own tokens are everything after its context: sampled turns and, between them, the tokens
+    the host appended (observations); own token t is drawn at the step that feeds token t - 1."""
+    state: jax.Array    # int32: IDLE (free slot or done), QUEUED, ACTIVE or WAITING
+    t: jax.Array        # int32: own tokens drawn so far (its next own token's index)
     token: jax.Array    # int32: the token fed at the next step
     position: jax.Array  # int32: its position
     started: jax.Array  # int32: the loop step it (last) started at: preemption takes the youngest
+    known: jax.Array    # int32: own tokens below this index are known (Outputs.completions):
+                        # appended by the host, or drawn before a preemption: fed, not drawn
+    replay: jax.Array   # int32: own tokens below this index were computed before a preemption
+    turn: jax.Array     # int32: its turn (0 first)
+    turn_start: jax.Array  # int32: the own index of its turn's first sampled token
 
 
 @flax.struct.dataclass
 class Outputs:
     """[D * R, T] and [D * R], R = contexts per block x n: row (d * C/D + m) * n + j is sample j
     of block d's context m, i.e. rows in request order."""
-    completions: jax.Array  # int32
-    logprobs: jax.Array     # f32
+    completions: jax.Array  # int32: own tokens (sampled, and what the host appended)
+    logprobs: jax.Array     # f32: of sampled tokens (0 elsewhere)
     lengths: jax.Array      # int32
-    stopped: jax.Array      # bool
+    stopped: jax.Array      # bool: its last sampled token is a stop id
+    waiting: jax.Array      # bool: its turn ended and the host has yet to answer
+    recomputed: jax.Array   # int32: tokens before its current turn computed again (preempted)
 
 
 @flax.struct.dataclass
@@ -122,10 +170,10 @@ def _constrain_blocks(tree):
     return jax.tree.map(lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1)), tree)
 
 
-def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> LoopState:
-    """Prefills each block's next `admit` contexts into its first free group slots; their n rows
+def _admit(model, contexts: dict, state: LoopState, shape: Shape) -> LoopState:
+    """Prefills each block's next `shape.admit` contexts into its first free group slots; their n rows
     are queued."""
-    groups = state.groups
+    groups, n, admit = state.groups, shape.n, shape.admit
     d, k = groups.context.shape
     num_valid = _blocks(contexts['valid'], d).sum(axis=1)
     free = groups.context < 0
@@ -164,8 +212,11 @@ def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> Lo
                     lengths=put(groups.lengths, lengths), first=put(groups.first, first))
     taken = jnp.zeros((d, k), bool).at[jnp.arange(d)[:, None], target].set(True, mode='drop')
     queued = jnp.repeat(taken, n, axis=1)
-    rows = state.rows.replace(state=jnp.where(queued, QUEUED, state.rows.state),
-                              t=jnp.where(queued, 0, state.rows.t))
+    fresh = lambda x: jnp.where(queued, 0, x)  # a new episode: nothing drawn, known or replayed
+    rows = state.rows
+    rows = rows.replace(state=jnp.where(queued, QUEUED, rows.state), t=fresh(rows.t),
+                        known=fresh(rows.known), replay=fresh(rows.replay), turn=fresh(rows.turn),
+                        turn_start=fresh(rows.turn_start))
     count = ok.sum(axis=1, dtype=jnp.int32)
     return state.replace(groups=groups, rows=rows, store=store,
                          next_context=state.next_context + count,
@@ -182,20 +233,27 @@ def _wants_contexts(contexts: dict, state: LoopState, *, admit: int) -> jax.Arra
     return jnp.any((pending > 0) & ((free >= jnp.minimum(admit, pending)) | starving))
 
 
-def _unreserved(rows: Rows, tables: page_pool.PageTables, reserve: int) -> jax.Array:
-    """[D] free pages not promised to an active row (each active row is promised `reserve`)."""
-    promised = jnp.where(rows.state == ACTIVE, jnp.maximum(reserve - tables.held, 0), 0)
-    return tables.count - promised.sum(axis=1)
+def _in_flight(rows: Rows) -> jax.Array:
+    """Rows between their start and their episode's end: decoding, or waiting for the host with
+    their pages (and their promise of `reserve`) kept."""
+    return (rows.state == ACTIVE) | (rows.state == WAITING)
 
 
-def _start_rows(state: LoopState, *, n: int, row_slots: int, reserve: int) -> LoopState:
-    """Each block starts its oldest queued rows while it has fewer than `row_slots` active rows
-    and `reserve` unreserved pages for each."""
-    rows, groups = state.rows, state.groups
+def _room(state: LoopState, shape: Shape) -> jax.Array:
+    """[D] rows each block may start now: free row slots with `reserve` unpromised pages each."""
+    in_flight = _in_flight(state.rows)
+    return jnp.minimum(shape.row_slots - in_flight.sum(axis=1),
+                       state.tables.unreserved(in_flight, shape.reserve) // shape.reserve)
+
+
+def _start_rows(state: LoopState, shape: Shape) -> LoopState:
+    """Each block starts its oldest queued rows while it has fewer than `row_slots` rows in
+    flight and `reserve` unreserved pages for each. A row starts from its first own token
+    (again, if it was preempted: what it had drawn is known, and replayed)."""
+    rows, groups, n = state.rows, state.groups, shape.n
     d, r = rows.state.shape
     queued = rows.state == QUEUED
-    room = jnp.minimum(row_slots - (rows.state == ACTIVE).sum(axis=1),
-                       _unreserved(rows, state.tables, reserve) // reserve)
+    room = _room(state, shape)
     # Priority: the group's admission stamp, then the sample index (a stable order).
     priority = jnp.repeat(groups.stamp, n, axis=1) * n + jnp.arange(r) % n
     priority = jnp.where(queued, priority, jnp.iinfo(jnp.int32).max)
@@ -208,30 +266,20 @@ def _start_rows(state: LoopState, *, n: int, row_slots: int, reserve: int) -> Lo
     last_position = jnp.take_along_axis(groups.last_position, jnp.broadcast_to(slot, (d, r)),
                                         axis=1)
     new = lambda fresh, old: jnp.where(start, fresh, old)
-    return state.replace(rows=Rows(
+    return state.replace(rows=rows.replace(
         state=new(ACTIVE, rows.state), t=new(0, rows.t), token=new(last_token, rows.token),
         position=new(last_position, rows.position), started=new(state.step, rows.started)))
 
 
-def _preempt_block(rows: Rows, held, count, needs):
-    """One block short of pages: the fewest youngest active rows whose pages, given back, cover
-    what the others need this step. Returns the rows to preempt [R]."""
-    r = rows.state.shape[0]
-    active = rows.state == ACTIVE
-    age = jnp.where(active, rows.started * r + jnp.arange(r), -1)  # larger: younger
-    order = jnp.argsort(-age)  # youngest first (inactive rows last)
-    freed = jnp.cumsum(jnp.where(active, held, 0)[order])
-    spared = jnp.cumsum(needs[order])
-    total = needs.sum()
-    enough = count + freed >= total - spared  # after preempting the m + 1 youngest
-    m = jnp.where(count >= total, -1, jnp.argmax(enough))
-    return jnp.zeros(r, bool).at[order].set(jnp.arange(r) <= m) & active
-
-
 def _preempt(state: LoopState, needs: jax.Array) -> tuple[LoopState, jax.Array]:
-    preempted = jax.vmap(_preempt_block)(state.rows, state.tables.held, state.tables.count, needs)
-    tables = page_pool.release(state.tables, preempted)
-    rows = state.rows.replace(state=jnp.where(preempted, QUEUED, state.rows.state))
+    """Rows that give their pages back start again from their first own token later, feeding
+    what they had drawn (known) instead of drawing it again: the same tokens by construction,
+    with no tool run twice. Only active rows are preempted: a waiting row keeps its pages."""
+    rows = state.rows
+    tables, preempted = state.tables.preempt(rows.state == ACTIVE, rows.started, needs)
+    upto = lambda x: jnp.where(preempted, jnp.maximum(x, rows.t), x)
+    rows = rows.replace(state=jnp.where(preempted, QUEUED, rows.state), known=upto(rows.known),
+                        replay=upto(rows.replay))
     return state.replace(rows=rows, tables=tables), needs & ~preempted
 
 
@@ -247,31 +295,26 @@ def _pool_constrained(pool: page_pool.Pool) -> page_pool.Pool:
                         pool)
 
 
-def _context_layout(layout: PageLayout, slots: int, length: int) -> PageLayout:
-    """A context segment's pool: `slots` group slots a block of `length` tokens each, in pages
-    of the rows' size (or one page of the segment, if shorter)."""
-    page_size = min(layout.page_size, length)
-    return dataclasses.replace(layout, pages=slots * length // page_size, page_size=page_size)
-
-
-def _initial_state(model, contexts: dict, *, n, context_slots, new_bucket,
-                   layout: PageLayout) -> LoopState:
-    d, k = layout.blocks, context_slots
+def _initial_state(model, contexts: dict, shape: Shape) -> LoopState:
+    layout, n, new_bucket = shape.layout, shape.n, shape.new_bucket
+    d, k = layout.blocks, shape.context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
-    store = tuple(_pool_constrained(page_pool.Pool.empty(_context_layout(layout, k, length)))
+    store = tuple(_pool_constrained(page_pool.Pool.empty(page_pool.context_layout(layout, k, length)))
                   for length in _segment_lengths(contexts))
     segments = len(store)
     ints = lambda shape, fill=0: jnp.full(shape, fill, jnp.int32)
-    rows = Rows(state=ints((d, k * n), IDLE), t=ints((d, k * n)), token=ints((d, k * n)),
-                position=ints((d, k * n)), started=ints((d, k * n)))
+    zeros = ints((d, k * n))
+    rows = Rows(state=ints((d, k * n), IDLE), t=zeros, token=zeros, position=zeros,
+                started=zeros, known=zeros, replay=zeros, turn=zeros, turn_start=zeros)
     groups = Groups(context=ints((d, k), -1), stamp=ints((d, k)), last_token=ints((d, k)),
                     last_position=ints((d, k)), lengths=ints((d, k, segments)),
                     first=ints((d, k, segments)))
     rows_total = d * per_block * n
     out = Outputs(completions=ints((rows_total, new_bucket)),
                   logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
-                  lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
+                  lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool),
+                  waiting=jnp.zeros(rows_total, bool), recomputed=ints((rows_total,)))
     tables = page_pool.PageTables.empty(d, layout.pages, k * n, new_bucket // layout.page_size)
     pool = _pool_constrained(page_pool.Pool.empty(layout))
     kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
@@ -291,8 +334,7 @@ def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
     reading = active.reshape(d, k, n).any(axis=2).reshape(-1)
     views = []
     for i, pool in enumerate(state.store):
-        per_slot = pool.layout.pages // k  # pages a slot holds of this segment
-        views.append(pool.view(page_pool.slot_tables(d, k, per_slot),
+        views.append(pool.view(page_pool.slot_tables(pool.layout, k),
                                jnp.where(reading, state.groups.lengths[..., i].reshape(-1), 0),
                                state.groups.first[..., i].reshape(-1), SEGMENTS[i]))
     r = tables.table.shape[1]
@@ -305,76 +347,203 @@ def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
     return tuple(views)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'row_slots', 'context_slots',
-                                             'admit', 'new_bucket', 'reserve', 'layout'))
+def _appendable(state: LoopState, shape: Shape) -> tuple:
+    """([D, R] each) rows that may feed known tokens in a pass now (active, two or more known
+    ahead, the pages for them free), how many they feed and the pages they then hold."""
+    rows, tables, page_size = state.rows, state.tables, shape.layout.page_size
+    ahead = rows.known - rows.t
+    count = jnp.minimum(ahead, shape.append_tokens)
+    pages = (rows.t + count + page_size - 1) // page_size
+    free = jnp.maximum(pages - tables.held, 0) <= tables.count[:, None]
+    return (rows.state == ACTIVE) & (ahead >= 2) & free, count, pages
+
+
+def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState) -> LoopState:
+    """One row a block feeds up to `append_tokens` of its known tokens in one pass (a prefill
+    over its pages): its token and the known ones after it but the last, whose keys and values
+    go into its pages; it then holds the last back, as a decode step would have left it. The
+    same as that many decode steps, in one forward of a few tokens a row instead."""
+    n, width = shape.n, shape.append_tokens
+    d, k = state.groups.context.shape
+    ok, count, pages = _appendable(state, shape)
+    pick = jnp.argmax(ok, axis=1)  # [D]: the block's first such row
+    at = (jnp.arange(d), pick)
+    some = ok[at]
+    count = jnp.where(some, count[at], 0)
+    tables = state.tables
+    for _ in range(-(-width // shape.layout.page_size) + 1):  # at most that many pages more
+        grows = jnp.zeros(ok.shape, bool).at[at].set(some & (tables.held[at] < pages[at]))
+        tables = page_pool.grow(tables, grows)
+    rows, out = state.rows, state.out
+    t, slot = rows.t[at], pick // n
+    _, episode = episodes_of_rows(state, contexts, shape)
+    episode = episode[at]
+    i = jnp.arange(width)
+    known = out.completions[episode[:, None], jnp.clip(t[:, None] + i - 1, 0,
+                                                       out.completions.shape[1] - 1)]
+    fed = jnp.where(i == 0, rows.token[at][:, None], known)  # [D, width]
+    real = i < count[:, None]
+    positions = jnp.where(real, rows.position[at][:, None] + i, -1)
+    group = jnp.arange(d) * k + slot
+    views = tuple(pool.view(page_pool.slot_tables(pool.layout, k)[group],
+                            jnp.where(some, state.groups.lengths[..., s][at[0], slot], 0),
+                            state.groups.first[..., s][at[0], slot], SEGMENTS[s])
+                  for s, pool in enumerate(state.store))
+    views += (state.pool.view(tables.table[at], jnp.where(some, t, 0),
+                              state.groups.last_position[at[0], slot], 'own'),)
+    _, kv = model.extend(fed, positions, pages=views, layer_weights=layer_weights)
+    flat = lambda x: x.reshape(x.shape[0], d * width, 1, *x.shape[3:])  # a row per token
+    pool = page_pool.write_tokens(state.pool, flat(kv.k), flat(kv.v),
+                                  jnp.repeat(tables.table[at], width, axis=0),
+                                  (t[:, None] + i).reshape(-1), real.reshape(-1))
+    after = t + count
+    taken = t[:, None] + i  # own indices of the known tokens it takes
+    again = real & (taken < rows.replay[at][:, None]) & (taken < rows.turn_start[at][:, None])
+    last = out.completions[episode, jnp.clip(after - 1, 0, out.completions.shape[1] - 1)]
+    put = lambda x, value: x.at[at].set(jnp.where(some, value, x[at]))
+    rows = rows.replace(t=put(rows.t, after), token=put(rows.token, last),
+                        position=put(rows.position, rows.position[at] + count))
+    out = out.replace(recomputed=out.recomputed.at[episode].add(
+        jnp.where(some, again.sum(axis=1), 0)))
+    return state.replace(rows=rows, tables=tables, pool=pool, out=out)
+
+
+def episodes_of_rows(state: LoopState, contexts: dict, shape: Shape) -> tuple:
+    """([D, R] each) the request context of each row's group slot and the row's episode (its
+    output row: context * n + sample)."""
+    d, r = state.rows.state.shape
+    per_block = contexts['valid'].shape[0] // d
+    slot_context = jnp.repeat(jnp.maximum(state.groups.context, 0), shape.n, axis=1)
+    context = jnp.arange(d, dtype=jnp.int32)[:, None] * per_block + slot_context
+    return context, context * shape.n + jnp.arange(r) % shape.n
+
+
+def free_groups(state: LoopState, n: int) -> LoopState:
+    """Group slots none of whose rows is in flight or queued are free again."""
+    d = state.groups.context.shape[0]
+    busy = (state.rows.state != IDLE).reshape(d, -1, n).any(axis=2)
+    return state.replace(groups=state.groups.replace(
+        context=jnp.where(busy, state.groups.context, -1)))
+
+
+def can_progress(contexts: dict, state: LoopState, shape: Shape) -> jax.Array:
+    """Whether a step would do anything: a row is active, a queued row can start, or a block
+    should admit contexts. (Rows waiting for the host alone: nothing to do until it answers.)"""
+    queued = jnp.any(state.rows.state == QUEUED, axis=1)
+    return (jnp.any(state.rows.state == ACTIVE) | jnp.any(queued & (_room(state, shape) > 0))
+            | _wants_contexts(contexts, state, admit=shape.admit))
+
+
+def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids, limits: Limits,
+          layer_weights, shape: Shape, state: LoopState) -> LoopState:
+    """One decode step of every row in flight: admit contexts, start rows, find their pages,
+    then each active row feeds its token and draws the next (or takes it, when known)."""
+    n, page_size = shape.n, shape.layout.page_size
+    last, table = state.pending, state.tables.table
+    state = state.replace(pool=page_pool.write_tokens(
+        state.pool, last.k, last.v, table.reshape(-1, table.shape[-1]),
+        state.rows.t.reshape(-1) - 1, last.valid))
+    state = jax.lax.cond(_wants_contexts(contexts, state, admit=shape.admit),
+                         functools.partial(_admit, model, contexts, shape=shape),
+                         lambda s: s, state)
+    state = _start_rows(state, shape)
+    if shape.append_tokens:
+        append = functools.partial(_append, model, contexts, layer_weights, shape)
+        for _ in range(shape.admit):  # up to `admit` passes a step, each one row a block
+            state = jax.lax.cond(jnp.any(_appendable(state, shape)[0]), append, lambda s: s,
+                                 state)
+    needs = (state.rows.state == ACTIVE) & (state.rows.t % page_size == 0)
+    short = jnp.any(needs.sum(axis=1) > state.tables.count)
+    state, needs = jax.lax.cond(short, _preempt, lambda s, w: (s, w), state, needs)
+    tables = page_pool.grow(state.tables, needs)
+    rows, out = state.rows, state.out
+    active = rows.state == ACTIVE
+    logits, new_kv = model.extend(
+        rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
+        pages=_views(state, tables, active, n=n), layer_weights=layer_weights)
+    context, episode = episodes_of_rows(state, contexts, shape)
+    sample = jnp.arange(rows.t.shape[1]) % n
+    keys = row_step_keys(seed_key, (contexts['stream_index'][context] * n + sample).reshape(-1),
+                         (rows.t + contexts['stream_offset'][context]).reshape(-1))
+    drawn, logprobs = choose_tokens(logits[:, -1], keys, settings)
+    drawn, logprobs = drawn.reshape(rows.t.shape), logprobs.reshape(rows.t.shape)
+    known = active & (rows.t < rows.known)
+    given = out.completions[episode, jnp.minimum(rows.t, out.completions.shape[1] - 1)]
+    tokens = jnp.where(known, given, drawn)
+    sampled = active & ~known
+    hit_stop = sampled & jnp.any(tokens[..., None] == stop_ids, axis=-1)
+    t = rows.t + 1
+    room = limits.episode_tokens - 1 - jnp.repeat(state.groups.last_position, n, axis=1)
+    turn_over = sampled & (hit_stop | (t - rows.turn_start >= limits.turn_tokens) | (t >= room))
+    last_turn = (rows.turn + 1 >= limits.turns) | ((t >= room) & ~hit_stop)
+    finished, waiting = turn_over & last_turn, turn_over & ~last_turn
+    pending = PendingTokens(k=new_kv.k, v=new_kv.v, valid=(active & ~finished).reshape(-1))
+
+    past = out.lengths.shape[0]  # an index past the end: dropped
+    at = jnp.where(sampled, episode, past)
+    again = active & (rows.t < rows.replay) & (rows.t < rows.turn_start)  # an earlier turn's
+    out = out.replace(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
+                      logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
+                      lengths=out.lengths.at[at].set(t, mode='drop'),
+                      stopped=out.stopped.at[at].set(hit_stop, mode='drop'),
+                      waiting=out.waiting.at[jnp.where(waiting, episode, past)].set(True,
+                                                                                    mode='drop'),
+                      recomputed=out.recomputed.at[episode].add(again.astype(jnp.int32)))
+    state_now = jnp.where(finished, IDLE, jnp.where(waiting, WAITING, rows.state))
+    rows = rows.replace(state=state_now, t=jnp.where(active, t, rows.t),
+                        token=jnp.where(active, tokens, rows.token),
+                        position=jnp.where(active, rows.position + 1, rows.position))
+    state = state.replace(step=state.step + 1, rows=rows, pending=pending, out=out,
+                          tables=page_pool.release(tables, finished))
+    return free_groups(state, n)
+
+
+def _run(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids, limits: Limits,
+         state: LoopState, steps, wait_rows, shape: Shape) -> LoopState:
+    """Steps until nothing can progress, or `steps` steps, or `wait_rows` more rows wait for the
+    host than at the start (a chunk of a multi-turn rollout: turns.py)."""
+    layer_weights = model.layer_weights() if shape.layout.per_layer else None
+    until = state.step + steps
+    waited = jnp.sum(state.rows.state == WAITING) + wait_rows
+
+    def keep_going(state: LoopState):
+        return ((state.step < until) & (jnp.sum(state.rows.state == WAITING) < waited)
+                & can_progress(contexts, state, shape))
+
+    step = functools.partial(_step, model, contexts, settings, seed_key, stop_ids, limits,
+                             layer_weights, shape)
+    return jax.lax.while_loop(keep_going, step, state)
+
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'shape'))
 def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key,
-                      stop_ids, max_new_tokens, *, n: int, row_slots: int, context_slots: int,
-                      admit: int, new_bucket: int, reserve: int, layout: PageLayout):
-    """Samples n continuations of each context of `contexts` (layout arrays, one row per context)
-    with at most row_slots active rows per block, in group slots of n rows, over the rows' KV
-    pages `layout` describes (one block per row device; `reserve` pages promised to each active
-    row). Where the layout has a pool per layer, the decode slices each layer's weights once,
-    before the loop, as static.decode's hoist_layers does.
+                      stop_ids, max_new_tokens, *, shape: Shape):
+    """Samples n continuations of each context of `contexts` (layout arrays, one row per
+    context) in the sizes `shape` says (one block per row device). Where the layout has a pool
+    per layer, the decode slices each layer's weights once, before the loop, as static.decode's
+    hoist_layers does.
 
     Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
     """
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
-    layer_weights = model.layer_weights() if layout.per_layer else None
-    d, page_size = layout.blocks, layout.page_size
-    num_contexts = contexts['valid'].shape[0]
-    block_start = jnp.arange(d, dtype=jnp.int32)[:, None] * (num_contexts // d)
-    num_valid = _blocks(contexts['valid'], d).sum(axis=1)
-
-    def keep_going(state: LoopState):
-        return jnp.any(state.rows.state != IDLE) | jnp.any(state.next_context < num_valid)
-
-    def one_step(state: LoopState) -> LoopState:
-        last, table = state.pending, state.tables.table
-        state = state.replace(pool=page_pool.write_tokens(
-            state.pool, last.k, last.v, table.reshape(-1, table.shape[-1]),
-            state.rows.t.reshape(-1) - 1, last.valid))
-        state = jax.lax.cond(_wants_contexts(contexts, state, admit=admit),
-                             functools.partial(_admit, model, contexts, n=n, admit=admit),
-                             lambda s: s, state)
-        state = _start_rows(state, n=n, row_slots=row_slots, reserve=reserve)
-        needs = (state.rows.state == ACTIVE) & (state.rows.t % page_size == 0)
-        short = jnp.any(needs.sum(axis=1) > state.tables.count)
-        state, needs = jax.lax.cond(short, _preempt, lambda s, w: (s, w), state, needs)
-        tables = page_pool.grow(state.tables, needs)
-        rows = state.rows
-        active = rows.state == ACTIVE
-        logits, new_kv = model.extend(
-            rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
-            pages=_views(state, tables, active, n=n),
-            layer_weights=layer_weights)
-        slot_context = jnp.repeat(jnp.maximum(state.groups.context, 0), n, axis=1)  # [D, R]
-        sample = jnp.arange(rows.t.shape[1]) % n
-        row_ids = (block_start + slot_context) * n + sample
-        keys = row_step_keys(seed_key, row_ids.reshape(-1), rows.t.reshape(-1))
-        tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
-        tokens, logprobs = tokens.reshape(rows.t.shape), logprobs.reshape(rows.t.shape)
-        hit_stop = active & jnp.any(tokens[..., None] == stop_ids, axis=-1)
-        t = rows.t + 1
-        finished = active & (hit_stop | (t >= max_new_tokens))
-        pending = PendingTokens(k=new_kv.k, v=new_kv.v, valid=(active & ~finished).reshape(-1))
-
-        out = state.out
-        at = jnp.where(active, row_ids, out.lengths.shape[0])  # past the end: dropped
-        out = Outputs(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
-                      logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
-                      lengths=out.lengths.at[at].set(t, mode='drop'),
-                      stopped=out.stopped.at[at].set(hit_stop, mode='drop'))
-        rows = rows.replace(state=jnp.where(finished, IDLE, rows.state),
-                            t=jnp.where(active, t, rows.t), token=jnp.where(active, tokens, rows.token),
-                            position=jnp.where(active, rows.position + 1, rows.position))
-        tables = page_pool.release(tables, finished)
-        busy = (rows.state != IDLE).reshape(d, -1, n).any(axis=2)
-        groups = state.groups.replace(context=jnp.where(busy, state.groups.context, -1))
-        return state.replace(step=state.step + 1, groups=groups, rows=rows, tables=tables,
-                             pending=pending, out=out)
-
-    state = _initial_state(model, contexts, n=n, context_slots=context_slots,
-                           new_bucket=new_bucket, layout=layout)
-    out = jax.lax.while_loop(keep_going, one_step, state).out
+    state = _initial_state(model, contexts, shape)
+    out = _run(model, contexts, settings, seed_key, stop_ids, Limits.one_turn(max_new_tokens),
+               state, _FOREVER, _FOREVER, shape).out
     return out.completions, out.logprobs, out.lengths, out.stopped
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'shape'))
+def start(graphdef, params, contexts: dict, *, shape: Shape) -> LoopState:
+    """The loop's state before its first step (a multi-turn rollout runs it in chunks)."""
+    return _initial_state(nnx.merge(graphdef, params), contexts, shape)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'shape'), donate_argnames=('state',))
+def advance(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
+            limits: Limits, state: LoopState, steps, wait_rows, *, shape: Shape) -> LoopState:
+    """One chunk of a multi-turn rollout (_run's bounds), in place."""
+    TRACE_COUNTS['turns'] += 1
+    return _run(nnx.merge(graphdef, params), contexts, settings, seed_key, stop_ids, limits,
+                state, steps, wait_rows, shape)

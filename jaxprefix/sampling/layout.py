@@ -50,6 +50,8 @@ class ContextLayout:
     last_tokens: np.ndarray       # int32 [C_pad]
     last_positions: np.ndarray    # int32 [C_pad]
     valid: np.ndarray             # bool [C_pad]
+    stream_index: np.ndarray      # int32 [C_pad]  its samples draw as context stream_index's
+    stream_offset: np.ndarray     # int32 [C_pad]  ... from this token index on (token_choice)
     full_contexts: list           # list[list[int]], the C real contexts as flat token lists
 
     @property
@@ -86,12 +88,13 @@ def _check_ids(tokens: Sequence[int], vocab_size: int, where: str) -> None:
                          f'{ids.dtype} values in [{ids.min()}, {ids.max()}]')
 
 
-def layout_contexts(contexts: Sequence[Context], vocab_size: int,
-                    context_multiple: int = 1) -> ContextLayout:
+def layout_contexts(contexts: Sequence[Context], vocab_size: int, context_multiple: int = 1,
+                    streams: Sequence[tuple[int, int]] | None = None) -> ContextLayout:
     """Splits, deduplicates prompts, pads and buckets `contexts`.
 
     `context_multiple`: the padded context count is also a multiple of this (so that rows divide
-    evenly over data-parallel devices).
+    evenly over data-parallel devices). `streams`: for each context, (k, o): its samples draw
+    the random numbers context k's would, from token index o on (None: (i, 0) for context i).
     """
     if isinstance(contexts, np.ndarray) and contexts.ndim == 2:
         contexts = list(contexts)  # a [C, S] array of equal-length contexts
@@ -136,5 +139,12 @@ def layout_contexts(contexts: Sequence[Context], vocab_size: int,
         last_tokens[c] = suffix[-1]
         last_positions[c] = len(prompt) + len(body)
     valid = np.arange(c_pad) < num_c
+    stream_index, stream_offset = np.arange(c_pad, dtype=np.int32), np.zeros(c_pad, np.int32)
+    if streams is not None:
+        if len(streams) != num_c:
+            raise ValueError(f'streams: expected one (index, offset) per context ({num_c}), got '
+                             f'{len(streams)}')
+        stream_index[:num_c], stream_offset[:num_c] = np.asarray(streams, np.int32).T
     return ContextLayout(prompt_tokens, prompt_positions, prompt_index, suffix_tokens,
-                         suffix_positions, last_tokens, last_positions, valid, full)
+                         suffix_positions, last_tokens, last_positions, valid, stream_index,
+                         stream_offset, full)

@@ -1,21 +1,22 @@
-"""The continuous sampler's KV pages: pools, page tables, and the writes into them.
+"""The continuous sampler's KV pages: pools, page tables with their accounting, and the writes.
 
-Two kinds of pool, each laid out as its `paged_attention.PageLayout` says (the one owner of
-where a page lies and what it weighs):
-  - the rows' pool: each block of rows (one per row device) owns `pages` pages per layer. A
-    row's page table lists the pages that hold its own tokens, in order; page i holds its tokens
-    i * page_size .. (i + 1) * page_size - 1. Free pages sit on a stack per block. `grow` hands
-    the top free page to each row about to write the first token of a page, `release` takes
-    stopped (or preempted) rows' pages back, `write_tokens` puts each active row's new token's
-    K and V in its page, in place;
+Where a page lies in a pool and what it weighs is `paged_attention.PageLayout`'s business (the one
+owner of that arithmetic); here are what the decode loop does with pages:
+  - the rows' pool: each block of rows owns `pages` pages per layer. A row's page table lists
+    the pages that hold its own tokens, in order (page i: its tokens i * page_size ..). Free
+    pages sit on a stack per block. `grow` hands the top free page to each row about to write
+    the first token of a page, `release` takes rows' pages back, `write_tokens` puts each
+    active row's new token's K and V in its page, in place;
+  - the accounting (`PageTables.unreserved`, `PageTables.preempt`): a row is promised `reserve`
+    pages when it starts; it starts only when that many are free and unpromised, and when rows
+    need more pages than are free the fewest youngest give theirs back (preempted);
   - a context pool per context segment (prompt, suffix): group slot k of a block owns pages
-    k * W .. (k + 1) * W - 1 (a fixed table, `slot_tables`); `write_slots` puts admitted
-    contexts' prefilled KV there.
-All of it is arrays in the decode loop's carry, changed by vectorised, pure functions. How many
-pages a row may take is the scheduler's business (continuous.py): it starts a row only when the
-pages promised to it are free, and preempts the youngest rows when they are not.
+    k * W .. (k + 1) * W - 1 (`slot_tables`); `write_slots` puts admitted contexts' KV there.
+All of it is arrays in the decode loop's carry, changed by vectorised, pure functions.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import flax.struct
 import jax
@@ -40,6 +41,34 @@ class PageTables:
                    count=jnp.full((blocks,), pages, jnp.int32),
                    table=jnp.zeros((blocks, rows, pages_per_row), jnp.int32),
                    held=jnp.zeros((blocks, rows), jnp.int32))
+
+    def unreserved(self, promised: jax.Array, reserve: int) -> jax.Array:
+        """[D] free pages not promised to a row: each row marked in promised [D, R] is promised
+        `reserve` pages in all, of which it holds some already."""
+        owed = jnp.where(promised, jnp.maximum(reserve - self.held, 0), 0)
+        return self.count - owed.sum(axis=1)
+
+    def preempt(self, active: jax.Array, started: jax.Array,
+                needs: jax.Array) -> tuple[PageTables, jax.Array]:
+        """Where a block's active rows need more pages this step than are free (needs [D, R]),
+        the fewest youngest of them (`started` [D, R]: the step each started at) give every page
+        back. Returns (tables, the preempted rows [D, R])."""
+        preempted = jax.vmap(youngest_to_preempt)(active, started, self.held, self.count, needs)
+        return release(self, preempted), preempted
+
+
+def youngest_to_preempt(active, started, held, count, needs):
+    """One block's rows [R] to preempt: the fewest youngest active rows whose pages, given back,
+    cover what the others need (none when `count` free pages already do)."""
+    r = active.shape[0]
+    age = jnp.where(active, started * r + jnp.arange(r), -1)  # larger: younger
+    order = jnp.argsort(-age)  # youngest first (inactive rows last)
+    freed = jnp.cumsum(jnp.where(active, held, 0)[order])
+    spared = jnp.cumsum(needs[order])
+    total = needs.sum()
+    enough = count + freed >= total - spared  # after preempting the m + 1 youngest
+    m = jnp.where(count >= total, -1, jnp.argmax(enough))
+    return jnp.zeros(r, bool).at[order].set(jnp.arange(r) <= m) & active
 
 
 def _grow_block(free, count, table, held, needs):
@@ -111,10 +140,20 @@ class Pool:
                                        layout=self.layout, name=name)
 
 
-def slot_tables(blocks: int, slots: int, pages_per_slot: int) -> jax.Array:
-    """int32 [D * K, W]: group slot k of each block reads its context pages k * W .. k * W + W - 1."""
-    table = jnp.arange(slots * pages_per_slot, dtype=jnp.int32).reshape(slots, pages_per_slot)
-    return jnp.tile(table, (blocks, 1))
+def context_layout(rows: paged_attention.PageLayout, slots: int,
+                   length: int) -> paged_attention.PageLayout:
+    """A context segment's pool: `slots` group slots a block of `length` tokens each, in pages
+    of the rows' size (or one page of the segment, if shorter)."""
+    page_size = min(rows.page_size, length)
+    return dataclasses.replace(rows, pages=slots * length // page_size, page_size=page_size)
+
+
+def slot_tables(layout: paged_attention.PageLayout, slots: int) -> jax.Array:
+    """int32 [D * K, W] of a context pool: group slot k of each block reads its pages
+    k * W .. k * W + W - 1."""
+    per_slot = layout.pages // slots
+    table = jnp.arange(slots * per_slot, dtype=jnp.int32).reshape(slots, per_slot)
+    return jnp.tile(table, (layout.blocks, 1))
 
 
 def write_slots(pool: Pool, new_k: jax.Array, new_v: jax.Array, target: jax.Array) -> Pool:

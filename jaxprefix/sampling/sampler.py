@@ -97,7 +97,7 @@ def _rows_per_device(mesh) -> int:
 def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
              max_rows_in_flight, kv_budget_bytes, memory_headroom=None,
              page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None, reserve_fraction=1.0,
-             tensor_parallel=None) -> _Request:
+             tensor_parallel=None, streams=None, paged=False) -> _Request:
     if int(n) != n or n < 1:
         raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
@@ -137,16 +137,16 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
         kv_budget_bytes = None if kv_budget_bytes is None else max(0, kv_budget_bytes)
     shards = _rows_per_device(mesh)
     # Static rows (C * n) must divide over the row devices; continuous contexts themselves must.
-    lay = layout_contexts(contexts, config.vocab_size, shards // math.gcd(n, shards))
+    lay = layout_contexts(contexts, config.vocab_size, shards // math.gcd(n, shards), streams)
     plan = budget.plan(
         num_contexts=math.lcm(lay.valid.shape[0], shards), n=n,
         context_length=lay.prompt_tokens.shape[1] + lay.suffix_tokens.shape[1],
         new_bucket=new_bucket, shards=shards, bytes_per_token=budget.kv_bytes_per_token(config),
         page_bytes=budget.page_bytes_per_token(config, kv_dtype), page_size=page_size,
         reserve_fraction=reserve_fraction, max_rows_in_flight=max_rows_in_flight,
-        kv_budget_bytes=kv_budget_bytes)
+        kv_budget_bytes=kv_budget_bytes, paged=paged)
     if plan is not None and lay.valid.shape[0] % shards:
-        lay = layout_contexts(contexts, config.vocab_size, shards)
+        lay = layout_contexts(contexts, config.vocab_size, shards, streams)
     hoist_layers = platform == 'cpu'
     # One pool per layer where the decoder unrolls its layers (CPU), else every layer in one.
     pages = None if plan is None else PageLayout(
@@ -170,7 +170,7 @@ def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
     continuous decode prefills contexts a few at a time, so it does not share prompt rows)."""
     arrays = {name: getattr(lay, name) for name in (
         'prompt_tokens', 'prompt_positions', 'prompt_index', 'suffix_tokens', 'suffix_positions',
-        'last_tokens', 'last_positions', 'valid')}
+        'last_tokens', 'last_positions', 'valid', 'stream_index', 'stream_offset')}
     if per_context:
         for name in ('prompt_tokens', 'prompt_positions'):
             arrays[name] = arrays[name][lay.prompt_index]
@@ -198,14 +198,18 @@ def _decode_program(req: _Request, segments, state) -> Program:
                                    *_sampling_args(req)), dict(hoist_layers=req.hoist_layers))
 
 
-def _continuous_program(req: _Request) -> Program:
+def continuous_shape(req: _Request) -> continuous.Shape:
     s = req.plan
+    return continuous.Shape(n=req.n, new_bucket=req.new_bucket, row_slots=s.row_slots,
+                            context_slots=s.context_slots, admit=s.admit, reserve=s.reserve,
+                            layout=req.pages)
+
+
+def _continuous_program(req: _Request) -> Program:
     return Program(continuous.sample_continuous,
                    (req.graphdef, req.params, _layout_arrays(req.layout, True),
                     *_sampling_args(req)),
-                   dict(n=req.n, row_slots=s.row_slots, context_slots=s.context_slots,
-                        admit=s.admit, new_bucket=req.new_bucket, reserve=s.reserve,
-                        layout=req.pages))
+                   dict(shape=continuous_shape(req)))
 
 
 def _mesh_scope(mesh):
@@ -217,13 +221,16 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
              stop_ids: Sequence[int] = (), seed: int = 0, max_rows_in_flight: int | None = None,
              kv_budget_bytes: int | None = None, memory_headroom: float | None = None,
              page_size: int = budget.DEFAULT_PAGE_SIZE, kv_dtype: str | None = None,
-             reserve_fraction: float = 1.0, tensor_parallel: int | None = None) -> Rollouts:
+             reserve_fraction: float = 1.0, tensor_parallel: int | None = None,
+             streams: Sequence[tuple[int, int]] | None = None) -> Rollouts:
     """Samples n continuations of each context (a token-id list or a `SharedContext`).
 
     Rows i*n .. i*n+n-1 of the result continue contexts[i]. temperature 0 decodes greedily. A
     sample ends after a stop id (kept in its completion) or after max_new_tokens tokens. Sample j
     of context i draws from the PRNG stream (seed, i*n + j, its token index): same seed, same
-    rollouts, whatever the rows in flight or the devices.
+    rollouts, whatever the rows in flight or the devices. streams: for each context, (k, o):
+    its sample j draws from (seed, k*n + j, o + its token index) instead, as if it were context
+    k with o tokens drawn (a multi-turn conversation continued: tools/episodes.py).
 
     max_rows_in_flight: at most this many rows decode at once (rounded down to a multiple of the
     row devices, at least one each); None: every row. kv_budget_bytes: the KV cache (contexts and
@@ -240,7 +247,8 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
                    top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
                    memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
-                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel)
+                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel,
+                   streams=streams)
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     with _mesh_scope(req.mesh):

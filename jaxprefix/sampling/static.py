@@ -43,6 +43,8 @@ class DecodeState:
     inputs: jax.Array        # int32 [B]  token fed at this step (the held-back context token first)
     positions: jax.Array     # int32 [B]  its position
     done: jax.Array          # bool [B]   stopped, truncated, or a padding row
+    streams: jax.Array       # int32 [B]  the row's PRNG stream (token_choice.row_step_keys)
+    offsets: jax.Array       # int32 [B]  the stream's token index at step 0
     stopped: jax.Array       # bool [B]   ended on a stop id
     lengths: jax.Array       # int32 [B]
     completions: jax.Array   # int32 [B, T]
@@ -71,9 +73,11 @@ def prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prom
     def rows(per_context):  # group-major: row c * n + j is sample j of context c
         return jnp.repeat(per_context, n, axis=0)
 
+    sample = jnp.tile(jnp.arange(n, dtype=jnp.int32), lay['valid'].shape[0])
     state = DecodeState(
         step=jnp.zeros((), jnp.int32), inputs=rows(lay['last_tokens']),
         positions=rows(lay['last_positions']), done=rows(~lay['valid']),
+        streams=rows(lay['stream_index']) * n + sample, offsets=rows(lay['stream_offset']),
         stopped=jnp.zeros(num_rows, bool), lengths=jnp.zeros(num_rows, jnp.int32),
         completions=jnp.zeros((num_rows, new_bucket), jnp.int32),
         logprobs=jnp.zeros((num_rows, new_bucket), jnp.float32),
@@ -90,7 +94,6 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
     hoist_layers: slice each layer's weights once, before the loop (Decoder.layer_weights).
     """
     TRACE_COUNTS['decode'] += 1
-    row_ids = jnp.arange(state.inputs.shape[0], dtype=jnp.int32)
     layer_weights = nnx.merge(graphdef, params).layer_weights() if hoist_layers else None
 
     def keep_going(s: DecodeState):
@@ -100,11 +103,11 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
         model = nnx.merge(graphdef, params)
         logits, cache = model.extend(s.inputs[:, None], s.positions[:, None], context=segments,
                                      cache=s.cache, layer_weights=layer_weights)
-        keys = row_step_keys(seed_key, row_ids, s.step)
+        keys = row_step_keys(seed_key, s.streams, s.step + s.offsets)
         tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
         active = ~s.done
         hit_stop = active & jnp.any(tokens[:, None] == stop_ids[None, :], axis=-1)
-        return DecodeState(
+        return s.replace(
             step=s.step + 1, inputs=tokens, positions=s.positions + 1,
             done=s.done | hit_stop | (s.step + 1 >= max_new_tokens), stopped=s.stopped | hit_stop,
             lengths=s.lengths + active.astype(jnp.int32),

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import time
 from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxprefix.sampling import Rollouts, generate
+from jaxprefix.sampling import Rollouts, TurnEnd, generate, sample_turns
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, ToolResult, error
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
@@ -56,6 +57,7 @@ class Episode:
     tool_failures: int
     ended: str
     group: int
+    reprefilled: int = 0  # tokens of earlier turns the rollout prefilled again (the metric's)
 
     @property
     def turns(self) -> int:
@@ -87,6 +89,12 @@ class _Running:
     tool_calls: int = 0
     tool_failures: int = 0
     ended: str | None = None
+    reprefilled: int = 0
+    observed: int = 0  # the newest observation's tokens (the reference's bookkeeping)
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_starts)
 
     def append(self, ids, logprobs=None):
         self.tokens.extend(int(i) for i in ids)
@@ -97,7 +105,7 @@ class _Running:
         return Episode(np.array(self.tokens, np.int32), np.array(self.sampled, np.int32),
                        np.array(self.logprobs, np.float32), self.prompt_length,
                        tuple(self.turn_starts), self.tool_calls, self.tool_failures,
-                       self.ended, self.group)
+                       self.ended, self.group, self.reprefilled)
 
 
 def run_calls(calls: Sequence[ToolCall], tools: Registry, max_chars: int = DEFAULT_MAX_CHARS,
@@ -113,22 +121,75 @@ def run_calls(calls: Sequence[ToolCall], tools: Registry, max_chars: int = DEFAU
         return list(pool.map(one, calls))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rules:
+    """How a rollout turns sampled turns into episodes: the same for both rollouts."""
+    tokenizer: object
+    tools: Registry
+    parse: Callable[[str], list[ToolCall]]
+    stops: frozenset
+    max_turns: int
+    budget: int
+    max_chars: int
+
+    def take_turn(self, episode: _Running, ids, logprobs, stopped: bool) -> list[ToolCall]:
+        """Appends a sampled turn (cut at the episode's budget) and returns its calls to run;
+        none when the episode ended there (`ended` set)."""
+        room = self.budget - len(episode.tokens)
+        stopped = stopped and len(ids) <= room
+        ids, logprobs = ids[:room], logprobs[:room]
+        episode.turn_starts.append(len(episode.tokens))
+        episode.append(ids, logprobs)
+        if not stopped and len(episode.tokens) >= self.budget:
+            episode.ended = BUDGET
+            return []
+        calls = self.parse(self.tokenizer.decode([int(i) for i in ids]))
+        if not calls:
+            episode.ended = ANSWER if stopped else TRUNCATED
+        elif episode.turns == self.max_turns:
+            episode.ended = MAX_TURNS
+            return []
+        return calls
+
+    def observe(self, episode: _Running, calls: Sequence[ToolCall],
+                results: Sequence[ToolResult]) -> list[int] | None:
+        """Appends the calls' observation tokens and returns them (None: no room left for them
+        and a next token, the episode ended on its budget)."""
+        episode.tool_calls += len(calls)
+        episode.tool_failures += sum(not r.ok for r in results)
+        last = episode.tokens[-1] if episode.tokens[-1] in self.stops else None
+        observation = observation_tokens(self.tokenizer, [r.text for r in results], last)
+        if len(episode.tokens) + len(observation) >= self.budget:
+            episode.ended = BUDGET
+            return None
+        episode.append(observation)
+        return observation
+
+
 def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, tools: Registry,
                      n: int, max_turns: int, episode_token_budget: int, max_new_tokens: int,
                      stop_ids: Sequence[int] = (), seed: int = 0,
                      parse: Callable[[str], list[ToolCall]] | None = None,
                      max_observation_chars: int = DEFAULT_MAX_CHARS, tool_workers: int = 1,
+                     kv_kept: bool = False, chunk_steps: int = 32, timings: dict | None = None,
                      **sampler) -> list[Episode]:
     """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
     answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
 
-    Each turn is one `generate` call (max_new_tokens per turn, `stop_ids`, and `sampler`'s
-    other keywords: RolloutSpec.sampler_keywords()) on every running conversation, re-prefilled
-    whole (the reference arm: see the module docstring). A turn whose text holds tool calls
-    (`parse`: the chat template's format by default) has its tools run and the observations'
-    tokens appended (tools/observations.py); a turn without a call that ended on a stop token is
-    the final answer. The calls of a turn's episodes run together, `tool_workers` at a time
-    (run_calls), between that turn's generate call and the next.
+    Each turn samples up to max_new_tokens (`stop_ids`, and `sampler`'s other keywords:
+    RolloutSpec.sampler_keywords()). A turn whose text holds tool calls (`parse`: the chat
+    template's format by default) has its tools run and the observations' tokens appended
+    (tools/observations.py); a turn without a call that ended on a stop token is the final
+    answer. Two rollouts give the same episodes (tests/test_tool_turns.py):
+      - kv_kept=False, the REFERENCE: one `generate` call per turn on every running
+        conversation, re-prefilled whole; a turn's calls run together, `tool_workers` at a
+        time (run_calls), between that turn's generate call and the next;
+      - kv_kept=True: sampling.sample_turns, one continuous decode in which a row leaves for
+        its tools and comes back with its KV kept (no earlier turn prefilled again); each
+        episode's calls run in one of `tool_workers` threads while the device decodes the
+        other rows, and the loop returns to the host every `chunk_steps` steps at most.
+    `timings` (a dict, optional) receives how the time went: wall_s, device_s (the device at
+    work), tools_s (a tool running) and idle_while_tools_s (the device idle meanwhile).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
@@ -136,59 +197,95 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     if longest >= episode_token_budget:
         raise ValueError(f"episode_token_budget={episode_token_budget}: expected more than the "
                          f"longest context ({longest} tokens)")
-    parse = parse or parser(format_for(tokenizer.chat_template))
-    stops = set(int(s) for s in stop_ids)
+    rules = _Rules(tokenizer, tools, parse or parser(format_for(tokenizer.chat_template)),
+                   frozenset(int(s) for s in stop_ids), max_turns, episode_token_budget,
+                   max_observation_chars)
     running = [_Running(g, list(map(int, contexts[g])), [0] * len(contexts[g]),
                         [0.0] * len(contexts[g]), len(contexts[g]))
                for g in range(len(contexts)) for _ in range(n)]
-    for turn in range(max_turns):
-        active = [e for e in running if e.ended is None]
-        if not active:
-            break
-        # Always max_new_tokens, each row cut at its own budget below: one compiled decode
-        # for every turn (sampling is autoregressive, so the cut keeps exactly what the row
-        # would have sampled had it been stopped there).
-        kwargs = dict(max_new_tokens=max_new_tokens, stop_ids=stop_ids, **sampler)
-        if turn == 0:
-            rollouts = generate(model, contexts, n=n, seed=seed, **kwargs)
-        else:
-            rollouts = generate(model, [e.tokens for e in active], n=1, seed=seed + turn,
-                                **kwargs)
-        waiting = []  # (episode, its calls, the stop token its turn ended on)
-        for row, episode in enumerate(active):
-            start, length = rollouts.context_lengths[row], rollouts.lengths[row]
-            ids = rollouts.tokens[row, start:start + length]
-            logprobs = rollouts.logprobs[row, start:start + length]
-            room = episode_token_budget - len(episode.tokens)
-            stopped = bool(rollouts.stopped[row]) and length <= room
-            ids, logprobs = ids[:room], logprobs[:room]
-            episode.turn_starts.append(len(episode.tokens))
-            episode.append(ids, logprobs)
-            if not stopped and len(episode.tokens) >= episode_token_budget:
-                episode.ended = BUDGET
-                continue
-            calls = parse(tokenizer.decode(ids.tolist()))
-            if not calls:
-                episode.ended = ANSWER if stopped else TRUNCATED
-            elif turn == max_turns - 1:
-                episode.ended = MAX_TURNS
-            else:
-                last = int(ids[-1]) if stopped and int(ids[-1]) in stops else None
-                waiting.append((episode, calls, last))
-        results = run_calls([c for _, calls, _ in waiting for c in calls], tools,
-                            max_observation_chars, tool_workers)
-        for episode, calls, last in waiting:
-            mine, results = results[:len(calls)], results[len(calls):]
-            episode.tool_calls += len(calls)
-            episode.tool_failures += sum(not r.ok for r in mine)
-            observation = observation_tokens(tokenizer, [r.text for r in mine], last)
-            if len(episode.tokens) + len(observation) >= episode_token_budget:
-                episode.ended = BUDGET  # no room for the observation and a next token
-            else:
-                episode.append(observation)
+    kwargs = dict(n=n, max_new_tokens=max_new_tokens, stop_ids=stop_ids, seed=seed, **sampler)
+    begin = time.perf_counter()
+    if kv_kept:
+        spent = _kv_kept(model, contexts, running, rules, tool_workers, chunk_steps, kwargs)
+    else:
+        spent = _reprefilled(model, contexts, running, rules, tool_workers, kwargs)
+    if timings is not None:
+        timings.update(spent, wall_s=time.perf_counter() - begin)
     for episode in running:
         episode.ended = episode.ended or MAX_TURNS
     return [e.freeze() for e in running]
+
+
+def _reprefilled(model, contexts, running: list[_Running], rules: _Rules, workers: int,
+                 kwargs: dict) -> dict:
+    """The reference: one generate() per turn on every running conversation, whole. Turn 0 is
+    generate's own streams; a later turn draws episode e's tokens from the stream (seed, e,
+    own index) as sample_turns does (generate's `streams`)."""
+    n = kwargs.pop('n')
+    spent = dict(device_s=0.0, tools_s=0.0)
+    for turn in range(rules.max_turns):
+        active = [e for e in running if e.ended is None]
+        if not active:
+            break
+        # Always max_new_tokens, each row cut at its own budget (take_turn): one compiled decode
+        # for every turn (sampling is autoregressive, so the cut keeps exactly what the row
+        # would have sampled had it been stopped there).
+        started = time.perf_counter()
+        if turn == 0:
+            rollouts = generate(model, contexts, n=n, **kwargs)
+        else:
+            streams = [(i, len(e.tokens) - e.prompt_length) for i, e in enumerate(running)
+                       if e.ended is None]
+            for e in active:  # all of it prefilled again, but its newest observation
+                e.reprefilled += len(e.tokens) - e.observed
+            rollouts = generate(model, [e.tokens for e in active], n=1, streams=streams,
+                                **kwargs)
+        spent['device_s'] += time.perf_counter() - started
+        waiting = []  # (episode, its calls)
+        for row, episode in enumerate(active):
+            start, length = rollouts.context_lengths[row], rollouts.lengths[row]
+            calls = rules.take_turn(episode, rollouts.tokens[row, start:start + length],
+                                    rollouts.logprobs[row, start:start + length],
+                                    bool(rollouts.stopped[row]))
+            if calls:
+                waiting.append((episode, calls))
+        started = time.perf_counter()
+        results = run_calls([c for _, calls in waiting for c in calls], rules.tools,
+                            rules.max_chars, workers)
+        spent['tools_s'] += time.perf_counter() - started
+        for episode, calls in waiting:
+            mine, results = results[:len(calls)], results[len(calls):]
+            observation = rules.observe(episode, calls, mine)
+            episode.observed = 0 if observation is None else len(observation)
+    return spent | {'idle_while_tools_s': spent['tools_s']}  # the device waits for them
+
+
+def _kv_kept(model, contexts, running: list[_Running], rules: _Rules, workers: int,
+             chunk_steps: int, kwargs: dict) -> dict:
+    """sampling.sample_turns with the rules as its host side: each ended turn is taken, and its
+    calls run in a worker thread while the device decodes the other rows."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        def respond(end: TurnEnd):
+            episode = running[end.episode]
+            calls = rules.take_turn(episode, end.ids, end.logprobs, end.stopped)
+            if end.final or not calls:
+                if calls:
+                    raise AssertionError(f"episode {end.episode}: a final turn with calls")
+                return _answered(None)
+            return pool.submit(lambda: rules.observe(episode, calls, run_calls(
+                calls, rules.tools, rules.max_chars)))
+        result = sample_turns(model, contexts, max_turns=rules.max_turns,
+                              episode_token_budget=rules.budget, respond=respond,
+                              chunk_steps=chunk_steps, **kwargs)
+    for episode, count in zip(running, result.recomputed):
+        episode.reprefilled = int(count)
+    return {k: result.stats[k] for k in ('device_s', 'tools_s', 'idle_while_tools_s')}
+
+
+def _answered(value) -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(value)
+    return future
 
 
 def as_rollouts(episodes: Sequence[Episode], n: int) -> Rollouts:
@@ -230,10 +327,8 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
 
 
 def reprefilled_tokens(episode: Episode) -> int:
-    """Tokens the reference rollout prefilled again: at each turn after the first, the whole
-    conversation before the newest observation (whose tokens any rollout must prefill once)."""
-    total = 0
-    for previous, start in zip(episode.turn_starts, episode.turn_starts[1:]):
-        observation = int((1 - episode.sampled[previous:start]).sum())
-        total += start - observation
-    return total
+    """Tokens of the episode's earlier turns its rollout prefilled again, as the rollout counted
+    them: the reference prefills, at each turn after the first, the whole conversation before
+    the newest observation; the KV-kept rollout none (a preempted row's replayed earlier turns
+    aside)."""
+    return episode.reprefilled

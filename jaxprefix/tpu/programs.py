@@ -231,14 +231,14 @@ def _decode_mesh(found: dict, mesh):
 
 
 def _continuous(program, step: StepShape, common: dict) -> Program:
-    s = program.kwargs
-    pages = s['layout']
+    s = program.kwargs['shape']
+    pages = s.layout
     shards, contexts = pages.blocks, program.args[2]['prompt_tokens'].shape[0]
     rows_per_block = contexts // shards * step.n
     # The loop runs until every row stopped: at most max_new_tokens steps per generation of rows
     # through a block's active slots (the worst case: every row runs to max_new_tokens).
-    trips = -(-rows_per_block // s['row_slots']) * step.max_new_tokens
-    admissions = -(-(contexts // shards) // s['admit'])
+    trips = -(-rows_per_block // s.row_slots) * step.max_new_tokens
+    admissions = -(-(contexts // shards) // s.admit)
     # The paged kernel reads only the pages a group needs. Over the run each row's t-th step reads
     # t of its own tokens, and each context is read at each of the max_new_tokens steps its rows
     # run, once for all of them; so per call (one layer, one step), per device, on average:
@@ -250,9 +250,9 @@ def _continuous(program, step: StepShape, common: dict) -> Program:
             lay[f'{name}_positions'].shape[1] else 0.0
         tokens_per_call[name] = float(per_block * t * real / trips)
     shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
-              f"{s['row_slots']} active rows, {s['context_slots']} group slots of {step.n} rows "
-              f"(admitting {s['admit']}), {pages.pages} pages of {pages.page_size} tokens "
-              f"({pages.dtype}), {s['reserve']} promised a row")
+              f"{s.row_slots} active rows, {s.context_slots} group slots of {step.n} rows "
+              f"(admitting {s.admit}), {pages.pages} pages of {pages.page_size} tokens "
+              f"({pages.dtype}), {s.reserve} promised a row")
     return compile_program('sampler continuous', program.lower(), unknown_trip_count=trips,
                            rare_branch_calls=admissions, shapes=shapes,
                            paged_tokens_per_call=tokens_per_call, **common)

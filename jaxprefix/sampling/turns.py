@@ -1,0 +1,258 @@
+"""Multi-turn rollouts in the continuous decode: a row leaves for the host at the end of a turn
+and comes back with its KV kept.
+
+A row whose turn ends (a stop id, or `max_new_tokens` sampled) before its episode's last turn
+goes WAITING: it keeps its pages, its group slot and its promise of pages, and the decode goes
+on with the other rows. The loop runs in chunks (`continuous.advance`): a chunk ends after
+`chunk_steps` steps, when a quarter of the rows in flight have newly ended a turn, or when
+nothing can progress without the host. Between chunks the host hands each ended turn to
+`respond` (tools/episodes.py: it parses the calls and runs the tools in its own threads) and
+gets a Future of the tokens to append (None: the episode is over). It dispatches the next chunk
+at once (JAX dispatch is asynchronous, so the tools run while the device decodes the other
+rows) and, at the first chunk after a Future is done, `resume` writes its tokens after the
+row's last one. The next step prefills them into the row's own pages, beside its earlier
+turns' KV (continuous._append: one forward of up to APPEND_TOKENS tokens a row over its pages,
+every token but the last, which the decode step then feeds to sample the next turn). So only
+the new tokens are prefilled, no token of an earlier turn is computed again, and none is ever
+re-tokenized.
+
+Why chunks bounded by steps and by waiting rows: a row that ends its turn holds its batch row
+idle until the chunk ends, and its tool starts only then; a finished tool waits for the next
+chunk. Short chunks cut that latency but each costs a return to the host (a sync, a few reads
+and a dispatch). Ending a chunk when a quarter of the rows wait bounds the idle batch rows;
+`chunk_steps` bounds the latency of a lone waiting row.
+
+A preempted row (continuous._preempt) starts again from its episode's first own token, feeding
+everything it had (earlier turns, observations, its current turn so far) before it samples on:
+the same episode by construction, no tool run twice, and the tokens of its earlier turns
+computed again are counted (`recomputed`: rollout/reprefilled_tokens; 0 with the default
+reserve of a whole row, which never preempts).
+
+Sampling streams: every token of episode e (= i*n + j, sample j of context i) is drawn from
+(seed, e, its own index), its index among the tokens after the context (sampled and appended):
+a function of the episode alone, whatever ran beside it.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxprefix import distributed
+from jaxprefix.sampling import budget, continuous
+from jaxprefix.sampling.layout import bucket
+from jaxprefix.sampling.rollouts import Rollouts
+from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prepare, _sampling_args,
+                                        continuous_shape)
+
+ACTIVE, IDLE, WAITING = continuous.ACTIVE, continuous.IDLE, continuous.WAITING
+# A returning row's appended tokens go into its pages in passes of this many (one forward of a
+# few tokens a row, beside the decode step): an observation of a tool turn is ~10-30 tokens.
+APPEND_TOKENS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnEnd:
+    """A sampled turn of episode `episode` (its `turn`-th), handed to the host: its token ids and
+    log-probs, whether it ended on a stop id, and whether the episode is over whatever the host
+    says (its last allowed turn, or its token budget spent)."""
+    episode: int
+    turn: int
+    ids: np.ndarray
+    logprobs: np.ndarray
+    stopped: bool
+    final: bool
+
+
+# respond(turn_end) -> a Future of the token ids to append before the next turn (None: the
+# episode ends there); its result is not read for a final turn.
+Respond = Callable[[TurnEnd], 'concurrent.futures.Future | None']
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRollouts:
+    """The episodes as Rollouts (row e = episode e; completion_mask 1 on sampled tokens only,
+    so appended tokens carry none), the tokens of earlier turns each computed again
+    (`recomputed` [N]) and how the time went (`stats`: chunks, wall_s, device_s, idle_s,
+    tools_s: wall time with a tool running, idle_while_tools_s: of that, the device idle)."""
+    rollouts: Rollouts
+    recomputed: np.ndarray
+    stats: dict
+
+
+@functools.partial(jax.jit, static_argnames=('shape',), donate_argnames=('state',))
+def resume(state: continuous.LoopState, contexts: dict, episodes, tokens, lengths, *,
+           shape: continuous.Shape) -> continuous.LoopState:
+    """The host's answers: waiting episode episodes[a] (past the end: no one) goes on with
+    tokens[a, :lengths[a]] after its last token, or ends (lengths[a] < 0)."""
+    out, rows = state.out, state.rows
+    num, width = out.completions.shape
+    given = episodes < num
+    goes_on = given & (lengths >= 0)
+    columns = out.lengths[jnp.minimum(episodes, num - 1)][:, None] + jnp.arange(tokens.shape[1])
+    columns = jnp.where(goes_on[:, None] & (jnp.arange(tokens.shape[1]) < lengths[:, None]),
+                        columns, width)  # past the end: dropped
+    appended = jnp.full(num, -1, jnp.int32).at[episodes].set(
+        jnp.where(goes_on, lengths, -1), mode='drop')
+    over = jnp.zeros(num, bool).at[episodes].set(given & (lengths < 0), mode='drop')
+    _, episode = continuous.episodes_of_rows(state, contexts, shape)
+    waiting = rows.state == WAITING
+    more, ends = waiting & (appended[episode] >= 0), waiting & over[episode]
+    after = rows.t + appended[episode]  # the next turn's first own index
+    rows = rows.replace(state=jnp.where(more, ACTIVE, jnp.where(ends, IDLE, rows.state)),
+                        known=jnp.where(more, after, rows.known), turn=rows.turn + more,
+                        turn_start=jnp.where(more, after, rows.turn_start))
+    out = out.replace(
+        completions=out.completions.at[episodes[:, None], columns].set(tokens, mode='drop'),
+        lengths=out.lengths.at[episodes].add(jnp.where(goes_on, lengths, 0), mode='drop'),
+        waiting=out.waiting.at[episodes].set(False, mode='drop'))
+    state = state.replace(rows=rows, out=out, tables=continuous.page_pool.release(state.tables,
+                                                                                   ends))
+    return continuous.free_groups(state, shape.n)
+
+
+@functools.partial(jax.jit, static_argnames=('shape',))
+def _progress(state: continuous.LoopState, contexts: dict, *, shape: continuous.Shape):
+    """What the host reads after a chunk: per episode whether it waits and its length; whether
+    any episode is unfinished, and whether the device can go on without the host."""
+    blocks = contexts['valid'].reshape(shape.layout.blocks, -1).sum(axis=1)
+    alive = jnp.any(state.rows.state != IDLE) | jnp.any(state.next_context < blocks)
+    return (state.out.waiting, state.out.lengths, alive,
+            continuous.can_progress(contexts, state, shape))
+
+
+@jax.jit
+def _rows_of(out: continuous.Outputs, episodes):
+    return out.completions[episodes], out.logprobs[episodes]
+
+
+def _answers(answers: dict[int, list[int] | None], num: int):
+    """resume's arrays for {episode: tokens or None}, padded to powers of two (few compiles)."""
+    size = bucket(max(len(answers), 1))
+    width = bucket(max([len(a) for a in answers.values() if a is not None] + [1]), 16)
+    episodes = np.full(size, num, np.int32)
+    tokens = np.zeros((size, width), np.int32)
+    lengths = np.full(size, -1, np.int32)
+    for a, (episode, ids) in enumerate(sorted(answers.items())):
+        episodes[a] = episode
+        if ids is not None:
+            tokens[a, :len(ids)], lengths[a] = ids, len(ids)
+    return episodes, tokens, lengths
+
+
+def sample_turns(model, contexts: Sequence[Sequence[int]], *, n: int, max_new_tokens: int,
+                 max_turns: int, episode_token_budget: int, respond: Respond,
+                 stop_ids: Sequence[int] = (), seed: int = 0, chunk_steps: int = 32,
+                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                 max_rows_in_flight: int | None = None, kv_budget_bytes: int | None = None,
+                 memory_headroom: float | None = None, page_size: int = budget.DEFAULT_PAGE_SIZE,
+                 kv_dtype: str | None = None, reserve_fraction: float = 1.0,
+                 tensor_parallel: int | None = None) -> TurnRollouts:
+    """n episodes of each context (episode i*n + j continues contexts[i]) of up to `max_turns`
+    sampled turns of up to `max_new_tokens` tokens each, `episode_token_budget` tokens in all
+    (context included), the host's answers between turns (see the module docstring). The
+    memory keywords are generate()'s; every row decodes over KV pages (the continuous decode),
+    up to max_rows_in_flight of them at once (None: every row), waiting rows included."""
+    if max_turns < 1 or chunk_steps < 1:
+        raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
+    room = episode_token_budget - min(len(c) for c in contexts)
+    if room < 1:
+        raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
+                         f'shortest context ({episode_token_budget - room} tokens)')
+    req = _prepare(model, contexts, n=n, max_new_tokens=room, temperature=temperature,
+                   top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
+                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
+                   memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
+                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel,
+                   paged=True)
+    if req.reshard is not None:
+        req = dataclasses.replace(req, params=req.reshard())
+    shape = dataclasses.replace(continuous_shape(req), append_tokens=APPEND_TOKENS)
+    limits = continuous.Limits(jnp.int32(max_new_tokens), jnp.int32(max_turns),
+                               jnp.int32(episode_token_budget))
+    stops = set(int(s) for s in stop_ids)
+    num = req.layout.num_contexts * n
+    wait_rows = max(1, shape.layout.blocks * shape.row_slots // 4)
+    arrays = _layout_arrays(req.layout, True)
+    turn_start = np.zeros(num, np.int64)
+    turn = np.zeros(num, np.int64)
+    appended: list[list[tuple[int, int]]] = [[] for _ in range(num)]
+    pending: dict[int, concurrent.futures.Future] = {}
+    ended_by_host: set[int] = set()
+    answers: dict[int, list[int] | None] = {}
+    stats = dict(chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0)
+    begin = time.perf_counter()
+    with _mesh_scope(req.mesh):
+        state = continuous.start(req.graphdef, req.params, arrays, shape=shape)
+        while True:
+            dispatched = time.perf_counter()
+            if answers:
+                state = resume(state, arrays, *_answers(answers, state.out.lengths.shape[0]),
+                               shape=shape)
+                answers = {}
+            state = continuous.advance(req.graphdef, req.params, arrays, *_sampling_args(req)[:3],
+                                       limits, state, np.int32(chunk_steps), np.int32(wait_rows),
+                                       shape=shape)
+            waiting, lengths, alive, can_go = jax.device_get(_progress(state, arrays,
+                                                                        shape=shape))
+            ready = time.perf_counter()
+            stats['chunks'] += 1
+            stats['device_s'] += ready - dispatched
+            if pending:  # tools ran through this chunk
+                stats['tools_s'] += ready - dispatched
+            fresh = [e for e in np.flatnonzero(waiting[:num]) if e not in pending]
+            if fresh:
+                index = np.zeros(bucket(len(fresh)), np.int32)
+                index[:len(fresh)] = fresh
+                ids, logprobs = jax.device_get(_rows_of(state.out, index))
+                for k, e in enumerate(fresh):
+                    span = slice(turn_start[e], lengths[e])
+                    end = TurnEnd(int(e), int(turn[e]), ids[k, span], logprobs[k, span],
+                                  int(ids[k, lengths[e] - 1]) in stops, final=False)
+                    pending[e] = respond(end)
+            done = {e for e, future in pending.items() if future.done()}
+            if not done and pending and not can_go:
+                idle_from = time.perf_counter()
+                finished, _ = concurrent.futures.wait(
+                    pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+                done = {e for e, future in pending.items() if future in finished}
+                waited = time.perf_counter() - idle_from
+                stats['tools_s'] += waited
+                stats['idle_while_tools_s'] += waited
+            for e in done:
+                ids = pending.pop(e).result()
+                answers[e] = None if ids is None else [int(i) for i in ids]
+                if ids is None:
+                    ended_by_host.add(e)
+                else:
+                    appended[e].append((int(lengths[e]), int(lengths[e]) + len(ids)))
+                    turn_start[e] = lengths[e] + len(ids)
+                    turn[e] += 1
+            if not alive and not pending and not answers:
+                break
+            if not can_go and not pending and not answers:
+                raise RuntimeError('sample_turns: rows wait for the host with no answer due')
+        out = state.out
+        completions, logprobs, lengths, stopped, recomputed = distributed.to_host(
+            (out.completions, out.logprobs, out.lengths, out.stopped, out.recomputed))
+    stats['wall_s'] = time.perf_counter() - begin
+    stats['idle_s'] = stats['wall_s'] - stats['device_s']
+    for e in range(num):  # the turns the device ended the episode on
+        if e not in ended_by_host and lengths[e] > turn_start[e]:
+            span = slice(turn_start[e], lengths[e])
+            respond(TurnEnd(e, int(turn[e]), completions[e, span], logprobs[e, span],
+                            bool(stopped[e]), final=True))
+    rollouts = Rollouts.from_parts(req.layout.full_contexts, completions[:num], logprobs[:num],
+                                   lengths[:num], stopped[:num], n)
+    mask = rollouts.completion_mask
+    for e, spans in enumerate(appended):
+        for start, stop in spans:
+            offset = rollouts.context_lengths[e]
+            mask[e, offset + start:offset + stop] = 0
+    return TurnRollouts(rollouts, recomputed[:num], stats)
