@@ -447,11 +447,11 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
                          functools.partial(_admit, model, contexts, shape=shape),
                          lambda s: s, state)
     state = _start_rows(state, shape)
-    if shape.append_tokens:
+    if shape.append_tokens:  # up to `admit` passes a step, each one row a block
         append = functools.partial(_append, model, contexts, layer_weights, shape)
-        for _ in range(shape.admit):  # up to `admit` passes a step, each one row a block
-            state = jax.lax.cond(jnp.any(_appendable(state, shape)[0]), append, lambda s: s,
-                                 state)
+        state = jax.lax.while_loop(
+            lambda c: (c[0] < shape.admit) & jnp.any(_appendable(c[1], shape)[0]),
+            lambda c: (c[0] + 1, append(c[1])), (0, state))[1]
     needs = (state.rows.state == ACTIVE) & (state.rows.t % page_size == 0)
     short = jnp.any(needs.sum(axis=1) > state.tables.count)
     state, needs = jax.lax.cond(short, _preempt, lambda s, w: (s, w), state, needs)

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxprefix import distributed
 from jaxprefix.sampling import budget, continuous
-from jaxprefix.sampling.layout import bucket
+from jaxprefix.sampling.layout import Context, SharedContext, bucket
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prepare, _sampling_args,
                                         continuous_shape)
@@ -146,7 +146,13 @@ def _answers(answers: dict[int, list[int] | None], num: int):
     return episodes, tokens, lengths
 
 
-def sample_turns(model, contexts: Sequence[Sequence[int]], *, n: int, max_new_tokens: int,
+def _length(context: Context) -> int:
+    if isinstance(context, SharedContext):
+        return len(context.prompt) + len(context.suffix)
+    return len(context)
+
+
+def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
                  max_turns: int, episode_token_budget: int, respond: Respond,
                  stop_ids: Sequence[int] = (), seed: int = 0, chunk_steps: int = 32,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
@@ -161,7 +167,7 @@ def sample_turns(model, contexts: Sequence[Sequence[int]], *, n: int, max_new_to
     up to max_rows_in_flight of them at once (None: every row), waiting rows included."""
     if max_turns < 1 or chunk_steps < 1:
         raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
-    room = episode_token_budget - min(len(c) for c in contexts)
+    room = episode_token_budget - min(map(_length, contexts))
     if room < 1:
         raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
                          f'shortest context ({episode_token_budget - room} tokens)')

@@ -127,6 +127,7 @@ class _Rules:
     tokenizer: object
     tools: Registry
     parse: Callable[[str], list[ToolCall]]
+    observation_ids: Callable[[Sequence[ToolResult], int | None], list[int]]  # `observe`
     stops: frozenset
     max_turns: int
     budget: int
@@ -158,7 +159,7 @@ class _Rules:
         episode.tool_calls += len(calls)
         episode.tool_failures += sum(not r.ok for r in results)
         last = episode.tokens[-1] if episode.tokens[-1] in self.stops else None
-        observation = observation_tokens(self.tokenizer, [r.text for r in results], last)
+        observation = list(self.observation_ids(results, last))
         if len(episode.tokens) + len(observation) >= self.budget:
             episode.ended = BUDGET
             return None
@@ -170,16 +171,18 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
                      n: int, max_turns: int, episode_token_budget: int, max_new_tokens: int,
                      stop_ids: Sequence[int] = (), seed: int = 0,
                      parse: Callable[[str], list[ToolCall]] | None = None,
-                     max_observation_chars: int = DEFAULT_MAX_CHARS, tool_workers: int = 1,
-                     kv_kept: bool = False, chunk_steps: int = 32, timings: dict | None = None,
+                     observe: Callable[[Sequence[ToolResult], int | None], list[int]] | None
+                     = None, max_observation_chars: int = DEFAULT_MAX_CHARS,
+                     tool_workers: int = 1, kv_kept: bool = False, chunk_steps: int = 32, timings: dict | None = None,
                      **sampler) -> list[Episode]:
     """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
     answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
 
     Each turn samples up to max_new_tokens (`stop_ids`, and `sampler`'s other keywords:
     RolloutSpec.sampler_keywords()). A turn whose text holds tool calls (`parse`: the chat
-    template's format by default) has its tools run and the observations' tokens appended
-    (tools/observations.py); a turn without a call that ended on a stop token is the final
+    template's format by default) has its tools run and the token ids `observe(results, the
+    stop token the turn ended on or None)` gives appended (default: the chat template's tool
+    turn, tools/observations.py); a turn without a call that ended on a stop token is the final
     answer. Two rollouts give the same episodes (tests/test_tool_turns.py):
       - kv_kept=False, the REFERENCE: one `generate` call per turn on every running
         conversation, re-prefilled whole; a turn's calls run together, `tool_workers` at a
@@ -197,9 +200,11 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     if longest >= episode_token_budget:
         raise ValueError(f"episode_token_budget={episode_token_budget}: expected more than the "
                          f"longest context ({longest} tokens)")
+    observe = observe or (lambda results, stop: observation_tokens(
+        tokenizer, [r.text for r in results], stop))
     rules = _Rules(tokenizer, tools, parse or parser(format_for(tokenizer.chat_template)),
-                   frozenset(int(s) for s in stop_ids), max_turns, episode_token_budget,
-                   max_observation_chars)
+                   observe, frozenset(int(s) for s in stop_ids), max_turns,
+                   episode_token_budget, max_observation_chars)
     running = [_Running(g, list(map(int, contexts[g])), [0] * len(contexts[g]),
                         [0.0] * len(contexts[g]), len(contexts[g]))
                for g in range(len(contexts)) for _ in range(n)]
