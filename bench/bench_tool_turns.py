@@ -16,7 +16,10 @@ subprocess takes ~40 ms).
              --chunk-steps steps; a row whose turn ends waits with its KV in its pages while
              its tool runs in one of --tool-workers threads and the device decodes the others.
 
-Both arms draw the same episodes (checked: same tokens). Arms alternate, --repeats rounds after
+Both arms draw every token of an episode from the same stream (tests/test_tool_episodes.py checks
+they give the same episodes on a tiny model); on SmolLM2 the static and paged decodes round apart
+in f32 and a flipped sampled token sends an episode its own way, so the script prints how many
+episodes came out equal and rates each arm by its own sampled tokens. Arms alternate, --repeats rounds after
 a compile round (bench/common.py). Printed: sampled tokens/s of each arm and their ratio, the
 tokens each re-prefilled, the device's idle share (of the wall time, and of the time a tool was
 running), the turns per episode, the cores, threads and load.
@@ -71,6 +74,8 @@ def main():
   parser.add_argument('--tool-ms', type=float, default=50.0)
   parser.add_argument('--tool-workers', type=int, default=4)
   parser.add_argument('--chunk-steps', type=int, default=16)
+  parser.add_argument('--kv-rows', type=int, default=None,
+                      help="kv_kept's rows in flight (default: every episode's row at once)")
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--quick', action='store_true')
   args = parser.parse_args()
@@ -101,7 +106,8 @@ def main():
           max_turns=args.max_turns, episode_token_budget=budget,
           max_new_tokens=args.turn_tokens, stop_ids=[tokenizer.eos_id], seed=0,
           temperature=1.0, parse=forced_calls, tool_workers=args.tool_workers,
-          kv_kept=kv_kept, chunk_steps=args.chunk_steps, timings=timing)
+          kv_kept=kv_kept, chunk_steps=args.chunk_steps, timings=timing,
+          **({'max_rows_in_flight': args.kv_rows} if kv_kept else {}))
       for key, value in timing.items():
         timings[name].setdefault(key, []).append(value)
     return run
@@ -114,26 +120,32 @@ def main():
   seconds = common.time_alternating(arms, args.repeats)
 
   reference, kept = results['reference'], results['kv_kept']
-  same = all(a.tokens.tolist() == b.tokens.tolist() for a, b in zip(reference, kept))
-  sampled = sum(int(e.sampled.sum()) for e in kept)
+  same = sum(a.tokens.tolist() == b.tokens.tolist() for a, b in zip(reference, kept))
+  sampled = {name: sum(int(e.sampled.sum()) for e in episodes)
+             for name, episodes in results.items()}
   turns = collections.Counter(e.turns for e in kept)
   print(f"load: {os.getloadavg()}, cores: {os.cpu_count()}, XLA:CPU on every core "
         f"(XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}), tool threads: {args.tool_workers}")
   print(f"{len(kept)} episodes ({args.contexts} contexts x {args.n}), turns per episode "
-        f"{dict(sorted(turns.items()))}, {sampled} sampled tokens, tool {args.tool_ms:.0f} ms "
-        f"a call, episodes equal across arms: {same}")
+        f"{dict(sorted(turns.items()))}, {sampled['kv_kept']} sampled tokens (reference: {sampled['reference']}), tool "
+        f"{args.tool_ms:.0f} ms a call; episodes equal across arms: {same} of {len(kept)} (f32: "
+        f"the static and paged decodes round apart, and a sampled token that flips sends an "
+        f"episode its own way)")
   rates = {}
   for name, episodes in results.items():
     median, spread = common.summary(seconds[name])
-    rates[name] = sampled / median
+    rates[name] = sampled[name] / median
     t = {k: statistics.median(v) for k, v in timings[name].items()}
     idle = 1 - t['device_s'] / t['wall_s']
     idle_tools = t['idle_while_tools_s'] / t['tools_s'] if t['tools_s'] else 0.0
+    steps = f", {t['steps']:.0f} decode steps in {t['chunks']:.0f} chunks" if 'steps' in t else ''
     print(f"  {name:9s}  {rates[name]:7.1f} sampled tok/s (median of {args.repeats}, spread "
           f"{spread:.0%}); re-prefilled {episode_metrics(episodes)['rollout/reprefilled_tokens']:.0f}"
           f" tokens; device idle {idle:.0%} of the wall time, {idle_tools:.0%} of the time a "
-          f"tool runs")
-  print(f"kv_kept / reference: {rates['kv_kept'] / rates['reference']:.2f}x sampled tokens/s")
+          f"tool runs{steps}")
+  print(f"kv_kept / reference: {rates['kv_kept'] / rates['reference']:.2f}x sampled tokens/s "
+        f"(kv_kept rows in flight: {args.kv_rows or 'all'}, chunks of at most "
+        f"{args.chunk_steps} steps)")
 
 
 if __name__ == '__main__':

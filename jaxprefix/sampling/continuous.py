@@ -30,8 +30,9 @@ to the same keys in the same order as in the static decode.
 Turns (turns.py): a row's episode may have several turns. One whose turn ends before its last
 goes WAITING, keeping its pages, group slot and reservation, and the loop, run in chunks
 (`advance`), returns to the host, which appends the tokens of the tools' answer after the row's
-last one (`turns.resume`); the row feeds them like tokens it had drawn and samples its next
-turn after them. `Limits` say where turns and episodes end: one turn for generate().
+last one (`turns.resume`); the next step prefills them into the row's pages (`_append`) and the
+row samples its next turn after them. `Limits` say where turns and episodes end: one turn for
+generate().
 
 Sharding: contexts and rows are split over the D devices of ('data', 'fsdp') in D contiguous
 blocks (block d holds contexts d*C/D .. (d+1)*C/D - 1 and their rows), and every scheduling array

@@ -94,10 +94,10 @@ def _rows_per_device(mesh) -> int:
     return math.prod(mesh.shape.get(axis, 1) for axis in ('data', 'fsdp'))
 
 
-def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
-             max_rows_in_flight, kv_budget_bytes, memory_headroom=None,
-             page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None, reserve_fraction=1.0,
-             tensor_parallel=None, streams=None, paged=False) -> _Request:
+def _prepare(model, contexts, *, n, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+             stop_ids=(), seed=0, max_rows_in_flight=None, kv_budget_bytes=None,
+             memory_headroom=None, page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None,
+             reserve_fraction=1.0, tensor_parallel=None, streams=None, paged=False) -> _Request:
     if int(n) != n or n < 1:
         raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:

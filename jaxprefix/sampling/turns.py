@@ -22,8 +22,9 @@ chunk. Short chunks cut that latency but each costs a return to the host (a sync
 and a dispatch). Ending a chunk when a quarter of the rows wait bounds the idle batch rows;
 `chunk_steps` bounds the latency of a lone waiting row.
 
-A preempted row (continuous._preempt) starts again from its episode's first own token, feeding
-everything it had (earlier turns, observations, its current turn so far) before it samples on:
+A preempted row (continuous._preempt) starts again from its episode's first own token,
+prefilling everything it had (earlier turns, observations, its current turn so far) in the same
+passes before it samples on:
 the same episode by construction, no tool run twice, and the tokens of its earlier turns
 computed again are counted (`recomputed`: rollout/reprefilled_tokens; 0 with the default
 reserve of a whole row, which never preempts).
@@ -45,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprefix import distributed
-from jaxprefix.sampling import budget, continuous
+from jaxprefix.sampling import continuous
 from jaxprefix.sampling.layout import Context, SharedContext, bucket
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prepare, _sampling_args,
@@ -79,7 +80,7 @@ Respond = Callable[[TurnEnd], 'concurrent.futures.Future | None']
 class TurnRollouts:
     """The episodes as Rollouts (row e = episode e; completion_mask 1 on sampled tokens only,
     so appended tokens carry none), the tokens of earlier turns each computed again
-    (`recomputed` [N]) and how the time went (`stats`: chunks, wall_s, device_s, idle_s,
+    (`recomputed` [N]) and how the time went (`stats`: chunks, steps, wall_s, device_s, idle_s,
     tools_s: wall time with a tool running, idle_while_tools_s: of that, the device idle)."""
     rollouts: Rollouts
     recomputed: np.ndarray
@@ -152,113 +153,131 @@ def _length(context: Context) -> int:
     return len(context)
 
 
+class _Host:
+    """The host's side of the episodes: where each one's current turn starts (own index), its
+    turn, the spans of own tokens it appended, the answers due and those it ended."""
+
+    def __init__(self, num: int, respond: Respond, stops: set):
+        self.respond, self.stops = respond, stops
+        self.turn_start = np.zeros(num, np.int64)
+        self.turn = np.zeros(num, np.int64)
+        self.appended: list[list[tuple[int, int]]] = [[] for _ in range(num)]
+        self.pending: dict[int, concurrent.futures.Future] = {}
+        self.ended: set[int] = set()
+
+    def hand_over(self, out: continuous.Outputs, waiting, lengths) -> None:
+        """Every episode newly waiting: its turn to `respond`."""
+        fresh = [e for e in np.flatnonzero(waiting[:len(self.turn)]) if e not in self.pending]
+        if not fresh:
+            return
+        index = np.zeros(bucket(len(fresh)), np.int32)
+        index[:len(fresh)] = fresh
+        ids, logprobs = jax.device_get(_rows_of(out, index))
+        for k, e in enumerate(fresh):
+            span = slice(self.turn_start[e], lengths[e])
+            self.pending[e] = self.respond(TurnEnd(
+                int(e), int(self.turn[e]), ids[k, span], logprobs[k, span],
+                int(ids[k, lengths[e] - 1]) in self.stops, final=False))
+
+    def answers(self, done: set, lengths) -> dict[int, list[int] | None]:
+        """{episode: the tokens to append or None} of the answers done."""
+        answers = {}
+        for e in done:
+            ids = self.pending.pop(e).result()
+            answers[e] = None if ids is None else [int(i) for i in ids]
+            if ids is None:
+                self.ended.add(e)
+            else:
+                self.appended[e].append((int(lengths[e]), int(lengths[e]) + len(ids)))
+                self.turn_start[e] = lengths[e] + len(ids)
+                self.turn[e] += 1
+        return answers
+
+    def final_turns(self, completions, logprobs, lengths, stopped) -> None:
+        """The turns the device ended an episode on (its last allowed one, or its budget)."""
+        for e in range(len(self.turn)):
+            if e not in self.ended and lengths[e] > self.turn_start[e]:
+                span = slice(self.turn_start[e], lengths[e])
+                self.respond(TurnEnd(e, int(self.turn[e]), completions[e, span],
+                                     logprobs[e, span], bool(stopped[e]), final=True))
+
+    def unmask_appended(self, rollouts: Rollouts) -> None:
+        """No loss on what the host appended: completion_mask 0 there."""
+        for e, spans in enumerate(self.appended):
+            offset = rollouts.context_lengths[e]
+            for start, stop in spans:
+                rollouts.completion_mask[e, offset + start:offset + stop] = 0
+
+
 def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
                  max_turns: int, episode_token_budget: int, respond: Respond,
                  stop_ids: Sequence[int] = (), seed: int = 0, chunk_steps: int = 32,
-                 temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                 max_rows_in_flight: int | None = None, kv_budget_bytes: int | None = None,
-                 memory_headroom: float | None = None, page_size: int = budget.DEFAULT_PAGE_SIZE,
-                 kv_dtype: str | None = None, reserve_fraction: float = 1.0,
-                 tensor_parallel: int | None = None) -> TurnRollouts:
+                 **sampler) -> TurnRollouts:
     """n episodes of each context (episode i*n + j continues contexts[i]) of up to `max_turns`
     sampled turns of up to `max_new_tokens` tokens each, `episode_token_budget` tokens in all
-    (context included), the host's answers between turns (see the module docstring). The
-    memory keywords are generate()'s; every row decodes over KV pages (the continuous decode),
-    up to max_rows_in_flight of them at once (None: every row), waiting rows included."""
+    (context included), the host's answers between turns (see the module docstring). `sampler`:
+    generate()'s other keywords (temperature, top_p, top_k, the memory keywords); every row
+    decodes over KV pages (the continuous decode), up to max_rows_in_flight of them at once
+    (None: every row), waiting rows included."""
     if max_turns < 1 or chunk_steps < 1:
         raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
     room = episode_token_budget - min(map(_length, contexts))
     if room < 1:
         raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
                          f'shortest context ({episode_token_budget - room} tokens)')
-    req = _prepare(model, contexts, n=n, max_new_tokens=room, temperature=temperature,
-                   top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
-                   max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
-                   memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
-                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel,
-                   paged=True)
+    req = _prepare(model, contexts, n=n, max_new_tokens=room, stop_ids=stop_ids, seed=seed,
+                   paged=True, **sampler)
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     shape = dataclasses.replace(continuous_shape(req), append_tokens=APPEND_TOKENS)
     limits = continuous.Limits(jnp.int32(max_new_tokens), jnp.int32(max_turns),
                                jnp.int32(episode_token_budget))
-    stops = set(int(s) for s in stop_ids)
     num = req.layout.num_contexts * n
-    wait_rows = max(1, shape.layout.blocks * shape.row_slots // 4)
+    host = _Host(num, respond, set(int(s) for s in stop_ids))
+    wait_rows = np.int32(max(1, shape.layout.blocks * shape.row_slots // 4))
     arrays = _layout_arrays(req.layout, True)
-    turn_start = np.zeros(num, np.int64)
-    turn = np.zeros(num, np.int64)
-    appended: list[list[tuple[int, int]]] = [[] for _ in range(num)]
-    pending: dict[int, concurrent.futures.Future] = {}
-    ended_by_host: set[int] = set()
-    answers: dict[int, list[int] | None] = {}
+    settings, seed_key, stops = _sampling_args(req)[:3]
     stats = dict(chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0)
     begin = time.perf_counter()
     with _mesh_scope(req.mesh):
-        state = continuous.start(req.graphdef, req.params, arrays, shape=shape)
+        state, answers = continuous.start(req.graphdef, req.params, arrays, shape=shape), {}
         while True:
             dispatched = time.perf_counter()
             if answers:
                 state = resume(state, arrays, *_answers(answers, state.out.lengths.shape[0]),
                                shape=shape)
-                answers = {}
-            state = continuous.advance(req.graphdef, req.params, arrays, *_sampling_args(req)[:3],
-                                       limits, state, np.int32(chunk_steps), np.int32(wait_rows),
+            state = continuous.advance(req.graphdef, req.params, arrays, settings, seed_key,
+                                       stops, limits, state, np.int32(chunk_steps), wait_rows,
                                        shape=shape)
             waiting, lengths, alive, can_go = jax.device_get(_progress(state, arrays,
                                                                         shape=shape))
-            ready = time.perf_counter()
+            chunk = time.perf_counter() - dispatched
             stats['chunks'] += 1
-            stats['device_s'] += ready - dispatched
-            if pending:  # tools ran through this chunk
-                stats['tools_s'] += ready - dispatched
-            fresh = [e for e in np.flatnonzero(waiting[:num]) if e not in pending]
-            if fresh:
-                index = np.zeros(bucket(len(fresh)), np.int32)
-                index[:len(fresh)] = fresh
-                ids, logprobs = jax.device_get(_rows_of(state.out, index))
-                for k, e in enumerate(fresh):
-                    span = slice(turn_start[e], lengths[e])
-                    end = TurnEnd(int(e), int(turn[e]), ids[k, span], logprobs[k, span],
-                                  int(ids[k, lengths[e] - 1]) in stops, final=False)
-                    pending[e] = respond(end)
-            done = {e for e, future in pending.items() if future.done()}
-            if not done and pending and not can_go:
+            stats['device_s'] += chunk
+            stats['tools_s'] += chunk if host.pending else 0.0  # tools ran through it
+            host.hand_over(state.out, waiting, lengths)
+            done = {e for e, future in host.pending.items() if future.done()}
+            if not done and host.pending and not can_go:  # nothing to do but wait
                 idle_from = time.perf_counter()
                 finished, _ = concurrent.futures.wait(
-                    pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
-                done = {e for e, future in pending.items() if future in finished}
+                    host.pending.values(), return_when=concurrent.futures.FIRST_COMPLETED)
+                done = {e for e, future in host.pending.items() if future in finished}
                 waited = time.perf_counter() - idle_from
                 stats['tools_s'] += waited
                 stats['idle_while_tools_s'] += waited
-            for e in done:
-                ids = pending.pop(e).result()
-                answers[e] = None if ids is None else [int(i) for i in ids]
-                if ids is None:
-                    ended_by_host.add(e)
-                else:
-                    appended[e].append((int(lengths[e]), int(lengths[e]) + len(ids)))
-                    turn_start[e] = lengths[e] + len(ids)
-                    turn[e] += 1
-            if not alive and not pending and not answers:
+            answers = host.answers(done, lengths)
+            if not (alive or host.pending or answers):
                 break
-            if not can_go and not pending and not answers:
+            if not (can_go or host.pending or answers):
                 raise RuntimeError('sample_turns: rows wait for the host with no answer due')
         out = state.out
         completions, logprobs, lengths, stopped, recomputed = distributed.to_host(
             (out.completions, out.logprobs, out.lengths, out.stopped, out.recomputed))
+    stats['steps'] = int(jax.device_get(state.step))
     stats['wall_s'] = time.perf_counter() - begin
     stats['idle_s'] = stats['wall_s'] - stats['device_s']
-    for e in range(num):  # the turns the device ended the episode on
-        if e not in ended_by_host and lengths[e] > turn_start[e]:
-            span = slice(turn_start[e], lengths[e])
-            respond(TurnEnd(e, int(turn[e]), completions[e, span], logprobs[e, span],
-                            bool(stopped[e]), final=True))
+    host.final_turns(completions, logprobs, lengths, stopped)
     rollouts = Rollouts.from_parts(req.layout.full_contexts, completions[:num], logprobs[:num],
                                    lengths[:num], stopped[:num], n)
-    mask = rollouts.completion_mask
-    for e, spans in enumerate(appended):
-        for start, stop in spans:
-            offset = rollouts.context_lengths[e]
-            mask[e, offset + start:offset + stop] = 0
+    host.unmask_appended(rollouts)
     return TurnRollouts(rollouts, recomputed[:num], stats)

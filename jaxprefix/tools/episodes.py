@@ -7,15 +7,19 @@ token-out: text is decoded only to parse calls, never re-encoded into the sequen
     sampled   0 0 0 0 0 0  1 1 1 1 1 1 1 1 1 1  0 0 0 0 0 0 0 0  1 1 1 1 1 1 1 1 1
     logprobs  0 ...        the sampler's log-prob of each sampled token, 0 elsewhere
 
-`rollout_episodes` is the REFERENCE multi-turn rollout: it calls `sampling.generate` once per
-turn on each unfinished conversation so far, so every turn RE-PREFILLS the whole conversation
-(prompt, earlier turns, observations). It is the arm the in-graph version (rows leaving the
-continuous decode loop for their tool and coming back with their KV kept) is to be tested
-against, and the baseline of the bench; it is not the fast path.
+`rollout_episodes` has two rollouts that give the same episodes. The REFERENCE (kv_kept=False)
+calls `sampling.generate` once per turn on each unfinished conversation so far, so every turn
+RE-PREFILLS the whole conversation (prompt, earlier turns, observations); it is the arm the
+in-graph rollout is tested against and the baseline of the bench. The in-graph one
+(kv_kept=True, sampling.sample_turns) keeps every turn's KV in the continuous decode: a row
+leaves the loop for its tools, which run in threads while the device decodes the other rows,
+and comes back with only the observation's tokens prefilled. Both take turns by the same rules
+(`_Rules`: where a turn is cut, when the episode ends, what is appended).
 
-Sampling streams: turn 0 samples row i*n + j (episode i*n + j) from generate's stream `seed`;
-turn t > 0 samples the episodes still running, in episode order, one row each, from stream
-`seed + t` (row = the episode's position among them).
+Sampling streams: every sampled token of episode e = i*n + j draws from (seed, e, k), k its
+index among the episode's tokens after the prompt (sampled or appended). The in-graph decode
+draws own token k of row e so; the reference's turn 0 is generate's own stream and its turn
+t > 0 passes generate streams=[(e, k0)] for each running conversation (k0 its tokens so far).
 """
 from __future__ import annotations
 
@@ -173,8 +177,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
                      parse: Callable[[str], list[ToolCall]] | None = None,
                      observe: Callable[[Sequence[ToolResult], int | None], list[int]] | None
                      = None, max_observation_chars: int = DEFAULT_MAX_CHARS,
-                     tool_workers: int = 1, kv_kept: bool = False, chunk_steps: int = 32, timings: dict | None = None,
-                     **sampler) -> list[Episode]:
+                     tool_workers: int = 1, kv_kept: bool = False, chunk_steps: int = 32,
+                     timings: dict | None = None, **sampler) -> list[Episode]:
     """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
     answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
 
@@ -183,7 +187,7 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     template's format by default) has its tools run and the token ids `observe(results, the
     stop token the turn ended on or None)` gives appended (default: the chat template's tool
     turn, tools/observations.py); a turn without a call that ended on a stop token is the final
-    answer. Two rollouts give the same episodes (tests/test_tool_turns.py):
+    answer. Two rollouts give the same episodes (tests/test_tool_episodes.py):
       - kv_kept=False, the REFERENCE: one `generate` call per turn on every running
         conversation, re-prefilled whole; a turn's calls run together, `tool_workers` at a
         time (run_calls), between that turn's generate call and the next;
@@ -192,7 +196,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
         episode's calls run in one of `tool_workers` threads while the device decodes the
         other rows, and the loop returns to the host every `chunk_steps` steps at most.
     `timings` (a dict, optional) receives how the time went: wall_s, device_s (the device at
-    work), tools_s (a tool running) and idle_while_tools_s (the device idle meanwhile).
+    work), tools_s (a tool running) and idle_while_tools_s (the device idle meanwhile); with
+    kv_kept, sample_turns' other stats too (chunks, steps).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
@@ -284,7 +289,7 @@ def _kv_kept(model, contexts, running: list[_Running], rules: _Rules, workers: i
                               chunk_steps=chunk_steps, **kwargs)
     for episode, count in zip(running, result.recomputed):
         episode.reprefilled = int(count)
-    return {k: result.stats[k] for k in ('device_s', 'tools_s', 'idle_while_tools_s')}
+    return {k: v for k, v in result.stats.items() if k != 'wall_s'}
 
 
 def _answered(value) -> concurrent.futures.Future:
