@@ -161,7 +161,7 @@ def main(argv):
         except ValueError as e:
             raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
-        from jaxprefix.jobs import preflight
+        from jaxprefix.run_setup import preflight
 
         preflight.refuse_placeholders(config, workdir)  # gs://YOUR_BUCKET/...: never tried
         for path in remote_paths(config, workdir):  # a missing client package or bucket

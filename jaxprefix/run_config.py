@@ -28,7 +28,7 @@ FIELDS = {
     # Resuming refuses a change to a field that alters the run (run_identity.py) unless listed.
     "allow_changes": F("", "fields a resumed run may change, e.g. 'train.learning_rate,rollout.n'"
                            " (a block name covers its fields)"),
-    # Where the policy comes from (jobs/policy.py). param_dtype: the master copy the optimizer
+    # Where the policy comes from (run_setup/policy.py). param_dtype: the master copy the optimizer
     # updates; dtype: the forward/backward's and the sampler's copy of the weights.
     "model": {
         "source": F("sft", "where the policy comes from: sft (the tiny demo base) | hf | gguf"),
@@ -39,7 +39,7 @@ FIELDS = {
     },
     # The tiny base model's SFT (model.source 'sft' only): configs/sft.py's fields (SFT_FIELDS).
     "sft": {},
-    # Problem sets (jobs/problem_sets.py). Bad records and over-long prompts are refused (one
+    # Problem sets (run_setup/problem_sets.py). Bad records and over-long prompts are refused (one
     # line naming file and line), or skipped and counted with skip_invalid.
     "data": {
         "source": F("carry_multiplication", "problems from: file | hf | tfds | reasoning_gym | "
@@ -147,7 +147,7 @@ FIELDS = {
                                        "else per token"),
         },
     },
-    # Computed once before RL with the base policy (jobs/mine.py).
+    # Computed once before RL with the base policy (run_setup/mining.py).
     "mining": {
         "train_on": F("all", "GRPO's training problems: 'all' or the mined 'hard' set"),
         "k": F(16, "samples per problem; hard = solved 0 of k (paper: 128 at a 32k budget)"),
@@ -252,7 +252,7 @@ FIELDS = {
     },
     "distributed": distributed.FIELDS,
     "isocompute": {
-        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
+        # The sweep (jobs/isocompute.py, run_setup/sweep_points.py): every (n, B) at each seed, to the largest budget.
         "budgets": F((2**12, 2**13, 2**14), "the sweep's compute budgets (isocompute.budget_unit)"),
         "ns": F((2, 4, 8, 16), "the sweep's samples per problem"),
         "batches": F((8, 16), "the sweep's problems per step"),
@@ -338,7 +338,7 @@ SFT_KEYED_DOCS = {
 }
 RESULTS_DOCS = {
     "seeds": "seeds of every run of the study",
-    "runs": "the runs of the study (jobs/results.py RUNS)",
+    "runs": "the runs of the study (run_setup/study_arms.py RUNS)",
     "isocompute": "also the isocompute comparison",
     "report_only": "the report of the finished runs; the others are 'not run'",
     "output_dir": "where the report and its plots go",

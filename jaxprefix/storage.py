@@ -48,7 +48,7 @@ def is_remote(path) -> bool:
 
 
 # The bucket names the configs and docs print for "your bucket": a path in one is a
-# placeholder, refused in one line by a job that must read it (jobs/preflight.py), never tried.
+# placeholder, refused in one line by a job that must read it (run_setup/preflight.py), never tried.
 PLACEHOLDER_BUCKETS = ("YOUR_BUCKET", "MY_BUCKET", "BUCKET")
 
 

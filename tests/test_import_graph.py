@@ -53,7 +53,9 @@ def test_no_module_imports_itself_back():
 # nothing of losses or papers, the learner nothing of methods, verifiers only text and problems.
 FLOORS = (
     ("main",),
-    ("jobs",),
+    ("jobs",),                 # the entry points: what main dispatches, `python -m` commands
+    ("studies",),              # method comparisons from one base, and their reports
+    ("run_setup",),            # settings resolved and checked; policy, problem sets, mining
     ("variants",),             # the variants configs/*.py share
     ("run_config",),           # every field's default and doc, read by jobs and configs/
     ("tpu",),                  # the compile job's programs: the learner and sampler, compiled

@@ -21,8 +21,8 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import storage
-from jaxprefix.jobs import method_settings
-from jaxprefix.jobs.policy import model_dtypes
+from jaxprefix.run_setup import method_settings
+from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
@@ -204,9 +204,9 @@ def run_model_config(config) -> ModelConfig:
     dtype, param_dtype = model_dtypes(config)
     if config.model.source == 'sft':
         from jaxprefix.data.tasks import carry_multiplication as task
-        from jaxprefix.jobs import sft
+        from jaxprefix.run_setup import sft_base
 
-        return sft.model_config(config.sft, task.tokenizer()).replace(
+        return sft_base.model_config(config.sft, task.tokenizer()).replace(
             param_dtype=param_dtype, dtype=dtype)
     return ModelConfig.from_hf(hf_config(config), param_dtype=param_dtype, dtype=dtype)
 
