@@ -229,14 +229,14 @@ FIELDS = {
                       "data.verifier"),
         "max_memory_mb": F(8192, "address-space cap of each verifier worker (0: none)"),
     },
-    # GCS (storage_faults.py): then, or at a permanent failure (403), one line; rerun resumes.
+    # GCS (storage/faults.py): then, or at a permanent failure (403), one line; rerun resumes.
     "storage": {"retry_deadline_s": F(600.0, "seconds a transient GCS failure is retried")},
     "mesh": {
         "data": F(-1, "data-parallel mesh axis (-1: the devices left)"),
         "fsdp": F(1, "fully-sharded mesh axis (-1: the devices left)"),
         "tensor": F(1, "tensor-parallel mesh axis"),
     },
-    # One run per workdir (workdir_lock.py).
+    # One run per workdir (storage/workdir_lock.py).
     "workdir_lock": {
         "stale_minutes": F(10.0, "a gs:// lock without heartbeat this long is taken over"),
         "heartbeat_s": F(60.0, "seconds between the lock's heartbeats"),

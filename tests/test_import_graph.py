@@ -70,10 +70,9 @@ FLOORS = (
     ("sampling",),             # the sampler: token ids in, rollouts out
     ("checkpoints",),          # model files (HF, GGUF, orbax) to models
     ("models",),
-    ("run_identity", "workdir_lock"),
+    ("run_identity",),
+    ("storage",),              # files local or gs://, their faults and retries, the workdir lock
     ("distributed",),
-    ("storage",),
-    ("storage_faults",),
     ("errors", "config_fields", "jaxprefix"),  # leaves (config_fields: a field's default and
                                                # doc; jaxprefix: the package's version)
 )

@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxprefix import errors, run_config, run_identity, variants, workdir_lock
+from jaxprefix import errors, run_config, run_identity, variants
+from jaxprefix.storage import workdir_lock
 from jaxprefix.data import DataError
 from jaxprefix.rl import boundaries
 
@@ -66,7 +67,7 @@ def test_fields_that_steer_length_cadence_and_hardware_may_change(tmp_path):
 
 HOLDER = """
 import sys, time
-from jaxprefix import workdir_lock
+from jaxprefix.storage import workdir_lock
 with workdir_lock.hold(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)

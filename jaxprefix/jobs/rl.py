@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import (distributed, key_step_probe, models, run_identity, storage,
-                       workdir_lock)
+from jaxprefix import distributed, key_step_probe, models, run_identity, storage
+from jaxprefix.storage import workdir_lock
+
 from jaxprefix.data import tasks
 from jaxprefix.run_setup import method_settings
 from jaxprefix.run_setup.allocation import allocated
