@@ -252,7 +252,8 @@ FIELDS = {
     },
     "distributed": distributed.FIELDS,
     "isocompute": {
-        # The sweep (jobs/isocompute.py, run_setup/sweep_points.py): every (n, B) at each seed, to the largest budget.
+        # The sweep (jobs/isocompute.py; its points: run_setup/sweep_points.py): every (n, B)
+        # at each seed, to the largest budget.
         "budgets": F((2**12, 2**13, 2**14), "the sweep's compute budgets (isocompute.budget_unit)"),
         "ns": F((2, 4, 8, 16), "the sweep's samples per problem"),
         "batches": F((8, 16), "the sweep's problems per step"),
@@ -418,11 +419,6 @@ def _literal(text: str):
         except ValueError:
             pass
     return text
-
-
-def sibling_config(this_file: str, name: str, arg: str = "") -> ml_collections.ConfigDict:
-    """`get_config(arg)` of another file in the same configs/ folder (e.g. sft.py for pope.py)."""
-    return from_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name), arg)
 
 
 def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:

@@ -37,7 +37,7 @@ VARIANTS = {
 
 
 def build(name: str, variant: str = "") -> ml_collections.ConfigDict:
-    return run_config.sibling_config(os.path.join(CONFIGS, name), name, variant)
+    return run_config.from_file(os.path.join(CONFIGS, name), variant)
 
 
 def test_every_config_file_is_covered():
@@ -174,7 +174,7 @@ def test_training_verifier_accepts_oracle_solutions(name, variant):
     from jaxprefix import rewards
     from jaxprefix.run_setup.problem_sets import load_problem_sets
 
-    config = run_config.sibling_config(os.path.join(CONFIGS, "x.py"), f"{name}.py", variant)
+    config = run_config.from_file(os.path.join(CONFIGS, f"{name}.py"), variant)
     sets = load_problem_sets(config.data)
     assert sets.verifier == config.data.verifier
     problems = sets.eval[:4]

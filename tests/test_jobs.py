@@ -191,9 +191,9 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     from jaxprefix.run_setup.policy import load_policy
     from jaxprefix.models import lora
     from jaxprefix.rl.loop import restore_trained, restore_trained_params
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
-    config = sibling_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo.py", "smoke")
+    config = from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
     config.model.path, config.train.lora_rank = base, 8
     policy = load_policy(config, resumed)
     step, trained = restore_trained(policy.model, resumed, config)
