@@ -13,7 +13,7 @@ import dataclasses
 
 from jaxprefix.errors import need
 from jaxprefix.methods import pope
-from jaxprefix.methods.schedules import make_schedule
+from jaxprefix.methods.prefix_schedules import make_prefix_schedule
 
 METHODS = ("grpo", "pope", "prefixrl")
 
@@ -40,7 +40,7 @@ class MethodSettings:
              config.mining.train_on, "'all' or 'hard'")
         kind = config.schedule.kind
         schedule = (("kind", kind), *sorted(dict(config.schedule.get(kind, {})).items()))
-        make_schedule(dict(schedule))  # raises naming the schedule's field
+        make_prefix_schedule(dict(schedule))  # raises naming the schedule's field
         contexts = config.train.problems_per_step * contexts_per_problem(config, config.method)
         return cls(config.method, settings, (p.cut_lo, p.cut_hi), p.prefixes_per_problem,
                    p.unprefixed_copies, config.mining.train_on, schedule,
@@ -48,7 +48,7 @@ class MethodSettings:
 
     def new_prefix_schedule(self):
         """A fresh prefix-length schedule for a run (it learns as the run goes: not shared)."""
-        return make_schedule(dict(self.prefix_schedule))
+        return make_prefix_schedule(dict(self.prefix_schedule))
 
 
 def contexts_per_problem(config, method: str) -> int:
