@@ -21,7 +21,6 @@ import functools
 import importlib
 import logging as std_logging  # absl's WARNING constant is its own verbosity, not a record level
 import os
-import re
 import sys
 
 from absl import app, flags, logging
