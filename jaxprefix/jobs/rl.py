@@ -11,16 +11,14 @@ from __future__ import annotations
 from absl import logging
 
 from jaxprefix import distributed, key_step_probe, models, run_identity, storage
-from jaxprefix.storage import workdir_lock
-
 from jaxprefix.data import tasks
-from jaxprefix.run_setup.mining import mined_artifacts, set_up
-from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
-from jaxprefix.rl import compute_ledger
+from jaxprefix.rl import compute_ledger, loop
 from jaxprefix.rl.compute_ledger import ComputeLedger
-from jaxprefix.rl import loop
+from jaxprefix.run_setup.mining import mined_artifacts, set_up
+from jaxprefix.run_setup.run_settings import RunSettings, resolve
+from jaxprefix.storage import workdir_lock
 
 def build_method(settings: RunSettings, policy, sets, mining):
     """The configured method over its training problems, mining first where it needs to."""
