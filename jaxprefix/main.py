@@ -17,10 +17,10 @@ same command resumes); a traceback means a bug, or `--verbose`.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging as std_logging  # absl's WARNING constant is its own verbosity, not a record level
 import os
-import re
 import sys
 
 from absl import app, flags, logging
@@ -171,7 +171,7 @@ def main(argv):
                 raise errors.ConfigError(str(e)) from None
         distributed.initialize(config.distributed)
         logging.info("job %s, workdir %s", config.job, workdir)
-        preflight.check(config, workdir)  # reads every input; writes nothing
+        settings = preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards
 
         # every verifier worker's cap (configs/sft.py has no rewards block: it scores nothing)
@@ -179,6 +179,8 @@ def main(argv):
             "max_memory_mb", rewards.pool.DEFAULT_MAX_MEMORY_MB))
         module, function = JOBS[config.job]
         run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
+        if settings is not None:  # the rl job's run, resolved by preflight: not again
+            run = functools.partial(run, settings=settings)
         from jaxprefix.storage import workdir_lock
         from jaxprefix.rl.loop import Preempted
 

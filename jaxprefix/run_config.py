@@ -181,7 +181,7 @@ FIELDS = {
         "pool_flops": F(0.0, "what generating pool_path cost, when declared: charged to the run"),
         "oracle_traces": F(False, "oracle solutions as the traces, no rejection sampling"),
     },
-    # Prefix-length schedule (methods/schedules.py); the chosen kind's fields are its block.
+    # Prefix-length schedule (methods/prefix_schedules.py); the chosen kind's fields are its block.
     "schedule": {
         "kind": F("fixed", "prefix-length schedule: fixed | annealed | adaptive"),
         "annealed": {

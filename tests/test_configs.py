@@ -16,7 +16,7 @@ import pytest
 from jaxprefix import main as entry
 from jaxprefix import run_config
 from jaxprefix.run_setup import preflight
-from jaxprefix.rl import loop
+from jaxprefix.run_setup import run_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
@@ -52,7 +52,7 @@ def test_variant_builds_and_passes_the_loop_checks(name, variant):
     assert config.job == job and config.get("method") == method
     assert config.job in entry.JOBS
     if job != "sft":
-        loop.validate(config)  # raises, naming the field, on any value the loop cannot run
+        run_settings.resolve(config)  # raises, naming the field, on any value a run cannot use
     if job in preflight.FIELDS_CHECKED:  # a variant sets no field its job leaves unread
         assert preflight.unread(config) == []
     if "smoke" in variant and job != "sft":
@@ -160,7 +160,7 @@ def test_loop_names_the_rejected_field(field, value):
     section, key = field.split(".")
     config[section][key] = value
     with pytest.raises(ValueError, match=re.escape(f"config.{field}={value!r}")):
-        loop.validate(config)
+        run_settings.resolve(config)
 
 
 @pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval"])

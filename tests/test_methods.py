@@ -16,7 +16,7 @@ from jaxprefix import sampling
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.prompting import oracle_prefix_text
-from jaxprefix.methods.schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
+from jaxprefix.methods.prefix_schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.compute_ledger import sampling_flops
 from jaxprefix.sampling import SharedContext

@@ -21,13 +21,13 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import storage
-from jaxprefix.run_setup import method_settings
+from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.rl import loop
-from jaxprefix.sampling import RolloutSpec, decode_layout
+from jaxprefix.sampling import decode_layout
 from jaxprefix.tpu import compiled_stats, costing, programs, topology
 
 GiB = 2**30
@@ -51,8 +51,8 @@ def run_compile(config, workdir: str) -> dict:
     if c.context_length < 1:
         raise ValueError(f'config.compile.context_length={c.context_length}: expected the longest '
                          'context (prompt plus guidance or prefix) in tokens, >= 1')
-    method_settings.check_method_settings(config)
-    model_config = run_model_config(config)
+    settings = resolve(config)  # what the rl job would run (the allocation applied), checked
+    model_config = run_model_config(settings.config)
     generation = c.topology.strip()
     candidates = (topology.generation_slices(generation)
                   if generation in topology.CHIPS or generation in topology.ALIASES
@@ -60,7 +60,7 @@ def run_compile(config, workdir: str) -> dict:
     search, report = [], None
     for slice_ in candidates:
         try:
-            report = compile_for(config, model_config, slice_, workdir)
+            report = compile_for(settings, model_config, slice_, workdir)
         except ValueError as e:  # the run's batch does not split over this many chips
             if len(candidates) == 1:
                 raise
@@ -97,19 +97,18 @@ def _shortfall(report: dict) -> str:
     return line
 
 
-def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
+def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
                 workdir: str) -> dict:
     """compile.json's content for one slice type (times config.compile.slices); each compiled
     program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look."""
+    config, train, spec = settings.config, settings.train, settings.rollout
     c = config.compile
     start = time.perf_counter()
-    contexts = method_settings.contexts_per_step(config)
+    contexts = settings.method.contexts_per_step
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
-    train = loop.validate(config, mesh, contexts)
-    r = config.rollout
-    spec = RolloutSpec.from_config(r)
-    step = programs.StepShape(contexts=contexts, context_length=c.context_length, n=r.n,
-                              rollout=spec)
+    loop.check_rows(config, train, contexts, mesh)
+    step = programs.StepShape(contexts=contexts, context_length=c.context_length,
+                              n=config.rollout.n, rollout=spec)
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))

@@ -24,16 +24,16 @@ import math
 from jaxprefix import storage
 from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.studies import prefixrl_controls, results_report, warm_start
-from jaxprefix.run_setup.method_settings import contexts_per_problem
-from jaxprefix.run_setup.mining import LEDGER
-from jaxprefix.run_setup.policy import base_dir, load_policy
-from jaxprefix.jobs.rl import key_step_probe_of, mined_artifacts, run_rl
-from jaxprefix.studies.study import Study
-from jaxprefix.run_setup.study_arms import RUNS
+from jaxprefix.jobs.rl import key_step_probe_of, run_rl
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
+from jaxprefix.run_setup.method_settings import contexts_per_problem
+from jaxprefix.run_setup.mining import LEDGER, mined_artifacts
+from jaxprefix.run_setup.policy import base_dir, load_policy
+from jaxprefix.run_setup.study_arms import RUNS
+from jaxprefix.studies import prefixrl_controls, results_report, warm_start
+from jaxprefix.studies.study import Study
 
 
 def _set(config, field: str, value) -> None:

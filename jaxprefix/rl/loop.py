@@ -104,7 +104,9 @@ def adapted(model, config, mesh=None):
 
 
 def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
-    """Checks the run's settings before anything is loaded; returns the learner's TrainConfig.
+    """Checks the loop's and the learner's settings before anything is loaded (the rollout
+    block is its RolloutSpec's, the method's its MethodSettings': run_setup/run_settings.resolve
+    makes all three); returns the learner's TrainConfig.
 
     contexts_per_step: the contexts a step samples, n times each (default: one per problem; a
     method with guided copies or prefixes has more)."""
@@ -116,7 +118,6 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     if t.advantage == "pass_at_k":
         need(1 <= t.get("pass_k", 1) <= r.n, "config.train.pass_k", t.get("pass_k"),
              f"1 <= pass_k <= rollout.n={r.n}")
-    sampling.RolloutSpec.from_config(r)  # raises naming the rollout field
     need(t.problems_per_step >= 1, "config.train.problems_per_step", t.problems_per_step,
          ">= 1")
     need(t.total_steps >= 0, "config.train.total_steps", t.total_steps, ">= 0")
@@ -129,14 +130,20 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     lora_config(config)
     rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     learner_config = train_config(config)
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    contexts = contexts_per_step or t.problems_per_step
-    try:
-        learner_config.check_batch(contexts * r.n, shards)
-    except ValueError as e:
-        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} ({contexts} "
-                         f"contexts) x config.rollout.n={r.n}: {e}") from None
+    check_rows(config, learner_config, contexts_per_step or t.problems_per_step, mesh)
     return learner_config
+
+
+def check_rows(config, learner_config: TrainConfig, contexts_per_step: int, mesh=None) -> None:
+    """A step's rows (contexts x rollout.n) split into the learner's minibatches over the row
+    devices of `mesh` (none: one)."""
+    t, n = config.train, config.rollout.n
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    try:
+        learner_config.check_batch(contexts_per_step * n, shards)
+    except ValueError as e:
+        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} "
+                         f"({contexts_per_step} contexts) x config.rollout.n={n}: {e}") from None
 
 
 def check_update_resolution(model, learning_rate: float) -> None:
@@ -180,13 +187,12 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
     return texts
 
 
-def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed: int,
-                     stop_ids: Sequence[int]) -> Scored:
-    r = config.rollout
+def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
+                     rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int]) -> Scored:
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                 seed=seed, **sampling.RolloutSpec.from_config(r).sampler_keywords())
+                                 seed=seed, **rollout.sampler_keywords())
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
@@ -226,15 +232,16 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     return out
 
 
-def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> tuple[dict, dict]:
+def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec, step: int,
+             stop_ids) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
     (samples per problem, correct samples of each problem) for eval_counts.jsonl."""
     from jaxprefix import evaluation
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
-        scored = sample_and_score(model, tokenizer, request, config, stop_ids=stop_ids,
-                                  seed=round_seed(config.seed + 1, step, 0))
+        scored = sample_and_score(model, tokenizer, request, config, rollout=rollout,
+                                  stop_ids=stop_ids, seed=round_seed(config.seed + 1, step, 0))
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out[f"{name}/reward_mean"] = float(scored.rewards.mean())
@@ -276,19 +283,20 @@ def _state_arrays(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
-def _rollout_chunks(policy, tokenizer, method: Method, config, step: int,
+def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: int,
                     stop_ids) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
-    chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
-                               seed=round_seed(config.seed, step, 0))]
+    chunks = [sample_and_score(policy, tokenizer, request, config, rollout=rollout,
+                               stop_ids=stop_ids, seed=round_seed(config.seed, step, 0))]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
             [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
         more = method.next_request(step)
-        chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
+        chunks.append(sample_and_score(policy, tokenizer, more, config, rollout=rollout,
+                                       stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, len(chunks))))
         method.observe(more, chunks[-1].rewards)
     return chunks
@@ -359,11 +367,51 @@ def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCos
     return record
 
 
-def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
-          ledger=None, contexts_per_step: int | None = None, probe=None,
-          progress: bool = True) -> dict[str, Any]:
+def _resume(ckpt, state: TrainState, method: Method, totals: dict, ledger) -> TrainState:
+    """The newest checkpoint that restores (a corrupt one: the one before), with the method's
+    state, the running totals and the ledger; `state` itself when there is none."""
+    restored = recovery.restore_newest(ckpt, _state_arrays(state))
+    if restored is None:
+        return state
+    _, arrays, meta = restored
+    method.restore(meta["method"])
+    totals.update(meta["totals"])
+    if ledger is not None and meta.get("ledger"):
+        for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
+            setattr(ledger, k, v)
+    return TrainState(**arrays)
+
+
+def _book(cost: _StepCost, chunks: list[Scored], totals: dict, ledger) -> None:
+    """A step's tokens and FLOPs into the running totals and the ledger."""
+    totals["tokens_sampled"] += cost.sampled
+    totals["tokens_trained"] += cost.forwarded
+    totals["flops"] += cost.flops_sampling + cost.flops_update
+    if ledger is not None:
+        for c in chunks:
+            ledger.record_sampling(rollouts=len(c.rollouts.lengths),
+                                   prefill_tokens=int(c.rollouts.context_lengths.sum()),
+                                   generated_tokens=int(c.rollouts.lengths.sum()))
+        ledger.record_update(tokens=cost.forwarded)
+
+
+def _steps_in_budget(flops_budget: float, cost: _StepCost, totals: dict) -> int:
+    """How many more steps like this one the FLOPs budget leaves (0 once it is spent); marks
+    the totals spent when the next such step would pass it."""
+    step_flops = cost.flops_sampling + cost.flops_update
+    if totals["flops"] + step_flops > flops_budget:
+        totals["budget_spent"] = True
+    return 0 if totals.get("budget_spent") else int((flops_budget - totals["flops"]) // step_flops)
+
+
+def train(config, workdir: str, *, method: Method, model, tokenizer, learner_config: TrainConfig,
+          rollout: sampling.RolloutSpec, contexts_per_step: int, stop_ids=(), mesh=None,
+          ledger=None, probe=None, progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
+    learner_config, rollout, contexts_per_step: the run's resolved settings (validate's
+      TrainConfig, the RolloutSpec, the method's contexts a step); only the step's rows against
+      `mesh` are checked here.
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
       with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
@@ -371,7 +419,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
       join the step's record (the rl job's key-step probe, eval.key_step_probe).
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
-    learner_config = validate(config, mesh, contexts_per_step)
+    check_rows(config, learner_config, contexts_per_step, mesh)
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
@@ -381,17 +429,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                                                               config.rollout.tensor_parallel)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-    state = learner.init_state()
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-    restored = recovery.restore_newest(ckpt, _state_arrays(state))  # a corrupt one: the one before
-    if restored is not None:
-        _, arrays, meta = restored
-        state = TrainState(**arrays)
-        method.restore(meta["method"])
-        totals.update(meta["totals"])
-        if ledger is not None and meta.get("ledger"):
-            for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
-                setattr(ledger, k, v)
+    state = _resume(ckpt, learner.init_state(), method, totals, ledger)
     start = int(state.step)
     segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
     writer = MetricsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
@@ -418,7 +457,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
-            chunks = _rollout_chunks(policy, tokenizer, method, config, step, stop_ids)
+            chunks = _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids)
             selection, batch = _batch(chunks, config.train)
             del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
@@ -430,33 +469,19 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             update_seconds = time.perf_counter() - update_start
 
             cost = _step_cost(chunks, batch, n_params, learner_config, ref_params is not None)
-            totals["tokens_sampled"] += cost.sampled
-            totals["tokens_trained"] += cost.forwarded
-            totals["flops"] += cost.flops_sampling + cost.flops_update
-            if ledger is not None:
-                for c in chunks:
-                    ledger.record_sampling(rollouts=len(c.rollouts.lengths),
-                                           prefill_tokens=int(c.rollouts.context_lengths.sum()),
-                                           generated_tokens=int(c.rollouts.lengths.sum()))
-                ledger.record_update(tokens=cost.forwarded)
+            _book(cost, chunks, totals, ledger)
             record = _step_record(chunks, selection, update_metrics, cost, totals,
                                   step_seconds=time.perf_counter() - step_start,
                                   update_seconds=update_seconds)
             done = step + 1
-            if flops_budget:
-                step_flops = cost.flops_sampling + cost.flops_update
-                if totals["flops"] + step_flops > flops_budget:
-                    totals["budget_spent"] = True
-                # The bar counts the steps the budget leaves at this step's cost, not total_steps.
-                ahead = 0 if totals.get("budget_spent") else \
-                    int((flops_budget - totals["flops"]) // step_flops)
-                bar.total = min(total, done + ahead)
+            if flops_budget:  # the bar counts the steps the budget leaves, not total_steps
+                bar.total = min(total, done + _steps_in_budget(flops_budget, cost, totals))
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
                 policy = learner.sampling_model(state, decode)
-                scores, counts = evaluate(policy, tokenizer, method, config, step=done,
-                                          stop_ids=stop_ids)
+                scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
+                                          step=done, stop_ids=stop_ids)
                 record.update(scores | (probe(policy) if probe else {}))
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start

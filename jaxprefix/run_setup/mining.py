@@ -19,7 +19,6 @@ from absl import logging
 
 from jaxprefix import storage
 from jaxprefix.sampling import RolloutSpec
-from jaxprefix.run_setup.method_settings import check_method_settings
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
@@ -248,12 +247,11 @@ class Mining:
 
 def set_up(config, workdir: str) -> tuple:
     """What every job that samples the configured policy starts from: (policy, problem sets,
-    mining), the method's settings checked first. The base policy is trained first if the
-    config names an SFT'd one that is absent."""
+    mining), its settings checked before (preflight, run_settings.resolve). The base policy is
+    trained first if the config names an SFT'd one that is absent."""
     from jaxprefix.run_setup.policy import load_policy
     from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
 
-    check_method_settings(config)
     policy = load_policy(config, workdir)
     sets = load_problem_sets(config.data,
                              prompt_limit(config, policy.prompts, policy.context_length),

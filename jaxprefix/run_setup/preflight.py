@@ -65,20 +65,22 @@ def read_paths(config) -> list[tuple[str, str]]:
     return [(n, v) for n, v in fields if n not in unread]
 
 
-def check(config, workdir: str) -> None:
-    """Raises a UserError on the first input of `config.job` that cannot work; writes nothing."""
+def check(config, workdir: str):
+    """Raises a UserError on the first input of `config.job` that cannot work; writes nothing.
+    Returns the rl job's run settings, resolved (run_settings.resolve), which main hands to the
+    job; None for the other jobs."""
     if config.job in NOTHING_TO_CHECK:
-        return
+        return None
     if config.job == "sft":
         _check_sft_settings(config)
-        return
+        return None
     if config.job in FIELDS_CHECKED:
         _check_fields_read(config)
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
     from jaxprefix.run_setup.policy import check_policy_inputs
     from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
 
-    _as_config_error(_check_settings, config, workdir)
+    settings = _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
     if config.job in FIELDS_CHECKED:
         _check_notation(config)
@@ -90,6 +92,7 @@ def check(config, workdir: str) -> None:
         from jaxprefix.methods.prompting import check_hint_layouts
 
         _as_config_error(check_hint_layouts, inputs.prompts, sets.train)
+    return settings
 
 
 def _changed(config) -> dict:
@@ -234,19 +237,21 @@ def _read_problem_files(data) -> None:
                               answer_field=data.answer_field, solution_field=data.solution_field)
 
 
-def _as_config_error(check_fn, *args) -> None:
+def _as_config_error(check_fn, *args):
     """Runs a validator whose ValueErrors name a config field; they become ConfigErrors."""
     try:
-        check_fn(*args)
+        return check_fn(*args)
     except UserError:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def _check_settings(config, workdir: str) -> None:
-    from jaxprefix.run_setup.method_settings import check_method_settings, contexts_per_step
-    from jaxprefix.rl import loop
+def _check_settings(config, workdir: str):
+    """The rewards and data limits, the method's settings, and each training run's settings
+    resolved; returns the rl job's (run_settings.RunSettings), else None."""
+    from jaxprefix.run_setup.method_settings import MethodSettings
+    from jaxprefix.run_setup.run_settings import resolve
 
     r = config.rewards
     if not r.timeout_s > 0:
@@ -259,16 +264,19 @@ def _check_settings(config, workdir: str) -> None:
     if config.data.get("max_prompt_tokens", 0) < 0:
         raise ConfigError(f"config.data.max_prompt_tokens={config.data.max_prompt_tokens!r}: "
                           f"expected >= 0 (0: the model's context alone)")
-    check_method_settings(config)
-    from jaxprefix.run_setup import allocation, sweep_points
-
+    if config.job not in TRAINING_JOBS:  # mine, eval: the method's settings alone
+        MethodSettings.from_config(config)
+        return None
     if config.job in ("sweep", "prereg"):  # each point is its own run, with its n and batch
+        from jaxprefix.run_setup import sweep_points
+
+        MethodSettings.from_config(config)
         for point in sweep_points.sweep_points(config):
-            loop.validate(sweep_points.point_config(config, point, config.isocompute.seeds[0],
-                                                    workdir))
-    elif config.job in TRAINING_JOBS:
-        config = allocation.allocated(config)  # isocompute.budget: the n, B, M the run will use
-        loop.validate(config, contexts_per_step=contexts_per_step(config))
+            resolve(sweep_points.point_config(config, point, config.isocompute.seeds[0],
+                                              workdir))
+        return None
+    settings = resolve(config)  # with isocompute.budget, the n, B, M the run will use
+    return settings if config.job == "rl" else None  # the demo's, results' arms: their own
 
 
 def _check_sft_settings(config) -> None:
