@@ -14,7 +14,7 @@ from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix.models import Decoder, ModelConfig, moe, published, token_logprobs
 from jaxprefix.rl import objectives
 from jaxprefix.rl.train_step import Learner, TrainConfig
-from jaxprefix.sampling import SharedContext, generate
+from jaxprefix.sampling import SharedContext, budget, generate
 
 TOL = 1e-4
 forward = nnx.jit(lambda model, tokens, mask=None: model(tokens, mask=mask))
@@ -68,9 +68,10 @@ def test_routing_renormalises_top_k_and_dispatch_is_dropless():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
     router = jnp.asarray(rng.normal(size=(8, 4)), jnp.float32)
-    weights, experts = moe.route(x, router, 2, normalize=True)
+    probs = moe.router_probs(x, router)
+    weights, experts = moe.route(probs, 2, normalize=True)
     np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)
-    raw, same = moe.route(x, router, 2, normalize=False)
+    raw, same = moe.route(probs, 2, normalize=False)
     np.testing.assert_array_equal(np.asarray(same), np.asarray(experts))
     probs = jax.nn.softmax(x @ router)
     np.testing.assert_allclose(np.asarray(raw), np.sort(np.asarray(probs), -1)[:, ::-1][:, :2],
@@ -149,16 +150,39 @@ def tiny_moe():
     return Decoder(TINY, rngs=nnx.Rngs(0))
 
 
-def test_continuous_decode_equals_the_static_one():
+def recorded_routes_expected(model, rollouts):
+    """The experts the model's own teacher-forced forward routes each token of `rollouts` to,
+    -1 where the sampler records none (each row's last token, never fed; padding)."""
+    own = np.asarray(nnx.jit(lambda m, t, mask: m.route(t, mask=mask))(
+        model, rollouts.tokens, rollouts.token_mask))
+    ends = (rollouts.context_lengths + rollouts.lengths - 1)[:, None]
+    unrecorded = np.arange(rollouts.tokens.shape[1])[None] >= ends
+    return np.where(unrecorded[..., None, None], -1, own)
+
+
+def test_continuous_decode_equals_the_static_one_and_both_record_the_models_routes():
+    """Static, continuous and continuous with preemptions (pages of 8 tokens, each row promised
+    one: 6 rows start on 6 pages, and 10 of 12 rows outgrow a page) draw the same tokens and
+    record, for every token but a row's last, the experts the model's own forward picks."""
     model = tiny_moe()
     rng = np.random.default_rng(0)
     a, b, c = (rng.integers(3, 64, size=n).tolist() for n in (3, 9, 7))
     contexts = [a, b, c, SharedContext(b, a)]
-    request = dict(n=3, max_new_tokens=12, stop_ids=(5, 9, 17), seed=3, temperature=1.0)
+    request = dict(n=3, max_new_tokens=16, stop_ids=(5, 9, 17), seed=3, temperature=1.0,
+                   record_routes=True)
     static = generate(model, contexts, **request)
-    continuous = generate(model, contexts, max_rows_in_flight=4, page_size=16, **request)
-    assert continuous.completions() == static.completions()
-    np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-6, rtol=0)
+    assert (static.lengths > 8).sum() == 10 and not static.stopped.all()
+    pages = (3 * 32 + 6 * 8) * budget.page_bytes_per_token(TINY, 'float32')
+    expected = recorded_routes_expected(model, static)
+    assert static.routes.dtype == np.int8 and static.routes.shape == expected.shape
+    np.testing.assert_array_equal(static.routes, expected)
+    for memory in (dict(max_rows_in_flight=4, page_size=16),
+                   dict(max_rows_in_flight=6, page_size=8, kv_budget_bytes=pages,
+                        reserve_fraction=0.5)):
+        continuous = generate(model, contexts, **memory, **request)
+        assert continuous.completions() == static.completions()
+        np.testing.assert_allclose(continuous.logprobs, static.logprobs, atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(continuous.routes, expected)
     # The sampler's log-probs are the model's own (teacher-forced) ones: same routing.
     score = nnx.jit(lambda m, t, mask: token_logprobs(m, t, mask)[0])
     reference = score(model, static.tokens, static.token_mask)
