@@ -47,6 +47,7 @@ def static(model):
 
 
 def assert_same_rollouts(r, reference):
+    assert r.routes is None  # a dense model's rollouts record no experts
     assert r.completions() == reference.completions()
     np.testing.assert_allclose(r.logprobs, reference.logprobs, atol=1e-6, rtol=0)
     np.testing.assert_array_equal(r.lengths, reference.lengths)
@@ -70,6 +71,12 @@ def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature,
     r = generate(model, CONTEXTS, temperature=temperature, max_rows_in_flight=rows,
                  page_size=page_size, **REQUEST)
     assert_same_rollouts(r, reference)
+
+
+def test_a_dense_model_records_no_routes(model, static):
+    assert static(1.0).routes is None
+    with pytest.raises(ValueError, match='record_routes: the model has no sparse'):
+        generate(model, CONTEXTS, temperature=1.0, record_routes=True, **REQUEST)
 
 
 def test_kv_budget_sets_rows_in_flight(model, static):
