@@ -396,14 +396,13 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
 
         out = state.out
         at = jnp.where(active, row_ids, out.lengths.shape[0])  # past the end: dropped
-        out = Outputs(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
-                      logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
-                      lengths=out.lengths.at[at].set(t, mode='drop'),
-                      stopped=out.stopped.at[at].set(hit_stop, mode='drop'),
-                      routes=None if out.routes is None else out.routes.at[at, rows.t].set(
-                          experts.reshape(*at.shape, *experts.shape[2:]).astype(out.routes.dtype),
-                          mode='drop'),
-                      prompt_routes=out.prompt_routes, suffix_routes=out.suffix_routes)
+        out = out.replace(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
+                          logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
+                          lengths=out.lengths.at[at].set(t, mode='drop'),
+                          stopped=out.stopped.at[at].set(hit_stop, mode='drop'))
+        if out.routes is not None:  # the experts of the token each active row fed
+            fed = experts.reshape(*at.shape, *experts.shape[2:]).astype(out.routes.dtype)
+            out = out.replace(routes=out.routes.at[at, rows.t].set(fed, mode='drop'))
         rows = rows.replace(state=jnp.where(finished, IDLE, rows.state),
                             t=jnp.where(active, t, rows.t), token=jnp.where(active, tokens, rows.token),
                             position=jnp.where(active, rows.position + 1, rows.position))

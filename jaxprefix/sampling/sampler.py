@@ -325,6 +325,8 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
     the row cap or KV budget binds, after {'reshard': ...} when the weights are laid out for a
     tensor-parallel decode; under the mesh, `program.lower().compile()` compiles exactly what
     generate() would run for that shape (memory_analysis() then reads its footprint).
+    `record_routes` (a MoE): the programs that also record each token's experts, as the RL loop
+    runs them under routing replay.
     """
     if not 0 <= prompt_length < context_length:
         raise ValueError(f'prompt_length must be in [0, context_length={context_length}), got '
