@@ -359,6 +359,22 @@ def test_sharded_moe_equals_one_device():
         np.testing.assert_allclose(out, single, atol=1e-5, rtol=0)
 
 
+def test_routes_recorded_on_four_devices_equal_one_devices():
+    """Rows and contexts split in 4 blocks (static; continuous, each device admitting its own
+    contexts): the same tokens and the same recorded experts as on one device."""
+    from jaxprefix.models import make_mesh, shard_model
+    rng = np.random.default_rng(6)
+    contexts = [rng.integers(3, 64, size=n).tolist() for n in (3, 9, 7, 5, 12, 4, 8, 6)]
+    request = dict(n=2, max_new_tokens=12, stop_ids=(5, 9, 17), seed=5, temperature=1.0,
+                   record_routes=True)
+    single = generate(tiny_moe(), contexts, **request)
+    sharded = shard_model(tiny_moe(), make_mesh(4, 1, 1))
+    for memory in ({}, dict(max_rows_in_flight=8, page_size=16)):
+        r = generate(sharded, contexts, **memory, **request)
+        assert r.completions() == single.completions(), memory
+        np.testing.assert_array_equal(r.routes, single.routes)
+
+
 def test_lora_on_the_attention_of_a_moe():
     from jaxprefix.models import lora
     model = tiny_moe()
