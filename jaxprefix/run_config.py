@@ -130,6 +130,13 @@ FIELDS = {
                                      "'learner' (recomputed)"),
         "tis_cap": F(0.0, "truncated importance sampling cap (with old_logprobs='learner'; 0: "
                           "off)"),
+        # A mixture of experts (docs/ARCHITECTURE.md, routing replay): the sampler records each
+        # token's experts and the learner's forwards (old log-probs, ratio, loss) use them, gate
+        # weights from the current router over them. auto: on for a MoE; a dense model refuses
+        # any other value. router_aux_coef: the Switch / Qwen3-MoE load-balancing loss.
+        "routing_replay": F("auto", "replay the sampler's experts in the learner: auto (on for "
+                                    "a mixture of experts) | on | off"),
+        "router_aux_coef": F(0.0, "a MoE's router load-balancing loss coefficient (0: off)"),
         "logprobs_at_sampling_temperature": F(True, "score softmax(logits / temperature) (TRL, "
                                                     "verl, Tunix); False: T = 1"),
         "entropy_coef": F(0.0, "> 0: entropy bonus"),
@@ -288,6 +295,8 @@ SFT_FIELDS = {
         "width": F(64, "model width"),
         "heads": F(4, "attention heads"),
         "mlp_width": F(256, "MLP hidden width"),
+        "experts": F(0, "0: a dense MLP; > 0: a Qwen3-MoE of this many experts per MLP"),
+        "experts_per_token": F(2, "experts a token routes to (with experts > 0)"),
     },
     # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
     # first; multipliers 2..9 (1 is copying).

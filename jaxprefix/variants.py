@@ -1,4 +1,5 @@
-"""The variants every configs/*.py shares (demo, smoke, carry, carry_smoke, smollm2, paper, colab):
+"""The variants every configs/*.py shares (demo, smoke, carry, carry_smoke, moe_smoke, smollm2,
+paper, colab):
 what each sets on top of `run_config.base_config()`. A config file names its method and picks a
 variant with `method_config`; the fields themselves, their defaults and docs, are run_config's.
 The tiny base policy's SFT configs (configs/sft.py, and `config.sft` of the built-in tasks' RL
@@ -104,6 +105,13 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict,
     c.checkpoint.every = 1
 
 
+def mixture_of_experts(c: ml_collections.ConfigDict) -> None:
+    """The tiny policy as a Qwen3-MoE (every MLP 8 experts of half the dense width, top-2), so
+    a MoE samples and trains end to end on a CPU, its learner replaying the sampler's experts
+    (train.routing_replay 'auto')."""
+    c.sft.model.update(experts=8, experts_per_token=2)
+
+
 # The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
 SMOKE_PREFIXRL = dict(samples_per_round=4, max_samples=8, oracle_traces=True)
 
@@ -178,15 +186,15 @@ def colab(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 5
 
 
-VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "smollm2", "paper", "colab")
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "paper", "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
     """(config, args) of `method` for the variant named first in `arg` (default 'demo').
 
     demo / smoke use the demo task, keyed_multiplication (smoke: seconds); carry / carry_smoke
-    carry_multiplication (the long-guidance case); smollm2 a real model on CPU; paper a TPU
-    run; colab LoRA on one free TPU chip.
+    carry_multiplication (the long-guidance case); moe_smoke the smoke with a mixture-of-experts
+    policy; smollm2 a real model on CPU; paper a TPU run; colab LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
     args = parse_arg(arg, variant="demo")
@@ -200,6 +208,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
         smoke(c, sft_config("carry_smoke"), task=carry_task)
     elif args.variant == "smoke" or args.variant.endswith("_smoke"):
         smoke(c, sft_config("smoke"))
+        if args.variant == "moe_smoke":
+            mixture_of_experts(c)
     elif args.variant == "carry":
         carry_task(c, sft_config("carry"))
     elif args.variant == "smollm2":

@@ -22,7 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 # file -> (variant -> (job, method)); '' is the file's default variant.
 VARIANTS = {
-    "grpo.py": {v: ("rl", "grpo") for v in ("", "demo", "smoke", "smollm2", "paper", "colab")},
+    "grpo.py": {v: ("rl", "grpo") for v in ("", "demo", "smoke", "moe_smoke", "smollm2", "paper",
+                                            "colab")},
     "prefixrl.py": {v: ("rl", "prefixrl") for v in ("", "demo", "smoke", "smollm2", "paper")},
     "pope.py": {"": ("demo", "pope"), "demo": ("demo", "pope"), "demo_smoke": ("demo", "pope"),
                 "rl": ("rl", "pope"), "smoke": ("rl", "pope"), "smollm2": ("rl", "pope"),

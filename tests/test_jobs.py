@@ -148,6 +148,45 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     assert read_metrics(workdir)[-1]["step"] == 3  # nothing ran
 
 
+@pytest.mark.slow  # a MoE base's SFT and three runs: minutes on 2 cores
+def test_moe_grpo_smoke_replays_its_routes_and_resumes_exactly(tmp_path):
+    """configs/grpo.py:moe_smoke: a Qwen3-MoE base samples with its routes recorded and trains
+    replaying them (old log-probs recomputed: in f32 they are the sampler's), with the router's
+    load-balancing loss; stopped after step 1 and resumed, it retraces the straight run."""
+    flags = ("--config.train.old_logprobs=learner", "--config.train.router_aux_coef=0.01",
+             "--config.eval.every=0", "--config.mining.train_on=all")
+    straight = str(tmp_path / "straight")
+    run_main("configs/grpo.py:moe_smoke", straight, *flags)  # trains its base at straight/base
+    base = os.path.join(straight, "base")
+    with open(os.path.join(base, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen3_moe"
+    resumed = rl_run("configs/grpo.py:moe_smoke", tmp_path / "resumed", base, *flags,
+                     "--config.train.total_steps=1")
+    rl_run("configs/grpo.py:moe_smoke", resumed, base, *flags)
+    records, params = same_trajectory(straight, resumed)
+    for r in records:
+        assert r["rollout/logprob_mismatch_max"] < 1e-5 and r["router/aux_loss"] > 0
+    assert any("router" in str(p) for p in params)
+
+
+def same_trajectory(straight: str, resumed: str) -> tuple[list, dict]:
+    """A straight run and one stopped and resumed wrote the same metrics (timings aside) and the
+    same last checkpoint; returns the records and that checkpoint's parameters by path."""
+    timing = ("time/", "throughput/")
+    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
+               for r in read_metrics(straight)]
+    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
+                       for r in read_metrics(resumed)]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
+              for w in (straight, resumed)]
+    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
+    assert flat[0].keys() == flat[1].keys()
+    for path, value in flat[0].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
+    return records, flat[0]
+
+
 # A reward the untrained smoke policy earns some of, unevenly: the groups have variance, so the
 # adapters get gradients (the task's own verifier scores the smoke policy 0 everywhere).
 SHARE_OF_ONES = "def reward(completion, problem):\n    return completion.count('1') / max(len(completion), 1)\n"
@@ -165,22 +204,11 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     resumed = rl_run("configs/grpo.py:smoke", tmp_path / "resumed", base, *flags,
                      "--config.train.total_steps=1")
     rl_run("configs/grpo.py:smoke", resumed, base, *flags)
-
-    timing = ("time/", "throughput/")
-    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
-               for r in read_metrics(straight)]
-    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
-                       for r in read_metrics(resumed)]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    records, params = same_trajectory(straight, resumed)
     assert all(r["reward/mean"] > 0 and r["grad_norm"] > 0 for r in records)  # the file's reward
-    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
-              for w in (straight, resumed)]
-    assert list(arrays[0]["params"]) == ["adapters"]  # checkpoints hold the adapters only
-    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
-    assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 14  # A and B of 7 projections
-    for path, value in flat[0].items():
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
-    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in flat[0].items() if "_b" in str(p))
+    # Checkpoints hold the adapters only: A and B of 7 projections.
+    assert {p[0].key for p in params} == {"adapters"} and len(params) == 14
+    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in params.items() if "_b" in str(p))
     from test_wandb_writer import logged
 
     history, config = logged(resumed)  # W&B, offline: one run over both invocations

@@ -277,6 +277,35 @@ def test_template_is_read_on_the_restating_notation_and_the_notation_is_the_base
     assert not (tmp_path / "w").exists()
 
 
+def test_moe_fields_on_a_dense_model_are_refused_in_preflight(tmp_path):
+    """train.routing_replay and router_aux_coef act on a mixture of experts only: set on the
+    dense smoke policy, one line each; 'auto' replays on the MoE smoke, 'off' does not."""
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.rl import loop
+    from jaxprefix.run_setup import preflight
+
+    workdir = str(tmp_path / "w")
+    dense = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
+    for field, value, expected in (
+            ("routing_replay", "on", r"'on': expected 'auto' on a dense model \(it has no experts"),
+            ("router_aux_coef", 0.01, r"0.01: expected 0 on a dense model \(it has no router")):
+        c = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
+        c.train[field] = value
+        with pytest.raises(ConfigError, match=rf"^config.train.{field}={expected}"):
+            preflight.check(c, workdir)
+    moe = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "moe_smoke")
+    moe.train.router_aux_coef = 0.01
+    preflight.check(moe, workdir)
+    assert loop.routing_replay(moe, True) and not loop.routing_replay(dense, False)
+    moe.train.routing_replay = "off"
+    assert not loop.routing_replay(moe, True)
+    moe.train.routing_replay = "yes"
+    with pytest.raises(ConfigError, match=r"^config.train.routing_replay='yes': expected 'auto', "
+                                          r"'on' or 'off'$"):
+        preflight.check(moe, workdir)
+    assert not (tmp_path / "w").exists()
+
+
 # --- array contracts between modules ---------------------------------------------------------
 
 def test_boundary_checks_name_the_array_that_is_off():

@@ -107,6 +107,23 @@ def test_existing_base_is_reused_and_a_different_config_refused(smoke_run):
     stamp = os.path.getmtime(os.path.join(path, sft_base.REPORT))
     assert sft_base.train_base(config, workdir) == path
     assert os.path.getmtime(os.path.join(path, sft_base.REPORT)) == stamp
+    # A base saved before a field existed (model.experts) is the base its default asks for.
+    report_path = os.path.join(path, sft_base.REPORT)
+    with open(report_path) as f:
+        report = json.load(f)
+    older = json.loads(json.dumps(report))
+    del older["config"]["model"]["experts"]
+    try:
+        with open(report_path, "w") as f:
+            json.dump(older, f)
+        assert sft_base.train_base(config, workdir) == path
+        moe = load_config("smoke")
+        moe.model.experts = 4
+        with pytest.raises(ValueError, match="another SFT config"):
+            sft_base.train_base(moe, workdir)
+    finally:
+        with open(report_path, "w") as f:
+            json.dump(report, f)
     other = load_config("smoke")
     other.lr = 5e-4
     with pytest.raises(ValueError, match="another SFT config"):

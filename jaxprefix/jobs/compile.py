@@ -108,7 +108,8 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
     loop.check_rows(config, train, contexts, mesh)
     step = programs.StepShape(contexts=contexts, context_length=c.context_length,
-                              n=config.rollout.n, rollout=spec)
+                              n=config.rollout.n, rollout=spec, routing_replay=loop.routing_replay(
+                                  config, any(model_config.sparse_layers)))
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
@@ -161,7 +162,7 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
                  'max_rows_in_flight': spec.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
                  'kv_dtype': spec.kv_dtype or model_config.dtype, 'page_size': spec.page_size,
-                 'learner_width': step.learner_width,
+                 'learner_width': step.learner_width, 'routing_replay': step.routing_replay,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline']),
                  **sampler_figures(rows, step, model_config, chip, mesh.size)},

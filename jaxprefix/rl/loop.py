@@ -146,6 +146,21 @@ def check_rows(config, learner_config: TrainConfig, contexts_per_step: int, mesh
                          f"({contexts_per_step} contexts) x config.rollout.n={n}: {e}") from None
 
 
+def routing_replay(config, mixture_of_experts: bool) -> bool:
+    """Whether the sampler records a MoE's experts and the learner replays them
+    (config.train.routing_replay); a dense model refuses it and router_aux_coef when set."""
+    t = config.train
+    value = t.get("routing_replay", "auto")
+    need(value in ("auto", "on", "off"), "config.train.routing_replay", value,
+         "'auto', 'on' or 'off'")
+    if not mixture_of_experts:
+        need(value == "auto", "config.train.routing_replay", value,
+             "'auto' on a dense model (it has no experts to replay)")
+        need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
+             t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
+    return mixture_of_experts and value != "off"
+
+
 def check_update_resolution(model, learning_rate: float) -> None:
     """Refuses to train weights held in a dtype too coarse for the learning rate: all-bf16 at
     lr 1e-6 (the paper's) leaves nearly every weight unchanged, and nothing else would say so.
@@ -188,11 +203,14 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 
 
 def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
-                     rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int]) -> Scored:
+                     rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
+                     record_routes: bool = False) -> Scored:
+    """The request's rollouts (with a MoE's experts when `record_routes`), scored."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                 seed=seed, **rollout.sampler_keywords())
+                                 seed=seed, record_routes=record_routes,
+                                 **rollout.sampler_keywords())
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
@@ -284,12 +302,13 @@ def _state_arrays(state: TrainState) -> dict:
 
 
 def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: int,
-                    stop_ids) -> list[Scored]:
+                    stop_ids, record_routes: bool) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
     chunks = [sample_and_score(policy, tokenizer, request, config, rollout=rollout,
-                               stop_ids=stop_ids, seed=round_seed(config.seed, step, 0))]
+                               stop_ids=stop_ids, seed=round_seed(config.seed, step, 0),
+                               record_routes=record_routes)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
@@ -297,7 +316,8 @@ def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: in
         more = method.next_request(step)
         chunks.append(sample_and_score(policy, tokenizer, more, config, rollout=rollout,
                                        stop_ids=stop_ids,
-                                       seed=round_seed(config.seed, step, len(chunks))))
+                                       seed=round_seed(config.seed, step, len(chunks)),
+                                       record_routes=record_routes))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
@@ -420,6 +440,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     check_rows(config, learner_config, contexts_per_step, mesh)
+    replay = routing_replay(config, any(model.config.sparse_layers))
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
@@ -457,7 +478,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
-            chunks = _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids)
+            chunks = _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids,
+                                     replay)
             selection, batch = _batch(chunks, config.train)
             del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()

@@ -97,6 +97,7 @@ class PolicyInputs:
     tokenizer: object
     prompts: object
     context_length: int  # max_position_embeddings of the model's config
+    mixture_of_experts: bool = False  # the model has experts (qwen3_moe, qwen2_moe)
 
 
 def check_policy_inputs(config, workdir: str) -> PolicyInputs:
@@ -130,7 +131,8 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
                 hf = sft_base.model_config(config.sft, tokenizer).to_hf()
             except (ValueError, AttributeError, KeyError) as e:
                 raise ConfigError(f"config.sft.model: {e}") from None
-        return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]))
+        return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]),
+                            _has_experts(hf))
     path = _weights_path(config)
     try:
         if source == "hf":
@@ -143,7 +145,13 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
     except (FileNotFoundError, ValueError) as e:  # what the readers say, naming the file
         raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
     prompts = ChatPrompts(tokenizer, config.model.get("system_prompt") or None)
-    return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)))
+    return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)),
+                        _has_experts(hf))
+
+
+def _has_experts(hf: dict) -> bool:
+    """Whether a config.json describes a mixture of experts (transformers 5: num_local_experts)."""
+    return bool(hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def _check_model_dir(path: str) -> dict:

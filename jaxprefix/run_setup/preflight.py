@@ -82,6 +82,10 @@ def check(config, workdir: str):
 
     settings = _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
+    if config.job in TRAINING_JOBS:
+        from jaxprefix.rl import loop
+
+        _as_config_error(loop.routing_replay, config, inputs.mixture_of_experts)
     if config.job in FIELDS_CHECKED:
         _check_notation(config)
         _check_template_read(config, inputs.prompts)

@@ -27,7 +27,7 @@ import tqdm
 from flax import nnx
 
 from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
-from jaxprefix import key_step_probe, models, sampling, storage, tokenizers
+from jaxprefix import key_step_probe, models, run_config, sampling, storage, tokenizers
 from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 from jaxprefix.rl.compute_ledger import update_flops
@@ -43,15 +43,24 @@ def task_of(config):
 
 
 def model_config(config, tokenizer) -> models.ModelConfig:
-    """The tiny llama-family policy: config.model gives layers, width, heads and MLP size."""
+    """The tiny policy: config.model gives layers, width, heads and MLP size; llama-family, or
+    with model.experts a Qwen3-MoE whose every MLP routes each token to experts_per_token
+    experts of width mlp_width / experts_per_token (the dense MLP's active width)."""
     m = config.model
     task = task_of(config)
-    return models.ModelConfig(
-        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=m.width,
-        intermediate_size=m.mlp_width, num_layers=m.layers, num_heads=m.heads,
-        num_kv_heads=m.heads, head_dim=m.width // m.heads,
-        max_position_embeddings=task.SEQUENCE_LENGTH, eos_token_ids=(tokenizer.eos_id,),
-        pad_token_id=tokenizer.pad_id)
+    experts = m.get("experts", 0)
+    moe = {}
+    if experts:
+        k = m.experts_per_token
+        moe = dict(model_type="qwen3_moe", qk_norm=True, num_experts=experts,
+                   num_experts_per_tok=k, moe_intermediate_size=m.mlp_width // k,
+                   norm_topk_prob=True)
+    return models.ModelConfig(**{
+        "model_type": "llama", "vocab_size": tokenizer.vocab_size, "hidden_size": m.width,
+        "intermediate_size": m.mlp_width, "num_layers": m.layers, "num_heads": m.heads,
+        "num_kv_heads": m.heads, "head_dim": m.width // m.heads,
+        "max_position_embeddings": task.SEQUENCE_LENGTH, "eos_token_ids": (tokenizer.eos_id,),
+        "pad_token_id": tokenizer.pad_id, **moe})
 
 
 def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -177,7 +186,8 @@ def train_base(config, workdir: str) -> str:
     report_path = storage.join(path, REPORT)
     settings = config.to_dict()
     if storage.exists(report_path):
-        saved = storage.read_json(report_path)["config"]
+        saved = _with_defaults(storage.read_json(report_path)["config"],
+                               run_config.sft_base_config().to_dict())
         if saved != json.loads(json.dumps(settings)):
             raise ConfigError(f"{report_path}: a base model trained with another SFT config is "
                               f"already there; expected the same config.sft, or remove {path}, "
@@ -243,6 +253,18 @@ def train_base(config, workdir: str) -> str:
               "seconds": round(time.time() - start, 1), "config": settings}
     storage.write_json(report_path, report)
     return path
+
+
+def _with_defaults(saved: dict, defaults: dict) -> dict:
+    """A saved SFT config with the fields added since it was saved at their defaults: a base
+    trained before a field existed is the base a config leaving it at its default asks for."""
+    out = dict(saved)
+    for name, value in json.loads(json.dumps(defaults)).items():
+        if name not in out:
+            out[name] = value
+        elif isinstance(value, dict) and isinstance(out[name], dict):
+            out[name] = _with_defaults(out[name], value)
+    return out
 
 
 def _criterion_figures(metrics: dict, criterion) -> dict[str, str]:
