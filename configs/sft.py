@@ -2,6 +2,7 @@
 
     python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo           # demo, ~3 min
     python -m jaxprefix.main --config=configs/sft.py:smoke --workdir=/tmp/smoke    # seconds
+    python -m jaxprefix.main --config=configs/sft.py:tools --workdir=/tmp/tools    # tool calls
 
 Training stops at the first evaluation point where the hard set is never solved in k samples
 (hard pass@k = 0 for the k POPE mines with) and the policy finishes hard problems given all but
@@ -13,7 +14,7 @@ import ml_collections
 from jaxprefix import run_config
 
 
-VARIANTS = ("demo", "smoke", "carry", "carry_smoke")
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "tools", "tools_smoke")
 
 
 def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
@@ -23,7 +24,19 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
                          f"{VARIANTS}")
     if variant in ("demo", "smoke"):
         return keyed(variant == "smoke")
+    if variant in ("tools", "tools_smoke"):
+        return tools(variant == "tools_smoke")
     return carry(variant == "carry_smoke")
+
+
+def tools(smoke: bool) -> ml_collections.ConfigDict:
+    """The base of the built-in tool task (docs/TOOLS.md, configs/tools.py): the demo's, with
+    half of its unhinted rows written as tool episodes (the key reader called, its answer copied
+    into the key step; hinted rows never call). Its rows are all easy ('<', or '>' with equal
+    key digits), so the answer is the key the base reads anyway; the same criterion chooses it."""
+    config = keyed(smoke)
+    config.data.tool_fraction = 0.5
+    return config
 
 
 def keyed(smoke: bool) -> ml_collections.ConfigDict:

@@ -55,6 +55,15 @@ def overlap_axis(c: ml_collections.ConfigDict) -> None:
     c.eval.key_step_probe = True
 
 
+def tool_task(c: ml_collections.ConfigDict) -> None:
+    """The built-in tool task (docs/TOOLS.md) on top of the demo task's settings: episodes of
+    two turns in the task's own call syntax, the key reader their tool; GRPO on every training
+    problem (mining samples one turn without tools, so it has no hard set to give here)."""
+    c.rollout.max_turns = 2
+    c.tools.update(names=("read_key",), environment="keyed_multiplication")
+    c.mining.train_on = "all"
+
+
 def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     """The long-guidance case (docs/DEMO_TASK.md): carry_multiplication's 20-digit problems,
     whose difficulty is spread evenly over the steps, so a solvable prefix is long; the PrefixRL

@@ -21,6 +21,7 @@ from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.rl import compute_ledger
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl import loop
+from jaxprefix.tools.settings import ToolSettings
 
 def mined_artifacts(config) -> tuple[str, ...]:
     """The mining artifacts (jobs/mine.ARTIFACTS) the configured method trains on: its bill."""
@@ -75,7 +76,8 @@ def training_cost(config, contexts_per_step: int, num_params: int) -> str:
     """The line logged before the RL loop samples: steps x contexts x samples x new tokens, and
     the FLOPs bound of sampling them (2 N D) and training on them (6 N D), D the generated tokens
     at their cap (contexts add their own length, which varies by problem)."""
-    steps, n, new = config.train.total_steps, config.rollout.n, config.rollout.max_new_tokens
+    steps, n = config.train.total_steps, config.rollout.n
+    new = config.rollout.max_new_tokens * config.rollout.get("max_turns", 1)  # every turn's
     rollouts = steps * contexts_per_step * n
     tokens = rollouts * new
     budget = float(config.train.get("flops_budget", 0.0))
@@ -107,7 +109,8 @@ def run_rl(config, workdir: str) -> dict:
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
                         ledger=ledger, contexts_per_step=contexts,
-                        probe=key_step_probe_of(config, policy, sets))
+                        probe=key_step_probe_of(config, policy, sets),
+                        tools=ToolSettings.from_config(config))
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:

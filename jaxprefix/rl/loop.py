@@ -21,6 +21,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
+from jaxprefix.tools import episodes as multi_turn
+from jaxprefix.tools.settings import ToolSettings
 from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
@@ -117,6 +119,7 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
         need(1 <= t.get("pass_k", 1) <= r.n, "config.train.pass_k", t.get("pass_k"),
              f"1 <= pass_k <= rollout.n={r.n}")
     sampling.RolloutSpec.from_config(r)  # raises naming the rollout field
+    ToolSettings.from_config(config)  # the tools block, read where rollout.max_turns > 1
     need(t.problems_per_step >= 1, "config.train.problems_per_step", t.problems_per_step,
          ">= 1")
     need(t.total_steps >= 0, "config.train.total_steps", t.total_steps, ">= 0")
@@ -163,12 +166,15 @@ def check_update_resolution(model, learning_rate: float) -> None:
 @dataclasses.dataclass
 class Scored:
     request: RolloutRequest
-    rollouts: sampling.Rollouts
+    rollouts: sampling.Rollouts  # episodes laid out as rows (multi_turn.as_rollouts) too
     rewards: np.ndarray          # [C, n]
     verifier_failures: int
     seconds_sampling: float
     seconds_reward: float
     too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
+    prefilled: int = 0           # tokens the sampler prefilled (observations, re-prefills too)
+    generated: int = 0           # tokens the policy sampled
+    episodes: list | None = None  # multi-turn episodes (None: one turn a row)
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
@@ -181,15 +187,27 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 
 
 def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed: int,
-                     stop_ids: Sequence[int]) -> Scored:
-    r = config.rollout
+                     stop_ids: Sequence[int], episodes=None) -> Scored:
+    """Samples the request (one turn a row; with `episodes`, an episode rollout of
+    ToolSettings.rollout, multi-turn episodes scored on their final answers) and scores it."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
-    rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                 seed=seed, **sampling.RolloutSpec.from_config(r).sampler_keywords())
+    keywords = sampling.RolloutSpec.from_config(config.rollout).sampler_keywords()
+    found = None
+    if episodes is None:
+        rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
+                                     seed=seed, **keywords)
+        texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
+        prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
+    else:
+        found = episodes(model, [_token_ids(c) for c in request.contexts], n=request.n,
+                         stop_ids=stop_ids, seed=seed, **keywords)
+        rollouts = multi_turn.as_rollouts(found, request.n)
+        texts = [(request.response_prefixes[e.group] if request.response_prefixes and
+                  e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
+        prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
-    texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
     verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     scores, stats = rewards.score_batch(verifier, texts, problems,
@@ -198,7 +216,14 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
                                         max_chars=config.rewards.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled, stats["too_long"])
+                  sampled - start, time.perf_counter() - sampled, stats["too_long"],
+                  prefilled, generated, found)
+
+
+def _token_ids(context) -> list[int]:
+    """A context's ids (a SharedContext's prompt and suffix): an episode's first prompt."""
+    return list(context.prompt) + list(context.suffix) if hasattr(context, "prompt") \
+        else list(context)
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
@@ -226,15 +251,27 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     return out
 
 
-def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> tuple[dict, dict]:
+def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
+    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode and the
+    tokens of earlier turns prefilled again (a one-turn row is an episode of one turn)."""
+    found = [e for c in chunks for e in (c.episodes or ())]
+    if found:
+        return multi_turn.episode_metrics(found)
+    return {"rollout/tool_calls": 0.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 1.0,
+            "rollout/reprefilled_tokens": 0.0}
+
+
+def evaluate(model, tokenizer, method, config, *, step: int, stop_ids,
+             episodes=None) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
-    (samples per problem, correct samples of each problem) for eval_counts.jsonl."""
+    (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
+    `episodes`, of episodes with the run's tools."""
     from jaxprefix import evaluation
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
         scored = sample_and_score(model, tokenizer, request, config, stop_ids=stop_ids,
-                                  seed=round_seed(config.seed + 1, step, 0))
+                                  seed=round_seed(config.seed + 1, step, 0), episodes=episodes)
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out[f"{name}/reward_mean"] = float(scored.rewards.mean())
@@ -277,19 +314,20 @@ def _state_arrays(state: TrainState) -> dict:
 
 
 def _rollout_chunks(policy, tokenizer, method: Method, config, step: int,
-                    stop_ids) -> list[Scored]:
+                    stop_ids, episodes=None) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
     chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
-                               seed=round_seed(config.seed, step, 0))]
+                               seed=round_seed(config.seed, step, 0), episodes=episodes)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
             [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
         more = method.next_request(step)
         chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
-                                       seed=round_seed(config.seed, step, len(chunks))))
+                                       seed=round_seed(config.seed, step, len(chunks)),
+                                       episodes=episodes))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
@@ -319,13 +357,12 @@ class _StepCost:
 
 def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: TrainConfig,
                with_reference: bool) -> _StepCost:
-    sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
-                  for c in chunks)
+    sampled = sum(c.prefilled + c.generated for c in chunks)
     real = int(batch["token_mask"].sum())
     forwarded = real * learner_config.num_epochs
     # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
     forwards = with_reference + (learner_config.old_logprobs == "learner")
-    return _StepCost(sampled, sum(int(c.rollouts.lengths.sum()) for c in chunks), forwarded,
+    return _StepCost(sampled, sum(c.generated for c in chunks), forwarded,
                      sampling_flops(n_params, sampled),
                      update_flops(n_params, forwarded) + forwards * sampling_flops(n_params, real))
 
@@ -333,7 +370,7 @@ def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: Train
 def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCost, totals: dict,
                  *, step_seconds: float, update_seconds: float) -> dict[str, float]:
     """The step's metrics.jsonl row (evaluation scores are added to it on eval steps)."""
-    record = reward_metrics(chunks[0])
+    record = reward_metrics(chunks[0]) | turn_metrics(chunks)
     record.update({k: float(v) for k, v in update_metrics.items()})
     record.update({
         "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
@@ -360,7 +397,7 @@ def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCos
 
 
 def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
-          ledger=None, contexts_per_step: int | None = None, probe=None,
+          ledger=None, contexts_per_step: int | None = None, probe=None, tools=None,
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
@@ -369,12 +406,16 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
     probe: an optional function of the sampling model, called at each evaluation; its figures
       join the step's record (the rl job's key-step probe, eval.key_step_probe).
+    tools: the run's ToolSettings (tools/settings.py); with rollout.max_turns > 1 every request
+      (training and evaluation) is sampled as episodes with its environment's tools.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     learner_config = validate(config, mesh, contexts_per_step)
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
+    episodes = tools.episode_rollout(tokenizer, model.config.max_position_embeddings) \
+        if tools is not None and tools.episodes else None
     # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
     # one program a step; generate() then finds them in place.
     decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
@@ -418,7 +459,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
-            chunks = _rollout_chunks(policy, tokenizer, method, config, step, stop_ids)
+            chunks = _rollout_chunks(policy, tokenizer, method, config, step, stop_ids,
+                                     episodes)
             selection, batch = _batch(chunks, config.train)
             del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
@@ -436,8 +478,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             if ledger is not None:
                 for c in chunks:
                     ledger.record_sampling(rollouts=len(c.rollouts.lengths),
-                                           prefill_tokens=int(c.rollouts.context_lengths.sum()),
-                                           generated_tokens=int(c.rollouts.lengths.sum()))
+                                           prefill_tokens=c.prefilled,
+                                           generated_tokens=c.generated)
                 ledger.record_update(tokens=cost.forwarded)
             record = _step_record(chunks, selection, update_metrics, cost, totals,
                                   step_seconds=time.perf_counter() - step_start,
@@ -456,7 +498,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
                 eval_start = time.perf_counter()
                 policy = learner.sampling_model(state, decode)
                 scores, counts = evaluate(policy, tokenizer, method, config, step=done,
-                                          stop_ids=stop_ids)
+                                          stop_ids=stop_ids, episodes=episodes)
                 record.update(scores | (probe(policy) if probe else {}))
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start
