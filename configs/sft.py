@@ -32,8 +32,9 @@ def get_config(arg: str = "demo") -> ml_collections.ConfigDict:
 def tools(smoke: bool) -> ml_collections.ConfigDict:
     """The base of the built-in tool task (docs/TOOLS.md, configs/tools.py): the demo's, with
     half of its unhinted rows written as tool episodes (the key reader called, its answer copied
-    into the key step; hinted rows never call). Its rows are all easy ('<', or '>' with equal
-    key digits), so the answer is the key the base reads anyway; the same criterion chooses it."""
+    into the key step; hinted rows never call), half of those '>' rows where the answer is not
+    the key the base reads out of habit; rows without a call never show what '>' means. The
+    same criterion chooses it."""
     config = keyed(smoke)
     config.data.tool_fraction = 0.5
     return config

@@ -31,8 +31,10 @@ VARIANTS = {
     "isocompute.py": {"": ("sweep", "grpo"), "smoke": ("sweep", "grpo"),
                       "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),
                       "fit": ("fit", "grpo")},
-    "sft.py": {"": ("sft", None), "demo": ("sft", None), "smoke": ("sft", None)},
+    "sft.py": {v: ("sft", None) for v in ("", "demo", "smoke", "tools", "tools_smoke")},
     "results.py": {v: ("results", "pope") for v in ("", "demo", "smoke")},
+    "tools.py": {"": ("tools", "grpo"), "study": ("tools", "grpo"), "smoke": ("tools", "grpo"),
+                 "rl": ("rl", "grpo")},
 }
 
 
@@ -163,7 +165,8 @@ def test_loop_names_the_rejected_field(field, value):
         loop.validate(config)
 
 
-@pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval"])
+@pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval",
+                                  "tools"])
 @pytest.mark.parametrize("variant", ["", "smoke"])
 def test_training_verifier_accepts_oracle_solutions(name, variant):
     """The verifier the loop trains with (config.data.verifier) scores the oracle solution 1.

@@ -196,11 +196,14 @@ def test_tool_episode_rows_call_the_key_reader_and_leave_its_answer_untrained():
     At 0 the batches are the demo's own (no draw is made)."""
     plain = task.sft_batch(_sft_data(), 5)
     assert task.sft_batch(_sft_data(tool_fraction=0.0), 5) == plain
-    calls = 0
+    calls = unread = 0
     for problem, target in task.sft_batch(_sft_data(tool_fraction=0.5), 5):
+        u, v, p, q = (int(x) for x in problem.question[-5:-1])
         if not target.startswith(task.CALL):
+            assert problem.question[0] == "<" or (u, p) == (v, q)  # '>' shown by the tool only
             continue
         calls += 1
+        unread += (u, p) != (v, q) and problem.question[0] == ">"
         d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
         call, rest = target.split("<eos>", 1)
         assert "hint_steps" not in problem.metadata
@@ -210,7 +213,8 @@ def test_tool_episode_rows_call_the_key_reader_and_leave_its_answer_untrained():
         tok = task.default_tokenizer()
         assert tok.decode([i for i, m in zip(ids, mask) if not m]) == problem.question + f"{d}{c}="
         assert len(ids) <= task.EPISODE_LENGTH
-    assert 8 < calls < 30  # about a quarter of 64 rows
+    assert 8 < calls < 30 and 3 < unread < calls  # a quarter of 64 rows; half of them '>'
+
     assert task.sequence_length(_sft_data(tool_fraction=0.5)) == task.EPISODE_LENGTH
     assert task.sequence_length(_sft_data()) == task.SEQUENCE_LENGTH
 

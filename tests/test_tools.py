@@ -1,10 +1,13 @@
 """Tools: the calculator's values and refusals, the python tool's caps and empty environment,
 and the contract that no tool failure ever raises into the rollout."""
 import os
+import pathlib
+import string
 
 import pytest
 
 from jaxprefix import tools
+from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools import calculator
 from jaxprefix.tools.python_tool import PythonLimits, run_code
 
@@ -189,16 +192,15 @@ def test_environments_by_name_and_from_a_file(tmp_path):
     with pytest.raises(ValueError, match="expected one of"):
         environment("gym", tok, tools.registry([]))
 
-    (tmp_path / "env.py").write_text(
-        "from jaxprefix import tools\n"
-        "from jaxprefix.tools.calls import ToolCall\n"
-        "def lines(tokenizer, registry):\n"
-        "    return tools.Environment(registry, lambda text: [ToolCall('calculator', "
-        "{'expression': text}\n        )] if '+' in text else [], lambda results, stop: "
-        "tokenizer.encode(results[0].text + '='))\n"
-        "def wrong(tokenizer, registry):\n    return 3\n")
-    mine = environment(f"{tmp_path}/env.py:lines", tok, tools.registry(["calculator"]))
-    (call,) = mine.parse("2+3")
-    assert mine.observe([mine.tools.run(call.name, call.arguments)], None) == tok.encode("5=")
+    # docs/TOOLS.md's example environment, as printed there
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "TOOLS.md").read_text()
+    example = doc.split("# my_env.py:", 1)[1].split("\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "env.py").write_text(example + "\ndef wrong(tokenizer, registry):\n    return 3\n")
+    chars = CharTokenizer(sorted(set(string.printable) - set(string.whitespace) | {" "}))
+    mine = environment(f"{tmp_path}/env.py:questions", chars, tools.registry(["calculator"]))
+    assert mine.parse("12*13 is what") == []
+    (call,) = mine.parse(" 12*13?")
+    assert mine.observe([mine.tools.run(call.name, call.arguments)], None) == \
+        chars.encode("=156.")
     with pytest.raises(ValueError, match="returned int, expected a jaxprefix.tools.Environment"):
         environment(f"{tmp_path}/env.py:wrong", tok, tools.registry([]))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from absl import logging
 
 from jaxprefix import storage
-from jaxprefix.sampling import RolloutSpec
+from jaxprefix.sampling import RolloutSpec, token_ids
 from jaxprefix.jobs.method_settings import check_method_settings
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
@@ -59,8 +59,7 @@ def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
 
 
 def _length(context) -> int:
-    return len(context.prompt) + len(context.suffix) if hasattr(context, "suffix") \
-        else len(context)
+    return len(token_ids(context))
 
 
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:

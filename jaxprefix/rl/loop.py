@@ -200,8 +200,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
         texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
         prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
     else:
-        found = episodes(model, [_token_ids(c) for c in request.contexts], n=request.n,
-                         stop_ids=stop_ids, seed=seed, **keywords)
+        found = episodes(model, request.contexts, n=request.n, stop_ids=stop_ids, seed=seed,
+                         **keywords)
         rollouts = multi_turn.as_rollouts(found, request.n)
         texts = [(request.response_prefixes[e.group] if request.response_prefixes and
                   e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
@@ -218,12 +218,6 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
                   sampled - start, time.perf_counter() - sampled, stats["too_long"],
                   prefilled, generated, found)
-
-
-def _token_ids(context) -> list[int]:
-    """A context's ids (a SharedContext's prompt and suffix): an episode's first prompt."""
-    return list(context.prompt) + list(context.suffix) if hasattr(context, "prompt") \
-        else list(context)
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:

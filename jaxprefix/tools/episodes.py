@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxprefix.sampling import Rollouts, generate
+from jaxprefix.sampling import Rollouts, generate, token_ids
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, ToolResult, error
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
@@ -124,8 +124,9 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
                      observe: Callable[[Sequence[ToolResult], int | None], list[int]] | None
                      = None, max_observation_chars: int = DEFAULT_MAX_CHARS,
                      tool_workers: int = 1, **sampler) -> list[Episode]:
-    """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
-    answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
+    """n episodes of each context (token ids or a SharedContext; episode i*n + j continues
+    contexts[i]), each until a final answer, `max_turns` sampled turns, or
+    `episode_token_budget` tokens in all.
 
     Each turn is one `generate` call (max_new_tokens per turn, `stop_ids`, and `sampler`'s
     other keywords: RolloutSpec.sampler_keywords()) on every running conversation, re-prefilled
@@ -139,7 +140,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
-    longest = max(len(c) for c in contexts)
+    prompts = [token_ids(c) for c in contexts]  # a SharedContext's prompt and suffix
+    longest = max(map(len, prompts))
     if longest >= episode_token_budget:
         raise ValueError(f"episode_token_budget={episode_token_budget}: expected more than the "
                          f"longest context ({longest} tokens)")
@@ -147,8 +149,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     observe = observe or (lambda results, stop: observation_tokens(
         tokenizer, [r.text for r in results], stop))
     stops = set(int(s) for s in stop_ids)
-    running = [_Running(g, list(map(int, contexts[g])), [0] * len(contexts[g]),
-                        [0.0] * len(contexts[g]), len(contexts[g]))
+    running = [_Running(g, list(prompts[g]), [0] * len(prompts[g]), [0.0] * len(prompts[g]),
+                        len(prompts[g]))
                for g in range(len(contexts)) for _ in range(n)]
     for turn in range(max_turns):
         active = [e for e in running if e.ended is None]

@@ -290,8 +290,11 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
 
     Tool episodes (issue 31): a data.tool_fraction of the unhinted rows (default 0: no draw)
     call the key reader first (`tool_episode_target`) and copy its answer into the key step;
-    hinted rows never call. On these easy rows the reader's answer is the key the base reads
-    anyway; on a hard problem it is the one the base never learned to read.
+    hinted rows never call. Half of them are '>' problems with unequal key digits, where the
+    reader's answer is not what the base reads out of habit (u, p): without them the answer
+    always equals that read, and the base learns to ignore it (measured: such a base called the
+    reader in 250 of 512 episodes on 64 hard problems and solved none). Rows without a call
+    still never show what '>' means.
     """
     named = restating_notation(data)
     tools = data.get("tool_fraction", 0.0)
@@ -328,6 +331,10 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
                 problem = dataclasses.replace(problem, question="".join(text))
             rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
         elif tools and rng.random() < tools:
+            if rng.random() < 0.5:  # the reader's answer is not the habit's read: '>', u != v
+                others = (rng.choice([x for x in range(10) if x != d]),
+                          rng.choice([x for x in range(10) if x != c]))
+                problem = make_problem(number, d, c, SECOND, others, names_rule=named)
             rows.append((problem, tool_episode_target(
                 problem, hinted_solution(problem, rng, data.tens_first))))
         else:
