@@ -33,9 +33,9 @@ def get_config(arg: str = ""):
     c.job = "tools"
     c.tool_study = ml_collections.ConfigDict(dict(seeds=(0,) if smoke else (0, 1, 2)))
     if smoke:
-        c.train.total_steps = 3  # a resume lands mid-run (tests/test_tool_rl.py)
+        c.train.total_steps = 3  # a resume lands mid-run (tests/test_jobs.py)
     else:
-        c.train.update(problems_per_step=16, total_steps=60)
+        c.train.update(problems_per_step=16, total_steps=100)  # ~25 min on 2 idle cores (TOOLS.md)
     if "seed" in args:
         c.seed = args.seed
     return c

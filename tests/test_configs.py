@@ -147,6 +147,29 @@ def test_a_field_the_job_does_not_read_is_refused_before_any_work(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("config,flags,line", [
+    ("eval.py:smoke", ("--config.rollout.max_turns=2", "--config.tools.names=('read_key',)",
+                       "--config.tools.environment=keyed_multiplication"),
+     "error: config.rollout.max_turns=2 is set but no stage of job eval samples episodes (jobs "
+     "that do: rl, tools); expected rollout.max_turns=1"),
+    ("grpo.py:smoke", ("--config.tools.names=('calculator',)",),
+     "error: config.tools.names=('calculator',): expected left at its default: "
+     "rollout.max_turns=1 runs no tool (a tool's observation needs a next turn)"),
+    ("tools.py:smoke", ("--config.tools.environment=chat",),
+     "error: config.tools.environment='chat': CharTokenizer('0123456789_x=+^<>*') has no chat "
+     "template to render a tool turn with; expected a chat model, or a built-in task's "
+     "environment"),
+])
+def test_tool_settings_a_job_does_not_read_or_cannot_use_are_one_line(config, flags, line,
+                                                                      tmp_path):
+    """config.tools and rollout.max_turns, refused by preflight before any work."""
+    workdir = tmp_path / "run"
+    result = run_main(f"--config=configs/{config}", *flags, workdir=workdir)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not workdir.exists()
+
+
 def test_value_the_loop_rejects_fails_at_start(tmp_path):
     workdir = tmp_path / "run"
     result = run_main("--config=configs/grpo.py:smoke", "--config.rollout.n=1", workdir=workdir)

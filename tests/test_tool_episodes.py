@@ -142,6 +142,18 @@ def test_episodes_end_at_max_turns_and_at_the_budget(policy):
     assert len(tight[0].tokens) == len(contexts[0]) + call_length
 
 
+def test_turns_are_parsed_without_their_stop_token(policy):
+    """The text a turn's calls are parsed from leaves out the stop token it ended on (an open
+    Hermes block runs to the end of the text: SmolLM2 left one open, and '<|im_end|>' made its
+    JSON 'Extra data'); a turn cut without one is parsed whole."""
+    from jaxprefix.tools.calls import parse_hermes
+
+    seen = []
+    _rollout(policy, parse=lambda text: seen.append(text) or parse_hermes(text))
+    assert f"{CALL % '2+3'}" in seen and "hello" in seen and "=5" in seen
+    assert not any(text.endswith("<eos>") for text in seen)
+
+
 @pytest.mark.slow  # its longer observation lands in another context bucket: one more compile
 def test_tool_failures_are_observations(policy):
     """A registry without the calculator: the call fails as an observation and the episode

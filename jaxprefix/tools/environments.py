@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 from jaxprefix.data.tasks import keyed_multiplication as keyed
 from jaxprefix.rewards import from_file as _files
+from jaxprefix.tokenizers.chars import CONCATENATE_CONTENTS
 from jaxprefix.tools.api import Registry, ToolResult
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
@@ -44,7 +45,7 @@ class Environment:
 def chat(tokenizer, tools: Registry, format: str = "") -> Environment:
     """Calls in the chat template's format (`format`: '' reads it off the template), results
     appended as the template's own tool turn."""
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template in (None, CONCATENATE_CONTENTS):  # a task's characters: none
         raise ValueError(f"config.tools.environment='chat': {tokenizer.source} has no chat "
                          f"template to render a tool turn with; expected a chat model, or a "
                          f"built-in task's environment")

@@ -178,13 +178,15 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
             if not stopped and len(episode.tokens) >= episode_token_budget:
                 episode.ended = BUDGET
                 continue
-            calls = parse(tokenizer.decode(ids.tolist()))
+            last = int(ids[-1]) if stopped and int(ids[-1]) in stops else None
+            # Parsed without the stop token the turn ended on: a Hermes block left open runs
+            # to the end of the text, and the stop token's text would spoil its JSON.
+            calls = parse(tokenizer.decode(ids[:len(ids) - (last is not None)].tolist()))
             if not calls:
                 episode.ended = ANSWER if stopped else TRUNCATED
             elif turn == max_turns - 1:
                 episode.ended = MAX_TURNS
             else:
-                last = int(ids[-1]) if stopped and int(ids[-1]) in stops else None
                 waiting.append((episode, calls, last))
         results = run_calls([c for _, calls, _ in waiting for c in calls], tools,
                             max_observation_chars, tool_workers)
