@@ -12,7 +12,7 @@ the rl job (its base trained in <workdir>/base when absent).
 import ml_collections
 
 from jaxprefix import variants
-from jaxprefix.run_config import base_config, parse_arg, sibling_config
+from jaxprefix.run_config import base_config, parse_arg
 
 VARIANTS = ("study", "smoke", "rl")
 
@@ -25,7 +25,7 @@ def get_config(arg: str = ""):
     smoke = args.variant == "smoke"
     c = base_config()
     c.method = "grpo"
-    sft = sibling_config(__file__, "sft.py", "tools_smoke" if smoke else "tools")
+    sft = variants.sft_config("tools_smoke" if smoke else "tools")
     (variants.smoke if smoke else variants.demo_task)(c, sft)
     variants.tool_task(c)
     if args.variant == "rl":

@@ -60,13 +60,13 @@ def default_workdir(config_arg: str) -> str:
 class _OnlyOurInfo:
     """Keeps INFO lines of jaxprefix and drops the libraries' (orbax logs every file it writes),
     and the libraries' tracebacks of storage failures (orbax logs each from each of its save
-    threads): the run retries those, or reports them in one line (storage_faults)."""
+    threads): the run retries those, or reports them in one line (storage/faults.py)."""
 
     def filter(self, record) -> bool:
-        from jaxprefix import storage_faults
+        from jaxprefix import storage
 
         ours = f"{os.sep}jaxprefix{os.sep}" in record.pathname
-        if not ours and record.exc_info and storage_faults.classify(record.exc_info[1]):
+        if not ours and record.exc_info and storage.faults.classify(record.exc_info[1]):
             return _VERBOSE.value
         return record.levelno >= std_logging.WARNING or ours
 
@@ -153,16 +153,16 @@ def main(argv):
         return
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed, errors, storage, storage_faults
+    from jaxprefix import distributed, errors, storage
 
     try:
         try:
-            storage_faults.set_deadline((config.get("storage") or {}).get(
-                "retry_deadline_s", storage_faults.DEFAULT_DEADLINE_S))
+            storage.faults.set_deadline((config.get("storage") or {}).get(
+                "retry_deadline_s", storage.faults.DEFAULT_DEADLINE_S))
         except ValueError as e:
             raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
-        from jaxprefix.jobs import preflight
+        from jaxprefix.run_setup import preflight
 
         preflight.refuse_placeholders(config, workdir)  # gs://YOUR_BUCKET/...: never tried
         for path in remote_paths(config, workdir):  # a missing client package or bucket
@@ -180,7 +180,7 @@ def main(argv):
             "max_memory_mb", rewards.pool.DEFAULT_MAX_MEMORY_MB))
         module, function = JOBS[config.job]
         run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
-        from jaxprefix import workdir_lock
+        from jaxprefix.storage import workdir_lock
         from jaxprefix.rl.loop import Preempted
 
         try:

@@ -28,7 +28,7 @@ FIELDS = {
     # Resuming refuses a change to a field that alters the run (run_identity.py) unless listed.
     "allow_changes": F("", "fields a resumed run may change, e.g. 'train.learning_rate,rollout.n'"
                            " (a block name covers its fields)"),
-    # Where the policy comes from (jobs/policy.py). param_dtype: the master copy the optimizer
+    # Where the policy comes from (run_setup/policy.py). param_dtype: the master copy the optimizer
     # updates; dtype: the forward/backward's and the sampler's copy of the weights.
     "model": {
         "source": F("sft", "where the policy comes from: sft (the tiny demo base) | hf | gguf"),
@@ -39,7 +39,7 @@ FIELDS = {
     },
     # The tiny base model's SFT (model.source 'sft' only): configs/sft.py's fields (SFT_FIELDS).
     "sft": {},
-    # Problem sets (jobs/problem_sets.py). Bad records and over-long prompts are refused (one
+    # Problem sets (run_setup/problem_sets.py). Bad records and over-long prompts are refused (one
     # line naming file and line), or skipped and counted with skip_invalid.
     "data": {
         "source": F("carry_multiplication", "problems from: file | hf | tfds | reasoning_gym | "
@@ -170,7 +170,7 @@ FIELDS = {
                                        "else per token"),
         },
     },
-    # Computed once before RL with the base policy (jobs/mine.py).
+    # Computed once before RL with the base policy (run_setup/mining.py).
     "mining": {
         "train_on": F("all", "GRPO's training problems: 'all' or the mined 'hard' set"),
         "k": F(16, "samples per problem; hard = solved 0 of k (paper: 128 at a 32k budget)"),
@@ -252,14 +252,14 @@ FIELDS = {
                       "data.verifier"),
         "max_memory_mb": F(8192, "address-space cap of each verifier worker (0: none)"),
     },
-    # GCS (storage_faults.py): then, or at a permanent failure (403), one line; rerun resumes.
+    # GCS (storage/faults.py): then, or at a permanent failure (403), one line; rerun resumes.
     "storage": {"retry_deadline_s": F(600.0, "seconds a transient GCS failure is retried")},
     "mesh": {
         "data": F(-1, "data-parallel mesh axis (-1: the devices left)"),
         "fsdp": F(1, "fully-sharded mesh axis (-1: the devices left)"),
         "tensor": F(1, "tensor-parallel mesh axis"),
     },
-    # One run per workdir (workdir_lock.py).
+    # One run per workdir (storage/workdir_lock.py).
     "workdir_lock": {
         "stale_minutes": F(10.0, "a gs:// lock without heartbeat this long is taken over"),
         "heartbeat_s": F(60.0, "seconds between the lock's heartbeats"),
@@ -275,7 +275,8 @@ FIELDS = {
     },
     "distributed": distributed.FIELDS,
     "isocompute": {
-        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
+        # The sweep (jobs/isocompute.py; its points: run_setup/sweep_points.py): every (n, B)
+        # at each seed, to the largest budget.
         "budgets": F((2**12, 2**13, 2**14), "the sweep's compute budgets (isocompute.budget_unit)"),
         "ns": F((2, 4, 8, 16), "the sweep's samples per problem"),
         "batches": F((8, 16), "the sweep's problems per step"),
@@ -363,7 +364,7 @@ SFT_KEYED_DOCS = {
 }
 RESULTS_DOCS = {
     "seeds": "seeds of every run of the study",
-    "runs": "the runs of the study (jobs/results.py RUNS)",
+    "runs": "the runs of the study (run_setup/study_arms.py RUNS)",
     "isocompute": "also the isocompute comparison",
     "report_only": "the report of the finished runs; the others are 'not run'",
     "output_dir": "where the report and its plots go",
@@ -446,11 +447,6 @@ def _literal(text: str):
         except ValueError:
             pass
     return text
-
-
-def sibling_config(this_file: str, name: str, arg: str = "") -> ml_collections.ConfigDict:
-    """`get_config(arg)` of another file in the same configs/ folder (e.g. sft.py for pope.py)."""
-    return from_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name), arg)
 
 
 def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:

@@ -15,7 +15,7 @@ import pytest
 
 from jaxprefix import main as entry
 from jaxprefix import run_config
-from jaxprefix.jobs import preflight
+from jaxprefix.run_setup import preflight
 from jaxprefix.rl import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +39,7 @@ VARIANTS = {
 
 
 def build(name: str, variant: str = "") -> ml_collections.ConfigDict:
-    return run_config.sibling_config(os.path.join(CONFIGS, name), name, variant)
+    return run_config.from_file(os.path.join(CONFIGS, name), variant)
 
 
 def test_every_config_file_is_covered():
@@ -198,9 +198,9 @@ def test_training_verifier_accepts_oracle_solutions(name, variant):
     mining used the task's own, so every training reward was 0 however good the rollouts were.
     """
     from jaxprefix import rewards
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.run_setup.problem_sets import load_problem_sets
 
-    config = run_config.sibling_config(os.path.join(CONFIGS, "x.py"), f"{name}.py", variant)
+    config = run_config.from_file(os.path.join(CONFIGS, f"{name}.py"), variant)
     sets = load_problem_sets(config.data)
     assert sets.verifier == config.data.verifier
     problems = sets.eval[:4]

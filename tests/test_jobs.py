@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.jobs.results_report import NOTES_MARKER, prefix_search_lines
+from jaxprefix.studies.results_report import NOTES_MARKER, prefix_search_lines
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
@@ -188,12 +188,12 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     assert history[2]["reward/mean"] == records[1]["reward/mean"]
 
     # What the eval and export jobs load: the trained adapters, or them folded into the base.
-    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.run_setup.policy import load_policy
     from jaxprefix.models import lora
     from jaxprefix.rl.loop import restore_trained, restore_trained_params
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
-    config = sibling_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo.py", "smoke")
+    config = from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
     config.model.path, config.train.lora_rank = base, 8
     policy = load_policy(config, resumed)
     step, trained = restore_trained(policy.model, resumed, config)
@@ -479,7 +479,7 @@ def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_pat
     study, SFT-on-traces-then-RL ran 1.1e12 FLOPs cheaper than PrefixRL on the same traces)."""
     from jaxprefix import variants
     from jaxprefix.jobs.results import warm_start_mining
-    from jaxprefix.jobs.study import Study
+    from jaxprefix.studies.study import Study
 
     config = variants.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
                                       "smoke")[0]

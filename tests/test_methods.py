@@ -301,7 +301,7 @@ def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
 
 
 def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
-    from jaxprefix.jobs.mine import sampling_cost
+    from jaxprefix.run_setup.mining import sampling_cost
 
     lengths = [len(PROMPTS.question(p)) for p in PROBLEMS[:3]]
     tokens = 16 * (sum(lengths) + 3 * 61)  # 16 samples of each, up to 61 new tokens

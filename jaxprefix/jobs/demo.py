@@ -28,7 +28,7 @@ import numpy as np
 from jaxprefix import storage
 from jaxprefix import statistics
 from jaxprefix.jobs.rl import mined_artifacts, run_rl
-from jaxprefix.jobs.study import Study
+from jaxprefix.studies.study import Study
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 

@@ -2,39 +2,27 @@
 
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope
 
-POPE and PrefixRL first mine what they need with the base policy (jobs/mine.py, cached in the
-mining directory); that sampling compute starts the run's ledger, so every FLOPs figure the run
-reports includes it. Running the command again resumes from the last checkpoint.
+POPE and PrefixRL first mine what they need with the base policy (run_setup/mining.py, cached
+in the mining directory); that sampling compute starts the run's ledger, so every FLOPs figure
+the run reports includes it. Running the command again resumes from the last checkpoint.
 """
 from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import (distributed, key_step_probe, models, run_identity, storage,
-                       workdir_lock)
+from jaxprefix import distributed, key_step_probe, models, run_identity, storage
+from jaxprefix.storage import workdir_lock
+
 from jaxprefix.data import tasks
-from jaxprefix.jobs import method_settings
-from jaxprefix.jobs.allocation import allocated
-from jaxprefix.jobs.mine import prefix_search, set_up
+from jaxprefix.run_setup import method_settings
+from jaxprefix.run_setup.allocation import allocated
+from jaxprefix.run_setup.mining import mined_artifacts, set_up
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.rl import compute_ledger
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl import loop
 from jaxprefix.tools.settings import ToolSettings
-
-def mined_artifacts(config) -> tuple[str, ...]:
-    """The mining artifacts (jobs/mine.ARTIFACTS) the configured method trains on: its bill."""
-    hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
-    if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
-        return hard + ((prefix_search(config),) if config.pope.guided_copies else ())
-    if config.method == "prefixrl":
-        p = config.prefixrl
-        if p.get("pool_path"):  # another model's traces: their declared generation cost
-            return hard + ("imported_pool",)
-        return hard + (() if p.oracle_traces else ("trace_pool",))
-    return hard
-
 
 def build_method(config, policy, sets, mining):
     """The configured method over its training problems, mining first where it needs to."""

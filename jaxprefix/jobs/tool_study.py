@@ -25,12 +25,12 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprefix import evaluation, run_config, storage
-from jaxprefix.jobs import study_tables
-from jaxprefix.jobs.evaluate import problem_groups
-from jaxprefix.jobs.mine import set_up
-from jaxprefix.jobs.policy import base_dir
 from jaxprefix.jobs.rl import run_rl
-from jaxprefix.jobs.study_tables import Column, Row
+from jaxprefix.run_setup.mining import set_up
+from jaxprefix.run_setup.policy import base_dir
+from jaxprefix.studies import study_tables
+from jaxprefix.studies.study import problem_groups
+from jaxprefix.studies.study_tables import Column, Row
 from jaxprefix.rl import loop
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.tools.settings import ToolSettings

@@ -11,7 +11,6 @@ sparse ones (`stacked_layers`), and each run of consecutive same-kind layers is 
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
@@ -19,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers, lora, moe, tpu_attention
-from jaxprefix.models.attention import KVCache, KVSegment, attend
+from jaxprefix.models import backend, layers, lora, moe
+from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
@@ -264,11 +263,9 @@ class Decoder(nnx.Module):
             experts = experts[0] if len(experts) == 1 else jnp.concatenate(experts)
             return carry, out, jnp.moveaxis(experts, 0, 2)
         context_pos = [s.pos for s in context]
-        # Without a cache the new tokens attend to each other: T x T scores, too large to
-        # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
         # A decode step over pages has one new token: plain attention, plus the pages' partial.
-        attend_fn = attend if cache is not None or pages else functools.partial(
-            tpu_attention.attend, sliding_window=c.sliding_window)
+        attend_fn = backend.attention_for(cached=cache is not None or bool(pages),
+                                          sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
@@ -294,7 +291,7 @@ class Decoder(nnx.Module):
             segments.append(own)
             extra = {}
             if pages:
-                extra['partials'] = [tpu_attention.attend_pages(
+                extra['partials'] = [backend.attend_pages(
                     q, positions, p, xs['index'], scale=c.attn_scale, window=xs['window'],
                     logit_cap=c.attn_logit_softcapping) for p in pages]
             a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],

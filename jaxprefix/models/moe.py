@@ -4,7 +4,7 @@ A router [D, E] scores each token's experts; softmax in f32, top-k, optionally r
 sum 1 (`norm_topk_prob`). Dispatch is dropless: every (token, chosen expert) pair is computed,
 with no capacity factor, so the logits are transformers'. The pairs are sorted by expert and
 each expert's gated MLP runs on its contiguous group through a grouped matmul
-(`tpu_attention.grouped_matmul`: jax.lax.ragged_dot over the group sizes), then the outputs
+(`backend.grouped_matmul`: jax.lax.ragged_dot over the group sizes), then the outputs
 are unsorted and summed with their gate weights. The experts are stacked weights: gate and up
 [E, D, F], down [E, F, D]. Qwen2-MoE adds a shared expert every token passes through, scaled by
 sigmoid(x @ shared_expert_gate).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxprefix.models import layers, tpu_attention
+from jaxprefix.models import backend, layers
 
 
 def route(x: jax.Array, router: jax.Array, k: int, normalize: bool,
@@ -43,10 +43,10 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ja
     order = jnp.argsort(flat, stable=True)              # pairs grouped by expert
     group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     xs = x[order // k]                                  # [N * k, D]: each pair's token
-    gate = tpu_attention.grouped_matmul(xs, w_gate, group_sizes)
-    up = tpu_attention.grouped_matmul(xs, w_up, group_sizes)
-    y = tpu_attention.grouped_matmul(layers.activation_fn(activation)(gate) * up, w_down,
-                                     group_sizes)
+    gate = backend.grouped_matmul(xs, w_gate, group_sizes)
+    up = backend.grouped_matmul(xs, w_up, group_sizes)
+    y = backend.grouped_matmul(layers.activation_fn(activation)(gate) * up, w_down,
+                               group_sizes)
     y = jnp.zeros_like(y).at[order].set(y).reshape(n, k, -1)  # back in (token, choice) order
     return jnp.einsum('nkd,nk->nd', y, weights.astype(y.dtype))
 

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix import distributed
+from jaxprefix.models import backend
 from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import logical_spec
 from jaxprefix.sampling import budget, continuous, decode_mesh, static
@@ -78,15 +79,6 @@ def _params_mesh(params) -> jax.sharding.Mesh | None:
     return None
 
 
-def _platform(params) -> str:
-    """The platform the parameters live on (abstract ones: that of their sharding's devices)."""
-    for leaf in jax.tree.leaves(params):
-        sharding = getattr(leaf, 'sharding', None)
-        if sharding is not None:
-            return next(iter(sharding.device_set)).platform
-    return jax.default_backend()
-
-
 def _rows_per_device(mesh) -> int:
     """How many devices the sample rows are split over ('data' x 'fsdp'), 1 without a mesh."""
     if mesh is None:
@@ -122,7 +114,7 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
                          f'{kv_dtype!r}')
     graphdef, params = nnx.split(model)
     mesh = _params_mesh(params)
-    platform = _platform(params)
+    platform = backend.platform_of(params)
     reshard = None
     if mesh is not None and tensor_parallel is not None:
         layout = decode_mesh.decode_mesh(mesh, config, tensor_parallel, platform)
@@ -147,8 +139,7 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
         kv_budget_bytes=kv_budget_bytes)
     if plan is not None and lay.valid.shape[0] % shards:
         lay = layout_contexts(contexts, config.vocab_size, shards)
-    hoist_layers = platform == 'cpu'
-    # One pool per layer where the decoder unrolls its layers (CPU), else every layer in one.
+    hoist_layers = backend.unrolls_layers(platform)  # and then one page pool per layer
     pages = None if plan is None else PageLayout(
         kv_heads=config.num_kv_heads, head_dim=config.head_dim, layers=config.num_layers,
         blocks=plan.shards, pages=plan.pages, page_size=plan.page_size, dtype=kv_dtype,

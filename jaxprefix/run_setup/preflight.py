@@ -77,8 +77,8 @@ def check(config, workdir: str) -> None:
     if config.job in FIELDS_CHECKED:
         _check_fields_read(config)
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
-    from jaxprefix.jobs.policy import check_policy_inputs
-    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
+    from jaxprefix.run_setup.policy import check_policy_inputs
+    from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
 
     _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
@@ -137,7 +137,7 @@ def _check_fields_read(config) -> None:
     """The config's set fields, and each results run's settings, all read by some stage."""
     _refuse_unread(unread(config), f"job {config.job} with method {config.method}")
     if config.job == "results":
-        from jaxprefix.jobs.results import RUNS
+        from jaxprefix.run_setup.study_arms import RUNS
 
         for name in config.results.runs:
             if name in RUNS:
@@ -194,7 +194,7 @@ def _check_template_read(config, prompts) -> None:
 
     templates = {"": config.pope.template} if "pope" in _methods_run(config) else {}
     if config.job == "results":
-        from jaxprefix.jobs.results import RUNS
+        from jaxprefix.run_setup.study_arms import RUNS
 
         templates |= {name: RUNS[name].settings["pope.template"] for name in config.results.runs
                       if name in RUNS and "pope.template" in RUNS[name].settings}
@@ -266,7 +266,7 @@ def _as_config_error(check_fn, *args) -> None:
 
 
 def _check_settings(config, workdir: str) -> None:
-    from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_step
+    from jaxprefix.run_setup.method_settings import check_method_settings, contexts_per_step
     from jaxprefix.rl import loop
 
     r = config.rewards
@@ -281,12 +281,12 @@ def _check_settings(config, workdir: str) -> None:
         raise ConfigError(f"config.data.max_prompt_tokens={config.data.max_prompt_tokens!r}: "
                           f"expected >= 0 (0: the model's context alone)")
     check_method_settings(config)
-    from jaxprefix.jobs import allocation, isocompute
+    from jaxprefix.run_setup import allocation, sweep_points
 
     if config.job in ("sweep", "prereg"):  # each point is its own run, with its n and batch
-        for point in isocompute.sweep_points(config):
-            loop.validate(isocompute.point_config(config, point, config.isocompute.seeds[0],
-                                                  workdir))
+        for point in sweep_points.sweep_points(config):
+            loop.validate(sweep_points.point_config(config, point, config.isocompute.seeds[0],
+                                                    workdir))
     elif config.job in TRAINING_JOBS:
         config = allocation.allocated(config)  # isocompute.budget: the n, B, M the run will use
         loop.validate(config, contexts_per_step=contexts_per_step(config))
@@ -294,9 +294,9 @@ def _check_settings(config, workdir: str) -> None:
 
 def _check_sft_settings(config) -> None:
     """The sft job's own config (configs/sft.py): the model it would build."""
-    from jaxprefix.jobs import sft
+    from jaxprefix.run_setup import sft_base
 
     try:
-        sft.model_config(config, sft.task_of(config).tokenizer())
+        sft_base.model_config(config, sft_base.task_of(config).tokenizer())
     except (ValueError, AttributeError, KeyError) as e:
         raise ConfigError(f"config.model: {e}") from None
