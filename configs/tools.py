@@ -28,14 +28,14 @@ def get_config(arg: str = ""):
     sft = variants.sft_config("tools_smoke" if smoke else "tools")
     (variants.smoke if smoke else variants.demo_task)(c, sft)
     variants.tool_task(c)
+    if smoke:
+        c.train.total_steps = 3  # a resume lands mid-run (tests/test_jobs.py)
+    else:  # the whole study: ~25 minutes on 2 idle cores, estimated (docs/TOOLS.md)
+        c.train.update(problems_per_step=16, total_steps=100)
+    if "seed" in args:
+        c.seed = args.seed
     if args.variant == "rl":
         return c
     c.job = "tools"
     c.tool_study = ml_collections.ConfigDict(dict(seeds=(0,) if smoke else (0, 1, 2)))
-    if smoke:
-        c.train.total_steps = 3  # a resume lands mid-run (tests/test_jobs.py)
-    else:
-        c.train.update(problems_per_step=16, total_steps=100)  # ~25 min on 2 idle cores (TOOLS.md)
-    if "seed" in args:
-        c.seed = args.seed
     return c

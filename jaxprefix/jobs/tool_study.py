@@ -6,8 +6,8 @@
 The built-in tool task (docs/TOOLS.md): keyed_multiplication's hard problems (rule '>', 8
 digits), which the demo's base fails at the key step, and a tool that reads the key by its rule.
 
-1. SFT the base (configs/sft.py:tools): the demo's keyed base, a share of whose easy rows are
-   tool episodes (the key reader called, its answer copied into the key step).
+1. SFT the base (configs/sft.py:tools): the demo's keyed base, a share of whose unhinted rows
+   are tool episodes (the key reader called, its answer copied into the key step).
 2. At each seed of tool_study.seeds, from that base: GRPO with tools (episodes of
    rollout.max_turns turns, the environment and tools of config.tools), then GRPO without
    (one turn, no tool) run on to the tools arm's FLOPs (every sampled, observation and
@@ -32,7 +32,6 @@ from jaxprefix.studies import study_tables
 from jaxprefix.studies.study import problem_groups
 from jaxprefix.studies.study_tables import Column, Row
 from jaxprefix.rl import loop
-from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.tools.settings import ToolSettings
 
 ARMS = ("tools", "no_tools")  # the tools arm first: the other runs on to its FLOPs
