@@ -2,6 +2,7 @@
 
     python -m jaxprefix.main --config=configs/sft.py --workdir=/tmp/demo           # demo, ~3 min
     python -m jaxprefix.main --config=configs/sft.py:smoke --workdir=/tmp/smoke    # seconds
+    python -m jaxprefix.main --config=configs/sft.py:tools --workdir=/tmp/tools    # tool calls
 
 Training stops at the first evaluation point where the hard set is never solved in k samples
 (hard pass@k = 0 for the k POPE mines with) and the policy finishes hard problems given all but

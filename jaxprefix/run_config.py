@@ -22,7 +22,7 @@ F = Field
 # describe job prints them: --config.job=describe). Longer explanations are comments above.
 FIELDS = {
     "job": F("rl", "sft | mine | rl | eval | sweep | fit | prereg | demo | results | export | "
-                   "compile | describe"),
+                   "compile | tools | describe"),
     "method": F("grpo", "grpo | pope | prefixrl"),
     "seed": F(0, "seed of the run's sampling and initialisation"),
     # Resuming refuses a change to a field that alters the run (run_identity.py) unless listed.
@@ -90,8 +90,31 @@ FIELDS = {
                                 "learner's layout elsewhere)"),
         "kv_dtype": F("", "KV pages' dtype ('': compute dtype; 'int8' halves KV memory, changes"
                           " log-probs a little)"),
-        "max_turns": F(1, "assistant turns of an episode with tools (docs/TOOLS.md); only 1 "
-                          "until the RL loop trains on episodes"),
+        "max_turns": F(1, "assistant turns of an episode (> 1: episodes with config.tools; "
+                          "docs/TOOLS.md)"),
+    },
+    # Multi-turn episodes (docs/TOOLS.md), read where rollout.max_turns > 1 and refused where it
+    # is 1. The verifier scores an episode's last turn; observation tokens carry no loss.
+    "tools": {
+        "names": F((), "tools the policy may call: calculator | read_key | python (opt-in) | "
+                       "'FILE.py:FUNCTION'"),
+        "environment": F("chat", "how turns meet tools: chat (the chat template's call format "
+                                 "and tool turn) | keyed_multiplication | 'FILE.py:NAME'"),
+        "format": F("", "chat's call format ('': the template's; hermes | llama3)"),
+        "episode_token_budget": F(0, "tokens an episode may hold, prompt and observations "
+                                     "included (0: the model's context)"),
+        "max_observation_chars": F(2000, "an observation's cap in characters (cut, marked)"),
+        "workers": F(1, "a turn's tool calls run at once (threads; python's are processes)"),
+        "rollout": F("reference", "the episode rollout: reference (one generate() per turn, "
+                                  "the conversation re-prefilled)"),
+        # Model-written code in a fresh capped subprocess per call; not a sandbox (TOOLS.md).
+        "python": {
+            "enabled": F(False, "allow the python tool (runs model-written code; opt-in)"),
+            "cpu_s": F(2, "a call's CPU seconds"),
+            "memory_mb": F(512, "a call's address space in MiB"),
+            "wall_s": F(5.0, "a call's wall-clock seconds (then its process group is killed)"),
+            "output_bytes": F(16384, "a call's stdout and stderr, in bytes"),
+        },
     },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     "train": {
@@ -345,6 +368,8 @@ SFT_KEYED_DOCS = {
                                "(unequal digits, the true target)",
     "data.key_names_rule": "the restating route: the key step names the rule it reads the key "
                            "by ('<' or '>' in place of '*')",
+    "data.tool_fraction": "share of unhinted rows written as tool episodes: the key reader "
+                          "called, its answer, then the solution (the built-in tool task)",
 }
 RESULTS_DOCS = {
     "seeds": "seeds of every run of the study",
@@ -381,10 +406,13 @@ PREREG_DOCS = {
                       "holds 0)",
 }
 
+TOOL_STUDY_DOCS = {"seeds": "seeds of both arms of the tools study (configs/tools.py)"}
+
 SFT_DOCS = {**config_fields.docs(SFT_FIELDS), **SFT_KEYED_DOCS}
 DOCS = {**config_fields.docs(FIELDS), **{f"sft.{k}": v for k, v in SFT_DOCS.items()},
         **{f"results.{k}": v for k, v in RESULTS_DOCS.items()},
-        **{f"isocompute.prereg.{k}": v for k, v in PREREG_DOCS.items()}}
+        **{f"isocompute.prereg.{k}": v for k, v in PREREG_DOCS.items()},
+        **{f"tool_study.{k}": v for k, v in TOOL_STUDY_DOCS.items()}}
 
 
 def base_config() -> ml_collections.ConfigDict:

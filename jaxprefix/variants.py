@@ -58,6 +58,15 @@ def overlap_axis(c: ml_collections.ConfigDict) -> None:
     c.eval.key_step_probe = True
 
 
+def tool_task(c: ml_collections.ConfigDict) -> None:
+    """The built-in tool task (docs/TOOLS.md) on top of the demo task's settings: episodes of
+    two turns in the task's own call syntax, the key reader their tool; GRPO on every training
+    problem (mining samples one turn without tools, so it has no hard set to give here)."""
+    c.rollout.max_turns = 2
+    c.tools.update(names=("read_key",), environment="keyed_multiplication")
+    c.mining.train_on = "all"
+
+
 def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
     """The long-guidance case (docs/DEMO_TASK.md): carry_multiplication's 20-digit problems,
     whose difficulty is spread evenly over the steps, so a solvable prefix is long; the PrefixRL
@@ -225,19 +234,33 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
     return c, args
 
 
-SFT_VARIANTS = ("demo", "smoke", "carry", "carry_smoke")
+SFT_VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "tools", "tools_smoke")
 
 
 def sft_config(arg: str = "demo") -> ml_collections.ConfigDict:
     """configs/sft.py's config: the tiny base policy's SFT for a variant (demo and smoke:
-    keyed_multiplication, the demo's base; carry and carry_smoke: carry_multiplication)."""
+    keyed_multiplication, the demo's base; carry and carry_smoke: carry_multiplication; tools
+    and tools_smoke: the built-in tool task's, keyed with tool episodes)."""
     variant = arg or "demo"
     if variant not in SFT_VARIANTS:
         raise ValueError(f"configs/sft.py: unknown variant {variant!r}; expected one of "
                          f"{SFT_VARIANTS}")
     if variant in ("demo", "smoke"):
         return _sft_keyed(variant == "smoke")
+    if variant in ("tools", "tools_smoke"):
+        return _sft_tools(variant == "tools_smoke")
     return _sft_carry(variant == "carry_smoke")
+
+
+def _sft_tools(smoke: bool) -> ml_collections.ConfigDict:
+    """The base of the built-in tool task (docs/TOOLS.md, configs/tools.py): the demo's, with
+    half of its unhinted rows written as tool episodes (the key reader called, its answer copied
+    into the key step; hinted rows never call), half of those '>' rows where the answer is not
+    the key the base reads out of habit; rows without a call never show what '>' means. The
+    same criterion chooses it."""
+    config = _sft_keyed(smoke)
+    config.data.tool_fraction = 0.5
+    return config
 
 
 def _sft_keyed(smoke: bool) -> ml_collections.ConfigDict:

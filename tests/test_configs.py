@@ -32,8 +32,10 @@ VARIANTS = {
     "isocompute.py": {"": ("sweep", "grpo"), "smoke": ("sweep", "grpo"),
                       "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),
                       "fit": ("fit", "grpo")},
-    "sft.py": {"": ("sft", None), "demo": ("sft", None), "smoke": ("sft", None)},
+    "sft.py": {v: ("sft", None) for v in ("", "demo", "smoke", "tools", "tools_smoke")},
     "results.py": {v: ("results", "pope") for v in ("", "demo", "smoke")},
+    "tools.py": {"": ("tools", "grpo"), "study": ("tools", "grpo"), "smoke": ("tools", "grpo"),
+                 "rl": ("rl", "grpo")},
 }
 
 
@@ -146,6 +148,29 @@ def test_a_field_the_job_does_not_read_is_refused_before_any_work(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("config,flags,line", [
+    ("eval.py:smoke", ("--config.rollout.max_turns=2", "--config.tools.names=('read_key',)",
+                       "--config.tools.environment=keyed_multiplication"),
+     "error: config.rollout.max_turns=2 is set but no stage of job eval samples episodes (jobs "
+     "that do: rl, tools); expected rollout.max_turns=1"),
+    ("grpo.py:smoke", ("--config.tools.names=('calculator',)",),
+     "error: config.tools.names=('calculator',): expected left at its default: "
+     "rollout.max_turns=1 runs no tool (a tool's observation needs a next turn)"),
+    ("tools.py:smoke", ("--config.tools.environment=chat",),
+     "error: config.tools.environment='chat': CharTokenizer('0123456789_x=+^<>*') has no chat "
+     "template to render a tool turn with; expected a chat model, or a built-in task's "
+     "environment"),
+])
+def test_tool_settings_a_job_does_not_read_or_cannot_use_are_one_line(config, flags, line,
+                                                                      tmp_path):
+    """config.tools and rollout.max_turns, refused by preflight before any work."""
+    workdir = tmp_path / "run"
+    result = run_main(f"--config=configs/{config}", *flags, workdir=workdir)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not workdir.exists()
+
+
 def test_value_the_loop_rejects_fails_at_start(tmp_path):
     workdir = tmp_path / "run"
     result = run_main("--config=configs/grpo.py:smoke", "--config.rollout.n=1", workdir=workdir)
@@ -164,7 +189,8 @@ def test_loop_names_the_rejected_field(field, value):
         run_settings.resolve(config)
 
 
-@pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval"])
+@pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval",
+                                  "tools"])
 @pytest.mark.parametrize("variant", ["", "smoke"])
 def test_training_verifier_accepts_oracle_solutions(name, variant):
     """The verifier the loop trains with (config.data.verifier) scores the oracle solution 1.

@@ -594,3 +594,76 @@ def test_prefix_search_table_counts_a_prefix_at_a_cap_under_that_cap():
         "found": 5, "revealed_fractions": [0.25, 0.3, 0.5, 0.5, 0.95]}}}
     row = prefix_search_lines(study)[-2]
     assert row.endswith("| 1 | 3 | 0 | 1 |"), row  # (0, .25] (.25, .5] (.5, .75] (.75, 1]
+
+
+# configs/tools.py:smoke (the tools study at smoke sizes): its own smoke SFT base with tool
+# episodes, then GRPO with tools (3 steps) and GRPO without (on to the tools arm's FLOPs).
+TOOL_ARMS = ("tools_seed0", "no_tools_seed0")
+TOOL_METRICS = ("rollout/tool_calls", "rollout/turns_mean", "rollout/tool_failures",
+                "rollout/reprefilled_tokens")
+
+
+@pytest.fixture(scope="module")
+def tool_study(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tools")
+    run_main("configs/tools.py:smoke", workdir)
+    return workdir
+
+
+def test_tool_study_smoke_from_a_fresh_workdir(tool_study):
+    """Every row of both arms carries the tool metrics (the no-tools arm: one turn, no call); the
+    ledger books the tools arm's prefilled observations and re-prefills; the no-tools arm stops
+    before it would pass the tools arm's FLOPs; the report compares them."""
+    for arm in TOOL_ARMS:
+        records = read_metrics(str(tool_study / arm))
+        assert all(key in r for r in records for key in TOOL_METRICS)
+        ledger = json.loads((tool_study / arm / "compute.json").read_text())
+        assert ledger["sampled_tokens"] == sum(r["tokens/sampled"] for r in records)
+    tools = read_metrics(str(tool_study / "tools_seed0"))
+    none = read_metrics(str(tool_study / "no_tools_seed0"))
+    assert [r["step"] for r in tools] == [1, 2, 3]
+    assert all(r["rollout/turns_mean"] == 1 and r["rollout/tool_calls"] == 0 for r in none)
+    # an episode's tokens: every sampled one, and the prompt, observations and re-prefills
+    assert all(r["tokens/sampled"] > r["tokens/generated"] + r["rollout/reprefilled_tokens"]
+               for r in tools)
+    spent = [json.loads((tool_study / arm / "compute.json").read_text()) for arm in TOOL_ARMS]
+    total = [ComputeLedger.from_dict(s).total_flops for s in spent]
+    last_step = none[-1]["flops/sampling"] + none[-1]["flops/update"]
+    assert total[1] <= total[0] < total[1] + last_step
+    report = json.loads((tool_study / "tool_study_report.json").read_text())
+    assert set(report["base"]) == {"tools", "no_tools"}
+    assert [r["steps"] for r in report["runs"]["tools"]] == [3]
+    assert "GRPO with tools − GRPO without tools" in \
+        (tool_study / "tool_study_report.md").read_text()
+
+
+@pytest.mark.slow  # two smoke studies: a few minutes on 2 cores
+def test_tool_study_smoke_resumes_after_sigterm_to_the_same_rows(tool_study, tmp_path):
+    """SIGTERM in the tools arm's second step: it saves and exits 143; the same command then
+    resumes both arms, and every metrics row equals the uninterrupted study's (times aside)."""
+    workdir = tmp_path / "tools"
+    base = f"--config.model.path={tool_study / 'base'}"  # the same base, not trained again
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/tools.py:smoke",
+         f"--workdir={workdir}", base], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "tools_seed0" / "metrics.jsonl"
+    deadline = time.time() + 900
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None and time.time() < deadline, "no step was logged"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 143, stderr[-2000:]
+    assert len(read_metrics(str(workdir / "tools_seed0"))) < 3
+    run_main("configs/tools.py:smoke", workdir, base)
+
+    def rows(root, arm):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_metrics(str(root / arm))]
+    for arm in TOOL_ARMS:
+        assert rows(workdir, arm) == rows(tool_study, arm), arm
+    reports = [json.loads((w / "tool_study_report.json").read_text())
+               for w in (workdir, tool_study)]
+    assert reports[0]["runs"] == reports[1]["runs"] and reports[0]["base"] == reports[1]["base"]

@@ -56,7 +56,8 @@ def training_cost(config, contexts_per_step: int, num_params: int) -> str:
     """The line logged before the RL loop samples: steps x contexts x samples x new tokens, and
     the FLOPs bound of sampling them (2 N D) and training on them (6 N D), D the generated tokens
     at their cap (contexts add their own length, which varies by problem)."""
-    steps, n, new = config.train.total_steps, config.rollout.n, config.rollout.max_new_tokens
+    steps, n = config.train.total_steps, config.rollout.n
+    new = config.rollout.max_new_tokens * config.rollout.get("max_turns", 1)  # every turn's
     rollouts = steps * contexts_per_step * n
     tokens = rollouts * new
     budget = float(config.train.get("flops_budget", 0.0))
@@ -90,7 +91,8 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
                         tokenizer=policy.tokenizer, learner_config=settings.train,
                         rollout=settings.rollout, contexts_per_step=contexts,
                         stop_ids=policy.stop_ids, mesh=mesh, ledger=ledger,
-                        probe=key_step_probe_of(config, policy, sets))
+                        probe=key_step_probe_of(config, policy, sets),
+                        tools=settings.tools)
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import chex
 import numpy as np
 
+from jaxprefix.sampling import token_ids
+
 
 def _expect(where: str, name: str, array, shape, dtype) -> None:
     try:
@@ -30,8 +32,7 @@ def check_contexts(contexts: Sequence, *, vocab_size: int, where: str = "context
     """Every context (token ids, or a SharedContext's prompt + suffix) is non-empty and within
     [0, vocab_size)."""
     for i, context in enumerate(contexts):
-        ids = (list(context.prompt) + list(context.suffix) if hasattr(context, "prompt")
-               else list(context))
+        ids = token_ids(context)
         if not ids:
             raise AssertionError(f"{where}: context {i} is empty; expected at least one token")
         low, high = min(ids), max(ids)

@@ -21,6 +21,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
+from jaxprefix.tools import episodes as multi_turn
+from jaxprefix.tools.settings import ToolSettings
 from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
@@ -185,12 +187,15 @@ def check_update_resolution(model, learning_rate: float) -> None:
 @dataclasses.dataclass
 class Scored:
     request: RolloutRequest
-    rollouts: sampling.Rollouts
+    rollouts: sampling.Rollouts  # episodes laid out as rows (multi_turn.as_rollouts) too
     rewards: np.ndarray          # [C, n]
     verifier_failures: int
     seconds_sampling: float
     seconds_reward: float
     too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
+    prefilled: int = 0           # tokens the sampler prefilled (observations, re-prefills too)
+    generated: int = 0           # tokens the policy sampled
+    episodes: list | None = None  # multi-turn episodes (None: one turn a row)
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
@@ -204,16 +209,28 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 
 def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
-                     record_routes: bool = False) -> Scored:
-    """The request's rollouts (with a MoE's experts when `record_routes`), scored."""
+                     record_routes: bool = False, episodes=None) -> Scored:
+    """Samples the request (one turn a row, with a MoE's experts when `record_routes`; with
+    `episodes`, an episode rollout of ToolSettings.rollout, multi-turn episodes scored on their
+    final answers) and scores it."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
-    rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                 seed=seed, record_routes=record_routes,
-                                 **rollout.sampler_keywords())
+    keywords = rollout.sampler_keywords()
+    found = None
+    if episodes is None:
+        rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
+                                     seed=seed, record_routes=record_routes, **keywords)
+        texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
+        prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
+    else:
+        found = episodes(model, request.contexts, n=request.n, stop_ids=stop_ids, seed=seed,
+                         **keywords)
+        rollouts = multi_turn.as_rollouts(found, request.n)
+        texts = [(request.response_prefixes[e.group] if request.response_prefixes and
+                  e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
+        prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
-    texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
     verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     scores, stats = rewards.score_batch(verifier, texts, problems,
@@ -222,7 +239,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
                                         max_chars=config.rewards.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled, stats["too_long"])
+                  sampled - start, time.perf_counter() - sampled, stats["too_long"],
+                  prefilled, generated, found)
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
@@ -250,16 +268,28 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     return out
 
 
+def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
+    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode and the
+    tokens of earlier turns prefilled again (a one-turn row is an episode of one turn)."""
+    found = [e for c in chunks for e in (c.episodes or ())]
+    if found:
+        return multi_turn.episode_metrics(found)
+    return {"rollout/tool_calls": 0.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 1.0,
+            "rollout/reprefilled_tokens": 0.0}
+
+
 def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec, step: int,
-             stop_ids) -> tuple[dict, dict]:
+             stop_ids, episodes=None) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
-    (samples per problem, correct samples of each problem) for eval_counts.jsonl."""
+    (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
+    `episodes`, of episodes with the run's tools."""
     from jaxprefix import evaluation
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
         scored = sample_and_score(model, tokenizer, request, config, rollout=rollout,
-                                  stop_ids=stop_ids, seed=round_seed(config.seed + 1, step, 0))
+                                  stop_ids=stop_ids, seed=round_seed(config.seed + 1, step, 0),
+                                  episodes=episodes)
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out[f"{name}/reward_mean"] = float(scored.rewards.mean())
@@ -302,13 +332,13 @@ def _state_arrays(state: TrainState) -> dict:
 
 
 def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: int,
-                    stop_ids, record_routes: bool) -> list[Scored]:
+                    stop_ids, record_routes: bool, episodes=None) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
     chunks = [sample_and_score(policy, tokenizer, request, config, rollout=rollout,
                                stop_ids=stop_ids, seed=round_seed(config.seed, step, 0),
-                               record_routes=record_routes)]
+                               record_routes=record_routes, episodes=episodes)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
@@ -317,7 +347,7 @@ def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: in
         chunks.append(sample_and_score(policy, tokenizer, more, config, rollout=rollout,
                                        stop_ids=stop_ids,
                                        seed=round_seed(config.seed, step, len(chunks)),
-                                       record_routes=record_routes))
+                                       record_routes=record_routes, episodes=episodes))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
@@ -347,13 +377,12 @@ class _StepCost:
 
 def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: TrainConfig,
                with_reference: bool) -> _StepCost:
-    sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
-                  for c in chunks)
+    sampled = sum(c.prefilled + c.generated for c in chunks)
     real = int(batch["token_mask"].sum())
     forwarded = real * learner_config.num_epochs
     # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
     forwards = with_reference + (learner_config.old_logprobs == "learner")
-    return _StepCost(sampled, sum(int(c.rollouts.lengths.sum()) for c in chunks), forwarded,
+    return _StepCost(sampled, sum(c.generated for c in chunks), forwarded,
                      sampling_flops(n_params, sampled),
                      update_flops(n_params, forwarded) + forwards * sampling_flops(n_params, real))
 
@@ -361,7 +390,7 @@ def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: Train
 def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCost, totals: dict,
                  *, step_seconds: float, update_seconds: float) -> dict[str, float]:
     """The step's metrics.jsonl row (evaluation scores are added to it on eval steps)."""
-    record = reward_metrics(chunks[0])
+    record = reward_metrics(chunks[0]) | turn_metrics(chunks)
     record.update({k: float(v) for k, v in update_metrics.items()})
     record.update({
         "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
@@ -410,8 +439,8 @@ def _book(cost: _StepCost, chunks: list[Scored], totals: dict, ledger) -> None:
     if ledger is not None:
         for c in chunks:
             ledger.record_sampling(rollouts=len(c.rollouts.lengths),
-                                   prefill_tokens=int(c.rollouts.context_lengths.sum()),
-                                   generated_tokens=int(c.rollouts.lengths.sum()))
+                                   prefill_tokens=c.prefilled,
+                                   generated_tokens=c.generated)
         ledger.record_update(tokens=cost.forwarded)
 
 
@@ -426,7 +455,8 @@ def _steps_in_budget(flops_budget: float, cost: _StepCost, totals: dict) -> int:
 
 def train(config, workdir: str, *, method: Method, model, tokenizer, learner_config: TrainConfig,
           rollout: sampling.RolloutSpec, contexts_per_step: int, stop_ids=(), mesh=None,
-          ledger=None, probe=None, progress: bool = True) -> dict[str, Any]:
+          ledger=None, probe=None, tools=None,
+          progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
     learner_config, rollout, contexts_per_step: the run's resolved settings (validate's
@@ -437,6 +467,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
     probe: an optional function of the sampling model, called at each evaluation; its figures
       join the step's record (the rl job's key-step probe, eval.key_step_probe).
+    tools: the run's ToolSettings (tools/settings.py); with rollout.max_turns > 1 every request
+      (training and evaluation) is sampled as episodes with its environment's tools.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     check_rows(config, learner_config, contexts_per_step, mesh)
@@ -444,6 +476,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
+    episodes = tools.episode_rollout(tokenizer, model.config.max_position_embeddings) \
+        if tools is not None and tools.episodes else None
     # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
     # one program a step; generate() then finds them in place.
     decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
@@ -479,7 +513,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
             chunks = _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids,
-                                     replay)
+                                     replay, episodes)
             selection, batch = _batch(chunks, config.train)
             del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
@@ -503,7 +537,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
                 eval_start = time.perf_counter()
                 policy = learner.sampling_model(state, decode)
                 scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
-                                          step=done, stop_ids=stop_ids)
+                                          step=done, stop_ids=stop_ids, episodes=episodes)
                 record.update(scores | (probe(policy) if probe else {}))
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start

@@ -18,7 +18,7 @@ from __future__ import annotations
 from absl import logging
 
 from jaxprefix import storage
-from jaxprefix.sampling import RolloutSpec
+from jaxprefix.sampling import RolloutSpec, token_ids
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
@@ -70,8 +70,7 @@ def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
 
 
 def _length(context) -> int:
-    return len(context.prompt) + len(context.suffix) if hasattr(context, "suffix") \
-        else len(context)
+    return len(token_ids(context))
 
 
 def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:

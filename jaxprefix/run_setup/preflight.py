@@ -22,13 +22,15 @@ from __future__ import annotations
 from jaxprefix import config_fields, storage
 from jaxprefix.errors import ConfigError, UserError
 
-TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg")
+TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg", "tools")
 # The config blocks each method reads, and the methods a job runs (demo: POPE and GRPO, results:
 # its RUNS, each with its own method; the other jobs config.method alone).
 BLOCKS_READ = {"grpo": (), "pope": ("pope", "schedule"), "prefixrl": ("prefixrl", "schedule")}
 METHOD_BLOCKS = ("pope", "prefixrl", "schedule")
 JOB_METHODS = {"demo": ("pope", "grpo"), "results": ("grpo", "pope", "prefixrl")}
-FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg")
+FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg", "tools")
+# The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
+TOOL_JOBS = ("rl", "tools")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
 # weights) and checks its own settings before it compiles.
 NOTHING_TO_CHECK = ("fit", "compile")
@@ -90,6 +92,7 @@ def check(config, workdir: str):
         _check_notation(config)
         _check_template_read(config, inputs.prompts)
         _check_probe_read(config)
+        _check_tools_read(config, inputs.tokenizer)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
     sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
     if _guides_in_prompt(config):
@@ -171,6 +174,24 @@ def _check_probe_read(config) -> None:
     if not config.eval.every:
         raise ConfigError("config.eval.key_step_probe=True is set but no stage reads it: "
                           "eval.every=0 never evaluates; expected eval.every > 0")
+
+
+def _check_tools_read(config, tokenizer) -> None:
+    """Episodes (rollout.max_turns > 1, config.tools) on the jobs that sample them, with an
+    environment that can be built over the policy's tokenizer; elsewhere refused."""
+    from jaxprefix.tools.settings import ToolSettings
+
+    try:
+        settings = ToolSettings.from_config(config)  # a tools field on a one-turn run: refused
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not settings.episodes:
+        return
+    if config.job not in TOOL_JOBS:
+        raise ConfigError(f"config.rollout.max_turns={settings.max_turns} is set but no stage of "
+                          f"job {config.job} samples episodes (jobs that do: "
+                          f"{', '.join(TOOL_JOBS)}); expected rollout.max_turns=1")
+    _as_config_error(settings.environment_for, tokenizer)
 
 
 def _check_template_read(config, prompts) -> None:

@@ -59,12 +59,13 @@ def model_config(config, tokenizer) -> models.ModelConfig:
         "model_type": "llama", "vocab_size": tokenizer.vocab_size, "hidden_size": m.width,
         "intermediate_size": m.mlp_width, "num_layers": m.layers, "num_heads": m.heads,
         "num_kv_heads": m.heads, "head_dim": m.width // m.heads,
-        "max_position_embeddings": task.SEQUENCE_LENGTH, "eos_token_ids": (tokenizer.eos_id,),
+        "max_position_embeddings": task.sequence_length(config.data), "eos_token_ids": (tokenizer.eos_id,),
         "pad_token_id": tokenizer.pad_id, **moe})
 
 
 def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, real-token mask, loss mask), each [batch, SEQUENCE_LENGTH], for one SFT step.
+    """(tokens, real-token mask, loss mask), each [batch, the task's sequence_length], for one
+    SFT step.
 
     The rows are the task's `sft_batch`. On carry_multiplication, lengths 1..20 and a
     `full_length_fraction` of rows with all 20 digits: with lengths uniform alone the last slot
@@ -76,7 +77,7 @@ def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray
     """
     task = task_of(config)
     rows = task.sft_batch(config.data, config.seed * 1_000_003 + step)
-    tokens = np.full((len(rows), task.SEQUENCE_LENGTH), tokenizer.pad_id, np.int32)
+    tokens = np.full((len(rows), task.sequence_length(config.data)), tokenizer.pad_id, np.int32)
     loss_mask = np.zeros(tokens.shape, np.float32)
     for row, (problem, solution) in enumerate(rows):
         ids, mask = task.training_ids(problem, solution, tokenizer)
