@@ -224,10 +224,10 @@ def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
     continuous decode (sampling.abstract_programs, as generate() would run it), with the cap's row
     slots per row device, and its loop counted as the generations of rows through them."""
     from jaxprefix.jobs.compile import run_compile
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
     (tmp_path / 'config.json').write_text(json.dumps(SMALL))
-    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
+    config = from_file(os.path.join(ROOT, 'configs', 'grpo.py'), 'smoke')
     config.job = 'compile'
     config.model.update(source='hf', path=str(tmp_path / 'not_here'))
     config.compile.update(topology='v5e-4', context_length=64,
@@ -251,9 +251,9 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     only where filled) within 1.25x of its HBM floor with under 100 s of ICI a step. Prints the
     table for docs/SCALING.md."""
     from jaxprefix.jobs.compile import run_compile
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
-    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'pope.py', 'paper')
+    config = from_file(os.path.join(ROOT, 'configs', 'pope.py'), 'paper')
     assert (config.model.param_dtype, config.model.dtype) == ('float32', 'bfloat16')
     config.job = 'compile'
     config.compile.topology = 'v6e-8'

@@ -16,7 +16,7 @@ from jaxprefix import sampling
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.prompting import oracle_prefix_text
-from jaxprefix.methods.schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
+from jaxprefix.methods.prefix_schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.compute_ledger import sampling_flops
 from jaxprefix.sampling import SharedContext
@@ -301,7 +301,7 @@ def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
 
 
 def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
-    from jaxprefix.jobs.mine import sampling_cost
+    from jaxprefix.run_setup.mining import sampling_cost
 
     lengths = [len(PROMPTS.question(p)) for p in PROBLEMS[:3]]
     tokens = 16 * (sum(lengths) + 3 * 61)  # 16 samples of each, up to 61 new tokens

@@ -97,8 +97,9 @@ def test_context_kv_is_held_once_not_per_sample(checkpoints):
     lay = layout_contexts([list(range(3, 15)), [5, 6, 7]], model.config.vocab_size)
     arrays = sampler._layout_arrays(lay, per_context=False)
     graphdef, params = nnx.split(model)
-    segments, state = static.prefill(graphdef, params, arrays, n=4, new_bucket=NEW_TOKENS,
-                                     gather_prompts=False)
+    segments, state, routes = static.prefill(graphdef, params, arrays, n=4,
+                                             new_bucket=NEW_TOKENS, gather_prompts=False)
+    assert routes is None and state.routes is None  # a dense model records no experts
     (context,) = segments
     assert context.k.shape[1] == context.pos.shape[0] == 2  # groups: one per context
     assert state.cache.k.shape[1:3] == (8, NEW_TOKENS)       # rows: one per sample

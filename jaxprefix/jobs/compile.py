@@ -21,15 +21,14 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import storage
-from jaxprefix.jobs import method_settings
-from jaxprefix.jobs.policy import model_dtypes
+from jaxprefix.run_setup.run_settings import RunSettings, resolve
+from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
-from jaxprefix.models.tpu_attention import kernel_flops, paged_kernel_bytes
 from jaxprefix.rl import loop
-from jaxprefix.sampling import RolloutSpec, decode_layout
-from jaxprefix.tpu import compiled_stats, programs, topology
+from jaxprefix.sampling import decode_layout
+from jaxprefix.tpu import compiled_stats, costing, programs, topology
 
 GiB = 2**30
 REPORT = 'compile.json'
@@ -52,8 +51,8 @@ def run_compile(config, workdir: str) -> dict:
     if c.context_length < 1:
         raise ValueError(f'config.compile.context_length={c.context_length}: expected the longest '
                          'context (prompt plus guidance or prefix) in tokens, >= 1')
-    method_settings.check_method_settings(config)
-    model_config = run_model_config(config)
+    settings = resolve(config)  # what the rl job would run (the allocation applied), checked
+    model_config = run_model_config(settings.config)
     generation = c.topology.strip()
     candidates = (topology.generation_slices(generation)
                   if generation in topology.CHIPS or generation in topology.ALIASES
@@ -61,7 +60,7 @@ def run_compile(config, workdir: str) -> dict:
     search, report = [], None
     for slice_ in candidates:
         try:
-            report = compile_for(config, model_config, slice_, workdir)
+            report = compile_for(settings, model_config, slice_, workdir)
         except ValueError as e:  # the run's batch does not split over this many chips
             if len(candidates) == 1:
                 raise
@@ -98,19 +97,19 @@ def _shortfall(report: dict) -> str:
     return line
 
 
-def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
+def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
                 workdir: str) -> dict:
     """compile.json's content for one slice type (times config.compile.slices); each compiled
     program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look."""
+    config, train, spec = settings.config, settings.train, settings.rollout
     c = config.compile
     start = time.perf_counter()
-    contexts = method_settings.contexts_per_step(config)
+    contexts = settings.method.contexts_per_step
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
-    train = loop.validate(config, mesh, contexts)
-    r = config.rollout
-    spec = RolloutSpec.from_config(r)
-    step = programs.StepShape(contexts=contexts, context_length=c.context_length, n=r.n,
-                              rollout=spec)
+    loop.check_rows(config, train, contexts, mesh)
+    step = programs.StepShape(contexts=contexts, context_length=c.context_length,
+                              n=config.rollout.n, rollout=spec, routing_replay=loop.routing_replay(
+                                  config, any(model_config.sparse_layers)))
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
@@ -163,7 +162,7 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
                  'max_rows_in_flight': spec.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
                  'kv_dtype': spec.kv_dtype or model_config.dtype, 'page_size': spec.page_size,
-                 'learner_width': step.learner_width,
+                 'learner_width': step.learner_width, 'routing_replay': step.routing_replay,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline']),
                  **sampler_figures(rows, step, model_config, chip, mesh.size)},
@@ -177,18 +176,14 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
 
 def sampler_figures(rows: list, step: programs.StepShape, model_config: ModelConfig,
                     chip: topology.Chip, chips: int) -> dict:
-    """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
-
-    The floor is the KV the step's decoding must read at the least, every row running to
-    max_new_tokens: each row's own filled tokens once per step (t at its t-th step) and each
-    context's KV once per step of its group, in the KV dtype, spread over every chip's HBM.
-    Weights and activations are left out of it, so no schedule reaches it."""
+    """The sampler's HBM seconds a step beside its floor (costing.kv_read_floor_seconds, in
+    the KV dtype), and what they mean in tokens."""
     from jaxprefix.sampling import budget
 
     token = budget.page_bytes_per_token(model_config, step.rollout.kv_dtype or model_config.dtype)
-    tokens = (step.rows * step.max_new_tokens * (step.max_new_tokens - 1) / 2
-              + step.contexts * step.context_length * step.max_new_tokens)
-    floor = tokens * token / (chips * chip.hbm_bytes_per_s)
+    floor = costing.kv_read_floor_seconds(
+        rows=step.rows, contexts=step.contexts, context_length=step.context_length,
+        max_new_tokens=step.max_new_tokens, kv_bytes_per_token=token, chips=chips, chip=chip)
     sampler = [p for p in rows if p['name'].startswith('sampler') and p['roofline']]
     hbm = sum(p['calls_per_step'] * p['roofline']['hbm_s'] for p in sampler)
     seconds = sum(p['calls_per_step'] * p['roofline']['seconds'] for p in sampler)
@@ -204,9 +199,9 @@ def run_model_config(config) -> ModelConfig:
     dtype, param_dtype = model_dtypes(config)
     if config.model.source == 'sft':
         from jaxprefix.data.tasks import carry_multiplication as task
-        from jaxprefix.jobs import sft
+        from jaxprefix.run_setup import sft_base
 
-        return sft.model_config(config.sft, task.tokenizer()).replace(
+        return sft_base.model_config(config.sft, task.tokenizer()).replace(
             param_dtype=param_dtype, dtype=dtype)
     return ModelConfig.from_hf(hf_config(config), param_dtype=param_dtype, dtype=dtype)
 
@@ -270,13 +265,10 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
                                   rare_branch_calls=p.rare_branch_calls,
-                                  kernel_flops=kernel_flops,
+                                  kernel_flops=costing.kernel_flops,
                                   kernel_bytes=functools.partial(
-                                      paged_kernel_bytes,
+                                      costing.paged_kernel_bytes,
                                       tokens_per_call=p.paged_tokens_per_call)).total()
-    compute_s = cost.flops / chip.peak_bf16_flops
-    memory_s = cost.bytes / chip.hbm_bytes_per_s
-    ici_s = sum(c['moved'] for c in cost.collectives.values()) / chip.ici_bytes_per_s
     return entry | {
         'hbm_bytes_per_chip': hbm, 'fits': hbm <= usable,
         'headroom_fraction': 1 - hbm / chip.hbm_bytes,
@@ -288,9 +280,8 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
         'loops_with_assumed_trip_count': cost.unknown_loops,
         'assumed_trip_count': p.unknown_trip_count if cost.unknown_loops else None,
         'kernels_without_flops': cost.kernels_without_flops,
-        'roofline': {'compute_s': compute_s, 'hbm_s': memory_s, 'ici_s': ici_s,
-                     'seconds': max(compute_s, memory_s),
-                     'bound': 'compute' if compute_s >= memory_s else 'HBM bandwidth'},
+        'roofline': costing.roofline(cost.flops, cost.bytes,
+                                     sum(c['moved'] for c in cost.collectives.values()), chip),
     }
 
 

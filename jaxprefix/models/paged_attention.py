@@ -12,7 +12,13 @@ The attention returns (output, log-sum-exp) so that it merges with the other par
 context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
 (paged_kernel.py) reads only the pages a group needs; elsewhere `reference` reads every page of
 the layer where it lies, against its owner group's queries, and masks the rest;
-tpu_attention.attend_pages picks by backend.
+backend.attend_pages picks by backend.
+
+`PageLayout` says a pool's shape and where each page lies; the sampler's pools, the writes into
+them, the views a decode step reads, this reference and the kernel all take it from there.
+Where the decoder unrolls its layers (CPU) each layer has a pool of its own (`per_layer`):
+XLA:CPU copies a layer's part out of a shared pool before its dots, a fifth of a long-tail
+decode step.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ block (see below), K group slots of n rows each:
     makes the youngest rows give theirs back (preempted: they start again from their first
     token later, feeding what they had drawn instead of drawing it again);
   - attention reads the context segments and the row's filled pages only (the Pallas paged
-    kernel on TPU, tpu_attention.attend_pages), merged by their log-sum-exp. A step's new
+    kernel on TPU, backend.attend_pages), merged by their log-sum-exp. A step's new
     token attends to itself as a segment of its own; its keys and values go into the pages at
     the top of the next step (PendingTokens).
 So the KV memory is K x (context length) + pages x page_size per block, whatever the number of
@@ -40,6 +40,10 @@ carries a leading [D] axis: each block admits its own contexts into its own grou
 rows take pages of its own part of the pool, so a row reads its context and its pages on its
 own device. KV heads (and the weights) split over 'tensor'. A block whose contexts run long
 keeps the loop going while the others idle: the price of not moving KV between devices.
+
+Routing replay (a MoE, `record_routes`): the outputs also hold the experts of the admitted
+contexts' tokens (written at admission) and of the token each row feeds at each of its steps
+or appending passes (static.py says which); a preempted row writes them again as it replays.
 """
 from __future__ import annotations
 
@@ -54,6 +58,7 @@ from flax import nnx
 from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import constrain
 from jaxprefix.sampling import page_pool
+from jaxprefix.sampling import routes as recorded_routes
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
 
@@ -68,8 +73,9 @@ class Shape:
     n rows, at most `row_slots` of them active, `admit` contexts prefilled together, up to
     `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
     pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
-    answer, a preempted row's replay) in passes of that many instead of one a step. Hashable:
-    the one static argument of the programs."""
+    answer, a preempted row's replay) in passes of that many instead of one a step;
+    `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
+    argument of the programs."""
     n: int
     new_bucket: int
     row_slots: int
@@ -78,6 +84,7 @@ class Shape:
     reserve: int
     layout: PageLayout
     append_tokens: int = 0  # known tokens a row feeds in one pass (0: one a decode step)
+    record_routes: bool = False
 
 
 @flax.struct.dataclass
@@ -134,6 +141,11 @@ class Outputs:
     stopped: jax.Array      # bool: its last sampled token is a stop id
     waiting: jax.Array      # bool: its turn ended and the host has yet to answer
     recomputed: jax.Array   # int32: tokens before its current turn computed again (preempted)
+    # record_routes: [D * R, T, sparse layers, k] as static.DecodeState.routes; the contexts'
+    # (row: the context in request order) prompts' [C, Sp, ...] and suffixes' [C, Ss, ...]
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
+    suffix_routes: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -193,10 +205,23 @@ def _admit(model, contexts: dict, state: LoopState, shape: Shape) -> LoopState:
             picked = jnp.where(ok.reshape(ok.shape + (1,) * (picked.ndim - 2)), picked, empty)
         return picked.reshape(d * admit, *picked.shape[2:])
 
-    segments = (context_kv(model, pick('prompt_tokens'), pick('prompt_positions', -1)),)
+    record = state.out.routes is not None
+    prompt, prompt_routes = context_kv(model, pick('prompt_tokens'),
+                                       pick('prompt_positions', -1), record_routes=record)
+    segments, out = (prompt,), state.out
     if contexts['suffix_tokens'].shape[1]:
-        segments += (context_kv(model, pick('suffix_tokens'), pick('suffix_positions', -1),
-                                segments),)
+        suffix, suffix_routes = context_kv(model, pick('suffix_tokens'),
+                                           pick('suffix_positions', -1), segments,
+                                           record_routes=record)
+        segments += (suffix,)
+    if record:  # at each admitted context's row in request order (past the end: dropped)
+        num_contexts = contexts['valid'].shape[0]
+        at = jnp.where(ok, jnp.arange(d)[:, None] * (num_contexts // d) + local,
+                       num_contexts).reshape(-1)
+        out = out.replace(prompt_routes=out.prompt_routes.at[at].set(prompt_routes, mode='drop'))
+        if out.suffix_routes is not None:
+            out = out.replace(suffix_routes=out.suffix_routes.at[at].set(suffix_routes,
+                                                                         mode='drop'))
     store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
                   for pool, new in zip(state.store, segments))
     # Each segment's real tokens (a prefix of its slots) and its first position.
@@ -219,7 +244,7 @@ def _admit(model, contexts: dict, state: LoopState, shape: Shape) -> LoopState:
                         known=fresh(rows.known), replay=fresh(rows.replay), turn=fresh(rows.turn),
                         turn_start=fresh(rows.turn_start))
     count = ok.sum(axis=1, dtype=jnp.int32)
-    return state.replace(groups=groups, rows=rows, store=store,
+    return state.replace(groups=groups, rows=rows, store=store, out=out,
                          next_context=state.next_context + count,
                          admitted=state.admitted + count)
 
@@ -301,7 +326,8 @@ def _initial_state(model, contexts: dict, shape: Shape) -> LoopState:
     d, k = layout.blocks, shape.context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
-    store = tuple(_pool_constrained(page_pool.Pool.empty(page_pool.context_layout(layout, k, length)))
+    store = tuple(_pool_constrained(page_pool.Pool.empty(page_pool.context_layout(layout, k,
+                                                                                  length)))
                   for length in _segment_lengths(contexts))
     segments = len(store)
     ints = lambda shape, fill=0: jnp.full(shape, fill, jnp.int32)
@@ -316,6 +342,14 @@ def _initial_state(model, contexts: dict, shape: Shape) -> LoopState:
                   logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
                   lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool),
                   waiting=jnp.zeros(rows_total, bool), recomputed=ints((rows_total,)))
+    if shape.record_routes:
+        num_contexts = contexts['valid'].shape[0]
+        suffix = contexts['suffix_tokens'].shape[1]
+        out = out.replace(
+            routes=recorded_routes.empty(config, rows_total, new_bucket),
+            prompt_routes=recorded_routes.empty(config, num_contexts,
+                                                contexts['prompt_tokens'].shape[1]),
+            suffix_routes=recorded_routes.empty(config, num_contexts, suffix) if suffix else None)
     tables = page_pool.PageTables.empty(d, layout.pages, k * n, new_bucket // layout.page_size)
     pool = _pool_constrained(page_pool.Pool.empty(layout))
     kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
@@ -392,7 +426,8 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
                   for s, pool in enumerate(state.store))
     views += (state.pool.view(tables.table[at], jnp.where(some, t, 0),
                               state.groups.last_position[at[0], slot], 'own'),)
-    _, kv = model.extend(fed, positions, pages=views, layer_weights=layer_weights)
+    _, kv, experts = model.extend(fed, positions, pages=views, layer_weights=layer_weights,
+                                  with_routes=True)
     flat = lambda x: x.reshape(x.shape[0], d * width, 1, *x.shape[3:])  # a row per token
     pool = page_pool.write_tokens(state.pool, flat(kv.k), flat(kv.v),
                                   jnp.repeat(tables.table[at], width, axis=0),
@@ -406,6 +441,10 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
                         position=put(rows.position, rows.position[at] + count))
     out = out.replace(recomputed=out.recomputed.at[episode].add(
         jnp.where(some, again.sum(axis=1), 0)))
+    if out.routes is not None:  # the experts of each token fed, at its own index (as a step's)
+        at_token = jnp.where(real, taken, out.routes.shape[1])  # past the end: dropped
+        out = out.replace(routes=out.routes.at[episode[:, None], at_token].set(
+            experts.astype(out.routes.dtype), mode='drop'))
     return state.replace(rows=rows, tables=tables, pool=pool, out=out)
 
 
@@ -459,9 +498,9 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     tables = page_pool.grow(state.tables, needs)
     rows, out = state.rows, state.out
     active = rows.state == ACTIVE
-    logits, new_kv = model.extend(
+    logits, new_kv, experts = model.extend(
         rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
-        pages=_views(state, tables, active, n=n), layer_weights=layer_weights)
+        pages=_views(state, tables, active, n=n), layer_weights=layer_weights, with_routes=True)
     context, episode = episodes_of_rows(state, contexts, shape)
     sample = jnp.arange(rows.t.shape[1]) % n
     keys = row_step_keys(seed_key, (contexts['stream_index'][context] * n + sample).reshape(-1),
@@ -490,6 +529,10 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
                       waiting=out.waiting.at[jnp.where(waiting, episode, past)].set(True,
                                                                                     mode='drop'),
                       recomputed=out.recomputed.at[episode].add(again.astype(jnp.int32)))
+    if out.routes is not None:  # the experts of the token each active row fed
+        fed = experts.reshape(*rows.t.shape, *experts.shape[2:]).astype(out.routes.dtype)
+        out = out.replace(routes=out.routes.at[jnp.where(active, episode, past), rows.t].set(
+            fed, mode='drop'))
     state_now = jnp.where(finished, IDLE, jnp.where(waiting, WAITING, rows.state))
     rows = rows.replace(state=state_now, t=jnp.where(active, t, rows.t),
                         token=jnp.where(active, tokens, rows.token),
@@ -516,7 +559,6 @@ def _run(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids, 
     return jax.lax.while_loop(keep_going, step, state)
 
 
-
 @functools.partial(jax.jit, static_argnames=('graphdef', 'shape'))
 def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key,
                       stop_ids, max_new_tokens, *, shape: Shape):
@@ -525,14 +567,17 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     per layer, the decode slices each layer's weights once, before the loop, as static.decode's
     hoist_layers does.
 
-    Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
+    Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row
+    order, then None, or with `shape.record_routes` (a MoE) the recorded experts (prompt [C, Sp, ...],
+    suffix [C, Ss, ...] or None, rows [C*n, T, ...]; see Outputs).
     """
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
     state = _initial_state(model, contexts, shape)
     out = _run(model, contexts, settings, seed_key, stop_ids, Limits.one_turn(max_new_tokens),
                state, _FOREVER, _FOREVER, shape).out
-    return out.completions, out.logprobs, out.lengths, out.stopped
+    routes = (out.prompt_routes, out.suffix_routes, out.routes) if shape.record_routes else None
+    return out.completions, out.logprobs, out.lengths, out.stopped, routes
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'shape'))

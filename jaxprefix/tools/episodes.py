@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxprefix.sampling import Rollouts, TurnEnd, generate, sample_turns
+from jaxprefix.sampling import Rollouts, TurnEnd, generate, sample_turns, token_ids
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, ToolResult, error
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
@@ -51,6 +51,9 @@ class Episode:
       logprobs     f32 [T]    the sampler's log-prob of each sampled token (0 elsewhere)
       turn_starts  where each sampled turn starts in `tokens`
       group        index of the context (problem) the episode continues
+      reprefilled  tokens of earlier turns the rollout prefilled again (the reference
+                   rollout's cost, `reprefilled_tokens`: 0 where turns keep their KV, but
+                   a preempted row's replay)
     """
     tokens: np.ndarray
     sampled: np.ndarray
@@ -61,7 +64,7 @@ class Episode:
     tool_failures: int
     ended: str
     group: int
-    reprefilled: int = 0  # tokens of earlier turns the rollout prefilled again (the metric's)
+    reprefilled: int = 0
 
     @property
     def turns(self) -> int:
@@ -148,7 +151,11 @@ class _Rules:
         if not stopped and len(episode.tokens) >= self.budget:
             episode.ended = BUDGET
             return []
-        calls = self.parse(self.tokenizer.decode([int(i) for i in ids]))
+        last = int(ids[-1]) if stopped and int(ids[-1]) in self.stops else None
+        # Parsed without the stop token the turn ended on: a Hermes block left open runs to
+        # the end of the text, and the stop token's text would spoil its JSON.
+        text = self.tokenizer.decode([int(i) for i in ids[:len(ids) - (last is not None)]])
+        calls = self.parse(text)
         if not calls:
             episode.ended = ANSWER if stopped else TRUNCATED
         elif episode.turns == self.max_turns:
@@ -171,7 +178,7 @@ class _Rules:
         return observation
 
 
-def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, tools: Registry,
+def rollout_episodes(model, contexts: Sequence, *, tokenizer, tools: Registry,
                      n: int, max_turns: int, episode_token_budget: int, max_new_tokens: int,
                      stop_ids: Sequence[int] = (), seed: int = 0,
                      parse: Callable[[str], list[ToolCall]] | None = None,
@@ -179,14 +186,16 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
                      = None, max_observation_chars: int = DEFAULT_MAX_CHARS,
                      tool_workers: int = 1, kv_kept: bool = False, chunk_steps: int = 32,
                      timings: dict | None = None, **sampler) -> list[Episode]:
-    """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
-    answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
+    """n episodes of each context (token ids or a SharedContext; episode i*n + j continues
+    contexts[i]), each until a final answer, `max_turns` sampled turns, or
+    `episode_token_budget` tokens in all.
 
     Each turn samples up to max_new_tokens (`stop_ids`, and `sampler`'s other keywords:
     RolloutSpec.sampler_keywords()). A turn whose text holds tool calls (`parse`: the chat
     template's format by default) has its tools run and the token ids `observe(results, the
     stop token the turn ended on or None)` gives appended (default: the chat template's tool
-    turn, tools/observations.py); a turn without a call that ended on a stop token is the final
+    turn, tools/observations.py); `parse` and `observe` are an environment's
+    (tools/environments.py). A turn without a call that ended on a stop token is the final
     answer. Two rollouts give the same episodes (tests/test_tool_episodes.py):
       - kv_kept=False, the REFERENCE: one `generate` call per turn on every running
         conversation, re-prefilled whole; a turn's calls run together, `tool_workers` at a
@@ -201,7 +210,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
-    longest = max(len(c) for c in contexts)
+    prompts = [token_ids(c) for c in contexts]  # a SharedContext's prompt and suffix
+    longest = max(map(len, prompts))
     if longest >= episode_token_budget:
         raise ValueError(f"episode_token_budget={episode_token_budget}: expected more than the "
                          f"longest context ({longest} tokens)")
@@ -210,8 +220,8 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
     rules = _Rules(tokenizer, tools, parse or parser(format_for(tokenizer.chat_template)),
                    observe, frozenset(int(s) for s in stop_ids), max_turns,
                    episode_token_budget, max_observation_chars)
-    running = [_Running(g, list(map(int, contexts[g])), [0] * len(contexts[g]),
-                        [0.0] * len(contexts[g]), len(contexts[g]))
+    running = [_Running(g, list(prompts[g]), [0] * len(prompts[g]), [0.0] * len(prompts[g]),
+                        len(prompts[g]))
                for g in range(len(contexts)) for _ in range(n)]
     kwargs = dict(n=n, max_new_tokens=max_new_tokens, stop_ids=stop_ids, seed=seed, **sampler)
     begin = time.perf_counter()
@@ -333,7 +343,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return {"rollout/tool_calls": float(sum(e.tool_calls for e in episodes)),
             "rollout/tool_failures": float(sum(e.tool_failures for e in episodes)),
             "rollout/turns_mean": float(np.mean([e.turns for e in episodes])),
-            "rollout/reprefilled_tokens": float(sum(map(reprefilled_tokens, episodes)))}
+            "rollout/reprefilled_tokens": float(sum(e.reprefilled for e in episodes))}
 
 
 def reprefilled_tokens(episode: Episode) -> int:
@@ -342,3 +352,18 @@ def reprefilled_tokens(episode: Episode) -> int:
     the newest observation; the KV-kept rollout none (a preempted row's replayed earlier turns
     aside)."""
     return episode.reprefilled
+
+
+def sampler_tokens(episode: Episode) -> tuple[int, int]:
+    """(prefilled, sampled) tokens of the episode's rollout, as the compute ledger books them:
+    the prompt, every observation once and what the rollout prefilled again; the policy's own."""
+    sampled = int(episode.sampled.sum())
+    return len(episode.tokens) - sampled + episode.reprefilled, sampled
+
+
+def final_answer(episode: Episode, tokenizer) -> str:
+    """What the verifier reads of an episode: its last turn's sampled text, without the stop
+    token an answer ended on (as one-turn completions are scored)."""
+    start = episode.turn_starts[-1]
+    ids = episode.tokens[start:][episode.sampled[start:] == 1].tolist()
+    return tokenizer.decode(ids[:-1] if episode.ended == ANSWER else ids)
