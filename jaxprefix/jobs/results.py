@@ -77,6 +77,12 @@ def run_results(config, workdir: str) -> dict:
         raise ConfigError(f"config.results.regime.flops_budget="
                           f"{config.results.regime.flops_budget}: expected >= 0 FLOPs (0: "
                           f"regime.steps each)")
+    if config.results.regime.get("flops_budget", 0.0) and not any(
+            RUNS[name].regime == "prefixrl" for name in names):
+        raise ConfigError(f"config.results.regime.flops_budget="
+                          f"{config.results.regime.flops_budget} is set but no run of "
+                          f"results.runs={tuple(names)} is in PrefixRL's regime; expected 0, or "
+                          f"runs among {sorted(n for n in RUNS if RUNS[n].regime == 'prefixrl')}")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}
