@@ -208,3 +208,20 @@ def test_training_verifier_accepts_oracle_solutions(name, variant):
     scores, _ = rewards.score_batch(config.data.verifier, [p.solution + "<eos>" for p in problems],
                                     problems)
     assert scores.tolist() == [1.0] * len(problems)
+
+
+@pytest.mark.parametrize("variant,field,value,expected", [
+    ("carry", "flops_budget", -1.0, "expected >= 0 FLOPs"),
+    ("", "flops_budget", 4e12, "no run of results.runs="),  # POPE's runs: no regime arm
+])
+def test_results_refuses_a_regime_budget_it_cannot_spend_in_one_line(tmp_path, variant, field,
+                                                                      value, expected):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs.results import run_results
+
+    config = build("results.py", variant)
+    config.results.regime[field] = value
+    with pytest.raises(ConfigError, match=expected) as error:
+        run_results(config, str(tmp_path))  # refused before any study is prepared
+    assert "\n" not in str(error.value) and "config.results.regime.flops_budget" in str(error.value)
+    assert os.listdir(tmp_path) == []

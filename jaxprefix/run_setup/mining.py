@@ -16,9 +16,11 @@ recorded apart in mining/ledger.json, and each run is charged for the artifacts 
 from __future__ import annotations
 
 from absl import logging
+import jax
 
 from jaxprefix import storage
 from jaxprefix.sampling import RolloutSpec, token_ids
+from jaxprefix.tpu import costing, topology
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
@@ -58,15 +60,27 @@ def mining_dir(config, workdir: str) -> str:
 
 
 def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
-                  num_params: int) -> str:
+                  num_params: int, *, rows_per_call: int = 0, devices=()) -> str:
     """The line logged before a mining stage samples: contexts x samples x tokens (at most
     max_new_tokens sampled after each context) and its FLOPs bound, 2 N D (D: every sample's
-    context plus the most it may generate, the ledger's accounting)."""
+    context plus the most it may generate, the ledger's accounting). On TPU `devices`, also the
+    roofline floor of that work (tpu/costing.sampling_floor_seconds, bf16 weights)."""
     contexts = len(context_lengths)
     tokens = samples * (sum(context_lengths) + contexts * max_new_tokens)
-    return (f"{what}: will sample {contexts} contexts x {samples} samples x up to "
+    flops = 2 * num_params * tokens
+    line = (f"{what}: will sample {contexts} contexts x {samples} samples x up to "
             f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens, contexts included), "
-            f"<= {2 * num_params * tokens:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
+            f"<= {flops:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
+    chip = topology.chip_of(devices[0].device_kind) if devices else None
+    if chip is None:
+        return line
+    rows = contexts * samples
+    calls = -(-rows // rows_per_call) if rows_per_call else 1
+    floor = costing.sampling_floor_seconds(flops=flops, calls=calls, decode_steps=max_new_tokens,
+                                           weight_bytes=2 * num_params, chips=len(devices),
+                                           chip=chip)
+    return (f"{line}; on {len(devices)} x {chip.generation} at least {floor:.3g} s (the roofline:"
+            f" FLOPs at peak, or the weights read at every decode step of {calls} calls)")
 
 
 def _length(context) -> int:
@@ -114,7 +128,9 @@ class Mining:
                    for c in items]
         logging.info("%s", sampling_cost(what, lengths, samples,
                                          self.config.rollout.max_new_tokens,
-                                         self.policy.model.config.num_params()))
+                                         self.policy.model.config.num_params(),
+                                         rows_per_call=self.config.mining.rows_per_call,
+                                         devices=jax.devices()))
 
     def _booking(self, artifact: str) -> None:
         """Books the prober's next samples to `artifact`."""

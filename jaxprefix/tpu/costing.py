@@ -4,7 +4,8 @@ kernels' own costing share, written once.
 - Seconds on a chip: `compute_seconds` (FLOPs at a share of peak bf16 FLOP/s), `hbm_seconds`
   (bytes at HBM bandwidth), and a compiled program's `roofline`: max(compute, HBM) per chip,
   with collectives' ICI time beside it, not added.
-- The sampler's floor (`kv_read_floor_seconds`): the KV a step's decode must read at the least.
+- The sampler's floor (`kv_read_floor_seconds`): the KV a step's decode must read at the least;
+  `sampling_floor_seconds`: a batch of sampling calls' FLOPs and weight reads, before any work.
 - Pallas kernels are custom calls whose costs XLA cannot see; models/backend.py writes them
   into the name stack (SPLASH_SCOPE, PAGED_SCOPE) and `kernel_flops` / `paged_kernel_bytes`
   read them back from a compiled program's op names (compiled_stats.HloCost takes both).
@@ -42,6 +43,14 @@ def roofline(flops: float, bytes_accessed: float, ici_bytes: float, chip: Chip) 
     return {'compute_s': compute_s, 'hbm_s': memory_s, 'ici_s': ici_bytes / chip.ici_bytes_per_s,
             'seconds': max(compute_s, memory_s),
             'bound': 'compute' if compute_s >= memory_s else 'HBM bandwidth'}
+
+
+def sampling_floor_seconds(*, flops: float, calls: int, decode_steps: int, weight_bytes: float,
+                           chips: int, chip: Chip) -> float:
+    """The least time `calls` sampling calls can take on `chips` chips: their FLOPs at peak, or
+    every decode step of every call reading the (sharded) weights once, whichever is longer."""
+    return max(compute_seconds(flops, chips, chip),
+               hbm_seconds(calls * decode_steps * weight_bytes / chips, chip))
 
 
 def kv_read_floor_seconds(*, rows: int, contexts: int, context_length: int, max_new_tokens: int,
