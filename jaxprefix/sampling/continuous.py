@@ -43,7 +43,8 @@ keeps the loop going while the others idle: the price of not moving KV between d
 
 Routing replay (a MoE, `record_routes`): the outputs also hold the experts of the admitted
 contexts' tokens (written at admission) and of the token each row feeds at each of its steps
-or appending passes (static.py says which); a preempted row writes them again as it replays.
+(static.py says which); a preempted row writes them again as it redraws its tokens. Turns
+record none (sample_turns refuses it): an appending pass writes no routes.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ class Shape:
     `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
     pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
     answer, a preempted row's replay) in passes of that many instead of one a step;
-    `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
+    `record_routes` (a MoE, one turn) records experts for routing replay. Hashable: the one static
     argument of the programs."""
     n: int
     new_bucket: int
@@ -426,8 +427,7 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
                   for s, pool in enumerate(state.store))
     views += (state.pool.view(tables.table[at], jnp.where(some, t, 0),
                               state.groups.last_position[at[0], slot], 'own'),)
-    _, kv, experts = model.extend(fed, positions, pages=views, layer_weights=layer_weights,
-                                  with_routes=True)
+    _, kv = model.extend(fed, positions, pages=views, layer_weights=layer_weights)
     flat = lambda x: x.reshape(x.shape[0], d * width, 1, *x.shape[3:])  # a row per token
     pool = page_pool.write_tokens(state.pool, flat(kv.k), flat(kv.v),
                                   jnp.repeat(tables.table[at], width, axis=0),
@@ -441,10 +441,6 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
                         position=put(rows.position, rows.position[at] + count))
     out = out.replace(recomputed=out.recomputed.at[episode].add(
         jnp.where(some, again.sum(axis=1), 0)))
-    if out.routes is not None:  # the experts of each token fed, at its own index (as a step's)
-        at_token = jnp.where(real, taken, out.routes.shape[1])  # past the end: dropped
-        out = out.replace(routes=out.routes.at[episode[:, None], at_token].set(
-            experts.astype(out.routes.dtype), mode='drop'))
     return state.replace(rows=rows, tables=tables, pool=pool, out=out)
 
 

@@ -221,6 +221,8 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     (None: every row), waiting rows included."""
     if max_turns < 1 or chunk_steps < 1:
         raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
+    if sampler.get('record_routes'):
+        raise ValueError('sample_turns: record_routes (routing replay) is not built for turns')
     room = episode_token_budget - min(map(_length, contexts))
     if room < 1:
         raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
