@@ -303,6 +303,10 @@ def test_moe_fields_on_a_dense_model_are_refused_in_preflight(tmp_path):
     with pytest.raises(ConfigError, match=r"^config.train.routing_replay='yes': expected 'auto', "
                                           r"'on' or 'off'$"):
         preflight.check(moe, workdir)
+    moe.train.routing_replay, moe.rollout.max_turns = "auto", 3  # episodes record no routes yet
+    with pytest.raises(ValueError, match=r"^config.train.routing_replay='auto': expected 'off' "
+                                         r"with rollout.max_turns=3 \(routing replay over"):
+        loop.routing_replay(moe, True)
     assert not (tmp_path / "w").exists()
 
 

@@ -160,6 +160,10 @@ def routing_replay(config, mixture_of_experts: bool) -> bool:
              "'auto' on a dense model (it has no experts to replay)")
         need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
              t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
+    if mixture_of_experts and value != "off":  # episodes do not record routes yet
+        need(config.rollout.get("max_turns", 1) == 1, "config.train.routing_replay", value,
+             f"'off' with rollout.max_turns={config.rollout.get('max_turns')} (routing replay "
+             f"over multi-turn episodes is not built)")
     return mixture_of_experts and value != "off"
 
 
