@@ -157,12 +157,12 @@ def paper(c: ml_collections.ConfigDict) -> None:
 def paper_moe(c: ml_collections.ConfigDict) -> None:
     """The paper run on a mixture of experts: Qwen3-30B-A3B (30.5B parameters, 3.3B active a
     token; 128 experts, top-8), the paper variant's step shape and settings otherwise. The
-    compile job builds it from the shipped config.json (models/published); micro-batches of 32
-    rows, one 18k-token row a chip on the 32 chips its f32 master weights and AdamW moments
-    need (docs/SCALING.md)."""
+    compile job builds it from the shipped config.json (models/published). Micro-batches of 64
+    rows: one 18k-token row a chip on v6e-64, the smallest v6e slice whose chips hold the f32
+    master weights, AdamW moments and one row's activations (docs/SCALING.md)."""
     paper(c)
     c.model.path = "gs://YOUR_BUCKET/Qwen3-30B-A3B"
-    c.train.micro_batch_size = 32
+    c.train.micro_batch_size = 64
 
 
 def colab(c: ml_collections.ConfigDict) -> None:

@@ -220,19 +220,26 @@ def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
     assert report is not None and not all(p['fits'] for p in report['programs'].values())
 
 
+def smoke_compile_config(tmp_path, model: dict, topology: str):
+    """grpo.py:smoke as a compile job of `model` (a config.json dict) for `topology`, in process."""
+    from jaxprefix.run_config import sibling_config
+
+    (tmp_path / 'config.json').write_text(json.dumps(model))
+    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
+    config.job = 'compile'
+    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
+    config.compile.update(topology=topology, context_length=64,
+                          model_config=str(tmp_path / 'config.json'))
+    return config
+
+
 def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
     """rollout.max_rows_in_flight below the step's 16 rows: the sampler program compiled is the
     continuous decode (sampling.abstract_programs, as generate() would run it), with the cap's row
     slots per row device, and its loop counted as the generations of rows through them."""
     from jaxprefix.jobs.compile import run_compile
-    from jaxprefix.run_config import sibling_config
 
-    (tmp_path / 'config.json').write_text(json.dumps(SMALL))
-    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
-    config.job = 'compile'
-    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
-    config.compile.update(topology='v5e-4', context_length=64,
-                          model_config=str(tmp_path / 'config.json'))
+    config = smoke_compile_config(tmp_path, SMALL, 'v5e-4')
     config.rollout.max_rows_in_flight = 8  # 2 active rows on each of 4 row devices
     config.rollout.tensor_parallel = 1  # decode in the learner's (data-parallel) layout
     report = run_compile(config, str(tmp_path / 'work'))
@@ -260,14 +267,8 @@ def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(
     its 4 chips, and the floor counts the weights a decode step reads."""
     from jaxprefix.jobs.compile import run_compile
     from jaxprefix.models.tpu_attention import kernel_bytes, kernel_flops
-    from jaxprefix.run_config import sibling_config
 
-    (tmp_path / 'config.json').write_text(json.dumps(SMALL_MOE))
-    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
-    config.job = 'compile'
-    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
-    config.compile.update(topology='v6e-4', context_length=64,
-                          model_config=str(tmp_path / 'config.json'))
+    config = smoke_compile_config(tmp_path, SMALL_MOE, 'v6e-4')
     config.mesh.update(data=1, fsdp=-1, tensor=1)
     report = run_compile(config, str(tmp_path / 'work'))
     assert report['fits'] and report['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1}
@@ -286,7 +287,7 @@ def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(
     rows = step['rows'] // 4
     assert f"u8[{rows},{step['learner_width']},2,2]" in update  # routes: rows, width, layers, k
     # The decode lays the 8 experts over its 4 chips (heads over 'tensor'): 2 a chip.
-    assert re.search(r'bf16\[2,2,512,256\]', decode)  # [sparse layers, experts, D, F]
+    assert re.search(r'\[2,2,512,256\]', decode)  # [sparse layers, experts, D, F]
     config_ = ModelConfig.from_hf(SMALL_MOE)
     assert step['rows_in_flight'] == step['rows'] and step['decode_steps'] == step['max_new_tokens']
     weights = step['max_new_tokens'] * config_.decode_step_params(step['rows']) * 4  # f32

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 
+import jax
 import jax.numpy as jnp
 from absl import logging
 from flax import nnx
@@ -120,7 +121,13 @@ def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
     learner = Learner(model, train, mesh)
-    state = learner.abstract_state()
+    try:  # compiles the optimizer's init to learn its shardings
+        state = learner.abstract_state()
+    except jax.errors.JaxRuntimeError as e:
+        if 'RESOURCE_EXHAUSTED' not in str(e):
+            raise
+        raise ValueError(f'the training state alone does not fit {slice_.name}: '
+                         f'{str(e).splitlines()[0][:200]}') from None
     held = programs.bytes_per_chip(state) + programs.bytes_per_chip(learner.rest)
     if searching and held > (1 - c.headroom) * slice_.chip.hbm_bytes:  # nothing to compile
         raise ValueError(f'the training state alone needs {held / GiB:.1f} GiB per chip, over '

@@ -19,7 +19,7 @@ tokens are the same). No expert weight moves, and it composes with FSDP ('fsdp' 
 experts' model dimension, gathered per layer as for every weight) and with the sampler's
 tensor-parallel decode ('tensor' splits heads there and experts here). Dropless in static
 shapes: a device computes at most group tokens x min(k, E_l) pairs, the most its experts can
-receive. A dropless all-to-all (each pair sent to its expert's device, counts first) needs the
+receive (in chunks of tokens, experts_mlp). A dropless all-to-all (each pair sent to its expert's device, counts first) needs the
 same worst-case receive buffer in static shapes; it moves (G-1)/G of k pairs a token each way
 where the all-gather and psum_scatter move G-1 tokens' worth (G: the devices of a group), the
 same at G = k (the paper's decode: 8 row blocks, top-8) and less for wider groups; and XLA:CPU
@@ -27,6 +27,7 @@ has no ragged all-to-all, so no CPU test could run it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -55,21 +56,43 @@ def route(x: jax.Array, router: jax.Array, k: int, normalize: bool,
     return weights, experts.astype(jnp.int32)
 
 
+# The pairs of one call of the experts, at most: a learner's row of 20k tokens has 164k pairs
+# (top-8), and each [pairs, D] buffer of its MoE layer is 0.6 GiB, several at once in the
+# backward. More tokens go through in chunks (experts_mlp), each under jax.checkpoint.
+_PAIRS_PER_CALL = 1 << 16
+
+
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
                 w_up: jax.Array, w_down: jax.Array, activation: str, *, first_expert=0,
-                num_experts: int | None = None, capacity: int | None = None,
-                layer=None) -> jax.Array:
+                num_experts: int | None = None, layer=None) -> jax.Array:
     """sum_j weights[:, j] * MLP_{experts[:, j]}(x) for tokens x [N, D], over the pairs whose
     expert is one of the E_l held here (w_* [E_l, ...]: experts first_expert .. + E_l of
     num_experts; or [L, E_l, ...] every sparse layer's, of which `layer`'s): dropless, sorted
-    by expert. The pairs of other experts sort last; `capacity` (static) bounds the pairs
-    computed: the most that can be local, N * min(k, E_l)."""
+    by expert. Tokens go in chunks of at most _PAIRS_PER_CALL pairs (each chunk reads the
+    experts again: a learner's MoE layer reads them a few times, for a fraction of the memory)."""
+    n, k = experts.shape
+    chunks = next(c for c in range(1, n + 1) if n % c == 0 and (n // c * k <= _PAIRS_PER_CALL
+                                                                or c == n))
+    call = functools.partial(_experts_mlp, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                             activation=activation, first_expert=first_expert,
+                             num_experts=num_experts or w_gate.shape[-3], layer=layer)
+    if chunks == 1:
+        return call(x, weights, experts)
+    split = lambda a: a.reshape(chunks, n // chunks, *a.shape[1:])
+    out = jax.lax.map(jax.checkpoint(lambda c: call(*c)), (split(x), split(weights), split(experts)))
+    return out.reshape(x.shape)
+
+
+def _experts_mlp(x, weights, experts, *, w_gate, w_up, w_down, activation, first_expert,
+                 num_experts, layer):
+    """experts_mlp of one chunk. Pairs of other experts than the E_l held here sort last, and
+    only the most that can be local are computed: N * min(k, E_l)."""
     n, k = experts.shape
     held = w_gate.shape[-3]
-    num_experts = num_experts or held
     flat = experts.reshape(-1) - first_expert
     local = (flat >= 0) & (flat < held)
     key = jnp.where(local, flat, held)
+    capacity = None if held == num_experts else n * min(k, held)
     order = jnp.argsort(key, stable=True)[:capacity]   # local pairs grouped by expert, first
     group_sizes = jnp.bincount(key, length=held + 1)[:held].astype(jnp.int32)
     token = order // k
@@ -77,7 +100,8 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ja
     # What a call computes on average (uniform routing): its share of the pairs, and the
     # experts some token routes to (each of n tokens picks k of num_experts).
     expected = dict(expected_rows=n * k * held / num_experts,
-                    expected_groups=expected_experts(n, k, num_experts) * held / num_experts)
+                    expected_groups=expected_experts(n, k, num_experts) * held / num_experts,
+                    every_row=capacity is None)
     gate = tpu_attention.grouped_matmul(xs, w_gate, group_sizes, layer=layer, **expected)
     up = tpu_attention.grouped_matmul(xs, w_up, group_sizes, layer=layer, **expected)
     y = tpu_attention.grouped_matmul(layers.activation_fn(activation)(gate) * up, w_down,
@@ -101,10 +125,7 @@ def dispatch(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.A
     rows_over = _axes(logical_spec(('batch',), (n,), shape)[0])
     gathered = tuple(a for a in held_over if a in rows_over)   # EP axes that split tokens
     summed = tuple(a for a in held_over if a not in rows_over)  # tokens the same along them
-    ep = math.prod(shape[a] for a in held_over)
-    held = num_experts // ep
-    group = n // math.prod(shape[a] for a in rows_over) * math.prod(shape[a] for a in gathered)
-    capacity = group * k if held == num_experts else group * min(k, held)
+    held = num_experts // math.prod(shape[a] for a in held_over)
     stacked = layer is not None
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
@@ -114,7 +135,7 @@ def dispatch(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.A
                                    for a in (x, weights, experts))
         first = jax.lax.axis_index(held_over) * held if held_over else 0
         out = experts_mlp(x, weights, experts, w_gate, w_up, w_down, activation,
-                          first_expert=first, num_experts=num_experts, capacity=capacity,
+                          first_expert=first, num_experts=num_experts,
                           layer=layer if stacked else None)
         if summed:
             out = jax.lax.psum(out, summed)

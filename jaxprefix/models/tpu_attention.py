@@ -167,8 +167,8 @@ def kernel_bytes(op_name: str, operand_bytes: list, output_bytes: float,
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, layer=None,
-                   expected_rows: float | None = None,
-                   expected_groups: float | None = None) -> jax.Array:
+                   expected_rows: float | None = None, expected_groups: float | None = None,
+                   every_row: bool = False) -> jax.Array:
     """[M, K] rows, sorted into consecutive groups of `group_sizes` [G], times their group's
     [K, N] of rhs [G, K, N] -> [M, N] (a MoE layer's tokens through their experts); rows past
     sum(group_sizes) give 0. With `layer` (traced int32), rhs is [L, G, K, N], every layer's
@@ -178,7 +178,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, la
     Megablox's grouped matmul (Pallas) on TPU, jax.lax.ragged_dot elsewhere. `expected_rows`
     and `expected_groups` (static: the rows in groups and the non-empty groups a call has on
     average) pick Megablox's row tile and let the compile job cost the kernel by what it moves
-    (megablox_matmul); default: every row, every group."""
+    (megablox_matmul); default: every row, every group. `every_row` (static): the groups cover
+    every row (nothing to zero)."""
     rows = lhs.shape[0] if expected_rows is None else expected_rows
     groups = rhs.shape[-3] if expected_groups is None else expected_groups
     stacked = layer is not None
@@ -186,7 +187,7 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, la
 
     def on_tpu(lhs, rhs, group_sizes, layer):
         return megablox_matmul(lhs, rhs, group_sizes, layer=layer if stacked else None,
-                               expected_rows=rows, expected_groups=groups)
+                               expected_rows=rows, expected_groups=groups, every_row=every_row)
 
     def elsewhere(lhs, rhs, group_sizes, layer):
         rhs = rhs[layer] if stacked else rhs
@@ -205,12 +206,14 @@ _GMM_RE = re.compile(r'grouped_matmul_bytes_(\d+)_flops_(\d+)')
 
 
 def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
-                    expected_groups: float, interpret: bool = False) -> jax.Array:
+                    expected_groups: float, every_row: bool = False,
+                    interpret: bool = False) -> jax.Array:
     """grouped_matmul with Megablox's kernel (jax.experimental.pallas.ops.tpu.megablox).
 
     The kernel visits only the row tiles of non-empty groups and reads, for each, its group's
     whole [K, N]; rows outside every group are left unwritten, so they are zeroed here (in and
-    out: the backward's gradient of those rows would be unwritten too). A layer's groups of
+    out: the backward's gradient of those rows would be unwritten too) unless `every_row`
+    says there are none. A layer's groups of
     stacked rhs [L, G, K, N] are read in place through Megablox's `group_offset` (it reads
     group g of rhs at g - group_offset; -layer * G points it at the layer's; forward only: its
     backward would return the gradient of every layer's groups). What an average call moves
@@ -226,8 +229,10 @@ def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
     tm = next((t for t in _GMM_ROWS if per_group <= t), _GMM_ROWS[-1])
     padded = -(-m // tm) * tm
     tk, tn = _gmm_block(k), _gmm_block(n)
+    every_row = every_row and padded == m
     valid = (jnp.arange(padded) < group_sizes.sum())[:, None]
-    lhs = jnp.where(valid, jnp.pad(lhs, ((0, padded - m), (0, 0))), 0)
+    if not every_row:
+        lhs = jnp.where(valid, jnp.pad(lhs, ((0, padded - m), (0, 0))), 0)
     # Tiles visited on average: the groups' rows, plus a partial tile where a group starts
     # inside one; each reads its rows (once per N block) and its group's [K, N], writes its rows.
     tiles = min(padded // tm + group_sizes.shape[0] - 1,
@@ -239,7 +244,7 @@ def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
     with jax.named_scope(_GMM_SCOPE.format(moved, flops)):
         out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, (tm, tk, tn),
                            group_offset=offset, interpret=interpret)
-    return jnp.where(valid, out, 0)[:m]
+    return out if every_row else jnp.where(valid, out, 0)[:m]
 
 
 def _gmm_block(size: int) -> int:
