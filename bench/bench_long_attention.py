@@ -2,7 +2,7 @@
 
 Both arms take one Learner.update (forward, backward, AdamW) of SmolLM2-135M-Instruct (bundled
 GGUF, f32, remat as in the smollm2 variant) on the same batch of one row of T tokens:
-  blockwise  the decoder's no-cache path as shipped: models/tpu_attention.attend, which on CPU
+  blockwise  the decoder's no-cache path as shipped: models/backend.attend, which on CPU
              is models/blockwise_attention.attend (tiles, online softmax, flash-style VJP);
   dense      models/attention.attend, which builds the [heads, T, T] scores of every layer (what
              the no-cache path ran before), swapped in while that arm's update is traced.
@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
-from jaxprefix.models import attention, tpu_attention  # noqa: E402
+from jaxprefix.models import attention, backend  # noqa: E402
 from jaxprefix.rl import train_step  # noqa: E402
 from jaxprefix.rl.train_step import Learner, TrainConfig  # noqa: E402
 
@@ -56,15 +56,15 @@ def parse_args(argv=None):
 @contextlib.contextmanager
 def dense_attention():
   """The no-cache path with attention.attend (dense scores) while a function is traced."""
-  original = tpu_attention.attend
+  original = backend.attend
 
   def dense(q, q_pos, segments, *, scale, window=None, logit_cap=None, sliding_window=None):
     return attention.attend(q, q_pos, segments, scale=scale, window=window, logit_cap=logit_cap)
-  tpu_attention.attend = dense
+  backend.attend = dense
   try:
     yield
   finally:
-    tpu_attention.attend = original
+    backend.attend = original
 
 
 def batch_of(config, length: int, seed: int = 0) -> dict:

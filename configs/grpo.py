@@ -2,6 +2,7 @@
 
     python -m jaxprefix.main --config=configs/grpo.py --workdir=/tmp/grpo          # demo task, CPU
     python -m jaxprefix.main --config=configs/grpo.py:smoke --workdir=/tmp/grpo_smoke
+    python -m jaxprefix.main --config=configs/grpo.py:moe_smoke --workdir=/tmp/grpo_moe  # a MoE
     python -m jaxprefix.main --config=configs/grpo.py:smollm2 --workdir=/tmp/grpo_smollm2
     python -m jaxprefix.main --config=configs/grpo.py:paper --workdir=gs://BUCKET/grpo
 

@@ -8,7 +8,7 @@
         --config.results.output_dir=docs/results/pope_eps/taught0.05     # one eps level
 
 Not part of CI (hours on 2 cores). Each run has its own workdir under --workdir: rerunning
-resumes, finished runs are only re-evaluated. jobs/results.py lists the runs (RUNS).
+resumes, finished runs are only re-evaluated. run_setup/study_arms.py lists the runs (RUNS).
 
 - default: POPE's regime, keyed_multiplication (the demo task): POPE with prefixes of at most a
   quarter of the solution, plain GRPO run on to POPE's FLOPs, and POPE's SFT baseline.

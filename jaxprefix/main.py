@@ -5,7 +5,7 @@
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
 `config.job` picks the job (sft, mine, rl, eval, sweep, fit, prereg, demo, results, export,
-compile; `describe` prints every field with its value and what it does, and runs nothing); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
+compile, tools; `describe` prints every field with its value and what it does, and runs nothing); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
 run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
 and every path field may be local or gs:// (jaxprefix.storage).
 
@@ -17,10 +17,10 @@ same command resumes); a traceback means a bug, or `--verbose`.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging as std_logging  # absl's WARNING constant is its own verbosity, not a record level
 import os
-import re
 import sys
 
 from absl import app, flags, logging
@@ -45,6 +45,7 @@ JOBS = {
     "results": ("results", "run_results"),
     "export": ("export", "run_export"),
     "compile": ("compile", "run_compile"),
+    "tools": ("tool_study", "run_tool_study"),
 }
 
 READ_ONLY_JOBS = ("eval", "fit")  # they write their report, never checkpoints or metrics
@@ -59,13 +60,13 @@ def default_workdir(config_arg: str) -> str:
 class _OnlyOurInfo:
     """Keeps INFO lines of jaxprefix and drops the libraries' (orbax logs every file it writes),
     and the libraries' tracebacks of storage failures (orbax logs each from each of its save
-    threads): the run retries those, or reports them in one line (storage_faults)."""
+    threads): the run retries those, or reports them in one line (storage/faults.py)."""
 
     def filter(self, record) -> bool:
-        from jaxprefix import storage_faults
+        from jaxprefix import storage
 
         ours = f"{os.sep}jaxprefix{os.sep}" in record.pathname
-        if not ours and record.exc_info and storage_faults.classify(record.exc_info[1]):
+        if not ours and record.exc_info and storage.faults.classify(record.exc_info[1]):
             return _VERBOSE.value
         return record.levelno >= std_logging.WARNING or ours
 
@@ -152,16 +153,16 @@ def main(argv):
         return
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed, errors, storage, storage_faults
+    from jaxprefix import distributed, errors, storage
 
     try:
         try:
-            storage_faults.set_deadline((config.get("storage") or {}).get(
-                "retry_deadline_s", storage_faults.DEFAULT_DEADLINE_S))
+            storage.faults.set_deadline((config.get("storage") or {}).get(
+                "retry_deadline_s", storage.faults.DEFAULT_DEADLINE_S))
         except ValueError as e:
             raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
-        from jaxprefix.jobs import preflight
+        from jaxprefix.run_setup import preflight
 
         preflight.refuse_placeholders(config, workdir)  # gs://YOUR_BUCKET/...: never tried
         for path in remote_paths(config, workdir):  # a missing client package or bucket
@@ -171,7 +172,7 @@ def main(argv):
                 raise errors.ConfigError(str(e)) from None
         distributed.initialize(config.distributed)
         logging.info("job %s, workdir %s", config.job, workdir)
-        preflight.check(config, workdir)  # reads every input; writes nothing
+        settings = preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards
 
         # every verifier worker's cap (configs/sft.py has no rewards block: it scores nothing)
@@ -179,7 +180,9 @@ def main(argv):
             "max_memory_mb", rewards.pool.DEFAULT_MAX_MEMORY_MB))
         module, function = JOBS[config.job]
         run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
-        from jaxprefix import workdir_lock
+        if settings is not None:  # the rl job's run, resolved by preflight: not again
+            run = functools.partial(run, settings=settings)
+        from jaxprefix.storage import workdir_lock
         from jaxprefix.rl.loop import Preempted
 
         try:

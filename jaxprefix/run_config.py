@@ -22,13 +22,13 @@ F = Field
 # describe job prints them: --config.job=describe). Longer explanations are comments above.
 FIELDS = {
     "job": F("rl", "sft | mine | rl | eval | sweep | fit | prereg | demo | results | export | "
-                   "compile | describe"),
+                   "compile | tools | describe"),
     "method": F("grpo", "grpo | pope | prefixrl"),
     "seed": F(0, "seed of the run's sampling and initialisation"),
     # Resuming refuses a change to a field that alters the run (run_identity.py) unless listed.
     "allow_changes": F("", "fields a resumed run may change, e.g. 'train.learning_rate,rollout.n'"
                            " (a block name covers its fields)"),
-    # Where the policy comes from (jobs/policy.py). param_dtype: the master copy the optimizer
+    # Where the policy comes from (run_setup/policy.py). param_dtype: the master copy the optimizer
     # updates; dtype: the forward/backward's and the sampler's copy of the weights.
     "model": {
         "source": F("sft", "where the policy comes from: sft (the tiny demo base) | hf | gguf"),
@@ -39,7 +39,7 @@ FIELDS = {
     },
     # The tiny base model's SFT (model.source 'sft' only): configs/sft.py's fields (SFT_FIELDS).
     "sft": {},
-    # Problem sets (jobs/problem_sets.py). Bad records and over-long prompts are refused (one
+    # Problem sets (run_setup/problem_sets.py). Bad records and over-long prompts are refused (one
     # line naming file and line), or skipped and counted with skip_invalid.
     "data": {
         "source": F("carry_multiplication", "problems from: file | hf | tfds | reasoning_gym | "
@@ -90,8 +90,31 @@ FIELDS = {
                                 "learner's layout elsewhere)"),
         "kv_dtype": F("", "KV pages' dtype ('': compute dtype; 'int8' halves KV memory, changes"
                           " log-probs a little)"),
-        "max_turns": F(1, "assistant turns of an episode with tools (docs/TOOLS.md); only 1 "
-                          "until the RL loop trains on episodes"),
+        "max_turns": F(1, "assistant turns of an episode (> 1: episodes with config.tools; "
+                          "docs/TOOLS.md)"),
+    },
+    # Multi-turn episodes (docs/TOOLS.md), read where rollout.max_turns > 1 and refused where it
+    # is 1. The verifier scores an episode's last turn; observation tokens carry no loss.
+    "tools": {
+        "names": F((), "tools the policy may call: calculator | read_key | python (opt-in) | "
+                       "'FILE.py:FUNCTION'"),
+        "environment": F("chat", "how turns meet tools: chat (the chat template's call format "
+                                 "and tool turn) | keyed_multiplication | 'FILE.py:NAME'"),
+        "format": F("", "chat's call format ('': the template's; hermes | llama3)"),
+        "episode_token_budget": F(0, "tokens an episode may hold, prompt and observations "
+                                     "included (0: the model's context)"),
+        "max_observation_chars": F(2000, "an observation's cap in characters (cut, marked)"),
+        "workers": F(1, "a turn's tool calls run at once (threads; python's are processes)"),
+        "rollout": F("reference", "the episode rollout: reference (one generate() per turn, "
+                                  "the conversation re-prefilled)"),
+        # Model-written code in a fresh capped subprocess per call; not a sandbox (TOOLS.md).
+        "python": {
+            "enabled": F(False, "allow the python tool (runs model-written code; opt-in)"),
+            "cpu_s": F(2, "a call's CPU seconds"),
+            "memory_mb": F(512, "a call's address space in MiB"),
+            "wall_s": F(5.0, "a call's wall-clock seconds (then its process group is killed)"),
+            "output_bytes": F(16384, "a call's stdout and stderr, in bytes"),
+        },
     },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     "train": {
@@ -130,6 +153,13 @@ FIELDS = {
                                      "'learner' (recomputed)"),
         "tis_cap": F(0.0, "truncated importance sampling cap (with old_logprobs='learner'; 0: "
                           "off)"),
+        # A mixture of experts (docs/ARCHITECTURE.md, routing replay): the sampler records each
+        # token's experts and the learner's forwards (old log-probs, ratio, loss) use them, gate
+        # weights from the current router over them. auto: on for a MoE; a dense model refuses
+        # any other value. router_aux_coef: the Switch / Qwen3-MoE load-balancing loss.
+        "routing_replay": F("auto", "replay the sampler's experts in the learner: auto (on for "
+                                    "a mixture of experts) | on | off"),
+        "router_aux_coef": F(0.0, "a MoE's router load-balancing loss coefficient (0: off)"),
         "logprobs_at_sampling_temperature": F(True, "score softmax(logits / temperature) (TRL, "
                                                     "verl, Tunix); False: T = 1"),
         "entropy_coef": F(0.0, "> 0: entropy bonus"),
@@ -147,7 +177,7 @@ FIELDS = {
                                        "else per token"),
         },
     },
-    # Computed once before RL with the base policy (jobs/mine.py).
+    # Computed once before RL with the base policy (run_setup/mining.py).
     "mining": {
         "train_on": F("all", "GRPO's training problems: 'all' or the mined 'hard' set"),
         "k": F(16, "samples per problem; hard = solved 0 of k (paper: 128 at a 32k budget)"),
@@ -181,7 +211,7 @@ FIELDS = {
         "pool_flops": F(0.0, "what generating pool_path cost, when declared: charged to the run"),
         "oracle_traces": F(False, "oracle solutions as the traces, no rejection sampling"),
     },
-    # Prefix-length schedule (methods/schedules.py); the chosen kind's fields are its block.
+    # Prefix-length schedule (methods/prefix_schedules.py); the chosen kind's fields are its block.
     "schedule": {
         "kind": F("fixed", "prefix-length schedule: fixed | annealed | adaptive"),
         "annealed": {
@@ -229,14 +259,14 @@ FIELDS = {
                       "data.verifier"),
         "max_memory_mb": F(8192, "address-space cap of each verifier worker (0: none)"),
     },
-    # GCS (storage_faults.py): then, or at a permanent failure (403), one line; rerun resumes.
+    # GCS (storage/faults.py): then, or at a permanent failure (403), one line; rerun resumes.
     "storage": {"retry_deadline_s": F(600.0, "seconds a transient GCS failure is retried")},
     "mesh": {
         "data": F(-1, "data-parallel mesh axis (-1: the devices left)"),
         "fsdp": F(1, "fully-sharded mesh axis (-1: the devices left)"),
         "tensor": F(1, "tensor-parallel mesh axis"),
     },
-    # One run per workdir (workdir_lock.py).
+    # One run per workdir (storage/workdir_lock.py).
     "workdir_lock": {
         "stale_minutes": F(10.0, "a gs:// lock without heartbeat this long is taken over"),
         "heartbeat_s": F(60.0, "seconds between the lock's heartbeats"),
@@ -252,7 +282,8 @@ FIELDS = {
     },
     "distributed": distributed.FIELDS,
     "isocompute": {
-        # The sweep (jobs/isocompute.py): every (n, B) at each seed, to the largest budget.
+        # The sweep (jobs/isocompute.py; its points: run_setup/sweep_points.py): every (n, B)
+        # at each seed, to the largest budget.
         "budgets": F((2**12, 2**13, 2**14), "the sweep's compute budgets (isocompute.budget_unit)"),
         "ns": F((2, 4, 8, 16), "the sweep's samples per problem"),
         "batches": F((8, 16), "the sweep's problems per step"),
@@ -287,6 +318,8 @@ SFT_FIELDS = {
         "width": F(64, "model width"),
         "heads": F(4, "attention heads"),
         "mlp_width": F(256, "MLP hidden width"),
+        "experts": F(0, "0: a dense MLP; > 0: a Qwen3-MoE of this many experts per MLP"),
+        "experts_per_token": F(2, "experts a token routes to (with experts > 0)"),
     },
     # Lengths 1..20, plus a share of full 20-digit rows so the last slots train as often as the
     # first; multipliers 2..9 (1 is copying).
@@ -335,10 +368,12 @@ SFT_KEYED_DOCS = {
                                "(unequal digits, the true target)",
     "data.key_names_rule": "the restating route: the key step names the rule it reads the key "
                            "by ('<' or '>' in place of '*')",
+    "data.tool_fraction": "share of unhinted rows written as tool episodes: the key reader "
+                          "called, its answer, then the solution (the built-in tool task)",
 }
 RESULTS_DOCS = {
     "seeds": "seeds of every run of the study",
-    "runs": "the runs of the study (jobs/results.py RUNS)",
+    "runs": "the runs of the study (run_setup/study_arms.py RUNS)",
     "isocompute": "also the isocompute comparison",
     "report_only": "the report of the finished runs; the others are 'not run'",
     "output_dir": "where the report and its plots go",
@@ -371,10 +406,13 @@ PREREG_DOCS = {
                       "holds 0)",
 }
 
+TOOL_STUDY_DOCS = {"seeds": "seeds of both arms of the tools study (configs/tools.py)"}
+
 SFT_DOCS = {**config_fields.docs(SFT_FIELDS), **SFT_KEYED_DOCS}
 DOCS = {**config_fields.docs(FIELDS), **{f"sft.{k}": v for k, v in SFT_DOCS.items()},
         **{f"results.{k}": v for k, v in RESULTS_DOCS.items()},
-        **{f"isocompute.prereg.{k}": v for k, v in PREREG_DOCS.items()}}
+        **{f"isocompute.prereg.{k}": v for k, v in PREREG_DOCS.items()},
+        **{f"tool_study.{k}": v for k, v in TOOL_STUDY_DOCS.items()}}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -418,11 +456,6 @@ def _literal(text: str):
         except ValueError:
             pass
     return text
-
-
-def sibling_config(this_file: str, name: str, arg: str = "") -> ml_collections.ConfigDict:
-    """`get_config(arg)` of another file in the same configs/ folder (e.g. sft.py for pope.py)."""
-    return from_file(os.path.join(os.path.dirname(os.path.abspath(this_file)), name), arg)
 
 
 def from_file(path: str, arg: str = "") -> ml_collections.ConfigDict:

@@ -32,11 +32,11 @@ SWEEP_GRID = ("isocompute.budgets", "isocompute.ns", "isocompute.batches", "isoc
 SAMPLER_SPEED = tuple(f"rollout.{field}" for field in (
     "max_rows_in_flight", "kv_budget_gib", "memory_headroom", "page_size", "kv_reserve",
     "tensor_parallel"))
-# The results job's own block (which runs, seeds, regime settings) picks and sizes runs; a run
-# reads its trajectory's fields from the blocks it sets, never from `results`.
+# The results and tools jobs' own blocks (which runs, seeds, regime settings) pick and size
+# runs; a run reads its trajectory's fields from the blocks it sets, never from these.
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "rewards.max_memory_mb",
               "mesh", "distributed", "workdir_lock", "storage", "metrics", "allow_changes",
-              "results", *SAMPLER_SPEED, *SWEEP_GRID)
+              "results", "tool_study", *SAMPLER_SPEED, *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:

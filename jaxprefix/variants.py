@@ -1,7 +1,9 @@
-"""The variants every configs/*.py shares (demo, smoke, carry, carry_smoke, smollm2, paper,
-paper_moe, colab):
+"""The variants every configs/*.py shares (demo, smoke, carry, carry_smoke, moe_smoke, smollm2,
+paper, paper_moe, colab):
 what each sets on top of `run_config.base_config()`. A config file names its method and picks a
 variant with `method_config`; the fields themselves, their defaults and docs, are run_config's.
+The tiny base policy's SFT configs (configs/sft.py, and `config.sft` of the built-in tasks' RL
+runs) are `sft_config`'s, so no library code loads a file of configs/.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import os
 
 import ml_collections
 
-from jaxprefix.run_config import base_config, parse_arg, sibling_config
+from jaxprefix.run_config import base_config, parse_arg, sft_base_config
 
 
 def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
@@ -54,6 +56,15 @@ def overlap_axis(c: ml_collections.ConfigDict) -> None:
     c.sft.update(eval_start=700)
     c.sft.criterion.update(hard_unsolved=False, sample_from_step_accuracy=0.0)
     c.eval.key_step_probe = True
+
+
+def tool_task(c: ml_collections.ConfigDict) -> None:
+    """The built-in tool task (docs/TOOLS.md) on top of the demo task's settings: episodes of
+    two turns in the task's own call syntax, the key reader their tool; GRPO on every training
+    problem (mining samples one turn without tools, so it has no hard set to give here)."""
+    c.rollout.max_turns = 2
+    c.tools.update(names=("read_key",), environment="keyed_multiplication")
+    c.mining.train_on = "all"
 
 
 def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
@@ -101,6 +112,13 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict,
         c.prefixrl.update(**SMOKE_PREFIXRL)
     c.eval.update(every=2, n=4, ks=(1, 4))
     c.checkpoint.every = 1
+
+
+def mixture_of_experts(c: ml_collections.ConfigDict) -> None:
+    """The tiny policy as a Qwen3-MoE (every MLP 8 experts of half the dense width, top-2), so
+    a MoE samples and trains end to end on a CPU, its learner replaying the sampler's experts
+    (train.routing_replay 'auto')."""
+    c.sft.model.update(experts=8, experts_per_token=2)
 
 
 # The smoke policy is untrained: it finds no trace, so the oracle solutions stand in.
@@ -188,15 +206,17 @@ def colab(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 5
 
 
-VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "smollm2", "paper", "paper_moe", "colab")
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "paper", "paper_moe",
+            "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
     """(config, args) of `method` for the variant named first in `arg` (default 'demo').
 
     demo / smoke use the demo task, keyed_multiplication (smoke: seconds); carry / carry_smoke
-    carry_multiplication (the long-guidance case); smollm2 a real model on CPU; paper a TPU
-    run (paper_moe: on Qwen3-30B-A3B); colab LoRA on one free TPU chip.
+    carry_multiplication (the long-guidance case); moe_smoke the smoke with a mixture-of-experts
+    policy; smollm2 a real model on CPU; paper a TPU run (paper_moe: on Qwen3-30B-A3B); colab
+    LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
     args = parse_arg(arg, variant="demo")
@@ -207,11 +227,13 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
     c = base_config()
     c.method = method
     if args.variant == "carry_smoke":
-        smoke(c, sibling_config(config_file, "sft.py", "carry_smoke"), task=carry_task)
+        smoke(c, sft_config("carry_smoke"), task=carry_task)
     elif args.variant == "smoke" or args.variant.endswith("_smoke"):
-        smoke(c, sibling_config(config_file, "sft.py", "smoke"))
+        smoke(c, sft_config("smoke"))
+        if args.variant == "moe_smoke":
+            mixture_of_experts(c)
     elif args.variant == "carry":
-        carry_task(c, sibling_config(config_file, "sft.py", "carry"))
+        carry_task(c, sft_config("carry"))
     elif args.variant == "smollm2":
         smollm2(c)
     elif args.variant == "paper":
@@ -221,7 +243,83 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
     elif args.variant == "colab":
         colab(c)
     else:
-        demo_task(c, sibling_config(config_file, "sft.py", "demo"))
+        demo_task(c, sft_config("demo"))
     if "seed" in args:
         c.seed = args.seed
     return c, args
+
+
+SFT_VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "tools", "tools_smoke")
+
+
+def sft_config(arg: str = "demo") -> ml_collections.ConfigDict:
+    """configs/sft.py's config: the tiny base policy's SFT for a variant (demo and smoke:
+    keyed_multiplication, the demo's base; carry and carry_smoke: carry_multiplication; tools
+    and tools_smoke: the built-in tool task's, keyed with tool episodes)."""
+    variant = arg or "demo"
+    if variant not in SFT_VARIANTS:
+        raise ValueError(f"configs/sft.py: unknown variant {variant!r}; expected one of "
+                         f"{SFT_VARIANTS}")
+    if variant in ("demo", "smoke"):
+        return _sft_keyed(variant == "smoke")
+    if variant in ("tools", "tools_smoke"):
+        return _sft_tools(variant == "tools_smoke")
+    return _sft_carry(variant == "carry_smoke")
+
+
+def _sft_tools(smoke: bool) -> ml_collections.ConfigDict:
+    """The base of the built-in tool task (docs/TOOLS.md, configs/tools.py): the demo's, with
+    half of its unhinted rows written as tool episodes (the key reader called, its answer copied
+    into the key step; hinted rows never call), half of those '>' rows where the answer is not
+    the key the base reads out of habit; rows without a call never show what '>' means. The
+    same criterion chooses it."""
+    config = _sft_keyed(smoke)
+    config.data.tool_fraction = 0.5
+    return config
+
+
+def _sft_keyed(smoke: bool) -> ml_collections.ConfigDict:
+    """The demo's base: keyed_multiplication, stopped where hard problems (rule '>') are never
+    solved alone and solved with the key step alone given (8 of 9 steps left) at the floor."""
+    config = _sft_carry(smoke)
+    config.task = "keyed_multiplication"
+    # Lengths 1..8 plus half full-length rows; a quarter of rows under rule '>' with u = v (the
+    # rule never matters in what the base reads); half the rows hinted, half of those with the
+    # key digit u overridden by the hinted d (the carry steps use the key step as written).
+    # second_rule_taught: the overlap knob eps (issue 28), the share of '>' rows that show the
+    # rule (unequal digits, the true target); 0 is the demo's base, which never sees it.
+    # key_names_rule: the restating route (issue 28): the key step names the rule it reads the
+    # key by ('<' or '>' in place of '*'); off is the demo's base. The RL side follows it.
+    config.data.update(digits=(1, 8), second_rule_fraction=0.25, hinted_fraction=0.5,
+                       key_override_fraction=0.5, second_rule_taught=0.0, key_names_rule=False)
+    config.criterion.update(steps_left=8, report_steps_left=(8, 7))
+    if not smoke:
+        # Sampled evaluation points cost 2/3 of this SFT's time at every 25 steps from a step
+        # accuracy of 0.3 (profiled: 20 points, ~600 of 857 s on a loaded machine); guided
+        # success with 8 carry steps left is about p^8, below the 0.25 floor until p ~ 0.84,
+        # so points every 50 steps from a step accuracy of 0.6. Training is the same: the
+        # chosen base (step 950) is the same.
+        config.eval_every = 50
+        config.criterion.sample_from_step_accuracy = 0.6
+    if smoke:
+        config.criterion.report_steps_left = (8,)
+    return config
+
+
+def _sft_carry(smoke: bool) -> ml_collections.ConfigDict:
+    """The base of carry_multiplication (the long-guidance case, and PrefixRL's regime)."""
+    variant = "smoke" if smoke else "demo"
+    config = sft_base_config()  # its fields, defaults and docs (SFT_FIELDS)
+
+    if variant == "smoke":
+        config.data.batch_size = 16
+        config.max_steps = 40
+        config.warmup_steps = 10
+        config.eval_start = 40  # one evaluation, at the end
+        config.eval_every = 40
+        config.criterion.k = 2
+        config.criterion.hard_count = 4
+        config.criterion.guided_samples = 2
+        config.criterion.report_steps_left = (2,)
+        config.criterion.sample_from_step_accuracy = 0.0
+    return config

@@ -33,7 +33,8 @@ from jaxprefix import storage  # noqa: E402
 from jaxprefix.models import published  # noqa: E402
 from jaxprefix.models.config import ModelConfig  # noqa: E402
 from jaxprefix.sampling.budget import page_bytes_per_token  # noqa: E402
-from jaxprefix.tpu.topology import CHIPS  # noqa: E402
+from jaxprefix.tpu import costing  # noqa: E402
+from jaxprefix.tpu.topology import CHIPS, Chip  # noqa: E402
 
 GiB = 2**30
 HEADROOM = 0.85
@@ -51,27 +52,28 @@ MODELS = {"qwen3-4b": QWEN3_4B, "smollm2-135m": SMOLLM2_135M}
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
+    """A TPU generation under gcloud's type name; its chip's figures (cited there) from
+    jaxprefix.tpu.topology."""
     name: str
-    hbm_gib: float
-    bf16_tflops: float       # peak dense bf16 matmul per chip
-    hbm_gbps: float          # HBM bandwidth per chip, GB/s
-    chips_per_host: int
-    sizes: tuple[int, ...]   # chip counts of the slice shapes on offer
-    single_host_chips: int   # the largest slice served by one host
-    cores_per_chip: int = 1  # v5p slice names count TensorCores (2 per chip)
+    chip: Chip
 
-    def slice_name(self, chips: int) -> str:
-        return f"{self.name}-{chips * self.cores_per_chip}"
+    @property
+    def hbm_gib(self) -> float:
+        return self.chip.hbm_bytes / GiB
+
+    @property
+    def sizes(self) -> tuple[int, ...]:  # chip counts of the slice shapes on offer
+        return tuple(sorted(self.chip.shapes))
+
+    def slice_name(self, chips: int) -> str:  # v5p slice names count TensorCores (2 per chip)
+        return f"{self.name}-{chips * self.chip.cores_per_chip}"
 
     def hosts(self, chips: int) -> int:
-        return 1 if chips <= self.single_host_chips else chips // self.chips_per_host
+        return 1 if chips <= self.chip.single_host_chips else chips // self.chip.chips_per_host
 
 
-# Per-chip figures (cited there) from jaxprefix.tpu.topology, under gcloud's type names.
-ACCELERATORS = tuple(
-    Accelerator(name, c.hbm_bytes / GiB, c.peak_bf16_flops / 1e12, c.hbm_bytes_per_s / 1e9,
-                c.chips_per_host, tuple(sorted(c.shapes)), c.single_host_chips, c.cores_per_chip)
-    for name, c in (("v5litepod", CHIPS["v5e"]), ("v6e", CHIPS["v6e"]), ("v5p", CHIPS["v5p"])))
+ACCELERATORS = tuple(Accelerator(name, CHIPS[generation]) for name, generation in
+                     (("v5litepod", "v5e"), ("v6e", "v6e"), ("v5p", "v5p")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,16 +208,18 @@ def plan(hf_config: dict, run: RunShape) -> dict:
                                      rollouts_per_wave=rollouts_per_wave(mem, run, accel, train_chips))
         chips = smallest_slice(mem, accel)
         if chips is not None:
-            peak = chips * accel.bf16_tflops * 1e12
             # Decode is bandwidth-bound: each step, every chip reads all the weights (data-parallel
             # decode) and, on average, half of its share of the KV cache.
             weights = mem[SAMPLER_COPY] or mem["params"]  # what the sampler reads
-            decode_s = run.response_len * (weights + mem[KV] / 2 / chips) / (accel.hbm_gbps * 1e9)
+            decode_s = costing.hbm_seconds(run.response_len * (weights + mem[KV] / 2 / chips),
+                                           accel.chip)
             row["whole_step"] = dict(
                 slice=accel.slice_name(chips), chips=chips, hosts=accel.hosts(chips),
                 per_chip_gib=per_chip_bytes(mem, chips) / GiB,
-                update_s_at_40pct_mfu=fl["update"] / (0.4 * peak),
-                sampling_s_at_40pct_mfu=fl["sampling"] / (0.4 * peak),
+                update_s_at_40pct_mfu=costing.compute_seconds(fl["update"], chips, accel.chip,
+                                                              utilization=0.4),
+                sampling_s_at_40pct_mfu=costing.compute_seconds(fl["sampling"], chips, accel.chip,
+                                                                utilization=0.4),
                 decode_s_bandwidth_bound=decode_s)
         slices[accel.name] = row
     return dict(params=config.num_params(), memory=mem, flops=fl, slices=slices)

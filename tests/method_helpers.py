@@ -12,7 +12,7 @@ from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
 from jaxprefix.sampling import RolloutSpec
 from jaxprefix.methods.prompting import TaskPrompts, oracle_prefix_text
-from jaxprefix.methods.schedules import FixedPrefix
+from jaxprefix.methods.prefix_schedules import FixedPrefix
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.sampling import SharedContext

@@ -222,10 +222,10 @@ def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
 
 def smoke_compile_config(tmp_path, model: dict, topology: str):
     """grpo.py:smoke as a compile job of `model` (a config.json dict) for `topology`, in process."""
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
     (tmp_path / 'config.json').write_text(json.dumps(model))
-    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'grpo.py', 'smoke')
+    config = from_file(os.path.join(ROOT, 'configs', 'grpo.py'), 'smoke')
     config.job = 'compile'
     config.model.update(source='hf', path=str(tmp_path / 'not_here'))
     config.compile.update(topology=topology, context_length=64,
@@ -263,10 +263,10 @@ SMALL_MOE = dict(model_type='qwen3_moe', architectures=['Qwen3MoeForCausalLM'], 
 def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(tmp_path):
     """A small MoE (8 experts, top-2) on v6e-4 (v6e:2x2), FSDP learner: the learner's update and
     the sampler's decode run the experts through Megablox's kernel (costed by its name), the
-    update takes the batch's routes (uint8: routing replay), the decode splits the experts over
+    update takes the batch's routes (int8: routing replay), the decode splits the experts over
     its 4 chips, and the floor counts the weights a decode step reads."""
     from jaxprefix.jobs.compile import run_compile
-    from jaxprefix.models.tpu_attention import kernel_bytes, kernel_flops
+    from jaxprefix.tpu.costing import kernel_bytes, kernel_flops
 
     config = smoke_compile_config(tmp_path, SMALL_MOE, 'v6e-4')
     config.mesh.update(data=1, fsdp=-1, tensor=1)
@@ -285,7 +285,7 @@ def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(
     assert 'tgmm' in update  # the experts' weight gradient: Megablox's backward
     step = report['step']
     rows = step['rows'] // 4
-    assert f"u8[{rows},{step['learner_width']},2,2]" in update  # routes: rows, width, layers, k
+    assert f"s8[{rows},{step['learner_width']},2,2]" in update  # routes: rows, width, layers, k
     # The decode lays the 8 experts over its 4 chips (heads over 'tensor'): 2 a chip.
     assert re.search(r'\[2,2,512,256\]', decode)  # [sparse layers, experts, D, F]
     config_ = ModelConfig.from_hf(SMALL_MOE)
@@ -302,9 +302,9 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     only where filled) within 1.25x of its HBM floor with under 100 s of ICI a step. Prints the
     table for docs/SCALING.md."""
     from jaxprefix.jobs.compile import run_compile
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
-    config = sibling_config(os.path.join(ROOT, 'configs', 'x.py'), 'pope.py', 'paper')
+    config = from_file(os.path.join(ROOT, 'configs', 'pope.py'), 'paper')
     assert (config.model.param_dtype, config.model.dtype) == ('float32', 'bfloat16')
     config.job = 'compile'
     config.compile.topology = 'v6e-8'

@@ -15,14 +15,15 @@ import pytest
 
 from jaxprefix import main as entry
 from jaxprefix import run_config
-from jaxprefix.jobs import preflight
-from jaxprefix.rl import loop
+from jaxprefix.run_setup import preflight
+from jaxprefix.run_setup import run_settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 # file -> (variant -> (job, method)); '' is the file's default variant.
 VARIANTS = {
-    "grpo.py": {v: ("rl", "grpo") for v in ("", "demo", "smoke", "smollm2", "paper", "colab")},
+    "grpo.py": {v: ("rl", "grpo") for v in ("", "demo", "smoke", "moe_smoke", "smollm2", "paper",
+                                            "colab")},
     "prefixrl.py": {v: ("rl", "prefixrl") for v in ("", "demo", "smoke", "smollm2", "paper")},
     "pope.py": {"": ("demo", "pope"), "demo": ("demo", "pope"), "demo_smoke": ("demo", "pope"),
                 "rl": ("rl", "pope"), "smoke": ("rl", "pope"), "smollm2": ("rl", "pope"),
@@ -31,13 +32,15 @@ VARIANTS = {
     "isocompute.py": {"": ("sweep", "grpo"), "smoke": ("sweep", "grpo"),
                       "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),
                       "fit": ("fit", "grpo")},
-    "sft.py": {"": ("sft", None), "demo": ("sft", None), "smoke": ("sft", None)},
+    "sft.py": {v: ("sft", None) for v in ("", "demo", "smoke", "tools", "tools_smoke")},
     "results.py": {v: ("results", "pope") for v in ("", "demo", "smoke")},
+    "tools.py": {"": ("tools", "grpo"), "study": ("tools", "grpo"), "smoke": ("tools", "grpo"),
+                 "rl": ("rl", "grpo")},
 }
 
 
 def build(name: str, variant: str = "") -> ml_collections.ConfigDict:
-    return run_config.sibling_config(os.path.join(CONFIGS, name), name, variant)
+    return run_config.from_file(os.path.join(CONFIGS, name), variant)
 
 
 def test_every_config_file_is_covered():
@@ -52,7 +55,7 @@ def test_variant_builds_and_passes_the_loop_checks(name, variant):
     assert config.job == job and config.get("method") == method
     assert config.job in entry.JOBS
     if job != "sft":
-        loop.validate(config)  # raises, naming the field, on any value the loop cannot run
+        run_settings.resolve(config)  # raises, naming the field, on any value a run cannot use
     if job in preflight.FIELDS_CHECKED:  # a variant sets no field its job leaves unread
         assert preflight.unread(config) == []
     if "smoke" in variant and job != "sft":
@@ -145,6 +148,29 @@ def test_a_field_the_job_does_not_read_is_refused_before_any_work(tmp_path):
     assert not workdir.exists()
 
 
+@pytest.mark.parametrize("config,flags,line", [
+    ("eval.py:smoke", ("--config.rollout.max_turns=2", "--config.tools.names=('read_key',)",
+                       "--config.tools.environment=keyed_multiplication"),
+     "error: config.rollout.max_turns=2 is set but no stage of job eval samples episodes (jobs "
+     "that do: rl, tools); expected rollout.max_turns=1"),
+    ("grpo.py:smoke", ("--config.tools.names=('calculator',)",),
+     "error: config.tools.names=('calculator',): expected left at its default: "
+     "rollout.max_turns=1 runs no tool (a tool's observation needs a next turn)"),
+    ("tools.py:smoke", ("--config.tools.environment=chat",),
+     "error: config.tools.environment='chat': CharTokenizer('0123456789_x=+^<>*') has no chat "
+     "template to render a tool turn with; expected a chat model, or a built-in task's "
+     "environment"),
+])
+def test_tool_settings_a_job_does_not_read_or_cannot_use_are_one_line(config, flags, line,
+                                                                      tmp_path):
+    """config.tools and rollout.max_turns, refused by preflight before any work."""
+    workdir = tmp_path / "run"
+    result = run_main(f"--config=configs/{config}", *flags, workdir=workdir)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == line
+    assert not workdir.exists()
+
+
 def test_value_the_loop_rejects_fails_at_start(tmp_path):
     workdir = tmp_path / "run"
     result = run_main("--config=configs/grpo.py:smoke", "--config.rollout.n=1", workdir=workdir)
@@ -160,10 +186,11 @@ def test_loop_names_the_rejected_field(field, value):
     section, key = field.split(".")
     config[section][key] = value
     with pytest.raises(ValueError, match=re.escape(f"config.{field}={value!r}")):
-        loop.validate(config)
+        run_settings.resolve(config)
 
 
-@pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval"])
+@pytest.mark.parametrize("name", ["grpo", "pope", "prefixrl", "isocompute", "results", "eval",
+                                  "tools"])
 @pytest.mark.parametrize("variant", ["", "smoke"])
 def test_training_verifier_accepts_oracle_solutions(name, variant):
     """The verifier the loop trains with (config.data.verifier) scores the oracle solution 1.
@@ -172,12 +199,29 @@ def test_training_verifier_accepts_oracle_solutions(name, variant):
     mining used the task's own, so every training reward was 0 however good the rollouts were.
     """
     from jaxprefix import rewards
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.run_setup.problem_sets import load_problem_sets
 
-    config = run_config.sibling_config(os.path.join(CONFIGS, "x.py"), f"{name}.py", variant)
+    config = run_config.from_file(os.path.join(CONFIGS, f"{name}.py"), variant)
     sets = load_problem_sets(config.data)
     assert sets.verifier == config.data.verifier
     problems = sets.eval[:4]
     scores, _ = rewards.score_batch(config.data.verifier, [p.solution + "<eos>" for p in problems],
                                     problems)
     assert scores.tolist() == [1.0] * len(problems)
+
+
+@pytest.mark.parametrize("variant,field,value,expected", [
+    ("carry", "flops_budget", -1.0, "expected >= 0 FLOPs"),
+    ("", "flops_budget", 4e12, "no run of results.runs="),  # POPE's runs: no regime arm
+])
+def test_results_refuses_a_regime_budget_it_cannot_spend_in_one_line(tmp_path, variant, field,
+                                                                      value, expected):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs.results import run_results
+
+    config = build("results.py", variant)
+    config.results.regime[field] = value
+    with pytest.raises(ConfigError, match=expected) as error:
+        run_results(config, str(tmp_path))  # refused before any study is prepared
+    assert "\n" not in str(error.value) and "config.results.regime.flops_budget" in str(error.value)
+    assert os.listdir(tmp_path) == []

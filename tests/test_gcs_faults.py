@@ -1,5 +1,5 @@
 """GCS misbehaving: transient failures are ridden out, permanent ones stop the run in one line,
-and nothing is lost (jaxprefix/storage_faults.py).
+and nothing is lost (jaxprefix/storage/faults.py).
 
 Runs go through tests/gcs_fault_proxy.py, a proxy on 127.0.0.1 in front of the emulator that
 answers 429 / 500 / 503 itself, drops connections before or after relaying, answers late, or
@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from jaxprefix import storage, storage_faults, workdir_lock
+from jaxprefix import storage
+from jaxprefix.storage import workdir_lock
 from jaxprefix.rl.metrics import read_metrics
 from tests.gcs_fault_proxy import FaultProxy
 from tests.test_gcs_run import command, compared, finish, run_inputs, start
@@ -32,7 +33,7 @@ def test_failures_are_told_apart_for_every_client():
     from google.api_core import exceptions as api
 
     def kind(error):
-        failure = storage_faults.classify(error)
+        failure = storage.faults.classify(error)
         return None if failure is None else ("transient" if failure.transient else "permanent")
 
     assert kind(HttpError({"code": 503, "message": "backend error"})) == "transient"
@@ -50,7 +51,7 @@ def test_failures_are_told_apart_for_every_client():
     # tensorstore (orbax's arrays): its status word and the HTTP code it quotes
     denied = ValueError("PERMISSION_DENIED: Error writing gs://b/run/checkpoints/1/arrays/x: "
                         "no access [http_response_code='403'] [http_response_body='{}']")
-    failure = storage_faults.classify(denied)
+    failure = storage.faults.classify(denied)
     assert not failure.transient and failure.path == "gs://b/run/checkpoints/1/arrays/x"
     assert kind(ValueError("UNAVAILABLE: Error reading gs://b/x: timed out")) == "transient"
     # a damaged checkpoint is recovery's business (moved aside), not a storage failure
@@ -63,7 +64,7 @@ def test_failures_are_told_apart_for_every_client():
             raise RuntimeError("orbax: save failed") from e
     except RuntimeError as wrapped:
         assert kind(wrapped) == "permanent"  # found down the chain
-    error = storage_faults.StorageError("writing", "gs://b/m.jsonl", failure)
+    error = storage.faults.StorageError("writing", "gs://b/m.jsonl", failure)
     assert str(error).startswith("writing gs://b/run/checkpoints/1/arrays/x failed: permission "
                                  "denied (HTTP 403)") and "\n" not in str(error)
 
@@ -118,10 +119,10 @@ def faulted(gcs, tmp_path_factory):
 def test_a_write_outlasting_gcsfs_retries_is_retried_until_the_deadline(gcs, tmp_path):
     # gcsfs gives up after 6 tries (~30 s); 8 failing answers in a row outlast it, and only the
     # run's own retries (storage.retry_deadline_s) carry the write through.
-    script = ("import sys, time; from jaxprefix import storage, storage_faults\n"
-              "storage_faults.set_deadline(float(sys.argv[1])); start = time.monotonic()\n"
+    script = ("import sys, time; from jaxprefix import storage\n"
+              "storage.faults.set_deadline(float(sys.argv[1])); start = time.monotonic()\n"
               "try:\n    storage.write_atomic(sys.argv[2], 'x'); print('ok')\n"
-              "except storage_faults.StorageUnavailable as e:\n    print('error:', e)\n"
+              "except storage.faults.StorageUnavailable as e:\n    print('error:', e)\n"
               "print(round(time.monotonic() - start))\n")
     outcomes = []
     for deadline in (120, 0):

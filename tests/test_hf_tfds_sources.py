@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jaxprefix.data import DataError
-from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.run_setup.problem_sets import load_problem_sets
 from jaxprefix.run_config import base_config
 
 # Field names unlike ours, as many exports have them.

@@ -53,7 +53,9 @@ def test_no_module_imports_itself_back():
 # nothing of losses or papers, the learner nothing of methods, verifiers only text and problems.
 FLOORS = (
     ("main",),
-    ("jobs",),
+    ("jobs",),                 # the entry points: what main dispatches, `python -m` commands
+    ("studies",),              # method comparisons from one base, and their reports
+    ("run_setup",),            # settings resolved and checked; policy, problem sets, mining
     ("variants",),             # the variants configs/*.py share
     ("run_config",),           # every field's default and doc, read by jobs and configs/
     ("tpu",),                  # the compile job's programs: the learner and sampler, compiled
@@ -68,10 +70,9 @@ FLOORS = (
     ("sampling",),             # the sampler: token ids in, rollouts out
     ("checkpoints",),          # model files (HF, GGUF, orbax) to models
     ("models",),
-    ("run_identity", "workdir_lock"),
+    ("run_identity",),
+    ("storage",),              # files local or gs://, their faults and retries, the workdir lock
     ("distributed",),
-    ("storage",),
-    ("storage_faults",),
     ("errors", "config_fields", "jaxprefix"),  # leaves (config_fields: a field's default and
                                                # doc; jaxprefix: the package's version)
 )

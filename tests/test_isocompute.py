@@ -188,7 +188,7 @@ def _frontier_file(tmp_path, n=8, batch=4, flops_per_rollout=1000.0):
 
 def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
     from jaxprefix import run_config
-    from jaxprefix.jobs.allocation import allocated
+    from jaxprefix.run_setup.allocation import allocated
 
     config = run_config.from_file('configs/grpo.py', 'smoke')
     assert allocated(config) is config  # no budget: untouched
@@ -209,7 +209,7 @@ def test_allocated_config_takes_n_b_m_and_lr_from_the_fitted_rule(tmp_path):
 def test_results_report_reads_the_sweep_per_budget_and_seed():
     """The report's table (the last evaluation within each budget, mean ± sample std over seeds) and
     its best n per seed and budget, on a sweep written by hand."""
-    from jaxprefix.jobs.results_report import isocompute_section
+    from jaxprefix.studies.results_report import isocompute_section
 
     def run(n, seed, rewards):
         return {"n": n, "batch": 16, "seed": seed, "compute": [1024.0, 2048.0, 3072.0, 4096.0],

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
-from jaxprefix.jobs.results_report import NOTES_MARKER, prefix_search_lines
+from jaxprefix.studies.results_report import NOTES_MARKER, prefix_search_lines
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 
@@ -148,6 +148,45 @@ def test_grpo_smoke_then_resume(base, tmp_path):
     assert read_metrics(workdir)[-1]["step"] == 3  # nothing ran
 
 
+@pytest.mark.slow  # a MoE base's SFT and three runs: minutes on 2 cores
+def test_moe_grpo_smoke_replays_its_routes_and_resumes_exactly(tmp_path):
+    """configs/grpo.py:moe_smoke: a Qwen3-MoE base samples with its routes recorded and trains
+    replaying them (old log-probs recomputed: in f32 they are the sampler's), with the router's
+    load-balancing loss; stopped after step 1 and resumed, it retraces the straight run."""
+    flags = ("--config.train.old_logprobs=learner", "--config.train.router_aux_coef=0.01",
+             "--config.eval.every=0", "--config.mining.train_on=all")
+    straight = str(tmp_path / "straight")
+    run_main("configs/grpo.py:moe_smoke", straight, *flags)  # trains its base at straight/base
+    base = os.path.join(straight, "base")
+    with open(os.path.join(base, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen3_moe"
+    resumed = rl_run("configs/grpo.py:moe_smoke", tmp_path / "resumed", base, *flags,
+                     "--config.train.total_steps=1")
+    rl_run("configs/grpo.py:moe_smoke", resumed, base, *flags)
+    records, params = same_trajectory(straight, resumed)
+    for r in records:
+        assert r["rollout/logprob_mismatch_max"] < 1e-5 and r["router/aux_loss"] > 0
+    assert any("router" in str(p) for p in params)
+
+
+def same_trajectory(straight: str, resumed: str) -> tuple[list, dict]:
+    """A straight run and one stopped and resumed wrote the same metrics (timings aside) and the
+    same last checkpoint; returns the records and that checkpoint's parameters by path."""
+    timing = ("time/", "throughput/")
+    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
+               for r in read_metrics(straight)]
+    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
+                       for r in read_metrics(resumed)]
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
+              for w in (straight, resumed)]
+    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
+    assert flat[0].keys() == flat[1].keys()
+    for path, value in flat[0].items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
+    return records, flat[0]
+
+
 # A reward the untrained smoke policy earns some of, unevenly: the groups have variance, so the
 # adapters get gradients (the task's own verifier scores the smoke policy 0 everywhere).
 SHARE_OF_ONES = "def reward(completion, problem):\n    return completion.count('1') / max(len(completion), 1)\n"
@@ -165,22 +204,11 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     resumed = rl_run("configs/grpo.py:smoke", tmp_path / "resumed", base, *flags,
                      "--config.train.total_steps=1")
     rl_run("configs/grpo.py:smoke", resumed, base, *flags)
-
-    timing = ("time/", "throughput/")
-    records = [{k: v for k, v in r.items() if not k.startswith(timing)}
-               for r in read_metrics(straight)]
-    assert records == [{k: v for k, v in r.items() if not k.startswith(timing)}
-                       for r in read_metrics(resumed)]
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    records, params = same_trajectory(straight, resumed)
     assert all(r["reward/mean"] > 0 and r["grad_norm"] > 0 for r in records)  # the file's reward
-    arrays = [TrainCheckpointer(os.path.join(w, "checkpoints")).restore(None, STEPS)[0]
-              for w in (straight, resumed)]
-    assert list(arrays[0]["params"]) == ["adapters"]  # checkpoints hold the adapters only
-    flat = [dict(jax.tree_util.tree_flatten_with_path(a["params"])[0]) for a in arrays]
-    assert flat[0].keys() == flat[1].keys() and len(flat[0]) == 14  # A and B of 7 projections
-    for path, value in flat[0].items():
-        np.testing.assert_array_equal(np.asarray(value), np.asarray(flat[1][path]), str(path))
-    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in flat[0].items() if "_b" in str(p))
+    # Checkpoints hold the adapters only: A and B of 7 projections.
+    assert {p[0].key for p in params} == {"adapters"} and len(params) == 14
+    assert any(np.abs(np.asarray(v)).max() > 0 for p, v in params.items() if "_b" in str(p))
     from test_wandb_writer import logged
 
     history, config = logged(resumed)  # W&B, offline: one run over both invocations
@@ -188,12 +216,12 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     assert history[2]["reward/mean"] == records[1]["reward/mean"]
 
     # What the eval and export jobs load: the trained adapters, or them folded into the base.
-    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.run_setup.policy import load_policy
     from jaxprefix.models import lora
     from jaxprefix.rl.loop import restore_trained, restore_trained_params
-    from jaxprefix.run_config import sibling_config
+    from jaxprefix.run_config import from_file
 
-    config = sibling_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo.py", "smoke")
+    config = from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
     config.model.path, config.train.lora_rank = base, 8
     policy = load_policy(config, resumed)
     step, trained = restore_trained(policy.model, resumed, config)
@@ -479,7 +507,7 @@ def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_pat
     study, SFT-on-traces-then-RL ran 1.1e12 FLOPs cheaper than PrefixRL on the same traces)."""
     from jaxprefix import variants
     from jaxprefix.jobs.results import warm_start_mining
-    from jaxprefix.jobs.study import Study
+    from jaxprefix.studies.study import Study
 
     config = variants.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
                                       "smoke")[0]
@@ -566,3 +594,76 @@ def test_prefix_search_table_counts_a_prefix_at_a_cap_under_that_cap():
         "found": 5, "revealed_fractions": [0.25, 0.3, 0.5, 0.5, 0.95]}}}
     row = prefix_search_lines(study)[-2]
     assert row.endswith("| 1 | 3 | 0 | 1 |"), row  # (0, .25] (.25, .5] (.5, .75] (.75, 1]
+
+
+# configs/tools.py:smoke (the tools study at smoke sizes): its own smoke SFT base with tool
+# episodes, then GRPO with tools (3 steps) and GRPO without (on to the tools arm's FLOPs).
+TOOL_ARMS = ("tools_seed0", "no_tools_seed0")
+TOOL_METRICS = ("rollout/tool_calls", "rollout/turns_mean", "rollout/tool_failures",
+                "rollout/reprefilled_tokens")
+
+
+@pytest.fixture(scope="module")
+def tool_study(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tools")
+    run_main("configs/tools.py:smoke", workdir)
+    return workdir
+
+
+def test_tool_study_smoke_from_a_fresh_workdir(tool_study):
+    """Every row of both arms carries the tool metrics (the no-tools arm: one turn, no call); the
+    ledger books the tools arm's prefilled observations and re-prefills; the no-tools arm stops
+    before it would pass the tools arm's FLOPs; the report compares them."""
+    for arm in TOOL_ARMS:
+        records = read_metrics(str(tool_study / arm))
+        assert all(key in r for r in records for key in TOOL_METRICS)
+        ledger = json.loads((tool_study / arm / "compute.json").read_text())
+        assert ledger["sampled_tokens"] == sum(r["tokens/sampled"] for r in records)
+    tools = read_metrics(str(tool_study / "tools_seed0"))
+    none = read_metrics(str(tool_study / "no_tools_seed0"))
+    assert [r["step"] for r in tools] == [1, 2, 3]
+    assert all(r["rollout/turns_mean"] == 1 and r["rollout/tool_calls"] == 0 for r in none)
+    # an episode's tokens: every sampled one, and the prompt, observations and re-prefills
+    assert all(r["tokens/sampled"] > r["tokens/generated"] + r["rollout/reprefilled_tokens"]
+               for r in tools)
+    spent = [json.loads((tool_study / arm / "compute.json").read_text()) for arm in TOOL_ARMS]
+    total = [ComputeLedger.from_dict(s).total_flops for s in spent]
+    last_step = none[-1]["flops/sampling"] + none[-1]["flops/update"]
+    assert total[1] <= total[0] < total[1] + last_step
+    report = json.loads((tool_study / "tool_study_report.json").read_text())
+    assert set(report["base"]) == {"tools", "no_tools"}
+    assert [r["steps"] for r in report["runs"]["tools"]] == [3]
+    assert "GRPO with tools − GRPO without tools" in \
+        (tool_study / "tool_study_report.md").read_text()
+
+
+@pytest.mark.slow  # two smoke studies: a few minutes on 2 cores
+def test_tool_study_smoke_resumes_after_sigterm_to_the_same_rows(tool_study, tmp_path):
+    """SIGTERM in the tools arm's second step: it saves and exits 143; the same command then
+    resumes both arms, and every metrics row equals the uninterrupted study's (times aside)."""
+    workdir = tmp_path / "tools"
+    base = f"--config.model.path={tool_study / 'base'}"  # the same base, not trained again
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/tools.py:smoke",
+         f"--workdir={workdir}", base], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    metrics = workdir / "tools_seed0" / "metrics.jsonl"
+    deadline = time.time() + 900
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert process.poll() is None and time.time() < deadline, "no step was logged"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 143, stderr[-2000:]
+    assert len(read_metrics(str(workdir / "tools_seed0"))) < 3
+    run_main("configs/tools.py:smoke", workdir, base)
+
+    def rows(root, arm):
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+                for r in read_metrics(str(root / arm))]
+    for arm in TOOL_ARMS:
+        assert rows(workdir, arm) == rows(tool_study, arm), arm
+    reports = [json.loads((w / "tool_study_report.json").read_text())
+               for w in (workdir, tool_study)]
+    assert reports[0]["runs"] == reports[1]["runs"] and reports[0]["base"] == reports[1]["base"]

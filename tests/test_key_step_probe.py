@@ -9,11 +9,11 @@ from flax import nnx
 
 from jaxprefix import key_step_probe, models
 from jaxprefix.data.tasks import keyed_multiplication as task
-from jaxprefix.jobs import sft
+from jaxprefix.run_setup import sft_base
 from tests.test_sft import load_config
 
 TOKENIZER = task.tokenizer()
-MODEL = models.Decoder(sft.model_config(load_config("smoke"), TOKENIZER), rngs=nnx.Rngs(3))
+MODEL = models.Decoder(sft_base.model_config(load_config("smoke"), TOKENIZER), rngs=nnx.Rngs(3))
 
 
 def sequence_probabilities(problem, solution):
@@ -67,7 +67,7 @@ def test_probe_bases_on_a_base_with_the_restating_notation(tmp_path):
 
     config = load_config("smoke")
     config.data.key_names_rule = True
-    base = sft.run_sft(config, str(tmp_path / "named"))
+    base = sft_base.train_base(config, str(tmp_path / "named"))
     out = tmp_path / "bases.json"
     probe_bases.main([base, "--out", str(out)])
     (row,) = json.loads(out.read_text())
@@ -78,4 +78,4 @@ def test_probe_bases_on_a_base_with_the_restating_notation(tmp_path):
         if key.startswith(("key_", "carry_", "success")):
             assert 0 <= value <= 1, key
     with pytest.raises(ValueError, match="without data.key_names_rule"):
-        probe_bases.probe_base(sft.run_sft(load_config("smoke"), str(tmp_path / "plain")))
+        probe_bases.probe_base(sft_base.train_base(load_config("smoke"), str(tmp_path / "plain")))

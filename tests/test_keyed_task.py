@@ -187,3 +187,45 @@ def test_with_the_notation_off_problems_and_sft_batches_are_as_before():
     for problem, target in taught:
         if problem.question[0] == ">":  # the knob's rows name '>' and are right
             assert target[0] == ">" and task.verify(target, problem) == 1.0
+
+
+def test_tool_episode_rows_call_the_key_reader_and_leave_its_answer_untrained():
+    """data.tool_fraction (the built-in tool task's base): that share of the unhinted rows is
+    the call, the reader's answer and the solution; the loss mask is 0 on the answer (appended
+    by the rollout, never sampled) and on nothing else of the target; hinted rows never call.
+    At 0 the batches are the demo's own (no draw is made)."""
+    plain = task.sft_batch(_sft_data(), 5)
+    assert task.sft_batch(_sft_data(tool_fraction=0.0), 5) == plain
+    calls = unread = 0
+    for problem, target in task.sft_batch(_sft_data(tool_fraction=0.5), 5):
+        u, v, p, q = (int(x) for x in problem.question[-5:-1])
+        if not target.startswith(task.CALL):
+            assert problem.question[0] == "<" or (u, p) == (v, q)  # '>' shown by the tool only
+            continue
+        calls += 1
+        unread += (u, p) != (v, q) and problem.question[0] == ">"
+        d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
+        call, rest = target.split("<eos>", 1)
+        assert "hint_steps" not in problem.metadata
+        assert call == task.CALL + problem.question[0] + problem.question[-5:-1]
+        assert rest.startswith(f"{d}{c}=*{d}{c}") and task.verify(rest[3:], problem) == 1.0
+        ids, mask = task.training_ids(problem, target)
+        tok = task.default_tokenizer()
+        assert tok.decode([i for i, m in zip(ids, mask) if not m]) == problem.question + f"{d}{c}="
+        assert len(ids) <= task.EPISODE_LENGTH
+    assert 8 < calls < 30 and 3 < unread < calls  # a quarter of 64 rows; half of them '>'
+
+    assert task.sequence_length(_sft_data(tool_fraction=0.5)) == task.EPISODE_LENGTH
+    assert task.sequence_length(_sft_data()) == task.SEQUENCE_LENGTH
+
+
+def test_the_key_reader_reads_by_the_rule_and_refuses_malformed_calls():
+    assert task.read_key({"rule": ">", "key": "2683"}) == "63"
+    assert task.read_key({"rule": "<", "key": "2683"}) == "28"
+    assert task.call_arguments("x>2683<eos>") == {"rule": ">", "key": "2683"}
+    assert task.call_arguments("*63+54<eos>") is None  # an answer, not a call
+    for arguments in (task.call_arguments("x>26<eos>"), task.call_arguments("x*2683"),
+                      {"rule": ">", "key": 2683}):
+        with pytest.raises(ValueError, match="expected a rule"):
+            task.read_key(arguments)
+    assert task.observation_text("63") == "63=" and task.observation_text(None) == "__="

@@ -361,7 +361,7 @@ def test_capacity_plan_reads_the_run_shape_from_a_config(tmp_path):
     from jaxprefix import run_config
     spec = f"{REPO / 'configs' / 'grpo.py'}:smollm2"
     model, run = cp.from_run_config(spec, cp.RunShape(prompt_len=333))
-    c = run_config.sibling_config(str(REPO / "configs" / "grpo.py"), "grpo.py", "smollm2")
+    c = run_config.from_file(str(REPO / "configs" / "grpo.py"), "smollm2")
     assert model == "smollm2-135m"  # the bundled GGUF
     assert (run.n, run.problems, run.response_len, run.param_dtype, run.compute_dtype,
             run.prompt_len) == (c.rollout.n, c.train.problems_per_step, c.rollout.max_new_tokens,

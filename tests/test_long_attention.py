@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxprefix.models import Decoder, ModelConfig, attention, blockwise_attention, tpu_attention
+from jaxprefix.models import Decoder, ModelConfig, attention, backend, blockwise_attention
 from jaxprefix.models.config import FULL, SLIDING
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -105,7 +105,7 @@ def test_splash_kernel_equals_attend(window):
     kw = dict(scale=dh ** -0.5, logit_cap=None)
     w = None if window is None else jnp.int32(window)
     ref = lambda q, k, v: attention.attend(q, q_pos, [(k, v, q_pos)], window=w, **kw)
-    new = lambda q, k, v: tpu_attention.splash_attend(q, k, v, q_pos, window=w, interpret=True,
+    new = lambda q, k, v: backend.splash_attend(q, k, v, q_pos, window=w, interpret=True,
                                                       sliding_window=window, **kw)
     compare(ref, new, (q, k, v), q_pos, jnp.float32)
 

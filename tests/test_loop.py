@@ -28,7 +28,7 @@ from jaxprefix.rl.eval_counts import EvalCountsWriter, read_eval_counts
 from jaxprefix.rl.loop import RolloutRequest, train, validate
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import MetricsWriter, count_params, read_metrics
-from jaxprefix.sampling import Rollouts
+from jaxprefix.sampling import Rollouts, RolloutSpec
 
 TIMING = ("time/", "throughput/")
 
@@ -71,11 +71,18 @@ class SignalAt(GrpoMethod):
         return super().next_request(step)
 
 
+def resolved(config) -> dict:
+    """What train takes of a GRPO config, resolved once (as run_settings.resolve does)."""
+    return dict(learner_config=validate(config), rollout=RolloutSpec.from_config(config.rollout),
+                contexts_per_step=config.train.problems_per_step)
+
+
 def run(workdir, config, at=None, signum=signal.SIGTERM):
     method = SignalAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
                       eval_problems=PROBLEMS[12:], eval_n=4, at=at, signum=signum)
     return train(config, str(workdir), method=method, model=Decoder(MODEL, rngs=nnx.Rngs(0)),
-                 tokenizer=TOKENIZER, stop_ids=(TOKENIZER.eos_id,), progress=False)
+                 tokenizer=TOKENIZER, stop_ids=(TOKENIZER.eos_id,), progress=False,
+                 **resolved(config))
 
 
 def params_of(result):
@@ -329,8 +336,9 @@ def test_checkpoint_of_another_model_is_refused_by_shape_and_left_in_place(tmp_p
     wider = MODEL.replace(hidden_size=64, head_dim=16)
     with pytest.raises(CheckpointError, match=r"checkpoints/1: array .* was saved with shape "
                                               r".*32.*, this run's model has .*64"):
-        train(run_settings(total_steps=2), str(tmp_path), method=method,
-              model=Decoder(wider, rngs=nnx.Rngs(0)), tokenizer=TOKENIZER, progress=False)
+        config = run_settings(total_steps=2)
+        train(config, str(tmp_path), method=method, model=Decoder(wider, rngs=nnx.Rngs(0)),
+              tokenizer=TOKENIZER, progress=False, **resolved(config))
     assert TrainCheckpointer(str(tmp_path / "checkpoints")).all_steps() == [1]
 
 

@@ -8,6 +8,7 @@ oracle solution a text starts with), so the hard set, the shortest prefixes and 
 can be checked against numbers counted by hand.
 """
 import json
+import types
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from jaxprefix import sampling
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.prompting import oracle_prefix_text
-from jaxprefix.methods.schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
+from jaxprefix.methods.prefix_schedules import AdaptivePrefix, AnnealedPrefix, FixedPrefix
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.rl.compute_ledger import sampling_flops
 from jaxprefix.sampling import SharedContext
@@ -301,7 +302,7 @@ def test_imported_pool_keeps_only_traces_that_verify(tmp_path):
 
 
 def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
-    from jaxprefix.jobs.mine import sampling_cost
+    from jaxprefix.run_setup.mining import sampling_cost
 
     lengths = [len(PROMPTS.question(p)) for p in PROBLEMS[:3]]
     tokens = 16 * (sum(lengths) + 3 * 61)  # 16 samples of each, up to 61 new tokens
@@ -309,3 +310,14 @@ def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
     assert line == (f"mining the hard set: will sample 3 contexts x 16 samples x up to 61 new "
                     f"tokens (D <= {tokens:.3g} tokens, contexts included), <= "
                     f"{2 * 1000 * tokens:.3g} FLOPs (2 N D, N = 1e+03 parameters)")
+    # On a TPU slice the line adds the roofline floor. 3 x 16 rows at 16 a call are 3 calls of 61
+    # decode steps, each step reading the bf16 weights (2,000 bytes) shared over 8 v6e chips at
+    # 1,640 GB/s: 3 * 61 * 2000 / 8 / 1.64e12 = 2.79e-08 s, above the FLOPs at 8 x 918 TFLOP/s.
+    v6e = [types.SimpleNamespace(device_kind="TPU v6 lite")] * 8
+    on_tpu = sampling_cost("mining the hard set", lengths, 16, 61, num_params=1000,
+                           rows_per_call=16, devices=v6e)
+    assert on_tpu == line + ("; on 8 x v6e at least 2.79e-08 s (the roofline: FLOPs at peak, or "
+                             "the weights read at every decode step of 3 calls)")
+    cpu = [types.SimpleNamespace(device_kind="cpu")]
+    assert sampling_cost("mining the hard set", lengths, 16, 61, num_params=1000,
+                         rows_per_call=16, devices=cpu) == line

@@ -73,7 +73,7 @@ def test_sampling_model_is_the_state_itself_when_dtypes_agree():
 
 def test_policy_loading_honours_param_dtype_and_dtype(tmp_path):
     from jaxprefix.data.tasks import carry_multiplication as task
-    from jaxprefix.jobs.policy import load_policy
+    from jaxprefix.run_setup.policy import load_policy
 
     tokenizer = task.tokenizer()
     config = ModelConfig(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,

@@ -8,7 +8,7 @@ import pytest
 
 from jaxprefix import run_config, storage
 from jaxprefix.errors import ConfigError
-from jaxprefix.jobs import preflight
+from jaxprefix.run_setup import preflight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

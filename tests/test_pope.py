@@ -12,7 +12,7 @@ from jaxprefix.data.problem import Problem
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.methods import pope
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts, oracle_prefix_text
-from jaxprefix.methods.schedules import FixedPrefix
+from jaxprefix.methods.prefix_schedules import FixedPrefix
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.rl import dynamic_sampling, objectives
 from jaxprefix.sampling import SharedContext

@@ -5,7 +5,8 @@ import os
 import numpy as np
 
 from jaxprefix import run_config, statistics, storage
-from jaxprefix.jobs import isocompute_prereg, report_tables, results_report
+from jaxprefix.jobs import isocompute_prereg, report_tables
+from jaxprefix.studies import results_report
 from jaxprefix.rl.compute_ledger import ComputeLedger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,7 +5,7 @@ import pytest
 
 from jaxprefix import rewards
 from jaxprefix.data.problem import Problem
-from jaxprefix.jobs.problem_sets import load_problem_sets
+from jaxprefix.run_setup.problem_sets import load_problem_sets
 from jaxprefix.rl import loop
 from jaxprefix.run_config import base_config
 

@@ -26,7 +26,7 @@ def test_from_config_reads_every_field_and_gives_generate_its_keywords():
     ("kv_dtype", "float8", "the compute dtype"),
     ("memory_headroom", 1.0, r"a fraction in \[0, 1\)"),
     ("max_new_tokens", 0, ">= 1"),
-    ("max_turns", 3, r"1 \(multi-turn episodes"),
+    ("max_turns", 0, r">= 1 \(more than 1: episodes"),
 ])
 def test_a_bad_field_is_refused_naming_it(field, value, expected):
     with pytest.raises(ValueError, match=rf"config\.rollout\.{field}={value!r}: expected "

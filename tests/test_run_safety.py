@@ -18,7 +18,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxprefix import errors, run_config, run_identity, variants, workdir_lock
+from jaxprefix import errors, run_config, run_identity, variants
+from jaxprefix.storage import workdir_lock
 from jaxprefix.data import DataError
 from jaxprefix.rl import boundaries
 
@@ -66,7 +67,7 @@ def test_fields_that_steer_length_cadence_and_hardware_may_change(tmp_path):
 
 HOLDER = """
 import sys, time
-from jaxprefix import workdir_lock
+from jaxprefix.storage import workdir_lock
 with workdir_lock.hold(sys.argv[1]):
     print("held", flush=True)
     time.sleep(600)
@@ -182,7 +183,7 @@ def test_anticipated_failures_are_one_line_and_bugs_are_not():
 # --- prompts longer than the model's context ---------------------------------------------------
 
 def test_over_long_prompts_are_refused_with_file_and_line_or_skipped_and_counted(tmp_path):
-    from jaxprefix.jobs.problem_sets import PromptLimit, load_problem_sets
+    from jaxprefix.run_setup.problem_sets import PromptLimit, load_problem_sets
     from jaxprefix.methods.prompting import TaskPrompts
     from jaxprefix.data.tasks import carry_multiplication as task
 
@@ -202,7 +203,7 @@ def test_over_long_prompts_are_refused_with_file_and_line_or_skipped_and_counted
 
 def test_prompt_guidance_a_task_policy_cannot_read_fails_in_preflight(tmp_path):
     from jaxprefix.errors import ConfigError
-    from jaxprefix.jobs import preflight
+    from jaxprefix.run_setup import preflight
 
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"question": "12", "answer": "1"}) + "\n")
@@ -220,7 +221,7 @@ def test_prompt_guidance_a_task_policy_cannot_read_fails_in_preflight(tmp_path):
 
 def test_fields_no_stage_of_the_job_reads_are_refused_in_preflight(tmp_path):
     from jaxprefix.errors import ConfigError
-    from jaxprefix.jobs import preflight
+    from jaxprefix.run_setup import preflight
 
     def config(name, **fields):
         c = run_config.from_file(os.path.join(ROOT, "configs", name), "smoke")
@@ -260,7 +261,7 @@ def test_fields_no_stage_of_the_job_reads_are_refused_in_preflight(tmp_path):
 
 def test_template_is_read_on_the_restating_notation_and_the_notation_is_the_bases(tmp_path):
     from jaxprefix.errors import ConfigError
-    from jaxprefix.jobs import preflight
+    from jaxprefix.run_setup import preflight
 
     workdir = str(tmp_path / "w")
     c = run_config.from_file(os.path.join(ROOT, "configs", "pope.py"), "smoke")
@@ -273,6 +274,35 @@ def test_template_is_read_on_the_restating_notation_and_the_notation_is_the_base
     with pytest.raises(ConfigError, match=r"^config.data.key_names_rule=False but the SFT base "
                                           r"writes config.sft.data.key_names_rule=True"):
         preflight.check(c, workdir)
+    assert not (tmp_path / "w").exists()
+
+
+def test_moe_fields_on_a_dense_model_are_refused_in_preflight(tmp_path):
+    """train.routing_replay and router_aux_coef act on a mixture of experts only: set on the
+    dense smoke policy, one line each; 'auto' replays on the MoE smoke, 'off' does not."""
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.rl import loop
+    from jaxprefix.run_setup import preflight
+
+    workdir = str(tmp_path / "w")
+    dense = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
+    for field, value, expected in (
+            ("routing_replay", "on", r"'on': expected 'auto' on a dense model \(it has no experts"),
+            ("router_aux_coef", 0.01, r"0.01: expected 0 on a dense model \(it has no router")):
+        c = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
+        c.train[field] = value
+        with pytest.raises(ConfigError, match=rf"^config.train.{field}={expected}"):
+            preflight.check(c, workdir)
+    moe = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "moe_smoke")
+    moe.train.router_aux_coef = 0.01
+    preflight.check(moe, workdir)
+    assert loop.routing_replay(moe, True) and not loop.routing_replay(dense, False)
+    moe.train.routing_replay = "off"
+    assert not loop.routing_replay(moe, True)
+    moe.train.routing_replay = "yes"
+    with pytest.raises(ConfigError, match=r"^config.train.routing_replay='yes': expected 'auto', "
+                                          r"'on' or 'off'$"):
+        preflight.check(moe, workdir)
     assert not (tmp_path / "w").exists()
 
 
@@ -296,7 +326,7 @@ def test_boundary_checks_name_the_array_that_is_off():
 # --- the SFT base: a save cut short is redone, not loaded -------------------------------------
 
 def test_sft_base_whose_save_was_cut_short_is_trained_again_not_loaded(tmp_path):
-    from jaxprefix.jobs import policy as policy_job, sft
+    from jaxprefix.run_setup import policy as policy_job, sft_base
 
     config = variants.method_config(os.path.join(ROOT, "configs", "grpo.py"), "grpo", "smoke")[0]
     config.sft.update(max_steps=2, eval_start=2, eval_every=2)  # an SFT of seconds
@@ -307,13 +337,13 @@ def test_sft_base_whose_save_was_cut_short_is_trained_again_not_loaded(tmp_path)
     (base / "model.safetensors").mkdir(parents=True)
     with pytest.raises(OSError):
         policy_job.load_policy(config, str(workdir))
-    assert not sft.is_complete(str(base))  # config.json comes last; it used to come first
+    assert not sft_base.is_complete(str(base))  # config.json comes last; it used to come first
 
     (base / "model.safetensors").rmdir()
     loaded = policy_job.load_policy(config, str(workdir))  # used to load the half-written base
-    assert sft.is_complete(str(base)) and (base / sft.REPORT).exists()
+    assert sft_base.is_complete(str(base)) and (base / sft_base.REPORT).exists()
     weights = (base / "model.safetensors").read_bytes()
     assert len(weights) > 4 * loaded.model.config.num_params()
     # A base cut short by an older jaxprefix (config.json first, weights cut) is not whole either.
     (base / "model.safetensors").write_bytes(weights[:len(weights) // 2])
-    assert not sft.is_complete(str(base))
+    assert not sft_base.is_complete(str(base))

@@ -99,8 +99,9 @@ def test_context_kv_is_held_once_not_per_sample(checkpoints):
         'prompt_tokens', 'prompt_positions', 'prompt_index', 'suffix_tokens', 'suffix_positions',
         'last_tokens', 'last_positions', 'valid')}
     graphdef, params = nnx.split(model)
-    segments, state = static.prefill(graphdef, params, arrays, n=4, new_bucket=NEW_TOKENS,
-                                     gather_prompts=False)
+    segments, state, routes = static.prefill(graphdef, params, arrays, n=4,
+                                             new_bucket=NEW_TOKENS, gather_prompts=False)
+    assert routes is None and state.routes is None  # a dense model records no experts
     (context,) = segments
     assert context.k.shape[1] == context.pos.shape[0] == 2  # groups: one per context
     assert state.cache.k.shape[1:3] == (8, NEW_TOKENS)       # rows: one per sample

@@ -47,6 +47,7 @@ def static(model):
 
 
 def assert_same_rollouts(r, reference):
+    assert r.routes is None  # a dense model's rollouts record no experts
     assert r.completions() == reference.completions()
     np.testing.assert_allclose(r.logprobs, reference.logprobs, atol=1e-6, rtol=0)
     np.testing.assert_array_equal(r.lengths, reference.lengths)
@@ -70,6 +71,12 @@ def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature,
     r = generate(model, CONTEXTS, temperature=temperature, max_rows_in_flight=rows,
                  page_size=page_size, **REQUEST)
     assert_same_rollouts(r, reference)
+
+
+def test_a_dense_model_records_no_routes(model, static):
+    assert static(1.0).routes is None
+    with pytest.raises(ValueError, match='record_routes: the model has no sparse'):
+        generate(model, CONTEXTS, temperature=1.0, record_routes=True, **REQUEST)
 
 
 def test_kv_budget_sets_rows_in_flight(model, static):
@@ -174,12 +181,20 @@ def test_decode_temporaries_grow_with_rows_in_flight_not_with_the_request():
     assert _decode_temp_bytes(32, 8, rows=None) > 4 * small  # the static decode: every row
 
 
-def test_abstract_programs_lower_as_generate_runs_them(model):
+# The same shapes as a mixture of experts (its programs record each token's experts).
+MOE = CONFIG.replace(model_type='qwen3_moe', qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=16, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize('config', [CONFIG, MOE], ids=['dense', 'moe_recording_routes'])
+def test_abstract_programs_lower_as_generate_runs_them(config):
     """Lowered from abstract shapes on a sharded abstract model, each program's text equals the
     lowering of the call generate() makes on real arrays."""
     mesh = make_mesh(4, 2, 1)
-    real = shard_model(make_model(), mesh)
-    abstract = nnx.eval_shape(make_model)
+    make = lambda: models.Decoder(config, rngs=nnx.Rngs(0))
+    record = bool(config.num_experts)
+    real = shard_model(make(), mesh)
+    abstract = nnx.eval_shape(make)
     shardings = param_shardings(abstract, mesh)
     nnx.update(abstract, jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s)),
@@ -188,13 +203,15 @@ def test_abstract_programs_lower_as_generate_runs_them(model):
     for rows in (None, 8):
         req = sampler._prepare(real, contexts, n=4, max_new_tokens=40, temperature=1.0,
                                top_p=1.0, top_k=0, stop_ids=(2,), seed=0,
-                               max_rows_in_flight=rows, kv_budget_bytes=None)
+                               max_rows_in_flight=rows, kv_budget_bytes=None,
+                               record_routes=record)
         programs = sampler.abstract_programs(abstract, num_contexts=6, context_length=12, n=4,
-                                             max_new_tokens=40, max_rows_in_flight=rows)
+                                             max_new_tokens=40, max_rows_in_flight=rows,
+                                             record_routes=record)
         with jax.set_mesh(mesh):
             if rows is None:
                 prefill = sampler._prefill_program(req)
-                segments, state = prefill()
+                segments, state, _ = prefill()
                 expected = {'prefill': prefill,
                             'decode': sampler._decode_program(req, segments, state)}
             else:

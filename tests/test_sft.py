@@ -9,7 +9,7 @@ import pytest
 
 from jaxprefix.data.tasks import carry_multiplication as task
 from jaxprefix.data.tasks import keyed_multiplication as keyed
-from jaxprefix.jobs import sft
+from jaxprefix.run_setup import sft_base
 
 _CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "sft.py")
 
@@ -25,13 +25,13 @@ def load_config(arg):
 def smoke_run(tmp_path_factory):
     workdir = str(tmp_path_factory.mktemp("sft"))
     config = load_config("smoke")
-    return config, workdir, sft.run_sft(config, workdir)
+    return config, workdir, sft_base.train_base(config, workdir)
 
 
 def test_training_batch_masks_only_the_solution():
     config = load_config("carry_smoke")
     tokenizer = task.tokenizer()
-    tokens, real, loss_mask = sft.training_batch(config, step=3, tokenizer=tokenizer)
+    tokens, real, loss_mask = sft_base.training_batch(config, step=3, tokenizer=tokenizer)
     assert tokens.shape == (config.data.batch_size, task.SEQUENCE_LENGTH)
     assert not loss_mask[:, :task.QUESTION_LENGTH].any()  # the question carries no loss
     hinted_rows = 0
@@ -49,7 +49,7 @@ def test_training_batch_masks_only_the_solution():
             assert text.startswith("".join(problem.steps[:given]))
             hinted_rows += 1
     assert 0 < hinted_rows < tokens.shape[0]  # hinted_fraction of rows, the rest plain
-    assert np.array_equal(tokens, sft.training_batch(config, 3, tokenizer)[0])  # deterministic
+    assert np.array_equal(tokens, sft_base.training_batch(config, 3, tokenizer)[0])  # deterministic
 
 
 def test_keyed_training_batch_trains_the_whole_answer_of_correct_problems():
@@ -58,7 +58,7 @@ def test_keyed_training_batch_trains_the_whole_answer_of_correct_problems():
     config = load_config("smoke")
     config.data.batch_size = 64
     tokenizer = keyed.tokenizer()
-    tokens, real, loss_mask = sft.training_batch(config, step=5, tokenizer=tokenizer)
+    tokens, real, loss_mask = sft_base.training_batch(config, step=5, tokenizer=tokenizer)
     assert tokens.shape == (64, keyed.SEQUENCE_LENGTH)
     assert not loss_mask[:, :keyed.QUESTION_LENGTH].any()
     hinted = 0
@@ -81,7 +81,7 @@ def test_smoke_sft_lowers_loss_and_saves(smoke_run):
     task = keyed  # the demo base's task
     config, workdir, path = smoke_run
     assert path == os.path.join(workdir, "base")
-    with open(os.path.join(path, sft.REPORT)) as f:
+    with open(os.path.join(path, sft_base.REPORT)) as f:
         report = json.load(f)
     losses = report["train_losses"]
     assert len(losses) == config.max_steps
@@ -90,37 +90,54 @@ def test_smoke_sft_lowers_loss_and_saves(smoke_run):
     point = report["evals"][-1]
     assert {"step", "loss", "step_accuracy", "hard_successes", "guided_success"} <= set(point)
     assert report["chosen_step"] in [e["step"] for e in report["evals"]]
-    with open(os.path.join(workdir, sft.EVALS)) as f:  # written at each point, as it trains
+    with open(os.path.join(workdir, sft_base.EVALS)) as f:  # written at each point, as it trains
         assert json.load(f) == report["evals"]
 
-    model, tokenizer = sft.load_base(path)
+    model, tokenizer = sft_base.load_base(path)
     assert tokenizer.vocab_size == model.config.vocab_size == len(task.SYMBOLS) + 2
     hard = task.hard_set(config.criterion.hard_count, seed=config.criterion.hard_seed)
     if report["chosen_step"] == report["evals"][-1]["step"]:
         # The saved weights are the evaluated ones: the same teacher-forced accuracy.
-        assert sft.step_accuracy(model, hard, tokenizer, task) == pytest.approx(
+        assert sft_base.step_accuracy(model, hard, tokenizer, task) == pytest.approx(
             point["step_accuracy"])
 
 
 def test_existing_base_is_reused_and_a_different_config_refused(smoke_run):
     config, workdir, path = smoke_run
-    stamp = os.path.getmtime(os.path.join(path, sft.REPORT))
-    assert sft.run_sft(config, workdir) == path
-    assert os.path.getmtime(os.path.join(path, sft.REPORT)) == stamp
+    stamp = os.path.getmtime(os.path.join(path, sft_base.REPORT))
+    assert sft_base.train_base(config, workdir) == path
+    assert os.path.getmtime(os.path.join(path, sft_base.REPORT)) == stamp
+    # A base saved before a field existed (model.experts) is the base its default asks for.
+    report_path = os.path.join(path, sft_base.REPORT)
+    with open(report_path) as f:
+        report = json.load(f)
+    older = json.loads(json.dumps(report))
+    del older["config"]["model"]["experts"]
+    try:
+        with open(report_path, "w") as f:
+            json.dump(older, f)
+        assert sft_base.train_base(config, workdir) == path
+        moe = load_config("smoke")
+        moe.model.experts = 4
+        with pytest.raises(ValueError, match="another SFT config"):
+            sft_base.train_base(moe, workdir)
+    finally:
+        with open(report_path, "w") as f:
+            json.dump(report, f)
     other = load_config("smoke")
     other.lr = 5e-4
     with pytest.raises(ValueError, match="another SFT config"):
-        sft.run_sft(other, workdir)
+        sft_base.train_base(other, workdir)
 
 
 def test_criterion():
     criterion = load_config("carry").criterion
     point = {"hard_successes": 0, "guided_success": {"2": 0.3}}
-    assert sft.meets_criterion(point, criterion)
-    assert not sft.meets_criterion({**point, "hard_successes": 1}, criterion)
-    assert not sft.meets_criterion({**point, "guided_success": {"2": 0.2}}, criterion)
+    assert sft_base.meets_criterion(point, criterion)
+    assert not sft_base.meets_criterion({**point, "hard_successes": 1}, criterion)
+    assert not sft_base.meets_criterion({**point, "guided_success": {"2": 0.2}}, criterion)
     # The demo base: the key step alone given (8 of 9 steps left).
-    assert sft.meets_criterion({"hard_successes": 0, "guided_success": {"8": 0.25}},
+    assert sft_base.meets_criterion({"hard_successes": 0, "guided_success": {"8": 0.25}},
                                load_config("demo").criterion)
 
 
@@ -134,17 +151,17 @@ def test_restating_notation_reaches_the_criterion_and_reports_rho_and_a():
 
     config = load_config("smoke")
     config.criterion.update(hard_count=4, sample_from_step_accuracy=2.0)  # no sampling
-    plain = sft.criterion_hard_set(config)
+    plain = sft_base.criterion_hard_set(config)
     assert [p.steps[0][0] for p in plain] == ["*"] * 4
     tokenizer = keyed.tokenizer()
-    model = models.Decoder(sft.model_config(config, tokenizer), rngs=nnx.Rngs(0))
-    assert "key_name_probability" not in sft.evaluate(model, plain, tokenizer, config.criterion,
+    model = models.Decoder(sft_base.model_config(config, tokenizer), rngs=nnx.Rngs(0))
+    assert "key_name_probability" not in sft_base.evaluate(model, plain, tokenizer, config.criterion,
                                                       seed=0, task=keyed)
     config.data.key_names_rule = True
-    named = sft.criterion_hard_set(config)
+    named = sft_base.criterion_hard_set(config)
     assert [p.steps[0][0] for p in named] == [">"] * 4
     assert [p.question for p in named] == [p.question for p in plain]
-    metrics = sft.evaluate(model, named, tokenizer, config.criterion, seed=0, task=keyed)
+    metrics = sft_base.evaluate(model, named, tokenizer, config.criterion, seed=0, task=keyed)
     assert 0.0 < metrics["key_name_probability"] < 1.0
     assert 0.0 < metrics["first_step_probability"] < 1.0
     # an untrained model: each token about uniform over the vocabulary
@@ -164,13 +181,13 @@ def test_demo_base_fails_at_the_key_step_and_a_quarter_prefix_unlocks_most_hard_
     1 of 9 steps, as a hint in its prompt) it solves most of them at least once (resampled
     with seeds the SFT criterion did not use)."""
     config = load_config("demo")
-    model, tokenizer = sft.load_base(sft.run_sft(config, str(tmp_path)))
+    model, tokenizer = sft_base.load_base(sft_base.train_base(config, str(tmp_path)))
     hard = keyed.hard_set(64, seed=20_000)  # not the criterion's problems either
-    alone = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=0, seed=777,
+    alone = sft_base.success_counts(model, hard, tokenizer, n=16, prefix_steps=0, seed=777,
                                task=keyed)
     assert alone.sum() == 0
     assert 1 / keyed.HARD_STEPS <= 0.25
-    guided = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=1, seed=778,
+    guided = sft_base.success_counts(model, hard, tokenizer, n=16, prefix_steps=1, seed=778,
                                 guidance="instruction", task=keyed)
     assert (guided > 0).mean() > 0.5
 
@@ -182,12 +199,12 @@ def test_carry_base_solves_hard_problems_only_with_guidance(tmp_path):
     and so it does with them forced as its answer's start (resampled with seeds the SFT
     criterion did not use)."""
     config = load_config("carry")
-    model, tokenizer = sft.load_base(sft.run_sft(config, str(tmp_path)))
+    model, tokenizer = sft_base.load_base(sft_base.train_base(config, str(tmp_path)))
     hard = task.hard_set(config.criterion.hard_count, seed=config.criterion.hard_seed)
-    alone = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=0, seed=777)
+    alone = sft_base.success_counts(model, hard, tokenizer, n=16, prefix_steps=0, seed=777)
     assert alone.sum() == 0
     for seed, guidance in ((778, "instruction"), (779, "solution_prefix")):
-        guided = sft.success_counts(model, hard, tokenizer, n=16, prefix_steps=18, seed=seed,
+        guided = sft_base.success_counts(model, hard, tokenizer, n=16, prefix_steps=18, seed=seed,
                                     guidance=guidance)
         assert (guided > 0).mean() >= 0.25, guidance  # guided pass@16 well above 0
 
@@ -195,8 +212,8 @@ def test_carry_base_solves_hard_problems_only_with_guidance(tmp_path):
 def test_overlap_knob_bases_may_meet_the_floor_with_hard_successes():
     criterion = load_config("demo").criterion
     point = {"hard_successes": 2, "guided_success": {str(criterion.steps_left): 0.3}}
-    assert criterion.hard_unsolved and not sft.meets_criterion(point, criterion)
+    assert criterion.hard_unsolved and not sft_base.meets_criterion(point, criterion)
     criterion.hard_unsolved = False  # eps set by the data: a few hard successes are allowed
-    assert sft.meets_criterion(point, criterion)
+    assert sft_base.meets_criterion(point, criterion)
     point["guided_success"][str(criterion.steps_left)] = 0.2  # the floor still holds
-    assert not sft.meets_criterion(point, criterion)
+    assert not sft_base.meets_criterion(point, criterion)

@@ -145,3 +145,44 @@ def test_prompt_lists_the_registry_tools_as_transformers_renders_them():
     assert ours == theirs
     assert '"name": "calculator"' in ours and ours.endswith("<|im_start|>assistant\n")
     assert "<tools>" not in chat_template.render(LISTS_TOOLS, messages, tools=[])
+
+
+# One worked call shown in the prompt (SmolLM2's template has no tool section, and the 135M
+# model called nothing zero-shot: 0 calls in 4 greedy episodes with either system prompt tried).
+SHOT = [{"role": "system", "content": "You are a helpful assistant. For arithmetic, call the "
+                                      "calculator tool, then answer with its result."},
+        {"role": "user", "content": "What is 12 * 13?"},
+        {"role": "assistant", "content": "<tool_call>\n" + CALC.replace("2+3", "12 * 13")
+         + "\n</tool_call>"},
+        {"role": "tool", "content": "156"},
+        {"role": "assistant", "content": "12 * 13 = 156."}]
+
+
+@pytest.mark.slow  # SmolLM2-135M on CPU, 16 episodes of up to 2 turns: a minute or two
+def test_smollm2_calls_the_calculator_through_its_chat_template(smollm2):
+    """The real-LLM smoke: SmolLM2-135M-Instruct (the bundled GGUF) in the chat environment
+    with the calculator, sampled at temperature 1. The episodes run; what it calls parses (in
+    the Hermes format the template speaks, malformed or not); the result comes back as the
+    template's own tool turn and the episode goes on. Nothing is claimed of its arithmetic."""
+    from jaxprefix.checkpoints.hf import from_gguf
+    from jaxprefix.tools.settings import ToolSettings
+
+    model, _ = from_gguf(bundled_smollm2_path(), "float32")
+    settings = ToolSettings(max_turns=2, names=("calculator",), episode_token_budget=512)
+    rollout = settings.episode_rollout(smollm2, model.config.max_position_embeddings)
+    contexts = [smollm2.apply_chat_template(SHOT + [{"role": "user", "content": q}],
+                                            tokenize=True)
+                for q in ("What is 37 * 41?", "What is 1234 + 5678?")]
+    episodes = rollout(model, contexts, n=8, seed=0, stop_ids=[smollm2.eos_id],
+                       max_new_tokens=48, temperature=1.0)
+    called = [e for e in episodes if e.tool_calls]
+    assert called, [smollm2.decode(e.tokens[e.prompt_length:].tolist()) for e in episodes]
+    for e in called:
+        turn = e.tokens[e.turn_starts[0]:e.turn_starts[1]]
+        sampled = turn[e.sampled[e.turn_starts[0]:e.turn_starts[1]] == 1].tolist()
+        assert sampled[-1] == smollm2.eos_id and len(parse_hermes(smollm2.decode(
+            sampled[:-1]))) == e.tool_calls
+        observation = smollm2.decode(e.tokens[e.observation_mask == 1].tolist())
+        assert observation.startswith("\n<|im_start|>tool\n")
+        assert observation.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert e.turns == 2

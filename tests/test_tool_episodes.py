@@ -11,14 +11,20 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxprefix import tools
+from jaxprefix import run_config, tools
+from jaxprefix.data.problem import Problem
+from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.methods.prompting import TaskPrompts
 from jaxprefix.models import Decoder, ModelConfig, token_logprobs
+from jaxprefix.rl import loop
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
+from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.rl.train_step import Learner, TrainConfig
 from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
-    episode_metrics, reprefilled_tokens, rollout_episodes
+    episode_metrics, reprefilled_tokens, rollout_episodes, sampler_tokens
 from jaxprefix.tools.observations import observation_tokens
+from jaxprefix.tools.settings import ToolSettings
 
 # A character-level chat template: "<role initial>:<content><eos>" per message.
 TEMPLATE = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }}<eos>{% endfor %}"
@@ -136,6 +142,18 @@ def test_episodes_end_at_max_turns_and_at_the_budget(policy):
     assert len(tight[0].tokens) == len(contexts[0]) + call_length
 
 
+def test_turns_are_parsed_without_their_stop_token(policy):
+    """The text a turn's calls are parsed from leaves out the stop token it ended on (an open
+    Hermes block runs to the end of the text: SmolLM2 left one open, and '<|im_end|>' made its
+    JSON 'Extra data'); a turn cut without one is parsed whole."""
+    from jaxprefix.tools.calls import parse_hermes
+
+    seen = []
+    _rollout(policy, parse=lambda text: seen.append(text) or parse_hermes(text))
+    assert f"{CALL % '2+3'}" in seen and "hello" in seen and "=5" in seen
+    assert not any(text.endswith("<eos>") for text in seen)
+
+
 @pytest.mark.slow  # its longer observation lands in another context bucket: one more compile
 def test_tool_failures_are_observations(policy):
     """A registry without the calculator: the call fails as an observation and the episode
@@ -175,3 +193,106 @@ def test_observation_tokens_carry_no_loss(policy, episodes):
     unmasked = {**batch, "completion_mask": np.where(observation, 1.0, batch["completion_mask"])
                 .astype(np.float32)}
     assert abs(grad_norm(unmasked) - masked) > 1e-3 * masked
+
+
+# --- the RL loop on episodes (rl/loop.py with ToolSettings) ----------------------------------
+
+REWARD = "def reward(completion, problem):\n    return float(completion == problem.answer)\n"
+PROBLEMS = [Problem(f"p{i}", f"u:{q}<eos>a:", answer) for i, (q, _, _, answer)
+            in enumerate(CONVERSATIONS)]
+
+
+def _config(tmp_path, **tool_fields):
+    """An RL config of the tiny calculator policy: 3 problems a step, 2 greedy episodes each,
+    scored by a reward file (the final answer equals the problem's answer)."""
+    (tmp_path / "reward.py").write_text(REWARD)
+    c = run_config.base_config()
+    c.rollout.update(n=2, temperature=0.0, max_new_tokens=MAX_NEW, max_turns=3)
+    c.tools.update(names=("calculator",), episode_token_budget=400, workers=2)
+    c.tools.update(tool_fields)
+    c.rewards.update(path=f"{tmp_path}/reward.py:reward", workers=1)
+    c.train.update(problems_per_step=3, total_steps=1, learning_rate=1e-3, micro_batch_size=0)
+    c.eval.every = 0
+    c.checkpoint.every = 1
+    return c
+
+
+def _scored(policy, config, seed=0) -> loop.Scored:
+    model, tokenizer, contexts = policy
+    request = loop.RolloutRequest(contexts=contexts, problems=PROBLEMS, tags={}, n=2)
+    episodes = ToolSettings.from_config(config).episode_rollout(tokenizer, 512)
+    return loop.sample_and_score(model, tokenizer, request, config, seed=seed,
+                                 stop_ids=[tokenizer.eos_id], episodes=episodes)
+
+
+def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, episodes,
+                                                                   tmp_path):
+    """The loop's own path (sample_and_score with the run's ToolSettings, then _batch): each
+    batch row is its episode's tokens exactly, the loss mask its sampled mask (observations 0),
+    pi_old the sampler's log-probs; the verifier scored the final answers; the ledger's tokens
+    are the prompt, observations, re-prefills and sampled tokens."""
+    config = _config(tmp_path)
+    scored = _scored(policy, config)
+    assert [e.tokens.tolist() for e in scored.episodes] == [e.tokens.tolist() for e in episodes]
+    np.testing.assert_array_equal(scored.rewards, np.ones((3, 2)))  # "=5", "=24", "hello"
+    _, batch = loop._batch([scored], config.train)
+    for row, e in enumerate(scored.episodes):
+        assert batch["tokens"][row, :len(e.tokens)].tolist() == e.tokens.tolist()
+        assert batch["completion_mask"][row, :len(e.tokens)].tolist() == e.sampled.tolist()
+        np.testing.assert_array_equal(batch["old_logprobs"][row, :len(e.tokens)], e.logprobs)
+        assert not batch["token_mask"][row, len(e.tokens):].any()
+    prefilled, sampled = (sum(x) for x in zip(*map(sampler_tokens, scored.episodes)))
+    assert (scored.prefilled, scored.generated) == (prefilled, sampled)
+    assert sampled == sum(int(e.sampled.sum()) for e in scored.episodes)
+    assert prefilled == sum(e.prompt_length + int(e.observation_mask.sum()) +
+                            reprefilled_tokens(e) for e in scored.episodes)
+    assert loop.turn_metrics([scored]) == episode_metrics(scored.episodes)
+
+
+# A calculator that fails every way a tool can: raising in process, then, in the capped python
+# tool's subprocess, a hang, a memory bomb and a crash (SIGABRT), in turn over its calls.
+FAILING_TOOL = """
+from jaxprefix import tools
+
+_python = tools.python_tool(tools.PythonLimits(cpu_s=1, memory_mb=256, wall_s=3,
+                                               output_bytes=4096))
+_FAILURES = ["raise", "while True: pass", "bytearray(10**10)", "import os; os.abort()"]
+_calls = [0]
+
+
+def calculator(arguments):
+    \"\"\"Fails.\"\"\"
+    code = _FAILURES[_calls[0] % len(_FAILURES)]
+    _calls[0] += 1
+    if code == "raise":
+        raise RuntimeError("boom")
+    return _python.fn({"code": code})
+"""
+
+
+def test_failing_tools_inside_an_rl_step_are_error_observations_and_counted(policy, tmp_path):
+    """A tool that raises, hangs, allocates without bound or crashes, plugged as a user file:
+    each call ends as a one-line error observation within its caps, the episode goes on to its
+    next turn, and an RL step (loop.train) counts them in rollout/tool_failures."""
+    model, tokenizer, contexts = policy
+    (tmp_path / "failing.py").write_text(FAILING_TOOL)
+    config = _config(tmp_path, names=(f"{tmp_path}/failing.py:calculator",), workers=1)
+    config.rollout.max_turns = 2  # a call in the second turn is not run: 4 calls exactly
+    scored = _scored(policy, config)
+    calls = [e for e in scored.episodes if e.tool_calls]
+    assert len(calls) == 4 and all(e.tool_failures == 1 and e.turns == 2 for e in calls)
+    seen = [tokenizer.decode(e.tokens[e.observation_mask == 1].tolist()) for e in calls]
+    assert "error: calculator: RuntimeError: boom" in seen[0]
+    assert "CPU time limit" in seen[1] or "timed out" in seen[1]
+    assert "MemoryError" in seen[2] and "SIGABRT" in seen[3]
+    assert all(len(text) <= 300 + len("t:<eos>a:") for text in seen)  # one capped line
+    np.testing.assert_array_equal(scored.rewards[2], [1, 1])  # small talk: no call
+
+    method = GrpoMethod(TaskPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
+    result = loop.train(config, str(tmp_path / "run"), method=method, model=model,
+                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
+                        tools=ToolSettings.from_config(config), progress=False)
+    (record,) = read_metrics(str(tmp_path / "run"))
+    assert result["step"] == 1
+    assert (record["rollout/tool_calls"], record["rollout/tool_failures"]) == (4.0, 4.0)
+    assert record["rollout/turns_mean"] == 5 / 3 and record["rollout/reprefilled_tokens"] > 0

@@ -1,10 +1,13 @@
 """Tools: the calculator's values and refusals, the python tool's caps and empty environment,
 and the contract that no tool failure ever raises into the rollout."""
 import os
+import pathlib
+import string
 
 import pytest
 
 from jaxprefix import tools
+from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools import calculator
 from jaxprefix.tools.python_tool import PythonLimits, run_code
 
@@ -126,3 +129,78 @@ def test_calls_run_together_answer_in_order():
     assert [r.text for r in sequential] == ["0\n", "1\n", "4\n", "9\n", "42",
                                             "error: tool call is not JSON"]
     assert run_calls(calls, registry, workers=4) == sequential
+
+
+def test_tool_settings_are_checked_once_in_one_line(tmp_path):
+    """config.tools is read where rollout.max_turns > 1 and refused on a run of one turn; turns
+    with no tool, the python tool's caps without it, unknown names: one line each."""
+    from jaxprefix import run_config
+    from jaxprefix.tools.settings import ToolSettings
+
+    def refused(match, **fields):
+        c = run_config.base_config()
+        for name, value in fields.items():
+            block, _, field = name.rpartition("__")
+            target = c.rollout if block == "rollout" else c.tools
+            if block == "python":
+                target = c.tools.python
+            target[field] = value
+        with pytest.raises(ValueError, match=match) as e:
+            ToolSettings.from_config(c)
+        assert "\n" not in str(e.value)
+
+    assert not ToolSettings.from_config(run_config.base_config()).episodes
+    refused(r"config.tools.names=\('calculator',\): expected left at its default: "
+            r"rollout.max_turns=1", names=("calculator",))
+    refused("config.tools.python.cpu_s=9: expected left at its default: "
+            "tools.python.enabled=False", python__cpu_s=9)
+    refused(r"config.tools.names=\(\): expected the tools of rollout.max_turns=2",
+            rollout__max_turns=2)
+    refused("unknown tool 'search'", rollout__max_turns=2, names=("search",))
+    refused("'python' runs model-written code and is opt-in", rollout__max_turns=2,
+            names=("python",))
+    refused("config.tools.rollout='fast': expected one of", rollout__max_turns=2,
+            names=("calculator",), rollout="fast")
+    c = run_config.base_config()
+    c.rollout.max_turns = 3
+    c.tools.update(names=("python",), python={**c.tools.python.to_dict(), "enabled": True})
+    settings = ToolSettings.from_config(c)
+    assert settings.episodes and settings.python == PythonLimits(2, 512, 5.0, 16384)
+
+
+def test_environments_by_name_and_from_a_file(tmp_path):
+    """The built-in tool task's environment reads calls in the task's symbols and answers in
+    them ('__=' for a failed call: an error line is not in its vocabulary); the chat one reads
+    the template's format; a user's environment is FILE.py:NAME."""
+    from jaxprefix.data.tasks import keyed_multiplication as keyed
+    from jaxprefix.tools.environments import environment
+
+    tok = keyed.tokenizer()
+    env = environment("keyed_multiplication", tok, tools.registry(["read_key"]))
+    assert env.parse("*63+54+82<eos>") == []
+    (call,) = env.parse("x>2683<eos>")
+    assert (call.name, call.arguments) == ("read_key", {"rule": ">", "key": "2683"})
+    assert env.observe([env.tools.run(call.name, call.arguments)], tok.eos_id) == \
+        tok.encode("63=")
+    (bad,) = env.parse("x>26<eos>")
+    failed = env.tools.run(bad.name, bad.arguments)
+    assert not failed.ok and env.observe([failed], tok.eos_id) == tok.encode("__=")
+    with pytest.raises(ValueError, match="calls 'read_key'"):
+        environment("keyed_multiplication", tok, tools.registry(["calculator"]))
+    with pytest.raises(ValueError, match="has its own call format"):
+        environment("keyed_multiplication", tok, tools.registry(["read_key"]), format="hermes")
+    with pytest.raises(ValueError, match="expected one of"):
+        environment("gym", tok, tools.registry([]))
+
+    # docs/TOOLS.md's example environment, as printed there
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "TOOLS.md").read_text()
+    example = doc.split("# my_env.py:", 1)[1].split("\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "env.py").write_text(example + "\ndef wrong(tokenizer, registry):\n    return 3\n")
+    chars = CharTokenizer(sorted(set(string.printable) - set(string.whitespace) | {" "}))
+    mine = environment(f"{tmp_path}/env.py:questions", chars, tools.registry(["calculator"]))
+    assert mine.parse("12*13 is what") == []
+    (call,) = mine.parse(" 12*13?")
+    assert mine.observe([mine.tools.run(call.name, call.arguments)], None) == \
+        chars.encode("=156.")
+    with pytest.raises(ValueError, match="returned int, expected a jaxprefix.tools.Environment"):
+        environment(f"{tmp_path}/env.py:wrong", tok, tools.registry([]))

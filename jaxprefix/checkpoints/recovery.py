@@ -25,7 +25,7 @@ from etils import epath
 
 from jaxprefix import distributed, storage
 from jaxprefix.errors import CheckpointError
-from jaxprefix.storage_faults import StorageError, StorageUnavailable
+from jaxprefix.storage.faults import StorageError, StorageUnavailable
 
 ASIDE_SUFFIX = ".unrestorable"
 

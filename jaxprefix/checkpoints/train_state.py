@@ -9,7 +9,7 @@ On gs://, a save that fails transiently (GCS down past its clients' own retries)
 the run goes on: the next save writes a newer checkpoint, and a run's last save (`wait=True`)
 is made again until it is complete. Only past config.storage.retry_deadline_s since the first
 failing save, or at a permanent failure (403), does it stop the run, in one line
-(storage_faults); a checkpoint counts only once complete, so the one before stays the resume
+(storage.faults); a checkpoint counts only once complete, so the one before stays the resume
 point.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
-from jaxprefix import errors, storage, storage_faults
+from jaxprefix import errors, storage
 
 
 def abstract_like(tree):
@@ -58,7 +58,7 @@ class TrainCheckpointer:
         """`call()`, retried while GCS fails transiently (remote directories only)."""
         if not storage.is_remote(self.directory):
             return call()
-        return storage_faults.retrying(operation, self.directory, call)
+        return storage.faults.retrying(operation, self.directory, call)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -82,14 +82,14 @@ class TrainCheckpointer:
             errors.check_free_space(self.directory, sum(x.nbytes for x in jax.tree.leaves(arrays)))
             args = ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                       meta=ocp.args.JsonSave(dict(meta or {})))
-            with storage_faults.reported(operation, self.directory):
+            with storage.faults.reported(operation, self.directory):
                 saved = self._manager.save(step, args=args, force=True)
             self._pending = step
             if wait:
                 self._settle(tolerate=False)
             return saved
 
-        return storage_faults.retrying(operation, self.directory, attempt) if wait else attempt()
+        return storage.faults.retrying(operation, self.directory, attempt) if wait else attempt()
 
     def _settle(self, *, tolerate: bool = True) -> None:
         """Waits for the save in flight. One that failed transiently is logged and tolerated
@@ -98,11 +98,11 @@ class TrainCheckpointer:
             return
         step, self._pending = self._pending, None
         try:
-            with storage_faults.reported(f"saving checkpoint {step} to", self.directory):
+            with storage.faults.reported(f"saving checkpoint {step} to", self.directory):
                 self._manager.wait_until_finished()
-        except storage_faults.StorageUnavailable as e:
+        except storage.faults.StorageUnavailable as e:
             self._failing_since = self._failing_since or time.monotonic()
-            if not tolerate or time.monotonic() - self._failing_since > storage_faults.deadline_s():
+            if not tolerate or time.monotonic() - self._failing_since > storage.faults.deadline_s():
                 raise
             logging.warning("%s; the run goes on, the next save writes a newer one", e)
             return

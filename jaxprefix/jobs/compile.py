@@ -23,16 +23,15 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import storage
-from jaxprefix.jobs import method_settings
-from jaxprefix.jobs.policy import model_dtypes
+from jaxprefix.run_setup.run_settings import RunSettings, resolve
+from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
-from jaxprefix.models.tpu_attention import kernel_bytes, kernel_flops
 from jaxprefix.rl import loop
 from jaxprefix.rl.train_step import Learner
-from jaxprefix.sampling import RolloutSpec, decode_layout
-from jaxprefix.tpu import compiled_stats, programs, topology
+from jaxprefix.sampling import decode_layout
+from jaxprefix.tpu import compiled_stats, costing, programs, topology
 
 GiB = 2**30
 REPORT = 'compile.json'
@@ -55,8 +54,8 @@ def run_compile(config, workdir: str) -> dict:
     if c.context_length < 1:
         raise ValueError(f'config.compile.context_length={c.context_length}: expected the longest '
                          'context (prompt plus guidance or prefix) in tokens, >= 1')
-    method_settings.check_method_settings(config)
-    model_config = run_model_config(config)
+    settings = resolve(config)  # what the rl job would run (the allocation applied), checked
+    model_config = run_model_config(settings.config)
     generation = c.topology.strip()
     candidates = (topology.generation_slices(generation)
                   if generation in topology.CHIPS or generation in topology.ALIASES
@@ -64,7 +63,7 @@ def run_compile(config, workdir: str) -> dict:
     search, report = [], None
     for slice_ in candidates:
         try:
-            report = compile_for(config, model_config, slice_, workdir,
+            report = compile_for(settings, model_config, slice_, workdir,
                                  searching=len(candidates) > 1)
         except ValueError as e:  # the batch does not split over its chips, or their HBM is
             if len(candidates) == 1:  # too small for the training state alone
@@ -102,21 +101,21 @@ def _shortfall(report: dict) -> str:
     return line
 
 
-def compile_for(config, model_config: ModelConfig, slice_: topology.SliceType,
+def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
                 workdir: str, *, searching: bool = False) -> dict:
     """compile.json's content for one slice type (times config.compile.slices); each compiled
     program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look. `searching` (a slice of
     a generation's search): a slice whose chips cannot hold the training state is refused
     (ValueError) before anything is compiled."""
+    config, train, spec = settings.config, settings.train, settings.rollout
     c = config.compile
     start = time.perf_counter()
-    contexts = method_settings.contexts_per_step(config)
+    contexts = settings.method.contexts_per_step
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
-    train = loop.validate(config, mesh, contexts)
-    r = config.rollout
-    spec = RolloutSpec.from_config(r)
-    step = programs.StepShape(contexts=contexts, context_length=c.context_length, n=r.n,
-                              rollout=spec)
+    loop.check_rows(config, train, contexts, mesh)
+    step = programs.StepShape(contexts=contexts, context_length=c.context_length,
+                              n=config.rollout.n, rollout=spec, routing_replay=loop.routing_replay(
+                                  config, any(model_config.sparse_layers)))
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
@@ -192,7 +191,7 @@ def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
                  'max_rows_in_flight': spec.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
                  'kv_dtype': spec.kv_dtype or model_config.dtype, 'page_size': spec.page_size,
-                 'learner_width': step.learner_width,
+                 'learner_width': step.learner_width, 'routing_replay': step.routing_replay,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline']),
                  **sampler_figures(rows, next((p for p in compiled if p.rows_in_flight), None),
@@ -210,27 +209,28 @@ def sampler_figures(rows: list, decode: programs.Program | None, step: programs.
     """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
 
     The floor is what the step's decoding must read at the least, every row running to
-    max_new_tokens (docs/SCALING.md): the KV, each row's own filled tokens once per step (t at
-    its t-th step) and each context's once per step of its group, in the KV dtype; and the
-    weights, at each of the decode's steps (its generations of `decode.rows_in_flight` rows)
-    those its rows need, once: every weight but the embedding table, of a MoE's experts those
-    some row routes to (ModelConfig.decode_step_params); spread over every chip's HBM."""
+    max_new_tokens (docs/SCALING.md), spread over every chip's HBM: the KV
+    (costing.kv_read_floor_seconds, in the KV dtype); and the weights, at each of the decode's
+    steps (its generations of `decode.rows_in_flight` rows) those its rows need, once: every
+    weight but the embedding table, of a MoE's experts those some row routes to
+    (ModelConfig.decode_step_params)."""
     from jaxprefix.sampling import budget
 
     token = budget.page_bytes_per_token(model_config, step.rollout.kv_dtype or model_config.dtype)
-    tokens = (step.rows * step.max_new_tokens * (step.max_new_tokens - 1) / 2
-              + step.contexts * step.context_length * step.max_new_tokens)
     in_flight = decode.rows_in_flight if decode is not None else 0
     steps = decode.unknown_trip_count if decode is not None else 0
     weights = steps * model_config.decode_step_params(in_flight) * jnp.dtype(
         model_config.dtype).itemsize
-    floor = (tokens * token + weights) / (chips * chip.hbm_bytes_per_s)
+    weights_s = costing.hbm_seconds(weights / chips, chip)
+    floor = weights_s + costing.kv_read_floor_seconds(
+        rows=step.rows, contexts=step.contexts, context_length=step.context_length,
+        max_new_tokens=step.max_new_tokens, kv_bytes_per_token=token, chips=chips, chip=chip)
     sampler = [p for p in rows if p['name'].startswith('sampler') and p['roofline']]
     hbm = sum(p['calls_per_step'] * p['roofline']['hbm_s'] for p in sampler)
     seconds = sum(p['calls_per_step'] * p['roofline']['seconds'] for p in sampler)
     generated = step.rows * step.max_new_tokens
     return {'sampler_hbm_s': hbm, 'sampler_hbm_floor_s': floor,
-            'sampler_floor_weights_s': weights / (chips * chip.hbm_bytes_per_s),
+            'sampler_floor_weights_s': weights_s,
             'sampler_vs_floor': hbm / floor if floor else None,
             'sampler_ici_s': sum(p['calls_per_step'] * p['roofline']['ici_s'] for p in sampler),
             'rows_in_flight': in_flight, 'decode_steps': steps,
@@ -242,9 +242,9 @@ def run_model_config(config) -> ModelConfig:
     dtype, param_dtype = model_dtypes(config)
     if config.model.source == 'sft':
         from jaxprefix.data.tasks import carry_multiplication as task
-        from jaxprefix.jobs import sft
+        from jaxprefix.run_setup import sft_base
 
-        return sft.model_config(config.sft, task.tokenizer()).replace(
+        return sft_base.model_config(config.sft, task.tokenizer()).replace(
             param_dtype=param_dtype, dtype=dtype)
     return ModelConfig.from_hf(hf_config(config), param_dtype=param_dtype, dtype=dtype)
 
@@ -306,13 +306,10 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
                                   rare_branch_calls=p.rare_branch_calls,
-                                  kernel_flops=kernel_flops,
+                                  kernel_flops=costing.kernel_flops,
                                   kernel_bytes=functools.partial(
-                                      kernel_bytes,
+                                      costing.kernel_bytes,
                                       tokens_per_call=p.paged_tokens_per_call)).total()
-    compute_s = cost.flops / chip.peak_bf16_flops
-    memory_s = cost.bytes / chip.hbm_bytes_per_s
-    ici_s = sum(c['moved'] for c in cost.collectives.values()) / chip.ici_bytes_per_s
     return entry | {
         'hbm_bytes_per_chip': hbm, 'fits': hbm <= usable,
         'headroom_fraction': 1 - hbm / chip.hbm_bytes,
@@ -324,9 +321,8 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
         'loops_with_assumed_trip_count': cost.unknown_loops,
         'assumed_trip_count': p.unknown_trip_count if cost.unknown_loops else None,
         'kernels_without_flops': cost.kernels_without_flops,
-        'roofline': {'compute_s': compute_s, 'hbm_s': memory_s, 'ici_s': ici_s,
-                     'seconds': max(compute_s, memory_s),
-                     'bound': 'compute' if compute_s >= memory_s else 'HBM bandwidth'},
+        'roofline': costing.roofline(cost.flops, cost.bytes,
+                                     sum(c['moved'] for c in cost.collectives.values()), chip),
     }
 
 

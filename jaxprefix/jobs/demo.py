@@ -25,12 +25,12 @@ import time
 
 import numpy as np
 
-from jaxprefix import storage
-from jaxprefix import statistics
-from jaxprefix.jobs.rl import mined_artifacts, run_rl
-from jaxprefix.jobs.study import Study
+from jaxprefix import statistics, storage
+from jaxprefix.jobs.rl import run_rl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
+from jaxprefix.run_setup.mining import mined_artifacts
+from jaxprefix.studies.study import Study
 
 METHODS = ("pope", "grpo")  # POPE first: GRPO runs on to its FLOPs
 UNSOLVED = {"drop": "dropped from POPE's training", "longest": "guided by the longest prefix "

@@ -16,8 +16,8 @@ import os
 import sys
 
 from jaxprefix import statistics, storage
-from jaxprefix.jobs import results_report, study_tables
-from jaxprefix.jobs.study_tables import Column
+from jaxprefix.studies import results_report, study_tables
+from jaxprefix.studies.study_tables import Column
 
 GRPO = "grpo_matched_hints"
 ARMS = {"pope_value_hint": "value hint", "pope_restating_hint": "restating hint"}

@@ -10,47 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxprefix import evaluation, storage
+from jaxprefix import storage
 from jaxprefix.methods import pope
-from jaxprefix.methods.probing import Prober
-
-
-def evaluate_unguided(prober: Prober, prompts, problems, *, n: int, ks, seed: int,
-                      description: str = "eval") -> dict:
-    """pass@k and friends of the policy on `problems`, asked plainly, n samples each."""
-    result = prober.probe([prompts.question(p) for p in problems], problems, n, seed=seed,
-                          description=description)
-    return (evaluation.summarize(result.correct, ks)
-            | {"verifier_failures": result.verifier_failures,
-               # Per problem, for intervals over problems and per-group tables (statistics.py).
-               "correct_counts": [int(c) for c in result.num_correct],
-               "groups": problem_groups(problems)})
-
-
-GROUP_KEYS = ("multiplier", "digits")  # the built-in tasks' difficulty knobs
-
-
-def problem_groups(problems) -> dict:
-    """Per difficulty knob found in every problem's metadata, each problem's value."""
-    return {key: [p.metadata[key] for p in problems] for key in GROUP_KEYS
-            if problems and all(key in p.metadata for p in problems)}
-
-
-def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n: int, ks,
-                    guidance: str, template: str, seed: int) -> dict:
-    """The same with each problem's POPE prefix (problems without one are left out)."""
-    chosen = [p for p in problems if prefix_units.get(p.id)]
-    if not chosen:
-        return {}
-    pairs = [pope.guided_context(prompts, p, prefix_units[p.id], guidance=guidance,
-                                 template=template) for p in chosen]
-    result = prober.probe([c for c, _ in pairs], chosen, n, seed=seed,
-                          response_prefixes=[r for _, r in pairs], description="eval guided")
-    return evaluation.summarize(result.correct, ks) | {"problems": len(chosen)}
+from jaxprefix.studies.study import evaluate_guided, evaluate_unguided
 
 
 def run_eval(config, workdir: str) -> dict:
-    from jaxprefix.jobs.mine import prefix_search, set_up
+    from jaxprefix.run_setup.mining import prefix_search, set_up
     from jaxprefix.rl.loop import restore_trained_params
 
     policy, sets, mining = set_up(config, workdir)

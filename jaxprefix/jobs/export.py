@@ -33,7 +33,7 @@ def export_dir(workdir: str) -> str:
 def run_export(config, workdir: str) -> str:
     """Writes the workdir's trained policy to <workdir>/export/; returns that path."""
     from jaxprefix.checkpoints.peft import save_peft_adapter
-    from jaxprefix.jobs.policy import FLOAT_DTYPES, load_policy
+    from jaxprefix.run_setup.policy import FLOAT_DTYPES, load_policy
     from jaxprefix.rl.loop import load_trained, restore_trained
 
     dtype = config.export.dtype or None

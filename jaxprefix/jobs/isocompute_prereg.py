@@ -29,7 +29,7 @@ import math
 import numpy as np
 
 from jaxprefix import statistics, storage
-from jaxprefix.jobs import isocompute as iso_jobs
+from jaxprefix.run_setup import sweep_points as sweep
 from jaxprefix.methods import isocompute
 from jaxprefix.rl.eval_counts import read_eval_counts
 
@@ -46,7 +46,7 @@ def group_of(digits: int, split: int) -> str:
 
 def eval_groups(config) -> list[str]:
     """Each held-out problem's group, in the order the runs evaluate them."""
-    from jaxprefix.jobs.problem_sets import load_problem_sets
+    from jaxprefix.run_setup.problem_sets import load_problem_sets
 
     problems = load_problem_sets(config.data).eval
     return [group_of(p.metadata["digits"], config.isocompute.prereg.split_digits)
@@ -57,9 +57,9 @@ def per_problem_curves(config, workdir: str) -> dict:
     """(n, B, seed) -> (rollouts at each evaluation, [evals, problems] avg@k per problem, the
     samples per problem of each evaluation)."""
     curves = {}
-    for point in iso_jobs.sweep_points(config):
+    for point in sweep.sweep_points(config):
         for seed in config.isocompute.seeds:
-            directory = iso_jobs.point_workdir(iso_jobs.runs_dir(config, workdir), point, seed)
+            directory = sweep.point_workdir(sweep.runs_dir(config, workdir), point, seed)
             records = [r for r in read_eval_counts(directory) if r["name"] == "eval"]
             if records:
                 rows = point.n * point.batch
@@ -257,12 +257,12 @@ def run_prereg(config, workdir: str) -> dict:
     last = pr.fit_max if pr.phase == "predict" else max(pr.predict)
     c = config.copy_and_resolve_references()
     c.isocompute.budgets = tuple(b for b in c.isocompute.budgets if b <= last)
-    for point in iso_jobs.sweep_points(c):
+    for point in sweep.sweep_points(c):
         for seed in c.isocompute.seeds:
             from jaxprefix.jobs.rl import run_rl
 
-            run_rl(iso_jobs.point_config(c, point, seed, workdir),
-                   iso_jobs.point_workdir(iso_jobs.runs_dir(c, workdir), point, seed))
+            run_rl(sweep.point_config(c, point, seed, workdir),
+                   sweep.point_workdir(sweep.runs_dir(c, workdir), point, seed))
     prediction = predict(c, workdir)
     result = prediction if pr.phase == "predict" else outcome(c, workdir)
     write_counts(storage.join(workdir, COUNTS), per_problem_curves(c, workdir), eval_groups(c),

@@ -16,7 +16,7 @@ import json
 
 from jaxprefix import key_step_probe, storage
 from jaxprefix.data.tasks import keyed_multiplication as task
-from jaxprefix.jobs.sft import REPORT, load_base
+from jaxprefix.run_setup.sft_base import REPORT, load_base
 
 PROBLEMS = 256
 

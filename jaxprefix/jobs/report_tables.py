@@ -3,7 +3,7 @@
     python -m jaxprefix.jobs.report_tables            # every report under docs/results
     python -m jaxprefix.jobs.report_tables docs/results/pope
 
-The study jobs write `counts.json` beside each report (jobs/results_report.py: the results
+The study jobs write `counts.json` beside each report (studies/results_report.py: the results
 record and its config; jobs/isocompute_prereg.py: each run's per-problem counts at every
 evaluation), and a rerun commits them with the report: runs/ is not committed, so without them
 a table could not be re-derived, and a change to the statistics could not be applied to it.
@@ -20,7 +20,8 @@ import sys
 import ml_collections
 
 from jaxprefix import storage
-from jaxprefix.jobs import isocompute_prereg, results_report
+from jaxprefix.jobs import isocompute_prereg
+from jaxprefix.studies import results_report
 
 DOCS = os.path.join("docs", "results")
 
@@ -39,7 +40,7 @@ def regenerate(folder: str) -> str:
         storage.write_atomic(storage.join(folder, isocompute_prereg.REPORT), "\n".join(
             isocompute_prereg.report_lines(prediction, outcome)) + "\n")
         return f"{folder}: outcome.json and REPORT.md from counts.json and prediction.json"
-    from jaxprefix.jobs.results import RUNS
+    from jaxprefix.run_setup.study_arms import RUNS
 
     record = storage.read_json(counts)
     config = ml_collections.ConfigDict(record["config"])

@@ -14,99 +14,26 @@ Runs (each in its own workdir under --workdir, so an interrupted job resumes whe
   stated rule from the base's measured success rates): PrefixRL against SFT on the same traces
   then GRPO, both charged for the sampling that found the traces;
 - an IsoCompute sweep over (n, B) at several seeds, with the fitted frontier.
-Then jobs/results_report.py writes the markdown report and figures. Nothing is tuned to an
+Then studies/results_report.py writes the markdown report and figures. Nothing is tuned to an
 outcome: the report states what the runs measured, effect or not.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from jaxprefix import storage
 from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.jobs import prefixrl_controls, results_report, warm_start
-from jaxprefix.jobs.method_settings import contexts_per_problem
-from jaxprefix.jobs.mine import LEDGER
-from jaxprefix.jobs.policy import base_dir, load_policy
-from jaxprefix.jobs.rl import key_step_probe_of, mined_artifacts, run_rl
-from jaxprefix.jobs.study import Study
+from jaxprefix.jobs.rl import key_step_probe_of, run_rl
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class RunSpec:
-    method: str
-    settings: dict          # config fields changed from the study's compute-matched method config
-    about: str              # what the row is, for the report
-    warm_start: str = ""    # SFT before RL on: 'oracle' | 'own_guided' | 'traces' |
-    #                         'other_traces' (a second base's) | 'more_sft' (non-hard problems)
-    regime: str = "hard"    # 'hard': the task's hard set; 'prefixrl': PrefixRL's regime
-    pool: str = ""          # PrefixRL's traces: '' its own, 'other': a second base's
-    # Run on past total_steps until the largest FLOPs of these runs at the same seed.
-    flops_match: tuple[str, ...] = ()
-
-
-RUNS = {
-    "grpo": RunSpec("grpo", {}, "plain GRPO on the hard set"),
-    "grpo_matched": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to POPE's FLOPs "
-                            "(pope_cap0.25's at the same seed, its mining included)",
-                            flops_match=("pope_cap0.25",)),
-    "pope_cap1": RunSpec("pope", {"pope.max_prefix_fraction": 1.0},
-                         "POPE, prefixes up to all steps but one"),
-    "pope_cap0.5": RunSpec("pope", {"pope.max_prefix_fraction": 0.5},
-                           "POPE, prefixes of at most half of the solution"),
-    "pope_cap0.25": RunSpec("pope", {"pope.max_prefix_fraction": 0.25},
-                            "POPE, prefixes of at most a quarter of the solution"),
-    "pope_solution_prefix": RunSpec(
-        "pope", {"pope.guidance": "solution_prefix", "pope.max_prefix_fraction": 1.0},
-        "POPE with the prefix forced as the start of the answer instead of given in the prompt "
-        "(PrefixRL's mechanism; the ablation of pope_cap1)"),
-    "pope_no_restate": RunSpec("pope", {"pope.template": "no_restate"},
-                               "POPE, the instruction forbids restating the prefix"),
-    # The eps sweep's arms (configs/results.py:eps, docs/results/pope/PREDICTIONS.md): on the
-    # restating notation (data.key_names_rule) POPE guides by the restating hint unless the
-    # template forbids it, and then by the value hint; GRPO runs on to the larger's FLOPs.
-    "pope_value_hint": RunSpec("pope", {"pope.max_prefix_fraction": 0.25,
-                                        "pope.template": "no_restate"},
-                               "POPE with the value hint (d and c in the prompt's key slot)"),
-    "pope_restating_hint": RunSpec("pope", {"pope.max_prefix_fraction": 0.25},
-                                   "POPE with the restating hint (the oracle prefix up to the "
-                                   "rule's name, forced; the policy reads d and c itself)"),
-    "grpo_matched_hints": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to the larger "
-                                  "of the two POPE arms' FLOPs at the same seed (mining included)",
-                                  flops_match=("pope_value_hint", "pope_restating_hint")),
-    "grpo_entropy": RunSpec("grpo", {"train.entropy_coef": 0.01}, "GRPO + entropy bonus"),
-    "grpo_pass_at_k": RunSpec("grpo", {"train.advantage": "pass_at_k", "train.pass_k": 4},
-                              "GRPO with pass@k advantages (Chen et al. 2025)"),
-    "grpo_easy": RunSpec("pope", {"pope.guided_copies": 0, "pope.unguided_copies": 1,
-                                  "data.easy_size": 1024},
-                         "hard + as many easy (1..10-digit) problems, no guidance"),
-    # A warm start's row says what the SFT learnt from (results_report: "SFT on ..., then GRPO").
-    # Not transfer: the SFT trains the unguided question followed by the answer, key step and all.
-    "sft_guided": RunSpec("grpo", {}, "POPE's SFT baseline (direct supervision of the unguided "
-                          "question's answer, not transfer)", warm_start="own_guided"),
-    "sft_oracle": RunSpec("grpo", {}, "the oracle solutions' SFT baseline", warm_start="oracle"),
-    "prefixrl": RunSpec("prefixrl", {}, "PrefixRL with its own rejection-sampled traces (limit "
-                        "case: few traces exist)"),
-    "prefixrl_oracle": RunSpec("prefixrl", {"prefixrl.oracle_traces": True},
-                               "PrefixRL's cuts and mix on the oracle solutions"),
-    "prefixrl_regime": RunSpec("prefixrl", {}, "PrefixRL with its own traces, in its regime",
-                               regime="prefixrl"),
-    "sft_traces_regime": RunSpec("grpo", {}, "PrefixRL's SFT baseline, in its regime",
-                                 warm_start="traces", regime="prefixrl"),
-    # PrefixRL's controls (jobs/prefixrl_controls.py): which explanation of SFT's lead survives.
-    "grpo_regime": RunSpec("grpo", {}, "plain GRPO on the regime's hard set", regime="prefixrl"),
-    "sft_more_regime": RunSpec("grpo", {}, "the more-SFT control (is the base just "
-                               "undertrained?): SFT on the base's own traces of problems it "
-                               "already solves", warm_start="more_sft", regime="prefixrl"),
-    "prefixrl_other_regime": RunSpec("prefixrl", {}, "PrefixRL on a second base's traces "
-                                     "(off-policy traces)", regime="prefixrl", pool="other"),
-    "sft_other_traces_regime": RunSpec("grpo", {}, "the off-policy SFT baseline",
-                                       warm_start="other_traces", regime="prefixrl"),
-}
+from jaxprefix.run_setup.method_settings import contexts_per_problem
+from jaxprefix.run_setup.mining import LEDGER, mined_artifacts
+from jaxprefix.run_setup.policy import base_dir, load_policy
+from jaxprefix.run_setup.study_arms import RUNS
+from jaxprefix.studies import prefixrl_controls, results_report, warm_start
+from jaxprefix.studies.study import Study
 
 
 def _set(config, field: str, value) -> None:
@@ -150,6 +77,12 @@ def run_results(config, workdir: str) -> dict:
         raise ConfigError(f"config.results.regime.flops_budget="
                           f"{config.results.regime.flops_budget}: expected >= 0 FLOPs (0: "
                           f"regime.steps each)")
+    if config.results.regime.get("flops_budget", 0.0) and not any(
+            RUNS[name].regime == "prefixrl" for name in names):
+        raise ConfigError(f"config.results.regime.flops_budget="
+                          f"{config.results.regime.flops_budget} is set but no run of "
+                          f"results.runs={tuple(names)} is in PrefixRL's regime; expected 0, or "
+                          f"runs among {sorted(n for n in RUNS if RUNS[n].regime == 'prefixrl')}")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}
@@ -296,7 +229,7 @@ def _solved(study: Study) -> tuple[list, dict]:
 
 def _pope_problems(study: Study, c) -> int:
     """How many hard problems a POPE run guides (the rest have no solvable prefix in its cap)."""
-    from jaxprefix.jobs.mine import Mining, mining_dir
+    from jaxprefix.run_setup.mining import Mining, mining_dir
 
     mining = Mining(c, study.policy, study.sets, mining_dir(c, study.workdir))
     found = mining.prefixes(study.hard)

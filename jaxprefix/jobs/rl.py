@@ -2,64 +2,45 @@
 
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope
 
-POPE and PrefixRL first mine what they need with the base policy (jobs/mine.py, cached in the
-mining directory); that sampling compute starts the run's ledger, so every FLOPs figure the run
-reports includes it. Running the command again resumes from the last checkpoint.
+POPE and PrefixRL first mine what they need with the base policy (run_setup/mining.py, cached
+in the mining directory); that sampling compute starts the run's ledger, so every FLOPs figure
+the run reports includes it. Running the command again resumes from the last checkpoint.
 """
 from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import (distributed, key_step_probe, models, run_identity, storage,
-                       workdir_lock)
+from jaxprefix import distributed, key_step_probe, models, run_identity, storage
 from jaxprefix.data import tasks
-from jaxprefix.jobs import method_settings
-from jaxprefix.jobs.allocation import allocated
-from jaxprefix.jobs.mine import prefix_search, set_up
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.grpo import GrpoMethod
-from jaxprefix.rl import compute_ledger
+from jaxprefix.rl import compute_ledger, loop
 from jaxprefix.rl.compute_ledger import ComputeLedger
-from jaxprefix.rl import loop
+from jaxprefix.run_setup.mining import mined_artifacts, set_up
+from jaxprefix.run_setup.run_settings import RunSettings, resolve
+from jaxprefix.storage import workdir_lock
 
-def mined_artifacts(config) -> tuple[str, ...]:
-    """The mining artifacts (jobs/mine.ARTIFACTS) the configured method trains on: its bill."""
-    hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
-    if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
-        return hard + ((prefix_search(config),) if config.pope.guided_copies else ())
-    if config.method == "prefixrl":
-        p = config.prefixrl
-        if p.get("pool_path"):  # another model's traces: their declared generation cost
-            return hard + ("imported_pool",)
-        return hard + (() if p.oracle_traces else ("trace_pool",))
-    return hard
-
-
-def build_method(config, policy, sets, mining):
+def build_method(settings: RunSettings, policy, sets, mining):
     """The configured method over its training problems, mining first where it needs to."""
+    config, m = settings.config, settings.method
     # Every host builds the same global request (problem lists are small): the sampler and the
     # learner then place their rows over the global mesh, and all hosts agree on every batch.
     common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
                   seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
     if config.eval.get("hard_set"):
         common["hard_eval_problems"] = mining.hard_set().problems
-    schedule = method_settings.schedule(config)
-    if config.method == "grpo":
-        train = mining.hard_set().problems if config.mining.train_on == "hard" else sets.train
+    if m.name == "grpo":
+        train = mining.hard_set().problems if m.train_on == "hard" else sets.train
         return GrpoMethod(policy.prompts, train, **common)
-    if config.method == "pope":
-        hard = mining.hard_set()
-        return pope.PopeMethod(
-            policy.prompts, hard.problems, mining.prefixes(hard), schedule=schedule,
-            settings=pope.PopeSettings.from_config(config), easy=sets.easy, **common)
-    if config.method == "prefixrl":
-        hard = mining.hard_set()
-        p = config.prefixrl
-        return prefixrl.PrefixRLMethod(
-            policy.prompts, hard.problems, mining.trace_pool(hard.problems), schedule=schedule,
-            prefixes_per_problem=p.prefixes_per_problem, unprefixed_copies=p.unprefixed_copies,
-            cut_range=(p.cut_lo, p.cut_hi), **common)
-    raise ValueError(f"config.method={config.method!r}: expected one of {method_settings.METHODS}")
+    hard = mining.hard_set()
+    if m.name == "pope":
+        return pope.PopeMethod(policy.prompts, hard.problems, mining.prefixes(hard),
+                               schedule=m.new_prefix_schedule(), settings=m.pope, easy=sets.easy,
+                               **common)
+    return prefixrl.PrefixRLMethod(
+        policy.prompts, hard.problems, mining.trace_pool(hard.problems),
+        schedule=m.new_prefix_schedule(), prefixes_per_problem=m.prefixes_per_problem,
+        unprefixed_copies=m.unprefixed_copies, cut_range=m.cut_range, **common)
 
 
 def key_step_probe_of(config, policy, sets):
@@ -75,7 +56,8 @@ def training_cost(config, contexts_per_step: int, num_params: int) -> str:
     """The line logged before the RL loop samples: steps x contexts x samples x new tokens, and
     the FLOPs bound of sampling them (2 N D) and training on them (6 N D), D the generated tokens
     at their cap (contexts add their own length, which varies by problem)."""
-    steps, n, new = config.train.total_steps, config.rollout.n, config.rollout.max_new_tokens
+    steps, n = config.train.total_steps, config.rollout.n
+    new = config.rollout.max_new_tokens * config.rollout.get("max_turns", 1)  # every turn's
     rollouts = steps * contexts_per_step * n
     tokens = rollouts * new
     budget = float(config.train.get("flops_budget", 0.0))
@@ -89,25 +71,28 @@ def training_cost(config, contexts_per_step: int, num_params: int) -> str:
 
 
 @workdir_lock.holds_workdir
-def run_rl(config, workdir: str) -> dict:
-    """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger."""
-    config = allocated(config)  # isocompute.budget > 0: n, B, M from the allocation rule
-    method_settings.check_method_settings(config)
-    contexts = method_settings.contexts_per_step(config)
-    loop.validate(config, contexts_per_step=contexts)
+def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
+    """Mines (if needed) and trains; returns the loop's result plus the policy and the ledger.
+
+    settings: the config resolved (preflight's, which main hands over); a run started otherwise
+    (the demo's and results' arms, the sweep's points, tests) resolves its config here, once."""
+    settings = settings or resolve(config)  # isocompute.budget > 0: n, B, M from the rule
+    config, contexts = settings.config, settings.method.contexts_per_step
     run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
     policy, sets, mining = set_up(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)  # in place: the prober samples the sharded model
-    method = build_method(config, policy, sets, mining)
+    method = build_method(settings, policy, sets, mining)
     mined = mining.cost(mined_artifacts(config))
     ledger = ComputeLedger(policy.model.config.num_params())
     logging.info("%s: mining spent %.3g FLOPs", config.method, mined.extra_flops)
     logging.info(training_cost(config, contexts, ledger.n_params))
     result = loop.train(config, workdir, method=method, model=policy.model,
-                        tokenizer=policy.tokenizer, stop_ids=policy.stop_ids, mesh=mesh,
-                        ledger=ledger, contexts_per_step=contexts,
-                        probe=key_step_probe_of(config, policy, sets))
+                        tokenizer=policy.tokenizer, learner_config=settings.train,
+                        rollout=settings.rollout, contexts_per_step=contexts,
+                        stop_ids=policy.stop_ids, mesh=mesh, ledger=ledger,
+                        probe=key_step_probe_of(config, policy, sets),
+                        tools=settings.tools)
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:

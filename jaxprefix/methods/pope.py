@@ -56,8 +56,9 @@ UNSOLVED_MODES = ("drop", "longest", "unguided")
 @dataclasses.dataclass(frozen=True)
 class PopeSettings:
     """How POPE mixes and guides its contexts: the config's `pope` block (and the prefix cap in
-    steps, mining.max_prefix_units), checked where it is made: preflight makes one from the
-    config before any work (`from_config`), and PopeMethod takes one and checks nothing again."""
+    steps, mining.max_prefix_units), checked where it is made: MethodSettings makes one from
+    the config before any work (`from_config`), and PopeMethod takes it and checks nothing
+    again."""
     guidance: str = "instruction"  # GUIDANCE_MODES
     template: str = "default"      # a TEMPLATES name: the instruction around a guided prompt
     guided_copies: int = 1

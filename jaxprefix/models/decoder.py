@@ -11,7 +11,6 @@ sparse ones (`stacked_layers`), and each run of consecutive same-kind layers is 
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 import jax
@@ -19,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import layers, lora, moe, tpu_attention
-from jaxprefix.models.attention import KVCache, KVSegment, attend
+from jaxprefix.models import backend, layers, lora, moe
+from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import constrain
@@ -127,26 +126,29 @@ class Decoder(nnx.Module):
         """Logits [B, T, V] (f32) of a (padded) batch; causal by position among valid tokens."""
         return self.unembed(self.hidden(tokens, positions, mask))
 
-    def hidden(self, tokens, positions=None, mask=None, routes=None) -> jax.Array:
+    def hidden(self, tokens, positions=None, mask=None, routes=None, *, router_load=False):
         """Final-normed hidden states [B, T, D]. `routes` (a MoE; int [B, T, sparse layers, k],
-        from `route`): each token's experts in each sparse layer, replayed instead of the
-        router's top-k (gate weights still from the router, over those experts)."""
-        return self._hidden(tokens, positions, mask, routes)[0]
+        from `route` or the sampler's Rollouts.routes): each token's experts in each sparse
+        layer, replayed instead of the router's top-k (gate weights still from the router, over
+        those experts; a token whose experts are -1 takes the router's own). `router_load`:
+        (h, each sparse layer's moe.router_load over the real tokens [sparse layers, 2, E])."""
+        h, routing = self._hidden(tokens, positions, mask, routes, router_load)
+        return (h, routing['load']) if router_load else h
 
     def route(self, tokens, positions=None, mask=None) -> jax.Array:
         """The experts int32 [B, T, sparse layers, k] each token's forward routes to (a MoE)."""
         if not any(self.config.sparse_layers):
             raise ValueError('route: the model has no sparse (mixture-of-experts) layers')
-        return self._hidden(tokens, positions, mask, None)[1]
+        return self._hidden(tokens, positions, mask, None, False)[1]['experts']
 
-    def _hidden(self, tokens, positions, mask, routes):
+    def _hidden(self, tokens, positions, mask, routes, router_load):
         tokens = jnp.asarray(tokens, jnp.int32)
         mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
         if positions is None:
             positions = jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1
         positions = jnp.where(mask, jnp.asarray(positions, jnp.int32), -1)
-        h, _, used = self._run(tokens, positions, (), None, None, (), routes)
-        return h, used
+        h, _, routing = self._run(tokens, positions, (), None, None, (), routes, router_load)
+        return h, routing
 
     def unembedding(self) -> jax.Array:
         """The [V, D] unembedding matrix (the embedding table when tied)."""
@@ -166,7 +168,7 @@ class Decoder(nnx.Module):
 
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
                cache: KVCache | None = None, layer_weights: Sequence[dict] | None = None,
-               pages: Sequence[PagedKV] = ()) -> tuple[jax.Array, KVSegment | KVCache]:
+               pages: Sequence[PagedKV] = (), with_routes: bool = False) -> tuple:
         """Logits of new tokens [B, T] attending to `context` segments and to `cache` or each other.
 
         A negative position marks a padding token: it is stored as an empty slot. Returns the new
@@ -180,6 +182,8 @@ class Decoder(nnx.Module):
         (paged_attention.py; a context each group of rows shares, each row's own earlier
         tokens), read only; the returned KVSegment holds the new tokens' keys and values for the
         caller to write into its pages.
+        `with_routes`: (logits, kv, the experts int32 [B, T, sparse layers, k] the new tokens
+        route to, None for a dense model), what the sampler records for routing replay.
         """
         tokens = jnp.asarray(tokens, jnp.int32)
         positions = jnp.asarray(positions, jnp.int32)
@@ -187,14 +191,18 @@ class Decoder(nnx.Module):
         pages = tuple(pages)
         if pages and (cache is not None or tokens.shape[1] != 1):
             raise ValueError('pages take one new token per row and no cache')
-        h, kv, _ = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
+        h, kv, routing = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
+        if with_routes:
+            return self.unembed(h), kv, None if routing is None else routing['experts']
         return self.unembed(h), kv
 
     # --- the one forward path -----------------------------------------------------------------
 
     def _run(self, tokens, positions, context: tuple[KVSegment, ...], cache: KVCache | None,
-             layer_weights: Sequence[dict] | None, pages: tuple[PagedKV, ...], routes=None):
-        """(final-normed h, the new KV, the experts [B, T, sparse layers, k] or None)."""
+             layer_weights: Sequence[dict] | None, pages: tuple[PagedKV, ...], routes=None,
+             router_load: bool = False):
+        """(final-normed h, the new KV, the routing or None for a dense model): 'experts'
+        [B, T, sparse layers, k] and, with router_load, 'load' [sparse layers, 2, E]."""
         c = self.config
         dtype = jnp.dtype(c.dtype)
         x = self.embed[...][tokens].astype(dtype)
@@ -217,7 +225,7 @@ class Decoder(nnx.Module):
                          lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
         runs = _layer_runs(c)
         # A decode step's experts stay stacked, each layer's read in place by the expert kernel
-        # (tpu_attention.grouped_matmul): the scan's slice of a layer would be copied first.
+        # (backend.grouped_matmul): the scan's slice of a layer would be copied first.
         whole_experts = {}
         if (cache is not None or pages) and layer_weights is None and any(c.sparse_layers):
             whole_experts = {n: getattr(self, n)[...] for n in _STACKED_EXPERTS}
@@ -239,10 +247,10 @@ class Decoder(nnx.Module):
         replay = None if routes is None else jnp.moveaxis(jnp.asarray(routes, jnp.int32), 2, 0)
 
         def over_layers(step, carry):
-            """(carry, outputs stacked over all layers, experts [B, T, sparse layers, k] or
-            None): scan(step, carry, per_layer) per run of same-kind layers, or a Python loop
-            over the given layer weights. step(carry, xs) -> (carry, (output, experts))."""
-            outs, experts = [], []
+            """(carry, outputs stacked over all layers, the sparse layers' routings stacked over
+            them or None): scan(step, carry, per_layer) per run of same-kind layers, or a Python
+            loop over the given layer weights. step(carry, xs) -> (carry, (output, routing))."""
+            outs, routings = [], []
             if layer_weights is None:
                 for start, stop, sparse in runs:
                     whole = len(runs) == 1
@@ -256,7 +264,7 @@ class Decoder(nnx.Module):
                     unroll = stop - start if c.num_layers <= _UNROLL_UP_TO_LAYERS else 1
                     carry, (out, used) = jax.lax.scan(step, carry, xs, unroll=unroll)
                     outs.append(out)
-                    experts += [used] if sparse else []
+                    routings += [used] if sparse else []
                 out = outs[0] if len(outs) == 1 else jax.tree.map(
                     lambda *a: jnp.concatenate(a), *outs)
             else:
@@ -268,18 +276,17 @@ class Decoder(nnx.Module):
                         xs['routes'] = replay[sum(c.sparse_layers[:i])]
                     carry, (out, used) = step(carry, xs)
                     outs.append(out)
-                    experts += [used[None]] if c.sparse_layers[i] else []
+                    if c.sparse_layers[i]:
+                        routings.append(jax.tree.map(lambda a: a[None], used))
                 out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-            if not experts:
+            if not routings:
                 return carry, out, None
-            experts = experts[0] if len(experts) == 1 else jnp.concatenate(experts)
-            return carry, out, jnp.moveaxis(experts, 0, 2)
+            routing = jax.tree.map(lambda *a: jnp.concatenate(a), *routings)
+            return carry, out, {**routing, 'experts': jnp.moveaxis(routing['experts'], 0, 2)}
         context_pos = [s.pos for s in context]
-        # Without a cache the new tokens attend to each other: T x T scores, too large to
-        # materialise at 16k tokens, so tiles (blockwise on CPU/GPU, the splash kernel on TPU).
         # A decode step over pages has one new token: plain attention, plus the pages' partial.
-        attend_fn = attend if cache is not None or pages else functools.partial(
-            tpu_attention.attend, sliding_window=c.sliding_window)
+        attend_fn = backend.attention_for(cached=cache is not None or bool(pages),
+                                          sliding_window=c.sliding_window)
 
         def layer(x, xs, kv_self):
             """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
@@ -305,7 +312,7 @@ class Decoder(nnx.Module):
             segments.append(own)
             extra = {}
             if pages:
-                extra['partials'] = [tpu_attention.attend_pages(
+                extra['partials'] = [backend.attend_pages(
                     q, positions, p, xs['index'], scale=c.attn_scale, window=xs['window'],
                     logit_cap=c.attn_logit_softcapping) for p in pages]
             a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
@@ -317,25 +324,26 @@ class Decoder(nnx.Module):
                 a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = x + a
             h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            experts = None
+            routing = None
             if 'router' in w:  # a sparse layer (the weights of a run are of one kind)
-                m, experts = moe.sparse_mlp(h, {**w, **whole_experts}, c.num_experts_per_tok,
+                m, routing = moe.sparse_mlp(h, {**w, **whole_experts}, c.num_experts_per_tok,
                                             c.norm_topk_prob, c.activation, xs.get('routes'),
+                                            positions >= 0 if router_load else None,
                                             layer=xs.get('expert_layer'))
             else:
                 m = layers.gated_mlp(h, project, c.activation)
             if c.sandwich_norms:
                 m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
             x = constrain(x + m, ('batch', 'length', 'act_embed'))
-            return x, new_kv, experts
+            return x, new_kv, routing
 
         if cache is None:
             def step(x, xs):
-                x, kv, experts = layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
-                return x, (kv, experts)
+                x, kv, routing = layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
+                return x, (kv, routing)
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
-            x, (ks, vs), used = over_layers(step, x)
+            x, (ks, vs), routing = over_layers(step, x)
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
             t = tokens.shape[1]
@@ -354,15 +362,15 @@ class Decoder(nnx.Module):
                     cache_k, cache_v = put(cache_k, i, k), put(cache_v, i, v)
                     return (cache_k[i], cache_v[i], cache_pos), None
 
-                x, _, experts = layer(x, xs, write)
-                return (x, cache_k, cache_v), (None, experts)
+                x, _, routing = layer(x, xs, write)
+                return (x, cache_k, cache_v), (None, routing)
 
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
-            (x, ks, vs), _, used = over_layers(step, (x, cache.k, cache.v))
+            (x, ks, vs), _, routing = over_layers(step, (x, cache.k, cache.v))
             kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
         h = layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one)
-        return h, kv, used
+        return h, kv, routing
 
 
 # A scan over layers compiles once however deep the model; on a few layers its loop costs more

@@ -13,7 +13,7 @@ The attention returns (output, log-sum-exp) so that it merges with the other par
 context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
 (paged_kernel.py) reads only the pages a group needs; elsewhere `reference` reads every page of
 the layer where it lies, against its owner group's queries, and masks the rest;
-tpu_attention.attend_pages picks by backend.
+backend.attend_pages picks by backend.
 
 `PageLayout` says a pool's shape and where each page lies; the sampler's pools, the writes into
 them, the views a decode step reads, this reference and the kernel all take it from there.

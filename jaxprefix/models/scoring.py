@@ -12,18 +12,20 @@ from jaxprefix.models.decoder import Decoder, unembed
 
 
 def token_logprobs(model: Decoder, tokens, mask, *, positions=None, chunk_size: int = 128,
-                   temperature: float = 1.0, routes=None) -> tuple[jax.Array, jax.Array]:
+                   temperature: float = 1.0, routes=None, router_load: bool = False) -> tuple:
     """(logprobs [B, T], entropy [B, T]) of tokens[:, t] given tokens[:, :t].
 
     Column 0, and any column whose token or predecessor is masked out, gets 0. Both are of the
     tempered distribution softmax(logits / temperature): the one a sampler at that temperature
     draws from. Differentiable with respect to model. `routes` (a MoE) replays recorded
-    experts (Decoder.hidden).
+    experts (Decoder.hidden); `router_load` (a MoE) appends the sparse layers' router load
+    [sparse layers, 2, E] (moe.router_load) for the load-balancing loss.
     """
     tokens = jnp.asarray(tokens, jnp.int32)
     mask = jnp.asarray(mask, bool)
     b, t = tokens.shape
-    h = model.hidden(tokens, positions, mask, routes)
+    h = model.hidden(tokens, positions, mask, routes, router_load=router_load)
+    h, load = h if router_load else (h, None)
     # Hidden state at t-1 predicts token t.
     h, targets = h[:, :-1], tokens[:, 1:]
     valid = mask[:, 1:] & mask[:, :-1]
@@ -52,4 +54,4 @@ def token_logprobs(model: Decoder, tokens, mask, *, positions=None, chunk_size: 
     zero = jnp.zeros((b, 1), jnp.float32)
     logp = jnp.concatenate([zero, jnp.where(valid, logp, 0.0)], axis=1)
     entropy = jnp.concatenate([zero, jnp.where(valid, entropy, 0.0)], axis=1)
-    return logp, entropy
+    return (logp, entropy, load) if router_load else (logp, entropy)

@@ -74,7 +74,9 @@ def build_batch(chunks, advantages, selection: GroupSelection, *, mask_truncated
     chunks: list of Rollouts; advantages: list of [C_i, n] arrays, one per chunk.
     Returns numpy arrays, rows group-major (n rows per picked group), width bucketed:
       tokens, positions int32 [B, L]; token_mask bool [B, L] (real tokens);
-      completion_mask f32 [B, L] (loss mask); old_logprobs f32 [B, L]; advantages f32 [B].
+      completion_mask f32 [B, L] (loss mask); old_logprobs f32 [B, L]; advantages f32 [B];
+      and routes [B, L, sparse layers, k] (-1 past each row) when the chunks recorded experts
+      (a mixture of experts' routing replay), following their rows.
     """
     n = chunks[0].n
     rows = [(c, g * n + j) for c, g in selection.picks for j in range(n)]
@@ -90,6 +92,9 @@ def build_batch(chunks, advantages, selection: GroupSelection, *, mask_truncated
         "old_logprobs": np.zeros((len(rows), width), np.float32),
         "advantages": np.zeros((len(rows),), np.float32),
     }
+    recorded = chunks[0].routes
+    if recorded is not None:
+        batch["routes"] = np.full((len(rows), width, *recorded.shape[2:]), -1, recorded.dtype)
     for i, (c, r) in enumerate(rows):
         ro = chunks[c]
         length = int(ro.context_lengths[r] + ro.lengths[r])
@@ -100,4 +105,6 @@ def build_batch(chunks, advantages, selection: GroupSelection, *, mask_truncated
         batch["completion_mask"][i, :length] = ro.completion_mask[r, :length] * keep
         batch["old_logprobs"][i, :length] = ro.logprobs[r, :length]
         batch["advantages"][i] = advantages[c][r // n, r % n]
+        if recorded is not None:
+            batch["routes"][i, :length] = ro.routes[r, :length]
     return batch

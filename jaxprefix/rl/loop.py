@@ -21,6 +21,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxprefix import distributed, rewards, sampling
+from jaxprefix.tools import episodes as multi_turn
+from jaxprefix.tools.settings import ToolSettings
 from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
@@ -104,7 +106,9 @@ def adapted(model, config, mesh=None):
 
 
 def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
-    """Checks the run's settings before anything is loaded; returns the learner's TrainConfig.
+    """Checks the loop's and the learner's settings before anything is loaded (the rollout
+    block is its RolloutSpec's, the method's its MethodSettings': run_setup/run_settings.resolve
+    makes all three); returns the learner's TrainConfig.
 
     contexts_per_step: the contexts a step samples, n times each (default: one per problem; a
     method with guided copies or prefixes has more)."""
@@ -116,7 +120,6 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     if t.advantage == "pass_at_k":
         need(1 <= t.get("pass_k", 1) <= r.n, "config.train.pass_k", t.get("pass_k"),
              f"1 <= pass_k <= rollout.n={r.n}")
-    sampling.RolloutSpec.from_config(r)  # raises naming the rollout field
     need(t.problems_per_step >= 1, "config.train.problems_per_step", t.problems_per_step,
          ">= 1")
     need(t.total_steps >= 0, "config.train.total_steps", t.total_steps, ">= 0")
@@ -129,14 +132,35 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     lora_config(config)
     rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     learner_config = train_config(config)
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    contexts = contexts_per_step or t.problems_per_step
-    try:
-        learner_config.check_batch(contexts * r.n, shards)
-    except ValueError as e:
-        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} ({contexts} "
-                         f"contexts) x config.rollout.n={r.n}: {e}") from None
+    check_rows(config, learner_config, contexts_per_step or t.problems_per_step, mesh)
     return learner_config
+
+
+def check_rows(config, learner_config: TrainConfig, contexts_per_step: int, mesh=None) -> None:
+    """A step's rows (contexts x rollout.n) split into the learner's minibatches over the row
+    devices of `mesh` (none: one)."""
+    t, n = config.train, config.rollout.n
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    try:
+        learner_config.check_batch(contexts_per_step * n, shards)
+    except ValueError as e:
+        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} "
+                         f"({contexts_per_step} contexts) x config.rollout.n={n}: {e}") from None
+
+
+def routing_replay(config, mixture_of_experts: bool) -> bool:
+    """Whether the sampler records a MoE's experts and the learner replays them
+    (config.train.routing_replay); a dense model refuses it and router_aux_coef when set."""
+    t = config.train
+    value = t.get("routing_replay", "auto")
+    need(value in ("auto", "on", "off"), "config.train.routing_replay", value,
+         "'auto', 'on' or 'off'")
+    if not mixture_of_experts:
+        need(value == "auto", "config.train.routing_replay", value,
+             "'auto' on a dense model (it has no experts to replay)")
+        need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
+             t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
+    return mixture_of_experts and value != "off"
 
 
 def check_update_resolution(model, learning_rate: float) -> None:
@@ -163,12 +187,15 @@ def check_update_resolution(model, learning_rate: float) -> None:
 @dataclasses.dataclass
 class Scored:
     request: RolloutRequest
-    rollouts: sampling.Rollouts
+    rollouts: sampling.Rollouts  # episodes laid out as rows (multi_turn.as_rollouts) too
     rewards: np.ndarray          # [C, n]
     verifier_failures: int
     seconds_sampling: float
     seconds_reward: float
     too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
+    prefilled: int = 0           # tokens the sampler prefilled (observations, re-prefills too)
+    generated: int = 0           # tokens the policy sampled
+    episodes: list | None = None  # multi-turn episodes (None: one turn a row)
 
 
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
@@ -180,16 +207,30 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
     return texts
 
 
-def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed: int,
-                     stop_ids: Sequence[int]) -> Scored:
-    r = config.rollout
+def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
+                     rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
+                     record_routes: bool = False, episodes=None) -> Scored:
+    """Samples the request (one turn a row, with a MoE's experts when `record_routes`; with
+    `episodes`, an episode rollout of ToolSettings.rollout, multi-turn episodes scored on their
+    final answers) and scores it."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
-    rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                 seed=seed, **sampling.RolloutSpec.from_config(r).sampler_keywords())
+    keywords = rollout.sampler_keywords()
+    found = None
+    if episodes is None:
+        rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
+                                     seed=seed, record_routes=record_routes, **keywords)
+        texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
+        prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
+    else:
+        found = episodes(model, request.contexts, n=request.n, stop_ids=stop_ids, seed=seed,
+                         **keywords)
+        rollouts = multi_turn.as_rollouts(found, request.n)
+        texts = [(request.response_prefixes[e.group] if request.response_prefixes and
+                  e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
+        prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
-    texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
     problems = [request.problems[g] for g in rollouts.group_ids]
     verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
     scores, stats = rewards.score_batch(verifier, texts, problems,
@@ -198,7 +239,8 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *, seed:
                                         max_chars=config.rewards.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled, stats["too_long"])
+                  sampled - start, time.perf_counter() - sampled, stats["too_long"],
+                  prefilled, generated, found)
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:
@@ -226,15 +268,28 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
     return out
 
 
-def evaluate(model, tokenizer, method, config, *, step: int, stop_ids) -> tuple[dict, dict]:
+def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
+    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode and the
+    tokens of earlier turns prefilled again (a one-turn row is an episode of one turn)."""
+    found = [e for c in chunks for e in (c.episodes or ())]
+    if found:
+        return multi_turn.episode_metrics(found)
+    return {"rollout/tool_calls": 0.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 1.0,
+            "rollout/reprefilled_tokens": 0.0}
+
+
+def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec, step: int,
+             stop_ids, episodes=None) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
-    (samples per problem, correct samples of each problem) for eval_counts.jsonl."""
+    (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
+    `episodes`, of episodes with the run's tools."""
     from jaxprefix import evaluation
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
-        scored = sample_and_score(model, tokenizer, request, config, stop_ids=stop_ids,
-                                  seed=round_seed(config.seed + 1, step, 0))
+        scored = sample_and_score(model, tokenizer, request, config, rollout=rollout,
+                                  stop_ids=stop_ids, seed=round_seed(config.seed + 1, step, 0),
+                                  episodes=episodes)
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out[f"{name}/reward_mean"] = float(scored.rewards.mean())
@@ -276,20 +331,23 @@ def _state_arrays(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
-def _rollout_chunks(policy, tokenizer, method: Method, config, step: int,
-                    stop_ids) -> list[Scored]:
+def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: int,
+                    stop_ids, record_routes: bool, episodes=None) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
-    chunks = [sample_and_score(policy, tokenizer, request, config, stop_ids=stop_ids,
-                               seed=round_seed(config.seed, step, 0))]
+    chunks = [sample_and_score(policy, tokenizer, request, config, rollout=rollout,
+                               stop_ids=stop_ids, seed=round_seed(config.seed, step, 0),
+                               record_routes=record_routes, episodes=episodes)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
             [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
         more = method.next_request(step)
-        chunks.append(sample_and_score(policy, tokenizer, more, config, stop_ids=stop_ids,
-                                       seed=round_seed(config.seed, step, len(chunks))))
+        chunks.append(sample_and_score(policy, tokenizer, more, config, rollout=rollout,
+                                       stop_ids=stop_ids,
+                                       seed=round_seed(config.seed, step, len(chunks)),
+                                       record_routes=record_routes, episodes=episodes))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
@@ -319,13 +377,12 @@ class _StepCost:
 
 def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: TrainConfig,
                with_reference: bool) -> _StepCost:
-    sampled = sum(int(c.rollouts.context_lengths.sum() + c.rollouts.lengths.sum())
-                  for c in chunks)
+    sampled = sum(c.prefilled + c.generated for c in chunks)
     real = int(batch["token_mask"].sum())
     forwarded = real * learner_config.num_epochs
     # Forward-only passes of the update: the KL reference's, the old log-probs' recompute.
     forwards = with_reference + (learner_config.old_logprobs == "learner")
-    return _StepCost(sampled, sum(int(c.rollouts.lengths.sum()) for c in chunks), forwarded,
+    return _StepCost(sampled, sum(c.generated for c in chunks), forwarded,
                      sampling_flops(n_params, sampled),
                      update_flops(n_params, forwarded) + forwards * sampling_flops(n_params, real))
 
@@ -333,7 +390,7 @@ def _step_cost(chunks: list[Scored], batch, n_params: int, learner_config: Train
 def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCost, totals: dict,
                  *, step_seconds: float, update_seconds: float) -> dict[str, float]:
     """The step's metrics.jsonl row (evaluation scores are added to it on eval steps)."""
-    record = reward_metrics(chunks[0])
+    record = reward_metrics(chunks[0]) | turn_metrics(chunks)
     record.update({k: float(v) for k, v in update_metrics.items()})
     record.update({
         "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
@@ -359,39 +416,76 @@ def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCos
     return record
 
 
-def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=(), mesh=None,
-          ledger=None, contexts_per_step: int | None = None, probe=None,
+def _resume(ckpt, state: TrainState, method: Method, totals: dict, ledger) -> TrainState:
+    """The newest checkpoint that restores (a corrupt one: the one before), with the method's
+    state, the running totals and the ledger; `state` itself when there is none."""
+    restored = recovery.restore_newest(ckpt, _state_arrays(state))
+    if restored is None:
+        return state
+    _, arrays, meta = restored
+    method.restore(meta["method"])
+    totals.update(meta["totals"])
+    if ledger is not None and meta.get("ledger"):
+        for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
+            setattr(ledger, k, v)
+    return TrainState(**arrays)
+
+
+def _book(cost: _StepCost, chunks: list[Scored], totals: dict, ledger) -> None:
+    """A step's tokens and FLOPs into the running totals and the ledger."""
+    totals["tokens_sampled"] += cost.sampled
+    totals["tokens_trained"] += cost.forwarded
+    totals["flops"] += cost.flops_sampling + cost.flops_update
+    if ledger is not None:
+        for c in chunks:
+            ledger.record_sampling(rollouts=len(c.rollouts.lengths),
+                                   prefill_tokens=c.prefilled,
+                                   generated_tokens=c.generated)
+        ledger.record_update(tokens=cost.forwarded)
+
+
+def _steps_in_budget(flops_budget: float, cost: _StepCost, totals: dict) -> int:
+    """How many more steps like this one the FLOPs budget leaves (0 once it is spent); marks
+    the totals spent when the next such step would pass it."""
+    step_flops = cost.flops_sampling + cost.flops_update
+    if totals["flops"] + step_flops > flops_budget:
+        totals["budget_spent"] = True
+    return 0 if totals.get("budget_spent") else int((flops_budget - totals["flops"]) // step_flops)
+
+
+def train(config, workdir: str, *, method: Method, model, tokenizer, learner_config: TrainConfig,
+          rollout: sampling.RolloutSpec, contexts_per_step: int, stop_ids=(), mesh=None,
+          ledger=None, probe=None, tools=None,
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
+    learner_config, rollout, contexts_per_step: the run's resolved settings (validate's
+      TrainConfig, the RolloutSpec, the method's contexts a step); only the step's rows against
+      `mesh` are checked here.
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
       with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
     probe: an optional function of the sampling model, called at each evaluation; its figures
       join the step's record (the rl job's key-step probe, eval.key_step_probe).
+    tools: the run's ToolSettings (tools/settings.py); with rollout.max_turns > 1 every request
+      (training and evaluation) is sampled as episodes with its environment's tools.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
-    learner_config = validate(config, mesh, contexts_per_step)
+    check_rows(config, learner_config, contexts_per_step, mesh)
+    replay = routing_replay(config, any(model.config.sparse_layers))
     model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
+    episodes = tools.episode_rollout(tokenizer, model.config.max_position_embeddings) \
+        if tools is not None and tools.episodes else None
     # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
     # one program a step; generate() then finds them in place.
     decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
                                                               config.rollout.tensor_parallel)
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-    state = learner.init_state()
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-    restored = recovery.restore_newest(ckpt, _state_arrays(state))  # a corrupt one: the one before
-    if restored is not None:
-        _, arrays, meta = restored
-        state = TrainState(**arrays)
-        method.restore(meta["method"])
-        totals.update(meta["totals"])
-        if ledger is not None and meta.get("ledger"):
-            for k, v in type(ledger).from_dict(meta["ledger"]).to_dict().items():
-                setattr(ledger, k, v)
+    state = _resume(ckpt, learner.init_state(), method, totals, ledger)
     start = int(state.step)
     segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
     writer = MetricsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
@@ -418,7 +512,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
-            chunks = _rollout_chunks(policy, tokenizer, method, config, step, stop_ids)
+            chunks = _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids,
+                                     replay, episodes)
             selection, batch = _batch(chunks, config.train)
             del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
@@ -430,33 +525,19 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, stop_ids=()
             update_seconds = time.perf_counter() - update_start
 
             cost = _step_cost(chunks, batch, n_params, learner_config, ref_params is not None)
-            totals["tokens_sampled"] += cost.sampled
-            totals["tokens_trained"] += cost.forwarded
-            totals["flops"] += cost.flops_sampling + cost.flops_update
-            if ledger is not None:
-                for c in chunks:
-                    ledger.record_sampling(rollouts=len(c.rollouts.lengths),
-                                           prefill_tokens=int(c.rollouts.context_lengths.sum()),
-                                           generated_tokens=int(c.rollouts.lengths.sum()))
-                ledger.record_update(tokens=cost.forwarded)
+            _book(cost, chunks, totals, ledger)
             record = _step_record(chunks, selection, update_metrics, cost, totals,
                                   step_seconds=time.perf_counter() - step_start,
                                   update_seconds=update_seconds)
             done = step + 1
-            if flops_budget:
-                step_flops = cost.flops_sampling + cost.flops_update
-                if totals["flops"] + step_flops > flops_budget:
-                    totals["budget_spent"] = True
-                # The bar counts the steps the budget leaves at this step's cost, not total_steps.
-                ahead = 0 if totals.get("budget_spent") else \
-                    int((flops_budget - totals["flops"]) // step_flops)
-                bar.total = min(total, done + ahead)
+            if flops_budget:  # the bar counts the steps the budget leaves, not total_steps
+                bar.total = min(total, done + _steps_in_budget(flops_budget, cost, totals))
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
                 eval_start = time.perf_counter()
                 policy = learner.sampling_model(state, decode)
-                scores, counts = evaluate(policy, tokenizer, method, config, step=done,
-                                          stop_ids=stop_ids)
+                scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
+                                          step=done, stop_ids=stop_ids, episodes=episodes)
                 record.update(scores | (probe(policy) if probe else {}))
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start

@@ -31,7 +31,7 @@ from flax import nnx, struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxprefix.errors import need
-from jaxprefix.models import lora
+from jaxprefix.models import lora, moe
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.models.sharding import constrain_params, state_shardings
 from jaxprefix.rl import objectives
@@ -78,6 +78,9 @@ class TrainConfig:
     # log-probs, each token's policy-gradient term times min(pi_old / pi_sampler, tis_cap).
     old_logprobs: str = "sampler"
     tis_cap: float = 0.0
+    # A mixture of experts: + coef * the Switch / Qwen3-MoE load-balancing loss of the routers
+    # (models.moe.load_balancing_loss), each micro-batch's over its own tokens, averaged.
+    router_aux_coef: float = 0.0
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -104,6 +107,7 @@ class TrainConfig:
         check(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
              f"one of {objectives.OLD_LOGPROBS}")
         check(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
+        check(self.router_aux_coef >= 0, "router_aux_coef", ">= 0 (0: off)")
         check(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
              "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "
              "is 1)")
@@ -175,6 +179,9 @@ class Learner:
     """
 
     def __init__(self, model: nnx.Module, config: TrainConfig, mesh=None):
+        need(config.router_aux_coef == 0 or any(model.config.sparse_layers),
+             "TrainConfig.router_aux_coef", config.router_aux_coef,
+             "0 on a dense model (it has no router to balance)")
         self.config = config
         self.mesh = mesh
         self.compute_dtype = jnp.dtype(model.config.dtype)
@@ -358,14 +365,15 @@ def _remat_graph(model: nnx.Module):
 # compiled code (a resumed run, a test suite).
 
 
-def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
+def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature, router_load=False):
     model = nnx.merge(graphdef, params, rest)
     if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
         lora.set_dropout_key(model, batch["dropout_key"])
     # batch["routes"] (a MoE, int [B, T, sparse layers, k]): the sampler's experts, replayed
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
                           positions=batch["positions"], chunk_size=chunk_size,
-                          temperature=temperature, routes=batch.get("routes"))
+                          temperature=temperature, routes=batch.get("routes"),
+                          router_load=router_load)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
@@ -373,8 +381,10 @@ def _policy_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
     return _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature)[0]
 
 
-def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
-    logp, entropy = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk, c.temperature)
+def _micro_loss(graphdef, c: TrainConfig, micro_batches: int, params, rest, micro, totals):
+    balance = c.router_aux_coef > 0
+    logp, entropy, *load = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk,
+                                           c.temperature, router_load=balance)
     mask = micro["completion_mask"]
     loss, stats = objectives.policy_loss(
         logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
@@ -385,6 +395,10 @@ def _micro_loss(graphdef, c: TrainConfig, params, rest, micro, totals):
         loss = loss - objectives.entropy_bonus(entropy, mask, c.entropy_coef, c.aggregation,
                                                max_len=c.max_len or None, **totals)
     stats["entropy_sum"] = (jax.lax.stop_gradient(entropy) * mask).sum()
+    if balance:  # the minibatch's mean over its micro-batches
+        aux = moe.load_balancing_loss(load[0], micro["token_mask"].sum()) / micro_batches
+        loss = loss + c.router_aux_coef * aux
+        stats["router_aux_sum"] = jax.lax.stop_gradient(aux)
     return loss, stats
 
 
@@ -399,7 +413,7 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     else:
         sequences = mask.shape[0] * mask.shape[1]
     totals = {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
-    loss_fn = functools.partial(_micro_loss, graphdef, c)
+    loss_fn = functools.partial(_micro_loss, graphdef, c, mask.shape[0])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def body(carry, xs):
@@ -502,6 +516,8 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
         "skipped_updates": skipped_now,
         "loss_tokens": total["tokens"],
     })
+    if c.router_aux_coef:  # per optimizer update
+        metrics["router/aux_loss"] = total["router_aux_sum"] / (c.num_minibatches * c.num_epochs)
     if c.tis_cap:
         metrics["tis/weight_mean"] = total["tis_weight_sum"] / tokens
         metrics["tis/capped_fraction"] = total["tis_capped_sum"] / tokens

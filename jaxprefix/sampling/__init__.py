@@ -1,10 +1,10 @@
 """The sampler: n continuations of each context, prefilled once and decoded in-graph."""
 from jaxprefix.sampling.decode_mesh import decode_layout
-from jaxprefix.sampling.layout import SharedContext
+from jaxprefix.sampling.layout import SharedContext, token_ids
 from jaxprefix.sampling.rollout_spec import RolloutSpec
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import KV_DTYPES, generate
 from jaxprefix.sampling.token_choice import SamplingSettings
 
 __all__ = ['KV_DTYPES', 'RolloutSpec', 'Rollouts', 'SamplingSettings', 'SharedContext',
-           'decode_layout', 'generate']
+           'decode_layout', 'generate', 'token_ids']

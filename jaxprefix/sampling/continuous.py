@@ -34,6 +34,10 @@ carries a leading [D] axis: each block admits its own contexts into its own grou
 rows take pages of its own part of the pool, so a row reads its context and its pages on its
 own device. KV heads (and the weights) split over 'tensor'. A block whose contexts run long
 keeps the loop going while the others idle: the price of not moving KV between devices.
+
+Routing replay (a MoE, `record_routes`): the outputs also hold the experts of the admitted
+contexts' tokens (written at admission) and of the token each row feeds at each of its steps
+(static.py says which); a preempted row writes them again as it redraws its tokens.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from flax import nnx
 from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import constrain
 from jaxprefix.sampling import page_pool
+from jaxprefix.sampling import routes as recorded_routes
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
 
@@ -85,6 +90,11 @@ class Outputs:
     logprobs: jax.Array     # f32
     lengths: jax.Array      # int32
     stopped: jax.Array      # bool
+    # record_routes: [D * R, T, sparse layers, k] as static.DecodeState.routes; the contexts'
+    # (row: the context in request order) prompts' [C, Sp, ...] and suffixes' [C, Ss, ...]
+    routes: jax.Array | None = None
+    prompt_routes: jax.Array | None = None
+    suffix_routes: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -144,10 +154,23 @@ def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> Lo
             picked = jnp.where(ok.reshape(ok.shape + (1,) * (picked.ndim - 2)), picked, empty)
         return picked.reshape(d * admit, *picked.shape[2:])
 
-    segments = (context_kv(model, pick('prompt_tokens'), pick('prompt_positions', -1)),)
+    record = state.out.routes is not None
+    prompt, prompt_routes = context_kv(model, pick('prompt_tokens'),
+                                       pick('prompt_positions', -1), record_routes=record)
+    segments, out = (prompt,), state.out
     if contexts['suffix_tokens'].shape[1]:
-        segments += (context_kv(model, pick('suffix_tokens'), pick('suffix_positions', -1),
-                                segments),)
+        suffix, suffix_routes = context_kv(model, pick('suffix_tokens'),
+                                           pick('suffix_positions', -1), segments,
+                                           record_routes=record)
+        segments += (suffix,)
+    if record:  # at each admitted context's row in request order (past the end: dropped)
+        num_contexts = contexts['valid'].shape[0]
+        at = jnp.where(ok, jnp.arange(d)[:, None] * (num_contexts // d) + local,
+                       num_contexts).reshape(-1)
+        out = out.replace(prompt_routes=out.prompt_routes.at[at].set(prompt_routes, mode='drop'))
+        if out.suffix_routes is not None:
+            out = out.replace(suffix_routes=out.suffix_routes.at[at].set(suffix_routes,
+                                                                         mode='drop'))
     store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
                   for pool, new in zip(state.store, segments))
     # Each segment's real tokens (a prefix of its slots) and its first position.
@@ -167,7 +190,7 @@ def _admit(model, contexts: dict, state: LoopState, *, n: int, admit: int) -> Lo
     rows = state.rows.replace(state=jnp.where(queued, QUEUED, state.rows.state),
                               t=jnp.where(queued, 0, state.rows.t))
     count = ok.sum(axis=1, dtype=jnp.int32)
-    return state.replace(groups=groups, rows=rows, store=store,
+    return state.replace(groups=groups, rows=rows, store=store, out=out,
                          next_context=state.next_context + count,
                          admitted=state.admitted + count)
 
@@ -255,7 +278,7 @@ def _context_layout(layout: PageLayout, slots: int, length: int) -> PageLayout:
 
 
 def _initial_state(model, contexts: dict, *, n, context_slots, new_bucket,
-                   layout: PageLayout) -> LoopState:
+                   layout: PageLayout, record_routes: bool) -> LoopState:
     d, k = layout.blocks, context_slots
     per_block = contexts['valid'].shape[0] // d
     config = model.config
@@ -272,6 +295,14 @@ def _initial_state(model, contexts: dict, *, n, context_slots, new_bucket,
     out = Outputs(completions=ints((rows_total, new_bucket)),
                   logprobs=jnp.zeros((rows_total, new_bucket), jnp.float32),
                   lengths=ints((rows_total,)), stopped=jnp.zeros(rows_total, bool))
+    if record_routes:
+        num_contexts = contexts['valid'].shape[0]
+        suffix = contexts['suffix_tokens'].shape[1]
+        out = out.replace(
+            routes=recorded_routes.empty(config, rows_total, new_bucket),
+            prompt_routes=recorded_routes.empty(config, num_contexts,
+                                                contexts['prompt_tokens'].shape[1]),
+            suffix_routes=recorded_routes.empty(config, num_contexts, suffix) if suffix else None)
     tables = page_pool.PageTables.empty(d, layout.pages, k * n, new_bucket // layout.page_size)
     pool = _pool_constrained(page_pool.Pool.empty(layout))
     kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
@@ -306,17 +337,21 @@ def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'row_slots', 'context_slots',
-                                             'admit', 'new_bucket', 'reserve', 'layout'))
+                                             'admit', 'new_bucket', 'reserve', 'layout',
+                                             'record_routes'))
 def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key,
                       stop_ids, max_new_tokens, *, n: int, row_slots: int, context_slots: int,
-                      admit: int, new_bucket: int, reserve: int, layout: PageLayout):
+                      admit: int, new_bucket: int, reserve: int, layout: PageLayout,
+                      record_routes: bool = False):
     """Samples n continuations of each context of `contexts` (layout arrays, one row per context)
     with at most row_slots active rows per block, in group slots of n rows, over the rows' KV
     pages `layout` describes (one block per row device; `reserve` pages promised to each active
     row). Where the layout has a pool per layer, the decode slices each layer's weights once,
     before the loop, as static.decode's hoist_layers does.
 
-    Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row order.
+    Returns (completions [C*n, T], logprobs [C*n, T], lengths [C*n], stopped [C*n]) in row
+    order, then None, or with `record_routes` (a MoE) the recorded experts (prompt [C, Sp, ...],
+    suffix [C, Ss, ...] or None, rows [C*n, T, ...]; see Outputs).
     """
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
@@ -344,10 +379,10 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
         tables = page_pool.grow(state.tables, needs)
         rows = state.rows
         active = rows.state == ACTIVE
-        logits, new_kv = model.extend(
+        logits, new_kv, experts = model.extend(
             rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
             pages=_views(state, tables, active, n=n),
-            layer_weights=layer_weights)
+            layer_weights=layer_weights, with_routes=True)
         slot_context = jnp.repeat(jnp.maximum(state.groups.context, 0), n, axis=1)  # [D, R]
         sample = jnp.arange(rows.t.shape[1]) % n
         row_ids = (block_start + slot_context) * n + sample
@@ -361,10 +396,13 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
 
         out = state.out
         at = jnp.where(active, row_ids, out.lengths.shape[0])  # past the end: dropped
-        out = Outputs(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
-                      logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
-                      lengths=out.lengths.at[at].set(t, mode='drop'),
-                      stopped=out.stopped.at[at].set(hit_stop, mode='drop'))
+        out = out.replace(completions=out.completions.at[at, rows.t].set(tokens, mode='drop'),
+                          logprobs=out.logprobs.at[at, rows.t].set(logprobs, mode='drop'),
+                          lengths=out.lengths.at[at].set(t, mode='drop'),
+                          stopped=out.stopped.at[at].set(hit_stop, mode='drop'))
+        if out.routes is not None:  # the experts of the token each active row fed
+            fed = experts.reshape(*at.shape, *experts.shape[2:]).astype(out.routes.dtype)
+            out = out.replace(routes=out.routes.at[at, rows.t].set(fed, mode='drop'))
         rows = rows.replace(state=jnp.where(finished, IDLE, rows.state),
                             t=jnp.where(active, t, rows.t), token=jnp.where(active, tokens, rows.token),
                             position=jnp.where(active, rows.position + 1, rows.position))
@@ -375,6 +413,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
                              pending=pending, out=out)
 
     state = _initial_state(model, contexts, n=n, context_slots=context_slots,
-                           new_bucket=new_bucket, layout=layout)
+                           new_bucket=new_bucket, layout=layout, record_routes=record_routes)
     out = jax.lax.while_loop(keep_going, one_step, state).out
-    return out.completions, out.logprobs, out.lengths, out.stopped
+    routes = (out.prompt_routes, out.suffix_routes, out.routes) if record_routes else None
+    return out.completions, out.logprobs, out.lengths, out.stopped, routes

@@ -16,6 +16,7 @@ import math
 import jax
 import numpy as np
 
+from jaxprefix.models import backend
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh, param_shardings
 
@@ -32,7 +33,7 @@ def decode_mesh(mesh: jax.sharding.Mesh, config: ModelConfig, tensor: int,
     widest that divides them on TPU, the learner's own layout elsewhere), the rest hold rows."""
     devices = mesh.devices.size
     if tensor == 0:
-        if platform != 'tpu':
+        if not backend.tensor_parallel_by_default(platform):
             return mesh
         tensor = auto_tensor_parallel(config, devices)
     if devices % tensor or config.num_kv_heads % tensor or config.num_heads % tensor:

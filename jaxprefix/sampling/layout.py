@@ -31,6 +31,13 @@ class SharedContext:
 Context = Union[Sequence[int], SharedContext]
 
 
+def token_ids(context: Context) -> list[int]:
+    """A context's ids in order (a SharedContext's prompt, then its suffix)."""
+    if isinstance(context, SharedContext):
+        return [*map(int, context.prompt), *map(int, context.suffix)]
+    return list(map(int, context))
+
+
 def bucket(size: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(size, minimum)."""
     return 1 << max(0, math.ceil(math.log2(max(size, minimum, 1))))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxprefix.models.attention import KVSegment
+from jaxprefix.sampling import routes as recorded_routes
 
 # How often each jitted sampler program was traced (compiled); tests check it stays bounded.
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -47,27 +48,35 @@ def _unsteps(x: jax.Array, axis: int = 0) -> jax.Array:
 
 
 def context_kv(model, tokens: jax.Array, positions: jax.Array,
-               context: tuple[KVSegment, ...] = ()) -> KVSegment:
-    """The KV segment of tokens [N, S] at positions [N, S] (-1: padding), one row per device at a
-    time; row i attends to row i of each `context` segment (G = N). Steps without a real token
-    are skipped (left empty)."""
+               context: tuple[KVSegment, ...] = (), *,
+               record_routes: bool = False) -> tuple[KVSegment, jax.Array | None]:
+    """(the KV segment, the routes or None) of tokens [N, S] at positions [N, S] (-1: padding),
+    one row per device at a time; row i attends to row i of each `context` segment (G = N).
+    Steps without a real token are skipped (left empty). `record_routes` (a MoE): the experts
+    [N, S, sparse layers, k] each token routes to (sampling/routes.py)."""
     per_step = _rows_per_step(tokens.shape[0])
 
     def one(step):
         step_tokens, step_positions, step_context = step
 
         def run():
-            return model.extend(step_tokens, step_positions, context=step_context)[1]
+            _, kv, experts = model.extend(step_tokens, step_positions, context=step_context,
+                                          with_routes=True)
+            if not record_routes:
+                return kv, None
+            return kv, recorded_routes.recorded(experts, step_positions, model.config.num_experts)
 
-        shapes = jax.eval_shape(run)
-        empty = lambda: KVSegment(k=jnp.zeros(shapes.k.shape, shapes.k.dtype),
-                                  v=jnp.zeros(shapes.v.shape, shapes.v.dtype),
-                                  pos=jnp.full(shapes.pos.shape, -1, jnp.int32))
+        shapes, routes = jax.eval_shape(run)
+        empty = lambda: (KVSegment(k=jnp.zeros(shapes.k.shape, shapes.k.dtype),
+                                   v=jnp.zeros(shapes.v.shape, shapes.v.dtype),
+                                   pos=jnp.full(shapes.pos.shape, -1, jnp.int32)),
+                         None if routes is None else jnp.full(routes.shape, -1, routes.dtype))
         return jax.lax.cond(jnp.any(step_positions >= 0), run, empty)
 
     by_step = lambda segment: KVSegment(k=_steps(segment.k, per_step, 1),
                                         v=_steps(segment.v, per_step, 1),
                                         pos=_steps(segment.pos, per_step))
-    kv = jax.lax.map(one, (_steps(tokens, per_step), _steps(positions, per_step),
-                           tuple(by_step(c) for c in context)))
-    return KVSegment(k=_unsteps(kv.k, 1), v=_unsteps(kv.v, 1), pos=_unsteps(kv.pos))
+    kv, routes = jax.lax.map(one, (_steps(tokens, per_step), _steps(positions, per_step),
+                                   tuple(by_step(c) for c in context)))
+    segment = KVSegment(k=_unsteps(kv.k, 1), v=_unsteps(kv.v, 1), pos=_unsteps(kv.pos))
+    return segment, None if routes is None else _unsteps(routes)

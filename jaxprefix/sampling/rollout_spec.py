@@ -50,9 +50,8 @@ class RolloutSpec:
              "a power of two (tokens per KV page)")
         check(0 < self.kv_reserve <= 1, "kv_reserve", "a fraction in (0, 1]")
         check(self.tensor_parallel >= 0, "tensor_parallel", ">= 0 (0: automatic)")
-        check(self.max_turns == 1, "max_turns", "1 (multi-turn episodes with tools are built "
-              "on the host, jaxprefix/tools, but the RL loop does not train on them yet: "
-              "docs/TOOLS.md)")
+        check(self.max_turns >= 1, "max_turns", ">= 1 (more than 1: episodes with the tools of "
+              "config.tools, docs/TOOLS.md)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",
              f"'' (the compute dtype) or one of {KV_DTYPES}")
 

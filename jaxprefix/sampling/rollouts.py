@@ -26,6 +26,10 @@ class Rollouts:
       stopped          bool [N]      ended on a stop id (False: truncated at max_new_tokens)
       group_ids        int32 [N]     index of the context the row continues
       n                int           samples per context
+      routes           int8 or int16 [N, L, sparse layers, k], or None: a mixture of experts'
+                       experts of each token as the sampler computed them (generate's
+                       record_routes; sampling/routes.py), -1 where none was (a row's last
+                       token, padding)
     """
     tokens: np.ndarray
     positions: np.ndarray
@@ -36,15 +40,20 @@ class Rollouts:
     stopped: np.ndarray
     group_ids: np.ndarray
     n: int
+    routes: np.ndarray | None = None
 
     @classmethod
     def from_parts(cls, contexts: Sequence[Sequence[int]], completions: np.ndarray,
                    completion_logprobs: np.ndarray, lengths: np.ndarray, stopped: np.ndarray,
-                   n: int) -> 'Rollouts':
+                   n: int, *, context_routes: Sequence[np.ndarray] | None = None,
+                   row_routes: np.ndarray | None = None) -> 'Rollouts':
         """Lays out rows from contexts and per-sample completions.
 
         `completions` / `completion_logprobs` are [N, T] with the first lengths[row] entries valid;
-        `stopped` [N]. Row i*n + j is sample j of contexts[i].
+        `stopped` [N]. Row i*n + j is sample j of contexts[i]. Recorded experts (a MoE):
+        `context_routes[i]` [len(contexts[i]) - 1, ...] of each context's tokens but its last,
+        `row_routes` [N, T, ...] of the token each row fed at each decode step (its context's
+        last token, then its own).
         """
         num_rows = len(contexts) * n
         if completions.shape[0] != num_rows:
@@ -57,18 +66,25 @@ class Rollouts:
         tokens = np.zeros((num_rows, width), np.int32)
         completion_mask = np.zeros((num_rows, width), np.int32)
         logprobs = np.zeros((num_rows, width), np.float32)
+        routes = None
+        if row_routes is not None:
+            routes = np.full((num_rows, width, *row_routes.shape[2:]), -1, row_routes.dtype)
         for row, g in enumerate(group_ids):
             start, length = context_lengths[row], lengths[row]
             tokens[row, :start] = contexts[g]
             tokens[row, start:start + length] = completions[row, :length]
             completion_mask[row, start:start + length] = 1
             logprobs[row, start:start + length] = completion_logprobs[row, :length]
+            if routes is not None:
+                routes[row, :start - 1] = context_routes[g]
+                routes[row, start - 1:start - 1 + length] = row_routes[row, :length]
         columns = np.arange(width, dtype=np.int32)[None, :]
         positions = np.where(columns < (context_lengths + lengths)[:, None], columns, 0)
         return cls(tokens=tokens, positions=positions.astype(np.int32),
                    completion_mask=completion_mask, logprobs=logprobs,
                    context_lengths=context_lengths, lengths=lengths,
-                   stopped=np.asarray(stopped, dtype=bool), group_ids=group_ids, n=n)
+                   stopped=np.asarray(stopped, dtype=bool), group_ids=group_ids, n=n,
+                   routes=routes)
 
     @property
     def num_samples(self) -> int:

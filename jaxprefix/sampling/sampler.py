@@ -21,9 +21,10 @@ import numpy as np
 from flax import nnx
 
 from jaxprefix import distributed
+from jaxprefix.models import backend
 from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import logical_spec
-from jaxprefix.sampling import budget, continuous, decode_mesh, static
+from jaxprefix.sampling import budget, continuous, decode_mesh, routes, static
 from jaxprefix.sampling.prefill import TRACE_COUNTS
 from jaxprefix.sampling.layout import (MIN_NEW_TOKENS_BUCKET, Context, ContextLayout,
                                        SharedContext, bucket, layout_contexts)
@@ -66,6 +67,7 @@ class _Request:
     seed: int
     hoist_layers: bool  # the decode runs on CPU (see Decoder.extend's layer_weights)
     pages: PageLayout | None  # the continuous decode's pages for the rows' own tokens
+    record_routes: bool  # a MoE's experts recorded for routing replay (routes.py)
     reshard: Program | None = None  # lays the weights out for `mesh` (tensor-parallel decode)
 
 
@@ -78,15 +80,6 @@ def _params_mesh(params) -> jax.sharding.Mesh | None:
     return None
 
 
-def _platform(params) -> str:
-    """The platform the parameters live on (abstract ones: that of their sharding's devices)."""
-    for leaf in jax.tree.leaves(params):
-        sharding = getattr(leaf, 'sharding', None)
-        if sharding is not None:
-            return next(iter(sharding.device_set)).platform
-    return jax.default_backend()
-
-
 def _rows_per_device(mesh) -> int:
     """How many devices the sample rows are split over ('data' x 'fsdp'), 1 without a mesh."""
     if mesh is None:
@@ -97,7 +90,7 @@ def _rows_per_device(mesh) -> int:
 def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, stop_ids, seed,
              max_rows_in_flight, kv_budget_bytes, memory_headroom=None,
              page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None, reserve_fraction=1.0,
-             tensor_parallel=None) -> _Request:
+             tensor_parallel=None, record_routes=False) -> _Request:
     if int(n) != n or n < 1:
         raise ValueError(f'n (samples per context) must be a positive integer, got {n!r}')
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
@@ -108,6 +101,8 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
                          f'got {max_rows_in_flight!r}')
     settings = SamplingSettings.make(float(temperature), float(top_p), top_k)
     config = model.config
+    if record_routes and not any(config.sparse_layers):
+        raise ValueError('record_routes: the model has no sparse (mixture-of-experts) layers')
     stop_ids = tuple(int(t) for t in stop_ids)
     if any(not 0 <= t < config.vocab_size for t in stop_ids):
         raise ValueError(f'stop_ids must be token ids in [0, {config.vocab_size}), got {stop_ids}')
@@ -122,7 +117,7 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
                          f'{kv_dtype!r}')
     graphdef, params = nnx.split(model)
     mesh = _params_mesh(params)
-    platform = _platform(params)
+    platform = backend.platform_of(params)
     reshard = None
     if mesh is not None and tensor_parallel is not None:
         layout = decode_mesh.decode_mesh(mesh, config, tensor_parallel, platform)
@@ -147,14 +142,14 @@ def _prepare(model, contexts, *, n, max_new_tokens, temperature, top_p, top_k, s
         kv_budget_bytes=kv_budget_bytes)
     if plan is not None and lay.valid.shape[0] % shards:
         lay = layout_contexts(contexts, config.vocab_size, shards)
-    hoist_layers = platform == 'cpu'
-    # One pool per layer where the decoder unrolls its layers (CPU), else every layer in one.
+    hoist_layers = backend.unrolls_layers(platform)  # and then one page pool per layer
     pages = None if plan is None else PageLayout(
         kv_heads=config.num_kv_heads, head_dim=config.head_dim, layers=config.num_layers,
         blocks=plan.shards, pages=plan.pages, page_size=plan.page_size, dtype=kv_dtype,
         per_layer=hoist_layers)
     return _Request(graphdef, params, mesh, lay, plan, int(n), new_bucket, settings,
-                    stop_array, int(max_new_tokens), int(seed), hoist_layers, pages, reshard)
+                    stop_array, int(max_new_tokens), int(seed), hoist_layers, pages,
+                    bool(record_routes), reshard)
 
 
 def _bytes_per_device(params, reshard) -> int:
@@ -181,7 +176,8 @@ def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
 def _prefill_program(req: _Request) -> Program:
     return Program(static.prefill, (req.graphdef, req.params, _layout_arrays(req.layout, False)),
                    dict(n=req.n, new_bucket=req.new_bucket,
-                        gather_prompts=not req.layout.prompts_are_contexts))
+                        gather_prompts=not req.layout.prompts_are_contexts,
+                        record_routes=req.record_routes))
 
 
 def _sampling_args(req: _Request) -> tuple:
@@ -205,7 +201,7 @@ def _continuous_program(req: _Request) -> Program:
                     *_sampling_args(req)),
                    dict(n=req.n, row_slots=s.row_slots, context_slots=s.context_slots,
                         admit=s.admit, new_bucket=req.new_bucket, reserve=s.reserve,
-                        layout=req.pages))
+                        layout=req.pages, record_routes=req.record_routes))
 
 
 def _mesh_scope(mesh):
@@ -217,7 +213,8 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
              stop_ids: Sequence[int] = (), seed: int = 0, max_rows_in_flight: int | None = None,
              kv_budget_bytes: int | None = None, memory_headroom: float | None = None,
              page_size: int = budget.DEFAULT_PAGE_SIZE, kv_dtype: str | None = None,
-             reserve_fraction: float = 1.0, tensor_parallel: int | None = None) -> Rollouts:
+             reserve_fraction: float = 1.0, tensor_parallel: int | None = None,
+             record_routes: bool = False) -> Rollouts:
     """Samples n continuations of each context (a token-id list or a `SharedContext`).
 
     Rows i*n .. i*n+n-1 of the result continue contexts[i]. temperature 0 decodes greedily. A
@@ -235,26 +232,38 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     tensor_parallel: decode with the weights split over that many of the parameters' devices
     (0: the widest that divides the heads on TPU, the parameters' own layout elsewhere; None:
     always their own layout); the weights are resharded once per call.
+    record_routes (a mixture of experts): Rollouts.routes holds each token's experts in each
+    sparse layer as the sampler computed them, for the learner to replay (routes.py).
     """
     req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
                    memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
-                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel)
+                   reserve_fraction=reserve_fraction, tensor_parallel=tensor_parallel,
+                   record_routes=record_routes)
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
+    lay = req.layout
     with _mesh_scope(req.mesh):
         if req.plan is None:
-            segments, state = _prefill_program(req)()
+            segments, state, recorded = _prefill_program(req)()
             state = _decode_program(req, segments, state)()
             outputs = (state.completions, state.logprobs, state.lengths, state.stopped)
+            recorded = None if recorded is None else (*recorded, state.routes)
         else:
-            outputs = _continuous_program(req)()
-    num_rows = req.layout.num_contexts * req.n
+            *outputs, recorded = _continuous_program(req)()
+    num_rows = lay.num_contexts * req.n
     # to_host, not device_get: on several hosts the rows live on other processes' devices too.
-    completions, logprobs, lengths, stopped = distributed.to_host(outputs)
-    return Rollouts.from_parts(req.layout.full_contexts, completions[:num_rows],
-                               logprobs[:num_rows], lengths[:num_rows], stopped[:num_rows], req.n)
+    completions, logprobs, lengths, stopped, recorded = distributed.to_host((*outputs, recorded))
+    context_routes = row_routes = None
+    if recorded is not None:
+        prompt, suffix, row_routes = recorded
+        if req.plan is None:  # one prompt row per distinct prompt: each context's own
+            prompt = prompt[lay.prompt_index]
+        context_routes, row_routes = routes.of_contexts(lay, prompt, suffix), row_routes[:num_rows]
+    return Rollouts.from_parts(lay.full_contexts, completions[:num_rows], logprobs[:num_rows],
+                               lengths[:num_rows], stopped[:num_rows], req.n,
+                               context_routes=context_routes, row_routes=row_routes)
 
 
 def _abstract(tree, mesh):
@@ -295,7 +304,8 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
                       temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                       num_stop_ids: int = 1, page_size: int = budget.DEFAULT_PAGE_SIZE,
                       kv_dtype: str | None = None, reserve_fraction: float = 1.0,
-                      tensor_parallel: int | None = None) -> dict[str, Program]:
+                      tensor_parallel: int | None = None,
+                      record_routes: bool = False) -> dict[str, Program]:
     """The programs generate() runs for a request of this shape, with abstract arguments.
 
     `model` may be abstract (nnx.eval_shape; parameters ShapeDtypeStructs, sharded over a mesh
@@ -306,6 +316,8 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
     the row cap or KV budget binds, after {'reshard': ...} when the weights are laid out for a
     tensor-parallel decode; under the mesh, `program.lower().compile()` compiles exactly what
     generate() would run for that shape (memory_analysis() then reads its footprint).
+    `record_routes` (a MoE): the programs that also record each token's experts, as the RL loop
+    runs them under routing replay.
     """
     if not 0 <= prompt_length < context_length:
         raise ValueError(f'prompt_length must be in [0, context_length={context_length}), got '
@@ -320,7 +332,7 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
                    top_p=top_p, top_k=top_k, stop_ids=range(num_stop_ids), seed=0,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
                    page_size=page_size, kv_dtype=kv_dtype, reserve_fraction=reserve_fraction,
-                   tensor_parallel=tensor_parallel)
+                   tensor_parallel=tensor_parallel, record_routes=record_routes)
     programs = {}
     params = _abstract_params(req.params)
     if req.reshard is not None:
@@ -331,6 +343,6 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
         if req.plan is not None:
             return programs | {'continuous': _continuous_program(req)}
         prefill = _prefill_program(req)
-        segments, state = _abstract(prefill.fn.eval_shape(*prefill.args, **prefill.kwargs),
-                                    req.mesh)
+        segments, state, _ = prefill.fn.eval_shape(*prefill.args, **prefill.kwargs)
+        segments, state = _abstract((segments, state), req.mesh)
         return programs | {'prefill': prefill, 'decode': _decode_program(req, segments, state)}

@@ -10,6 +10,11 @@ The cache is donated to the decode loop, and the loop exits as soon as every sam
 (rows that stopped early still ride along: continuous.py refills them instead). Every array the
 two programs exchange is constrained by `row_names`, so its sharding is known without compiling
 (sampler.abstract_programs).
+
+Routing replay (a MoE, `record_routes`): the prefill also returns the experts of every context
+token it computes, and the loop records, at each step, the experts of the token each row feeds
+(its context's last token first, then its own tokens); a row's last token is never fed, so its
+experts are never computed (-1).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from flax import nnx
 
 from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.sharding import constrain
+from jaxprefix.sampling import routes as recorded_routes
 from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
 
@@ -48,23 +54,35 @@ class DecodeState:
     completions: jax.Array   # int32 [B, T]
     logprobs: jax.Array      # f32 [B, T]
     cache: KVCache           # each row's own new tokens
+    routes: jax.Array | None = None  # [B, T, sparse layers, k]: the experts of the token fed
+                                     # at each step (record_routes), -1 where none was
 
 
 def _prompts_of_contexts(segment: KVSegment, index: jax.Array) -> KVSegment:
     return KVSegment(k=segment.k[:, index], v=segment.v[:, index], pos=segment.pos[index])
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'new_bucket', 'gather_prompts'))
-def prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prompts: bool):
-    """Context KV segments and the initial decode state. Logits are not used: XLA drops them."""
+@functools.partial(jax.jit, static_argnames=('graphdef', 'n', 'new_bucket', 'gather_prompts',
+                                             'record_routes'))
+def prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prompts: bool,
+            record_routes: bool = False):
+    """(context KV segments, the initial decode state, the context routes): the last are None,
+    or with `record_routes` the experts of the prompts' tokens [P, Sp, sparse layers, k] (one
+    row per distinct prompt) and of the contexts' suffixes [C, Ss, ...]. Logits are not used:
+    XLA drops them."""
     TRACE_COUNTS['prefill'] += 1
     model = nnx.merge(graphdef, params)
-    prompt_kv = context_kv(model, lay['prompt_tokens'], lay['prompt_positions'])
+    prompt_kv, prompt_routes = context_kv(model, lay['prompt_tokens'], lay['prompt_positions'],
+                                          record_routes=record_routes)
     if gather_prompts:
         prompt_kv = _prompts_of_contexts(prompt_kv, lay['prompt_index'])
     segments = (prompt_kv,)
+    suffix_routes = None
     if lay['suffix_tokens'].shape[1]:
-        segments += (context_kv(model, lay['suffix_tokens'], lay['suffix_positions'], segments),)
+        suffix_kv, suffix_routes = context_kv(model, lay['suffix_tokens'],
+                                              lay['suffix_positions'], segments,
+                                              record_routes=record_routes)
+        segments += (suffix_kv,)
 
     num_rows = lay['valid'].shape[0] * n
 
@@ -77,8 +95,10 @@ def prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prom
         stopped=jnp.zeros(num_rows, bool), lengths=jnp.zeros(num_rows, jnp.int32),
         completions=jnp.zeros((num_rows, new_bucket), jnp.int32),
         logprobs=jnp.zeros((num_rows, new_bucket), jnp.float32),
-        cache=KVCache.empty(model.config, num_rows, new_bucket))
-    return jax.tree.map(lambda x: constrain(x, row_names(x)), (segments, state))
+        cache=KVCache.empty(model.config, num_rows, new_bucket),
+        routes=recorded_routes.empty(model.config, num_rows, new_bucket) if record_routes else None)
+    segments, state = jax.tree.map(lambda x: constrain(x, row_names(x)), (segments, state))
+    return segments, state, (prompt_routes, suffix_routes) if record_routes else None
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'hoist_layers'),
@@ -98,8 +118,9 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
 
     def one_step(s: DecodeState) -> DecodeState:
         model = nnx.merge(graphdef, params)
-        logits, cache = model.extend(s.inputs[:, None], s.positions[:, None], context=segments,
-                                     cache=s.cache, layer_weights=layer_weights)
+        logits, cache, experts = model.extend(s.inputs[:, None], s.positions[:, None],
+                                              context=segments, cache=s.cache,
+                                              layer_weights=layer_weights, with_routes=True)
         keys = row_step_keys(seed_key, row_ids, s.step)
         tokens, logprobs = choose_tokens(logits[:, -1], keys, settings)
         active = ~s.done
@@ -109,6 +130,8 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
             done=s.done | hit_stop | (s.step + 1 >= max_new_tokens), stopped=s.stopped | hit_stop,
             lengths=s.lengths + active.astype(jnp.int32),
             completions=s.completions.at[:, s.step].set(jnp.where(active, tokens, 0)),
-            logprobs=s.logprobs.at[:, s.step].set(jnp.where(active, logprobs, 0.0)), cache=cache)
+            logprobs=s.logprobs.at[:, s.step].set(jnp.where(active, logprobs, 0.0)), cache=cache,
+            routes=None if s.routes is None else s.routes.at[:, s.step].set(recorded_routes.recorded(
+                experts[:, 0], jnp.where(active, s.positions, -1), model.config.num_experts)))
 
     return jax.lax.while_loop(keep_going, one_step, state)

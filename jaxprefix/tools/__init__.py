@@ -3,8 +3,8 @@
     registry = tools.registry(["calculator", "my_tools.py:lookup"])
     registry.run("calculator", {"expression": "12 * 13"})   -> ToolResult("156", ok=True)
 
-A name is a built-in (`calculator`; `python`, opt-in: `python=PythonLimits(...)`) or a
-'FILE.py:FUNCTION' of the user's. Layering: tools sit above sampling and tokenizers (the
+A name is a built-in (`calculator`; `read_key`, the built-in tool task's; `python`, opt-in:
+`python=PythonLimits(...)`) or a 'FILE.py:FUNCTION' of the user's. Layering: tools sit above sampling and tokenizers (the
 reference rollout calls `sampling.generate`) and below rl, which trains on their episodes.
 """
 from __future__ import annotations
@@ -13,10 +13,15 @@ from typing import Sequence
 
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, Tool, ToolResult, call, error, \
     from_file
+from jaxprefix.data.tasks import keyed_multiplication as _keyed
 from jaxprefix.tools.calculator import CALCULATOR
+from jaxprefix.tools.environments import Environment
 from jaxprefix.tools.python_tool import PythonLimits, python_tool
 
-BUILTIN = {"calculator": CALCULATOR}
+# read_key: the built-in tool task's key reader (keyed_multiplication's environment calls it).
+READ_KEY = Tool("read_key", _keyed.read_key, "Reads d and c off the key by the rule",
+                {"rule": {"type": "string"}, "key": {"type": "string"}})
+BUILTIN = {"calculator": CALCULATOR, "read_key": READ_KEY}
 
 
 def registry(names: Sequence[str], python: PythonLimits | None = None,
@@ -40,5 +45,5 @@ def registry(names: Sequence[str], python: PythonLimits | None = None,
     return Registry(tools)
 
 
-__all__ = ["BUILTIN", "DEFAULT_MAX_CHARS", "PythonLimits", "Registry", "Tool", "ToolResult",
+__all__ = ["BUILTIN", "DEFAULT_MAX_CHARS", "Environment", "PythonLimits", "Registry", "Tool", "ToolResult",
            "call", "error", "from_file", "python_tool", "registry"]

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from jaxprefix.sampling import Rollouts, generate
+from jaxprefix.sampling import Rollouts, generate, token_ids
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, ToolResult, error
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
@@ -46,6 +46,8 @@ class Episode:
       logprobs     f32 [T]    the sampler's log-prob of each sampled token (0 elsewhere)
       turn_starts  where each sampled turn starts in `tokens`
       group        index of the context (problem) the episode continues
+      reprefilled  tokens of earlier turns the rollout prefilled again (the reference
+                   rollout's cost, `reprefilled_tokens`; 0 where turns keep their KV)
     """
     tokens: np.ndarray
     sampled: np.ndarray
@@ -56,6 +58,7 @@ class Episode:
     tool_failures: int
     ended: str
     group: int
+    reprefilled: int = 0
 
     @property
     def turns(self) -> int:
@@ -94,10 +97,11 @@ class _Running:
         self.logprobs.extend([0.0] * len(ids) if logprobs is None else map(float, logprobs))
 
     def freeze(self) -> Episode:
-        return Episode(np.array(self.tokens, np.int32), np.array(self.sampled, np.int32),
-                       np.array(self.logprobs, np.float32), self.prompt_length,
-                       tuple(self.turn_starts), self.tool_calls, self.tool_failures,
-                       self.ended, self.group)
+        episode = Episode(np.array(self.tokens, np.int32), np.array(self.sampled, np.int32),
+                          np.array(self.logprobs, np.float32), self.prompt_length,
+                          tuple(self.turn_starts), self.tool_calls, self.tool_failures,
+                          self.ended, self.group)
+        return dataclasses.replace(episode, reprefilled=reprefilled_tokens(episode))
 
 
 def run_calls(calls: Sequence[ToolCall], tools: Registry, max_chars: int = DEFAULT_MAX_CHARS,
@@ -117,29 +121,36 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
                      n: int, max_turns: int, episode_token_budget: int, max_new_tokens: int,
                      stop_ids: Sequence[int] = (), seed: int = 0,
                      parse: Callable[[str], list[ToolCall]] | None = None,
-                     max_observation_chars: int = DEFAULT_MAX_CHARS, tool_workers: int = 1,
-                     **sampler) -> list[Episode]:
-    """n episodes of each context (episode i*n + j continues contexts[i]), each until a final
-    answer, `max_turns` sampled turns, or `episode_token_budget` tokens in all.
+                     observe: Callable[[Sequence[ToolResult], int | None], list[int]] | None
+                     = None, max_observation_chars: int = DEFAULT_MAX_CHARS,
+                     tool_workers: int = 1, **sampler) -> list[Episode]:
+    """n episodes of each context (token ids or a SharedContext; episode i*n + j continues
+    contexts[i]), each until a final answer, `max_turns` sampled turns, or
+    `episode_token_budget` tokens in all.
 
     Each turn is one `generate` call (max_new_tokens per turn, `stop_ids`, and `sampler`'s
     other keywords: RolloutSpec.sampler_keywords()) on every running conversation, re-prefilled
     whole (the reference arm: see the module docstring). A turn whose text holds tool calls
-    (`parse`: the chat template's format by default) has its tools run and the observations'
-    tokens appended (tools/observations.py); a turn without a call that ended on a stop token is
-    the final answer. The calls of a turn's episodes run together, `tool_workers` at a time
+    (`parse`: the chat template's format by default) has its tools run and the token ids
+    `observe(results, the stop token the turn ended on)` gives appended (default: the chat
+    template's tool turn, tools/observations.py); `parse` and `observe` are an environment's
+    (tools/environments.py). A turn without a call that ended on a stop token is the final
+    answer. The calls of a turn's episodes run together, `tool_workers` at a time
     (run_calls), between that turn's generate call and the next.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
-    longest = max(len(c) for c in contexts)
+    prompts = [token_ids(c) for c in contexts]  # a SharedContext's prompt and suffix
+    longest = max(map(len, prompts))
     if longest >= episode_token_budget:
         raise ValueError(f"episode_token_budget={episode_token_budget}: expected more than the "
                          f"longest context ({longest} tokens)")
     parse = parse or parser(format_for(tokenizer.chat_template))
+    observe = observe or (lambda results, stop: observation_tokens(
+        tokenizer, [r.text for r in results], stop))
     stops = set(int(s) for s in stop_ids)
-    running = [_Running(g, list(map(int, contexts[g])), [0] * len(contexts[g]),
-                        [0.0] * len(contexts[g]), len(contexts[g]))
+    running = [_Running(g, list(prompts[g]), [0] * len(prompts[g]), [0.0] * len(prompts[g]),
+                        len(prompts[g]))
                for g in range(len(contexts)) for _ in range(n)]
     for turn in range(max_turns):
         active = [e for e in running if e.ended is None]
@@ -167,13 +178,15 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
             if not stopped and len(episode.tokens) >= episode_token_budget:
                 episode.ended = BUDGET
                 continue
-            calls = parse(tokenizer.decode(ids.tolist()))
+            last = int(ids[-1]) if stopped and int(ids[-1]) in stops else None
+            # Parsed without the stop token the turn ended on: a Hermes block left open runs
+            # to the end of the text, and the stop token's text would spoil its JSON.
+            calls = parse(tokenizer.decode(ids[:len(ids) - (last is not None)].tolist()))
             if not calls:
                 episode.ended = ANSWER if stopped else TRUNCATED
             elif turn == max_turns - 1:
                 episode.ended = MAX_TURNS
             else:
-                last = int(ids[-1]) if stopped and int(ids[-1]) in stops else None
                 waiting.append((episode, calls, last))
         results = run_calls([c for _, calls, _ in waiting for c in calls], tools,
                             max_observation_chars, tool_workers)
@@ -181,7 +194,7 @@ def rollout_episodes(model, contexts: Sequence[Sequence[int]], *, tokenizer, too
             mine, results = results[:len(calls)], results[len(calls):]
             episode.tool_calls += len(calls)
             episode.tool_failures += sum(not r.ok for r in mine)
-            observation = observation_tokens(tokenizer, [r.text for r in mine], last)
+            observation = observe(mine, last)
             if len(episode.tokens) + len(observation) >= episode_token_budget:
                 episode.ended = BUDGET  # no room for the observation and a next token
             else:
@@ -226,7 +239,7 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return {"rollout/tool_calls": float(sum(e.tool_calls for e in episodes)),
             "rollout/tool_failures": float(sum(e.tool_failures for e in episodes)),
             "rollout/turns_mean": float(np.mean([e.turns for e in episodes])),
-            "rollout/reprefilled_tokens": float(sum(map(reprefilled_tokens, episodes)))}
+            "rollout/reprefilled_tokens": float(sum(e.reprefilled for e in episodes))}
 
 
 def reprefilled_tokens(episode: Episode) -> int:
@@ -237,3 +250,18 @@ def reprefilled_tokens(episode: Episode) -> int:
         observation = int((1 - episode.sampled[previous:start]).sum())
         total += start - observation
     return total
+
+
+def sampler_tokens(episode: Episode) -> tuple[int, int]:
+    """(prefilled, sampled) tokens of the episode's rollout, as the compute ledger books them:
+    the prompt, every observation once and what the rollout prefilled again; the policy's own."""
+    sampled = int(episode.sampled.sum())
+    return len(episode.tokens) - sampled + episode.reprefilled, sampled
+
+
+def final_answer(episode: Episode, tokenizer) -> str:
+    """What the verifier reads of an episode: its last turn's sampled text, without the stop
+    token an answer ended on (as one-turn completions are scored)."""
+    start = episode.turn_starts[-1]
+    ids = episode.tokens[start:][episode.sampled[start:] == 1].tolist()
+    return tokenizer.decode(ids[:-1] if episode.ended == ANSWER else ids)

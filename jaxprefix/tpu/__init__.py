@@ -1,2 +1,3 @@
-"""Cloud TPU slices from a CPU machine: their chips and devices (topology), and what a program
-compiled for them needs and costs (compiled_stats). The compile job (jobs/compile.py) uses both."""
+"""Cloud TPU slices from a CPU machine: their chips and devices (topology), what a program
+compiled for them needs (compiled_stats) and costs (costing, the rules launch/capacity_plan.py
+shares). The compile job (jobs/compile.py) uses them."""

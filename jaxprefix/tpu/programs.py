@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxprefix.models import lora
+from jaxprefix.models import lora, moe
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import param_shardings
@@ -33,6 +33,7 @@ class StepShape:
     context_length: int        # longest context in tokens (prompt plus guidance or prefix)
     n: int
     rollout: RolloutSpec       # how they are sampled (rollout.*)
+    routing_replay: bool = False  # a MoE's experts recorded by the sampler, replayed in training
 
     @property
     def max_new_tokens(self) -> int:
@@ -121,11 +122,11 @@ def learner_programs(learner: Learner, state, train: TrainConfig, step: StepShap
              'completion_mask': spec((rows, width), jnp.float32),
              'old_logprobs': spec((rows, width), jnp.float32),
              'advantages': spec((rows,), jnp.float32)}
-    config = learner.model(state).config
-    if any(config.sparse_layers):  # a MoE: the sampler's experts, replayed (routing replay)
-        batch['routes'] = spec((rows, width, sum(config.sparse_layers), config.num_experts_per_tok),
-                               jnp.uint8 if config.num_experts <= 256 else jnp.int16)
     resident, note = 0.0, ''
+    if step.routing_replay:  # a MoE's experts as the sampler recorded them
+        c = learner.model(state).config
+        batch['routes'] = spec((rows, width, sum(c.sparse_layers), c.num_experts_per_tok),
+                               moe.route_dtype(c.num_experts))
     if train.kl_coef > 0:
         batch['ref_logprobs'] = spec((rows, width), jnp.float32)
         resident, note = bytes_per_chip(state.params), 'the frozen KL reference parameters'
@@ -186,7 +187,7 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
     del keywords['memory_headroom']  # the budget is given: the slice's chips report no memory
     found = sampler.abstract_programs(
         model, num_contexts=step.contexts, context_length=step.context_length, n=step.n,
-        **{**keywords, 'kv_budget_bytes': kv_budget_bytes})
+        record_routes=step.routing_replay, **{**keywords, 'kv_budget_bytes': kv_budget_bytes})
     common = dict(resident_bytes=resident_bytes, resident_note=resident_note)
     out = []
     if 'reshard' in found:

@@ -48,6 +48,15 @@ CHIPS = {
                  4096: '16x16x16', 6144: '16x16x24'}),
 }
 ALIASES = {'v5litepod': 'v5e'}
+# jax's device_kind of each generation's chips (a v5p chip shows as 'TPU v5').
+DEVICE_KINDS = {'TPU v5 lite': 'v5e', 'TPU v5e': 'v5e', 'TPU v6 lite': 'v6e', 'TPU v6e': 'v6e',
+                'TPU v5': 'v5p', 'TPU v5p': 'v5p'}
+
+
+def chip_of(device_kind: str) -> Chip | None:
+    """The Chip a jax device of `device_kind` is; None off TPU or for a generation not known."""
+    generation = DEVICE_KINDS.get(device_kind)
+    return CHIPS[generation] if generation else None
 
 
 @dataclasses.dataclass(frozen=True)

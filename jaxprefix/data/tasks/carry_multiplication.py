@@ -309,3 +309,8 @@ def score_steps(given: Sequence[str], expected: Sequence[tuple[int, int]], answe
             return 0.0
     product = int(f"{expected[-1][1]}" + "".join(str(s) for s, _ in reversed(expected)))
     return float(str(product) == answer.strip())
+
+
+def sequence_length(data) -> int:
+    """The longest row of the SFT data (the base's context): question, whole solution, <eos>."""
+    return SEQUENCE_LENGTH

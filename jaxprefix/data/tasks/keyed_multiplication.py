@@ -58,6 +58,17 @@ MAX_COMPLETION_LENGTH = STEP_LENGTH * (1 + SLOTS) + 1
 SEQUENCE_LENGTH = QUESTION_LENGTH + MAX_COMPLETION_LENGTH
 HARD_STEPS = SLOTS + 1  # oracle steps of a hard problem: the key, then one per digit
 
+# Tool episodes (issue 31, docs/TOOLS.md): the policy may ask the key reader instead of reading
+# the key itself. In the task's own symbols, one token each:
+#   call turn     x r u v p q <eos>   the rule and the key, copied from the question
+#   observation   d c =               the reader's answer ('__=' when the call failed)
+#   answer turn   * d c + s_0 c_0 ... <eos>, the solution as without the tool
+CALL = TIMES  # a turn that starts with it is a call (a solution starts with '*', '<' or '>')
+CALL_LENGTH = 2 + KEY_DIGITS + 1
+OBSERVATION_LENGTH = 3
+FAILED = EMPTY * 2  # the observation's digits when the call failed
+EPISODE_LENGTH = SEQUENCE_LENGTH + CALL_LENGTH + OBSERVATION_LENGTH
+
 
 def tokenizer():
     """The character vocabulary of this task (carry_multiplication's plus < > *)."""
@@ -276,12 +287,24 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     reads by (`key_name`): '<' on every row but the taught ones, so the base never writes '>'
     as a name unless the overlap knob shows it. No draw depends on it: the rows are the same
     problems, the key step's first token aside.
+
+    Tool episodes (issue 31): a data.tool_fraction of the unhinted rows (default 0: no draw)
+    call the key reader first (`tool_episode_target`) and copy its answer into the key step;
+    hinted rows never call. Half of them are '>' problems with unequal key digits, where the
+    reader's answer is not what the base reads out of habit (u, p): without them the answer
+    always equals that read, and the base learns to ignore it (measured: such a base called the
+    reader in 250 of 512 episodes on 64 hard problems and solved none). Rows without a call
+    still never show what '>' means.
     """
     named = restating_notation(data)
+    tools = data.get("tool_fraction", 0.0)
     taught = data.get("second_rule_taught", 0.0)
     if not 0.0 <= taught <= 1.0:
         raise ValueError(f"config.sft.data.second_rule_taught={taught!r}: expected a fraction "
                          f"in [0, 1] of the '>' rows")
+    if not 0.0 <= tools <= 1.0:
+        raise ValueError(f"config.sft.data.tool_fraction={tools!r}: expected a fraction in "
+                         f"[0, 1] of the unhinted rows")
     rng = random.Random(seed)
     rows = []
     for row in range(data.batch_size):
@@ -306,8 +329,63 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
                 text[key] = str(rng.choice([x for x in range(10) if x != d]))
                 text[key + 2] = str(rng.choice([x for x in range(10) if x != c]))
                 problem = dataclasses.replace(problem, question="".join(text))
-        rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
+            rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
+        elif tools and rng.random() < tools:
+            if rng.random() < 0.5:  # the reader's answer is not the habit's read: '>', u != v
+                others = (rng.choice([x for x in range(10) if x != d]),
+                          rng.choice([x for x in range(10) if x != c]))
+                problem = make_problem(number, d, c, SECOND, others, names_rule=named)
+            rows.append((problem, tool_episode_target(
+                problem, hinted_solution(problem, rng, data.tens_first))))
+        else:
+            rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
     return rows
+
+
+def read_key(arguments: dict) -> str:
+    """The key reader (the tool of the task's tool episodes): 'dc' of the key 'uvpq' read by
+    the rule, '<' (u, p) or '>' (v, q). Anything else raises ValueError (a failed call)."""
+    rule, key = arguments.get("rule"), arguments.get("key")
+    if rule not in (FIRST, SECOND) or not (isinstance(key, str) and len(key) == KEY_DIGITS
+                                           and key.isdigit()):
+        raise ValueError(f"expected a rule {FIRST!r} or {SECOND!r} and {KEY_DIGITS} key digits, "
+                         f"got {rule!r} and {key!r}")
+    pick = 0 if rule == FIRST else 1
+    return key[pick] + key[2 + pick]
+
+
+def call_arguments(turn: str) -> dict | None:
+    """The key reader's arguments of a turn's text that calls it (starts with CALL), None for a
+    turn that does not call (an answer); a call that is not CALL, a rule and KEY_DIGITS digits
+    gives arguments read_key refuses."""
+    text = turn.split(EOS, 1)[0].replace(PAD, "")
+    if not text.startswith(CALL):
+        return None
+    return {"rule": text[1:2], "key": text[2:]}
+
+
+def call_text(problem: Problem) -> str:
+    """The call turn's text (its <eos> aside): CALL, the rule, the key, from the question."""
+    tail = SLOT_LENGTH * (1 + SLOTS)
+    return CALL + problem.question[0] + problem.question[tail + 1:tail + 1 + KEY_DIGITS]
+
+
+def observation_text(answer: str | None) -> str:
+    """What is appended after a call turn: the reader's 'dc' (None: the call failed), then '='."""
+    return (answer if answer is not None else FAILED) + EQUALS
+
+
+def tool_episode_target(problem: Problem, solution: str) -> str:
+    """An SFT row's target written as a tool episode: the call, its observation, the solution.
+    `training_ids` masks the observation (appended by the rollout, never sampled)."""
+    answer = read_key(call_arguments(call_text(problem)))
+    return f"{call_text(problem)}{EOS}{observation_text(answer)}{solution}"
+
+
+def sequence_length(data) -> int:
+    """The longest row of the SFT data `data` (the base's context): a tool episode's with
+    data.tool_fraction > 0."""
+    return EPISODE_LENGTH if data.get("tool_fraction", 0.0) else SEQUENCE_LENGTH
 
 
 def key_markers(problem: Problem) -> tuple[str, ...]:
@@ -324,8 +402,13 @@ def answer_digit_spans(problem: Problem) -> list[tuple[int, int]]:
 
 
 def training_ids(problem: Problem, solution: str, tokenizer=None) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of question + solution + <eos>; the mask is 1 on the solution."""
-    return carry.training_ids(problem, solution, tokenizer or default_tokenizer())
+    """(token ids, loss mask) of question + solution + <eos>; the mask is 1 on the solution,
+    but 0 on the observation of a tool episode's target (`tool_episode_target`)."""
+    ids, mask = carry.training_ids(problem, solution, tokenizer or default_tokenizer())
+    if solution.startswith(CALL):
+        start = QUESTION_LENGTH + CALL_LENGTH
+        mask[start:start + OBSERVATION_LENGTH] = [0] * OBSERVATION_LENGTH
+    return ids, mask
 
 
 @functools.cache

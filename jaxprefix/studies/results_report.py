@@ -4,7 +4,7 @@ Every number and statement above the hand-written notes is computed here from re
 nothing is typed in by hand, and a regenerated report keeps the notes (from NOTES_MARKER on).
 Each table cell is mean ± sample std over seeds [95% crossed bootstrap interval over seeds and
 problems], with the 95% upper bound on the per-sample rate where nothing succeeded
-(jobs/study_tables.py); comparisons are paired differences, said to be "within noise" when
+(studies/study_tables.py); comparisons are paired differences, said to be "within noise" when
 their interval holds 0.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprefix import storage
-from jaxprefix.jobs import study_tables
-from jaxprefix.jobs.study_tables import Column, Row
+from jaxprefix.studies import study_tables
+from jaxprefix.studies.study_tables import Column, Row
 
 NOTES_MARKER = "<!-- hand-written notes below: kept when the report is regenerated -->"
 REPORT = "REPORT.md"  # in results.output_dir, beside its figures

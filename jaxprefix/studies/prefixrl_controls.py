@@ -22,9 +22,9 @@ import json
 from jaxprefix import storage
 from jaxprefix.data import tasks
 from jaxprefix.data.problem import Problem
-from jaxprefix.jobs import sft
-from jaxprefix.jobs.mine import make_prober
-from jaxprefix.jobs.policy import Policy
+from jaxprefix.run_setup import sft_base
+from jaxprefix.run_setup.mining import make_prober
+from jaxprefix.run_setup.policy import Policy
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.prompting import TaskPrompts
@@ -56,8 +56,8 @@ def other_policy_pool(study, workdir: str) -> tuple[str, dict]:
     stats_path = storage.join(study.mining.dir, OTHER_POOL_STATS)
     if storage.exists(stats_path):
         return path, storage.read_json(stats_path)
-    base = sft.run_sft(other_base_config(study), storage.join(workdir, "other_base"))
-    model, tokenizer = sft.load_base(base)
+    base = sft_base.train_base(other_base_config(study), storage.join(workdir, "other_base"))
+    model, tokenizer = sft_base.load_base(base)
     policy = Policy(model, tokenizer, TaskPrompts(tokenizer), "sft")
     ledger = ComputeLedger(model.config.num_params())
     prober = make_prober(study.config, policy, ledger, study.sets.verifier)
@@ -66,7 +66,7 @@ def other_policy_pool(study, workdir: str) -> tuple[str, dict]:
                                      samples_per_round=p.samples_per_round,
                                      max_samples=p.max_samples, seed=study.config.seed + 3)
     pool.save_jsonl(path, tokenizer)
-    report = storage.read_json(storage.join(base, sft.REPORT))
+    report = storage.read_json(storage.join(base, sft_base.REPORT))
     other = study.config.results.other_base
     # Charged: the second base's SFT updates and its rejection sampling (the first base's SFT
     # is every run's alike).

@@ -11,7 +11,7 @@ on gs:// a heartbeat time too):
   whose heartbeat is older than `stale_minutes`, or whose owner is a dead process on this host
   (a preempted VM restarting), is taken over by a rewrite on the generation read, so that of two
   runs taking over one wins. Every call retries transient GCS failures until the run's deadline
-  (storage_faults.gcs_retry); a write whose answer was lost (a dropped connection after GCS
+  (storage.faults.gcs_retry); a write whose answer was lost (a dropped connection after GCS
   carried it out) is recognised by the record's token, so the run does not refuse itself.
 Only process 0 of a multi-host run holds the lock. Locks are re-entrant within a process: a
 pipeline (demo, results) holds its workdir while its runs hold theirs.
@@ -32,7 +32,7 @@ import uuid
 
 from absl import logging
 
-from jaxprefix import distributed, storage, storage_faults
+from jaxprefix import distributed, storage
 from jaxprefix.errors import UserError
 
 LOCK = "lock.json"
@@ -138,10 +138,10 @@ class _GcsLock:
         blob = self._bucket.blob(self._blob_name)
         self._owner["heartbeat"] = _now()
         try:
-            with storage_faults.reported("writing the lock", self._url):
+            with storage.faults.reported("writing the lock", self._url):
                 blob.upload_from_string(json.dumps(self._owner), content_type="application/json",
                                         if_generation_match=if_generation_match,
-                                        retry=storage_faults.gcs_retry())
+                                        retry=storage.faults.gcs_retry())
         except exceptions.PreconditionFailed:
             current = self._read()
             if current is not None and current[0].get("token") == self._owner["token"]:
@@ -152,11 +152,11 @@ class _GcsLock:
 
     def _read(self) -> tuple[dict, int] | None:
         """(owner record, generation) of the lock object, or None when there is none."""
-        with storage_faults.reported("reading the lock", self._url):
-            blob = self._bucket.get_blob(self._blob_name, retry=storage_faults.gcs_retry())
+        with storage.faults.reported("reading the lock", self._url):
+            blob = self._bucket.get_blob(self._blob_name, retry=storage.faults.gcs_retry())
             if blob is None:
                 return None
-            return _parse(blob.download_as_text(retry=storage_faults.gcs_retry())), blob.generation
+            return _parse(blob.download_as_text(retry=storage.faults.gcs_retry())), blob.generation
 
     def acquire(self, stale_minutes: float) -> None:
         for _ in range(5):  # each round loses at most to a run that acquired in between
@@ -195,7 +195,7 @@ class _GcsLock:
                 return
             except Exception as e:  # noqa: BLE001  (GCS down past the deadline: next beat)
                 logging.warning("%s: lock heartbeat failed (%s)", self.workdir,
-                                storage_faults.classify(e) or e)
+                                storage.faults.classify(e) or e)
 
     def release(self) -> None:
         self._stop.set()
@@ -203,9 +203,9 @@ class _GcsLock:
             self._thread.join(timeout=30)
         try:
             self._bucket.blob(self._blob_name).delete(if_generation_match=self.generation,
-                                                      retry=storage_faults.gcs_retry())
+                                                      retry=storage.faults.gcs_retry())
         except Exception as e:  # noqa: BLE001  (taken over, gone, or GCS refusing)
-            failure = storage_faults.classify(e)
+            failure = storage.faults.classify(e)
             logging.warning("%s: the lock stays (%s); a run on this host takes it over at once, "
                             "one elsewhere after workdir_lock.stale_minutes", self._url,
                             failure.reason if failure else str(e).splitlines()[0])

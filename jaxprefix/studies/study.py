@@ -1,4 +1,5 @@
-"""Comparing methods from one base policy: what the demo and the results job share.
+"""Comparing methods from one base policy: what the demo and the results job share, and the
+held-out evaluation they (and the eval job) measure a policy by.
 
 Every method starts from the same base, trains on the same mined hard set, samples the same
 rollouts per step (POPE's batch sets the size: its problems times guided + unguided copies), and
@@ -8,11 +9,48 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxprefix.jobs.evaluate import evaluate_unguided
-from jaxprefix.jobs.mine import Mining, make_prober, set_up
-from jaxprefix.jobs.policy import base_dir
-from jaxprefix.jobs.method_settings import contexts_per_problem
+from jaxprefix import evaluation
+from jaxprefix.methods import pope
+from jaxprefix.methods.probing import Prober
 from jaxprefix.rl.compute_ledger import ComputeLedger
+from jaxprefix.run_setup.method_settings import contexts_per_problem
+from jaxprefix.run_setup.mining import Mining, make_prober, set_up
+from jaxprefix.run_setup.policy import base_dir
+
+
+def evaluate_unguided(prober: Prober, prompts, problems, *, n: int, ks, seed: int,
+                      description: str = "eval") -> dict:
+    """pass@k and friends of the policy on `problems`, asked plainly, n samples each."""
+    result = prober.probe([prompts.question(p) for p in problems], problems, n, seed=seed,
+                          description=description)
+    return (evaluation.summarize(result.correct, ks)
+            | {"verifier_failures": result.verifier_failures,
+               # Per problem, for intervals over problems and per-group tables (statistics.py).
+               "correct_counts": [int(c) for c in result.num_correct],
+               "groups": problem_groups(problems)})
+
+
+GROUP_KEYS = ("multiplier", "digits")  # the built-in tasks' difficulty knobs
+
+
+def problem_groups(problems) -> dict:
+    """Per difficulty knob found in every problem's metadata, each problem's value."""
+    return {key: [p.metadata[key] for p in problems] for key in GROUP_KEYS
+            if problems and all(key in p.metadata for p in problems)}
+
+
+def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n: int, ks,
+                    guidance: str, template: str, seed: int) -> dict:
+    """The same with each problem's POPE prefix (problems without one are left out)."""
+    chosen = [p for p in problems if prefix_units.get(p.id)]
+    if not chosen:
+        return {}
+    pairs = [pope.guided_context(prompts, p, prefix_units[p.id], guidance=guidance,
+                                 template=template) for p in chosen]
+    result = prober.probe([c for c, _ in pairs], chosen, n, seed=seed,
+                          response_prefixes=[r for _, r in pairs], description="eval guided")
+    return evaluation.summarize(result.correct, ks) | {"problems": len(chosen)}
+
 
 
 @dataclasses.dataclass

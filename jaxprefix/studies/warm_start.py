@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxprefix.checkpoints.hf import save_pretrained
 from jaxprefix import storage
-from jaxprefix.jobs import sft
+from jaxprefix.run_setup import sft_base
 from jaxprefix.rl.compute_ledger import update_flops
 
 REPORT = "warm_start.json"
@@ -105,7 +105,7 @@ def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: in
             order = rng.permutation(len(tokens))
             for step in range(steps_per_epoch):
                 rows = order[step * batch_size:(step + 1) * batch_size]
-                loss = sft.train_step(model, optimizer, jnp.asarray(tokens[rows]),
+                loss = sft_base.train_step(model, optimizer, jnp.asarray(tokens[rows]),
                                       jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
                 losses.append(float(loss))
                 flops += update_flops(n_params, int(real[rows].sum()))

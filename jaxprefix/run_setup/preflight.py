@@ -22,13 +22,15 @@ from __future__ import annotations
 from jaxprefix import config_fields, storage
 from jaxprefix.errors import ConfigError, UserError
 
-TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg")
+TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg", "tools")
 # The config blocks each method reads, and the methods a job runs (demo: POPE and GRPO, results:
 # its RUNS, each with its own method; the other jobs config.method alone).
 BLOCKS_READ = {"grpo": (), "pope": ("pope", "schedule"), "prefixrl": ("prefixrl", "schedule")}
 METHOD_BLOCKS = ("pope", "prefixrl", "schedule")
 JOB_METHODS = {"demo": ("pope", "grpo"), "results": ("grpo", "pope", "prefixrl")}
-FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg")
+FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg", "tools")
+# The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
+TOOL_JOBS = ("rl", "tools")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
 # weights) and checks its own settings before it compiles.
 NOTHING_TO_CHECK = ("fit", "compile")
@@ -65,31 +67,39 @@ def read_paths(config) -> list[tuple[str, str]]:
     return [(n, v) for n, v in fields if n not in unread]
 
 
-def check(config, workdir: str) -> None:
-    """Raises a UserError on the first input of `config.job` that cannot work; writes nothing."""
+def check(config, workdir: str):
+    """Raises a UserError on the first input of `config.job` that cannot work; writes nothing.
+    Returns the rl job's run settings, resolved (run_settings.resolve), which main hands to the
+    job; None for the other jobs."""
     if config.job in NOTHING_TO_CHECK:
-        return
+        return None
     if config.job == "sft":
         _check_sft_settings(config)
-        return
+        return None
     if config.job in FIELDS_CHECKED:
         _check_fields_read(config)
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
-    from jaxprefix.jobs.policy import check_policy_inputs
-    from jaxprefix.jobs.problem_sets import load_problem_sets, prompt_limit
+    from jaxprefix.run_setup.policy import check_policy_inputs
+    from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
 
-    _as_config_error(_check_settings, config, workdir)
+    settings = _as_config_error(_check_settings, config, workdir)
     inputs = check_policy_inputs(config, workdir)
+    if config.job in TRAINING_JOBS:
+        from jaxprefix.rl import loop
+
+        _as_config_error(loop.routing_replay, config, inputs.mixture_of_experts)
     if config.job in FIELDS_CHECKED:
         _check_notation(config)
         _check_template_read(config, inputs.prompts)
         _check_probe_read(config)
+        _check_tools_read(config, inputs.tokenizer)
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
     sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
     if _guides_in_prompt(config):
         from jaxprefix.methods.prompting import check_hint_layouts
 
         _as_config_error(check_hint_layouts, inputs.prompts, sets.train)
+    return settings
 
 
 def _changed(config) -> dict:
@@ -134,7 +144,7 @@ def _check_fields_read(config) -> None:
     """The config's set fields, and each results run's settings, all read by some stage."""
     _refuse_unread(unread(config), f"job {config.job} with method {config.method}")
     if config.job == "results":
-        from jaxprefix.jobs.results import RUNS
+        from jaxprefix.run_setup.study_arms import RUNS
 
         for name in config.results.runs:
             if name in RUNS:
@@ -166,6 +176,24 @@ def _check_probe_read(config) -> None:
                           "eval.every=0 never evaluates; expected eval.every > 0")
 
 
+def _check_tools_read(config, tokenizer) -> None:
+    """Episodes (rollout.max_turns > 1, config.tools) on the jobs that sample them, with an
+    environment that can be built over the policy's tokenizer; elsewhere refused."""
+    from jaxprefix.tools.settings import ToolSettings
+
+    try:
+        settings = ToolSettings.from_config(config)  # a tools field on a one-turn run: refused
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if not settings.episodes:
+        return
+    if config.job not in TOOL_JOBS:
+        raise ConfigError(f"config.rollout.max_turns={settings.max_turns} is set but no stage of "
+                          f"job {config.job} samples episodes (jobs that do: "
+                          f"{', '.join(TOOL_JOBS)}); expected rollout.max_turns=1")
+    _as_config_error(settings.environment_for, tokenizer)
+
+
 def _check_template_read(config, prompts) -> None:
     """pope.template shapes an English instruction in a chat model's prompt, or chooses a
     built-in task's restating hint over its value hint (`_task_restates`), and nothing else."""
@@ -173,7 +201,7 @@ def _check_template_read(config, prompts) -> None:
 
     templates = {"": config.pope.template} if "pope" in _methods_run(config) else {}
     if config.job == "results":
-        from jaxprefix.jobs.results import RUNS
+        from jaxprefix.run_setup.study_arms import RUNS
 
         templates |= {name: RUNS[name].settings["pope.template"] for name in config.results.runs
                       if name in RUNS and "pope.template" in RUNS[name].settings}
@@ -234,19 +262,21 @@ def _read_problem_files(data) -> None:
                               answer_field=data.answer_field, solution_field=data.solution_field)
 
 
-def _as_config_error(check_fn, *args) -> None:
+def _as_config_error(check_fn, *args):
     """Runs a validator whose ValueErrors name a config field; they become ConfigErrors."""
     try:
-        check_fn(*args)
+        return check_fn(*args)
     except UserError:
         raise
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def _check_settings(config, workdir: str) -> None:
-    from jaxprefix.jobs.method_settings import check_method_settings, contexts_per_step
-    from jaxprefix.rl import loop
+def _check_settings(config, workdir: str):
+    """The rewards and data limits, the method's settings, and each training run's settings
+    resolved; returns the rl job's (run_settings.RunSettings), else None."""
+    from jaxprefix.run_setup.method_settings import MethodSettings
+    from jaxprefix.run_setup.run_settings import resolve
 
     r = config.rewards
     if not r.timeout_s > 0:
@@ -259,23 +289,26 @@ def _check_settings(config, workdir: str) -> None:
     if config.data.get("max_prompt_tokens", 0) < 0:
         raise ConfigError(f"config.data.max_prompt_tokens={config.data.max_prompt_tokens!r}: "
                           f"expected >= 0 (0: the model's context alone)")
-    check_method_settings(config)
-    from jaxprefix.jobs import allocation, isocompute
-
+    if config.job not in TRAINING_JOBS:  # mine, eval: the method's settings alone
+        MethodSettings.from_config(config)
+        return None
     if config.job in ("sweep", "prereg"):  # each point is its own run, with its n and batch
-        for point in isocompute.sweep_points(config):
-            loop.validate(isocompute.point_config(config, point, config.isocompute.seeds[0],
-                                                  workdir))
-    elif config.job in TRAINING_JOBS:
-        config = allocation.allocated(config)  # isocompute.budget: the n, B, M the run will use
-        loop.validate(config, contexts_per_step=contexts_per_step(config))
+        from jaxprefix.run_setup import sweep_points
+
+        MethodSettings.from_config(config)
+        for point in sweep_points.sweep_points(config):
+            resolve(sweep_points.point_config(config, point, config.isocompute.seeds[0],
+                                              workdir))
+        return None
+    settings = resolve(config)  # with isocompute.budget, the n, B, M the run will use
+    return settings if config.job == "rl" else None  # the demo's, results' arms: their own
 
 
 def _check_sft_settings(config) -> None:
     """The sft job's own config (configs/sft.py): the model it would build."""
-    from jaxprefix.jobs import sft
+    from jaxprefix.run_setup import sft_base
 
     try:
-        sft.model_config(config, sft.task_of(config).tokenizer())
+        sft_base.model_config(config, sft_base.task_of(config).tokenizer())
     except (ValueError, AttributeError, KeyError) as e:
         raise ConfigError(f"config.model: {e}") from None

@@ -154,17 +154,17 @@ class AdaptivePrefix:
         self._outcomes = {str(k): [int(o) for o in v] for k, v in state['outcomes'].items()}
 
 
-SCHEDULES = {cls.kind: cls for cls in (FixedPrefix, AnnealedPrefix, AdaptivePrefix)}
+PREFIX_SCHEDULES = {cls.kind: cls for cls in (FixedPrefix, AnnealedPrefix, AdaptivePrefix)}
 
 
-def make_schedule(config: Mapping | None):
-    """A schedule from a config section: `kind` in SCHEDULES plus that class's fields, e.g.
+def make_prefix_schedule(config: Mapping | None):
+    """A schedule from a config section: `kind` in PREFIX_SCHEDULES plus that class's fields, e.g.
     {'kind': 'annealed', 'steps': 200, 'shape': 'cosine'}. None or {} gives FixedPrefix."""
     fields = dict(config.to_dict() if hasattr(config, 'to_dict') else (config or {}))
     kind = fields.pop('kind', 'fixed')
-    if kind not in SCHEDULES:
-        raise ValueError(f'prefix schedule: kind must be one of {sorted(SCHEDULES)}, got {kind!r}')
+    if kind not in PREFIX_SCHEDULES:
+        raise ValueError(f'prefix schedule: kind must be one of {sorted(PREFIX_SCHEDULES)}, got {kind!r}')
     try:
-        return SCHEDULES[kind](**fields)
+        return PREFIX_SCHEDULES[kind](**fields)
     except TypeError as e:
         raise ValueError(f'prefix schedule {kind!r}: bad fields {sorted(fields)} ({e})') from None

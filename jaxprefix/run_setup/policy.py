@@ -46,12 +46,12 @@ def load_policy(config, workdir: str) -> Policy:
     source = config.model.source
     dtype, param_dtype = model_dtypes(config)
     if source == "sft":
-        from jaxprefix.jobs import sft
+        from jaxprefix.run_setup import sft_base
 
         path = base_dir(config, workdir)
-        if not sft.is_complete(path):  # absent, or its save was cut short: (re)train it
-            sft.run_sft(config.sft, storage.dirname(path) or ".")
-        model, tokenizer = sft.load_base(path, dtype, param_dtype)
+        if not sft_base.is_complete(path):  # absent, or its save was cut short: (re)train it
+            sft_base.train_base(config.sft, storage.dirname(path) or ".")
+        model, tokenizer = sft_base.load_base(path, dtype, param_dtype)
         return Policy(model, tokenizer, TaskPrompts(tokenizer), source)
     if source == "hf":
         model, _ = from_pretrained(config.model.path, dtype, param_dtype=param_dtype)
@@ -97,6 +97,7 @@ class PolicyInputs:
     tokenizer: object
     prompts: object
     context_length: int  # max_position_embeddings of the model's config
+    mixture_of_experts: bool = False  # the model has experts (qwen3_moe, qwen2_moe)
 
 
 def check_policy_inputs(config, workdir: str) -> PolicyInputs:
@@ -115,10 +116,10 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if source == "sft":
-        from jaxprefix.jobs import sft
+        from jaxprefix.run_setup import sft_base
 
         path = base_dir(config, workdir)
-        if sft.is_complete(path):
+        if sft_base.is_complete(path):
             tokenizer = tokenizers.load(path)
             hf = storage.read_json(storage.join(path, "config.json"))
         else:
@@ -126,11 +127,12 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
                 raise ConfigError(f"config.sft is empty and {path} holds no trained base: "
                                   "expected the SFT settings of configs/sft.py")
             try:
-                tokenizer = sft.task_of(config.sft).tokenizer()
-                hf = sft.model_config(config.sft, tokenizer).to_hf()
+                tokenizer = sft_base.task_of(config.sft).tokenizer()
+                hf = sft_base.model_config(config.sft, tokenizer).to_hf()
             except (ValueError, AttributeError, KeyError) as e:
                 raise ConfigError(f"config.sft.model: {e}") from None
-        return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]))
+        return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]),
+                            _has_experts(hf))
     path = _weights_path(config)
     try:
         if source == "hf":
@@ -143,7 +145,13 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
     except (FileNotFoundError, ValueError) as e:  # what the readers say, naming the file
         raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
     prompts = ChatPrompts(tokenizer, config.model.get("system_prompt") or None)
-    return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)))
+    return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)),
+                        _has_experts(hf))
+
+
+def _has_experts(hf: dict) -> bool:
+    """Whether a config.json describes a mixture of experts (transformers 5: num_local_experts)."""
+    return bool(hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def _check_model_dir(path: str) -> dict:

@@ -1,4 +1,5 @@
-"""Every file a run reads or writes, local or on gs://, goes through this module.
+"""Every file a run reads or writes, local or on gs://, goes through these functions
+(`from jaxprefix import storage`; storage/__init__.py exports them).
 
 Paths are plain strings. A local path ('runs/x', '/tmp/x') behaves as with os and open; a remote
 one ('gs://bucket/run') goes through etils.epath, which orbax uses too, backed by gcsfs. Nothing
@@ -19,7 +20,7 @@ What differs on GCS, and how this module hides it:
 - Transient failures (429, 5xx, dropped connections, slow answers): every remote call here is
   retried with backoff until config.storage.retry_deadline_s; a permanent one (403, a missing
   bucket) or the deadline passed is one line naming the operation and the path
-  (jaxprefix/storage_faults.py, which also says where each client's own retries are set).
+  (storage/faults.py, which also says where each client's own retries are set).
 
 Orbax writes checkpoint arrays with tensorstore's own GCS client; it takes the same gs:// paths.
 """
@@ -35,7 +36,7 @@ import uuid
 
 from etils import epath
 
-from jaxprefix.storage_faults import retrying
+from jaxprefix.storage.faults import retrying
 
 CACHE_ENV = "JAXPREFIX_CACHE"
 # scheme -> the package epath needs for it (through fsspec)
@@ -48,7 +49,7 @@ def is_remote(path) -> bool:
 
 
 # The bucket names the configs and docs print for "your bucket": a path in one is a
-# placeholder, refused in one line by a job that must read it (jobs/preflight.py), never tried.
+# placeholder, refused in one line by a job that must read it (run_setup/preflight.py), never tried.
 PLACEHOLDER_BUCKETS = ("YOUR_BUCKET", "MY_BUCKET", "BUCKET")
 
 
@@ -90,7 +91,7 @@ def _epath(path) -> epath.Path:
 
 
 def _remote(operation: str, path, call, *, writes: bool = False):
-    """`call()` on remote `path`, retried while GCS fails transiently (storage_faults)."""
+    """`call()` on remote `path`, retried while GCS fails transiently (faults.py)."""
     return retrying(operation, str(path), call, writes=writes)
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 from jaxprefix import storage
-from jaxprefix.jobs.method_settings import contexts_per_problem
+from jaxprefix.run_setup.method_settings import contexts_per_problem
 from jaxprefix.methods import isocompute
 
 

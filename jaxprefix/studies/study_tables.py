@@ -32,7 +32,7 @@ class Column:
     k: int               # pass@k
 
 
-def run_rows(runs: dict, which_prefix: str = "") -> list[Row]:
+def run_rows(runs: dict) -> list[Row]:
     """One Row per run name of `runs` (name -> records of its seeds, finished ones only)."""
     rows = []
     for name, records in runs.items():
@@ -135,7 +135,7 @@ def flops_to_targets(curves: dict, targets, label: str) -> list[str]:
     """Per run (name -> per seed its (flops, value) points, in order): the FLOPs at which each
     seed first reached each target; a seed that never did is 'missing' and counted, not
     dropped: the mean is over the seeds that reached it, with how many did."""
-    lines = [f"| run | " + " | ".join(f"{label} >= {t:.3f}" for t in targets) + " |",
+    lines = ["| run | " + " | ".join(f"{label} >= {t:.3f}" for t in targets) + " |",
              "|---" * (len(targets) + 1) + "|"]
     for name, per_seed in curves.items():
         cells = []

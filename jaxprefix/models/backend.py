@@ -1,10 +1,17 @@
-"""The decoder's attention kernels, chosen by backend in this one module:
-  - self-attention without a cache (training, prefill): splash attention (Pallas) on TPU,
-    blockwise online softmax (blockwise_attention.py) elsewhere;
+"""Every choice that depends on the backend (TPU, CPU, GPU), in this one module:
+  - self-attention without a cache (training, prefill; `attention_for`): tiles, the splash
+    kernel (Pallas) on TPU and blockwise online softmax (blockwise_attention.py) elsewhere, as
+    no [T, T] scores fit at 16k tokens; with a cache or pages (one new token per row) plain
+    attention (attention.attend);
   - the sampler's decode over KV pages (`attend_pages`): the Pallas paged kernel
     (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere;
+  - the decode's layers on CPU (`unrolls_layers`): one by one on per-layer weights, each layer
+    a page pool of its own, where TPU scans stacked weights over one pool;
   - the experts' grouped matmul of a MoE layer (`grouped_matmul`): Megablox's grouped matmul
     (Pallas, jax.experimental.pallas.ops.tpu.megablox) on TPU, jax.lax.ragged_dot elsewhere.
+
+The kernels write their costs into the name stack (SPLASH_SCOPE, PAGED_SCOPE, GMM_SCOPE), which
+tpu/costing.py reads back from a compiled program for the compile job.
 
 Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by index, not by
 position: a causal (or causal + local) mask over the row's slots, and segment ids. Our masks are
@@ -23,7 +30,6 @@ for TPU on a CPU host).
 from __future__ import annotations
 
 import functools
-import re
 from typing import Sequence
 
 import jax
@@ -33,24 +39,55 @@ from jax.experimental.pallas.ops.tpu import megablox
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
-from jaxprefix.models import blockwise_attention, paged_attention, paged_kernel
-from jaxprefix.models.attention import Partial, Segment
+from jaxprefix.models import attention, blockwise_attention, paged_attention, paged_kernel
 from jaxprefix.models.sharding import logical_spec
 
 # MaxText's default splash tiles; a row length must be a multiple of the tile (lanes: 128).
 _TILE = 512
 _MIN_TILE = 128
-# FLOPs of each splash kernel relative to its forward (QK^T, PV): dq recomputes QK^T and forms
-# dP, dQ (3 matmuls); dkv recomputes QK^T and forms dV, dP, dK (4); fused backward: 5.
-_KERNEL_MATMULS = {'fwd': 2, 'dq': 3, 'dkv': 4, 'bwd': 5}
 # The forward's FLOPs ride in the name stack, so the compiled HLO's op_name of every splash
 # kernel (forward and backward) tells the compile job what XLA's cost analysis cannot see.
-_SCOPE = 'splash_fwd_flops_{}'
-_SCOPE_RE = re.compile(r'splash_fwd_flops_(\d+)')
-_KIND_RE = re.compile(r'splash_m[hq]a_(fwd|dq|dkv|bwd)')
+SPLASH_SCOPE = 'splash_fwd_flops_{}'
+# What a paged kernel's pages hold and the bytes per token it reads, likewise.
+PAGED_SCOPE = 'paged_{}_token_bytes_{}'
 
 
-def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale: float,
+def platform_of(params) -> str:
+    """The platform the parameters live on (abstract ones: that of their sharding's devices)."""
+    for leaf in jax.tree.leaves(params):
+        sharding = getattr(leaf, 'sharding', None)
+        if sharding is not None:
+            return next(iter(sharding.device_set)).platform
+    return jax.default_backend()
+
+
+def unrolls_layers(platform: str) -> bool:
+    """Whether the decode runs its layers one by one on per-layer weights
+    (Decoder.extend(layer_weights=)), each layer with a page pool of its own
+    (PageLayout.per_layer): on CPU, whose XLA copies a stacked weight's layer slice, and a
+    layer's part of a shared pool, out before each matmul (it doubled a SmolLM2 n=1 decode
+    step). TPU fuses the slice: its decode scans the stacked weights over one pool."""
+    return platform == 'cpu'
+
+
+def tensor_parallel_by_default(platform: str) -> bool:
+    """Whether rollout.tensor_parallel=0 decodes tensor-parallel (sampling/decode_mesh.py: the
+    heads split over the chips, each reading 1 / t of the weights a step, as TPU's
+    bandwidth-bound decode wants) rather than in the learner's own layout (CPU, GPU)."""
+    return platform == 'tpu'
+
+
+def attention_for(*, cached: bool, sliding_window: int | None):
+    """The attention of a layer's new tokens over its segments. With a cache or KV pages (one
+    new token per row) plain attention (attention.attend). Without, the new tokens attend to
+    each other: T x T scores, too large to materialise at 16k tokens, so tiles (`attend`:
+    the splash kernel on TPU, blockwise elsewhere)."""
+    if cached:
+        return attention.attend
+    return functools.partial(attend, sliding_window=sliding_window)
+
+
+def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[attention.Segment], *, scale: float,
            window=None, logit_cap: float | None = None,
            sliding_window: int | None = None) -> jax.Array:
     """Attention of new tokens over `segments`, whose last is the new tokens' own (k, v, q_pos).
@@ -75,7 +112,7 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment], *, scale
 
 
 def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV, layer, *,
-                 scale: float, window=None, logit_cap: float | None = None) -> Partial:
+                 scale: float, window=None, logit_cap: float | None = None) -> attention.Partial:
     """The partial softmax of one decode query per row, q [B, 1, H, Dh] at positions q_pos
     [B, 1], over the pages of layer `layer` (traced int32; a Python int with a pool per layer)
     its group reads: rows are group-major,
@@ -115,7 +152,7 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
         def elsewhere(*a):
             return paged_attention.reference(*a, **kw, **sc)
         token_bytes = paged_attention.pool_bytes_per_token(k.shape[0], dh, k.dtype)
-        with jax.named_scope(_PAGED_SCOPE.format(pages.name, token_bytes)):
+        with jax.named_scope(PAGED_SCOPE.format(pages.name, token_bytes)):
             return jax.lax.platform_dependent(queries, k, v, q_start, first_token, lengths,
                                               table, layer, tpu=on_tpu, default=elsewhere)
 
@@ -139,31 +176,7 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
         x = x.reshape(groups, hkv, r, g, *x.shape[3:]).swapaxes(1, 2)
         return x.reshape(b, 1, hkv, g, *x.shape[4:])
     lse = to_rows(lse)[..., 0]
-    return Partial(peak=lse, total=jnp.ones_like(lse), out=to_rows(out))
-
-
-_PAGED_SCOPE = 'paged_{}_token_bytes_{}'
-_PAGED_RE = re.compile(r'paged_(\w+?)_token_bytes_(\d+)')
-_PAGED_WHOLE_OPERANDS = 6  # (layer, first_token, lengths, table, q, q_start), then the pages
-
-
-def kernel_bytes(op_name: str, operand_bytes: list, output_bytes: float,
-                 tokens_per_call: dict[str, float]) -> float | None:
-    """HBM bytes one call of a kernel named in a compiled HLO op_name moves, read and written,
-    else None (not one of these kernels):
-      - the paged kernel: its small operands whole, of its pages the tokens_per_call[name]
-        tokens an average call reads (the compile job knows the schedule; name: what the pages
-        hold), its output;
-      - Megablox's grouped matmul: what its name says an average call moves (megablox_matmul)."""
-    gmm = _GMM_RE.search(op_name)
-    if gmm:
-        return float(gmm.group(1))
-    match = _PAGED_RE.search(op_name)
-    if not match or len(operand_bytes) < _PAGED_WHOLE_OPERANDS:
-        return None
-    tokens = tokens_per_call.get(match.group(1), 0.0)
-    return (sum(operand_bytes[:_PAGED_WHOLE_OPERANDS]) + tokens * int(match.group(2))
-            + output_bytes)
+    return attention.Partial(peak=lse, total=jnp.ones_like(lse), out=to_rows(out))
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, layer=None,
@@ -201,8 +214,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, la
 # within scoped VMEM). A tile reads its rows once per N block and its group's whole [K, N].
 _GMM_ROWS = (128, 256, 512)
 _GMM_BLOCK = 1024
-_GMM_SCOPE = 'grouped_matmul_bytes_{}_flops_{}'
-_GMM_RE = re.compile(r'grouped_matmul_bytes_(\d+)_flops_(\d+)')
+# What an average call of it moves and computes, in the name stack likewise.
+GMM_SCOPE = 'grouped_matmul_bytes_{}_flops_{}'
 
 
 def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
@@ -212,12 +225,12 @@ def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
 
     The kernel visits only the row tiles of non-empty groups and reads, for each, its group's
     whole [K, N]; rows outside every group are left unwritten, so they are zeroed here (in and
-    out: the backward's gradient of those rows would be unwritten too) unless `every_row`
-    says there are none. A layer's groups of
-    stacked rhs [L, G, K, N] are read in place through Megablox's `group_offset` (it reads
-    group g of rhs at g - group_offset; -layer * G points it at the layer's; forward only: its
-    backward would return the gradient of every layer's groups). What an average call moves
-    and computes rides in the name stack for the compile job (`kernel_bytes`,
+    out: the backward's gradient of those rows would be unwritten too) unless `every_row` says
+    there are none. A layer's groups of stacked rhs [L, G, K, N] are read in place through
+    Megablox's `group_offset` (it reads group g of rhs at g - group_offset; -layer * G points
+    it at the layer's; forward only: its backward would return the gradient of every layer's
+    groups). What an average call moves
+    and computes rides in the name stack for the compile job (tpu/costing.py's `kernel_bytes`,
     `kernel_flops`); `interpret` runs the kernel on CPU (tests)."""
     offset = None
     if layer is not None:
@@ -241,7 +254,7 @@ def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
     reads = tiles * (tm * k * size * -(-n // tn) + k * n * size)
     moved = round(reads + tiles * tm * n * size)
     flops = round(2 * tiles * tm * k * n)
-    with jax.named_scope(_GMM_SCOPE.format(moved, flops)):
+    with jax.named_scope(GMM_SCOPE.format(moved, flops)):
         out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, (tm, tk, tn),
                            group_offset=offset, interpret=interpret)
     return out if every_row else jnp.where(valid, out, 0)[:m]
@@ -305,7 +318,7 @@ def _splash_local(q, k, v, q_pos, window, *, scale, logit_cap, sliding_window, i
                          heads_first(v), segment_ids=splash.SegmentIds(segment, segment))
             return heads_first(out)
 
-        with jax.named_scope(_SCOPE.format(flops)):
+        with jax.named_scope(SPLASH_SCOPE.format(flops)):
             return jax.vmap(one_row)(q, k, v, segment)
 
     causal = splash.CausalMask((t, t))
@@ -337,15 +350,3 @@ def _visited_fraction(length: int, tile: int, window: int | None) -> float:
 def dense_attention_flops(rows: int, length: int, heads: int, head_dim: int) -> float:
     """QK^T and PV FLOPs of `rows` rows of `length` tokens, every [T, T] score computed."""
     return 4.0 * rows * length * length * heads * head_dim
-
-
-def kernel_flops(op_name: str) -> float | None:
-    """FLOPs of one call of a splash kernel or a Megablox grouped matmul (its backward's
-    kernels costed like its forward) named in a compiled HLO op_name, else None."""
-    gmm = _GMM_RE.search(op_name)
-    if gmm:
-        return float(gmm.group(2))
-    flops, kind = _SCOPE_RE.search(op_name), _KIND_RE.search(op_name)
-    if not (flops and kind):
-        return None
-    return float(flops.group(1)) * _KERNEL_MATMULS[kind.group(1)] / _KERNEL_MATMULS['fwd']

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxprefix.methods.schedules import (AdaptivePrefix, AnnealedPrefix, FixedPrefix,
-                                         make_schedule)
+from jaxprefix.methods.prefix_schedules import (AdaptivePrefix, AnnealedPrefix, FixedPrefix,
+                                         make_prefix_schedule)
 
 
 def test_fixed_keeps_the_prefix():
@@ -92,16 +92,16 @@ def test_adaptive_state_round_trip_through_json():
         t.restore(FixedPrefix().state())
 
 
-def test_make_schedule():
-    assert isinstance(make_schedule(None), FixedPrefix)
-    s = make_schedule({'kind': 'annealed', 'steps': 4, 'shape': 'cosine'})
+def test_make_prefix_schedule():
+    assert isinstance(make_prefix_schedule(None), FixedPrefix)
+    s = make_prefix_schedule({'kind': 'annealed', 'steps': 4, 'shape': 'cosine'})
     assert isinstance(s, AnnealedPrefix) and s.length('p', 100, 2) == 50
     import ml_collections
-    s = make_schedule(ml_collections.ConfigDict({'kind': 'adaptive', 'window': 8}))
+    s = make_prefix_schedule(ml_collections.ConfigDict({'kind': 'adaptive', 'window': 8}))
     assert isinstance(s, AdaptivePrefix) and s.window == 8
     with pytest.raises(ValueError, match='kind must be one of'):
-        make_schedule({'kind': 'exponential'})
+        make_prefix_schedule({'kind': 'exponential'})
     with pytest.raises(ValueError, match="'annealed': bad fields"):
-        make_schedule({'kind': 'annealed', 'steps': 4, 'window': 3})
+        make_prefix_schedule({'kind': 'annealed', 'steps': 4, 'window': 3})
     with pytest.raises(ValueError, match='shape'):
-        make_schedule({'kind': 'annealed', 'steps': 4, 'shape': 'step'})
+        make_prefix_schedule({'kind': 'annealed', 'steps': 4, 'shape': 'step'})

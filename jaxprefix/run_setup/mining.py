@@ -1,0 +1,274 @@
+"""What POPE and PrefixRL compute once with the base policy, before RL, cached on disk.
+
+- the hard set: training problems the base policy solves 0 of k times;
+- POPE: the shortest oracle prefix with which each hard problem is solved at least once, within
+  a cap (`pope.max_prefix_fraction` of the solution, `mining.max_prefix_units` steps); one search
+  per (guidance, template, cap), each its own artifact;
+- PrefixRL: a pool of successful traces by rejection sampling.
+
+Each result is written under the mining directory (`config.mining.dir`, default
+<workdir>/mining) and read back on the next run instead of sampled again, so a resumed or repeated
+run sees exactly the same hard set, prefixes and pool. The sampling compute of each artifact is
+recorded apart in mining/ledger.json, and each run is charged for the artifacts its method uses
+(`mined_artifacts`: GRPO does not pay for POPE's prefix search, nor POPE for PrefixRL's pool).
+`set_up` is the one sequence every job that samples the policy starts with.
+"""
+from __future__ import annotations
+
+from absl import logging
+import jax
+
+from jaxprefix import storage
+from jaxprefix.sampling import RolloutSpec, token_ids
+from jaxprefix.tpu import costing, topology
+from jaxprefix.methods import pope, prefixrl
+from jaxprefix.rl.compute_ledger import ComputeLedger
+from jaxprefix.methods.probing import Prober
+
+HARD_SET, LEDGER = "hard_set.json", "ledger.json"
+TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
+IMPORTED_POOL = "imported_pool.json"
+# The keys of ledger.json: prefixes_<search>, and imported_pool (its declared generation cost).
+ARTIFACTS = ("hard_set", "prefixes", "trace_pool", "imported_pool")
+
+
+def prefix_search(config) -> str:
+    """The artifact name of the configured prefix search: its guidance, template and cap."""
+    p = config.pope
+    return f"prefixes_{p.guidance}_{p.template}_f{p.max_prefix_fraction:g}"
+
+
+def _artifact_kind(name: str) -> str:
+    return "prefixes" if name.startswith("prefixes_") else name
+
+
+def mined_artifacts(config) -> tuple[str, ...]:
+    """The mining artifacts (ARTIFACTS) the configured method trains on: its bill."""
+    hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
+    if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
+        return hard + ((prefix_search(config),) if config.pope.guided_copies else ())
+    if config.method == "prefixrl":
+        p = config.prefixrl
+        if p.get("pool_path"):  # another model's traces: their declared generation cost
+            return hard + ("imported_pool",)
+        return hard + (() if p.oracle_traces else ("trace_pool",))
+    return hard
+
+
+def mining_dir(config, workdir: str) -> str:
+    return config.mining.get("dir") or storage.join(workdir, "mining")
+
+
+def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
+                  num_params: int, *, rows_per_call: int = 0, devices=()) -> str:
+    """The line logged before a mining stage samples: contexts x samples x tokens (at most
+    max_new_tokens sampled after each context) and its FLOPs bound, 2 N D (D: every sample's
+    context plus the most it may generate, the ledger's accounting). On TPU `devices`, also the
+    roofline floor of that work (tpu/costing.sampling_floor_seconds, bf16 weights)."""
+    contexts = len(context_lengths)
+    tokens = samples * (sum(context_lengths) + contexts * max_new_tokens)
+    flops = 2 * num_params * tokens
+    line = (f"{what}: will sample {contexts} contexts x {samples} samples x up to "
+            f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens, contexts included), "
+            f"<= {flops:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
+    chip = topology.chip_of(devices[0].device_kind) if devices else None
+    if chip is None:
+        return line
+    rows = contexts * samples
+    calls = -(-rows // rows_per_call) if rows_per_call else 1
+    floor = costing.sampling_floor_seconds(flops=flops, calls=calls, decode_steps=max_new_tokens,
+                                           weight_bytes=2 * num_params, chips=len(devices),
+                                           chip=chip)
+    return (f"{line}; on {len(devices)} x {chip.generation} at least {floor:.3g} s (the roofline:"
+            f" FLOPs at peak, or the weights read at every decode step of {calls} calls)")
+
+
+def _length(context) -> int:
+    return len(token_ids(context))
+
+
+def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
+    spec = RolloutSpec.from_config(config.rollout)
+    return Prober(policy.model, policy.tokenizer, spec, stop_ids=policy.stop_ids,
+                  verifier=verifier, ledger=ledger,
+                  rows_per_call=config.mining.rows_per_call,
+                  verifier_timeout_s=config.rewards.timeout_s,
+                  verifier_max_chars=config.rewards.max_chars)
+
+
+class Mining:
+    """Cached mining results of one directory, computed on first request."""
+
+    def __init__(self, config, policy, sets, directory: str):
+        self.config, self.policy, self.sets, self.dir = config, policy, sets, directory
+        self.costs = self._load_costs()
+        self.prober = make_prober(config, policy, self._new_ledger(), sets.verifier)
+
+    def _path(self, name: str) -> str:
+        return storage.join(self.dir, name)
+
+    def _new_ledger(self) -> ComputeLedger:
+        return ComputeLedger(self.policy.model.config.num_params())
+
+    def _load_costs(self) -> dict[str, ComputeLedger]:
+        if not storage.exists(self._path(LEDGER)):
+            return {}
+        record = storage.read_json(self._path(LEDGER))
+        if {_artifact_kind(k) for k in record} - set(ARTIFACTS):
+            raise ValueError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
+                             f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
+                             f"older jaxprefix, which kept one total); remove {self.dir} to mine "
+                             f"again")
+        return {name: ComputeLedger.from_dict(d) for name, d in record.items()}
+
+    def _log_cost(self, what: str, items, samples: int, contexts: bool = False) -> None:
+        """Logs sampling_cost of `samples` samples of each problem's question (or of each given
+        context)."""
+        lengths = [_length(c) if contexts else len(self.policy.prompts.question(c))
+                   for c in items]
+        logging.info("%s", sampling_cost(what, lengths, samples,
+                                         self.config.rollout.max_new_tokens,
+                                         self.policy.model.config.num_params(),
+                                         rows_per_call=self.config.mining.rows_per_call,
+                                         devices=jax.devices()))
+
+    def _booking(self, artifact: str) -> None:
+        """Books the prober's next samples to `artifact`."""
+        self.prober.ledger = self.costs[artifact] = self._new_ledger()
+
+    def _save(self, name: str, record) -> None:
+        # The artifact first, then its cost: a run killed between the two mines it again.
+        storage.write_json(self._path(name), record)
+        # Merged with what is on disk: another Mining of this directory (a run with another
+        # prefix cap) may have booked an artifact since this one was read.
+        self.costs = self._load_costs() | self.costs
+        storage.write_json(self._path(LEDGER), {k: v.to_dict() for k, v in self.costs.items()})
+
+    def cost(self, artifacts) -> ComputeLedger:
+        """What mining the named artifacts spent (those not mined yet cost nothing)."""
+        total = self._new_ledger()
+        for name in artifacts:
+            if _artifact_kind(name) not in ARTIFACTS:
+                raise ValueError(f"mining artifact {name!r}: expected one of {ARTIFACTS}")
+            if name in self.costs:
+                total.extra_rollouts += self.costs[name].extra_rollouts
+                total.extra_flops += self.costs[name].extra_flops
+        return total
+
+    def hard_set(self) -> pope.HardSet:
+        by_id = {p.id: p for p in self.sets.train}
+        if storage.exists(self._path(HARD_SET)):
+            record = storage.read_json(self._path(HARD_SET))
+            return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
+                                record["solve_counts"])
+        k = self.config.mining.k
+        self._log_cost("mining the hard set", self.sets.train, k)
+        self._booking("hard_set")
+        hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
+                                  seed=self.config.seed)
+        logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
+                     len(self.sets.train), k)
+        self._save(HARD_SET, hard.to_json())
+        return hard
+
+    def prefixes(self, hard: pope.HardSet) -> dict:
+        """Per hard problem id, its shortest solvable prefix within the cap (None: none)."""
+        return self.prefix_search(hard)["shortest_units"]
+
+    def prefix_search(self, hard: pope.HardSet) -> dict:
+        """The configured search's record: shortest_units, answers (the policy's own correct
+        guided answers, token ids) and the settings it ran with."""
+        name = prefix_search(self.config)
+        m, cap = self.config.mining, self.config.pope.max_prefix_fraction
+        settings = {"samples": m.prefix_samples, "max_units": m.max_prefix_units,
+                    "max_fraction": cap}
+        path = self._path(f"{name}.json")
+        if storage.exists(path):
+            record = storage.read_json(path)
+            if {k: record[k] for k in settings} != settings:
+                raise ValueError(f"{path}: searched with {({k: record[k] for k in settings})}, "
+                                 f"the config asks {settings} (mining.prefix_samples, "
+                                 f"mining.max_prefix_units); use another mining.dir")
+            return record
+        # Every prefix length the cap allows each problem, m samples each (a problem stops at
+        # its first solved length): the guided contexts the search may sample.
+        guide = dict(guidance=self.config.pope.guidance,
+                     template=pope.TEMPLATES[self.config.pope.template])
+        guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
+                  for problem in hard.problems
+                  for units in range(1, pope.prefix_limit(problem, max_units=m.max_prefix_units,
+                                                          max_fraction=cap) + 1)]
+        self._log_cost(f"{name} (every length the cap allows)", guided, m.prefix_samples,
+                       contexts=True)
+        self._booking(name)
+        search = pope.shortest_solvable_prefixes(
+            self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
+            max_units=m.max_prefix_units, guidance=self.config.pope.guidance,
+            template=pope.TEMPLATES[self.config.pope.template], seed=self.config.seed + 1,
+            max_fraction=cap)
+        solved = sum(v is not None for v in search.shortest.values())
+        logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
+                     len(search.shortest))
+        record = settings | {"shortest_units": search.shortest, "answers": search.answers,
+                             "revealed_fractions": pope.revealed_fractions(hard.problems,
+                                                                           search.shortest)}
+        self._save(f"{name}.json", record)
+        return record
+
+    def _imported_pool(self, path: str, problems) -> prefixrl.TracePool:
+        """An imported pool, each trace verified against its problem (failures dropped and
+        counted in imported_pool.json); its declared generation cost (prefixrl.pool_flops) is
+        booked as the 'imported_pool' artifact."""
+        pool, stats = prefixrl.verified_pool(
+            prefixrl.TracePool.load_jsonl(path, self.policy.prompts), problems,
+            verifier=self.sets.verifier, decode=self.policy.tokenizer.decode,
+            timeout_s=self.config.rewards.timeout_s)
+        logging.info("imported trace pool %s: %s", path, stats)
+        if not pool.traces:
+            raise ValueError(f"config.prefixrl.pool_path={path!r}: no trace solves its training "
+                             f"problem ({stats})")
+        declared = float(self.config.prefixrl.get("pool_flops", 0.0))
+        self.costs["imported_pool"] = ComputeLedger(self.policy.model.config.num_params(),
+                                                    extra_flops=declared)
+        self._save(IMPORTED_POOL, {"path": path, "declared_flops": declared, **stats})
+        return pool
+
+    def trace_pool(self, problems) -> prefixrl.TracePool:
+        path = self._path(TRACE_POOL)
+        pool_file = self.config.prefixrl.get("pool_path")
+        if pool_file:  # traces from elsewhere (another model), verified before use
+            return self._imported_pool(pool_file, problems)
+        if self.config.prefixrl.oracle_traces:
+            return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
+        if storage.exists(path):
+            pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
+            if storage.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
+                stats = storage.read_json(self._path(TRACE_POOL_STATS))
+                pool.samples_per_problem = stats["samples_per_problem"]
+            return pool
+        p = self.config.prefixrl
+        self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
+                       p.max_samples)
+        self._booking("trace_pool")
+        pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
+                                         samples_per_round=p.samples_per_round,
+                                         max_samples=p.max_samples, seed=self.config.seed + 2)
+        logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),
+                     sum(pool.samples_per_problem.values()))
+        pool.save_jsonl(path, self.policy.tokenizer)
+        self._save(TRACE_POOL_STATS, {"samples_per_problem": pool.samples_per_problem})
+        return pool
+
+
+def set_up(config, workdir: str) -> tuple:
+    """What every job that samples the configured policy starts from: (policy, problem sets,
+    mining), its settings checked before (preflight, run_settings.resolve). The base policy is
+    trained first if the config names an SFT'd one that is absent."""
+    from jaxprefix.run_setup.policy import load_policy
+    from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
+
+    policy = load_policy(config, workdir)
+    sets = load_problem_sets(config.data,
+                             prompt_limit(config, policy.prompts, policy.context_length),
+                             rewards_path=config.rewards.path)
+    return policy, sets, Mining(config, policy, sets, mining_dir(config, workdir))

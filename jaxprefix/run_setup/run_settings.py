@@ -1,0 +1,41 @@
+"""A training run's settings, resolved once before any work into typed, frozen objects.
+
+    settings = resolve(config)   # settings.config, .method, .rollout, .train
+
+applies the allocation rule first (isocompute.budget: the run's n, B, M and learning rate), then
+checks and types each block the run reads: the method's (MethodSettings), the rollout's
+(RolloutSpec), the learner's and the loop's (TrainConfig, from rl.loop.validate), the tools'
+(ToolSettings: read where rollout.max_turns > 1, refused on a one-turn run). Each error is
+one line naming the field. Preflight resolves the rl job's config and main hands the result to
+the job; a run started otherwise (the demo's and the results job's arms, the sweep's points, a
+test) is resolved once where it starts (jobs/rl.run_rl). Nothing downstream checks these blocks
+again: the loop, the method and the sampler take the objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxprefix.rl import loop
+from jaxprefix.rl.train_step import TrainConfig
+from jaxprefix.run_setup.allocation import allocated
+from jaxprefix.run_setup.method_settings import MethodSettings
+from jaxprefix.sampling import RolloutSpec
+from jaxprefix.tools.settings import ToolSettings
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    config: object           # the ConfigDict the run reads: the given one, allocation applied
+    method: MethodSettings
+    rollout: RolloutSpec
+    train: TrainConfig
+    tools: ToolSettings
+
+
+def resolve(config) -> RunSettings:
+    """The settings of the training run `config` describes (see the module's docstring)."""
+    config = allocated(config)
+    method = MethodSettings.from_config(config)
+    rollout = RolloutSpec.from_config(config.rollout)
+    train = loop.validate(config, contexts_per_step=method.contexts_per_step)
+    return RunSettings(config, method, rollout, train, ToolSettings.from_config(config))
