@@ -50,8 +50,9 @@ def get_config(arg: str = ""):
         # evaluated every eval_every with eval_n samples a problem. 60 steps of 32 contexts:
         # what 18 runs on 2 shared cores allow (the previous study: 60 steps of 64).
         # flops_budget: every arm runs to this total (mining, SFT warm start and second base
-        # included; 0: `steps` each). 4e12: the dearest arm (SFT on the second base's traces,
-        # ~2.2e12 before RL) still gets ~70 RL steps, plain GRPO ~150.
+        # included; 0: `steps` each). 4e12: plain GRPO gets ~160 RL steps, SFT on the own
+        # traces ~110. The second base's arms are skipped at it: that base's SFT and sampling
+        # (7.5e12 measured) spend more than the whole budget.
         regime=dict(probe_digits=(8, 10, 12, 14, 16, 18), probe_problems=32, probe_samples=32,
                     steps=60, contexts_per_step=32, eval_every=10, eval_n=4,
                     flops_budget=4e12 if carry and args.variant == "carry" else 0.0),

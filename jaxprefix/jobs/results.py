@@ -197,7 +197,11 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     budget = float(study.config.results.regime.get("flops_budget", 0.0))
     if spec.regime == "prefixrl" and budget:
         # Every arm of the regime to one total: its mining, warm start and second base included.
-        fixed = study.mining.cost(mined_artifacts(c)).extra_flops + warm_flops
+        artifacts = mined_artifacts(c)
+        fixed = study.mining.cost([a for a in artifacts if a != "imported_pool"]).extra_flops \
+            + warm_flops
+        if "imported_pool" in artifacts:  # the second base's traces: booked when the run
+            fixed += float(c.prefixrl.get("pool_flops", 0.0))  # imports them, after this
         if fixed >= budget:
             return record | {"skipped": f"its mining and SFT ({fixed:.3g} FLOPs) spend the "
                              f"regime's whole budget ({budget:.3g})"}
