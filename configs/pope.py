@@ -8,6 +8,8 @@
     python -m jaxprefix.main --config=configs/pope.py:smollm2 --workdir=/tmp/pope_smollm2
     python -m jaxprefix.main --config=configs/pope.py:paper --workdir=gs://BUCKET/pope \
         --config.model.path=gs://BUCKET/Qwen3-4B-Instruct-2507 --config.data.path=...
+    python -m jaxprefix.main --config=configs/pope.py:paper_moe --config.job=compile \
+        --config.compile.topology=v6e --workdir=/tmp/compile_moe  # Qwen3-30B-A3B: which slice
 
 Options as fields, e.g. `--config.pope.template=no_restate` (the paper's ablation),
 `--config.pope.easy_per_step=16` with `--config.data.easy_size=1024` (hard + easy),

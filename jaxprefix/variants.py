@@ -1,5 +1,5 @@
 """The variants every configs/*.py shares (demo, smoke, carry, carry_smoke, moe_smoke, smollm2,
-paper, colab):
+paper, paper_moe, colab):
 what each sets on top of `run_config.base_config()`. A config file names its method and picks a
 variant with `method_config`; the fields themselves, their defaults and docs, are run_config's.
 The tiny base policy's SFT configs (configs/sft.py, and `config.sft` of the built-in tasks' RL
@@ -172,6 +172,17 @@ def paper(c: ml_collections.ConfigDict) -> None:
     c.compile.context_length = 2048  # problem plus oracle-solution guidance (assumed)
 
 
+def paper_moe(c: ml_collections.ConfigDict) -> None:
+    """The paper run on a mixture of experts: Qwen3-30B-A3B (30.5B parameters, 3.3B active a
+    token; 128 experts, top-8), the paper variant's step shape and settings otherwise. The
+    compile job builds it from the shipped config.json (models/published). Micro-batches of 64
+    rows: one 18k-token row a chip on v6e-64, the smallest v6e slice whose chips hold the f32
+    master weights, AdamW moments and one row's activations (docs/SCALING.md)."""
+    paper(c)
+    c.model.path = "gs://YOUR_BUCKET/Qwen3-30B-A3B"
+    c.train.micro_batch_size = 64
+
+
 def colab(c: ml_collections.ConfigDict) -> None:
     """One free TPU chip (Colab's v5e-1, 16 GiB HBM; unchanged on Kaggle's v5e-8, data-parallel):
     LoRA RL of Qwen2.5-1.5B-Instruct (model.path: its HF directory; launch/colab_tpu.ipynb
@@ -195,7 +206,8 @@ def colab(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 5
 
 
-VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "paper", "colab")
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "paper", "paper_moe",
+            "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
@@ -203,7 +215,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
 
     demo / smoke use the demo task, keyed_multiplication (smoke: seconds); carry / carry_smoke
     carry_multiplication (the long-guidance case); moe_smoke the smoke with a mixture-of-experts
-    policy; smollm2 a real model on CPU; paper a TPU run; colab LoRA on one free TPU chip.
+    policy; smollm2 a real model on CPU; paper a TPU run (paper_moe: on Qwen3-30B-A3B); colab
+    LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
     args = parse_arg(arg, variant="demo")
@@ -225,6 +238,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
         smollm2(c)
     elif args.variant == "paper":
         paper(c)
+    elif args.variant == "paper_moe":
+        paper_moe(c)
     elif args.variant == "colab":
         colab(c)
     else:

@@ -2,6 +2,7 @@
 memory and cost read back, and the pieces it stands on (topologies, meshes, the HLO walk)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -219,19 +220,26 @@ def test_a_run_too_big_for_the_chip_exits_non_zero_naming_the_program(tmp_path):
     assert report is not None and not all(p['fits'] for p in report['programs'].values())
 
 
+def smoke_compile_config(tmp_path, model: dict, topology: str):
+    """grpo.py:smoke as a compile job of `model` (a config.json dict) for `topology`, in process."""
+    from jaxprefix.run_config import from_file
+
+    (tmp_path / 'config.json').write_text(json.dumps(model))
+    config = from_file(os.path.join(ROOT, 'configs', 'grpo.py'), 'smoke')
+    config.job = 'compile'
+    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
+    config.compile.update(topology=topology, context_length=64,
+                          model_config=str(tmp_path / 'config.json'))
+    return config
+
+
 def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
     """rollout.max_rows_in_flight below the step's 16 rows: the sampler program compiled is the
     continuous decode (sampling.abstract_programs, as generate() would run it), with the cap's row
     slots per row device, and its loop counted as the generations of rows through them."""
     from jaxprefix.jobs.compile import run_compile
-    from jaxprefix.run_config import from_file
 
-    (tmp_path / 'config.json').write_text(json.dumps(SMALL))
-    config = from_file(os.path.join(ROOT, 'configs', 'grpo.py'), 'smoke')
-    config.job = 'compile'
-    config.model.update(source='hf', path=str(tmp_path / 'not_here'))
-    config.compile.update(topology='v5e-4', context_length=64,
-                          model_config=str(tmp_path / 'config.json'))
+    config = smoke_compile_config(tmp_path, SMALL, 'v5e-4')
     config.rollout.max_rows_in_flight = 8  # 2 active rows on each of 4 row devices
     config.rollout.tensor_parallel = 1  # decode in the learner's (data-parallel) layout
     report = run_compile(config, str(tmp_path / 'work'))
@@ -242,6 +250,49 @@ def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
     # 4 rows a block through 2 slots: 2 generations of up to max_new_tokens steps each.
     assert continuous['assumed_trip_count'] == 2 * config.rollout.max_new_tokens
     assert continuous['fits'] and continuous['roofline']['seconds'] > 0
+
+
+SMALL_MOE = dict(model_type='qwen3_moe', architectures=['Qwen3MoeForCausalLM'], vocab_size=2048,
+                 hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                 num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                 tie_word_embeddings=False, rope_theta=10000.0, max_position_embeddings=4096)
+
+
+def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(tmp_path):
+    """A small MoE (8 experts, top-2) on v6e-4 (v6e:2x2), FSDP learner: the learner's update and
+    the sampler's decode run the experts through Megablox's kernel (costed by its name), the
+    update takes the batch's routes (int8: routing replay), the decode splits the experts over
+    its 4 chips, and the floor counts the weights a decode step reads."""
+    from jaxprefix.jobs.compile import run_compile
+    from jaxprefix.tpu.costing import kernel_bytes, kernel_flops
+
+    config = smoke_compile_config(tmp_path, SMALL_MOE, 'v6e-4')
+    config.mesh.update(data=1, fsdp=-1, tensor=1)
+    report = run_compile(config, str(tmp_path / 'work'))
+    assert report['fits'] and report['mesh'] == {'data': 1, 'fsdp': 4, 'tensor': 1}
+    hlo = tmp_path / 'work' / 'hlo' / 'v6e-4'
+    update, decode = ((hlo / f'{name}.txt').read_text()
+                      for name in ('learner_update', 'sampler_decode'))
+    for text in (update, decode):
+        kernels = compiled_stats.HloCost(text, num_devices=4)
+        names = [compiled_stats._op_name(i.attrs) for body in kernels.computations.values()
+                 for i in body if 'tpu_custom_call' in i.attrs]
+        megablox = [n for n in names if kernel_bytes(n, [], 0.0, {}) is not None
+                    and 'paged' not in n]
+        assert megablox and all(kernel_flops(n) > 0 for n in megablox)
+    assert 'tgmm' in update  # the experts' weight gradient: Megablox's backward
+    step = report['step']
+    rows = step['rows'] // 4
+    assert f"s8[{rows},{step['learner_width']},2,2]" in update  # routes: rows, width, layers, k
+    # The decode lays the 8 experts over its 4 chips (heads over 'tensor'): 2 a chip.
+    assert re.search(r'\[2,2,512,256\]', decode)  # [sparse layers, experts, D, F]
+    config_ = ModelConfig.from_hf(SMALL_MOE)
+    assert step['rows_in_flight'] == step['rows'] and step['decode_steps'] == step['max_new_tokens']
+    weights = step['max_new_tokens'] * config_.decode_step_params(step['rows']) * 4  # f32
+    assert step['sampler_floor_weights_s'] == pytest.approx(
+        weights / (4 * report['chip']['hbm_bytes_per_s']))
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ VARIANTS = {
     "prefixrl.py": {v: ("rl", "prefixrl") for v in ("", "demo", "smoke", "smollm2", "paper")},
     "pope.py": {"": ("demo", "pope"), "demo": ("demo", "pope"), "demo_smoke": ("demo", "pope"),
                 "rl": ("rl", "pope"), "smoke": ("rl", "pope"), "smollm2": ("rl", "pope"),
-                "paper": ("rl", "pope"), "colab": ("rl", "pope")},
+                "paper": ("rl", "pope"), "paper_moe": ("rl", "pope"), "colab": ("rl", "pope")},
     "eval.py": {v: ("eval", "pope") for v in ("", "demo", "smoke", "smollm2", "paper")},
     "isocompute.py": {"": ("sweep", "grpo"), "smoke": ("sweep", "grpo"),
                       "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),

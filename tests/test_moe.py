@@ -1,6 +1,7 @@
 """Qwen3-MoE (and Qwen2-MoE's shared expert) against transformers (CPU torch, f32): logits over
 routing variants, greedy decode, export; the sampler's two decodes, a GRPO update, sharding and
 routing replay on a tiny MoE; the shipped 30B-A3B config."""
+import contextlib
 import dataclasses
 
 import jax
@@ -346,17 +347,75 @@ def test_load_balancing_loss_equals_transformers_and_a_hand_computation(checkpoi
     np.testing.assert_allclose(ours, experts * np.sum(picks / pairs * probs / pairs), rtol=1e-5)
 
 
-def test_sharded_moe_equals_one_device():
-    """FSDP over 8 simulated devices, and heads / expert widths over tensor=2: same logits."""
+def test_expert_parallel_equals_one_device():
+    """8 experts over 8 simulated devices: expert parallel over 'data' (one expert a device),
+    over 'data' x 'tensor' with FSDP (two a device), and as the sampler decodes (rows over
+    'data', heads over 'tensor', one expert a device): the logits and the gradient of every
+    weight are one device's; and FSDP alone (the paper runs' learner), each expert whole on
+    every device as its layer runs. A replayed routing (other experts than the router's) is
+    dispatched the same way: its log-probs are one device's too."""
     from jaxprefix.models import make_mesh, shard_model
+    config = TINY.replace(num_layers=1, mlp_only_layers=(), num_experts=8, num_experts_per_tok=3)
     tokens = np.random.default_rng(4).integers(1, 64, (8, 10)).astype(np.int32)
-    single = np.asarray(forward(tiny_moe(), tokens))
-    for mesh in (make_mesh(1, 8, 1), make_mesh(2, 2, 2)):
-        sharded = shard_model(tiny_moe(), mesh)
-        assert len(sharded.expert_up[...].sharding.device_set) == 8
+    mask = jnp.ones(tokens.shape, bool)
+
+    def loss(m):
+        return token_logprobs(m, tokens, mask)[0].sum(), m(tokens)
+    run = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    replay = nnx.jit(lambda m, routes: token_logprobs(m, tokens, mask, routes=routes)[0])
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    (_, single), single_grads = run(model)
+    other = (np.asarray(nnx.jit(lambda m, t: m.route(t))(model, tokens)) + 1) % 8
+    single_replayed = np.asarray(replay(model, other))
+    for sizes, held in (((8, 1, 1), 1), ((2, 2, 2), 2), ((4, 1, 2), 1), ((1, 8, 1), 8)):
+        mesh = make_mesh(*sizes)
+        sharded = shard_model(Decoder(config, rngs=nnx.Rngs(0)), mesh)
+        assert sharded.expert_up[...].sharding.shard_shape(sharded.expert_up.shape)[1] == held
         with jax.set_mesh(mesh):
-            out = np.asarray(forward(sharded, tokens))
-        np.testing.assert_allclose(out, single, atol=1e-5, rtol=0)
+            (_, logits), grads = run(sharded)
+            replayed = replay(sharded, other)
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(single), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(replayed), single_replayed, atol=1e-5, rtol=0)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(single_grads)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+
+
+def test_cached_forward_reads_each_layers_experts_in_place():
+    """The cached path (the sampler's decode) hands the expert kernel every sparse layer's
+    stacked experts and the layer (backend.grouped_matmul's `layer`: no copy of a layer's
+    slice): its logits are the plain forward's, on one device and expert parallel as the
+    sampler decodes."""
+    from jaxprefix.models import make_mesh, shard_model
+    from jaxprefix.models.attention import KVCache
+    tokens = np.random.default_rng(7).integers(1, 64, (8, 6)).astype(np.int32)
+    positions = np.tile(np.arange(6, dtype=np.int32), (8, 1))
+    cached = nnx.jit(lambda m, t: m.extend(t, positions, cache=KVCache.empty(m.config, 8, 6))[0])
+    for mesh in (None, make_mesh(4, 1, 2)):
+        model = tiny_moe() if mesh is None else shard_model(tiny_moe(), mesh)
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            np.testing.assert_allclose(np.asarray(cached(model, tokens)),
+                                       np.asarray(forward(model, tokens)), atol=1e-5, rtol=0)
+
+
+def test_megablox_equals_ragged_dot():
+    """The TPU kernel (interpreted on CPU) against jax.lax.ragged_dot: an empty group, rows past
+    every group (zero), and the gradients of both operands."""
+    from jaxprefix.models.backend import megablox_matmul
+    rng = np.random.default_rng(6)
+    lhs = jnp.asarray(rng.normal(size=(200, 64)), jnp.float32)
+    rhs = jnp.asarray(rng.normal(size=(4, 64, 48)), jnp.float32)
+    sizes = jnp.array([30, 0, 100, 20], jnp.int32)  # 150 of 200 rows in groups
+    kernel = lambda lhs, rhs: megablox_matmul(lhs, rhs, sizes, expected_rows=150,
+                                              expected_groups=3, interpret=True)
+    reference = lambda lhs, rhs: jax.lax.ragged_dot(lhs, rhs, sizes)
+    out = np.asarray(kernel(lhs, rhs))
+    np.testing.assert_allclose(out, np.asarray(reference(lhs, rhs)), atol=1e-4, rtol=1e-5)
+    assert not out[150:].any()
+    grads = [jax.grad(lambda a, b: (f(a, b) ** 2).sum(), argnums=(0, 1))(lhs, rhs)
+             for f in (kernel, reference)]
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-3, rtol=1e-5)
+    assert not np.asarray(grads[0][0])[150:].any()
 
 
 def test_routes_recorded_on_four_devices_equal_one_devices():

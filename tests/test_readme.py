@@ -55,6 +55,8 @@ KNOWN = {
     f"{OWN_DATA}": "parsed",
     "python -m jaxprefix.main --config=configs/pope.py:paper --config.job=compile "
     "--config.compile.topology=v6e-8 --workdir=runs/compile": "parsed",
+    "python -m jaxprefix.main --config=configs/pope.py:paper_moe --config.job=compile "
+    "--config.compile.topology=v6e --workdir=runs/compile-moe": "parsed",
     "gcloud storage cp -r ./Qwen3-4B-Instruct-2507 problems.jsonl gs://MY_BUCKET/": "external",
     "export JAXPREFIX_PROJECT=MY_PROJECT JAXPREFIX_ZONE=us-east5-b JAXPREFIX_TPU_TYPE=v6e-8":
         "external",

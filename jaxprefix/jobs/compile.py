@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import time
 
+import jax
+import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
@@ -27,6 +29,7 @@ from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.rl import loop
+from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import decode_layout
 from jaxprefix.tpu import compiled_stats, costing, programs, topology
 
@@ -60,9 +63,10 @@ def run_compile(config, workdir: str) -> dict:
     search, report = [], None
     for slice_ in candidates:
         try:
-            report = compile_for(settings, model_config, slice_, workdir)
-        except ValueError as e:  # the run's batch does not split over this many chips
-            if len(candidates) == 1:
+            report = compile_for(settings, model_config, slice_, workdir,
+                                 searching=len(candidates) > 1)
+        except ValueError as e:  # the batch does not split over its chips, or their HBM is
+            if len(candidates) == 1:  # too small for the training state alone
                 raise
             search.append({'topology': slice_.name, 'fits': False, 'why': str(e)})
             continue
@@ -98,9 +102,11 @@ def _shortfall(report: dict) -> str:
 
 
 def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
-                workdir: str) -> dict:
+                workdir: str, *, searching: bool = False) -> dict:
     """compile.json's content for one slice type (times config.compile.slices); each compiled
-    program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look."""
+    program's HLO text goes to <workdir>/hlo/<slice>/ for a closer look. `searching` (a slice of
+    a generation's search): a slice whose chips cannot hold the training state is refused
+    (ValueError) before anything is compiled."""
     config, train, spec = settings.config, settings.train, settings.rollout
     c = config.compile
     start = time.perf_counter()
@@ -113,8 +119,24 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
-    compiled, learner, state = _timed('learner update', lambda: programs.learner_programs(
-        model, train, mesh, step))
+    learner = Learner(model, train, mesh)
+    try:  # compiles the optimizer's init to learn its shardings
+        state = learner.abstract_state()
+    except jax.errors.JaxRuntimeError as e:
+        if 'RESOURCE_EXHAUSTED' not in str(e):
+            raise
+        raise ValueError(f'the training state alone does not fit {slice_.name}: '
+                         f'{str(e).splitlines()[0][:200]}') from None
+    held = programs.bytes_per_chip(state) + programs.bytes_per_chip(learner.rest)
+    if searching and held > (1 - c.headroom) * slice_.chip.hbm_bytes:  # nothing to compile
+        raise ValueError(f'the training state alone needs {held / GiB:.1f} GiB per chip, over '
+                         f'{1 - c.headroom:.0%} of {slice_.chip.hbm_bytes / GiB:.0f} GiB')
+    compiled = _timed('learner update', lambda: programs.learner_programs(
+        learner, state, train, step))
+    usable = (1 - c.headroom) * slice_.chip.hbm_bytes
+    if searching and not 0 < _hbm_bytes(compiled[0]) <= usable:  # the sampler can wait
+        return _report(config, model_config, slice_, workdir, mesh, step, compiled, learner,
+                       state, None, start)
     # While the sampler runs on its compute-dtype copy of the weights, the training state (master
     # weights or adapters, optimizer moments) stays in HBM.
     decode = decode_layout(mesh, model_config, spec.tensor_parallel)
@@ -140,7 +162,14 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
         compiled.append(programs.Program('sampler', None, error=str(e), required_bytes=weights,
                                          resident_bytes=resident, resident_note=note))
 
-    chip = slice_.chip
+    return _report(config, model_config, slice_, workdir, mesh, step, compiled, learner, state,
+                   kv_budget, start)
+
+
+def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner, state,
+            kv_budget, start) -> dict:
+    """compile.json's content from the compiled programs (and their HLO under workdir)."""
+    c, spec, chip = config.compile, step.rollout, slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
     for p in compiled:
         if p.compiled is not None:
@@ -165,7 +194,8 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
                  'learner_width': step.learner_width, 'routing_replay': step.routing_replay,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline']),
-                 **sampler_figures(rows, step, model_config, chip, mesh.size)},
+                 **sampler_figures(rows, next((p for p in compiled if p.rows_in_flight), None),
+                                   step, model_config, chip, mesh.size)},
         'state_bytes_per_chip': {'params': programs.bytes_per_chip(state.params),
                                  'optimizer': programs.bytes_per_chip(state.opt_state),
                                  'frozen': programs.bytes_per_chip(learner.rest)},
@@ -174,14 +204,25 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     }
 
 
-def sampler_figures(rows: list, step: programs.StepShape, model_config: ModelConfig,
-                    chip: topology.Chip, chips: int) -> dict:
-    """The sampler's HBM seconds a step beside its floor (costing.kv_read_floor_seconds, in
-    the KV dtype), and what they mean in tokens."""
+def sampler_figures(rows: list, decode: programs.Program | None, step: programs.StepShape,
+                    model_config: ModelConfig, chip: topology.Chip, chips: int) -> dict:
+    """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
+
+    The floor is what the step's decoding must read at the least, every row running to
+    max_new_tokens (docs/SCALING.md), spread over every chip's HBM: the KV
+    (costing.kv_read_floor_seconds, in the KV dtype); and the weights, at each of the decode's
+    steps (its generations of `decode.rows_in_flight` rows) those its rows need, once: every
+    weight but the embedding table, of a MoE's experts those some row routes to
+    (ModelConfig.decode_step_params)."""
     from jaxprefix.sampling import budget
 
     token = budget.page_bytes_per_token(model_config, step.rollout.kv_dtype or model_config.dtype)
-    floor = costing.kv_read_floor_seconds(
+    in_flight = decode.rows_in_flight if decode is not None else 0
+    steps = decode.unknown_trip_count if decode is not None else 0
+    weights = steps * model_config.decode_step_params(in_flight) * jnp.dtype(
+        model_config.dtype).itemsize
+    weights_s = costing.hbm_seconds(weights / chips, chip)
+    floor = weights_s + costing.kv_read_floor_seconds(
         rows=step.rows, contexts=step.contexts, context_length=step.context_length,
         max_new_tokens=step.max_new_tokens, kv_bytes_per_token=token, chips=chips, chip=chip)
     sampler = [p for p in rows if p['name'].startswith('sampler') and p['roofline']]
@@ -189,8 +230,10 @@ def sampler_figures(rows: list, step: programs.StepShape, model_config: ModelCon
     seconds = sum(p['calls_per_step'] * p['roofline']['seconds'] for p in sampler)
     generated = step.rows * step.max_new_tokens
     return {'sampler_hbm_s': hbm, 'sampler_hbm_floor_s': floor,
+            'sampler_floor_weights_s': weights_s,
             'sampler_vs_floor': hbm / floor if floor else None,
             'sampler_ici_s': sum(p['calls_per_step'] * p['roofline']['ici_s'] for p in sampler),
+            'rows_in_flight': in_flight, 'decode_steps': steps,
             'generated_tokens_per_s_per_chip': generated / seconds / chips if seconds else None}
 
 
@@ -259,15 +302,13 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
                         'headroom_fraction': 1 - hbm / chip.hbm_bytes, 'flops': None,
                         'bytes_accessed': None, 'collectives': {}, 'roofline': None}
     memory = p.compiled.memory_analysis()
-    hbm = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-           - memory.alias_size_in_bytes + memory.temp_size_in_bytes
-           + memory.generated_code_size_in_bytes + p.resident_bytes)
+    hbm = _hbm_bytes(p)
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
                                   rare_branch_calls=p.rare_branch_calls,
                                   kernel_flops=costing.kernel_flops,
                                   kernel_bytes=functools.partial(
-                                      costing.paged_kernel_bytes,
+                                      costing.kernel_bytes,
                                       tokens_per_call=p.paged_tokens_per_call)).total()
     return entry | {
         'hbm_bytes_per_chip': hbm, 'fits': hbm <= usable,
@@ -283,6 +324,17 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
         'roofline': costing.roofline(cost.flops, cost.bytes,
                                      sum(c['moved'] for c in cost.collectives.values()), chip),
     }
+
+
+def _hbm_bytes(p: programs.Program) -> float:
+    """HBM per chip a compiled program needs: XLA's arguments + outputs - donated + temporaries
+    + code, and what stays resident beside it (0: not compiled)."""
+    if p.compiled is None:
+        return 0.0
+    memory = p.compiled.memory_analysis()
+    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes
+            + memory.generated_code_size_in_bytes + p.resident_bytes)
 
 
 def table(report: dict) -> str:
@@ -323,7 +375,9 @@ def table(report: dict) -> str:
     if step.get('sampler_vs_floor'):
         lines.append(f"Sampler: {step['sampler_hbm_s']:,.0f} s of HBM time against a floor of "
                      f"{step['sampler_hbm_floor_s']:,.0f} s ({step['sampler_vs_floor']:.2f}x; "
-                     f"{step['kv_dtype']} KV), {step['sampler_ici_s']:,.0f} s of ICI; "
-                     f"{step['generated_tokens_per_s_per_chip']:,.0f} generated tokens/s per chip "
-                     f"when every row runs to {step['max_new_tokens']:,} tokens.")
+                     f"{step['kv_dtype']} KV, the weights "
+                     f"{step['sampler_floor_weights_s']:,.0f} s of it), "
+                     f"{step['rows_in_flight']:,} rows in flight, {step['sampler_ici_s']:,.0f} s "
+                     f"of ICI; {step['generated_tokens_per_s_per_chip']:,.0f} generated tokens/s "
+                     f"per chip when every row runs to {step['max_new_tokens']:,} tokens.")
     return '\n'.join(lines)

@@ -7,11 +7,10 @@
     (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere;
   - the decode's layers on CPU (`unrolls_layers`): one by one on per-layer weights, each layer
     a page pool of its own, where TPU scans stacked weights over one pool;
-  - the experts' grouped matmul of a MoE layer (`grouped_matmul`): jax.lax.ragged_dot on every
-    backend for now (Megablox gmm, jax.experimental.pallas.ops.tpu.megablox, is the TPU kernel
-    to choose here).
+  - the experts' grouped matmul of a MoE layer (`grouped_matmul`): Megablox's grouped matmul
+    (Pallas, jax.experimental.pallas.ops.tpu.megablox) on TPU, jax.lax.ragged_dot elsewhere.
 
-The kernels write their costs into the name stack (SPLASH_SCOPE, PAGED_SCOPE), which
+The kernels write their costs into the name stack (SPLASH_SCOPE, PAGED_SCOPE, GMM_SCOPE), which
 tpu/costing.py reads back from a compiled program for the compile job.
 
 Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by index, not by
@@ -36,6 +35,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas.ops.tpu import megablox
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec as P
 
@@ -179,10 +179,92 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
     return attention.Partial(peak=lse, total=jnp.ones_like(lse), out=to_rows(out))
 
 
-def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, layer=None,
+                   expected_rows: float | None = None, expected_groups: float | None = None,
+                   every_row: bool = False) -> jax.Array:
     """[M, K] rows, sorted into consecutive groups of `group_sizes` [G], times their group's
-    [K, N] of rhs [G, K, N] -> [M, N] (a MoE layer's tokens through their experts)."""
-    return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes)
+    [K, N] of rhs [G, K, N] -> [M, N] (a MoE layer's tokens through their experts); rows past
+    sum(group_sizes) give 0. With `layer` (traced int32), rhs is [L, G, K, N], every layer's
+    groups, and layer `layer`'s are used where they lie: a layer sliced out of stacked weights
+    is copied before a kernel call, which would double a decode step's expert reads.
+
+    Megablox's grouped matmul (Pallas) on TPU, jax.lax.ragged_dot elsewhere. `expected_rows`
+    and `expected_groups` (static: the rows in groups and the non-empty groups a call has on
+    average) pick Megablox's row tile and let the compile job cost the kernel by what it moves
+    (megablox_matmul); default: every row, every group. `every_row` (static): the groups cover
+    every row (nothing to zero)."""
+    rows = lhs.shape[0] if expected_rows is None else expected_rows
+    groups = rhs.shape[-3] if expected_groups is None else expected_groups
+    stacked = layer is not None
+    layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
+
+    def on_tpu(lhs, rhs, group_sizes, layer):
+        return megablox_matmul(lhs, rhs, group_sizes, layer=layer if stacked else None,
+                               expected_rows=rows, expected_groups=groups, every_row=every_row)
+
+    def elsewhere(lhs, rhs, group_sizes, layer):
+        rhs = rhs[layer] if stacked else rhs
+        return jax.lax.ragged_dot(lhs, rhs.astype(lhs.dtype), group_sizes)
+    return jax.lax.platform_dependent(lhs, rhs, group_sizes, layer, tpu=on_tpu,
+                                      default=elsewhere)
+
+
+# Megablox tiles: rows a tile as many as a group has on average (128 to 512, MaxText's), and K
+# and N blocks of at most 1024 (a [1024, 1024] bf16 block is 2 MiB; double-buffered blocks stay
+# within scoped VMEM). A tile reads its rows once per N block and its group's whole [K, N].
+_GMM_ROWS = (128, 256, 512)
+_GMM_BLOCK = 1024
+# What an average call of it moves and computes, in the name stack likewise.
+GMM_SCOPE = 'grouped_matmul_bytes_{}_flops_{}'
+
+
+def megablox_matmul(lhs, rhs, group_sizes, *, layer=None, expected_rows: float,
+                    expected_groups: float, every_row: bool = False,
+                    interpret: bool = False) -> jax.Array:
+    """grouped_matmul with Megablox's kernel (jax.experimental.pallas.ops.tpu.megablox).
+
+    The kernel visits only the row tiles of non-empty groups and reads, for each, its group's
+    whole [K, N]; rows outside every group are left unwritten, so they are zeroed here (in and
+    out: the backward's gradient of those rows would be unwritten too) unless `every_row` says
+    there are none. A layer's groups of stacked rhs [L, G, K, N] are read in place through
+    Megablox's `group_offset` (it reads group g of rhs at g - group_offset; -layer * G points
+    it at the layer's; forward only: its backward would return the gradient of every layer's
+    groups). What an average call moves
+    and computes rides in the name stack for the compile job (tpu/costing.py's `kernel_bytes`,
+    `kernel_flops`); `interpret` runs the kernel on CPU (tests)."""
+    offset = None
+    if layer is not None:
+        offset = -jnp.asarray(layer, jnp.int32) * rhs.shape[1]
+        rhs = rhs.reshape(-1, *rhs.shape[2:])
+    m, k = lhs.shape
+    n = rhs.shape[2]
+    per_group = expected_rows / max(expected_groups, 1.0)
+    tm = next((t for t in _GMM_ROWS if per_group <= t), _GMM_ROWS[-1])
+    padded = -(-m // tm) * tm
+    tk, tn = _gmm_block(k), _gmm_block(n)
+    every_row = every_row and padded == m
+    valid = (jnp.arange(padded) < group_sizes.sum())[:, None]
+    if not every_row:
+        lhs = jnp.where(valid, jnp.pad(lhs, ((0, padded - m), (0, 0))), 0)
+    # Tiles visited on average: the groups' rows, plus a partial tile where a group starts
+    # inside one; each reads its rows (once per N block) and its group's [K, N], writes its rows.
+    tiles = min(padded // tm + group_sizes.shape[0] - 1,
+                max(1.0, -(-expected_rows // tm) + expected_groups - 1))
+    size = jnp.dtype(lhs.dtype).itemsize
+    reads = tiles * (tm * k * size * -(-n // tn) + k * n * size)
+    moved = round(reads + tiles * tm * n * size)
+    flops = round(2 * tiles * tm * k * n)
+    with jax.named_scope(GMM_SCOPE.format(moved, flops)):
+        out = megablox.gmm(lhs, rhs.astype(lhs.dtype), group_sizes, lhs.dtype, (tm, tk, tn),
+                           group_offset=offset, interpret=interpret)
+    return out if every_row else jnp.where(valid, out, 0)[:m]
+
+
+def _gmm_block(size: int) -> int:
+    """The largest block of a dimension: the whole when it fits, else a multiple of 128."""
+    if size <= _GMM_BLOCK:
+        return size
+    return next(b for b in range(_GMM_BLOCK, 0, -128) if size % b == 0)
 
 
 def splash_fits(q_shape) -> bool:

@@ -289,6 +289,19 @@ class ModelConfig:
             total -= self.vocab_size * d
         return total
 
+    def decode_step_params(self, rows: float) -> float:
+        """Weights one decode step of `rows` tokens must read (none twice): every weight but the
+        input embedding table (only `rows` of its rows are read), of a MoE's experts only those
+        some token routes to: expected_experts(rows, k, E) per sparse layer."""
+        every = self.num_params(embeddings=False)
+        if self.tie_word_embeddings:  # the table is the unembedding too, read whole
+            every += self.vocab_size * self.hidden_size
+        if not self.num_experts:
+            return float(every)
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        touched = expected_experts(rows, self.num_experts_per_tok, self.num_experts)
+        return every - sum(self.sparse_layers) * (self.num_experts - touched) * expert
+
     def flops_per_token(self, context_length: int = 0) -> float:
         """Forward FLOPs of one token: 2N + 4 * layers * context * heads * head_dim.
 
@@ -303,6 +316,13 @@ class ModelConfig:
             n += self.vocab_size * self.hidden_size
         attn = 4 * self.num_layers * context_length * self.num_heads * self.head_dim
         return float(2 * n + attn)
+
+
+def expected_experts(tokens: float, k: int, num_experts: int) -> float:
+    """Distinct experts `tokens` tokens route to in one layer, each picking k of num_experts
+    uniformly: an expert escapes one token with probability 1 - k/E, so all of them with
+    (1 - k/E)^tokens (docs/SCALING.md; a skewed router touches fewer)."""
+    return num_experts * (1 - (1 - k / num_experts) ** tokens)
 
 
 def _moe_from_hf(hf: dict) -> dict:

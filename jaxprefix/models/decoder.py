@@ -44,7 +44,8 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
                       down=((f, d), ('mlp', 'embed')))
     if any(sparse):
         e, fm = c.num_experts, c.moe_intermediate_size
-        shapes.update(router=((d, e), ('embed', 'expert')),
+        # The router is small and every device routes its own tokens: not split by expert.
+        shapes.update(router=((d, e), ('embed', None)),
                       expert_gate=((e, d, fm), ('expert', 'embed', 'mlp')),
                       expert_up=((e, d, fm), ('expert', 'embed', 'mlp')),
                       expert_down=((e, fm, d), ('expert', 'mlp', 'embed')))
@@ -68,6 +69,7 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
 
 
 _DENSE_MLP = frozenset({'gate', 'up', 'down'})
+_STACKED_EXPERTS = ('expert_gate', 'expert_up', 'expert_down')
 _SPARSE_MLP = frozenset({'router', 'expert_gate', 'expert_up', 'expert_down', 'shared_gate',
                          'shared_up', 'shared_down', 'shared_expert_gate'})
 
@@ -223,13 +225,20 @@ class Decoder(nnx.Module):
                          context=[(s.k, s.v) for s in context],
                          lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
         runs = _layer_runs(c)
+        # A decode step's experts stay stacked, each layer's read in place by the expert kernel
+        # (backend.grouped_matmul): the scan's slice of a layer would be copied first.
+        whole_experts = {}
+        if (cache is not None or pages) and layer_weights is None and any(c.sparse_layers):
+            whole_experts = {n: getattr(self, n)[...] for n in _STACKED_EXPERTS}
+            if any(w.dtype != dtype for w in whole_experts.values()):
+                whole_experts = {}  # the decode's own weights are cast once, outside its loop
 
         def run_weights(start, stop):
             """The stacked weights of the layers start..stop (one kind), sliced to them."""
             out = {}
             for name in self.layer_names:
                 held = stacked_layers(c, name)
-                if start in held:
+                if start in held and name not in whole_experts:
                     w = getattr(self, name)[...]
                     first = held.index(start)
                     out[name] = w if len(runs) == 1 else w[first:first + stop - start]
@@ -248,9 +257,11 @@ class Decoder(nnx.Module):
                     whole = len(runs) == 1
                     xs = per_layer if whole else jax.tree.map(lambda a: a[start:stop], per_layer)
                     xs = {**xs, 'weights': run_weights(start, stop)}
+                    first = sum(c.sparse_layers[:start])
                     if sparse and replay is not None:
-                        first = sum(c.sparse_layers[:start])
                         xs['routes'] = replay[first:first + stop - start]
+                    if sparse and whole_experts:
+                        xs['expert_layer'] = jnp.arange(first, first + stop - start)
                     unroll = stop - start if c.num_layers <= _UNROLL_UP_TO_LAYERS else 1
                     carry, (out, used) = jax.lax.scan(step, carry, xs, unroll=unroll)
                     outs.append(out)
@@ -317,9 +328,10 @@ class Decoder(nnx.Module):
             h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
             routing = None
             if 'router' in w:  # a sparse layer (the weights of a run are of one kind)
-                m, routing = moe.sparse_mlp(h, w, c.num_experts_per_tok, c.norm_topk_prob,
-                                            c.activation, xs.get('routes'),
-                                            positions >= 0 if router_load else None)
+                m, routing = moe.sparse_mlp(h, {**w, **whole_experts}, c.num_experts_per_tok,
+                                            c.norm_topk_prob, c.activation, xs.get('routes'),
+                                            positions >= 0 if router_load else None,
+                                            layer=xs.get('expert_layer'))
             else:
                 m = layers.gated_mlp(h, project, c.activation)
             if c.sandwich_norms:

@@ -1,5 +1,8 @@
 """Logical axis names -> mesh axes ('data', 'fsdp', 'tensor').
 
+There is no expert axis of its own: a MoE's experts split over 'data' and 'tensor' (RULES), the
+axes that are 'rows' and 'heads' to the rest of the model (moe.dispatch explains why).
+
 Every parameter carries its logical axis names in the nnx metadata key `out_sharding` (the
 flax 0.12.8 name; it was `sharding` and then `sharding_names` earlier in 2026). One RULES table
 maps names to mesh axes; a mesh axis that does not divide a dimension (3 KV heads over
@@ -25,7 +28,10 @@ RULES: dict[str, tuple[str, ...]] = {
     'vocab': ('tensor',),
     'embed': ('fsdp',),
     'mlp': ('tensor',),
-    'expert': (),           # a MoE's experts: replicated (no expert-parallel mesh axis yet)
+    # A MoE's experts: expert parallel over the axes that hold rows of the decode ('data') and
+    # heads ('tensor'), so a decode step reads each expert on one chip (moe.dispatch); the
+    # learner's FSDP ('fsdp') shards their model dimension as it does every weight's.
+    'expert': ('data', 'tensor'),
     'heads': ('tensor',),
     'kv_heads': ('tensor',),
     'head_dim': (),

@@ -9,7 +9,8 @@ FLOPs inside fusions, and counts bytes at fusion boundaries as XLA does (a param
 sliced inside a fusion counts its slice; a dynamic-update-slice in place its update). Pallas
 kernels (custom calls) have no FLOPs XLA can see: `kernel_flops(op_name)` supplies them; and a
 kernel that reads only part of an operand (the paged decode reads a row's filled pages, not the
-pool) says how many bytes it reads through `kernel_bytes(op_name, operand_bytes)`.
+pool) says how many bytes it moves, read and written, through `kernel_bytes(op_name,
+operand_bytes, output_bytes)`.
 
 The roofline time of a program is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per chip;
 collectives get their own ICI estimate (ring algorithms: an all-gather moves (g-1)/g of its
@@ -154,7 +155,8 @@ class HloCost:
     def __init__(self, text: str, *, num_devices: int, unknown_trip_count: int = 1,
                  rare_branch_calls: int | None = None,
                  kernel_flops: Callable[[str], float | None] = lambda op_name: None,
-                 kernel_bytes: Callable[[str, list], float | None] = lambda op, sizes: None):
+                 kernel_bytes: Callable[[str, list, float], float | None]
+                 = lambda op, sizes, out: None):
         """rare_branch_calls: how many times in all a conditional in the body of a loop of
         unknown trip count takes its costliest branch (the continuous sampler's admissions:
         a prefill now and then, a no-op otherwise); None: at every iteration (an upper bound)."""
@@ -219,13 +221,14 @@ class HloCost:
             if flops is None and 'tpu_custom_call' in ins.attrs:
                 cost.kernels_without_flops = 1
             cost.flops = flops or 0.0
-        read = None
+        moved = None
         if op == 'custom-call':
             table = self.shapes[computation]
-            read = self.kernel_bytes(_op_name(ins.attrs),
-                                     [shape_bytes(table.get(o, '')) for o in ins.operands])
-        if read is not None:
-            cost.bytes = read + shape_bytes(ins.shape)
+            moved = self.kernel_bytes(_op_name(ins.attrs),
+                                      [shape_bytes(table.get(o, '')) for o in ins.operands],
+                                      shape_bytes(ins.shape))
+        if moved is not None:
+            cost.bytes = moved
         elif op in _SLICING:  # reads the slice where its source is, writes it where it goes
             cost.bytes = (self._moved(computation, ins.operands[:1], ins.shape)
                           + shape_bytes(ins.shape))

@@ -7,14 +7,15 @@ kernels' own costing share, written once.
 - The sampler's floor (`kv_read_floor_seconds`): the KV a step's decode must read at the least;
   `sampling_floor_seconds`: a batch of sampling calls' FLOPs and weight reads, before any work.
 - Pallas kernels are custom calls whose costs XLA cannot see; models/backend.py writes them
-  into the name stack (SPLASH_SCOPE, PAGED_SCOPE) and `kernel_flops` / `paged_kernel_bytes`
-  read them back from a compiled program's op names (compiled_stats.HloCost takes both).
+  into the name stack (SPLASH_SCOPE, PAGED_SCOPE, GMM_SCOPE) and `kernel_flops` /
+  `kernel_bytes` read them back from a compiled program's op names (compiled_stats.HloCost
+  takes both).
 """
 from __future__ import annotations
 
 import re
 
-from jaxprefix.models.backend import PAGED_SCOPE, SPLASH_SCOPE
+from jaxprefix.models.backend import GMM_SCOPE, PAGED_SCOPE, SPLASH_SCOPE
 from jaxprefix.tpu.topology import Chip
 
 # FLOPs of each splash kernel relative to its forward (QK^T, PV): dq recomputes QK^T and forms
@@ -23,6 +24,7 @@ _KERNEL_MATMULS = {'fwd': 2, 'dq': 3, 'dkv': 4, 'bwd': 5}
 _SPLASH_RE = re.compile(SPLASH_SCOPE.format(r'(\d+)'))
 _KIND_RE = re.compile(r'splash_m[hq]a_(fwd|dq|dkv|bwd)')
 _PAGED_RE = re.compile(PAGED_SCOPE.format(r'(\w+?)', r'(\d+)'))
+_GMM_RE = re.compile(GMM_SCOPE.format(r'(\d+)', r'(\d+)'))
 _PAGED_WHOLE_OPERANDS = 6  # (layer, first_token, lengths, table, q, q_start), then the pages
 
 
@@ -65,20 +67,32 @@ def kv_read_floor_seconds(*, rows: int, contexts: int, context_length: int, max_
 
 
 def kernel_flops(op_name: str) -> float | None:
-    """FLOPs of one call of a splash kernel named in a compiled HLO op_name, else None."""
+    """FLOPs of one call of a splash kernel or a Megablox grouped matmul (its backward's
+    kernels costed like its forward) named in a compiled HLO op_name, else None."""
+    gmm = _GMM_RE.search(op_name)
+    if gmm:
+        return float(gmm.group(2))
     flops, kind = _SPLASH_RE.search(op_name), _KIND_RE.search(op_name)
     if not (flops and kind):
         return None
     return float(flops.group(1)) * _KERNEL_MATMULS[kind.group(1)] / _KERNEL_MATMULS['fwd']
 
 
-def paged_kernel_bytes(op_name: str, operand_bytes: list,
-                       tokens_per_call: dict[str, float]) -> float | None:
-    """Bytes one call of the paged kernel named in a compiled HLO op_name reads, else None (not
-    that kernel): its small operands whole, and of its pages the tokens_per_call[name] tokens
-    an average call reads (the compile job knows the schedule; name: what the pages hold)."""
+def kernel_bytes(op_name: str, operand_bytes: list, output_bytes: float,
+                 tokens_per_call: dict[str, float]) -> float | None:
+    """HBM bytes one call of a kernel named in a compiled HLO op_name moves, read and written,
+    else None (not one of these kernels):
+      - the paged kernel: its small operands whole, of its pages the tokens_per_call[name]
+        tokens an average call reads (the compile job knows the schedule; name: what the pages
+        hold), its output;
+      - Megablox's grouped matmul: what its name says an average call moves
+        (backend.megablox_matmul)."""
+    gmm = _GMM_RE.search(op_name)
+    if gmm:
+        return float(gmm.group(1))
     match = _PAGED_RE.search(op_name)
     if not match or len(operand_bytes) < _PAGED_WHOLE_OPERANDS:
         return None
     tokens = tokens_per_call.get(match.group(1), 0.0)
-    return sum(operand_bytes[:_PAGED_WHOLE_OPERANDS]) + tokens * int(match.group(2))
+    return (sum(operand_bytes[:_PAGED_WHOLE_OPERANDS]) + tokens * int(match.group(2))
+            + output_bytes)

@@ -65,6 +65,7 @@ class Program:
     shapes: str = ''
     # KV tokens a call of the paged kernel reads on average, by what its pages hold.
     paged_tokens_per_call: dict = dataclasses.field(default_factory=dict)
+    rows_in_flight: int = 0        # a decode: the rows it decodes at once, over all devices
 
 
 _OUT_OF_MEMORY = re.compile(r'RESOURCE_EXHAUSTED.*?\(([\d.]+)([KMGT]?)\)')
@@ -108,11 +109,11 @@ def bytes_per_chip(tree) -> float:
     return total
 
 
-def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
-    """([the update over one step's batch (rows x learner width), compiled], the Learner, the
-    abstract TrainState it updates)."""
-    learner = Learner(model, train, mesh)
-    state = learner.abstract_state()
+def learner_programs(learner: Learner, state, train: TrainConfig, step: StepShape
+                     ) -> list[Program]:
+    """[the update over one step's batch (rows x learner width), compiled] for the abstract
+    TrainState `state` of `learner` (Learner.abstract_state)."""
+    mesh = learner.mesh
     rows, width = step.rows, step.learner_width
     sharding = NamedSharding(mesh, P(BATCH_AXES))
     spec = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
@@ -122,8 +123,8 @@ def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
              'old_logprobs': spec((rows, width), jnp.float32),
              'advantages': spec((rows,), jnp.float32)}
     resident, note = 0.0, ''
-    if step.routing_replay:
-        c = model.config
+    if step.routing_replay:  # a MoE's experts as the sampler recorded them
+        c = learner.model(state).config
         batch['routes'] = spec((rows, width, sum(c.sparse_layers), c.num_experts_per_tok),
                                moe.route_dtype(c.num_experts))
     if train.kl_coef > 0:
@@ -134,7 +135,7 @@ def learner_programs(model, train: TrainConfig, mesh, step: StepShape):
               f'{rows // train.num_minibatches // micro} micro-batches of {micro} rows, '
               f'remat {train.remat}, log-prob chunk {train.logprob_chunk}')
     return [compile_program('learner update', learner.lower_update(state, batch),
-                            resident_bytes=resident, resident_note=note, shapes=shapes)], learner, state
+                            resident_bytes=resident, resident_note=note, shapes=shapes)]
 
 
 def sampling_model(learner: Learner, state, decode_mesh=None
@@ -210,7 +211,7 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
                                             shapes=shapes, **common)]
         return out + [compiled, compile_program('sampler decode', decode.lower(),
                                                 unknown_trip_count=step.max_new_tokens,
-                                                shapes=shapes, **common)]
+                                                rows_in_flight=rows, shapes=shapes, **common)]
 
 
 def decode_copy_bytes(model, step: StepShape) -> float:
@@ -260,4 +261,5 @@ def _continuous(program, step: StepShape, common: dict) -> Program:
               f"({pages.dtype}), {s.reserve} promised a row")
     return compile_program('sampler continuous', program.lower(), unknown_trip_count=trips,
                            rare_branch_calls=admissions, shapes=shapes,
-                           paged_tokens_per_call=tokens_per_call, **common)
+                           paged_tokens_per_call=tokens_per_call,
+                           rows_in_flight=shards * s['row_slots'], **common)
