@@ -32,6 +32,7 @@ from jaxprefix.studies import study_tables
 from jaxprefix.studies.study import problem_groups
 from jaxprefix.studies.study_tables import Column, Row
 from jaxprefix.rl import loop
+from jaxprefix.sampling import RolloutSpec
 from jaxprefix.tools.settings import ToolSettings
 
 ARMS = ("tools", "no_tools")  # the tools arm first: the other runs on to its FLOPs
@@ -58,6 +59,7 @@ def evaluate(config, policy, model, problems, *, with_tools: bool) -> dict:
     episodes = ToolSettings.from_config(config).episode_rollout(
         policy.tokenizer, model.config.max_position_embeddings) if with_tools else None
     scored = loop.sample_and_score(model, policy.tokenizer, request, config,
+                                   rollout=RolloutSpec.from_config(config.rollout),
                                    seed=config.seed + 7, stop_ids=policy.stop_ids,
                                    episodes=episodes)
     return (evaluation.summarize(scored.rewards, config.eval.ks)
