@@ -262,4 +262,4 @@ def _continuous(program, step: StepShape, common: dict) -> Program:
     return compile_program('sampler continuous', program.lower(), unknown_trip_count=trips,
                            rare_branch_calls=admissions, shapes=shapes,
                            paged_tokens_per_call=tokens_per_call,
-                           rows_in_flight=shards * s['row_slots'], **common)
+                           rows_in_flight=shards * s.row_slots, **common)
