@@ -42,9 +42,11 @@ own device. KV heads (and the weights) split over 'tensor'. A block whose contex
 keeps the loop going while the others idle: the price of not moving KV between devices.
 
 Routing replay (a MoE, `record_routes`): the outputs also hold the experts of the admitted
-contexts' tokens (written at admission) and of the token each row feeds at each of its steps
-(static.py says which); a preempted row writes them again as it redraws its tokens. Turns
-record none (sample_turns refuses it): an appending pass writes no routes.
+contexts' tokens (written at admission) and of every token a row feeds, by a decode step or an
+appending pass (`_append`: a turn's observation), at the column of the token it feeds it for
+(static.py says which): each token's experts are those of the forward that wrote its KV, the
+one every later token of the episode attends to. A preempted row writes them again as it
+replays its tokens (its KV is written again too).
 """
 from __future__ import annotations
 
@@ -75,7 +77,7 @@ class Shape:
     `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
     pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
     answer, a preempted row's replay) in passes of that many instead of one a step;
-    `record_routes` (a MoE, one turn) records experts for routing replay. Hashable: the one static
+    `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
     argument of the programs."""
     n: int
     new_bucket: int
@@ -427,7 +429,8 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
                   for s, pool in enumerate(state.store))
     views += (state.pool.view(tables.table[at], jnp.where(some, t, 0),
                               state.groups.last_position[at[0], slot], 'own'),)
-    _, kv = model.extend(fed, positions, pages=views, layer_weights=layer_weights)
+    _, kv, experts = model.extend(fed, positions, pages=views, layer_weights=layer_weights,
+                                  with_routes=True)
     flat = lambda x: x.reshape(x.shape[0], d * width, 1, *x.shape[3:])  # a row per token
     pool = page_pool.write_tokens(state.pool, flat(kv.k), flat(kv.v),
                                   jnp.repeat(tables.table[at], width, axis=0),
@@ -441,7 +444,19 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
                         position=put(rows.position, rows.position[at] + count))
     out = out.replace(recomputed=out.recomputed.at[episode].add(
         jnp.where(some, again.sum(axis=1), 0)))
+    out = _record_routes(out, episode[:, None], t[:, None] + i, experts, real)
     return state.replace(rows=rows, tables=tables, pool=pool, out=out)
+
+
+def _record_routes(out: Outputs, episodes, columns, experts, fed) -> Outputs:
+    """With record_routes, the experts [..., sparse layers, k] of the tokens `fed` [...] go to
+    out.routes[episodes, columns]: a column is the own index of the token drawn after the one
+    fed (Rollouts.from_parts lays them out so)."""
+    if out.routes is None:
+        return out
+    past = out.routes.shape[0]  # an index past the end: dropped
+    return out.replace(routes=out.routes.at[jnp.where(fed, episodes, past), columns].set(
+        experts.astype(out.routes.dtype), mode='drop'))
 
 
 def episodes_of_rows(state: LoopState, contexts: dict, shape: Shape) -> tuple:
@@ -526,9 +541,8 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
                                                                                     mode='drop'),
                       recomputed=out.recomputed.at[episode].add(again.astype(jnp.int32)))
     if out.routes is not None:  # the experts of the token each active row fed
-        fed = experts.reshape(*rows.t.shape, *experts.shape[2:]).astype(out.routes.dtype)
-        out = out.replace(routes=out.routes.at[jnp.where(active, episode, past), rows.t].set(
-            fed, mode='drop'))
+        out = _record_routes(out, episode, rows.t,
+                             experts.reshape(*rows.t.shape, *experts.shape[2:]), active)
     state_now = jnp.where(finished, IDLE, jnp.where(waiting, WAITING, rows.state))
     rows = rows.replace(state=state_now, t=jnp.where(active, t, rows.t),
                         token=jnp.where(active, tokens, rows.token),

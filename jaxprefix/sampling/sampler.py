@@ -260,14 +260,22 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
             recorded = None if recorded is None else (*recorded, state.routes)
         else:
             *outputs, recorded = _continuous_program(req)()
-    num_rows = lay.num_contexts * req.n
     # to_host, not device_get: on several hosts the rows live on other processes' devices too.
-    completions, logprobs, lengths, stopped, recorded = distributed.to_host((*outputs, recorded))
+    *outputs, recorded = distributed.to_host((*outputs, recorded))
+    if recorded is not None and req.plan is None:
+        # The static prefill's prompt rows are the distinct prompts: each context's own.
+        recorded = (recorded[0][lay.prompt_index], *recorded[1:])
+    return laid_out(req, *outputs, recorded)
+
+
+def laid_out(req: _Request, completions, logprobs, lengths, stopped, recorded) -> Rollouts:
+    """The request's Rollouts from its outputs on the host (rows past its own dropped);
+    `recorded`: None, or the experts (prompts [C, Sp, ...] a row per context, suffixes or None,
+    rows [>= C * n, T, ...]) as routes.of_contexts and Rollouts.from_parts take them."""
+    lay, num_rows = req.layout, req.layout.num_contexts * req.n
     context_routes = row_routes = None
     if recorded is not None:
         prompt, suffix, row_routes = recorded
-        if req.plan is None:  # one prompt row per distinct prompt: each context's own
-            prompt = prompt[lay.prompt_index]
         context_routes, row_routes = routes.of_contexts(lay, prompt, suffix), row_routes[:num_rows]
     return Rollouts.from_parts(lay.full_contexts, completions[:num_rows], logprobs[:num_rows],
                                lengths[:num_rows], stopped[:num_rows], req.n,

@@ -50,7 +50,7 @@ from jaxprefix.sampling import continuous
 from jaxprefix.sampling.layout import Context, SharedContext, bucket
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prepare, _sampling_args,
-                                        continuous_shape)
+                                        continuous_shape, laid_out)
 
 ACTIVE, IDLE, WAITING = continuous.ACTIVE, continuous.IDLE, continuous.WAITING
 # A returning row's appended tokens go into its pages in passes of this many (one forward of a
@@ -216,13 +216,15 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     """n episodes of each context (episode i*n + j continues contexts[i]) of up to `max_turns`
     sampled turns of up to `max_new_tokens` tokens each, `episode_token_budget` tokens in all
     (context included), the host's answers between turns (see the module docstring). `sampler`:
-    generate()'s other keywords (temperature, top_p, top_k, the memory keywords); every row
-    decodes over KV pages (the continuous decode), up to max_rows_in_flight of them at once
-    (None: every row), waiting rows included."""
+    generate()'s other keywords (temperature, top_p, top_k, the memory keywords, record_routes);
+    every row decodes over KV pages (the continuous decode), up to max_rows_in_flight of them at
+    once (None: every row), waiting rows included. With record_routes (a MoE), rollouts.routes
+    holds each token's experts as the forward that wrote its KV computed them: the context's
+    prefill, the appending pass of an observation, the decode step of a sampled token; no
+    earlier turn is computed again, so these are the experts every later token attended
+    through (routes.py)."""
     if max_turns < 1 or chunk_steps < 1:
         raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
-    if sampler.get('record_routes'):
-        raise ValueError('sample_turns: record_routes (routing replay) is not built for turns')
     room = episode_token_budget - min(map(_length, contexts))
     if room < 1:
         raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
@@ -273,13 +275,14 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
             if not (can_go or host.pending or answers):
                 raise RuntimeError('sample_turns: rows wait for the host with no answer due')
         out = state.out
-        completions, logprobs, lengths, stopped, recomputed = distributed.to_host(
-            (out.completions, out.logprobs, out.lengths, out.stopped, out.recomputed))
+        recorded = (out.prompt_routes, out.suffix_routes, out.routes) if shape.record_routes \
+            else None
+        completions, logprobs, lengths, stopped, recomputed, recorded = distributed.to_host(
+            (out.completions, out.logprobs, out.lengths, out.stopped, out.recomputed, recorded))
     stats['steps'] = int(jax.device_get(state.step))
     stats['wall_s'] = time.perf_counter() - begin
     stats['idle_s'] = stats['wall_s'] - stats['device_s']
     host.final_turns(completions, logprobs, lengths, stopped)
-    rollouts = Rollouts.from_parts(req.layout.full_contexts, completions[:num], logprobs[:num],
-                                   lengths[:num], stopped[:num], n)
+    rollouts = laid_out(req, completions, logprobs, lengths, stopped, recorded)
     host.unmask_appended(rollouts)
     return TurnRollouts(rollouts, recomputed[:num], stats)
