@@ -20,6 +20,13 @@ Sampling streams: every sampled token of episode e = i*n + j draws from (seed, e
 index among the episode's tokens after the prompt (sampled or appended). The in-graph decode
 draws own token k of row e so; the reference's turn 0 is generate's own stream and its turn
 t > 0 passes generate streams=[(e, k0)] for each running conversation (k0 its tokens so far).
+
+Routing replay (a MoE, `record_routes` among the sampler keywords): an episode also carries
+each token's experts (`routes`), for the learner to replay over its one sequence: those of the
+forward that first computed the token's KV (the prompt's and an observation's prefill, a
+sampled token's decode step), -1 on its last token (never fed). The KV-kept rollout computes
+each token once, so that is exactly what every later token attended through. The reference
+computes earlier turns again at every turn; see `_reprefilled` for why it keeps the first.
 """
 from __future__ import annotations
 
@@ -54,6 +61,9 @@ class Episode:
       reprefilled  tokens of earlier turns the rollout prefilled again (the reference
                    rollout's cost, `reprefilled_tokens`: 0 where turns keep their KV, but
                    a preempted row's replay)
+      routes       int8 or int16 [T, sparse layers, k], or None: with record_routes (a MoE),
+                   each token's experts as the sampler computed them (module docstring), -1
+                   on the last token
     """
     tokens: np.ndarray
     sampled: np.ndarray
@@ -65,6 +75,7 @@ class Episode:
     ended: str
     group: int
     reprefilled: int = 0
+    routes: np.ndarray | None = None
 
     @property
     def turns(self) -> int:
@@ -98,6 +109,7 @@ class _Running:
     ended: str | None = None
     reprefilled: int = 0
     observed: int = 0  # the newest observation's tokens (the reference's bookkeeping)
+    routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # record_routes: spans
 
     @property
     def turns(self) -> int:
@@ -108,11 +120,22 @@ class _Running:
         self.sampled.extend([1 if logprobs is not None else 0] * len(ids))
         self.logprobs.extend([0.0] * len(ids) if logprobs is None else map(float, logprobs))
 
+    def route(self, recorded: np.ndarray) -> None:
+        """Takes the experts of its tokens that have none yet but the last (never fed) from
+        `recorded` [>= len(tokens) - 1, ...]: a rollout row whose positions are its tokens'."""
+        routed = sum(len(r) for r in self.routes)
+        self.routes.append(np.asarray(recorded[routed:len(self.tokens) - 1]))
+
     def freeze(self) -> Episode:
+        routes = None
+        if self.routes:
+            got = np.concatenate(self.routes)
+            routes = np.full((len(self.tokens), *got.shape[1:]), -1, got.dtype)
+            routes[:len(got)] = got
         return Episode(np.array(self.tokens, np.int32), np.array(self.sampled, np.int32),
                        np.array(self.logprobs, np.float32), self.prompt_length,
                        tuple(self.turn_starts), self.tool_calls, self.tool_failures,
-                       self.ended, self.group, self.reprefilled)
+                       self.ended, self.group, self.reprefilled, routes)
 
 
 def run_calls(calls: Sequence[ToolCall], tools: Registry, max_chars: int = DEFAULT_MAX_CHARS,
@@ -206,7 +229,8 @@ def rollout_episodes(model, contexts: Sequence, *, tokenizer, tools: Registry,
         other rows, and the loop returns to the host every `chunk_steps` steps at most.
     `timings` (a dict, optional) receives how the time went: wall_s, device_s (the device at
     work), tools_s (a tool running) and idle_while_tools_s (the device idle meanwhile); with
-    kv_kept, sample_turns' other stats too (chunks, steps).
+    kv_kept, sample_turns' other stats too (chunks, steps). `sampler`'s record_routes (a MoE):
+    each episode's routes, its tokens' experts for routing replay (module docstring).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns={max_turns}: expected >= 1")
@@ -240,7 +264,16 @@ def _reprefilled(model, contexts, running: list[_Running], rules: _Rules, worker
                  kwargs: dict) -> dict:
     """The reference: one generate() per turn on every running conversation, whole. Turn 0 is
     generate's own streams; a later turn draws episode e's tokens from the stream (seed, e,
-    own index) as sample_turns does (generate's `streams`)."""
+    own index) as sample_turns does (generate's `streams`).
+
+    Recorded experts (record_routes): each token keeps those of the first turn that computed
+    it, not the latest re-prefill's. The learner replays one routing over the whole episode,
+    but here each turn's tokens were sampled over its own re-prefill of the earlier ones, so
+    no single routing is every turn's. The first one is the turn's own for every sampled
+    token (the decode step that drew the next one) and for the whole first turn; a re-prefill
+    differs from it only where a router's near-tie breaks the other way in its numerics; and
+    it is what the KV-kept rollout records, whose KV of a token is computed once: the two
+    rollouts, which give the same episodes, give the same batch to train on."""
     n = kwargs.pop('n')
     spent = dict(device_s=0.0, tools_s=0.0)
     for turn in range(rules.max_turns):
@@ -267,6 +300,8 @@ def _reprefilled(model, contexts, running: list[_Running], rules: _Rules, worker
             calls = rules.take_turn(episode, rollouts.tokens[row, start:start + length],
                                     rollouts.logprobs[row, start:start + length],
                                     bool(rollouts.stopped[row]))
+            if rollouts.routes is not None:  # its new tokens' (the row is the conversation)
+                episode.route(rollouts.routes[row])
             if calls:
                 waiting.append((episode, calls))
         started = time.perf_counter()
@@ -297,8 +332,10 @@ def _kv_kept(model, contexts, running: list[_Running], rules: _Rules, workers: i
         result = sample_turns(model, contexts, max_turns=rules.max_turns,
                               episode_token_budget=rules.budget, respond=respond,
                               chunk_steps=chunk_steps, **kwargs)
-    for episode, count in zip(running, result.recomputed):
+    for row, (episode, count) in enumerate(zip(running, result.recomputed)):
         episode.reprefilled = int(count)
+        if result.rollouts.routes is not None:  # row e: episode e's tokens, in order
+            episode.route(result.rollouts.routes[row])
     return {k: v for k, v in result.stats.items() if k != 'wall_s'}
 
 
@@ -316,7 +353,8 @@ def as_rollouts(episodes: Sequence[Episode], n: int) -> Rollouts:
     (completion_mask) is 1 on sampled tokens only, so observation tokens carry no loss and no
     importance ratio, and `logprobs` are the sampler's own on sampled tokens (for the ratios
     and TIS). `lengths` count observation tokens too (the row's extent); `stopped` is True
-    where the episode ended on a final answer.
+    where the episode ended on a final answer; `routes` the episodes' recorded experts
+    (record_routes), -1 past each one.
     """
     if len(episodes) % n:
         raise ValueError(f"as_rollouts: {len(episodes)} episodes is not a multiple of n={n}")
@@ -328,6 +366,12 @@ def as_rollouts(episodes: Sequence[Episode], n: int) -> Rollouts:
         tokens[row, :len(e.tokens)] = e.tokens
         mask[row, :len(e.tokens)] = e.sampled
         logprobs[row, :len(e.tokens)] = e.logprobs
+    routes = None
+    if episodes[0].routes is not None:
+        first = episodes[0].routes
+        routes = np.full((len(episodes), width, *first.shape[1:]), -1, first.dtype)
+        for row, e in enumerate(episodes):
+            routes[row, :len(e.tokens)] = e.routes
     total = np.array([len(e.tokens) for e in episodes], np.int32)
     context = np.array([e.prompt_length for e in episodes], np.int32)
     columns = np.arange(width, dtype=np.int32)[None, :]
@@ -335,7 +379,8 @@ def as_rollouts(episodes: Sequence[Episode], n: int) -> Rollouts:
                     completion_mask=mask, logprobs=logprobs, context_lengths=context,
                     lengths=total - context,
                     stopped=np.array([e.ended == ANSWER for e in episodes]),
-                    group_ids=np.array([e.group for e in episodes], np.int32), n=n)
+                    group_ids=np.array([e.group for e in episodes], np.int32), n=n,
+                    routes=routes)
 
 
 def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
