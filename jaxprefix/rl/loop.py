@@ -150,7 +150,9 @@ def check_rows(config, learner_config: TrainConfig, contexts_per_step: int, mesh
 
 def routing_replay(config, mixture_of_experts: bool) -> bool:
     """Whether the sampler records a MoE's experts and the learner replays them
-    (config.train.routing_replay); a dense model refuses it and router_aux_coef when set."""
+    (config.train.routing_replay), one-turn rows and multi-turn episodes alike (each episode's
+    sequence carries its tokens' experts: tools/episodes.py); a dense model refuses it and
+    router_aux_coef when set."""
     t = config.train
     value = t.get("routing_replay", "auto")
     need(value in ("auto", "on", "off"), "config.train.routing_replay", value,
@@ -160,10 +162,6 @@ def routing_replay(config, mixture_of_experts: bool) -> bool:
              "'auto' on a dense model (it has no experts to replay)")
         need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
              t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
-    if mixture_of_experts and value != "off":  # episodes do not record routes yet
-        need(config.rollout.get("max_turns", 1) == 1, "config.train.routing_replay", value,
-             f"'off' with rollout.max_turns={config.rollout.get('max_turns')} (routing replay "
-             f"over multi-turn episodes is not built)")
     return mixture_of_experts and value != "off"
 
 
@@ -214,9 +212,9 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
                      record_routes: bool = False, episodes=None) -> Scored:
-    """Samples the request (one turn a row, with a MoE's experts when `record_routes`; with
-    `episodes`, an episode rollout of ToolSettings.rollout, multi-turn episodes scored on their
-    final answers) and scores it."""
+    """Samples the request (one turn a row; with `episodes`, an episode rollout of
+    ToolSettings.rollout, multi-turn episodes scored on their final answers, a row each) and
+    scores it; with `record_routes`, each row's tokens carry a MoE's experts (Rollouts.routes)."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     keywords = rollout.sampler_keywords()
@@ -228,7 +226,7 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
         prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
     else:
         found = episodes(model, request.contexts, n=request.n, stop_ids=stop_ids, seed=seed,
-                         **keywords)
+                         record_routes=record_routes, **keywords)
         rollouts = multi_turn.as_rollouts(found, request.n)
         texts = [(request.response_prefixes[e.group] if request.response_prefixes and
                   e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
