@@ -5,8 +5,10 @@ its log-probs are those of the sampled computation even where the router's top-k
 that rounding of another batch shape would flip. The sampler records, per token and sparse
 layer, the top-k expert ids (moe.route_dtype: int8 up to 128 experts): the contexts' tokens at
 prefill, then at each decode step the token each row feeds (its context's last token first, then
-its own tokens). A row's last token is never fed, so its experts are never computed: -1, which
-the learner reads as "the router's own choice" (that token's output feeds no loss term).
+its own tokens; in turns, an appending pass's tokens too: each token's experts are those of the
+forward that wrote its KV). A row's last token is never fed, so its experts are never computed:
+-1, which the learner reads as "the router's own choice" (that token's output feeds no loss
+term).
 A dense model records nothing, and its programs are unchanged.
 """
 from __future__ import annotations
