@@ -281,13 +281,30 @@ def _config(tmp_path, **tool_fields):
     return c
 
 
-def _scored(policy, config, seed=0) -> loop.Scored:
+def train_one_step(model, tokenizer, config, workdir: str) -> dict:
+    """The metrics row of one GRPO step (loop.train) of `config` on the three problems."""
+    method = GrpoMethod(TaskPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
+    result = loop.train(config, workdir, method=method, model=model, tokenizer=tokenizer,
+                        stop_ids=[tokenizer.eos_id],
+                        learner_config=loop.validate(config, contexts_per_step=3),
+                        rollout=RolloutSpec.from_config(config.rollout), contexts_per_step=3,
+                        tools=ToolSettings.from_config(config), progress=False)
+    (record,) = read_metrics(workdir)
+    assert result["step"] == 1
+    return record
+
+
+def _scored(policy, config, seed=0, record_routes=False, **sampler) -> loop.Scored:
+    """loop.sample_and_score's episodes of the three problems (`sampler`: generate()'s keywords
+    over the config's)."""
     model, tokenizer, contexts = policy
     request = loop.RolloutRequest(contexts=contexts, problems=PROBLEMS, tags={}, n=2)
-    episodes = ToolSettings.from_config(config).episode_rollout(tokenizer, 512)
+    rollout = ToolSettings.from_config(config).episode_rollout(tokenizer, 512)
     return loop.sample_and_score(model, tokenizer, request, config, seed=seed,
                                  rollout=RolloutSpec.from_config(config.rollout),
-                                 stop_ids=[tokenizer.eos_id], episodes=episodes)
+                                 stop_ids=[tokenizer.eos_id], record_routes=record_routes,
+                                 episodes=lambda *args, **kwargs: rollout(*args, **{**kwargs,
+                                                                                 **sampler}))
 
 
 def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, episodes,
@@ -366,13 +383,6 @@ def test_failing_tools_inside_an_rl_step_are_error_observations_and_counted(poli
     np.testing.assert_array_equal(scored.rewards[2], [1, 1])  # small talk: no call
 
     config.tools.rollout = "kv_kept"
-    method = GrpoMethod(TaskPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
-    result = loop.train(config, str(tmp_path / "run"), method=method, model=model,
-                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
-                        learner_config=loop.validate(config, contexts_per_step=3),
-                        rollout=RolloutSpec.from_config(config.rollout), contexts_per_step=3,
-                        tools=ToolSettings.from_config(config), progress=False)
-    (record,) = read_metrics(str(tmp_path / "run"))
-    assert result["step"] == 1
+    record = train_one_step(model, tokenizer, config, str(tmp_path / "run"))
     assert (record["rollout/tool_calls"], record["rollout/tool_failures"]) == (4.0, 4.0)
     assert record["rollout/turns_mean"] == 5 / 3 and record["rollout/reprefilled_tokens"] == 0
