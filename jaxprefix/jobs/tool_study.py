@@ -22,6 +22,8 @@ runs are only read back. Nothing is tuned to an outcome: the report states what 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from jaxprefix import evaluation, run_config, storage
@@ -51,17 +53,31 @@ def arm_config(config, arm: str, seed: int, base: str):
     return c
 
 
-def evaluate(config, policy, model, problems, *, with_tools: bool) -> dict:
+@dataclasses.dataclass(frozen=True)
+class Evaluation:
+    """How the study evaluates every policy: its config, read once into the rollout spec and the
+    tools' settings."""
+    config: object
+    rollout: RolloutSpec
+    tools: ToolSettings
+
+    @classmethod
+    def from_config(cls, config) -> "Evaluation":
+        return cls(config, RolloutSpec.from_config(config.rollout),
+                   ToolSettings.from_config(config))
+
+
+def evaluate(how: Evaluation, policy, model, problems, *, with_tools: bool) -> dict:
     """pass@k and each problem's correct samples (eval.n each) of `model` on `problems`,
     unguided, as episodes with the study's tools or as one turn; one seed for every model."""
+    config = how.config
     request = loop.RolloutRequest(contexts=[policy.prompts.question(p) for p in problems],
                                   problems=list(problems), tags={}, n=config.eval.n)
-    episodes = ToolSettings.from_config(config).episode_rollout(
+    episodes = how.tools.episode_rollout(
         policy.tokenizer, model.config.max_position_embeddings) if with_tools else None
     scored = loop.sample_and_score(model, policy.tokenizer, request, config,
-                                   rollout=RolloutSpec.from_config(config.rollout),
-                                   seed=config.seed + 7, stop_ids=policy.stop_ids,
-                                   episodes=episodes)
+                                   rollout=how.rollout, seed=config.seed + 7,
+                                   stop_ids=policy.stop_ids, episodes=episodes)
     return (evaluation.summarize(scored.rewards, config.eval.ks)
             | loop.turn_metrics([scored])
             | {"correct_counts": [int(c) for c in (scored.rewards > 0.5).sum(axis=1)],
@@ -71,8 +87,9 @@ def evaluate(config, policy, model, problems, *, with_tools: bool) -> dict:
 def run_tool_study(config, workdir: str) -> dict:
     policy, sets, _ = set_up(config, workdir)  # the base is trained first when absent
     base = base_dir(config, workdir)
+    how = Evaluation.from_config(config)
     report = {"eval_problems": len(sets.eval), "eval_n": config.eval.n,
-              "base": {arm: evaluate(config, policy, policy.model, sets.eval,
+              "base": {arm: evaluate(how, policy, policy.model, sets.eval,
                                      with_tools=arm == "tools") for arm in ARMS},
               "runs": {arm: [] for arm in ARMS}}
     for seed in config.tool_study.seeds:
@@ -81,13 +98,13 @@ def run_tool_study(config, workdir: str) -> dict:
             if arm == "no_tools":  # run on to the tools arm's FLOPs (no mining on either)
                 c.train.flops_budget = report["runs"]["tools"][-1]["flops"]
                 c.train.total_steps *= 10  # the budget, not the steps, ends it
-            report["runs"][arm].append(_run(config, c, policy, sets, arm,
+            report["runs"][arm].append(_run(how, c, policy, sets, arm,
                                             storage.join(workdir, f"{arm}_seed{seed}")))
     _write(report, config, workdir)
     return report
 
 
-def _run(config, c, policy, sets, arm: str, run_dir: str) -> dict:
+def _run(how: Evaluation, c, policy, sets, arm: str, run_dir: str) -> dict:
     """Trains one arm at one seed (config `c`; or reads its finished record) and evaluates it
     as the study evaluates every policy."""
     saved = storage.join(run_dir, RECORD)
@@ -100,7 +117,7 @@ def _run(config, c, policy, sets, arm: str, run_dir: str) -> dict:
     record = {"seed": c.seed, "steps": out["step"], "config_steps": c.train.total_steps,
               "flops_budget": c.train.flops_budget, "ledger": out["ledger"].to_dict(),
               "flops": out["ledger"].total_flops,
-              "after": evaluate(config, policy, out["policy"].model, sets.eval,
+              "after": evaluate(how, policy, out["policy"].model, sets.eval,
                                 with_tools=arm == "tools")}
     storage.write_json(saved, record, default=float)
     return record
