@@ -21,8 +21,9 @@ instead of every layer's experts (gathered in the forward, again under remat and
 backward, and their whole f32 gradient reduce-scattered); experts that do not split over
 'fsdp' keep their model dimension sharded there and gathered per layer, as every weight's.
 Dropless in static shapes: a device computes at most group tokens x min(k, E_l) pairs, the most
-its experts can receive, so the tokens go in chunks (a learner's 20k-token row a chip, gathered
-over 64 chips, would be 1.3M tokens at once). A dropless all-to-all (each pair sent to its
+its experts can receive; the tokens are exchanged in chunks that bring at most _PAIRS_PER_CALL
+such pairs (a learner's 20k-token row a chip, gathered over 64 chips, would be 1.3M tokens at
+once), and the experts compute them in chunks of as many pairs. A dropless all-to-all (each pair sent to its
 expert's device, counts first) needs the same worst-case receive buffer in static shapes; it
 moves (G-1)/G of k pairs a token each way where the all-gather and psum_scatter move G-1
 tokens' worth (G: the devices of a group), the same at G = k (the paper's decode: 8 row blocks,
@@ -125,13 +126,12 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ja
     """sum_j weights[:, j] * MLP_{experts[:, j]}(x) for tokens x [N, D], over the pairs whose
     expert is one of the E_l held here (w_* [E_l, ...]: experts first_expert .. + E_l of
     num_experts; or [L, E_l, ...] every sparse layer's, of which `layer`'s): dropless, sorted
-    by expert. At most N * min(k, E_l) pairs can be local, so that many are computed, in chunks
-    of tokens (each chunk reads the experts again: a learner's MoE layer reads them a few
-    times, for a fraction of the memory)."""
+    by expert. Tokens go in chunks of at most _PAIRS_PER_CALL pairs (each chunk reads the
+    experts again: a learner's MoE layer reads them a few times, for a fraction of the memory)."""
     call = functools.partial(_experts_mlp, w_gate=w_gate, w_up=w_up, w_down=w_down,
                              activation=activation, first_expert=first_expert,
                              num_experts=num_experts or w_gate.shape[-3], layer=layer)
-    return _in_chunks(call, min(experts.shape[1], w_gate.shape[-3]), x, weights, experts)
+    return _in_chunks(call, experts.shape[1], x, weights, experts)
 
 
 def _experts_mlp(x, weights, experts, *, w_gate, w_up, w_down, activation, first_expert,
@@ -196,9 +196,9 @@ def dispatch(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.A
         return out
 
     def local(x, weights, experts, *held_weights):
-        # The group's gathered tokens of one chunk compute at most group x chunk x min(k, E_l)
-        # pairs: a learner's tokens (a row of 20k a chip, FSDP over 64 chips) go in chunks so
-        # that the gathered buffers stay those of one call of the experts.
+        # A chunk's tokens, gathered over the group, bring at most group x chunk x min(k, E_l)
+        # pairs here: a learner's (a row of 20k a chip, FSDP over 64 chips: 1.3M tokens) go in
+        # chunks of 512 a chip; the sampler's (a few rows, a context) in one.
         group = math.prod(shape[a] for a in gathered)
         call = lambda *a: exchange(*a, *held_weights)
         return _in_chunks(call, group * min(k, held), x, weights, experts)
