@@ -384,6 +384,7 @@ def test_expert_parallel_equals_one_device():
                 np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.slow  # 126 s on 2 loaded cores (3 compiles of the update)
 def test_learner_update_with_experts_over_fsdp_equals_one_device(monkeypatch):
     """The paper runs' learner (FSDP over all 8 devices, remat, micro-batches) holds one whole
     expert a device and exchanges tokens, in chunks (few pairs a call here), instead of
