@@ -263,8 +263,8 @@ SMALL_MOE = dict(model_type='qwen3_moe', architectures=['Qwen3MoeForCausalLM'], 
 def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(tmp_path):
     """A small MoE (8 experts, top-2) on v6e-4 (v6e:2x2), FSDP learner: the learner's update and
     the sampler's decode run the experts through Megablox's kernel (costed by its name), the
-    update takes the batch's routes (int8: routing replay), the decode splits the experts over
-    its 4 chips, and the floor counts the weights a decode step reads."""
+    update takes the batch's routes (int8: routing replay), the decode and the learner split the
+    experts over their 4 chips, and the floor counts the weights a decode step reads."""
     from jaxprefix.jobs.compile import run_compile
     from jaxprefix.tpu.costing import kernel_bytes, kernel_flops
 
@@ -288,6 +288,11 @@ def test_a_mixture_of_experts_compiles_with_megablox_and_expert_parallel_decode(
     assert f"s8[{rows},{step['learner_width']},2,2]" in update  # routes: rows, width, layers, k
     # The decode lays the 8 experts over its 4 chips (heads over 'tensor'): 2 a chip.
     assert re.search(r'\[2,2,512,256\]', decode)  # [sparse layers, experts, D, F]
+    # So does the learner's FSDP (experts over 'fsdp'): it moves tokens, and gathers no experts.
+    assert re.search(r'\[2,2,512,256\]', update)
+    assert not [line for line in update.splitlines()
+                if re.search(r' all-gather(-start)?\(', line)
+                and re.search(r'512,256\]|256,512\]', line)]
     config_ = ModelConfig.from_hf(SMALL_MOE)
     assert step['rows_in_flight'] == step['rows'] and step['decode_steps'] == step['max_new_tokens']
     weights = step['max_new_tokens'] * config_.decode_step_params(step['rows']) * 4  # f32

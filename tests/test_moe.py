@@ -4,6 +4,7 @@ routing replay on a tiny MoE, over multi-turn episodes too (their sampling:
 test_episode_replay.py); the shipped 30B-A3B config."""
 import contextlib
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -414,14 +415,13 @@ def test_load_balancing_loss_equals_transformers_and_a_hand_computation(checkpoi
 
 
 def test_expert_parallel_equals_one_device():
-    """8 experts over 8 simulated devices: expert parallel over 'data' (one expert a device),
-    over 'data' x 'tensor' with FSDP (two a device), and as the sampler decodes (rows over
-    'data', heads over 'tensor', one expert a device): the logits and the gradient of every
-    weight are one device's; and FSDP alone (the paper runs' learner), each expert whole on
-    every device as its layer runs. A replayed routing (other experts than the router's) is
-    dispatched the same way: its log-probs are one device's too."""
+    """8 experts over 8 simulated devices, one a device: expert parallel over 'data', over
+    'data' x 'fsdp' x 'tensor', as the sampler decodes (rows over 'data', heads over 'tensor')
+    and over 'fsdp' (the paper runs' learner); 4 experts under FSDP alone (they do not split 8
+    ways: each whole on every device as its layer runs, the model dimension sharded). The logits
+    and the gradient of every weight are one device's. A replayed routing (other experts than
+    the router's) is dispatched the same way: its log-probs are one device's too."""
     from jaxprefix.models import make_mesh, shard_model
-    config = TINY.replace(num_layers=1, mlp_only_layers=(), num_experts=8, num_experts_per_tok=3)
     tokens = np.random.default_rng(4).integers(1, 64, (8, 10)).astype(np.int32)
     mask = jnp.ones(tokens.shape, bool)
 
@@ -429,21 +429,71 @@ def test_expert_parallel_equals_one_device():
         return token_logprobs(m, tokens, mask)[0].sum(), m(tokens)
     run = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
     replay = nnx.jit(lambda m, routes: token_logprobs(m, tokens, mask, routes=routes)[0])
-    model = Decoder(config, rngs=nnx.Rngs(0))
-    (_, single), single_grads = run(model)
-    other = (np.asarray(nnx.jit(lambda m, t: m.route(t))(model, tokens)) + 1) % 8
-    single_replayed = np.asarray(replay(model, other))
-    for sizes, held in (((8, 1, 1), 1), ((2, 2, 2), 2), ((4, 1, 2), 1), ((1, 8, 1), 8)):
-        mesh = make_mesh(*sizes)
-        sharded = shard_model(Decoder(config, rngs=nnx.Rngs(0)), mesh)
-        assert sharded.expert_up[...].sharding.shard_shape(sharded.expert_up.shape)[1] == held
-        with jax.set_mesh(mesh):
-            (_, logits), grads = run(sharded)
-            replayed = replay(sharded, other)
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(single), atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(replayed), single_replayed, atol=1e-5, rtol=0)
-        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(single_grads)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+    for experts, meshes in ((8, (((8, 1, 1), 1), ((2, 2, 2), 1), ((4, 1, 2), 1), ((1, 8, 1), 1))),
+                            (4, (((1, 8, 1), 4),))):
+        config = TINY.replace(num_layers=1, mlp_only_layers=(), num_experts=experts,
+                              num_experts_per_tok=3)
+        model = Decoder(config, rngs=nnx.Rngs(0))
+        (_, single), single_grads = run(model)
+        other = (np.asarray(nnx.jit(lambda m, t: m.route(t))(model, tokens)) + 1) % experts
+        single_replayed = np.asarray(replay(model, other))
+        for sizes, held in meshes:
+            mesh = make_mesh(*sizes)
+            sharded = shard_model(Decoder(config, rngs=nnx.Rngs(0)), mesh)
+            assert sharded.expert_up[...].sharding.shard_shape(sharded.expert_up.shape)[1] == held
+            with jax.set_mesh(mesh):
+                (_, logits), grads = run(sharded)
+                replayed = replay(sharded, other)
+            np.testing.assert_allclose(np.asarray(logits), np.asarray(single), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(replayed), single_replayed, atol=1e-5, rtol=0)
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(single_grads)):
+                np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow  # 126 s on 2 loaded cores (3 compiles of the update)
+def test_learner_update_with_experts_over_fsdp_equals_one_device(monkeypatch):
+    """The paper runs' learner (FSDP over all 8 devices, remat, micro-batches) holds one whole
+    expert a device and exchanges tokens, in chunks (few pairs a call here), instead of
+    gathering the experts: no all-gather in its update has an expert stack's shape, and the
+    update's loss, gradient norm and new weights are one device's."""
+    from jaxprefix.models import make_mesh, shard_model
+    # 12 tokens a device in 3 chunks of 4, gathered: 32 tokens, their experts in 4 calls of 8
+    monkeypatch.setattr(moe, '_PAIRS_PER_CALL', 32)
+    config = TINY.replace(num_layers=2, mlp_only_layers=(), num_experts=8, num_experts_per_tok=3)
+    train = TrainConfig(learning_rate=1e-4, micro_batch_size=8, remat=True)
+    rng = np.random.default_rng(8)
+    rows, width = 16, 12
+    cols = np.arange(width)[None]
+    length = rng.integers(6, width + 1, rows)
+    token_mask = cols < length[:, None]
+    batch = {'tokens': np.where(token_mask, rng.integers(1, 64, (rows, width)), 0).astype(np.int32),
+             'positions': np.where(token_mask, cols, 0).astype(np.int32),
+             'token_mask': token_mask,
+             'completion_mask': ((cols >= 3) & token_mask).astype(np.float32),
+             'old_logprobs': (-2 * token_mask).astype(np.float32),
+             'advantages': rng.normal(size=rows).astype(np.float32)}
+    results = []
+    for mesh in (None, make_mesh(1, 8, 1)):
+        model = Decoder(config, rngs=nnx.Rngs(0))
+        learner = Learner(model if mesh is None else shard_model(model, mesh), train, mesh)
+        state = learner.init_state()
+        if mesh is not None:
+            assert state.params['expert_up'][...].sharding.shard_shape((2, 8, 32, 24)) == \
+                (2, 1, 32, 24)
+            hlo = learner.lower_update(state, learner.place_batch(batch)).compile().as_text()
+            gathers = [line for line in hlo.splitlines()
+                       if re.search(r' all-gather(-start)?\(', line)]
+            assert gathers and not any('32,24]' in g or '24,32]' in g for g in gathers)
+        state, metrics = learner.update(state, batch)
+        results.append((metrics, {k: np.asarray(v[...])
+                                  for k, v in nnx.to_flat_state(state.params)}))
+    (single, single_params), (sharded, sharded_params) = results
+    for name in ('loss', 'grad_norm'):
+        np.testing.assert_allclose(sharded[name], single[name], rtol=1e-5)
+    # Adam's first step is lr * g / |g| a weight: rounding moves a tiny gradient's step a little
+    for key, value in single_params.items():
+        np.testing.assert_allclose(sharded_params[key], value, atol=train.learning_rate / 10,
+                                   rtol=0, err_msg=key)
 
 
 def test_cached_forward_reads_each_layers_experts_in_place():

@@ -10,21 +10,25 @@ weights: gate and up [E, D, F], down [E, F, D]. Qwen2-MoE adds a shared expert e
 passes through, scaled by sigmoid(x @ shared_expert_gate).
 
 Expert parallelism (`dispatch`, under a mesh): the experts split over the mesh axes
-sharding.RULES gives 'expert' ('data' and 'tensor'), E_l = E / (their product) per device,
-and each device computes its own experts for every token of its expert group under
-shard_map: the tokens are all-gathered over the expert axes that split them ('data'), each
-device runs its E_l experts on the pairs routed to them, and the partial outputs are summed
-back to each token's device (psum_scatter over 'data', psum over 'tensor', along which the
-tokens are the same). No expert weight moves, and it composes with FSDP ('fsdp' shards the
-experts' model dimension, gathered per layer as for every weight) and with the sampler's
-tensor-parallel decode ('tensor' splits heads there and experts here). Dropless in static
-shapes: a device computes at most group tokens x min(k, E_l) pairs, the most its experts can
-receive (in chunks of tokens, experts_mlp). A dropless all-to-all (each pair sent to its
+sharding.RULES gives 'expert' (every axis that divides them), E_l = E / (their product) per
+device, and each device computes its own experts for every token of its expert group under
+shard_map: the tokens are all-gathered over the expert axes that split them ('data', 'fsdp'),
+each device runs its E_l experts on the pairs routed to them, and the partial outputs are summed
+back to each token's device (psum_scatter over those axes, psum over 'tensor', along which the
+tokens are the same). No expert weight moves. In the sampler's decode ('data' rows, 'tensor'
+heads) a step reads each expert on one chip; in the learner's FSDP ('fsdp') the tokens move
+instead of every layer's experts (gathered in the forward, again under remat and in the
+backward, and their whole f32 gradient reduce-scattered); experts that do not split over
+'fsdp' keep their model dimension sharded there and gathered per layer, as every weight's.
+Dropless in static shapes: a device computes at most group tokens x min(k, E_l) pairs, the most
+its experts can receive; the tokens are exchanged in chunks that bring at most _PAIRS_PER_CALL
+such pairs (a learner's 20k-token row a chip, gathered over 64 chips, would be 1.3M tokens at
+once), and the experts compute them in chunks of as many pairs. A dropless all-to-all (each pair sent to its
 expert's device, counts first) needs the same worst-case receive buffer in static shapes; it
 moves (G-1)/G of k pairs a token each way where the all-gather and psum_scatter move G-1
 tokens' worth (G: the devices of a group), the same at G = k (the paper's decode: 8 row blocks,
-top-8) and less for wider groups; and XLA:CPU has no ragged all-to-all, so no CPU test could
-run it.
+top-8) and k / G as much for wider groups (the learner's 64 chips: 1/8); and XLA:CPU has no
+ragged all-to-all, so no CPU test could run it.
 
 Routing replay: given recorded experts, a layer uses them instead of its top-k, with gate weights
 from the current router over them (so the router still learns), and dispatches them like its
@@ -96,10 +100,24 @@ def load_balancing_loss(load: jax.Array, tokens: jax.Array) -> jax.Array:
     return load.shape[-1] * jnp.sum(jax.lax.stop_gradient(picks) * probs) / pairs ** 2
 
 
-# The pairs of one call of the experts, at most: a learner's row of 20k tokens has 164k pairs
-# (top-8), and each [pairs, D] buffer of its MoE layer is 0.6 GiB, several at once in the
-# backward. More tokens go through in chunks (experts_mlp), each under jax.checkpoint.
+# The pairs one call of the experts computes, at most: a learner's row of 20k tokens has 164k
+# pairs (top-8), and each [pairs, D] buffer of its MoE layer is 0.6 GiB, several at once in the
+# backward. More tokens go through in chunks (_in_chunks), each under jax.checkpoint.
 _PAIRS_PER_CALL = 1 << 16
+
+
+def _in_chunks(fn, pairs_per_token: int, *arrays):
+    """fn(*arrays) over their leading (token) axis in the fewest equal chunks of at most
+    _PAIRS_PER_CALL / pairs_per_token tokens, each chunk under jax.checkpoint (its buffers are
+    recomputed in the backward, not kept); fn maps [n, ...] arrays to one [n, ...] array."""
+    n = arrays[0].shape[0]
+    chunks = next(c for c in range(1, n + 1)
+                  if n % c == 0 and (n // c * pairs_per_token <= _PAIRS_PER_CALL or c == n))
+    if chunks == 1:
+        return fn(*arrays)
+    split = lambda a: a.reshape(chunks, n // chunks, *a.shape[1:])
+    out = jax.lax.map(jax.checkpoint(lambda c: fn(*c)), tuple(split(a) for a in arrays))
+    return out.reshape(n, *out.shape[2:])
 
 
 def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
@@ -110,17 +128,10 @@ def experts_mlp(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: ja
     num_experts; or [L, E_l, ...] every sparse layer's, of which `layer`'s): dropless, sorted
     by expert. Tokens go in chunks of at most _PAIRS_PER_CALL pairs (each chunk reads the
     experts again: a learner's MoE layer reads them a few times, for a fraction of the memory)."""
-    n, k = experts.shape
-    chunks = next(c for c in range(1, n + 1) if n % c == 0 and (n // c * k <= _PAIRS_PER_CALL
-                                                                or c == n))
     call = functools.partial(_experts_mlp, w_gate=w_gate, w_up=w_up, w_down=w_down,
                              activation=activation, first_expert=first_expert,
                              num_experts=num_experts or w_gate.shape[-3], layer=layer)
-    if chunks == 1:
-        return call(x, weights, experts)
-    split = lambda a: a.reshape(chunks, n // chunks, *a.shape[1:])
-    out = jax.lax.map(jax.checkpoint(lambda c: call(*c)), (split(x), split(weights), split(experts)))
-    return out.reshape(x.shape)
+    return _in_chunks(call, experts.shape[1], x, weights, experts)
 
 
 def _experts_mlp(x, weights, experts, *, w_gate, w_up, w_down, activation, first_expert,
@@ -169,7 +180,8 @@ def dispatch(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.A
     stacked = layer is not None
     layer = jnp.asarray(0 if layer is None else layer, jnp.int32)
 
-    def local(x, weights, experts, w_gate, w_up, w_down, layer):
+    def exchange(x, weights, experts, w_gate, w_up, w_down, layer):
+        """The experts' sum for tokens x [n, D] of this device (one chunk of them)."""
         if gathered:  # every device of an expert group: the group's tokens
             x, weights, experts = (jax.lax.all_gather(a, gathered, tiled=True)
                                    for a in (x, weights, experts))
@@ -182,6 +194,14 @@ def dispatch(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.A
         if gathered:  # each token's sum over every device's experts, back where it came from
             out = jax.lax.psum_scatter(out, gathered, scatter_dimension=0, tiled=True)
         return out
+
+    def local(x, weights, experts, *held_weights):
+        # A chunk's tokens, gathered over the group, bring at most group x chunk x min(k, E_l)
+        # pairs here: a learner's (a row of 20k a chip, FSDP over 64 chips: 1.3M tokens) go in
+        # chunks of 512 a chip; the sampler's (a few rows, a context) in one.
+        group = math.prod(shape[a] for a in gathered)
+        call = lambda *a: exchange(*a, *held_weights)
+        return _in_chunks(call, group * min(k, held), x, weights, experts)
 
     rows = P(rows_over or None, None)
     held_spec = P(*((None,) if stacked else ()), held_over or None, None, None)

@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes ('data', 'fsdp', 'tensor').
 
-There is no expert axis of its own: a MoE's experts split over 'data' and 'tensor' (RULES), the
-axes that are 'rows' and 'heads' to the rest of the model (moe.dispatch explains why).
+There is no expert axis of its own: a MoE's experts split over every axis (RULES), which are
+'rows', 'model dimension' and 'heads' to the rest of the model (moe.dispatch explains why).
 
 Every parameter carries its logical axis names in the nnx metadata key `out_sharding` (the
 flax 0.12.8 name; it was `sharding` and then `sharding_names` earlier in 2026). One RULES table
@@ -28,10 +28,12 @@ RULES: dict[str, tuple[str, ...]] = {
     'vocab': ('tensor',),
     'embed': ('fsdp',),
     'mlp': ('tensor',),
-    # A MoE's experts: expert parallel over the axes that hold rows of the decode ('data') and
-    # heads ('tensor'), so a decode step reads each expert on one chip (moe.dispatch); the
-    # learner's FSDP ('fsdp') shards their model dimension as it does every weight's.
-    'expert': ('data', 'tensor'),
+    # A MoE's experts: expert parallel over every axis (moe.dispatch), whole experts on each
+    # chip. The decode ('data' rows, 'tensor' heads) then reads each expert on one chip; the
+    # learner's FSDP ('fsdp') exchanges tokens instead of gathering every layer's experts
+    # (128 of them, 1.2 GB in bf16, gathered again in the backward). Where the experts do not
+    # split over 'fsdp', it shards their model dimension ('embed') as every weight's.
+    'expert': ('data', 'fsdp', 'tensor'),
     'heads': ('tensor',),
     'kv_heads': ('tensor',),
     'head_dim': (),
