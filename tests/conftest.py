@@ -3,11 +3,6 @@ import os
 
 # Must happen before jax is imported anywhere in the test session.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# Tests compile hundreds of small programs and run each a few times: LLVM's optimisation of the
-# CPU code is most of a compile and buys little at these sizes (a MoE test 120 s -> 77 s, a
-# training test 82 s -> 47 s). HLO passes, and so what every program computes, are unchanged.
-if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -27,6 +22,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    """The default suite compiles hundreds of small programs and runs each a few times: LLVM's
+    optimisation of their CPU code is most of a compile and buys little at these sizes (a MoE
+    test 120 s -> 77 s, a training test 82 s -> 47 s), so it is off there. The slow suite (real
+    models against transformers, the TPU compiles) keeps the code generation users run. Set
+    here, before any test initialises jax's backend; subprocesses inherit it."""
+    if "not slow" in (config.option.markexpr or "") and \
+            "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 
 @pytest.fixture(scope="session")

@@ -233,7 +233,9 @@ def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stocha
     (counted as re-prefilled); the episodes are the reference's all the same."""
     _, tokenizer, contexts = policy
     assert [e.turns for e in stochastic] == [3] * 6 and len({len(e.tokens) for e in stochastic}) > 3
-    assert stochastic[3].ended == BUDGET and all(reprefilled_tokens(e) > 0 for e in stochastic)
+    # The premise: some episode runs into the token budget (which one depends on the draws).
+    assert BUDGET in {e.ended for e in stochastic}
+    assert all(reprefilled_tokens(e) > 0 for e in stochastic)
     page = 2 * 2 * 16 * 4 * 2  # K and V of 2 layers, 2 KV heads of 16, f32
     kept = _rollout(policy, **STOCHASTIC, kv_kept=True, max_rows_in_flight=6, page_size=16,
                     reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + 8 * 16) * page)
