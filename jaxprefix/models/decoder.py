@@ -69,6 +69,8 @@ def _layer_shapes(c: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
 
 
 _DENSE_MLP = frozenset({'gate', 'up', 'down'})
+# The projections `layer_weights` lays out output-major, and how many input axes each has.
+_PROJECTION_INPUTS = {'q': 1, 'k': 1, 'v': 1, 'o': 2, 'gate': 1, 'up': 1, 'down': 1}
 _STACKED_EXPERTS = ('expert_gate', 'expert_up', 'expert_down')
 _SPARSE_MLP = frozenset({'router', 'expert_gate', 'expert_up', 'expert_down', 'shared_gate',
                          'shared_up', 'shared_down', 'shared_expert_gate'})
@@ -158,12 +160,15 @@ class Decoder(nnx.Module):
         return unembed(h, self.unembedding(), self.config)
 
     def layer_weights(self) -> list[dict[str, jax.Array]]:
-        """Each layer's weights as arrays of their own, for `extend(layer_weights=...)`."""
+        """Each layer's weights as arrays of their own, for `extend(layer_weights=...)`: a
+        decode on CPU, so its projections are laid out output-major (layers.output_major)."""
         out = [{} for _ in range(self.config.num_layers)]
         for name in self.layer_names:
             stacked = getattr(self, name)[...]
             for j, i in enumerate(stacked_layers(self.config, name)):
-                out[i][name] = stacked[j]
+                inputs = _PROJECTION_INPUTS.get(name)
+                out[i][name] = stacked[j] if inputs is None else layers.output_major(stacked[j],
+                                                                                     inputs)
         return out
 
     def extend(self, tokens, positions, *, context: Sequence[KVSegment] = (),
@@ -193,9 +198,10 @@ class Decoder(nnx.Module):
         if pages and cache is not None:
             raise ValueError('pages take no cache')
         h, kv, routing = self._run(tokens, positions, tuple(context), cache, layer_weights, pages)
+        logits = unembed(h, self.unembedding(), self.config, output_major=layer_weights is not None)
         if with_routes:
-            return self.unembed(h), kv, None if routing is None else routing['experts']
-        return self.unembed(h), kv
+            return logits, kv, None if routing is None else routing['experts']
+        return logits, kv
 
     # --- the one forward path -----------------------------------------------------------------
 
@@ -295,7 +301,8 @@ class Decoder(nnx.Module):
             w = {n: a.astype(dtype) for n, a in xs['weights'].items()}
 
             def project(name, equation, x):
-                return lora.project(name, equation, x, w[name], xs['lora'], lora_config)
+                return lora.project(name, equation, x, w[name], xs['lora'], lora_config,
+                                    output_major=layer_weights is not None)
 
             cos, sin = [jnp.where(xs['sliding'], l, g) for l, g in zip(local_angles, angles)]
             h = layers.rms_norm(x, w['attn_norm'], c.rms_norm_eps, c.norm_plus_one)
@@ -380,8 +387,14 @@ class Decoder(nnx.Module):
 _UNROLL_UP_TO_LAYERS = 4
 
 
-def unembed(h: jax.Array, unembedding: jax.Array, config: ModelConfig) -> jax.Array:
-    """Logits (f32) from final-normed hidden states and the [V, D] unembedding matrix."""
-    logits = jnp.einsum('...d,vd->...v', h, unembedding.astype(h.dtype),
-                        preferred_element_type=jnp.float32)
+def unembed(h: jax.Array, unembedding: jax.Array, config: ModelConfig,
+            output_major: bool = False) -> jax.Array:
+    """Logits (f32) from final-normed hidden states and the [V, D] unembedding matrix;
+    output_major: computed as layers.einsum_output_major does (a decode on CPU)."""
+    unembedding = unembedding.astype(h.dtype)
+    if output_major:
+        logits = layers.einsum_output_major('btd,dv->btv', h, unembedding,
+                                            preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum('...d,vd->...v', h, unembedding, preferred_element_type=jnp.float32)
     return layers.softcap(logits, config.final_logit_softcapping)

@@ -72,6 +72,26 @@ def gated_mlp(x: jax.Array, project, activation: str) -> jax.Array:
     return project('down', 'btf,fd->btd', hidden * project('up', 'btd,df->btf', x))
 
 
+def output_major(weight: jax.Array, inputs: int) -> jax.Array:
+    """`weight` with its `inputs` leading (contracted) axes moved last: [out..., in...]."""
+    return jnp.moveaxis(weight, tuple(range(inputs)), tuple(range(-inputs, 0)))
+
+
+def einsum_output_major(equation: str, x: jax.Array, weight: jax.Array,
+                        preferred_element_type=None) -> jax.Array:
+    """jnp.einsum(equation, x, W) for W given output-major (`output_major`): computed with the
+    weight as the dot's left operand and its output axes leading the result, the layout in
+    which XLA's CPU dot (YNNPACK) runs a decode step's few rows fastest (8 rows: 1.6x)."""
+    operands, out = equation.split('->')
+    x_axes, w_axes = operands.split(',')
+    contracted = ''.join(a for a in w_axes if a in x_axes and a not in out)
+    w_out = ''.join(a for a in w_axes if a not in contracted)
+    x_out = ''.join(a for a in x_axes if a not in contracted)
+    y = jnp.einsum(f'{w_out}{contracted},{x_axes}->{w_out}{x_out}', weight, x,
+                   preferred_element_type=preferred_element_type)
+    return jnp.einsum(f'{w_out}{x_out}->{out}', y)
+
+
 def softcap(x: jax.Array, cap: float | None) -> jax.Array:
     """cap * tanh(x / cap) (Gemma's logit softcapping); identity when cap is None."""
     return x if cap is None else jnp.tanh(x / cap) * cap

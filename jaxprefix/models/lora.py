@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxprefix.models import layers
 from jaxprefix.models.sharding import variable_axes
 
 TARGETS = ('q', 'k', 'v', 'o', 'gate', 'up', 'down')
@@ -105,11 +106,15 @@ class Adapters(nnx.Module):
 
 
 def project(name: str, equation: str, x: jax.Array, weight: jax.Array, lora: dict,
-            config: LoraConfig | None) -> jax.Array:
+            config: LoraConfig | None, output_major: bool = False) -> jax.Array:
     """x W for one layer's projection `name`, plus the adapter's s (dropout(x) A) B when it has one.
 
-    `lora` is one layer's slice of `Adapters.scan_inputs` ({} without adapters)."""
-    y = jnp.einsum(equation, x, weight)
+    `lora` is one layer's slice of `Adapters.scan_inputs` ({} without adapters); `output_major`:
+    the weight is laid out output axes first (layers.output_major; a decode on CPU)."""
+    if output_major:
+        y = layers.einsum_output_major(equation, x, weight)
+    else:
+        y = jnp.einsum(equation, x, weight)
     if name not in lora.get('factors', {}):
         return y
     a, b = lora['factors'][name]
