@@ -15,6 +15,9 @@ TOL = 1e-4
 forward = nnx.jit(lambda model, tokens, mask=None: model(tokens, mask=mask))
 extend = nnx.jit(lambda model, tokens, positions, context=(), cache=None: model.extend(
     tokens, positions, context=context, cache=cache))
+# The CPU decode's form: each layer's weights apart, projections output-major.
+extend_per_layer = nnx.jit(lambda model, tokens, positions, context=(), cache=None: model.extend(
+    tokens, positions, context=context, cache=cache, layer_weights=model.layer_weights()))
 
 
 @pytest.fixture(scope='module')
@@ -62,7 +65,8 @@ def _full_logits(model, context, continuation):
     return np.asarray(forward(model, seq))[0]
 
 
-def test_extend_shared_context_then_cache_equals_full_forward(checkpoints):
+@pytest.mark.parametrize('decode', [extend, extend_per_layer], ids=['stacked', 'per_layer'])
+def test_extend_shared_context_then_cache_equals_full_forward(checkpoints, decode):
     model, _ = checkpoints('gemma3')  # sliding window across segments and cache
     groups, r, steps = 2, 3, 5
     # Two contexts of different lengths, left-padded into one segment (padding has position -1).
@@ -87,7 +91,7 @@ def test_extend_shared_context_then_cache_equals_full_forward(checkpoints):
     # First write two tokens at once, then one at a time.
     for start, stop in [(0, 2)] + [(s, s + 1) for s in range(2, steps + 1)]:
         pos = base + np.arange(start, stop)[None]
-        logits, cache = extend(model, continuation[:, start:stop], pos, (segment,), cache)
+        logits, cache = decode(model, continuation[:, start:stop], pos, (segment,), cache)
         outputs.append(np.asarray(logits))
     assert int(cache.index) == steps + 1
     got = np.concatenate(outputs, axis=1)
@@ -185,3 +189,17 @@ def test_flops_per_token_counts_matmuls():
 def test_unsupported_model_type_is_named():
     with pytest.raises(ValueError, match=r"'mistral'.*supported: llama, qwen2, qwen3, gemma3_text"):
         ModelConfig.from_hf({'model_type': 'mistral', 'hidden_size': 8})
+
+
+@pytest.mark.parametrize('equation,inputs', [('btd,dhk->bthk', 1), ('bthk,hkd->btd', 2),
+                                             ('btd,df->btf', 1), ('btf,fd->btd', 1)])
+def test_einsum_output_major_equals_einsum(equation, inputs):
+    """The CPU decode's weight-first matmul gives x W for a weight laid out output-major."""
+    from jaxprefix.models import layers
+    x_axes, w_axes = equation.split('->')[0].split(',')
+    sizes = dict(b=3, t=2, d=8, h=4, k=5, f=6)
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], [sizes[a] for a in x_axes])
+    w = jax.random.normal(keys[1], [sizes[a] for a in w_axes])
+    got = layers.einsum_output_major(equation, x, layers.output_major(w, inputs))
+    np.testing.assert_allclose(got, jnp.einsum(equation, x, w), atol=1e-5, rtol=1e-5)

@@ -149,9 +149,12 @@ def substituted(command: str, tmp_path) -> list[str]:
 
 def run(words: list[str], timeout: int):
     """A README command as a user's CPU runs it: one device, not the suite's eight simulated ones
-    (which share this machine's memory: eight replicas of SmolLM2's update pass 9 GB)."""
+    (which share this machine's memory: eight replicas of SmolLM2's update pass 9 GB), compiled
+    at the suite's optimisation level (conftest.py)."""
     assert words[:3] == ["python", "-m", "jaxprefix.main"], words
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = " ".join(flag for flag in os.environ["XLA_FLAGS"].split()
+                                if flag.startswith("--xla_backend_optimization_level"))
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
