@@ -7,7 +7,7 @@ from flax import nnx
 
 import tiny_checkpoints as tc
 from jaxprefix.checkpoints.hf import from_pretrained
-from jaxprefix.models import Decoder, KVCache, ModelConfig, token_logprobs
+from jaxprefix.models import Decoder, KVCache, ModelConfig, layers, token_logprobs
 
 TOL = 1e-4
 
@@ -195,7 +195,6 @@ def test_unsupported_model_type_is_named():
                                              ('btd,df->btf', 1), ('btf,fd->btd', 1)])
 def test_einsum_output_major_equals_einsum(equation, inputs):
     """The CPU decode's weight-first matmul gives x W for a weight laid out output-major."""
-    from jaxprefix.models import layers
     x_axes, w_axes = equation.split('->')[0].split(',')
     sizes = dict(b=3, t=2, d=8, h=4, k=5, f=6)
     keys = jax.random.split(jax.random.key(0), 2)
