@@ -61,6 +61,25 @@ def test_write_atomic_leaves_no_temporary_file(tmp_path):
     assert os.listdir(tmp_path / "d") == ["f.bin"] and storage.read_bytes(path) == b"2"
 
 
+def test_open_atomic_keeps_a_mapped_file_intact(tmp_path):
+    """Two processes of one run save the same base model (model.safetensors) while the other
+    maps it: the writer must replace the file, not rewrite it in place (in place, the map reads
+    the new bytes, or SIGBUS once the file was truncated)."""
+    import numpy as np
+
+    path = str(tmp_path / "model.safetensors")
+    storage.write_atomic(path, b"1" * 4096)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    with storage.open_atomic(path) as f:
+        f.write(b"2" * 2048)
+        f.write(b"2" * 2048)
+    assert bytes(mapped[:4]) == b"1111" and storage.read_bytes(path) == b"2" * 4096
+    with pytest.raises(RuntimeError), storage.open_atomic(path) as f:
+        f.write(b"3")
+        raise RuntimeError("the writer fails half way")
+    assert storage.read_bytes(path) == b"2" * 4096 and os.listdir(tmp_path) == ["model.safetensors"]
+
+
 def test_paths():
     assert storage.is_remote("gs://b/x") and not storage.is_remote("/tmp/x")
     assert storage.join("gs://b/run/", "a", "b.json") == "gs://b/run/a/b.json"

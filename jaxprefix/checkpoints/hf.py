@@ -69,7 +69,8 @@ def read_safetensors(path) -> dict[str, np.ndarray]:
 
 def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
     """One .safetensors file (local or gs://), streamed tensor by tensor (no copy of the whole
-    model in memory); a reader trusts it once config.json is written after it."""
+    model in memory), replacing `path` as a whole: another process that reads or maps the old
+    file meanwhile keeps it intact. A reader trusts it once config.json is written after it."""
     header, offset = {'__metadata__': {'format': 'pt'}}, 0
     arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
     for name, a in arrays.items():
@@ -78,7 +79,7 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
         offset += a.nbytes
     blob = json.dumps(header).encode()
     blob += b' ' * (-len(blob) % 8)  # data starts 8-byte aligned
-    with storage.open(path, 'wb') as f:
+    with storage.open_atomic(path) as f:
         f.write(struct.pack('<Q', len(blob)))
         f.write(blob)
         for a in arrays.values():

@@ -7,9 +7,11 @@ else in jaxprefix calls open, os.path or pathlib on a path that may be remote.
 
 What differs on GCS, and how this module hides it:
 - No directories: `makedirs` is a no-op there (an object's name creates its "folder").
-- No append and no rename: `write_atomic` writes a whole object in one upload, which GCS makes
-  visible all at once or not at all; locally it writes a temporary file and renames it, so a
-  reader never sees half a file and a killed writer leaves the old one. Files that grow (metrics)
+- No append and no rename: `write_atomic` (and `open_atomic`, for a file written in pieces)
+  writes a whole object in one upload, which GCS makes visible all at once or not at all; locally
+  it writes a temporary file and renames it, so a reader never sees half a file, a killed writer
+  leaves the old one, and a process that maps the old file (safetensors) keeps it intact while
+  another replaces it. Files that grow (metrics)
   are rewritten whole, in bounded segments (rl/metrics.py). `rename` on GCS is a server-side copy then a delete (not atomic);
   `create_exclusive` (write only if absent) is atomic on both, for lock files.
 - No memory map: `local_copy` downloads a remote file once into the cache directory
@@ -27,6 +29,7 @@ Orbax writes checkpoint arrays with tensorstore's own GCS client; it takes the s
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import io
 import json
@@ -169,26 +172,39 @@ def read_json(path):
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
-def write_atomic(path, data: bytes | str) -> None:
-    """Replaces `path` with `data` so that readers see the old or the new content, never part.
-
-    Local: a temporary file in the same folder, fsynced, then renamed over `path`. Remote: one
-    object upload (GCS publishes an object only once its upload completes)."""
-    data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+@contextlib.contextmanager
+def open_atomic(path):
+    """A binary file object whose content replaces `path` as a whole when the block ends
+    without an error: readers (a memory map of the old file included) see the old or the new
+    content, never part. Local: a temporary file in the same folder, fsynced, then renamed over
+    `path` (an error removes it). Remote: one object upload, which GCS publishes only once it
+    completes."""
     if is_remote(path):
-        _remote("writing", path, lambda: _epath(path).write_bytes(data), writes=True)
+        with open(path, "wb") as f:
+            yield f
         return
     makedirs(dirname(path) or ".")
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         with builtins.open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_atomic(path, data: bytes | str) -> None:
+    """Replaces `path` with `data` so that readers see the old or the new content, never part
+    (`open_atomic`)."""
+    data = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    if is_remote(path):
+        _remote("writing", path, lambda: _epath(path).write_bytes(data), writes=True)
+        return
+    with open_atomic(path) as f:
+        f.write(data)
 
 
 def create_exclusive(path, data: bytes | str) -> bool:
