@@ -65,7 +65,19 @@ def _full_logits(model, context, continuation):
     return np.asarray(forward(model, seq))[0]
 
 
-@pytest.mark.parametrize('decode', [extend, extend_per_layer], ids=['stacked', 'per_layer'])
+def _head_major(decode):
+    """`decode` over KV laid out per layer, head-major (KVSegment.head_major: the CPU decode's
+    layout)."""
+    def run(model, tokens, positions, context=(), cache=None):
+        logits, cache = decode(model, tokens, positions,
+                               tuple(s.in_head_major() for s in context), cache.in_head_major())
+        assert cache.head_major
+        return logits, cache
+    return run
+
+
+@pytest.mark.parametrize('decode', [extend, extend_per_layer, _head_major(extend_per_layer)],
+                         ids=['stacked', 'per_layer', 'per_layer_head_major'])
 def test_extend_shared_context_then_cache_equals_full_forward(checkpoints, decode):
     model, _ = checkpoints('gemma3')  # sliding window across segments and cache
     groups, r, steps = 2, 3, 5

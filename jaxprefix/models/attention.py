@@ -24,9 +24,14 @@ _MASKED = -1e30
 
 @flax.struct.dataclass
 class KVSegment:
-    k: jax.Array    # [layers, G, S, Hkv, Dh]
-    v: jax.Array    # [layers, G, S, Hkv, Dh]
+    k: jax.Array    # [layers, G, S, Hkv, Dh]  (head_major: per layer [G, Hkv, Dh, S])
+    v: jax.Array    # [layers, G, S, Hkv, Dh]  (head_major: per layer [G, Hkv, S, Dh])
     pos: jax.Array  # int32 [G, S], -1 marks an empty slot
+    # The CPU decode's layout (backend.unrolls_layers): k and v are tuples of one array per
+    # layer, each head-major, which is what a decode step's two attention dots read in place
+    # (the keys transposed for the scores). From a stacked token-major segment, XLA's CPU
+    # backend copies every layer's slice out, then into the dots' layouts, every step.
+    head_major: bool = flax.struct.field(pytree_node=False, default=False)
 
     @property
     def groups(self) -> int:
@@ -35,6 +40,23 @@ class KVSegment:
     @property
     def length(self) -> int:
         return self.pos.shape[1]
+
+    def layer(self, i) -> tuple[jax.Array, jax.Array]:
+        """(k, v) of layer i (a Python int where head_major)."""
+        return self.k[i], self.v[i]
+
+    def in_head_major(self) -> KVSegment:
+        if self.head_major:
+            return self
+        return self.replace(k=tuple(k.transpose(0, 2, 3, 1) for k in self.k),
+                            v=tuple(v.transpose(0, 2, 1, 3) for v in self.v), head_major=True)
+
+    def in_token_major(self) -> KVSegment:
+        if not self.head_major:
+            return self
+        return self.replace(k=jnp.stack([k.transpose(0, 3, 1, 2) for k in self.k]),
+                            v=jnp.stack([v.transpose(0, 2, 1, 3) for v in self.v]),
+                            head_major=False)
 
 
 @flax.struct.dataclass
@@ -66,7 +88,7 @@ Segment = tuple[jax.Array, jax.Array, jax.Array]  # (k, v, pos) of one layer
 
 def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
            *, scale: float, window=None, logit_cap: float | None = None,
-           partials: Sequence[Partial] = ()) -> jax.Array:
+           partials: Sequence[Partial] = (), head_major: Sequence[bool] = ()) -> jax.Array:
     """Attention of queries q [B, T, H, Dh] at positions q_pos [B, T] over KV segments.
 
     Each segment is (k [G, S, Hkv, Dh], v [G, S, Hkv, Dh], pos [G, S]) with B divisible by G.
@@ -78,24 +100,31 @@ def attend(q: jax.Array, q_pos: jax.Array, segments: Sequence[Segment],
     middle); only the small per-query statistics change layout.
     `window` (scalar, may be traced) limits the query-key position distance. `partials` are
     segments already attended to elsewhere (the sampler's KV pages), merged in the same way.
+    `head_major[i]`: segment i is laid out head-major (KVSegment.head_major); absent, False.
     """
     b, t, h, dh = q.shape
     partial = list(partials)
-    for k, v, pos in segments:
-        g, _, hkv, _ = k.shape
+    for i, (k, v, pos) in enumerate(segments):
+        by_head = i < len(head_major) and head_major[i]
+        g, hkv = pos.shape[0], k.shape[1 if by_head else 2]
         if b % g:
             raise ValueError(f'{b} query rows cannot be split into {g} KV groups')
         r = b // g
         qg = q.reshape(g, r, t, hkv, h // hkv, dh)
-        s = jnp.einsum('grtkhd,gskd->gkrths', qg, k.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * scale
+        s = jnp.einsum('grtkhd,gkds->gkrths' if by_head else 'grtkhd,gskd->gkrths', qg,
+                       k.astype(q.dtype), preferred_element_type=jnp.float32) * scale
         s = softcap(s, logit_cap)
         seen = _visible(q_pos.reshape(g, r, t), pos, window)  # [G, r, T, S]
         s = jnp.where(seen[:, None, :, :, None, :], s, _MASKED)
         peak = jax.lax.stop_gradient(s.max(axis=-1))  # any shift gives the same softmax
         p = jnp.exp(s - peak[..., None])
-        o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
-                       preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
+        if by_head:  # the dot's own output layout, then the small output moved to rows
+            o = jnp.einsum('gkrths,gksd->gkrthd', p.astype(q.dtype), v.astype(q.dtype),
+                           preferred_element_type=jnp.float32)
+            o = o.transpose(0, 2, 3, 1, 4, 5).reshape(b, t, hkv, h // hkv, dh)
+        else:
+            o = jnp.einsum('gkrths,gskd->grtkhd', p.astype(q.dtype), v.astype(q.dtype),
+                           preferred_element_type=jnp.float32).reshape(b, t, hkv, h // hkv, dh)
         to_rows = lambda x: x.transpose(0, 2, 3, 1, 4).reshape(b, t, hkv, h // hkv)
         partial.append(Partial(to_rows(peak), to_rows(p.sum(axis=-1)), o))
     peak = functools.reduce(jnp.maximum, [m for m, _, _ in partial])

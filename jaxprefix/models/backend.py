@@ -6,8 +6,9 @@
   - the sampler's decode over KV pages (`attend_pages`): the Pallas paged kernel
     (paged_kernel.py) on TPU, the jnp reference of the same layout (paged_attention.py) elsewhere;
   - the decode's layers on CPU (`unrolls_layers`): one by one on per-layer weights laid out
-    output-major (Decoder.layer_weights), each layer a page pool of its own, where TPU scans
-    stacked weights over one pool;
+    output-major (Decoder.layer_weights), each layer a page pool of its own and, in the static
+    decode, its KV head-major (KVSegment.head_major), where TPU scans stacked weights over one
+    pool;
   - the experts' grouped matmul of a MoE layer (`grouped_matmul`): Megablox's grouped matmul
     (Pallas, jax.experimental.pallas.ops.tpu.megablox) on TPU, jax.lax.ragged_dot elsewhere.
 
@@ -69,7 +70,9 @@ def unrolls_layers(platform: str) -> bool:
     layer's part of a shared pool, out before each matmul (it doubled a SmolLM2 n=1 decode
     step). The per-layer weights are laid out output-major, so each matmul takes the weight as
     its left operand: XLA's CPU dot (YNNPACK) runs a step of 8 rows 1.6x faster so, 1 row as
-    fast. TPU fuses the slice: its decode scans the stacked weights over one pool."""
+    fast. The static decode's KV is held likewise, per layer and head-major
+    (KVSegment.head_major), as the attention dots read it. TPU fuses the slice: its decode scans
+    the stacked weights over one pool."""
     return platform == 'cpu'
 
 

@@ -228,8 +228,11 @@ class Decoder(nnx.Module):
         adapters = self.adapters if lora.has_adapters(self) else None
         lora_config = adapters.config if adapters is not None else None
         per_layer = dict(sliding=jnp.asarray(sliding), window=window,
-                         context=[(s.k, s.v) for s in context],
                          lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
+        head_major = (*(s.head_major for s in context), cache is not None and cache.head_major)
+        if any(head_major) and layer_weights is None:
+            raise ValueError('head-major KV (KVSegment.head_major) is read layer by layer: '
+                             'expected layer_weights')
         runs = _layer_runs(c)
         # A decode step's experts stay stacked, each layer's read in place by the expert kernel
         # (backend.grouped_matmul): the scan's slice of a layer would be copied first.
@@ -262,7 +265,9 @@ class Decoder(nnx.Module):
                 for start, stop, sparse in runs:
                     whole = len(runs) == 1
                     xs = per_layer if whole else jax.tree.map(lambda a: a[start:stop], per_layer)
-                    xs = {**xs, 'weights': run_weights(start, stop)}
+                    xs = {**xs, 'weights': run_weights(start, stop), 'context': [
+                        (s.k, s.v) if whole else (s.k[start:stop], s.v[start:stop])
+                        for s in context]}
                     first = sum(c.sparse_layers[:start])
                     if sparse and replay is not None:
                         xs['routes'] = replay[first:first + stop - start]
@@ -276,9 +281,9 @@ class Decoder(nnx.Module):
                     lambda *a: jnp.concatenate(a), *outs)
             else:
                 for i, weights in enumerate(layer_weights):
-                    xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights}
-                    if pages:  # a Python int here: it picks each layer's own page pool
-                        xs['index'] = i
+                    # A Python int index: it picks each layer's own arrays (page pool, KV).
+                    xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights,
+                          'context': [s.layer(i) for s in context], 'index': i}
                     if c.sparse_layers[i] and replay is not None:
                         xs['routes'] = replay[sum(c.sparse_layers[:i])]
                     carry, (out, used) = step(carry, xs)
@@ -319,7 +324,7 @@ class Decoder(nnx.Module):
             segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
             own, new_kv = kv_self(k, v)
             segments.append(own)
-            extra = {}
+            extra = {'head_major': head_major} if any(head_major) else {}
             if pages:
                 extra['partials'] = [backend.attend_pages(
                     q, positions, p, xs['index'], scale=c.attn_scale, window=xs['window'],
@@ -358,9 +363,19 @@ class Decoder(nnx.Module):
             t = tokens.shape[1]
             cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
 
-            def put(stacked, i, new):  # every row's new tokens at column index: a slice update
-                return jax.lax.dynamic_update_slice(stacked, new[None].astype(stacked.dtype),
-                                                    (i, 0, cache.index, 0, 0))
+            # New k, v [B, T, Hkv, Dh] laid out as the cache is (KVSegment.head_major).
+            k_axes, v_axes = (0, 1, 2, 3), (0, 1, 2, 3)
+            if cache.head_major:
+                k_axes, v_axes = (0, 2, 3, 1), (0, 2, 1, 3)
+
+            def put(kv, i, new, axes):  # every row's new tokens at column index
+                new = new.transpose(axes)
+                start = [0, 0, 0, 0]
+                start[axes.index(1)] = cache.index
+                if cache.head_major:  # a tuple of layers
+                    update = jax.lax.dynamic_update_slice(kv[i], new.astype(kv[i].dtype), start)
+                    return kv[:i] + (update,) + kv[i + 1:]
+                return jax.lax.dynamic_update_slice(kv, new[None].astype(kv.dtype), (i, *start))
 
             def step(carry, xs):
                 x, cache_k, cache_v = carry
@@ -368,7 +383,7 @@ class Decoder(nnx.Module):
 
                 def write(k, v):
                     nonlocal cache_k, cache_v
-                    cache_k, cache_v = put(cache_k, i, k), put(cache_v, i, v)
+                    cache_k, cache_v = put(cache_k, i, k, k_axes), put(cache_v, i, v, v_axes)
                     return (cache_k[i], cache_v[i], cache_pos), None
 
                 x, _, routing = layer(x, xs, write)
@@ -377,7 +392,7 @@ class Decoder(nnx.Module):
             step = jax.checkpoint(step) if c.remat else step
             per_layer['index'] = jnp.arange(c.num_layers)
             (x, ks, vs), _, routing = over_layers(step, (x, cache.k, cache.v))
-            kv = KVCache(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
+            kv = cache.replace(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
         h = layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one)
         return h, kv, routing
 

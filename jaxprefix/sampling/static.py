@@ -111,10 +111,14 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
            stop_ids, max_new_tokens, *, hoist_layers: bool = False) -> DecodeState:
     """Decodes until every row is done or max_new_tokens (a traced scalar) tokens are drawn.
 
-    hoist_layers: slice each layer's weights once, before the loop (Decoder.layer_weights).
+    hoist_layers: slice each layer's weights once, before the loop (Decoder.layer_weights), and
+    keep the KV head-major inside it (KVSegment.head_major): the CPU decode.
     """
     TRACE_COUNTS['decode'] += 1
     layer_weights = nnx.merge(graphdef, params).layer_weights() if hoist_layers else None
+    if hoist_layers:
+        segments = tuple(s.in_head_major() for s in segments)
+        state = state.replace(cache=state.cache.in_head_major())
 
     def keep_going(s: DecodeState):
         return (s.step < max_new_tokens) & ~jnp.all(s.done)
@@ -137,4 +141,5 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
             routes=None if s.routes is None else s.routes.at[:, s.step].set(recorded_routes.recorded(
                 experts[:, 0], jnp.where(active, s.positions, -1), model.config.num_experts)))
 
-    return jax.lax.while_loop(keep_going, one_step, state)
+    state = jax.lax.while_loop(keep_going, one_step, state)
+    return state.replace(cache=state.cache.in_token_major())
