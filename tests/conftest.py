@@ -48,8 +48,9 @@ def gcs():
 
 @pytest.fixture(autouse=True, scope="module")
 def _compiled_programs_freed_after_each_module():
-    """Every module's compiled programs are dropped when it ends: one process runs the whole
-    suite, and a few hundred test programs held to the end add up."""
+    """Every module's compiled programs are dropped when it ends: each worker process
+    (pytest-xdist, `-n auto` in setup.cfg) runs a share of the suite, and a few hundred test
+    programs held to the end add up."""
     yield
     import jax
 
