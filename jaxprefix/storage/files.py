@@ -11,8 +11,8 @@ What differs on GCS, and how this module hides it:
   writes a whole object in one upload, which GCS makes visible all at once or not at all; locally
   it writes a temporary file and renames it, so a reader never sees half a file, a killed writer
   leaves the old one, and a process that maps the old file (safetensors) keeps it intact while
-  another replaces it. Files that grow (metrics)
-  are rewritten whole, in bounded segments (rl/metrics.py). `rename` on GCS is a server-side copy then a delete (not atomic);
+  another replaces it. Files that grow (metrics) are rewritten whole, in bounded segments
+  (rl/metrics.py). `rename` on GCS is a server-side copy then a delete (not atomic);
   `create_exclusive` (write only if absent) is atomic on both, for lock files.
 - No memory map: `local_copy` downloads a remote file once into the cache directory
   (`$JAXPREFIX_CACHE`, default ~/.cache/jaxprefix), keyed by path, size and modification time,
