@@ -36,6 +36,7 @@ FIELDS = {
         "param_dtype": F("float32", "dtype of the trained weights and optimizer moments"),
         "dtype": F("float32", "compute dtype of forward, backward and sampling"),
         "system_prompt": F("", "system message of the chat template ('' : none)"),
+        "user_template": F("{question}", "the user turn of a chat model: {question} in it"),
     },
     # The tiny base model's SFT (model.source 'sft' only): configs/sft.py's fields (SFT_FIELDS).
     "sft": {},
@@ -45,6 +46,8 @@ FIELDS = {
         "source": F("carry_multiplication", "problems from: file | hf | tfds | reasoning_gym | "
                                             "a built-in task name"),
         "task": F("", "the reasoning_gym task (e.g. gsm_symbolic)"),
+        "task_config": F("", "the reasoning_gym generator's settings: a JSON object of "
+                             "create_dataset keywords ('': its defaults)"),
         "path": F("", "training problems: a JSON-lines / JSON / parquet file or directory, or "
                       "a dataset directory"),
         "eval_path": F("", "evaluation problems ('' with file: none; with hf/tfds: path's "
@@ -232,6 +235,8 @@ FIELDS = {
         "every": F(25, "steps between evaluations (unguided, on the eval set)"),
         "n": F(16, "samples per evaluation problem"),
         "ks": F((1, 8, 16), "the k of pass@k reported"),
+        "before_train": F(False, "also evaluate before the first step (step 0)"),
+        "greedy": F(False, "also evaluate greedily, one sample a problem (<set>_greedy/*)"),
         "hard_set": F(False, "also evaluate on the mined training hard set (hard_set/*)"),
         "key_step_probe": F(False, "built-in tasks: also log the teacher-forced key-step probe "
                                    "of the eval set (probe/*: eps, the rule's name, its read, "

@@ -294,9 +294,23 @@ def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec,
                                   episodes=episodes)
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
-        out[f"{name}/reward_mean"] = float(scored.rewards.mean())
+        out.update(_reward_shares(name, scored.rewards))
         counts[name] = (request.n, [int(c) for c in (scored.rewards > 0.5).sum(axis=1)])
+        if config.eval.get("greedy", False):  # one greedy sample a problem: what a user sees
+            greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1), config,
+                                      rollout=dataclasses.replace(rollout, temperature=0.0),
+                                      stop_ids=stop_ids, seed=0, episodes=episodes)
+            out[f"{name}_greedy/accuracy"] = float((greedy.rewards > 0.5).mean())
+            out.update(_reward_shares(f"{name}_greedy", greedy.rewards))
+            counts[f"{name}_greedy"] = (1, [int(c) for c in (greedy.rewards > 0.5).sum(axis=1)])
     return out, counts
+
+
+def _reward_shares(name: str, rewards: np.ndarray) -> dict[str, float]:
+    """The mean reward and the share of samples given the verifier's full reward (with a
+    verifier that also values a format, the right answers in that format)."""
+    return {f"{name}/reward_mean": float(rewards.mean()),
+            f"{name}/full_reward": float((rewards >= 1.0 - 1e-6).mean())}
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -490,8 +504,11 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     state = _resume(ckpt, learner.init_state(), method, totals, ledger)
     start = int(state.step)
     segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
-    writer = MetricsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
-    counts_writer = EvalCountsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
+    # An evaluation before the first step is the run's step 0: a fresh start rewrites it.
+    before = start == 0 and config.eval.every and config.eval.get("before_train", False)
+    resume_step = start if before else start + 1
+    writer = MetricsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
+    counts_writer = EvalCountsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
@@ -511,6 +528,15 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
     with _Preemption() as preemption, ckpt:
+        if before:
+            eval_start = time.perf_counter()
+            policy = learner.sampling_model(state, decode)
+            scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
+                                      step=0, stop_ids=stop_ids, episodes=episodes)
+            scores.update(probe(policy) if probe else {})
+            del policy
+            counts_writer.write(0, counts)
+            writer.write(0, scores | {"time/eval": time.perf_counter() - eval_start})
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
