@@ -56,14 +56,15 @@ KILLS = ("timeout", "cpu", "memory", "output", "killed")
 # The first uid of the calls' own uids (root only): far above any account's, one per call.
 _FIRST_UID = 1_000_000_000
 _calls = itertools.count()
-# Runs in the sandbox before the code: the process cap, the uid switch, then the code itself.
+# Runs in the sandbox before the code: the process cap, the uid switch, then the code itself,
+# in an empty environment (bwrap sets PWD).
 _PRELUDE = ("import os, resource, sys\n"
             "processes, uid = int(sys.argv[1]), int(sys.argv[2])\n"
             "resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))\n"
             "if uid:\n"
             "    os.setgroups([]); os.setgid(uid); os.setuid(uid)\n"
             "os.chdir('/tmp')\n"
-            "os.execv(sys.executable, [sys.executable, '-I', '-S', '-c', sys.argv[3]])\n")
+            "os.execve(sys.executable, [sys.executable, '-I', '-S', '-c', sys.argv[3]], {})\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +83,10 @@ class PythonLimits:
     def __post_init__(self):
         for name in ("cpu_s", "memory_mb", "wall_s", "output_bytes", "processes"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"tools.python.{name}={getattr(self, name)!r}: expected > 0")
+                raise ValueError(f"config.tools.python.{name}={getattr(self, name)!r}: "
+                                 f"expected > 0")
         if self.isolation not in ISOLATIONS:
-            raise ValueError(f"tools.python.isolation={self.isolation!r}: expected one of "
+            raise ValueError(f"config.tools.python.isolation={self.isolation!r}: expected one of "
                              f"{list(ISOLATIONS)}")
 
 
@@ -224,13 +226,14 @@ def _refusal(last: str) -> str:
         return "network"  # nothing listens in its network namespace, nothing routes out
     if "[Errno 30]" in last:
         return "read_only"
-    path = re.search(r"(PermissionError|FileNotFoundError|NotADirectoryError): .*?'(/[^']*)'",
-                     last)
-    if path and not path[2].startswith("/tmp"):
-        hidden = path[2]
-        if path[1] == "PermissionError" or os.path.lexists(hidden) \
-                or os.path.isdir(os.path.dirname(hidden)):
-            return "hidden"  # there on the host (or its directory is), not in the sandbox
+    found = re.search(r"(PermissionError|FileNotFoundError|NotADirectoryError): .*?'(/[^']*)'",
+                      last)
+    if found:
+        error, path = found.groups()
+        # There on the host (or, outside its own /tmp, its directory is), not in the sandbox.
+        if error == "PermissionError" or os.path.lexists(path) or (
+                not path.startswith("/tmp/") and os.path.isdir(os.path.dirname(path))):
+            return "hidden"
     return ""
 
 
