@@ -3,7 +3,7 @@
     tool = python_tool(PythonLimits(cpu_s=2, memory_mb=512, wall_s=5))
     call(tool, {"code": "print(sum(range(10)))"})   ->  ToolResult("45\n", ok=True)
 
-Each call runs `python -I -S` (isolated: no PYTHON* variables, no site-packages, no user site)
+Each call runs `python -I -S -u` (isolated: no PYTHON* variables, no site-packages, no user site)
 with an EMPTY environment (no variable of this process, so no credentials held in it), in an
 empty temporary directory deleted afterwards, under the caps of PythonLimits and, by default,
 inside a bubblewrap sandbox: no network, the filesystem read-only but that directory, its own

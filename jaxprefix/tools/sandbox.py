@@ -4,7 +4,8 @@
     unavailable(limits.bwrap)                    # "" where a sandbox starts (probed once)
     ran = run("print(1)", limits)                # Ran(returncode=0, text="1\n", stopped="")
 
-Each call runs `python -I -S` in a fresh temporary directory with an empty environment, under
+Each call runs `python -I -S -u` (unbuffered: its output and its traceback in the order they
+were written) in a fresh temporary directory with an empty environment, under
 RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE (its merged stdout and stderr go to an unnamed file: a flood
 stops at the cap) and RLIMIT_CORE 0, killed at a wall-clock timeout. With isolation="sandbox"
 (the default) bwrap puts it in namespaces of its own (docs/TOOLS.md, "The sandbox"):
@@ -64,7 +65,8 @@ _PRELUDE = ("import os, resource, sys\n"
             "if uid:\n"
             "    os.setgroups([]); os.setgid(uid); os.setuid(uid)\n"
             "os.chdir('/tmp')\n"
-            "os.execve(sys.executable, [sys.executable, '-I', '-S', '-c', sys.argv[3]], {})\n")
+            "os.execve(sys.executable,\n"
+            "          [sys.executable, '-I', '-S', '-u', '-c', sys.argv[3]], {})\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +174,7 @@ def run(code: str, limits: PythonLimits = PythonLimits(), probe: bool = True) ->
                 os.chown(workdir, uid, uid)
             argv = command(code, workdir, limits, uid)
         else:
-            argv = [sys.executable, "-I", "-S", "-c", code]
+            argv = [sys.executable, "-I", "-S", "-u", "-c", code]
         process = subprocess.Popen(argv, cwd=workdir, env={}, stdin=subprocess.DEVNULL,
                                    stdout=output, stderr=subprocess.STDOUT,
                                    preexec_fn=_caps(limits), start_new_session=True,
