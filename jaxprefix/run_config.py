@@ -111,13 +111,19 @@ FIELDS = {
         "rollout": F("reference", "the episode rollout: reference (one generate() per turn, "
                                   "the conversation re-prefilled) or kv_kept (one in-graph "
                                   "decode, every turn's KV kept; the same episodes)"),
-        # Model-written code in a fresh capped subprocess per call; not a sandbox (TOOLS.md).
+        # Model-written code in a fresh sandbox per call, capped (docs/TOOLS.md, "The sandbox").
         "python": {
             "enabled": F(False, "allow the python tool (runs model-written code; opt-in)"),
             "cpu_s": F(2, "a call's CPU seconds"),
             "memory_mb": F(512, "a call's address space in MiB"),
-            "wall_s": F(5.0, "a call's wall-clock seconds (then its process group is killed)"),
+            "wall_s": F(5.0, "a call's wall-clock seconds (then all its processes are killed)"),
             "output_bytes": F(16384, "a call's stdout and stderr, in bytes"),
+            "processes": F(32, "a call's processes and threads at once (the sandbox's cap)"),
+            "isolation": F("sandbox", "sandbox (bubblewrap: no network, read-only filesystem, "
+                                      "own pids; refused where none starts) | "
+                                      "capped_subprocess (the caps alone, no sandbox)"),
+            "bwrap": F("bwrap", "the bubblewrap binary the sandbox runs (a name on PATH or a "
+                                "path)"),
         },
     },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.

@@ -98,7 +98,8 @@ def test_episodes_call_the_calculator_and_answer(policy, episodes):
                                                              (1, 0, 0))
     assert episode_metrics(episodes) == {
         "rollout/tool_calls": 4.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 5 / 3,
-        "rollout/reprefilled_tokens": float(sum(map(reprefilled_tokens, episodes)))}
+        "rollout/reprefilled_tokens": float(sum(map(reprefilled_tokens, episodes))),
+        "rollout/sandbox_refusals": 0.0, "rollout/sandbox_kills": 0.0}
 
 
 def test_episode_is_exactly_the_sampled_and_appended_ids(policy, episodes):
@@ -343,13 +344,16 @@ def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, epis
                                          "rollout/reprefilled_tokens": 0.0}
 
 
-# A calculator that fails every way a tool can: raising in process, then, in the capped python
-# tool's subprocess, a hang, a memory bomb and a crash (SIGABRT), in turn over its calls.
+# A calculator that fails every way a tool can: raising in process, then, in the python tool's
+# sandbox (the capped subprocess where none starts), a hang, a memory bomb and a crash
+# (SIGABRT), in turn over its calls.
 FAILING_TOOL = """
 from jaxprefix import tools
+from jaxprefix.tools import sandbox
 
-_python = tools.python_tool(tools.PythonLimits(cpu_s=1, memory_mb=256, wall_s=3,
-                                               output_bytes=4096))
+_python = tools.python_tool(tools.PythonLimits(
+    cpu_s=1, memory_mb=256, wall_s=3, output_bytes=4096,
+    isolation="capped_subprocess" if sandbox.unavailable() else "sandbox"))
 _FAILURES = ["raise", "while True: pass", "bytearray(10**10)", "import os; os.abort()"]
 _calls = [0]
 
@@ -387,4 +391,6 @@ def test_failing_tools_inside_an_rl_step_are_error_observations_and_counted(poli
     config.tools.rollout = "kv_kept"
     record = train_one_step(model, tokenizer, config, str(tmp_path / "run"))
     assert (record["rollout/tool_calls"], record["rollout/tool_failures"]) == (4.0, 4.0)
+    # The hang and the memory bomb met caps; the raise and the crash did not.
+    assert (record["rollout/sandbox_kills"], record["rollout/sandbox_refusals"]) == (2.0, 0.0)
     assert record["rollout/turns_mean"] == 5 / 3 and record["rollout/reprefilled_tokens"] == 0

@@ -271,13 +271,15 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
 
 
 def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
-    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode and the
-    tokens of earlier turns prefilled again (a one-turn row is an episode of one turn)."""
+    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode, the
+    tokens of earlier turns prefilled again and the calls a sandbox refused or a cap ended (a
+    one-turn row is an episode of one turn)."""
     found = [e for c in chunks for e in (c.episodes or ())]
     if found:
         return multi_turn.episode_metrics(found)
     return {"rollout/tool_calls": 0.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 1.0,
-            "rollout/reprefilled_tokens": 0.0}
+            "rollout/reprefilled_tokens": 0.0, "rollout/sandbox_refusals": 0.0,
+            "rollout/sandbox_kills": 0.0}
 
 
 def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec, step: int,
