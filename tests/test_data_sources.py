@@ -93,6 +93,27 @@ def test_held_out_reasoning_gym_problems_share_no_question_with_training():
         load_problem_sets(config.data)
 
 
+def test_chain_sum_gets_a_worked_solution_one_operation_a_line():
+    from jaxprefix.data.worked_solutions import chain_sum
+    from jaxprefix.methods.prompting import oracle_units
+
+    problems = reasoning_gym_problems("chain_sum", size=16, seed=5, min_terms=5, max_terms=6,
+                                      min_digits=2, max_digits=3)
+    for problem in problems:
+        lines = problem.solution.split("\n")
+        terms = problem.metadata["entry"]["num_terms"]
+        assert len(lines) == terms and lines[-1] == f"So the answer is \\boxed{{{problem.answer}}}."
+        for line in lines[:-1]:  # each line's arithmetic is right, and the next starts from it
+            left, right = line.split(" = ")
+            assert eval(left) == int(right)
+        assert reasoning_gym_boxed_verifier(problem.solution, problem) == pytest.approx(1.0)
+        assert oracle_units(problem) == terms  # the methods cut it a line at a time
+    entry = {"answer": "5", "metadata": {"expression": "2 + 3"}}
+    assert chain_sum(entry) == "2 + 3 = 5\nSo the answer is \\boxed{5}."
+    assert chain_sum({"answer": "6", "metadata": {"expression": "2 + 3"}}) is None  # no wrong oracle
+    assert chain_sum({"answer": "6", "metadata": {"expression": "2 * 3"}}) is None
+
+
 def test_final_answer_prefers_tags_then_box_then_last_line():
     assert final_answer("<answer>a</answer> \\boxed{b}") == "a"
     assert final_answer("x \\boxed{b}\nmore") == "b"

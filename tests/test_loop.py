@@ -294,6 +294,7 @@ def test_evaluation_before_the_first_step_and_greedy_is_step_0_and_kept_on_resum
     for record in (records[0], records[2]):  # before the first step and at the end
         assert 0 <= record["eval/pass@1"] <= 1 and 0 <= record["eval_greedy/accuracy"] <= 1
         assert {"eval/full_reward", "eval_greedy/full_reward", "eval_greedy/reward_mean"} <= set(record)
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")  # drawn at each eval
     counts = [(r["step"], r["name"], r["n"]) for r in read_eval_counts(str(tmp_path))]
     assert counts[:2] == [(0, "eval", 4), (0, "eval_greedy", 1)]
     config.train.total_steps = 3  # resumed at step 2: step 0 stays once

@@ -27,7 +27,7 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
-from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
+from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter
@@ -539,6 +539,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             del policy
             counts_writer.write(0, counts)
             writer.write(0, scores | {"time/eval": time.perf_counter() - eval_start})
+            _draw_curves(writer)
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
@@ -572,6 +573,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
+            if "time/eval" in record:
+                _draw_curves(writer)
             if tracker is not None:
                 tracker.write(done, record)
             bar.update(1)
@@ -589,6 +592,13 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
         tracker.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
+
+
+def _draw_curves(writer: MetricsWriter) -> None:
+    """<workdir>/curves.png redrawn after an evaluation, by the process that writes metrics."""
+    if writer.enabled:
+        writer.flush()
+        curves.plot_run(writer.workdir)
 
 
 def restore_trained(model, workdir: str, config, mesh=None):
