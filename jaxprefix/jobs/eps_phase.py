@@ -7,8 +7,8 @@ configs/results.py:eps (one knob level each), and writes PHASE.md and phase.png 
 at each level's eps (the base's teacher-forced P(a right key step) on the held-out problems,
 jaxprefix/key_step_probe.py) and its unguided success rate, POPE with the value hint and with
 the restating hint minus GRPO at the larger POPE arm's FLOPs, held-out pass@16 and pass@1, each a
-paired crossed 95% interval (jaxprefix/statistics.py: the same seeds and one problem draw for
-both arms). A level shows the seeds it has; the figure is rebuilt from the committed counts.
+paired 95% interval (jaxprefix/statistics.py: the interval of the difference table, the same
+seed and problem in both arms). A level shows the seeds it has; the figure is rebuilt from the committed counts.
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def level(folder: str) -> dict:
                                     if g["seed"] in {r["seed"] for r in pair}])
         out["arms"][arm] = {"seeds": len(pair)}
         for column in columns(record["config"]["eval"]["ks"]):
-            diff = study_tables.paired(a, b, column)
-            low, high = statistics.bootstrap_interval(diff)
-            out["arms"][arm][column.header] = (float(diff.mean()), float(low), float(high))
+            ta, tb = study_tables.paired_tables(a, b, column)
+            low, high = statistics.paired_difference_interval(ta, tb)
+            out["arms"][arm][column.header] = (float((ta - tb).mean()), float(low), float(high))
     return out
 
 
