@@ -9,7 +9,7 @@ write the prediction down, then run the larger budgets and compare.
 
 The reward is held-out avg@4 per difficulty group (the problems' digit counts split at
 `prereg.split_digits`), read per problem from each run's eval_counts.jsonl, so the outcome has
-paired bootstrap intervals over seeds and problems (jaxprefix/statistics.py).
+paired 95% intervals over seeds and problems (jaxprefix/statistics.py).
 
 The prediction, per group, on the seed-mean curves up to `prereg.fit_max` rollouts:
 - `envelope`: the n whose fitted reward sigmoid (the paper's per-n fit) is highest at each

@@ -14,8 +14,8 @@ digits), which the demo's base fails at the key step, and a tool that reads the 
    re-prefilled token booked).
 3. Evaluate the base both ways and each trained policy as it was trained (with tools or
    without) on the held-out hard problems, unguided, eval.n samples each, one seed for all;
-   write <workdir>/tool_study_report.{md,json}: pass@k with crossed bootstrap intervals over
-   seeds and problems (jaxprefix/statistics.py) and the paired differences.
+   write <workdir>/tool_study_report.{md,json}: pass@k with 95% intervals over seeds and
+   problems (jaxprefix/statistics.py) and the paired differences.
 
 Each run has its own workdir (<arm>_seed<seed>); rerunning the command resumes, and finished
 runs are only read back. Nothing is tuned to an outcome: the report states what was measured.
@@ -162,8 +162,8 @@ def _write(report: dict, config, workdir: str) -> None:
             f"turns ({', '.join(config.tools.names)}; environment "
             f"{config.tools.environment}); GRPO without tools: one turn, run on to the tools "
             f"arm's FLOPs ({', '.join(map(str, steps))} steps). Each policy is evaluated as it "
-            f"was trained; the base both ways. Cells: mean ± std over seeds [95% crossed "
-            f"bootstrap interval over seeds and problems]; differences paired.\n\n"
+            f"was trained; the base both ways. Cells: mean ± std over seeds [95% interval over "
+            f"seeds and problems]; differences paired.\n\n"
             + tables(report, config.eval.ks) + "\n")
     print("\n" + text)
     storage.write_atomic(storage.join(workdir, f"{REPORT}.md"), text)

@@ -4,9 +4,10 @@ A row is a label and the evaluations of one run type at each seed (the results j
 or the base's single evaluation); an evaluation holds each problem's correct samples
 (`correct_counts`, of `num_samples`) and its difficulty knobs (`groups`). Every cell is the
 mean, the sample std over seeds (ddof=1) and a 95% interval of the crossed table's mean
-(statistics.crossed_interval: the seeds' and the problems' variance components); a cell with no success also states its one-sided
-95% upper bound on the per-sample rate over the samples behind it. Differences are paired (the
-interval of the difference table, the same seed and problem in both runs).
+(statistics.crossed_interval, from the seeds' and the problems' variance components); a cell
+with no success also states its one-sided 95% upper bound on the per-sample rate over the
+samples behind it. Differences are paired (the interval of the difference table, the same
+seed and problem in both runs).
 """
 from __future__ import annotations
 
