@@ -1,5 +1,5 @@
 """Every table rebuilt from committed per-problem counts (jaxprefix/jobs/report_tables.py), on
-tiny synthetic counts files."""
+tiny synthetic counts files and on the committed ones."""
 import os
 
 import numpy as np
@@ -115,3 +115,22 @@ def test_a_pope_arm_that_guides_few_contexts_is_stated_as_a_defect_not_a_result(
     row = Row("pope_restating_hint", [{"pope_problems": 66, "seed": 0}])
     [marked] = results_report.marked_rows([row], RUNS, config, 254)
     assert marked.label == "pope_restating_hint (defect: 0.13 guided)"
+
+
+def _rebuilt_in_a_copy(tmp_path, folder: str) -> tuple[str, str]:
+    """(the committed REPORT.md, the one rebuilt in a copy of the folder from its records)."""
+    import shutil
+
+    source = os.path.join(ROOT, "docs", "results", folder)
+    copy = tmp_path / folder.replace("/", "_")
+    shutil.copytree(source, copy)
+    report_tables.regenerate(str(copy))
+    return (storage.read_text(os.path.join(source, "REPORT.md")),
+            storage.read_text(str(copy / "REPORT.md")))
+
+
+def test_every_committed_report_rebuilds_byte_for_byte_from_its_records(tmp_path):
+    for folder in ("tools", "isocompute", "prefixrl", "pope_eps/taught0", "pope_eps/taught0.01",
+                   "pope_eps/taught0.05", "pope_eps/taught0.2"):
+        committed, rebuilt = _rebuilt_in_a_copy(tmp_path, folder)
+        assert rebuilt == committed, folder
