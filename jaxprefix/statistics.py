@@ -15,11 +15,11 @@ MS_resid the interaction's, with S-1, P-1 and (S-1)(P-1) degrees of freedom).
 The interval (issue 43): at 3-5 seeds the seed mean square has 2-4 degrees of freedom, and
 what the interval may claim hinges on it. The crossed bootstrap used before (one draw of the
 seeds, one of the problems) cannot show seed variance from 3 values: on synthetic tables it
-covered the true mean 80% of the time when seeds dominate, and ~100% (1.55x too wide) when the
+covered the true mean 0.74-0.89 of the time when seeds dominate, and 0.99-1.00 when the
 residual does. Two standard small-sample answers built on the mean squares bracket 95% here:
 
 - `satterthwaite_interval`: a t-interval on the estimate above with Satterthwaite's degrees of
-  freedom. Anti-conservative at 3 seeds (0.92 when seeds carry most of the variance): the
+  freedom. Anti-conservative at 3 seeds (0.92-0.93 when seeds carry most of the variance): the
   estimated df rise exactly when the seed mean square comes out small, i.e. when the interval
   is already too narrow.
 - `pivot_interval`: the generalized pivot (Weerahandi's fiducial interval for a sum of
@@ -31,18 +31,25 @@ residual does. Two standard small-sample answers built on the mean squares brack
 `crossed_interval`, what the tables report, takes the mean of the two intervals' ends: its
 coverage measured on synthetic crossed tables (tests/test_statistics.py: Gaussian tables with
 seed-, problem- and residual-dominated variance, and binomial pass@1 tables, at 3 and 5 seeds
-and 64-256 problems) is 0.94-0.97 in every regime. Rules at the edges:
+and 64-256 problems) is 0.94-0.97 in every regime (2,000 tables a cell, sd 0.005; at worst
+0.976 in one run of 5 seeds x 64 problems with the residual dominating, where its true value
+sits at the band's top). Its width is that of the design: at 3 seeds, when seeds matter, the
+interval is ~t(2)/1.96 ~ 2x the normal one, and that is what the data can say. Rules at the
+edges:
 
 - ONE seed (the base's single evaluation, the demo): no seed variance can be estimated; the
   interval is the one-sample t over the problem means (df P-1). It covers the mean over
   problems at that seed, not a rerun's.
 - Clipped to the scale: a score lies in [0, 1], a paired difference in [-1, 1].
 - A constant table (all zeros: nothing succeeded) has no spread to estimate: its interval is
-  (c, c). The tables then state what the samples bound instead (`zero_upper_bound`).
+  (c, c), and the tables state what the samples bound instead (`zero_upper_bound`). A
+  non-constant table whose ANOVA estimate comes out <= 0 keeps a width: the Satterthwaite end
+  collapses to the mean, the pivot's does not.
 - Very low rates: with a handful of successes in the whole table the normal-theory interval
-  under-covers (0/1 tables at P(success) ~0.01, 3 seeds x 64 problems: 0.85, 12% of them all
-  zeros); from ~10 successes on it is in the band. A cell with fewer says so only through its
-  counts; read it with `zero_upper_bound`'s logic, not its interval.
+  under-covers (0/1 tables at P(success) ~0.01, 3 seeds x 64 problems: 0.84, 11% of them all
+  zeros); from ~10 successes on it is in the band (the same rate at 3 x 128: 0.94). A cell
+  with fewer says so only through its counts; read it with `zero_upper_bound`'s logic, not its
+  interval.
 
 What the tables of docs/RESULTS.md report:
 

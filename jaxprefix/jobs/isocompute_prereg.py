@@ -107,8 +107,10 @@ def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float,
 def span_interval(curves: dict, groups: list[str], group: str, max_rollouts: float, *,
                   resamples: int, seed: int = 0) -> tuple[float, float]:
     """95% interval of the fitted n* curve's span (isocompute.n_star_span), the seeds and the
-    group's problems resampled crossed (jaxprefix/statistics.py: one problem draw for every
-    seed and every (n, B)), the frontier refitted on each draw."""
+    group's problems resampled crossed (one draw of the seeds, one problem draw for every seed
+    and every (n, B)), the frontier refitted on each draw. A bootstrap, not the mean-square
+    interval of jaxprefix/statistics.py: a fitted span has no such formula, and at 3 seeds this
+    resample cannot show the seeds' variance (it may under-cover: issue 43)."""
     rng = np.random.default_rng(seed)
     seeds = sorted({s for _, _, s in curves})
     problems = groups.count(group)
