@@ -98,16 +98,21 @@ def plot(levels: list[dict], path: str) -> None:
         for i, (arm, label) in enumerate(ARMS.items()):
             points = [(lv["eps"], *lv["arms"][arm][column.header]) for lv in levels
                       if arm in lv["arms"]]
+            defect = any((lv["arms"][arm]["guided"] or {}).get("defect") for lv in levels
+                         if arm in lv["arms"])
+            if defect:  # a share of guided contexts under the floor: not a result
+                label += " (defect)"
             if points:
                 eps, mean, low, high = zip(*sorted(points))
                 ax.errorbar(eps, mean, yerr=[[m - lo for m, lo in zip(mean, low)],
                                              [hi - m for m, hi in zip(mean, high)]],
                             marker="o", capsize=3, color=f"C{i}", label=f"POPE, {label}")
         ax.axhline(0.0, color="grey", lw=0.8)
-        ax.set(xscale="log", xlabel="eps: the base's P(right key step), teacher-forced",
+        ax.set(xscale="log",
+               xlabel="eps: the base's P(right key step), teacher-forced, held-out problems",
                ylabel=f"POPE − GRPO, Δ {header(column, levels[0]['k'])}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     storage.write_figure(path, fig, dpi=110)
 
