@@ -501,7 +501,7 @@ def test_eps_sweep_smoke(base, tmp_path):
     assert eps_phase.main(["eps_phase", str(tmp_path)]) == 0
     phase = (tmp_path / "PHASE.md").read_text()
     for hint in ("value hint", "restating hint"):
-        assert re.search(rf"\| {hint} \| (-|0\.\d\d[^|]*) \| 1 \| [+-]\d\.\d{{3}} \[", phase), hint
+        assert re.search(rf"\| {hint} \| (-|\d\.\d\d[^|]*) \| 1 \| [+-]\d\.\d{{3}} \[", phase), hint
     check_png(str(tmp_path / "phase.png"))
 
 
