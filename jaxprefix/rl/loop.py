@@ -253,8 +253,9 @@ def round_seed(seed: int, step: int, round_index: int) -> int:
 # --- metrics --------------------------------------------------------------------------------
 
 def reward_metrics(scored: Scored) -> dict[str, float]:
-    """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided), over the
-    method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
+    """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided) with its
+    contexts, over the method's own request (dynamic-sampling refills are counted in dynamic/*
+    instead)."""
     r = scored.rewards
     out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
            "reward/verifier_failures": scored.verifier_failures,
@@ -264,6 +265,7 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
         if values.dtype != bool:
             continue
         for label, chosen in ((name, values), (f"un{name}", ~values)):
+            out[f"contexts/{label}"] = float(chosen.sum())  # POPE's guided share (issue 43)
             if chosen.any():
                 out[f"reward/{label}"] = float(r[chosen].mean())
                 out[f"solve_rate/{label}"] = float((r[chosen] > 0.5).any(1).mean())
