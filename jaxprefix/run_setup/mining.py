@@ -24,6 +24,7 @@ from jaxprefix.tpu import costing, topology
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
+from jaxprefix.run_setup.method_settings import MethodSettings
 
 HARD_SET, LEDGER = "hard_set.json", "ledger.json"
 TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
@@ -34,8 +35,7 @@ ARTIFACTS = ("hard_set", "prefixes", "trace_pool", "imported_pool")
 
 def prefix_search(config) -> str:
     """The artifact name of the configured prefix search: its guidance, template and cap."""
-    p = config.pope
-    return f"prefixes_{p.guidance}_{p.template}_f{p.max_prefix_fraction:g}"
+    return pope.PopeSettings.from_config(config).search_name
 
 
 def _artifact_kind(name: str) -> str:
@@ -44,15 +44,7 @@ def _artifact_kind(name: str) -> str:
 
 def mined_artifacts(config) -> tuple[str, ...]:
     """The mining artifacts (ARTIFACTS) the configured method trains on: its bill."""
-    hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
-    if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
-        return hard + ((prefix_search(config),) if config.pope.guided_copies else ())
-    if config.method == "prefixrl":
-        p = config.prefixrl
-        if p.get("pool_path"):  # another model's traces: their declared generation cost
-            return hard + ("imported_pool",)
-        return hard + (() if p.oracle_traces else ("trace_pool",))
-    return hard
+    return MethodSettings.from_config(config).needs
 
 
 def mining_dir(config, workdir: str) -> str:

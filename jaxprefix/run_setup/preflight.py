@@ -23,10 +23,8 @@ from jaxprefix import config_fields, storage
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg", "tools")
-# The config blocks each method reads, and the methods a job runs (demo: POPE and GRPO, results:
-# its RUNS, each with its own method; the other jobs config.method alone).
-BLOCKS_READ = {"grpo": (), "pope": ("pope", "schedule"), "prefixrl": ("prefixrl", "schedule")}
-METHOD_BLOCKS = ("pope", "prefixrl", "schedule")
+# The methods a job runs (demo: POPE and GRPO, results: its RUNS, each with its own method; the
+# other jobs config.method alone).
 JOB_METHODS = {"demo": ("pope", "grpo"), "results": ("grpo", "pope", "prefixrl")}
 FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg", "tools")
 # The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
@@ -108,11 +106,22 @@ def _changed(config) -> dict:
 
     base = base_config()
     out = {}
-    for block in METHOD_BLOCKS:
+    for block in _method_blocks():
         defaults = dict(config_fields.leaves(base[block], f"{block}."))
         out |= {k: v for k, v in config_fields.leaves(config[block], f"{block}.")
                 if k not in defaults or defaults[k] != v}
     return out
+
+
+def _method_blocks() -> dict[str, tuple[str, ...]]:
+    """Each method block, and the registered methods that read it."""
+    from jaxprefix.methods.registry import method_names, method_spec
+
+    readers = {}
+    for name in method_names():
+        for block in method_spec(name).blocks:
+            readers[block] = readers.get(block, ()) + (name,)
+    return readers
 
 
 def _methods_run(config) -> tuple[str, ...]:
@@ -127,13 +136,15 @@ def unread(config) -> list[tuple[str, str]]:
 def unread_fields(config, fields, methods) -> list[tuple[str, str]]:
     """Of `fields` (dotted names), those no stage of a job running `methods` reads, each with
     why: [(field, reason)]."""
-    read = {block for m in methods for block in BLOCKS_READ.get(m, ())}
+    from jaxprefix.methods.registry import method_spec
+
+    read = {block for m in methods for block in method_spec(m).blocks}
+    method_blocks = _method_blocks()
     unread = []
     for field in fields:
         block, _, rest = field.partition(".")
-        if block in METHOD_BLOCKS and block not in read:
-            readers = " and ".join(m for m, blocks in BLOCKS_READ.items() if block in blocks)
-            unread.append((field, f"only {readers} read {block}.*"))
+        if block in method_blocks and block not in read:
+            unread.append((field, f"only {' and '.join(method_blocks[block])} read {block}.*"))
         elif block == "schedule" and "." in rest and rest.split(".")[0] != config.schedule.kind:
             unread.append((field, f"schedule.kind={config.schedule.kind!r} reads only "
                                   f"schedule.{config.schedule.kind}.*"))
@@ -199,7 +210,8 @@ def _check_template_read(config, prompts) -> None:
     built-in task's restating hint over its value hint (`_task_restates`), and nothing else."""
     from jaxprefix.methods.prompting import TaskPrompts
 
-    templates = {"": config.pope.template} if "pope" in _methods_run(config) else {}
+    reads_pope = any(m in _method_blocks().get("pope", ()) for m in _methods_run(config))
+    templates = {"": config.pope.template} if reads_pope else {}
     if config.job == "results":
         from jaxprefix.run_setup.study_arms import RUNS
 
@@ -244,10 +256,12 @@ def _check_notation(config) -> None:
 
 
 def _guides_in_prompt(config) -> bool:
-    """Whether the job puts POPE's guidance in prompts (demo and results run POPE whatever
-    config.method says)."""
-    return config.pope.guidance == "instruction" and (
-        config.method == "pope" or config.job in ("demo", "results"))
+    """Whether a method the job runs puts guidance in prompts (demo and results run POPE
+    whatever config.method says)."""
+    from jaxprefix.methods.registry import method_spec
+
+    specs = [method_spec(m) for m in _methods_run(config)]
+    return any(spec.guides_in_prompt(spec.settings(config)) for spec in specs)
 
 
 def _read_problem_files(data) -> None:
