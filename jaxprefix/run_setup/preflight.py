@@ -340,7 +340,8 @@ def _check_settings(config, workdir: str):
         from jaxprefix.sampling import RolloutSpec
 
         MethodSettings.from_config(config)
-        RolloutSpec.from_config(config.rollout)
+        if config.job in ("mine", "eval"):
+            RolloutSpec.from_config(config.rollout)
         if config.job == "eval":  # the trained run's adapters, and its prefix search's file
             from jaxprefix.rl import loop
             from jaxprefix.run_setup.mining import prefix_search
