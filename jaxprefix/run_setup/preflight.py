@@ -44,8 +44,9 @@ _SAMPLE = _RUN + ("mining",)                          # mining.set_up
 # launch/tpu.sh compiles a run's own config (the compile job) before it runs it.
 _TRAIN = _SAMPLE + ("eval", "checkpoint", "metrics", "mesh", "compile.context_length")
 RAW_BLOCKS = {"rl": _TRAIN, "mine": _SAMPLE, "eval": _SAMPLE + ("eval",), "demo": _TRAIN,
-              # its PrefixRL regime and controls (trace pools, the report) whatever its runs
-              "results": _TRAIN + ("results", "prefixrl"),
+              # every method's blocks: its study (prefix search, trace pools, regime, report)
+              # reads them whatever results.runs chooses
+              "results": _TRAIN + ("results", "pope", "prefixrl", "schedule"),
               "sweep": _TRAIN + ("isocompute",), "prereg": _TRAIN + ("isocompute",),
               "tools": _TRAIN + ("tool_study",)}
 # The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
