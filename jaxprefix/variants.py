@@ -11,6 +11,7 @@ import os
 
 import ml_collections
 
+from jaxprefix.methods.registry import method_spec
 from jaxprefix.run_config import base_config, parse_arg, sft_base_config
 
 
@@ -32,9 +33,8 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
                   key_names_rule=sft.data.get("key_names_rule", False))
     c.rollout.max_new_tokens = 27  # the key step, 8 steps of 3 tokens, <eos>
     c.mining.max_prefix_units = 2
-    if c.method == "pope":  # a field of a method the run does not run is refused (preflight)
-        c.pope.max_prefix_fraction = 0.25
-        c.pope.unsolved = "unguided"  # every hard problem stays in training, unguided if need be
+    # every hard problem stays in training, unguided if need be
+    _set_if_read(c, "pope", max_prefix_fraction=0.25, unsolved="unguided")
     c.eval.update(every=10, n=16, ks=(1, 8, 16))  # every 10 steps: curves with 10 points
     c.checkpoint.every = 50
 
@@ -77,10 +77,16 @@ def carry_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> 
     c.mining.max_prefix_units = 19
     # Searched up to the whole solution but its last step: difficulty here is p^(steps left), so
     # a quarter of the solution leaves p^15 (docs/DEMO_TASK.md).
-    if c.method == "pope":
-        c.pope.max_prefix_fraction = 1.0
+    _set_if_read(c, "pope", max_prefix_fraction=1.0)
     c.eval.update(every=50, n=16, ks=(1, 8, 16))
     c.checkpoint.every = 50
+
+
+def _set_if_read(c: ml_collections.ConfigDict, block: str, **fields) -> None:
+    """Sets a method block's fields on a run whose method reads that block: on any other run
+    they would be refused as unread (run_setup/preflight)."""
+    if block in method_spec(c.method).blocks:
+        c[block].update(fields)
 
 
 def _tiny_policy(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
@@ -105,11 +111,9 @@ def smoke(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict,
     c.rollout.n = 4
     c.train.update(problems_per_step=4, total_steps=2, micro_batch_size=16)  # 32 rows a step
     c.mining.update(k=2, prefix_samples=2, max_prefix_units=2)
-    if c.method == "pope":
-        # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE runs.
-        c.pope.unsolved = "longest"
-    if c.method == "prefixrl":
-        c.prefixrl.update(**SMOKE_PREFIXRL)
+    # The untrained smoke policy solves no prefix: guide by the longest tried, so POPE runs.
+    _set_if_read(c, "pope", unsolved="longest")
+    _set_if_read(c, "prefixrl", **SMOKE_PREFIXRL)
     c.eval.update(every=2, n=4, ks=(1, 4))
     c.checkpoint.every = 1
 

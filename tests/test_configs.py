@@ -59,8 +59,10 @@ def test_variant_builds_and_passes_the_loop_checks(name, variant):
     if job in preflight.FIELDS_CHECKED:  # a variant sets no field its job leaves unread
         assert preflight.unread(config) == []
     if "smoke" in variant and job != "sft":
-        assert config.train.total_steps <= 3 and config.data.train_size <= 16
+        assert config.data.train_size <= 16
         assert config.sft.max_steps == build("sft.py", "smoke").max_steps
+        if job != "eval":  # the eval job's training fields are at their defaults, unread
+            assert config.train.total_steps <= 3
 
 
 def test_every_job_resolves_to_a_function():

@@ -73,8 +73,8 @@ FLOORS = (
     ("run_identity",),
     ("storage",),              # files local or gs://, their faults and retries, the workdir lock
     ("distributed",),
-    ("errors", "config_fields", "jaxprefix"),  # leaves (config_fields: a field's default and
-                                               # doc; jaxprefix: the package's version)
+    ("errors", "config_fields", "config_reads", "jaxprefix"),  # leaves (config_fields: a
+    # field's default and doc; config_reads: which fields code read; jaxprefix: the version)
 )
 
 

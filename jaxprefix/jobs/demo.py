@@ -32,7 +32,8 @@ from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.run_setup.mining import mined_artifacts
 from jaxprefix.studies.study import Study
 
-METHODS = ("pope", "grpo")  # POPE first: GRPO runs on to its FLOPs
+# Each method, and the run whose FLOPs it runs on to (its prefix search included): POPE first.
+RUNS = {"pope": None, "grpo": "pope"}
 UNSOLVED = {"drop": "dropped from POPE's training", "longest": "guided by the longest prefix "
             "tried", "unguided": "kept in POPE's training, unguided"}
 
@@ -49,12 +50,12 @@ def run_demo(config, workdir: str) -> dict:
                            "revealed_fractions": search["revealed_fractions"]},
               "eval_problems": len(study.sets.eval),
               "base": study.evaluate(study.policy.model, "eval base"), "runs": {}}
-    for method in METHODS:
+    for method, matched in RUNS.items():
         started = time.perf_counter()
         config_ = study.run_config(method)
-        if method == "grpo":  # run on to POPE's FLOPs (its prefix search included)
-            pope_flops = ComputeLedger.from_dict(report["runs"]["pope"]["ledger"]).total_flops
-            config_.train.flops_budget = pope_flops - study.mining.cost(
+        if matched:
+            flops = ComputeLedger.from_dict(report["runs"][matched]["ledger"]).total_flops
+            config_.train.flops_budget = flops - study.mining.cost(
                 mined_artifacts(config_)).extra_flops
             config_.train.total_steps *= 10  # the budget, not the steps, ends it
         out = run_rl(config_, storage.join(workdir, method))

@@ -6,7 +6,7 @@ its compute booked apart).
 """
 from __future__ import annotations
 
-from jaxprefix.methods import pope
+from jaxprefix.run_setup.method_settings import MethodSettings
 from jaxprefix.run_setup.mining import set_up
 
 
@@ -15,11 +15,7 @@ def run_mine(config, workdir: str) -> dict:
     policy, sets, mining = set_up(config, workdir)
     hard = mining.hard_set()
     summary = {"hard": len(hard.problems), "candidates": len(mining.sets.train)}
-    if config.method == "pope":
-        found = mining.prefixes(hard)
-        summary["prefix_found"] = sum(v is not None for v in found.values())
-        summary["revealed_fractions"] = pope.revealed_fractions(hard.problems, found)
-    if config.method == "prefixrl":
-        summary["pool"] = len(mining.trace_pool(hard.problems).traces)
+    method = MethodSettings.from_config(config)
+    summary |= method.spec.mined_summary(method.options, mining, hard)
     summary["ledger"] = {name: ledger.to_dict() for name, ledger in mining.costs.items()}
     return summary

@@ -174,7 +174,7 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
         record["flops_budget"] = c.train.flops_budget
     if spec.pool == "other" and not _other_pool(study)[1]["problems"]:
         return record | {"skipped": "the second base found no trace"}
-    if spec.method == "pope" and c.pope.guided_copies:
+    if any(name.startswith("prefixes_") for name in mined_artifacts(c)):  # POPE's guided
         kept = _pope_problems(study, c)
         record["pope_problems"] = kept
         if not kept:  # nothing to guide within the cap: the run cannot happen, and says so

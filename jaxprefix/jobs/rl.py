@@ -12,35 +12,22 @@ from absl import logging
 
 from jaxprefix import distributed, key_step_probe, models, run_identity, storage
 from jaxprefix.data import tasks
-from jaxprefix.methods import pope, prefixrl
-from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.rl import compute_ledger, loop
 from jaxprefix.rl.compute_ledger import ComputeLedger
-from jaxprefix.run_setup.mining import mined_artifacts, set_up
+from jaxprefix.run_setup.mining import set_up
 from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.storage import workdir_lock
 
 def build_method(settings: RunSettings, policy, sets, mining):
     """The configured method over its training problems, mining first where it needs to."""
-    config, m = settings.config, settings.method
+    config = settings.config
     # Every host builds the same global request (problem lists are small): the sampler and the
     # learner then place their rows over the global mesh, and all hosts agree on every batch.
     common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
                   seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
     if config.eval.get("hard_set"):
         common["hard_eval_problems"] = mining.hard_set().problems
-    if m.name == "grpo":
-        train = mining.hard_set().problems if m.train_on == "hard" else sets.train
-        return GrpoMethod(policy.prompts, train, **common)
-    hard = mining.hard_set()
-    if m.name == "pope":
-        return pope.PopeMethod(policy.prompts, hard.problems, mining.prefixes(hard),
-                               schedule=m.new_prefix_schedule(), settings=m.pope, easy=sets.easy,
-                               **common)
-    return prefixrl.PrefixRLMethod(
-        policy.prompts, hard.problems, mining.trace_pool(hard.problems),
-        schedule=m.new_prefix_schedule(), prefixes_per_problem=m.prefixes_per_problem,
-        unprefixed_copies=m.unprefixed_copies, cut_range=m.cut_range, **common)
+    return settings.method.build(policy.prompts, sets, mining, **common)
 
 
 def key_step_probe_of(config, policy, sets):
@@ -83,7 +70,7 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)  # in place: the prober samples the sharded model
     method = build_method(settings, policy, sets, mining)
-    mined = mining.cost(mined_artifacts(config))
+    mined = mining.cost(settings.method.needs)
     ledger = ComputeLedger(policy.model.config.num_params())
     logging.info("%s: mining spent %.3g FLOPs", config.method, mined.extra_flops)
     logging.info(training_cost(config, contexts, ledger.n_params))

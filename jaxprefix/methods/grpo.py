@@ -7,12 +7,15 @@ shared.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxprefix.data.loader import ProblemLoader
 from jaxprefix.data.problem import Problem
+from jaxprefix.errors import need
+from jaxprefix.methods.method_spec import MethodSpec, register_method
 from jaxprefix.rl.loop import RolloutRequest
 
 
@@ -69,3 +72,26 @@ class GrpoMethod:
 
     def restore(self, state: dict) -> None:
         self.loader.restore(state["loader"])
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoSettings:
+    train_on: str = "all"  # 'all' training problems, or the mined 'hard' set
+
+    @classmethod
+    def from_config(cls, config) -> GrpoSettings:
+        train_on = config.mining.train_on
+        need(train_on in ("all", "hard"), "config.mining.train_on", train_on, "'all' or 'hard'")
+        return cls(train_on)
+
+
+def _build(settings: GrpoSettings, inputs) -> GrpoMethod:
+    hard = settings.train_on == "hard"
+    problems = inputs.mining.hard_set().problems if hard else inputs.sets.train
+    return GrpoMethod(inputs.prompts, problems, **inputs.common)
+
+
+register_method(MethodSpec(
+    name="grpo", settings=GrpoSettings.from_config, build=_build,
+    contexts_per_problem=lambda settings: 1,
+    needs=lambda settings: ("hard_set",) if settings.train_on == "hard" else ()))

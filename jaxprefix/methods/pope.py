@@ -33,7 +33,9 @@ from jaxprefix.data.loader import ProblemLoader
 from jaxprefix.errors import NothingToTrain, need
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.methods.prefix_schedules import make_prefix_schedule, schedule_settings
 from jaxprefix.methods.probing import Prober
+from jaxprefix.methods.method_spec import MethodSpec, register_method
 from jaxprefix.methods.prompting import oracle_prefix_text, oracle_units, with_response_prefix
 
 # The instruction seen in the authors' data (unconfirmed as the paper's exact text). It lets the
@@ -56,9 +58,9 @@ UNSOLVED_MODES = ("drop", "longest", "unguided")
 @dataclasses.dataclass(frozen=True)
 class PopeSettings:
     """How POPE mixes and guides its contexts: the config's `pope` block (and the prefix cap in
-    steps, mining.max_prefix_units), checked where it is made: MethodSettings makes one from
-    the config before any work (`from_config`), and PopeMethod takes it and checks nothing
-    again."""
+    steps, mining.max_prefix_units, and the prefix-length schedule), checked where it is made:
+    the registry's settings (`from_config`) make one before any work, and PopeMethod takes it
+    and checks nothing again."""
     guidance: str = "instruction"  # GUIDANCE_MODES
     template: str = "default"      # a TEMPLATES name: the instruction around a guided prompt
     guided_copies: int = 1
@@ -67,6 +69,7 @@ class PopeSettings:
     unsolved: str = "drop"         # UNSOLVED_MODES
     max_units: int = 0             # the cap in steps (0: none beyond the fraction)
     max_fraction: float = 1.0      # the cap as a share of the solution (never all of it)
+    schedule: tuple = (("kind", "fixed"),)  # prefix_schedules.schedule_settings
 
     def __post_init__(self):
         need(self.guidance in GUIDANCE_MODES, "config.pope.guidance", self.guidance,
@@ -90,11 +93,16 @@ class PopeSettings:
         return cls(guidance=p.guidance, template=p.template, guided_copies=p.guided_copies,
                    unguided_copies=p.unguided_copies, easy_per_step=p.easy_per_step,
                    unsolved=p.unsolved, max_units=config.mining.max_prefix_units,
-                   max_fraction=p.max_prefix_fraction)
+                   max_fraction=p.max_prefix_fraction, schedule=schedule_settings(config))
 
     @property
     def template_text(self) -> str:
         return TEMPLATES[self.template]
+
+    @property
+    def search_name(self) -> str:
+        """The mining artifact of this prefix search: its guidance, template and cap."""
+        return f"prefixes_{self.guidance}_{self.template}_f{self.max_fraction:g}"
 
 
 def prefix_limit(problem: Problem, *, max_units: int, max_fraction: float = 1.0) -> int:
@@ -286,3 +294,26 @@ class PopeMethod(GrpoMethod):
         self.schedule.restore(state["schedule"])
         if self.easy_loader is not None:
             self.easy_loader.restore(state["easy_loader"])
+
+
+def _build(settings: PopeSettings, inputs) -> PopeMethod:
+    hard = inputs.mining.hard_set()
+    return PopeMethod(inputs.prompts, hard.problems, inputs.mining.prefixes(hard),
+                      schedule=make_prefix_schedule(dict(settings.schedule)), settings=settings,
+                      easy=inputs.sets.easy, **inputs.common)
+
+
+def _mined_summary(settings: PopeSettings, mining, hard: HardSet) -> dict:
+    found = mining.prefixes(hard)
+    return {"prefix_found": sum(v is not None for v in found.values()),
+            "revealed_fractions": revealed_fractions(hard.problems, found)}
+
+
+register_method(MethodSpec(
+    name="pope", settings=PopeSettings.from_config, build=_build, blocks=("pope", "schedule"),
+    contexts_per_problem=lambda s: s.guided_copies + s.unguided_copies,
+    # With no guided copies (hard + easy only) no prefix is used, so none is searched.
+    needs=lambda s: ("hard_set",) + ((s.search_name,) if s.guided_copies else ()),
+    extra_contexts_per_step=lambda s: s.easy_per_step,
+    guides_in_prompt=lambda s: s.guidance == "instruction",
+    mined_summary=_mined_summary))

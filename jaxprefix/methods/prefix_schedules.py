@@ -168,3 +168,12 @@ def make_prefix_schedule(config: Mapping | None):
         return PREFIX_SCHEDULES[kind](**fields)
     except TypeError as e:
         raise ValueError(f'prefix schedule {kind!r}: bad fields {sorted(fields)} ({e})') from None
+
+
+def schedule_settings(config) -> tuple:
+    """config.schedule checked once: (('kind', k), (field, v), ...) of the chosen kind, hashable;
+    `make_prefix_schedule(dict(settings))` makes a fresh one for each run (it learns as it goes)."""
+    kind = config.schedule.kind
+    settings = (("kind", kind), *sorted(dict(config.schedule.get(kind, {})).items()))
+    make_prefix_schedule(dict(settings))  # raises naming the schedule's field
+    return settings

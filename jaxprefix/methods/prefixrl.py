@@ -27,8 +27,11 @@ import numpy as np
 from jaxprefix import storage
 from jaxprefix.data.files import read_records
 from jaxprefix.data.problem import DataError, Problem
+from jaxprefix.errors import need
 from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.methods.prefix_schedules import make_prefix_schedule, schedule_settings
 from jaxprefix.methods.probing import Prober
+from jaxprefix.methods.method_spec import MethodSpec, register_method
 from jaxprefix.methods.prompting import with_response_prefix
 
 
@@ -200,3 +203,49 @@ class PrefixRLMethod(GrpoMethod):
     def restore(self, state: dict) -> None:
         super().restore(state)
         self.schedule.restore(state["schedule"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixRLSettings:
+    """The prefixrl block and the prefix-length schedule, checked once (see `from_config`)."""
+    cut_range: tuple[float, float] = (0.4, 0.8)  # cut points, as shares of a trace
+    prefixes_per_problem: int = 3                # prefixed contexts of a problem
+    unprefixed_copies: int = 1                   # and its plain ones
+    pool: str = "trace_pool"  # where traces come from: 'trace_pool' (rejection sampling),
+    #                           'imported_pool' (prefixrl.pool_path) or 'oracle'
+    pool_path: str = ""                          # an imported pool's file
+    pool_flops: float = 0.0                      # and its declared generation cost
+    samples_per_round: int = 64                  # rejection sampling: samples a round
+    max_samples: int = 2500                      # and a problem's most
+    schedule: tuple = (("kind", "fixed"),)
+
+    @classmethod
+    def from_config(cls, config) -> PrefixRLSettings:
+        p = config.prefixrl
+        need(0.0 <= p.cut_lo <= p.cut_hi <= 1.0, "config.prefixrl.cut_lo/cut_hi",
+             (p.cut_lo, p.cut_hi), "0 <= cut_lo <= cut_hi <= 1")
+        pool_path, oracle = p.get("pool_path", ""), p.oracle_traces
+        pool = "imported_pool" if pool_path else "oracle" if oracle else "trace_pool"
+        return cls((p.cut_lo, p.cut_hi), p.prefixes_per_problem, p.unprefixed_copies, pool,
+                   pool_path, float(p.get("pool_flops", 0.0)), p.samples_per_round,
+                   p.max_samples, schedule_settings(config))
+
+
+def _build(settings: PrefixRLSettings, inputs) -> PrefixRLMethod:
+    hard = inputs.mining.hard_set()
+    return PrefixRLMethod(
+        inputs.prompts, hard.problems, inputs.mining.trace_pool(hard.problems),
+        schedule=make_prefix_schedule(dict(settings.schedule)),
+        prefixes_per_problem=settings.prefixes_per_problem,
+        unprefixed_copies=settings.unprefixed_copies, cut_range=settings.cut_range,
+        **inputs.common)
+
+
+register_method(MethodSpec(
+    name="prefixrl", settings=PrefixRLSettings.from_config, build=_build,
+    blocks=("prefixrl", "schedule"),
+    contexts_per_problem=lambda s: s.prefixes_per_problem + s.unprefixed_copies,
+    # Another model's traces are billed at their declared cost; the oracle's cost nothing.
+    needs=lambda s: ("hard_set",) + ((s.pool,) if s.pool != "oracle" else ()),
+    mined_summary=lambda s, mining, hard: {
+        "pool": len(mining.trace_pool(hard.problems).traces)}))

@@ -24,6 +24,7 @@ from jaxprefix.tpu import costing, topology
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
+from jaxprefix.run_setup.method_settings import MethodSettings
 
 HARD_SET, LEDGER = "hard_set.json", "ledger.json"
 TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
@@ -34,8 +35,7 @@ ARTIFACTS = ("hard_set", "prefixes", "trace_pool", "imported_pool")
 
 def prefix_search(config) -> str:
     """The artifact name of the configured prefix search: its guidance, template and cap."""
-    p = config.pope
-    return f"prefixes_{p.guidance}_{p.template}_f{p.max_prefix_fraction:g}"
+    return pope.PopeSettings.from_config(config).search_name
 
 
 def _artifact_kind(name: str) -> str:
@@ -44,15 +44,7 @@ def _artifact_kind(name: str) -> str:
 
 def mined_artifacts(config) -> tuple[str, ...]:
     """The mining artifacts (ARTIFACTS) the configured method trains on: its bill."""
-    hard = ("hard_set",) if config.method != "grpo" or config.mining.train_on == "hard" else ()
-    if config.method == "pope":  # with no guided copies (hard + easy only) no prefix is used
-        return hard + ((prefix_search(config),) if config.pope.guided_copies else ())
-    if config.method == "prefixrl":
-        p = config.prefixrl
-        if p.get("pool_path"):  # another model's traces: their declared generation cost
-            return hard + ("imported_pool",)
-        return hard + (() if p.oracle_traces else ("trace_pool",))
-    return hard
+    return MethodSettings.from_config(config).needs
 
 
 def mining_dir(config, workdir: str) -> str:
@@ -178,10 +170,9 @@ class Mining:
     def prefix_search(self, hard: pope.HardSet) -> dict:
         """The configured search's record: shortest_units, answers (the policy's own correct
         guided answers, token ids) and the settings it ran with."""
-        name = prefix_search(self.config)
-        m, cap = self.config.mining, self.config.pope.max_prefix_fraction
-        settings = {"samples": m.prefix_samples, "max_units": m.max_prefix_units,
-                    "max_fraction": cap}
+        s = pope.PopeSettings.from_config(self.config)  # its guidance, template and cap
+        name, samples = s.search_name, self.config.mining.prefix_samples
+        settings = {"samples": samples, "max_units": s.max_units, "max_fraction": s.max_fraction}
         path = self._path(f"{name}.json")
         if storage.exists(path):
             record = storage.read_json(path)
@@ -192,20 +183,16 @@ class Mining:
             return record
         # Every prefix length the cap allows each problem, m samples each (a problem stops at
         # its first solved length): the guided contexts the search may sample.
-        guide = dict(guidance=self.config.pope.guidance,
-                     template=pope.TEMPLATES[self.config.pope.template])
+        guide = dict(guidance=s.guidance, template=s.template_text)
+        cap = dict(max_units=s.max_units, max_fraction=s.max_fraction)
         guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
                   for problem in hard.problems
-                  for units in range(1, pope.prefix_limit(problem, max_units=m.max_prefix_units,
-                                                          max_fraction=cap) + 1)]
-        self._log_cost(f"{name} (every length the cap allows)", guided, m.prefix_samples,
-                       contexts=True)
+                  for units in range(1, pope.prefix_limit(problem, **cap) + 1)]
+        self._log_cost(f"{name} (every length the cap allows)", guided, samples, contexts=True)
         self._booking(name)
         search = pope.shortest_solvable_prefixes(
-            self.prober, self.policy.prompts, hard.problems, m=m.prefix_samples,
-            max_units=m.max_prefix_units, guidance=self.config.pope.guidance,
-            template=pope.TEMPLATES[self.config.pope.template], seed=self.config.seed + 1,
-            max_fraction=cap)
+            self.prober, self.policy.prompts, hard.problems, m=samples, **guide, **cap,
+            seed=self.config.seed + 1)
         solved = sum(v is not None for v in search.shortest.values())
         logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
                      len(search.shortest))
@@ -215,30 +202,29 @@ class Mining:
         self._save(f"{name}.json", record)
         return record
 
-    def _imported_pool(self, path: str, problems) -> prefixrl.TracePool:
+    def _imported_pool(self, p: prefixrl.PrefixRLSettings, problems) -> prefixrl.TracePool:
         """An imported pool, each trace verified against its problem (failures dropped and
         counted in imported_pool.json); its declared generation cost (prefixrl.pool_flops) is
         booked as the 'imported_pool' artifact."""
         pool, stats = prefixrl.verified_pool(
-            prefixrl.TracePool.load_jsonl(path, self.policy.prompts), problems,
+            prefixrl.TracePool.load_jsonl(p.pool_path, self.policy.prompts), problems,
             verifier=self.sets.verifier, decode=self.policy.tokenizer.decode,
             timeout_s=self.config.rewards.timeout_s)
-        logging.info("imported trace pool %s: %s", path, stats)
+        logging.info("imported trace pool %s: %s", p.pool_path, stats)
         if not pool.traces:
-            raise ValueError(f"config.prefixrl.pool_path={path!r}: no trace solves its training "
-                             f"problem ({stats})")
-        declared = float(self.config.prefixrl.get("pool_flops", 0.0))
+            raise ValueError(f"config.prefixrl.pool_path={p.pool_path!r}: no trace solves its "
+                             f"training problem ({stats})")
         self.costs["imported_pool"] = ComputeLedger(self.policy.model.config.num_params(),
-                                                    extra_flops=declared)
-        self._save(IMPORTED_POOL, {"path": path, "declared_flops": declared, **stats})
+                                                    extra_flops=p.pool_flops)
+        self._save(IMPORTED_POOL, {"path": p.pool_path, "declared_flops": p.pool_flops, **stats})
         return pool
 
     def trace_pool(self, problems) -> prefixrl.TracePool:
         path = self._path(TRACE_POOL)
-        pool_file = self.config.prefixrl.get("pool_path")
-        if pool_file:  # traces from elsewhere (another model), verified before use
-            return self._imported_pool(pool_file, problems)
-        if self.config.prefixrl.oracle_traces:
+        p = prefixrl.PrefixRLSettings.from_config(self.config)
+        if p.pool == "imported_pool":  # traces from elsewhere (another model), verified first
+            return self._imported_pool(p, problems)
+        if p.pool == "oracle":
             return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
         if storage.exists(path):
             pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
@@ -246,7 +232,6 @@ class Mining:
                 stats = storage.read_json(self._path(TRACE_POOL_STATS))
                 pool.samples_per_problem = stats["samples_per_problem"]
             return pool
-        p = self.config.prefixrl
         self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
                        p.max_samples)
         self._booking("trace_pool")

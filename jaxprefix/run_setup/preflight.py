@@ -7,28 +7,48 @@ record of the problem files and every prompt's length against the model's contex
 verifier (main has checked the storage backends of every gs:// path first). It writes nothing:
 main calls it before it locks the workdir. Every failure is a UserError, one line from main.
 
-Every field a run is given takes effect, or the run is refused (`unread_fields`): a method
-block's field (pope.*, prefixrl.*, schedule.*) that differs from run_config.base_config() (set
-by a variant or on the command line) on a job that runs no method reading it, a schedule
-kind's fields under another kind, and pope.template on a policy whose prompts have no template
-(a built-in task's TaskPrompts: its hint is a layout, not English) or with guidance that puts
-no instruction in the prompt. The results job checks each of its runs' settings the same way.
+Every field a run is given is read, or the run is refused (`unread`), whatever its block: the
+job's settings are built over a recording view of the config (`fields_read`; config_reads), and
+a field that differs from run_config.base_config() (set by a variant or on the command line)
+that no settings builder read is refused in one line naming it and the job. The blocks a job's
+stages still take raw count as read whole (RAW_BLOCKS); a config file built on another job's
+variant leaves what its job does not read at its default (`reset_unread`: configs/eval.py).
+The results job resolves each of its runs and refuses a field a run changes that it does not
+read. pope.template is refused besides on a policy whose prompts have no template (a built-in
+task's TaskPrompts: its hint is a layout, not English) or with guidance that puts no
+instruction in the prompt.
 On keyed_multiplication with data.key_names_rule (the restating route) pope.template is read:
 'default' guides by the restating hint, 'no_restate' by the value hint; and the run's notation
 must be its SFT base's.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from jaxprefix import config_fields, storage
+from jaxprefix.config_reads import read_whole, recording, unwrapped
 from jaxprefix.errors import ConfigError, UserError
 
 TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg", "tools")
-# The config blocks each method reads, and the methods a job runs (demo: POPE and GRPO, results:
-# its RUNS, each with its own method; the other jobs config.method alone).
-BLOCKS_READ = {"grpo": (), "pope": ("pope", "schedule"), "prefixrl": ("prefixrl", "schedule")}
-METHOD_BLOCKS = ("pope", "prefixrl", "schedule")
+# The methods a job runs (demo: POPE and GRPO, results: its RUNS, each with its own method; the
+# other jobs config.method alone).
 JOB_METHODS = {"demo": ("pope", "grpo"), "results": ("grpo", "pope", "prefixrl")}
 FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg", "tools")
+# The blocks a job's stages still take raw, not as typed settings: each is read whole by the jobs
+# that run the stage, so any of its fields counts as read there. Every other field counts as
+# read only if the job's settings builders read it (fields_read records them).
+_RUN = ("job", "method", "seed", "allow_changes", "storage", "workdir_lock", "distributed",
+        "model", "sft", "data", "rewards")           # policy.load_policy, problem_sets, run_identity
+_SAMPLE = _RUN + ("mining",)                          # mining.set_up
+# rl.loop.train; and compile.context_length, the context the run's programs are planned for:
+# launch/tpu.sh compiles a run's own config (the compile job) before it runs it.
+_TRAIN = _SAMPLE + ("eval", "checkpoint", "metrics", "mesh", "compile.context_length")
+RAW_BLOCKS = {"rl": _TRAIN, "mine": _SAMPLE, "eval": _SAMPLE + ("eval",), "demo": _TRAIN,
+              # every method's blocks: its study (prefix search, trace pools, regime, report)
+              # reads them whatever results.runs chooses
+              "results": _TRAIN + ("results", "pope", "prefixrl", "schedule"),
+              "sweep": _TRAIN + ("isocompute",), "prereg": _TRAIN + ("isocompute",),
+              "tools": _TRAIN + ("tool_study",)}
 # The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
 TOOL_JOBS = ("rl", "tools")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
@@ -76,13 +96,11 @@ def check(config, workdir: str):
     if config.job == "sft":
         _check_sft_settings(config)
         return None
-    if config.job in FIELDS_CHECKED:
-        _check_fields_read(config)
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
     from jaxprefix.run_setup.policy import check_policy_inputs
     from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
 
-    settings = _as_config_error(_check_settings, config, workdir)
+    settings, reads = fields_read(config, workdir)
     inputs = check_policy_inputs(config, workdir)
     if config.job in TRAINING_JOBS:
         from jaxprefix.rl import loop
@@ -93,6 +111,7 @@ def check(config, workdir: str):
         _check_template_read(config, inputs.prompts)
         _check_probe_read(config)
         _check_tools_read(config, inputs.tokenizer)
+        _check_fields_read(config, reads)  # after the checks that say more of why
     limit = prompt_limit(config, inputs.prompts, inputs.context_length)
     sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
     if _guides_in_prompt(config):
@@ -103,54 +122,80 @@ def check(config, workdir: str):
 
 
 def _changed(config) -> dict:
-    """The method blocks' fields whose value differs from run_config.base_config()'s."""
+    """Every leaf field whose value differs from run_config.base_config()'s, or that it lacks (a
+    config file's own block: results.*, tool_study.*, isocompute.prereg.*)."""
     from jaxprefix.run_config import base_config
 
-    base = base_config()
-    out = {}
-    for block in METHOD_BLOCKS:
-        defaults = dict(config_fields.leaves(base[block], f"{block}."))
-        out |= {k: v for k, v in config_fields.leaves(config[block], f"{block}.")
-                if k not in defaults or defaults[k] != v}
-    return out
+    defaults = dict(config_fields.leaves(base_config()))
+    return {k: v for k, v in config_fields.leaves(config)
+            if k not in defaults or defaults[k] != v}
+
+
+def _method_blocks() -> dict[str, tuple[str, ...]]:
+    """Each method block, and the registered methods that read it."""
+    from jaxprefix.methods.registry import method_names, method_spec
+
+    readers = {}
+    for name in method_names():
+        for block in method_spec(name).blocks:
+            readers[block] = readers.get(block, ()) + (name,)
+    return readers
 
 
 def _methods_run(config) -> tuple[str, ...]:
     return JOB_METHODS.get(config.job, (config.method,))
 
 
-def unread(config) -> list[tuple[str, str]]:
-    """The config's set method-block fields that its job does not read, with why."""
-    return unread_fields(config, _changed(config), _methods_run(config))
+def fields_read(config, workdir: str = "") -> tuple[object, set[str]]:
+    """(the job's settings, every field they read): the settings built over a recording view
+    (config_reads), plus the blocks the job's stages take whole (RAW_BLOCKS)."""
+    view, reads = recording(config)
+    settings = _as_config_error(_check_settings, view, workdir)
+    if settings is not None:  # the run goes on with the config itself, not the view
+        settings = dataclasses.replace(settings, config=unwrapped(settings.config))
+    for block in RAW_BLOCKS.get(config.job, ()):
+        reads |= read_whole(config, block)
+    return settings, reads
 
 
-def unread_fields(config, fields, methods) -> list[tuple[str, str]]:
-    """Of `fields` (dotted names), those no stage of a job running `methods` reads, each with
-    why: [(field, reason)]."""
-    read = {block for m in methods for block in BLOCKS_READ.get(m, ())}
-    unread = []
-    for field in fields:
-        block, _, rest = field.partition(".")
-        if block in METHOD_BLOCKS and block not in read:
-            readers = " and ".join(m for m, blocks in BLOCKS_READ.items() if block in blocks)
-            unread.append((field, f"only {readers} read {block}.*"))
-        elif block == "schedule" and "." in rest and rest.split(".")[0] != config.schedule.kind:
-            unread.append((field, f"schedule.kind={config.schedule.kind!r} reads only "
-                                  f"schedule.{config.schedule.kind}.*"))
-    return unread
+def unread(config, reads: set[str] | None = None) -> list[tuple[str, str]]:
+    """The config's set fields (differing from run_config's defaults) that no settings builder
+    of its job read, each with why: [(field, reason)]."""
+    reads = fields_read(config)[1] if reads is None else reads
+    return [(field, _why(config, field, _methods_run(config), reads))
+            for field in _changed(config) if field not in reads]
 
 
-def _check_fields_read(config) -> None:
-    """The config's set fields, and each results run's settings, all read by some stage."""
-    _refuse_unread(unread(config), f"job {config.job} with method {config.method}")
-    if config.job == "results":
-        from jaxprefix.run_setup.study_arms import RUNS
+def reset_unread(config) -> None:
+    """Puts each field `config.job` does not read (`unread`) back to run_config's default: for a
+    config file that builds on another job's variant (configs/eval.py on an rl run's)."""
+    from jaxprefix.run_config import base_config
 
-        for name in config.results.runs:
-            if name in RUNS:
-                spec = RUNS[name]
-                _refuse_unread(unread_fields(config, spec.settings, (spec.method,)),
-                               f"run {name} of job results (method {spec.method})")
+    defaults = dict(config_fields.leaves(base_config()))
+    for field, _ in unread(config):
+        *blocks, name = field.split(".")
+        node = config
+        for block in blocks:
+            node = node[block]
+        node[name] = defaults[field]
+
+
+def _why(config, field: str, methods, reads: set[str]) -> str:
+    """Why a job running `methods`, whose settings read `reads`, reads no `field`."""
+    block, _, rest = field.partition(".")
+    readers = _method_blocks().get(block, ())
+    if readers and not set(readers) & set(methods):
+        return f"only {' and '.join(readers)} read {block}.*"
+    if block == "schedule" and "." in rest:
+        return f"schedule.kind={config.schedule.kind!r} reads only schedule.{config.schedule.kind}.*"
+    if not any(name.startswith(f"{block}.") for name in reads):
+        return f"its settings read no {block}.* field"
+    return f"its settings read other {block}.* fields"
+
+
+def _check_fields_read(config, reads: set[str]) -> None:
+    """The config's set fields all read by the job's settings (see `unread`)."""
+    _refuse_unread(unread(config, reads), f"job {config.job} with method {config.method}")
 
 
 def _refuse_unread(unread: list[tuple[str, str]], where: str) -> None:
@@ -199,7 +244,8 @@ def _check_template_read(config, prompts) -> None:
     built-in task's restating hint over its value hint (`_task_restates`), and nothing else."""
     from jaxprefix.methods.prompting import TaskPrompts
 
-    templates = {"": config.pope.template} if "pope" in _methods_run(config) else {}
+    reads_pope = any(m in _method_blocks().get("pope", ()) for m in _methods_run(config))
+    templates = {"": config.pope.template} if reads_pope else {}
     if config.job == "results":
         from jaxprefix.run_setup.study_arms import RUNS
 
@@ -244,10 +290,12 @@ def _check_notation(config) -> None:
 
 
 def _guides_in_prompt(config) -> bool:
-    """Whether the job puts POPE's guidance in prompts (demo and results run POPE whatever
-    config.method says)."""
-    return config.pope.guidance == "instruction" and (
-        config.method == "pope" or config.job in ("demo", "results"))
+    """Whether a method the job runs puts guidance in prompts (demo and results run POPE
+    whatever config.method says)."""
+    from jaxprefix.methods.registry import method_spec
+
+    specs = [method_spec(m) for m in _methods_run(config)]
+    return any(spec.guides_in_prompt(spec.settings(config)) for spec in specs)
 
 
 def _read_problem_files(data) -> None:
@@ -289,8 +337,27 @@ def _check_settings(config, workdir: str):
     if config.data.get("max_prompt_tokens", 0) < 0:
         raise ConfigError(f"config.data.max_prompt_tokens={config.data.max_prompt_tokens!r}: "
                           f"expected >= 0 (0: the model's context alone)")
-    if config.job not in TRAINING_JOBS:  # mine, eval: the method's settings alone
+    if config.job not in TRAINING_JOBS:  # mine, eval: the method's settings and the prober's
+        from jaxprefix.sampling import RolloutSpec
+
         MethodSettings.from_config(config)
+        if config.job in ("mine", "eval"):
+            RolloutSpec.from_config(config.rollout)
+        if config.job == "eval":  # the trained run's adapters, and its prefix search's file
+            from jaxprefix.rl import loop
+            from jaxprefix.run_setup.mining import prefix_search
+
+            loop.lora_config(config)
+            prefix_search(config)
+        return None
+    if config.job == "demo":  # each method it runs, resolved as its run
+        for method in JOB_METHODS["demo"]:
+            c = config.copy_and_resolve_references()
+            c.method = method
+            resolve(c)
+        return None
+    if config.job == "results":
+        _check_arms(config)
         return None
     if config.job in ("sweep", "prereg"):  # each point is its own run, with its n and batch
         from jaxprefix.run_setup import sweep_points
@@ -301,7 +368,29 @@ def _check_settings(config, workdir: str):
                                               workdir))
         return None
     settings = resolve(config)  # with isocompute.budget, the n, B, M the run will use
-    return settings if config.job == "rl" else None  # the demo's, results' arms: their own
+    return settings if config.job == "rl" else None
+
+
+def _check_arms(config) -> None:
+    """Each results run resolved as it will run (its method and changed fields): a field it
+    changes that its resolution does not read is refused naming the run."""
+    from jaxprefix.run_setup.run_settings import resolve
+    from jaxprefix.run_setup.study_arms import RUNS
+
+    for name in config.results.runs:
+        if name not in RUNS:
+            continue
+        spec = RUNS[name]
+        arm, reads = recording(config.copy_and_resolve_references())  # the job's reads too
+        arm.method = spec.method
+        for field, value in spec.settings.items():
+            block, key = field.split(".")
+            arm[block][key] = value
+        resolve(arm)
+        for block in RAW_BLOCKS["rl"]:  # each run is an rl run
+            reads |= read_whole(config, block)
+        _refuse_unread([(f, _why(config, f, (spec.method,), reads)) for f in spec.settings
+                        if f not in reads], f"run {name} of job results (method {spec.method})")
 
 
 def _check_sft_settings(config) -> None:

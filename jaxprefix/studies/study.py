@@ -99,6 +99,5 @@ class Study:
         c.model.path = base_dir(config, self.workdir)
         c.mining.dir = self.mining.dir
         contexts = config.train.problems_per_step * contexts_per_problem(config, "pope")
-        if method != "pope":
-            c.train.problems_per_step = max(1, contexts // contexts_per_problem(config, method))
+        c.train.problems_per_step = max(1, contexts // contexts_per_problem(config, method))
         return c

@@ -1,0 +1,92 @@
+"""Every field read or refused: a set field that no settings builder of the job read stops the run
+in one line before any work, whatever its block (run_setup/preflight.fields_read, recorded by
+config_reads)."""
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from jaxprefix import run_config
+from jaxprefix.config_reads import read_whole, recording, unwrapped
+from jaxprefix.errors import ConfigError
+from jaxprefix.run_setup import preflight
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def smoke(name: str):
+    return run_config.from_file(os.path.join(ROOT, "configs", name), "smoke")
+
+
+def test_a_recording_view_records_leaves_blocks_read_whole_and_copies():
+    config = ml_collections.ConfigDict({"a": 1, "b": {"c": 2, "d": {"e": 3}}, "f": {"g": 4}})
+    view, reads = recording(config)
+    assert view.a == 1 and view.b.get("c") == 2 and view.get("missing", 7) == 7
+    assert reads == {"a", "b.c"}
+    dict(view.b.d)  # a block read whole: every leaf under it
+    assert reads == {"a", "b.c", "b.d.e"}
+    copy = view.copy_and_resolve_references()
+    copy.f.g = 5  # a write is no read, and lands in the copy
+    assert copy.f["g"] == 5 and config.f.g == 4 and "f.g" in reads
+    part, part_reads = recording(view.copy_and_resolve_references())  # views nest
+    assert part.b.d.e == 3 and part_reads == {"b.d.e"}
+    assert unwrapped(part).to_dict() == config.to_dict()
+    assert read_whole(config, "b") == {"b.c", "b.d.e"} and read_whole(config, "b.d.e") == {"b.d.e"}
+
+
+@pytest.mark.parametrize("name,field,value,job", [
+    ("grpo.py", "isocompute.ns", (2, 4), "rl with method grpo"),    # the sweep's, not a run's
+    ("grpo.py", "compile.topology", "v5e-8", "rl with method grpo"),  # the compile job's
+    ("eval.py", "train.learning_rate", 0.5, "eval with method pope"),  # an eval trains nothing
+])
+def test_a_field_of_a_block_the_job_reads_no_further_is_refused_in_one_line(
+        name, field, value, job, tmp_path):
+    config = smoke(name)
+    block, key = field.split(".")
+    config[block][key] = value
+    workdir = tmp_path / "w"
+    with pytest.raises(ConfigError) as raised:
+        preflight.check(config, str(workdir))
+    line = str(raised.value)
+    assert "\n" not in line
+    assert line.startswith(f"config.{field} is set but no stage of job {job} reads it (")
+    assert line.endswith("expected it left at its default")
+    assert not workdir.exists()
+
+
+def test_what_the_job_reads_passes_and_its_settings_come_back_on_the_config_itself(tmp_path):
+    config = smoke("grpo.py")
+    config.train.learning_rate = 3e-4  # read by the learner's settings
+    config.isocompute.budget = 0       # read by the allocation (left at 0: no allocation)
+    settings = preflight.check(config, str(tmp_path / "w"))
+    assert settings.config is config and settings.train.learning_rate == 3e-4
+    settings, reads = preflight.fields_read(config)
+    assert {"train.learning_rate", "isocompute.budget", "rollout.temperature"} <= reads
+    assert "isocompute.ns" not in reads and "compile.topology" not in reads
+
+
+def test_eval_config_leaves_the_rl_runs_training_fields_at_their_defaults():
+    """configs/eval.py builds on an rl run's variant: what only training reads goes back to its
+    default (preflight.reset_unread), so the shipped config passes and an override is refused."""
+    config = run_config.from_file(os.path.join(ROOT, "configs", "eval.py"), "smollm2")
+    base = run_config.base_config()
+    assert config.train.learning_rate == base.train.learning_rate
+    assert config.checkpoint.every == base.checkpoint.every
+    assert config.rollout.max_new_tokens != base.rollout.max_new_tokens  # the prober's: read
+    assert preflight.unread(config) == []
+
+
+def test_refused_on_the_command_line_before_any_work(tmp_path):
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+         "--config.isocompute.ns=(2,4)", f"--workdir={workdir}"],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config.isocompute.ns is set but no stage of job rl with method grpo reads "
+        "it (its settings read other isocompute.* fields); expected it left at its default")
+    assert not workdir.exists()
