@@ -123,7 +123,7 @@ def main():
 
     base = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
                                                 gguf_file=os.path.basename(path),
-                                                torch_dtype=torch.float32).eval()
+                                                dtype=torch.float32).eval()
     scores = {}
     for arm in ("base", "adapter"):
         model = base if arm == "base" else peft.PeftModel.from_pretrained(
