@@ -3,7 +3,9 @@
 The update is a pure function of (TrainState, batch): the batch is cut into minibatches (one
 optimizer step each, `num_epochs` passes), each minibatch into micro-batches whose gradients are
 summed in a `lax.scan`; the loss of a micro-batch is normalised by its minibatch's totals, so the
-sum is exactly the minibatch gradient. Old log-probs come from the sampler; on the first
+sum is exactly the minibatch gradient. A minibatch's rows are sorted by length into its
+micro-batches and each micro-batch runs at the shortest of `width_steps` widths that holds its
+rows (a `lax.switch` over them): padding past every row is never computed. Old log-probs come from the sampler; on the first
 minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` measures how far
 sampler and learner disagree. With `old_logprobs='learner'` the same jitted update first runs one
 forward over the batch to recompute them (and reports `rollout/logprob_mismatch_mean`/`_max`);
