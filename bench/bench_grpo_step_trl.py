@@ -209,7 +209,8 @@ def cpu_facts() -> str:
             key, _, value = line.partition(":")
             value = value.strip()
             if key.startswith("Flags"):
-                value = " ".join(f for f in value.split() if f.startswith(("avx512", "amx")))
+                value = " ".join(f for f in value.split()
+                                 if f.startswith(("avx512", "amx"))) or "no avx512 / amx"
             out.append(f"{key.strip()}: {value}")
     return "; ".join(out)
 
