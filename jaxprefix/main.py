@@ -171,6 +171,7 @@ def main(argv):
             except ValueError as e:
                 raise errors.ConfigError(str(e)) from None
         distributed.initialize(config.distributed)
+        distributed.enable_compilation_cache(storage.join(storage.cache_dir(), "xla"))
         logging.info("job %s, workdir %s", config.job, workdir)
         settings = preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards

@@ -95,6 +95,25 @@ def test_two_processes_form_one_eight_device_mesh(tmp_path):
         assert r["gathered_total"] == r["total"]
 
 
+def test_a_second_process_loads_the_compiled_program(tmp_path):
+    """enable_compilation_cache: what one process compiled, the next loads (a cache hit)."""
+    script = textwrap.dedent(f"""
+        import jax, jax.numpy as jnp
+        from jaxprefix import distributed
+        distributed.enable_compilation_cache({str(tmp_path / "xla")!r}, min_compile_seconds=0)
+        hits = []
+        jax.monitoring.register_event_listener(
+            lambda event, **_: hits.append(event) if event.endswith("cache_hits") else None)
+        jax.jit(lambda x: jnp.tanh(x) @ x.T)(jnp.ones((8, 8))).block_until_ready()
+        print("HITS", len(hits))
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=env, check=True).stdout for _ in range(2)]
+    assert "HITS 0" in runs[0] and "HITS 0" not in runs[1], runs
+    assert any((tmp_path / "xla").iterdir())
+
+
 def test_single_process_without_coordinator_starts_nothing():
     config = distributed.default_config()
     config.mode = "off"

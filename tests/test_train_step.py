@@ -13,7 +13,7 @@ from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.models.sharding import make_mesh, shard_model
 from jaxprefix.rl import objectives
-from jaxprefix.rl.train_step import Learner, TrainConfig
+from jaxprefix.rl.train_step import Learner, TrainConfig, trim_widths
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -272,6 +272,44 @@ def test_remat_keeps_the_layers_inputs_not_their_activations():
     assert temp[True] < temp[False] / 2
 
 
+def ragged_batch(width=64, seed=2):
+    """Rows of 5 to `width` real tokens, so that sorted micro-batches can be cut short."""
+    rng = np.random.default_rng(seed)
+    length = rng.integers(5, width + 1, ROWS)
+    length[3] = width  # one row fills the batch: the full-width branch runs too
+    cols = np.arange(width)[None]
+    token_mask = cols < length[:, None]
+    tokens = np.where(token_mask, rng.integers(1, CONFIG.vocab_size, (ROWS, width)), 0)
+    return {"tokens": tokens.astype(np.int32),
+            "positions": np.where(token_mask, cols, 0).astype(np.int32),
+            "token_mask": token_mask,
+            "completion_mask": ((cols >= 3) & token_mask).astype(np.float32),
+            "advantages": rng.normal(size=ROWS).astype(np.float32)}
+
+
+def test_trim_widths_step_the_batch_width():
+    assert trim_widths(256, 8) == (32, 64, 96, 128, 160, 192, 224, 256)
+    assert trim_widths(100, 4) == (32, 64, 96, 100)
+    assert trim_widths(12, 8) == (12,) and trim_widths(256, 1) == (256,)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum_norm"])
+def test_cut_padding_takes_the_same_step(aggregation):
+    """Sorting rows into micro-batches and cutting each to its longest row (width_steps) takes
+    the step of the full-width update: the same loss, gradient norm and new weights."""
+    config = dataclasses.replace(ONE_MINIBATCH, aggregation=aggregation, num_minibatches=2)
+    cut, full = (Learner(tiny_model(), dataclasses.replace(config, width_steps=steps))
+                 for steps in (4, 1))
+    state = full.init_state()
+    batch = with_old_logprobs(ragged_batch(), full, state, noise=0.1)
+    full_state, expected = full.update(state, batch)
+    cut_state, metrics = cut.update(cut.init_state(), batch)
+    for key in ("loss", "grad_norm", "entropy", "ratio/first_max_abs_dev"):
+        np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5)
+    for a, b in zip(params_of(cut_state), params_of(full_state)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 def test_invalid_settings_name_the_field():
     with pytest.raises(ValueError, match="eps_low"):
         TrainConfig(eps_low=-0.1)
@@ -283,6 +321,8 @@ def test_invalid_settings_name_the_field():
         TrainConfig(micro_batch_size=2).check_batch(16, batch_shards=4)
     with pytest.raises(ValueError, match="old_logprobs"):
         TrainConfig(old_logprobs="actor")
+    with pytest.raises(ValueError, match="width_steps"):
+        TrainConfig(width_steps=0)
     with pytest.raises(ValueError, match="tis_cap=2.0: expected 0 unless old_logprobs='learner'"):
         TrainConfig(tis_cap=2.0)  # against the sampler's own log-probs TIS would do nothing
 

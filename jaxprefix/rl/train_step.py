@@ -3,7 +3,9 @@
 The update is a pure function of (TrainState, batch): the batch is cut into minibatches (one
 optimizer step each, `num_epochs` passes), each minibatch into micro-batches whose gradients are
 summed in a `lax.scan`; the loss of a micro-batch is normalised by its minibatch's totals, so the
-sum is exactly the minibatch gradient. Old log-probs come from the sampler; on the first
+sum is exactly the minibatch gradient. A minibatch's rows are sorted by length into its
+micro-batches and each micro-batch runs at the shortest of `width_steps` widths that holds its
+rows (a `lax.switch` over them): padding past every row is never computed. Old log-probs come from the sampler; on the first
 minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` measures how far
 sampler and learner disagree. With `old_logprobs='learner'` the same jitted update first runs one
 forward over the batch to recompute them (and reports `rollout/logprob_mismatch_mean`/`_max`);
@@ -78,6 +80,12 @@ class TrainConfig:
     # log-probs, each token's policy-gradient term times min(pi_old / pi_sampler, tis_cap).
     old_logprobs: str = "sampler"
     tis_cap: float = 0.0
+    # Padding the update does not compute: each minibatch's rows are sorted by length into its
+    # micro-batches, and each micro-batch runs at the shortest of `width_steps` equal steps of the
+    # batch width that holds its last real token. Rows are left-aligned and causal, so the cut
+    # padding changes no real token's log-prob: the gradient is the same (dropout masks aside).
+    # Each step is one more branch compiled into the update; 1 = every micro-batch at full width.
+    width_steps: int = 8
     # A mixture of experts: + coef * the Switch / Qwen3-MoE load-balancing loss of the routers
     # (models.moe.load_balancing_loss), each micro-batch's over its own tokens, averaged.
     router_aux_coef: float = 0.0
@@ -107,6 +115,7 @@ class TrainConfig:
         check(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
              f"one of {objectives.OLD_LOGPROBS}")
         check(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
+        check(self.width_steps >= 1, "width_steps", ">= 1 (1: no trimming)")
         check(self.router_aux_coef >= 0, "router_aux_coef", ">= 0 (0: off)")
         check(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
              "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "
@@ -413,8 +422,11 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     else:
         sequences = mask.shape[0] * mask.shape[1]
     totals = {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
+    # The batch width as the default max_len: a micro-batch may be cut shorter (trim_widths)
+    c = dataclasses.replace(c, max_len=c.max_len or mask.shape[-1])
     loss_fn = functools.partial(_micro_loss, graphdef, c, mask.shape[0])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    widths = trim_widths(mask.shape[-1], c.width_steps)
 
     def body(carry, xs):
         loss_sum, grad_sum, stats_sum = carry
@@ -422,7 +434,7 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
         if sharded:
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
         micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
-        (loss, stats), grads = grad_fn(params, rest, micro, totals)
+        (loss, stats), grads = _at_shortest_width(grad_fn, widths, params, rest, micro, totals)
         grads = constrain_params(grads)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
                 _combine_stats(stats_sum, stats)), None
@@ -443,6 +455,8 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     micro = c.micro_batch_size or minibatch
     arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
                             batch)
+    if c.width_steps > 1:
+        arranged = _sort_rows(arranged)
     recomputed = {}
     if c.old_logprobs == "learner":  # before any update: state.params are the sampler's weights
         arranged, recomputed = _learner_old_logprobs(graphdef, c, sharded, state.params, rest,
@@ -475,6 +489,49 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                            updates=updates, skipped=skipped)
     return new_state, {**_summarise(c, per_update, updates, skipped - state.skipped), **recomputed}
+
+
+def trim_widths(width: int, steps: int) -> tuple[int, ...]:
+    """The widths a micro-batch of a `width`-token batch may be cut to: `steps` equal steps of
+    it, each a multiple of 8 tokens and at least 16 (a narrow batch gets fewer)."""
+    step = max(16, -(-width // (steps * 8)) * 8)
+    return tuple(range(step, width, step)) + (width,)
+
+
+def _row_lengths(token_mask):
+    """Tokens up to and including each row's last real one (rows are left-aligned)."""
+    columns = jnp.arange(1, token_mask.shape[-1] + 1)
+    return jnp.max(jnp.where(token_mask, columns, 0), axis=-1)
+
+
+def _sort_rows(arranged):
+    """Each minibatch's rows [micro-batches, micro, ...] sorted by length, so that a micro-batch
+    holds rows of like length and its padding can be cut (a permutation within the minibatch:
+    its gradient, a sum over its rows, is unchanged)."""
+    lengths = _row_lengths(arranged["token_mask"])          # [minibatches, micro-batches, micro]
+    flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])
+    order = jnp.argsort(flat(lengths), axis=1, stable=True)
+    take = jax.vmap(lambda x, o: x[o])
+    return jax.tree.map(lambda x: take(flat(x), order).reshape(x.shape), arranged)
+
+
+def _at_shortest_width(fn, widths, params, rest, micro, totals):
+    """fn(params, rest, micro, totals) with `micro` cut to the shortest of `widths` that holds
+    every row's last real token. What is cut is padding after each row: masked, never attended
+    to (causal), and its log-probs are 0, so the result is fn's on the whole width."""
+    full = micro["tokens"].shape[-1]
+    if len(widths) == 1:
+        return fn(params, rest, micro, totals)
+
+    def at(width, params, rest, micro, totals):
+        cut = {k: v[:, :width] if v.ndim >= 2 and v.shape[1] == full else v
+               for k, v in micro.items()}
+        return fn(params, rest, cut, totals)
+
+    need = jnp.max(_row_lengths(micro["token_mask"]))
+    branch = jnp.searchsorted(jnp.asarray(widths), need)   # the first width >= need
+    return jax.lax.switch(branch, [functools.partial(at, w) for w in widths],
+                          params, rest, micro, totals)
 
 
 def _learner_old_logprobs(graphdef, c: TrainConfig, sharded: bool, params, rest, arranged):
