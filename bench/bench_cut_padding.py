@@ -6,7 +6,7 @@ on the same batch: --rows rows of a --prompt-token prompt and completions spread
 tokens (40% at --new, as truncated completions are), padded to the bucketed batch width as the
 loop pads them.
   full  width_steps=1: every micro-batch computed at the batch width (the update before issue 48);
-  cut   width_steps=8 (the default): each minibatch's rows sorted by length into micro-batches,
+  cut   width_steps=8 (an option; the default is 1): each minibatch's rows sorted by length into micro-batches,
         each micro-batch computed at the shortest of 8 steps of the width that holds its rows.
 The first update of each arm (its compile) is timed apart; then --rounds alternating rounds. The
 two arms' first gradient norms must agree (the cut is exact). Printed: tokens each arm computes,

@@ -11,8 +11,8 @@ micro-batches of 8 rows, LoRA rank --rank (alpha 32) on every linear layer of th
 lr 1e-4 (constant), global-norm clip 1.0, f32 throughout.
   ours  `configs/grpo.py:smollm2` with the overrides above, one step of the RL loop's body:
         loop.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
-        Learner.update (remat on, its defaults otherwise: micro-batches sorted by length and cut
-        to their longest row, TrainConfig.width_steps). Old log-probs are the sampler's.
+        Learner.update (remat on, its defaults otherwise: train.width_steps 1, every
+        micro-batch at full width). Old log-probs are the sampler's.
   trl   TRL's GRPOTrainer as its docs set it up on CPU: transformers' model (our HF export read
         back by from_pretrained), peft LoraConfig(target_modules='all-linear'), its own
         generation (transformers' generate), per_device_train_batch_size 8 with

@@ -157,7 +157,7 @@ FIELDS = {
                                  "logits)"),
         "mask_truncated": F(False, "exclude completions cut at max_new_tokens from the loss"),
         "remat": F(False, "recompute each layer in the backward pass (large models)"),
-        "width_steps": F(8, "micro-batches sorted by length, each cut to the shortest of this "
+        "width_steps": F(1, "micro-batches sorted by length, each cut to the shortest of this "
                             "many steps of the batch width that holds it (1: full width)"),
         # tis_cap > 0 (with 'learner'): each token's policy-gradient term times
         # min(pi_old / pi_sampler, tis_cap) (verl's TIS).

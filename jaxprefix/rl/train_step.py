@@ -85,7 +85,9 @@ class TrainConfig:
     # batch width that holds its last real token. Rows are left-aligned and causal, so the cut
     # padding changes no real token's log-prob: the gradient is the same (dropout masks aside).
     # Each step is one more branch compiled into the update; 1 = every micro-batch at full width.
-    width_steps: int = 8
+    # Off by default until measured on an idle box (bench/bench_cut_padding.py): the branches
+    # cost compile time, and the one round measured so far, on a starved box, settled nothing.
+    width_steps: int = 1
     # A mixture of experts: + coef * the Switch / Qwen3-MoE load-balancing loss of the routers
     # (models.moe.load_balancing_loss), each micro-batch's over its own tokens, averaged.
     router_aux_coef: float = 0.0
