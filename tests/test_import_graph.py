@@ -62,6 +62,7 @@ FLOORS = (
     ("methods",),              # POPE, PrefixRL, IsoCompute: what to sample and how to mix it
     ("rl",),                   # the loop, the learner, the compute ledger
     ("tools",),                # tools and multi-turn episodes (docs/TOOLS.md)
+    ("serving",),              # the OpenAI-compatible server over the sampler (docs/SERVING.md)
     ("statistics",),
     ("evaluation", "key_step_probe"),  # pass@k of samples; teacher-forced step probabilities
     ("rewards",),              # verifiers: text and problems in, scores out

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible HTTP layer: requests parsed and checked into SampleRequests, responses
+built from the batcher's Samples (docs/SERVING.md).
+
+Endpoints: /v1/models, /v1/completions, /v1/chat/completions (the model's chat template),
+/health and /stats (the recent sampler calls: requests and rows each). Besides OpenAI's fields,
+vLLM's that RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
+`prompt_token_ids` and `token_ids`, as vLLM names them), `return_tokens_as_token_ids`, `top_k`,
+chat's `add_generation_prompt` and `continue_final_message`. A request this server cannot honour
+(bad values, an unknown model, too long a context, a field it does not implement) is a 400 with
+OpenAI's error object; the server goes on.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Union
+
+import fastapi
+import pydantic
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from jaxprefix.serving.batcher import MAX_N, Sample, SampleRequest
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def error_body(message: str, param: str | None, code: str,
+               kind: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _Sampled(pydantic.BaseModel):
+    """Fields both endpoints take."""
+    model: str
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                               # vLLM: 0 or -1 is off
+    max_tokens: int | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    return_token_ids: bool = False               # vLLM
+    return_tokens_as_token_ids: bool = False     # vLLM
+    # OpenAI fields this server does not implement: refused unless left at these values.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+
+
+class CompletionRequest(_Sampled):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatRequest(_Sampled):
+    messages: list[dict]
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True           # vLLM
+    continue_final_message: bool = False         # vLLM
+    tools: list | None = None
+    response_format: dict | None = None
+
+
+UNSUPPORTED = {"stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+               "logit_bias": None, "echo": False, "suffix": None, "tools": None,
+               "response_format": None}
+
+
+class Api:
+    """What the endpoints need: the batcher, the tokenizer and the limits."""
+
+    def __init__(self, batcher, tokenizer, settings, model_context: int):
+        self.batcher, self.tokenizer, self.settings = batcher, tokenizer, settings
+        self.context_limit = settings.context_limit(model_context)
+        self.vocab_size = batcher.model.config.vocab_size
+
+    # --- requests -> SampleRequests --------------------------------------------------------
+
+    def check_common(self, body: _Sampled) -> None:
+        s = self.settings
+        if body.model != s.model_name:
+            raise BadRequest(f"The model `{body.model}` does not exist; this server serves "
+                             f"`{s.model_name}`", "model", "model_not_found")
+        for field, default in UNSUPPORTED.items():
+            value = getattr(body, field, default)
+            if value and value != default:  # an empty list or dict asks for nothing either
+                raise BadRequest(f"{field} is not supported by this server; expected it left "
+                                 f"out", field, "unsupported_parameter")
+        if getattr(body, "best_of", None) not in (None, body.n):
+            raise BadRequest("best_of is not supported; expected it left out or equal to n",
+                             "best_of", "unsupported_parameter")
+        limit = min(MAX_N, s.max_batch_rows)
+        if not 1 <= body.n <= limit:
+            raise BadRequest(f"n={body.n}: expected 1 <= n <= {limit}", "n")
+        if not body.temperature >= 0:
+            raise BadRequest(f"temperature={body.temperature}: expected >= 0", "temperature")
+        if not 0 < body.top_p <= 1:
+            raise BadRequest(f"top_p={body.top_p}: expected 0 < top_p <= 1", "top_p")
+        if body.top_k < -1:
+            raise BadRequest(f"top_k={body.top_k}: expected >= 0 (0 or -1: off)", "top_k")
+
+    def sample_request(self, body: _Sampled, prompt: list[int], max_tokens: int | None,
+                       top_logprobs: int, param: str) -> SampleRequest:
+        if not prompt:
+            raise BadRequest("the prompt is empty; expected at least one token", param)
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise BadRequest(f"prompt token ids must be in [0, {self.vocab_size})", param)
+        left = self.context_limit - len(prompt)
+        if left < 1:
+            raise BadRequest(f"This model's maximum context length is {self.context_limit} "
+                             f"tokens, and the prompt has {len(prompt)}; expected a shorter "
+                             f"prompt", param, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.settings.max_tokens, left)
+        elif not 1 <= max_tokens <= self.settings.max_tokens:
+            raise BadRequest(f"max_tokens={max_tokens}: expected 1 <= max_tokens <= "
+                             f"{self.settings.max_tokens}", "max_tokens")
+        elif max_tokens > left:
+            raise BadRequest(f"This model's maximum context length is {self.context_limit} "
+                             f"tokens; you asked for {len(prompt) + max_tokens} ({len(prompt)} "
+                             f"in the prompt, {max_tokens} new); expected fewer",
+                             "max_tokens", "context_length_exceeded")
+        if not 0 <= top_logprobs <= self.settings.max_top_logprobs:
+            raise BadRequest(f"logprobs={top_logprobs}: expected 0 <= logprobs <= "
+                             f"{self.settings.max_top_logprobs}", "logprobs")
+        return SampleRequest(prompt=tuple(prompt), n=body.n, max_tokens=max_tokens,
+                             temperature=body.temperature, top_p=body.top_p,
+                             top_k=max(body.top_k, 0), seed=body.seed, top_logprobs=top_logprobs)
+
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise BadRequest("prompt is empty; expected text or token ids", "prompt")
+        return [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
+                else list(p) for p in prompts]
+
+    def chat_prompt(self, body: ChatRequest) -> list[int]:
+        messages = [dict(m, content=_text_of(m.get("content"))) for m in body.messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, tokenize=True)
+        except Exception as e:  # noqa: BLE001  (a template's own error on these messages)
+            raise BadRequest(f"messages: the chat template refused them: {e}", "messages")
+
+    async def sample(self, requests: list[SampleRequest]) -> list[list[Sample]]:
+        futures = [asyncio.wrap_future(self.batcher.submit(r)) for r in requests]
+        return await asyncio.gather(*futures)
+
+    # --- Samples -> choices ----------------------------------------------------------------
+
+    def finish(self, sample: Sample, stop: list[str]) -> tuple[Sample, str, str]:
+        """(the sample cut at its first stop string, its text, finish_reason)."""
+        text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        hits = [(text.find(s), s) for s in stop if s and s in text]
+        if not hits:
+            return sample, text, "stop" if sample.stopped else "length"
+        at, _ = min(hits)
+        # The fewest tokens whose text holds a stop string (texts only grow with tokens).
+        lo, hi = 1, len(sample.token_ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            prefix = self.tokenizer.decode(sample.token_ids[:mid], skip_special_tokens=True)
+            lo, hi = (lo, mid) if any(s and s in prefix for s in stop) else (mid + 1, hi)
+        top = sample.top_logprobs
+        cut = Sample(sample.token_ids[:lo], sample.logprobs[:lo], True,
+                     None if top is None else top[:lo])
+        return cut, text[:at], "stop"
+
+    def token_text(self, token_id: int, as_ids: bool) -> str:
+        return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, sample: Sample, as_ids: bool) -> dict:
+        tokens = [self.token_text(t, as_ids) for t in sample.token_ids]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        top = None
+        if sample.top_logprobs is not None:
+            top = [{self.token_text(t, as_ids): lp for t, lp in [*alts, (tok, lp_tok)]}
+                   for alts, tok, lp_tok in zip(sample.top_logprobs, sample.token_ids,
+                                                sample.logprobs)]
+        return {"tokens": tokens, "token_logprobs": sample.logprobs, "top_logprobs": top,
+                "text_offset": offsets}
+
+    def chat_logprobs(self, sample: Sample, as_ids: bool) -> dict:
+        def entry(token_id, logprob):
+            text = self.token_text(token_id, as_ids)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        alternatives = sample.top_logprobs or [[] for _ in sample.token_ids]
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in alts]}
+                            for t, lp, alts in zip(sample.token_ids, sample.logprobs,
+                                                   alternatives)]}
+
+
+def _text_of(content) -> str:
+    """A message's content as text: a string, or OpenAI's list of parts (text parts joined)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict)
+                       and p.get("type") == "text")
+    raise BadRequest("messages[].content: expected a string or a list of text parts",
+                     "messages")
+
+
+def _stops(stop) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def _usage(prompt_tokens: int, samples) -> dict:
+    completion = sum(len(s.token_ids) for s in samples)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def make_app(api: Api) -> fastapi.FastAPI:
+    app = fastapi.FastAPI(title="jaxprefix")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        return JSONResponse(error_body(e.message, e.param, e.code), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError):
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg')}", where or None,
+                                       "invalid_value"), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def failed(_, e: Exception):  # the sampler's failure: a 500, the server goes on
+        return JSONResponse(error_body(f"the sampler failed: {type(e).__name__}: {e}", None,
+                                       "internal_error", "server_error"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/stats")
+    async def stats():
+        return {"sampler_calls": list(api.batcher.calls)}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": api.settings.model_name, "object": "model", "created": 0,
+            "owned_by": "jaxprefix", "max_model_len": api.context_limit}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        api.check_common(body)
+        prompts = api.completion_prompts(body)
+        requests = [api.sample_request(body, p, body.max_tokens, body.logprobs or 0, "prompt")
+                    for p in prompts]
+        results = await api.sample(requests)
+        choices, samples = [], []
+        for p, (prompt, result) in enumerate(zip(prompts, results)):
+            for j, raw in enumerate(result):
+                sample, text, reason = api.finish(raw, _stops(body.stop))
+                samples.append(sample)
+                choice = {"index": p * body.n + j, "text": text, "finish_reason": reason,
+                          "logprobs": None if body.logprobs is None else
+                          api.completion_logprobs(sample, body.return_tokens_as_token_ids)}
+                if body.return_token_ids:
+                    choice |= {"prompt_token_ids": prompt, "token_ids": sample.token_ids}
+                choices.append(choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                "created": int(time.time()), "model": api.settings.model_name,
+                "choices": choices, "usage": _usage(sum(map(len, prompts)), samples)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        api.check_common(body)
+        prompt = api.chat_prompt(body)
+        top = (body.top_logprobs or 0) if body.logprobs else 0
+        if body.top_logprobs and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
+            else body.max_tokens
+        [result] = await api.sample([api.sample_request(body, prompt, max_tokens, top,
+                                                        "messages")])
+        choices, samples = [], []
+        for j, raw in enumerate(result):
+            sample, text, reason = api.finish(raw, _stops(body.stop))
+            samples.append(sample)
+            choice = {"index": j, "message": {"role": "assistant", "content": text},
+                      "finish_reason": reason,
+                      "logprobs": api.chat_logprobs(sample, body.return_tokens_as_token_ids)
+                      if body.logprobs else None}
+            if body.return_token_ids:
+                choice["token_ids"] = sample.token_ids
+            choices.append(choice)
+        response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                    "created": int(time.time()), "model": api.settings.model_name,
+                    "choices": choices, "usage": _usage(len(prompt), samples)}
+        if body.return_token_ids:
+            response["prompt_token_ids"] = prompt
+        return response
+
+    return app
