@@ -5,7 +5,7 @@ The HTTP layer submits a `SampleRequest` (n samples of one prompt) and awaits it
 batcher's thread takes the first waiting request, gathers those that arrive within the batch
 window (or arrived while the previous call ran) up to `max_batch_rows` rows, and calls
 `sampling.generate` once per distinct (temperature, top_p, top_k): every sample a row of its
-own (n = 1; equal prompts are still prefilled once), max_new_tokens the largest asked for,
+own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
 each row cut back to its own request's max_tokens afterwards. Sample j of a request with seed s
 draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples
 whatever else shares its call.
