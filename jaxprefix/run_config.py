@@ -460,6 +460,15 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     return parsed
 
 
+def parse_variant(arg: str | None, config_file: str, variants, default: str):
+    """parse_arg(arg) with its variant (default `default`) checked to be one of `variants`."""
+    args = parse_arg(arg, variant=default)
+    if args.variant not in variants:
+        raise ValueError(f"{os.path.basename(config_file)}: unknown variant {args.variant!r}; "
+                         f"expected one of {tuple(variants)}")
+    return args
+
+
 def _literal(text: str):
     if text in ("True", "False", "true", "false"):
         return text.lower() == "true"

@@ -23,11 +23,9 @@ import openai
 import pytest
 import torch
 import transformers
-from flax import nnx
-
-from jaxprefix import models, tokenizers
+import tiny_checkpoints
+from jaxprefix import tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
-from jaxprefix.checkpoints.hf import save_pretrained
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_CONTEXT = 96  # the tiny server's serve.max_context: a long prompt is easy to make
@@ -94,14 +92,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model_dir(tokenizer, tmp_path_factory):
-    """A tiny random llama over SmolLM2's vocabulary, saved with its tokenizer."""
-    config = models.ModelConfig(
-        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
-        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id)
-    path = str(tmp_path_factory.mktemp("tiny") / "tiny-llama")
-    save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, path, tokenizer=tokenizer)
-    return path
+    """A tiny random llama over SmolLM2's vocabulary and chat template."""
+    return tiny_checkpoints.save_llama_over(tokenizer,
+                                            tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.fixture(scope="module")
