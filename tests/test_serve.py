@@ -3,8 +3,10 @@ subprocess on a free 127.0.0.1 port, driven by the `openai` client.
 
 The default suite serves a tiny random llama over SmolLM2's vocabulary and chat template (an HF
 directory built here) and checks greedy completions against transformers' greedy generate, one
-log-probability per token, eight requests at once sampled together, the 400s, and (when the
-server fixture ends) that SIGTERM stops it with exit status 0. The slow test serves the bundled
+log-probability per token, eight requests at once sampled together (a call of more than 4
+rows in the continuous decode, rollout.max_rows_in_flight=4; a seeded request alone, in the
+static one, samples the same), the 400s, and (when the server fixture ends) that SIGTERM stops
+it with exit status 0. The slow test serves the bundled
 SmolLM2 itself through `configs/serve.py:smollm2`, the issue's contract command.
 """
 import concurrent.futures
@@ -101,7 +103,9 @@ def model_dir(tokenizer, tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     served = Server("hf", tmp_path_factory.mktemp("serve"), f"--config.model.path={model_dir}",
                     f"--config.serve.max_context={MAX_CONTEXT}", "--config.serve.max_tokens=32",
-                    "--config.serve.max_batch_rows=16", "--config.serve.batch_window_ms=200")
+                    "--config.serve.max_batch_rows=16", "--config.serve.batch_window_ms=200",
+                    # a call of more rows takes the continuous decode
+                    "--config.rollout.max_rows_in_flight=4")
     yield served
     status = served.stop()
     assert status == 0, f"SIGTERM: exit status {status}, expected 0:\n{served.output()}"
