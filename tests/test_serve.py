@@ -28,6 +28,7 @@ import transformers
 import tiny_checkpoints
 from jaxprefix import tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+from jaxprefix.serving.http_api import assistant_message
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_CONTEXT = 96  # the tiny server's serve.max_context: a long prompt is easy to make
@@ -165,6 +166,45 @@ def test_chat_renders_the_models_template(server, tokenizer, reference):
     content = choice.logprobs.content
     assert len(content) == len(token_ids) and all(len(c.top_logprobs) == 3 for c in content)
     assert choice.message.role == "assistant"
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "calculator", "description": "Evaluates arithmetic.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+
+def test_chat_with_tools_renders_them_and_takes_a_tool_turn(server, tokenizer):
+    messages = [{"role": "user", "content": "What is 2 + 3?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {
+                        "name": "calculator", "arguments": '{"expression": "2 + 3"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
+    out = server.client.chat.completions.create(
+        model="tiny-llama", messages=messages, tools=TOOLS, max_tokens=4, temperature=0,
+        extra_body={"return_token_ids": True})
+    assert out.model_extra["prompt_token_ids"] == tokenizer.apply_chat_template(
+        [dict(m, content=m["content"] or "") for m in messages], tools=TOOLS, tokenize=True)
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        server.client.chat.completions.create(
+            model="tiny-llama", messages=messages[:1], tools=TOOLS, tool_choice="required")
+
+
+def test_tool_calls_in_the_templates_format_become_openais():
+    raw = ('Let me compute. <tool_call>{"name": "calculator", "arguments": {"expression": '
+           '"2 + 3"}}</tool_call><|im_end|>')
+    message = assistant_message("Let me compute. ", raw, "hermes")
+    [call] = message["tool_calls"]
+    assert message["content"] == "Let me compute."
+    assert call["function"] == {"name": "calculator", "arguments": '{"expression": "2 + 3"}'}
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    # A malformed call stays text; without tools offered nothing is parsed.
+    broken = "<tool_call>{not json</tool_call>"
+    assert assistant_message(broken, broken, "hermes") == {"role": "assistant",
+                                                           "content": broken}
+    assert "tool_calls" not in assistant_message("x", raw, None)
+    llama = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "1"}}<|eom_id|>'
+    assert assistant_message("", llama, "llama3")["tool_calls"][0]["function"]["name"] == \
+        "calculator"
 
 
 def test_n_samples_with_a_seed_are_reproducible(server):

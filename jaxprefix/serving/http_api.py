@@ -5,13 +5,15 @@ Endpoints: /v1/models, /v1/completions, /v1/chat/completions (the model's chat t
 /health and /stats (the recent sampler calls: requests and rows each). Besides OpenAI's fields,
 vLLM's that RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
 `prompt_token_ids` and `token_ids`, as vLLM names them), `return_tokens_as_token_ids`, `top_k`,
-chat's `add_generation_prompt` and `continue_final_message`. A request this server cannot honour
+chat's `add_generation_prompt` and `continue_final_message`. Chat's `tools` go to the chat
+template, and calls written in its format (tools/calls.py) come back as `tool_calls`. A request this server cannot honour
 (bad values, an unknown model, too long a context, a field it does not implement) is a 400 with
 OpenAI's error object; the server goes on.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from typing import Union
@@ -22,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from jaxprefix.serving.batcher import MAX_N, Sample, SampleRequest
+from jaxprefix.tools import calls
 
 
 class BadRequest(Exception):
@@ -69,13 +72,13 @@ class ChatRequest(_Sampled):
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True           # vLLM
     continue_final_message: bool = False         # vLLM
-    tools: list | None = None
+    tools: list[dict] | None = None
+    tool_choice: Union[str, dict, None] = None
     response_format: dict | None = None
 
 
 UNSUPPORTED = {"stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-               "logit_bias": None, "echo": False, "suffix": None, "tools": None,
-               "response_format": None}
+               "logit_bias": None, "echo": False, "suffix": None, "response_format": None}
 
 
 class Api:
@@ -152,12 +155,22 @@ class Api:
         return [self.tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str)
                 else list(p) for p in prompts]
 
+    def call_format(self, body: ChatRequest) -> str | None:
+        """The template's tool-call format when the request offers tools, else None."""
+        if body.tool_choice not in (None, "auto", "none"):
+            raise BadRequest("tool_choice: only 'auto' and 'none' are supported", "tool_choice",
+                             "unsupported_parameter")
+        if not body.tools or body.tool_choice == "none":
+            return None
+        return calls.format_for(self.tokenizer.chat_template)
+
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         messages = [dict(m, content=_text_of(m.get("content"))) for m in body.messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tokenize=True)
+                continue_final_message=body.continue_final_message, tokenize=True,
+                tools=body.tools or None)
         except Exception as e:  # noqa: BLE001  (a template's own error on these messages)
             raise BadRequest(f"messages: the chat template refused them: {e}", "messages")
 
@@ -210,6 +223,19 @@ class Api:
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(*a) for a in alts]}
                             for t, lp, alts in zip(sample.token_ids, sample.logprobs,
                                                    alternatives)]}
+
+
+def assistant_message(content: str, raw: str, call_format: str | None) -> dict:
+    """A chat choice's message. With tools offered (`call_format`, the template's), the calls
+    that `raw` (the text with special tokens) makes in that format become OpenAI's tool_calls
+    and the content is the text before them; a malformed call stays text."""
+    found = [c for c in calls.parser(call_format)(raw) if not c.error] if call_format else []
+    if not found:
+        return {"role": "assistant", "content": content}
+    before = content.split("<tool_call>")[0].strip() if call_format == "hermes" else ""
+    return {"role": "assistant", "content": before or None, "tool_calls": [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in found]}
 
 
 def _text_of(content) -> str:
@@ -292,6 +318,7 @@ def make_app(api: Api) -> fastapi.FastAPI:
     async def chat(body: ChatRequest):
         api.check_common(body)
         prompt = api.chat_prompt(body)
+        call_format = api.call_format(body)
         top = (body.top_logprobs or 0) if body.logprobs else 0
         if body.top_logprobs and not body.logprobs:
             raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
@@ -300,11 +327,12 @@ def make_app(api: Api) -> fastapi.FastAPI:
         [result] = await api.sample([api.sample_request(body, prompt, max_tokens, top,
                                                         "messages")])
         choices, samples = [], []
-        for j, raw in enumerate(result):
-            sample, text, reason = api.finish(raw, _stops(body.stop))
+        for j, drawn in enumerate(result):
+            sample, text, reason = api.finish(drawn, _stops(body.stop))
             samples.append(sample)
-            choice = {"index": j, "message": {"role": "assistant", "content": text},
-                      "finish_reason": reason,
+            message = assistant_message(text, api.tokenizer.decode(sample.token_ids), call_format)
+            choice = {"index": j, "message": message,
+                      "finish_reason": "tool_calls" if "tool_calls" in message else reason,
                       "logprobs": api.chat_logprobs(sample, body.return_tokens_as_token_ids)
                       if body.logprobs else None}
             if body.return_token_ids:
