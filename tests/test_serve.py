@@ -237,6 +237,36 @@ def test_eight_requests_at_once_are_answered_in_shared_calls(server):
     assert ask(5) == answers[5]
 
 
+def post_json(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        return json.loads(response.read())
+
+
+def test_token_in_token_out_generate_as_verifiers_training_client_calls_it(server, reference):
+    """vLLM's /inference/v1/generate, with the body verifiers' renderer client sends."""
+    prompt = [1, 504, 3458, 282, 4649, 314]
+
+    def generate(**params):
+        return post_json(server.base + "/inference/v1/generate", {
+            "model": "tiny-llama", "token_ids": prompt,
+            "sampling_params": {"max_tokens": 10, "temperature": 0, "logprobs": 1,
+                                "skip_special_tokens": False, **params}})
+    out = generate()
+    [choice] = out["choices"]
+    expected, expected_logprobs = greedy_reference(reference, prompt, 10)
+    assert out["prompt_token_ids"] == prompt and choice["token_ids"] == expected
+    content = choice["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in expected]
+    np.testing.assert_allclose([c["logprob"] for c in content], expected_logprobs, atol=1e-4)
+    # A stop token id of the request ends the sample at its first occurrence, kept.
+    stop = expected[3]
+    cut = generate(stop_token_ids=[stop])["choices"][0]
+    assert cut["token_ids"] == expected[:expected.index(stop) + 1]
+    assert cut["finish_reason"] == "stop"
+
+
 def test_stop_string_cuts_the_completion(server):
     def ask(**kw):
         return server.client.completions.create(

@@ -38,16 +38,21 @@ def error_body(message: str, param: str | None, code: str,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class _Sampled(pydantic.BaseModel):
-    """Fields both endpoints take."""
-    model: str
+class SamplingParams(pydantic.BaseModel):
+    """How to sample: the fields every endpoint takes (vLLM's sampling_params of generate)."""
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                               # vLLM: 0 or -1 is off
     max_tokens: int | None = None
     stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None      # vLLM: besides the model's end of turn
     seed: int | None = None
+
+
+class _Sampled(SamplingParams):
+    """Fields the OpenAI endpoints take."""
+    model: str
     stream: bool = False
     return_token_ids: bool = False               # vLLM
     return_tokens_as_token_ids: bool = False     # vLLM
@@ -63,6 +68,18 @@ class CompletionRequest(_Sampled):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+
+class GenerateParams(SamplingParams):
+    logprobs: int | None = None                  # alternatives listed (the sampled token's
+                                                 # log-probability is always returned)
+
+
+class GenerateRequest(pydantic.BaseModel):
+    """vLLM's token-in, token-out /inference/v1/generate (verifiers' training client)."""
+    model: str
+    token_ids: list[int]
+    sampling_params: GenerateParams = GenerateParams()
 
 
 class ChatRequest(_Sampled):
@@ -180,8 +197,14 @@ class Api:
 
     # --- Samples -> choices ----------------------------------------------------------------
 
-    def finish(self, sample: Sample, stop: list[str]) -> tuple[Sample, str, str]:
-        """(the sample cut at its first stop string, its text, finish_reason)."""
+    def finish(self, sample: Sample, body: SamplingParams) -> tuple[Sample, str, str]:
+        """(the sample cut after its first of body.stop_token_ids and before its first of
+        body.stop strings, its text, finish_reason)."""
+        stop_ids = set(body.stop_token_ids or ())
+        cut = next((i + 1 for i, t in enumerate(sample.token_ids) if t in stop_ids), None)
+        if cut is not None:
+            sample = _first(sample, cut)
+        stop = _stops(body.stop)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         hits = [(text.find(s), s) for s in stop if s and s in text]
         if not hits:
@@ -193,10 +216,7 @@ class Api:
             mid = (lo + hi) // 2
             prefix = self.tokenizer.decode(sample.token_ids[:mid], skip_special_tokens=True)
             lo, hi = (lo, mid) if any(s and s in prefix for s in stop) else (mid + 1, hi)
-        top = sample.top_logprobs
-        cut = Sample(sample.token_ids[:lo], sample.logprobs[:lo], True,
-                     None if top is None else top[:lo])
-        return cut, text[:at], "stop"
+        return _first(sample, lo), text[:at], "stop"
 
     def token_text(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
@@ -247,6 +267,13 @@ def _text_of(content) -> str:
                        and p.get("type") == "text")
     raise BadRequest("messages[].content: expected a string or a list of text parts",
                      "messages")
+
+
+def _first(sample: Sample, count: int) -> Sample:
+    """The sample's first `count` tokens, ended by a stop (a stop token or string)."""
+    top = sample.top_logprobs
+    return Sample(sample.token_ids[:count], sample.logprobs[:count], True,
+                  None if top is None else top[:count])
 
 
 def _stops(stop) -> list[str]:
@@ -302,7 +329,7 @@ def make_app(api: Api) -> fastapi.FastAPI:
         choices, samples = [], []
         for p, (prompt, result) in enumerate(zip(prompts, results)):
             for j, raw in enumerate(result):
-                sample, text, reason = api.finish(raw, _stops(body.stop))
+                sample, text, reason = api.finish(raw, body)
                 samples.append(sample)
                 choice = {"index": p * body.n + j, "text": text, "finish_reason": reason,
                           "logprobs": None if body.logprobs is None else
@@ -328,7 +355,7 @@ def make_app(api: Api) -> fastapi.FastAPI:
                                                         "messages")])
         choices, samples = [], []
         for j, drawn in enumerate(result):
-            sample, text, reason = api.finish(drawn, _stops(body.stop))
+            sample, text, reason = api.finish(drawn, body)
             samples.append(sample)
             message = assistant_message(text, api.tokenizer.decode(sample.token_ids), call_format)
             choice = {"index": j, "message": message,
@@ -344,5 +371,21 @@ def make_app(api: Api) -> fastapi.FastAPI:
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return response
+
+    @app.post("/inference/v1/generate")
+    async def generate(body: GenerateRequest):
+        params = body.sampling_params
+        sampled = _Sampled(model=body.model, **params.model_dump(exclude={"logprobs"}))
+        api.check_common(sampled)
+        [result] = await api.sample([api.sample_request(
+            sampled, body.token_ids, params.max_tokens, params.logprobs or 0, "token_ids")])
+        choices, samples = [], []
+        for j, drawn in enumerate(result):
+            sample, _, reason = api.finish(drawn, params)
+            samples.append(sample)
+            choices.append({"index": j, "token_ids": sample.token_ids, "finish_reason": reason,
+                            "logprobs": api.chat_logprobs(sample, as_ids=True)})
+        return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": body.token_ids,
+                "choices": choices, "usage": _usage(len(body.token_ids), samples)}
 
     return app
