@@ -2,10 +2,11 @@
 built from the batcher's Samples (docs/SERVING.md).
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (the model's chat template),
-/health and /stats (the recent sampler calls: requests and rows each). Besides OpenAI's fields,
-vLLM's that RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
+vLLM's token-in, token-out /inference/v1/generate (verifiers' training client), /health and
+/stats (the recent sampler calls: requests and rows each). Besides OpenAI's fields, vLLM's that
+RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
 `prompt_token_ids` and `token_ids`, as vLLM names them), `return_tokens_as_token_ids`, `top_k`,
-chat's `add_generation_prompt` and `continue_final_message`. Chat's `tools` go to the chat
+`stop_token_ids`, chat's `add_generation_prompt` and `continue_final_message`. Chat's `tools` go to the chat
 template, and calls written in its format (tools/calls.py) come back as `tool_calls`. A request this server cannot honour
 (bad values, an unknown model, too long a context, a field it does not implement) is a 400 with
 OpenAI's error object; the server goes on.
