@@ -36,6 +36,7 @@ FIELDS = {
         "param_dtype": F("float32", "dtype of the trained weights and optimizer moments"),
         "dtype": F("float32", "compute dtype of forward, backward and sampling"),
         "system_prompt": F("", "system message of the chat template ('' : none)"),
+        "user_template": F("{question}", "the user turn of a chat model: {question} in it"),
     },
     # The tiny base model's SFT (model.source 'sft' only): configs/sft.py's fields (SFT_FIELDS).
     "sft": {},
@@ -45,6 +46,8 @@ FIELDS = {
         "source": F("carry_multiplication", "problems from: file | hf | tfds | reasoning_gym | "
                                             "a built-in task name"),
         "task": F("", "the reasoning_gym task (e.g. gsm_symbolic)"),
+        "task_config": F("", "the reasoning_gym generator's settings: a JSON object of "
+                             "create_dataset keywords ('': its defaults)"),
         "path": F("", "training problems: a JSON-lines / JSON / parquet file or directory, or "
                       "a dataset directory"),
         "eval_path": F("", "evaluation problems ('' with file: none; with hf/tfds: path's "
@@ -108,13 +111,19 @@ FIELDS = {
         "rollout": F("reference", "the episode rollout: reference (one generate() per turn, "
                                   "the conversation re-prefilled) or kv_kept (one in-graph "
                                   "decode, every turn's KV kept; the same episodes)"),
-        # Model-written code in a fresh capped subprocess per call; not a sandbox (TOOLS.md).
+        # Model-written code in a fresh sandbox per call, capped (docs/TOOLS.md, "The sandbox").
         "python": {
             "enabled": F(False, "allow the python tool (runs model-written code; opt-in)"),
             "cpu_s": F(2, "a call's CPU seconds"),
             "memory_mb": F(512, "a call's address space in MiB"),
-            "wall_s": F(5.0, "a call's wall-clock seconds (then its process group is killed)"),
+            "wall_s": F(5.0, "a call's wall-clock seconds (then all its processes are killed)"),
             "output_bytes": F(16384, "a call's stdout and stderr, in bytes"),
+            "processes": F(32, "a call's processes and threads at once (the sandbox's cap)"),
+            "isolation": F("sandbox", "sandbox (bubblewrap: no network, read-only filesystem, "
+                                      "own pids; refused where none starts) | "
+                                      "capped_subprocess (the caps alone, no sandbox)"),
+            "bwrap": F("bwrap", "the bubblewrap binary the sandbox runs (a name on PATH or a "
+                                "path)"),
         },
     },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
@@ -232,6 +241,8 @@ FIELDS = {
         "every": F(25, "steps between evaluations (unguided, on the eval set)"),
         "n": F(16, "samples per evaluation problem"),
         "ks": F((1, 8, 16), "the k of pass@k reported"),
+        "before_train": F(False, "also evaluate before the first step (step 0)"),
+        "greedy": F(False, "also evaluate greedily, one sample a problem (<set>_greedy/*)"),
         "hard_set": F(False, "also evaluate on the mined training hard set (hard_set/*)"),
         "key_step_probe": F(False, "built-in tasks: also log the teacher-forced key-step probe "
                                    "of the eval set (probe/*: eps, the rule's name, its read, "

@@ -145,6 +145,33 @@ def smollm2(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 3
 
 
+# SmolLM2-135M's user turn in smollm2_learns: with an example of the box, the base boxes ~12% of
+# its samples at temperature 1 (~1% without one), so GRPO sees the format it is asked for.
+BOXED_EXAMPLE_TEMPLATE = ("{question}\nPut the final answer in \\boxed{{}}, "
+                          "for example \\boxed{{7}}.")
+# reasoning-gym's chain_sum at 2-3 terms of 1-2 digits: the base's held-out greedy accuracy
+# ~0.07-0.2 (README, "A real model learns"): room to learn, and enough right samples to learn from.
+CHAIN_SUM_EASY = '{"max_digits": 2, "max_terms": 3, "min_digits": 1, "min_terms": 2}'
+
+
+def smollm2_learns(c: ml_collections.ConfigDict) -> None:
+    """A real model learning on CPU (README, "A real model learns"): LoRA GRPO of the bundled
+    SmolLM2-135M-Instruct on reasoning-gym's chain_sum, answers asked in \\boxed{}, rewarded for
+    the right answer (0.8, read leniently) and the box (0.2); evaluated before the first step and
+    every 10, greedy and sampled. ~2 minutes a step on 2 cores."""
+    c.model.update(source="gguf", path="bundled", system_prompt=BOXED_ANSWER_PROMPT,
+                   user_template=BOXED_EXAMPLE_TEMPLATE)
+    c.data.update(source="reasoning_gym", task="chain_sum", task_config=CHAIN_SUM_EASY,
+                  train_size=512, eval_size=64, seed=1, eval_seed=2,
+                  verifier="reasoning_gym_boxed")
+    c.rollout.update(n=8, temperature=1.0, max_new_tokens=128)
+    c.train.update(problems_per_step=8, total_steps=40, learning_rate=1e-4, max_grad_norm=1.0,
+                   advantage="dr_grpo", lora_rank=16, logprob_chunk=256, remat=True,
+                   micro_batch_size=8)
+    c.eval.update(every=10, n=4, ks=(1, 4), before_train=True, greedy=True)
+    c.checkpoint.every = 2
+
+
 def paper(c: ml_collections.ConfigDict) -> None:
     """Paper scale on a TPU slice: Qwen3-4B-Instruct-2507 from an HF directory (paths as fields).
 
@@ -207,8 +234,8 @@ def colab(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 5
 
 
-VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "paper", "paper_moe",
-            "colab")
+VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "smollm2_learns",
+            "paper", "paper_moe", "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
@@ -233,6 +260,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
         carry_task(c, sft_config("carry"))
     elif args.variant == "smollm2":
         smollm2(c)
+    elif args.variant == "smollm2_learns":
+        smollm2_learns(c)
     elif args.variant == "paper":
         paper(c)
     elif args.variant == "paper_moe":

@@ -16,6 +16,9 @@ def test_ci_runs_the_readme_test_command_default_suite_then_slow():
     assert ci[-1] == command
     assert "set -euo pipefail" in ci
     assert command.endswith("&& python -m pytest && python -m pytest -m slow")
+    # Before it, bubblewrap (the python tool's sandbox) where it is missing, and nothing else.
+    assert ci[-2] == ("command -v bwrap >/dev/null || (apt-get update -qq && apt-get install -y "
+                      "-qq bubblewrap)")
 
 
 def test_a_suite_that_collects_nothing_fails_the_command():

@@ -161,6 +161,14 @@ def test_a_field_the_job_does_not_read_is_refused_before_any_work(tmp_path):
      "error: config.tools.environment='chat': CharTokenizer('0123456789_x=+^<>*') has no chat "
      "template to render a tool turn with; expected a chat model, or a built-in task's "
      "environment"),
+    ("tools.py:smoke", ("--config.tools.names=('read_key','python')",
+                        "--config.tools.python.enabled=True",
+                        "--config.tools.python.bwrap=/nonexistent/bwrap"),
+     "error: config.tools.python.isolation='sandbox': expected a sandbox for the python tool's "
+     "model-written code, and none starts here ('/nonexistent/bwrap' not found (Debian/Ubuntu: "
+     "apt-get install bubblewrap)); install bubblewrap, or set "
+     "tools.python.isolation='capped_subprocess' to run it under the caps alone, with the "
+     "network and every file this user can read (docs/TOOLS.md)"),
 ])
 def test_tool_settings_a_job_does_not_read_or_cannot_use_are_one_line(config, flags, line,
                                                                       tmp_path):

@@ -7,7 +7,8 @@ import pytest
 from jaxprefix import rewards
 from jaxprefix.data import DataError, load_problems
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems
-from jaxprefix.rewards.reasoning_gym import final_answer, reasoning_gym_verifier
+from jaxprefix.rewards.reasoning_gym import (boxed_or_last, final_answer,
+                                             reasoning_gym_boxed_verifier, reasoning_gym_verifier)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -51,6 +52,66 @@ def test_reasoning_gym_verifier_uses_the_generators_scoring():
     assert reasoning_gym_verifier(f"so \\boxed{{{problem.answer}}}", problem) == 1.0
     scores, stats = rewards.score_batch("reasoning_gym", [right, wrong], [problem] * 2, workers=0)
     assert scores.tolist() == [1.0, 0.0] and stats["errors"] == 0
+
+
+def test_boxed_verifier_values_the_right_answer_and_the_box():
+    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
+    answer, wrong = problem.answer, str(int(problem.answer) + 1)
+    score = reasoning_gym_boxed_verifier
+    assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
+    assert score(f"{answer} is the sum, I think.", problem) == pytest.approx(0.8)  # last number
+    assert score(f"{answer}, no: \\boxed{{{wrong}}}", problem) == pytest.approx(0.2)  # the box wins
+    assert score(f"{answer} then {wrong}", problem) == 0.0
+    assert score(f"{answer} \\boxed{{}}", problem) == pytest.approx(0.8)  # an empty box is none
+    # pass@k's threshold (reward > 0.5) is the right answer, boxed or not
+    assert score(f"{wrong} \\boxed{{{answer}}}", problem) > 0.5 > score(f"\\boxed{{{wrong}}}", problem)
+
+
+def test_boxed_or_last_reads_numbers_only_for_numeric_answers():
+    assert boxed_or_last("1,234 then 5,678.", "5678") == "5678"
+    assert boxed_or_last("-3 and \\boxed{x}", "-3") == "x"
+    assert boxed_or_last("the word is\n  cat  \n", "cat") == "cat"
+    assert boxed_or_last("no digits", "12") == ""
+
+
+def test_held_out_reasoning_gym_problems_share_no_question_with_training():
+    # reasoning-gym seeds entry i with seed + i: seeds 1 and 2 share all but one entry
+    from jaxprefix import run_config
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.run_setup.problem_sets import load_problem_sets
+
+    config = run_config.base_config()
+    config.data.update(source="reasoning_gym", task="chain_sum", train_size=64, eval_size=32,
+                       seed=1, eval_seed=2, verifier="reasoning_gym_boxed",
+                       task_config='{"min_terms": 2, "max_terms": 3, "max_digits": 2}')
+    sets = load_problem_sets(config.data)
+    assert len(sets.eval) >= 28  # a few exact repeats of small sums may be dropped
+    assert not {p.question for p in sets.eval} & {p.question for p in sets.train}
+    assert all(len(p.question.split(":")[-1].split("=")[0].split()) <= 5 for p in sets.train)
+    config.data.task_config = "[2, 3]"
+    with pytest.raises(ConfigError, match="config.data.task_config='\\[2, 3\\]': expected a JSON "):
+        load_problem_sets(config.data)
+
+
+def test_chain_sum_gets_a_worked_solution_one_operation_a_line():
+    from jaxprefix.data.worked_solutions import chain_sum
+    from jaxprefix.methods.prompting import oracle_units
+
+    problems = reasoning_gym_problems("chain_sum", size=16, seed=5, min_terms=5, max_terms=6,
+                                      min_digits=2, max_digits=3)
+    for problem in problems:
+        lines = problem.solution.split("\n")
+        terms = problem.metadata["entry"]["num_terms"]
+        assert len(lines) == terms and lines[-1] == f"So the answer is \\boxed{{{problem.answer}}}."
+        for line in lines[:-1]:  # each line's arithmetic is right, and the next starts from it
+            left, right = line.split(" = ")
+            assert eval(left) == int(right)
+        assert reasoning_gym_boxed_verifier(problem.solution, problem) == pytest.approx(1.0)
+        assert oracle_units(problem) == terms  # the methods cut it a line at a time
+    entry = {"answer": "5", "metadata": {"expression": "2 + 3"}}
+    assert chain_sum(entry) == "2 + 3 = 5\nSo the answer is \\boxed{5}."
+    assert chain_sum({"answer": "6", "metadata": {"expression": "2 + 3"}}) is None  # no wrong oracle
+    assert chain_sum({"answer": "6", "metadata": {"expression": "2 * 3"}}) is None
 
 
 def test_final_answer_prefers_tags_then_box_then_last_line():

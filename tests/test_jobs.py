@@ -491,13 +491,17 @@ def test_eps_sweep_smoke(base, tmp_path):
     for run in runs.values():
         assert 0 <= run["curve"][-1]["probe/success"] <= run["curve"][-1]["probe/key_step"] <= 1
     assert report["studies"]["hard"]["base_probe"]["probe/key_name"] > 0
+    # Each POPE arm's guided contexts, counted in training (issue 43).
+    for name in ("pope_restating_hint", "pope_value_hint"):
+        if "after" in runs[name]:
+            assert 0 <= runs[name]["guided_contexts"] <= runs[name]["contexts"] / 2
     # The phase table and figure, from the level's committed counts alone.
     from jaxprefix.jobs import eps_phase
 
     assert eps_phase.main(["eps_phase", str(tmp_path)]) == 0
     phase = (tmp_path / "PHASE.md").read_text()
     for hint in ("value hint", "restating hint"):
-        assert re.search(rf"\| {hint} \| 1 \| [+-]\d\.\d{{3}} \[", phase), hint
+        assert re.search(rf"\| {hint} \| (-|\d\.\d\d[^|]*) \| 1 \| [+-]\d\.\d{{3}} \[", phase), hint
     check_png(str(tmp_path / "phase.png"))
 
 

@@ -284,6 +284,24 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert TrainCheckpointer(str(tmp_path / "straight" / "checkpoints")).all_steps() == [1, 2, 3]
 
 
+def test_evaluation_before_the_first_step_and_greedy_is_step_0_and_kept_on_resume(tmp_path):
+    config = run_settings(total_steps=2)
+    config.eval.update(before_train=True, greedy=True)
+    run(tmp_path, config)
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert "reward/mean" not in records[0]  # no step was trained
+    for record in (records[0], records[2]):  # before the first step and at the end
+        assert 0 <= record["eval/pass@1"] <= 1 and 0 <= record["eval_greedy/accuracy"] <= 1
+        assert {"eval/full_reward", "eval_greedy/full_reward", "eval_greedy/reward_mean"} <= set(record)
+    assert (tmp_path / "curves.png").read_bytes().startswith(b"\x89PNG")  # drawn at each eval
+    counts = [(r["step"], r["name"], r["n"]) for r in read_eval_counts(str(tmp_path))]
+    assert counts[:2] == [(0, "eval", 4), (0, "eval_greedy", 1)]
+    config.train.total_steps = 3  # resumed at step 2: step 0 stays once
+    run(tmp_path, config)
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [0, 1, 2, 3]
+
+
 def test_sigterm_saves_a_restorable_checkpoint_and_returns(tmp_path):
     result = run(tmp_path, run_settings(total_steps=5), at=1)
     assert result["preempted"] and result["step"] == 2  # step 1 finishes, then saves

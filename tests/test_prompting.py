@@ -63,6 +63,15 @@ def test_system_prompt_replaces_the_default(smollm2, reference):
     assert SMOLLM2_SYSTEM not in smollm2.decode(ids)
 
 
+def test_user_template_holds_the_question(smollm2, reference):
+    template = "{question}\nPut the final answer in \\boxed{{}}, for example \\boxed{{7}}."
+    ids = ChatPrompts(smollm2, None, template).question(PROBLEM)
+    asked = "What is 12 * 7?\nPut the final answer in \\boxed{}, for example \\boxed{7}."
+    messages = [{"role": "user", "content": asked}]
+    assert ids == list(reference.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False))
+
+
 @pytest.mark.parametrize("system", [None, "Reason step by step."])
 @pytest.mark.parametrize("text", RESPONSE_TEXTS)
 def test_unfinished_assistant_turn(smollm2, reference, system, text):

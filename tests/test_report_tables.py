@@ -1,5 +1,5 @@
 """Every table rebuilt from committed per-problem counts (jaxprefix/jobs/report_tables.py), on
-tiny synthetic counts files."""
+tiny synthetic counts files and on the committed ones."""
 import os
 
 import numpy as np
@@ -85,3 +85,52 @@ def test_a_report_without_counts_says_it_cannot_be_rebuilt(tmp_path):
     (tmp_path / "REPORT.md").write_text("# old\n")
     assert report_tables.report_folders(str(tmp_path)) == [str(tmp_path)]
     assert "no counts.json" in report_tables.regenerate(str(tmp_path))
+
+
+def test_a_pope_arm_that_guides_few_contexts_is_stated_as_a_defect_not_a_result():
+    # Issue 43: the restating arm found a prefix for 66 of 254 hard problems and trained the
+    # rest unguided (pope.unsolved=unguided): 66 x 1 guided of 254 x 2 contexts = 0.13.
+    from jaxprefix.rl.loop import RolloutRequest, Scored, reward_metrics
+    from jaxprefix.run_setup.study_arms import RUNS
+    from jaxprefix.studies.study_tables import Row
+
+    config = run_config.from_file(os.path.join(ROOT, "configs", "results.py"), "eps")
+    config.pope.unsolved = "unguided"
+    spec = RUNS["pope_restating_hint"]
+    expected = results_report.guided_share({"pope_problems": 66}, spec, config, 254)
+    assert expected["share"] == 66 / 508 and not expected["counted"] and expected["defect"]
+    assert results_report.guided_share({"pope_problems": 251}, RUNS["pope_value_hint"], config,
+                                       254)["defect"] is False  # 0.494 >= 0.45
+    assert results_report.guided_share({}, RUNS["grpo_matched_hints"], config, 254) is None
+    # Counted in training: the loop logs each step's contexts on both sides of the tag.
+    guided = np.array([True, False, False, False])
+    request = RolloutRequest([[1]] * 4, [None] * 4, {"guided": guided}, n=2)
+    metrics = reward_metrics(Scored(request, None, np.zeros((4, 2)), 0, 0.0, 0.0))
+    assert (metrics["contexts/guided"], metrics["contexts/unguided"]) == (1.0, 3.0)
+    counted = results_report.guided_share(
+        {"pope_problems": 254, "guided_contexts": 1, "contexts": 4}, spec, config, 254)
+    assert counted["counted"] and counted["share"] == 0.25 and counted["defect"]
+    assert "1 of 4 training contexts" in results_report.share_sentence(counted)
+    # The report's rows say so wherever the arm appears.
+    row = Row("pope_restating_hint", [{"pope_problems": 66, "seed": 0}])
+    [marked] = results_report.marked_rows([row], RUNS, config, 254)
+    assert marked.label == "pope_restating_hint (defect: 0.13 guided)"
+
+
+def _rebuilt_in_a_copy(tmp_path, folder: str) -> tuple[str, str]:
+    """(the committed REPORT.md, the one rebuilt in a copy of the folder from its records)."""
+    import shutil
+
+    source = os.path.join(ROOT, "docs", "results", folder)
+    copy = tmp_path / folder.replace("/", "_")
+    shutil.copytree(source, copy)
+    report_tables.regenerate(str(copy))
+    return (storage.read_text(os.path.join(source, "REPORT.md")),
+            storage.read_text(str(copy / "REPORT.md")))
+
+
+def test_every_committed_report_rebuilds_byte_for_byte_from_its_records(tmp_path):
+    for folder in ("tools", "isocompute", "prefixrl", "pope_eps/taught0", "pope_eps/taught0.01",
+                   "pope_eps/taught0.05", "pope_eps/taught0.2"):
+        committed, rebuilt = _rebuilt_in_a_copy(tmp_path, folder)
+        assert rebuilt == committed, folder

@@ -82,7 +82,8 @@ def test_exact_and_format_verifiers():
 
 
 def test_registry_checks_what_workers_can_import():
-    assert {"math", "math_lenient", "exact", "format", "reasoning_gym"} <= set(rewards.names())
+    assert {"math", "math_lenient", "exact", "format", "reasoning_gym",
+            "reasoning_gym_boxed"} <= set(rewards.names())
     with pytest.raises(ValueError, match="cannot be sent to worker processes"):
         rewards.register("anon", lambda text, problem: 1.0)
     rewards.register("anon_in_process", lambda text, problem: 1.0, in_process=True)
@@ -114,7 +115,7 @@ def _problem_for(name):
     from jaxprefix.data import reasoning_gym_problems
     from jaxprefix.data.tasks import TASKS
 
-    if name == "reasoning_gym":
+    if name.startswith("reasoning_gym"):
         return reasoning_gym_problems("gsm_symbolic", 1, 0)[0]
     if name in TASKS:
         return TASKS[name].generate(1, seed=0)[0]

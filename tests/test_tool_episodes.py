@@ -98,7 +98,8 @@ def test_episodes_call_the_calculator_and_answer(policy, episodes):
                                                              (1, 0, 0))
     assert episode_metrics(episodes) == {
         "rollout/tool_calls": 4.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 5 / 3,
-        "rollout/reprefilled_tokens": float(sum(map(reprefilled_tokens, episodes)))}
+        "rollout/reprefilled_tokens": float(sum(map(reprefilled_tokens, episodes))),
+        "rollout/sandbox_refusals": 0.0, "rollout/sandbox_kills": 0.0}
 
 
 def test_episode_is_exactly_the_sampled_and_appended_ids(policy, episodes):
@@ -205,7 +206,7 @@ def _every_turn_calls(text):
 
 
 # Sampled (T = 2, random text), every turn a call: three-turn episodes of different lengths.
-STOCHASTIC = dict(temperature=2.0, parse=_every_turn_calls, episode_token_budget=120)
+STOCHASTIC_DRAWS = dict(temperature=2.0, parse=_every_turn_calls)
 # f32 log-probs of two computations in other orders: generate's static and continuous decodes of
 # this model (code that predates turns) already differ by up to 1.4e-6 on the first turn, and a
 # later turn adds the reference's prefill of the conversation against the decode steps that
@@ -214,8 +215,18 @@ LOGPROB_ATOL = 4e-6
 
 
 @pytest.fixture(scope="module")
-def stochastic(policy):
-    return _rollout(policy, **STOCHASTIC)
+def stochastic_settings(policy):
+    """The draws with a token budget one short of the longest episode's, so that episode meets
+    it in its last turn whatever the draws are (the trained policy's numbers, and so its draws,
+    differ between CPUs: a fixed budget of 120 met no episode on some)."""
+    free = _rollout(policy, **STOCHASTIC_DRAWS)  # _rollout's budget, 400, meets none
+    assert all(e.ended != BUDGET for e in free)
+    return dict(STOCHASTIC_DRAWS, episode_token_budget=max(len(e.tokens) for e in free) - 1)
+
+
+@pytest.fixture(scope="module")
+def stochastic(policy, stochastic_settings):
+    return _rollout(policy, **stochastic_settings)
 
 
 def assert_same_episodes(kept, reference):
@@ -227,17 +238,18 @@ def assert_same_episodes(kept, reference):
         np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=0, atol=LOGPROB_ATOL)
 
 
-def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stochastic):
+def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stochastic,
+                                                                   stochastic_settings):
     """Every row in flight on 8 pages of 16 tokens, one promised to each: rows that grow past
     them make the youngest give their pages back and start again, replaying their earlier turns
     (counted as re-prefilled); the episodes are the reference's all the same."""
     _, tokenizer, contexts = policy
     assert [e.turns for e in stochastic] == [3] * 6 and len({len(e.tokens) for e in stochastic}) > 3
-    # The premise: some episode runs into the token budget (which one depends on the draws).
+    # The premise: the longest episode runs into the token budget.
     assert BUDGET in {e.ended for e in stochastic}
     assert all(reprefilled_tokens(e) > 0 for e in stochastic)
     page = 2 * 2 * 16 * 4 * 2  # K and V of 2 layers, 2 KV heads of 16, f32
-    kept = _rollout(policy, **STOCHASTIC, kv_kept=True, max_rows_in_flight=6, page_size=16,
+    kept = _rollout(policy, **stochastic_settings, kv_kept=True, max_rows_in_flight=6, page_size=16,
                     reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + 8 * 16) * page)
     assert_same_episodes(kept, stochastic)
     assert sum(reprefilled_tokens(e) for e in kept) > 0  # earlier turns replayed: preempted
@@ -245,10 +257,11 @@ def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stocha
 
 @pytest.mark.slow  # two more compiles of the continuous decode
 @pytest.mark.parametrize("rows", [1, 3])
-def test_kv_kept_episodes_equal_the_reference(policy, stochastic, rows):
+def test_kv_kept_episodes_equal_the_reference(policy, stochastic, stochastic_settings, rows):
     """1 and 3 rows in flight (waiting rows included): the same episodes, and no token of an
     earlier turn prefilled again."""
-    kept = _rollout(policy, **STOCHASTIC, kv_kept=True, max_rows_in_flight=rows, chunk_steps=8)
+    kept = _rollout(policy, **stochastic_settings, kv_kept=True, max_rows_in_flight=rows,
+                    chunk_steps=8)
     assert_same_episodes(kept, stochastic)
     assert episode_metrics(kept)["rollout/reprefilled_tokens"] == 0
 
@@ -343,13 +356,16 @@ def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, epis
                                          "rollout/reprefilled_tokens": 0.0}
 
 
-# A calculator that fails every way a tool can: raising in process, then, in the capped python
-# tool's subprocess, a hang, a memory bomb and a crash (SIGABRT), in turn over its calls.
+# A calculator that fails every way a tool can: raising in process, then, in the python tool's
+# sandbox (the capped subprocess where none starts), a hang, a memory bomb and a crash
+# (SIGABRT), in turn over its calls.
 FAILING_TOOL = """
 from jaxprefix import tools
+from jaxprefix.tools import sandbox
 
-_python = tools.python_tool(tools.PythonLimits(cpu_s=1, memory_mb=256, wall_s=3,
-                                               output_bytes=4096))
+_python = tools.python_tool(tools.PythonLimits(
+    cpu_s=1, memory_mb=256, wall_s=3, output_bytes=4096,
+    isolation="capped_subprocess" if sandbox.unavailable() else "sandbox"))
 _FAILURES = ["raise", "while True: pass", "bytearray(10**10)", "import os; os.abort()"]
 _calls = [0]
 
@@ -387,4 +403,6 @@ def test_failing_tools_inside_an_rl_step_are_error_observations_and_counted(poli
     config.tools.rollout = "kv_kept"
     record = train_one_step(model, tokenizer, config, str(tmp_path / "run"))
     assert (record["rollout/tool_calls"], record["rollout/tool_failures"]) == (4.0, 4.0)
+    # The hang and the memory bomb met caps; the raise and the crash did not.
+    assert (record["rollout/sandbox_kills"], record["rollout/sandbox_refusals"]) == (2.0, 0.0)
     assert record["rollout/turns_mean"] == 5 / 3 and record["rollout/reprefilled_tokens"] == 0

@@ -1,5 +1,6 @@
 """Tools: the calculator's values and refusals, the python tool's caps and empty environment,
 and the contract that no tool failure ever raises into the rollout."""
+import dataclasses
 import os
 import pathlib
 import string
@@ -8,11 +9,19 @@ import pytest
 
 from jaxprefix import tools
 from jaxprefix.tokenizers import CharTokenizer
-from jaxprefix.tools import calculator
+from jaxprefix.tools import calculator, sandbox
 from jaxprefix.tools.python_tool import PythonLimits, run_code
 
 # wall_s well above cpu_s: a CPU-bound snippet meets its CPU cap first even on a loaded machine.
 LIMITS = PythonLimits(cpu_s=1, memory_mb=256, wall_s=20.0, output_bytes=8192)
+# The python tool's caps hold in each isolation that starts here (tests/test_sandbox.py: what
+# the sandbox adds); the sandbox is the default wherever bubblewrap runs.
+ISOLATIONS_HERE = [i for i in sandbox.ISOLATIONS if i != "sandbox" or not sandbox.unavailable()]
+
+
+@pytest.fixture(params=ISOLATIONS_HERE)
+def limits(request):
+    return dataclasses.replace(LIMITS, isolation=request.param)
 
 
 @pytest.mark.parametrize("expression, value", [
@@ -76,24 +85,28 @@ def test_registry_refuses_unknown_and_unrequested_python(tmp_path):
         tools.registry(["python"])
     with pytest.raises(FileNotFoundError, match="no such file"):
         tools.registry([f"{tmp_path}/missing.py:f"])
-    assert tools.registry(["python"], python=LIMITS).names == ["python"]
+    assert tools.registry(["python"], python=dataclasses.replace(
+        LIMITS, isolation=ISOLATIONS_HERE[0])).names == ["python"]
 
 
-def test_python_tool_runs_code():
-    result = run_code("print(sum(range(10)))", LIMITS)
+def test_python_tool_runs_code(limits):
+    result = run_code("print(sum(range(10)))", limits)
     assert result == tools.ToolResult("45\n", True)
 
 
-def test_python_tool_environment_and_directory_are_empty(monkeypatch):
+def test_python_tool_environment_and_directory_are_empty(monkeypatch, limits):
     monkeypatch.setenv("JAXPREFIX_TEST_SECRET", "hunter2")
     result = run_code("import os\nprint(sorted(os.environ))\nprint(sorted(os.listdir('.')))\n"
-                      "print(os.getcwd())", LIMITS)
+                      "print(os.getcwd())", limits)
     environ, listing, cwd = result.text.splitlines()
     # The interpreter itself sets LC_CTYPE (PEP 538 locale coercion); nothing is inherited.
     assert eval(environ) in ([], ["LC_CTYPE"])
     assert "hunter2" not in result.text
-    assert eval(listing) == ["output.txt"]  # its own output file, nothing else
-    assert cwd != os.getcwd() and not os.path.exists(cwd)  # a temporary directory, deleted
+    assert eval(listing) == []  # its output goes to an unnamed file of ours
+    if limits.isolation == "sandbox":
+        assert cwd == "/tmp"  # the temporary directory, the sandbox's /tmp
+    else:
+        assert cwd != os.getcwd() and not os.path.exists(cwd)  # a temporary directory, deleted
 
 
 @pytest.mark.parametrize("code, why", [
@@ -106,23 +119,24 @@ def test_python_tool_environment_and_directory_are_empty(monkeypatch):
     ("import os\nos._exit(3)", "exit status 3"),
     ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", "SIGSEGV"),
 ])
-def test_python_tool_failures_end_as_error_observations(code, why):
-    result = tools.call(tools.python_tool(LIMITS), {"code": code})
+def test_python_tool_failures_end_as_error_observations(code, why, limits):
+    result = tools.call(tools.python_tool(limits), {"code": code})
     assert not result.ok and result.text.startswith("error: python: ") and why in result.text
     assert "\n" not in result.text and len(result.text) <= 300
 
 
-def test_python_tool_hang_is_killed_at_the_wall_timeout():
-    limits = PythonLimits(cpu_s=1, memory_mb=256, wall_s=1.0, output_bytes=8192)
+def test_python_tool_hang_is_killed_at_the_wall_timeout(limits):
+    limits = dataclasses.replace(limits, wall_s=1.0)
     code = "import time\ntime.sleep(60)"  # asleep: no CPU used, only the wall clock stops it
     result = run_code(code, limits)
-    assert result == tools.ToolResult("error: python: timed out after 1 s wall clock", False)
+    assert result == tools.ToolResult("error: python: timed out after 1 s wall clock", False,
+                                      stopped="timeout")
 
 
-def test_calls_run_together_answer_in_order():
+def test_calls_run_together_answer_in_order(limits):
     from jaxprefix.tools.calls import ToolCall
     from jaxprefix.tools.episodes import run_calls
-    registry = tools.registry(["calculator", "python"], python=LIMITS)
+    registry = tools.registry(["calculator", "python"], python=limits)
     calls = [ToolCall("python", {"code": f"print({i} * {i})"}) for i in range(4)] + [
         ToolCall("calculator", {"expression": "6 * 7"}), ToolCall("", {}, "tool call is not JSON")]
     sequential = run_calls(calls, registry)
@@ -161,11 +175,22 @@ def test_tool_settings_are_checked_once_in_one_line(tmp_path):
             names=("python",))
     refused("config.tools.rollout='fast': expected one of", rollout__max_turns=2,
             names=("calculator",), rollout="fast")
+    # No sandbox starts (here: bubblewrap is not where the field points): the python tool is
+    # refused unless the capped subprocess is chosen by name (tests/test_sandbox.py).
+    refused(r"config.tools.python.isolation='sandbox': expected a sandbox for the python "
+            r"tool's model-written code, and none starts here \('/nonexistent/bwrap' not found",
+            rollout__max_turns=2, names=("python",), python__enabled=True,
+            python__bwrap="/nonexistent/bwrap")
+    refused("config.tools.python.isolation='docker': expected one of", rollout__max_turns=2,
+            names=("python",), python__enabled=True, python__isolation="docker")
     c = run_config.base_config()
     c.rollout.max_turns = 3
-    c.tools.update(names=("python",), python={**c.tools.python.to_dict(), "enabled": True})
+    c.tools.update(names=("python",), python={**c.tools.python.to_dict(), "enabled": True,
+                                              "isolation": "capped_subprocess",
+                                              "bwrap": "/nonexistent/bwrap"})
     settings = ToolSettings.from_config(c)
-    assert settings.episodes and settings.python == PythonLimits(2, 512, 5.0, 16384)
+    assert settings.episodes and settings.python == PythonLimits(
+        2, 512, 5.0, 16384, 32, "capped_subprocess", "/nonexistent/bwrap")
 
 
 def test_environments_by_name_and_from_a_file(tmp_path):

@@ -4,7 +4,8 @@
 only (task, seed, size, config, index) in its metadata; the `reasoning_gym` verifier rebuilds the
 dataset from them in its worker process and scores with the generator's own `score_answer`.
 Where a generator writes a worked solution into its entry metadata (gsm_symbolic's `answer_cot`,
-or an `explanation`), it becomes the oracle solution; otherwise `solution` stays None.
+or an `explanation`), it becomes the oracle solution; else, where data/worked_solutions.py has a
+writer for the task (chain_sum), that writes one; otherwise `solution` stays None.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from typing import Any
 
 from jaxprefix.data.problem import DataError, Problem
+from jaxprefix.data.worked_solutions import WRITERS
 
 # Entry-metadata keys that hold a worked solution as text, in order of preference. Many
 # generators also use `solution` for the bare answer object; only text longer than the answer
@@ -30,12 +32,13 @@ def _create(task: str, seed: int, size: int, config: dict[str, Any]):
                         f"cannot be created: {e}") from e
 
 
-def _oracle_text(entry_metadata: dict, answer: str) -> str | None:
+def _oracle_text(task: str, entry: dict, answer: str) -> str | None:
+    entry_metadata = entry.get("metadata") or {}
     for key in ORACLE_KEYS:
         text = entry_metadata.get(key)
         if isinstance(text, str) and len(text.strip()) > len(answer.strip()):
             return text
-    return None
+    return WRITERS[task](entry) if task in WRITERS else None
 
 
 def reasoning_gym_problems(task: str, size: int, seed: int, **config: Any) -> list[Problem]:
@@ -60,6 +63,6 @@ def reasoning_gym_problems(task: str, size: int, seed: int, **config: Any) -> li
         problems.append(Problem(
             id=f"rg/{task}/{seed}/{config_json}/{index}" if config else f"rg/{task}/{seed}/{index}",
             question=entry["question"], answer=answer,
-            solution=_oracle_text(entry_metadata, answer),
+            solution=_oracle_text(task, entry, answer),
             source=f"reasoning_gym/{task}", metadata=metadata))
     return problems

@@ -69,7 +69,7 @@ def run_demo(config, workdir: str) -> dict:
 
 
 def _cell(evaluation: dict, k: int) -> str:
-    """pass@k [95% bootstrap interval over the held-out problems] (one seed: no std); with no
+    """pass@k [95% t-interval over the held-out problems] (one seed: no std); with no
     success, the one-sided 95% bound on the per-sample rate."""
     counts = evaluation["correct_counts"]
     scores = statistics.pass_at_k_table([counts], evaluation["num_samples"], k)
@@ -106,7 +106,7 @@ def _write(report: dict, workdir: str, config) -> None:
             f"(revealing {np.min(fractions):.2f}-{np.max(fractions):.2f} of the solution, median "
             f"{np.median(fractions):.2f}); the others are "
             + UNSOLVED[config.pope.unsolved] + ". GRPO runs on to POPE's FLOPs. Cells: "
-            "pass@k [95% bootstrap interval over the problems].\n\n"
+            "pass@k [95% t-interval over the problems].\n\n"
             + table(report, config.eval.ks) + "\n")
     print("\n" + text)
     storage.write_atomic(storage.join(workdir, "demo_report.md"), text)

@@ -7,13 +7,17 @@ configs/results.py:eps (one knob level each), and writes PHASE.md and phase.png 
 at each level's eps (the base's teacher-forced P(a right key step) on the held-out problems,
 jaxprefix/key_step_probe.py) and its unguided success rate, POPE with the value hint and with
 the restating hint minus GRPO at the larger POPE arm's FLOPs, held-out pass@16 and pass@1, each a
-paired crossed 95% interval (jaxprefix/statistics.py: the same seeds and one problem draw for
-both arms). A level shows the seeds it has; the figure is rebuilt from the committed counts.
+paired 95% interval (jaxprefix/statistics.py: the interval of the difference table, the same
+seed and problem in both arms), and each arm's guided share (an arm under 0.9 of its designed
+share is marked a defect, not a result: studies/results_report.py). A level shows the seeds it
+has; the figure is rebuilt from the committed counts.
 """
 from __future__ import annotations
 
 import os
 import sys
+
+import ml_collections
 
 from jaxprefix import statistics, storage
 from jaxprefix.studies import results_report, study_tables
@@ -38,8 +42,10 @@ def level_folders(root: str) -> list[str]:
 
 def level(folder: str) -> dict:
     """One level: its base's probe, and each arm's paired difference from GRPO per column."""
+    from jaxprefix.run_setup.study_arms import RUNS
+
     record = storage.read_json(storage.join(folder, results_report.COUNTS))
-    report = record["report"]
+    report, config = record["report"], ml_collections.ConfigDict(record["config"])
     by_name: dict = {}
     for run in report["runs"].values():
         by_name.setdefault(run["name"], []).append(run)
@@ -57,25 +63,30 @@ def level(folder: str) -> dict:
         a = study_tables.Row(arm, pair)
         b = study_tables.Row(GRPO, [g for g in rows[GRPO].evals
                                     if g["seed"] in {r["seed"] for r in pair}])
-        out["arms"][arm] = {"seeds": len(pair)}
+        share = results_report.guided_share(pair[0], RUNS[arm], config,
+                                            report["studies"]["hard"]["hard"])
+        out["arms"][arm] = {"seeds": len(pair), "guided": share}
         for column in columns(record["config"]["eval"]["ks"]):
-            diff = study_tables.paired(a, b, column)
-            low, high = statistics.bootstrap_interval(diff)
-            out["arms"][arm][column.header] = (float(diff.mean()), float(low), float(high))
+            ta, tb = study_tables.paired_tables(a, b, column)
+            low, high = statistics.paired_difference_interval(ta, tb)
+            out["arms"][arm][column.header] = (float((ta - tb).mean()), float(low), float(high))
     return out
 
 
 def table_lines(levels: list[dict]) -> list[str]:
     headers = [header(c, levels[0]["k"]) for c in columns([1])]
-    lines = ["| knob | eps | unguided success | arm | seeds | "
+    lines = ["| knob | eps | unguided success | arm | guided share | seeds | "
              + " | ".join(f"Δ {h} vs GRPO" for h in headers) + " |",
-             "|---" * (5 + len(headers)) + "|"]
+             "|---" * (6 + len(headers)) + "|"]
     for lv in levels:
         for arm, d in lv["arms"].items():
             cells = [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" for m, lo, hi in
                      (d[c.header] for c in columns([1]))]
+            share = d["guided"]
+            guided = ("-" if share is None else f"{share['share']:.2f}"
+                      + (" (defect: not a result)" if share["defect"] else ""))
             lines.append(f"| {lv['knob']} | {lv['eps']:.2g} | {lv['success']:.2g} | "
-                         f"{ARMS[arm]} | {d['seeds']} | " + " | ".join(cells) + " |")
+                         f"{ARMS[arm]} | {guided} | {d['seeds']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -87,16 +98,21 @@ def plot(levels: list[dict], path: str) -> None:
         for i, (arm, label) in enumerate(ARMS.items()):
             points = [(lv["eps"], *lv["arms"][arm][column.header]) for lv in levels
                       if arm in lv["arms"]]
+            defect = any((lv["arms"][arm]["guided"] or {}).get("defect") for lv in levels
+                         if arm in lv["arms"])
+            if defect:  # a share of guided contexts under the floor: not a result
+                label += " (defect)"
             if points:
                 eps, mean, low, high = zip(*sorted(points))
                 ax.errorbar(eps, mean, yerr=[[m - lo for m, lo in zip(mean, low)],
                                              [hi - m for m, hi in zip(mean, high)]],
                             marker="o", capsize=3, color=f"C{i}", label=f"POPE, {label}")
         ax.axhline(0.0, color="grey", lw=0.8)
-        ax.set(xscale="log", xlabel="eps: the base's P(right key step), teacher-forced",
+        ax.set(xscale="log",
+               xlabel="eps: the base's P(right key step), teacher-forced, held-out problems",
                ylabel=f"POPE − GRPO, Δ {header(column, levels[0]['k'])}")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
     fig.tight_layout()
     storage.write_figure(path, fig, dpi=110)
 
@@ -109,7 +125,10 @@ def main(argv: list[str]) -> int:
         return 1
     lines = ["# POPE minus FLOP-matched GRPO along eps", "",
              f"Generated by `python -m jaxprefix.jobs.eps_phase {root}` from each level's "
-             f"counts.json; paired crossed 95% intervals.", "", *table_lines(levels), "",
+             f"counts.json; paired 95% intervals (jaxprefix/statistics.py). Guided share: the "
+             f"arm's share of guided training contexts (1:1 mixing: 0.50); an arm under "
+             f"{results_report.GUIDED_SHARE_FLOOR:g} of its designed share is mostly plain GRPO, "
+             f"a defect of the study, not a result.", "", *table_lines(levels), "",
              "![phase](phase.png)"]
     storage.write_atomic(storage.join(root, "PHASE.md"), "\n".join(lines) + "\n")
     plot(levels, storage.join(root, "phase.png"))

@@ -9,7 +9,7 @@ write the prediction down, then run the larger budgets and compare.
 
 The reward is held-out avg@4 per difficulty group (the problems' digit counts split at
 `prereg.split_digits`), read per problem from each run's eval_counts.jsonl, so the outcome has
-paired bootstrap intervals over seeds and problems (jaxprefix/statistics.py).
+paired 95% intervals over seeds and problems (jaxprefix/statistics.py).
 
 The prediction, per group, on the seed-mean curves up to `prereg.fit_max` rollouts:
 - `envelope`: the n whose fitted reward sigmoid (the paper's per-n fit) is highest at each
@@ -107,8 +107,10 @@ def group_runs(curves: dict, groups: list[str], group: str, max_rollouts: float,
 def span_interval(curves: dict, groups: list[str], group: str, max_rollouts: float, *,
                   resamples: int, seed: int = 0) -> tuple[float, float]:
     """95% interval of the fitted n* curve's span (isocompute.n_star_span), the seeds and the
-    group's problems resampled crossed (jaxprefix/statistics.py: one problem draw for every
-    seed and every (n, B)), the frontier refitted on each draw."""
+    group's problems resampled crossed (one draw of the seeds, one problem draw for every seed
+    and every (n, B)), the frontier refitted on each draw. A bootstrap, not the mean-square
+    interval of jaxprefix/statistics.py: a fitted span has no such formula, and at 3 seeds this
+    resample cannot show the seeds' variance (it may under-cover: issue 43)."""
     rng = np.random.default_rng(seed)
     seeds = sorted({s for _, _, s in curves})
     problems = groups.count(group)

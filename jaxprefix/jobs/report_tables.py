@@ -10,7 +10,9 @@ a table could not be re-derived, and a change to the statistics could not be app
 A folder with REPORT.md and counts.json from the results job gets REPORT.md (and its figures)
 again, its hand-written notes kept; one with prediction.json gets outcome.json and REPORT.md
 again from the prediction as committed (a pre-registered prediction is never refitted).
-A report folder without counts.json is listed as such: its tables cannot be rebuilt.
+A folder with the tool study's record (report.json: its per-problem counts in every
+evaluation) gets its REPORT.md tables again, its description paragraph kept. A report folder
+with none of these is listed as such: its tables cannot be rebuilt.
 """
 from __future__ import annotations
 
@@ -20,15 +22,19 @@ import sys
 import ml_collections
 
 from jaxprefix import storage
-from jaxprefix.jobs import isocompute_prereg
+from jaxprefix.jobs import isocompute_prereg, tool_study
 from jaxprefix.studies import results_report
 
 DOCS = os.path.join("docs", "results")
+TOOL_STUDY_RECORD = "report.json"  # the tool study's record, committed as tool_study_report.json
 
 
 def regenerate(folder: str) -> str:
     """Rebuilds the report of one folder from its counts.json; what it did, in a line."""
     counts = storage.join(folder, results_report.COUNTS)
+    if storage.exists(storage.join(folder, TOOL_STUDY_RECORD)):
+        tool_study.rebuild_report(folder)
+        return f"{folder}: REPORT.md's tables from report.json (the tool study's record)"
     if not storage.exists(counts):
         return f"{folder}: no counts.json: its tables cannot be rebuilt (rerun the study)"
     prediction = storage.join(folder, isocompute_prereg.PREDICTION)

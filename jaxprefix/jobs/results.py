@@ -215,6 +215,11 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
                                                 study.hard.problems),
                "ledger": out["ledger"].to_dict(), "warm_flops": warm_flops,
                "curve": _curve(run_dir, warm_flops)}
+    if spec.method == "pope":
+        record |= _guided_contexts(run_dir)
+        share = results_report.guided_share(record, spec, c, len(study.hard.problems))
+        if share is not None:
+            print(f"results: {name} seed {seed}: {results_report.share_sentence(share)}")
     storage.write_json(saved, record, default=float)
     return record
 
@@ -329,6 +334,14 @@ def _isocompute(study: Study, iso_dir: str) -> dict:
     c.data.eval_size = c.results.iso_eval_size
     c.mining.train_on = "all"
     return iso_jobs.run_sweep(c, iso_dir)
+
+
+def _guided_contexts(run_dir: str) -> dict:
+    """The training contexts of a run, and how many were guided, over its steps' metrics."""
+    rows = read_metrics(run_dir)
+    guided = sum(r.get("contexts/guided", 0.0) for r in rows)
+    return {"guided_contexts": int(guided),
+            "contexts": int(guided + sum(r.get("contexts/unguided", 0.0) for r in rows))}
 
 
 def _curve(run_dir: str, warm_flops: float = 0.0) -> list:

@@ -14,8 +14,8 @@ digits), which the demo's base fails at the key step, and a tool that reads the 
    re-prefilled token booked).
 3. Evaluate the base both ways and each trained policy as it was trained (with tools or
    without) on the held-out hard problems, unguided, eval.n samples each, one seed for all;
-   write <workdir>/tool_study_report.{md,json}: pass@k with crossed bootstrap intervals over
-   seeds and problems (jaxprefix/statistics.py) and the paired differences.
+   write <workdir>/tool_study_report.{md,json}: pass@k with 95% intervals over seeds and
+   problems (jaxprefix/statistics.py) and the paired differences.
 
 Each run has its own workdir (<arm>_seed<seed>); rerunning the command resumes, and finished
 runs are only read back. Nothing is tuned to an outcome: the report states what was measured.
@@ -154,6 +154,22 @@ def tables(report: dict, ks) -> str:
     return "\n".join(lines)
 
 
+CELLS = ("Cells: mean ± std over seeds [95% interval over seeds and problems, "
+         "jaxprefix/statistics.py]; differences paired.")
+
+
+def rebuild_report(folder: str) -> None:
+    """REPORT.md of a committed study folder again from its report.json (the tool study's
+    record, every per-problem count in it): its description paragraph kept, the cells'
+    sentence and every table rebuilt."""
+    report = storage.read_json(storage.join(folder, "report.json"))
+    committed = storage.read_text(storage.join(folder, "REPORT.md"))
+    described = committed.split("\n\n", 1)[0].split(" Cells: ", 1)[0]
+    ks = sorted(int(k.split("@")[1]) for k in report["base"]["tools"] if k.startswith("pass@"))
+    storage.write_atomic(storage.join(folder, "REPORT.md"),
+                         f"{described} {CELLS}\n\n{tables(report, ks)}\n")
+
+
 def _write(report: dict, config, workdir: str) -> None:
     steps = [r["steps"] for r in report["runs"]["no_tools"]]
     text = (f"Held-out hard problems ({report['eval_problems']}), unguided, {report['eval_n']} "
@@ -162,8 +178,7 @@ def _write(report: dict, config, workdir: str) -> None:
             f"turns ({', '.join(config.tools.names)}; environment "
             f"{config.tools.environment}); GRPO without tools: one turn, run on to the tools "
             f"arm's FLOPs ({', '.join(map(str, steps))} steps). Each policy is evaluated as it "
-            f"was trained; the base both ways. Cells: mean ± std over seeds [95% crossed "
-            f"bootstrap interval over seeds and problems]; differences paired.\n\n"
+            f"was trained; the base both ways. {CELLS}\n\n"
             + tables(report, config.eval.ks) + "\n")
     print("\n" + text)
     storage.write_atomic(storage.join(workdir, f"{REPORT}.md"), text)

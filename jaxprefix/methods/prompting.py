@@ -22,11 +22,17 @@ from jaxprefix.sampling import SharedContext
 
 
 class ChatPrompts:
-    """Renders problems through the tokenizer's chat template (system prompt optional)."""
+    """Renders problems through the tokenizer's chat template (system prompt optional); the user
+    turn is `user_template` with the problem's question in its {question}."""
 
-    def __init__(self, tokenizer, system_prompt: str | None = None):
+    def __init__(self, tokenizer, system_prompt: str | None = None,
+                 user_template: str = "{question}"):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.user_template = user_template
+
+    def _asked(self, problem: Problem) -> str:
+        return self.user_template.format(question=problem.question)
 
     def _messages(self, user_text: str) -> list[dict]:
         messages = [{"role": "user", "content": user_text}]
@@ -40,13 +46,14 @@ class ChatPrompts:
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def question(self, problem: Problem) -> list[int]:
-        return self.user_turn(problem.question)
+        return self.user_turn(self._asked(problem))
 
     def hinted_question(self, problem: Problem, units: int, template: str) -> list[int]:
         """The question with its first `units` oracle steps in the user turn (POPE's guidance):
         `template` has {question} and {partial_response}."""
         partial = oracle_prefix_text(problem, units)
-        return self.user_turn(template.format(question=problem.question, partial_response=partial))
+        return self.user_turn(template.format(question=self._asked(problem),
+                                              partial_response=partial))
 
     def response(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -57,7 +64,8 @@ class ChatPrompts:
 
     def render_unfinished(self, problem: Problem, response_text: str) -> str:
         """The text of an unfinished assistant turn, as the chat template itself renders it."""
-        messages = self._messages(problem.question) + [{"role": "assistant", "content": response_text}]
+        messages = self._messages(self._asked(problem)) + [{"role": "assistant",
+                                                           "content": response_text}]
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=False, continue_final_message=True)
 

@@ -27,7 +27,7 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
-from jaxprefix.rl import boundaries, dynamic_sampling, objectives, wandb_writer
+from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, wandb_writer
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter
@@ -253,8 +253,9 @@ def round_seed(seed: int, step: int, round_index: int) -> int:
 # --- metrics --------------------------------------------------------------------------------
 
 def reward_metrics(scored: Scored) -> dict[str, float]:
-    """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided), over the
-    method's own request (dynamic-sampling refills are counted in dynamic/* instead)."""
+    """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided) with its
+    contexts, over the method's own request (dynamic-sampling refills are counted in dynamic/*
+    instead)."""
     r = scored.rewards
     out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
            "reward/verifier_failures": scored.verifier_failures,
@@ -264,6 +265,7 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
         if values.dtype != bool:
             continue
         for label, chosen in ((name, values), (f"un{name}", ~values)):
+            out[f"contexts/{label}"] = float(chosen.sum())  # POPE's guided share (issue 43)
             if chosen.any():
                 out[f"reward/{label}"] = float(r[chosen].mean())
                 out[f"solve_rate/{label}"] = float((r[chosen] > 0.5).any(1).mean())
@@ -271,13 +273,15 @@ def reward_metrics(scored: Scored) -> dict[str, float]:
 
 
 def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
-    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode and the
-    tokens of earlier turns prefilled again (a one-turn row is an episode of one turn)."""
+    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode, the
+    tokens of earlier turns prefilled again and the calls a sandbox refused or a cap ended (a
+    one-turn row is an episode of one turn)."""
     found = [e for c in chunks for e in (c.episodes or ())]
     if found:
         return multi_turn.episode_metrics(found)
     return {"rollout/tool_calls": 0.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 1.0,
-            "rollout/reprefilled_tokens": 0.0}
+            "rollout/reprefilled_tokens": 0.0, "rollout/sandbox_refusals": 0.0,
+            "rollout/sandbox_kills": 0.0}
 
 
 def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec, step: int,
@@ -294,9 +298,23 @@ def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec,
                                   episodes=episodes)
         summary = evaluation.summarize(scored.rewards, config.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
-        out[f"{name}/reward_mean"] = float(scored.rewards.mean())
+        out.update(_reward_shares(name, scored.rewards))
         counts[name] = (request.n, [int(c) for c in (scored.rewards > 0.5).sum(axis=1)])
+        if config.eval.get("greedy", False):  # one greedy sample a problem: what a user sees
+            greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1), config,
+                                      rollout=dataclasses.replace(rollout, temperature=0.0),
+                                      stop_ids=stop_ids, seed=0, episodes=episodes)
+            out[f"{name}_greedy/accuracy"] = float((greedy.rewards > 0.5).mean())
+            out.update(_reward_shares(f"{name}_greedy", greedy.rewards))
+            counts[f"{name}_greedy"] = (1, [int(c) for c in (greedy.rewards > 0.5).sum(axis=1)])
     return out, counts
+
+
+def _reward_shares(name: str, rewards: np.ndarray) -> dict[str, float]:
+    """The mean reward and the share of samples given the verifier's full reward (with a
+    verifier that also values a format, the right answers in that format)."""
+    return {f"{name}/reward_mean": float(rewards.mean()),
+            f"{name}/full_reward": float((rewards >= 1.0 - 1e-6).mean())}
 
 
 # --- the loop -------------------------------------------------------------------------------
@@ -490,8 +508,11 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     state = _resume(ckpt, learner.init_state(), method, totals, ledger)
     start = int(state.step)
     segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
-    writer = MetricsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
-    counts_writer = EvalCountsWriter(workdir, resume_step=start + 1, segment_rows=segment_rows)
+    # An evaluation before the first step is the run's step 0: a fresh start rewrites it.
+    before = start == 0 and config.eval.every and config.eval.get("before_train", False)
+    resume_step = start if before else start + 1
+    writer = MetricsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
+    counts_writer = EvalCountsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
     tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
@@ -511,6 +532,16 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
     with _Preemption() as preemption, ckpt:
+        if before:
+            eval_start = time.perf_counter()
+            policy = learner.sampling_model(state, decode)
+            scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
+                                      step=0, stop_ids=stop_ids, episodes=episodes)
+            scores.update(probe(policy) if probe else {})
+            del policy
+            counts_writer.write(0, counts)
+            writer.write(0, scores | {"time/eval": time.perf_counter() - eval_start})
+            _draw_curves(writer)
         for step in range(start, total):
             step_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
@@ -544,6 +575,8 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
                 counts_writer.write(done, counts)
                 record["time/eval"] = time.perf_counter() - eval_start
             writer.write(done, record)
+            if "time/eval" in record:
+                _draw_curves(writer)
             if tracker is not None:
                 tracker.write(done, record)
             bar.update(1)
@@ -561,6 +594,13 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
         tracker.close()
     return {"step": int(state.step), "preempted": preempted, "metrics": record,
             "state": state, "learner": learner}
+
+
+def _draw_curves(writer: MetricsWriter) -> None:
+    """<workdir>/curves.png redrawn after an evaluation, by the process that writes metrics."""
+    if writer.enabled:
+        writer.flush()
+        curves.plot_run(writer.workdir)
 
 
 def restore_trained(model, workdir: str, config, mesh=None):

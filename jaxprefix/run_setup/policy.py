@@ -16,6 +16,7 @@ from jaxprefix.checkpoints.hf import from_pretrained
 from jaxprefix.checkpoints.hf import from_gguf
 from jaxprefix import models, storage, tokenizers
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts
+from jaxprefix.errors import ConfigError
 
 SOURCES = ("sft", "hf", "gguf")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -60,8 +61,19 @@ def load_policy(config, workdir: str) -> Policy:
     else:
         raise ValueError(f"config.model.source={source!r}: expected one of {SOURCES}")
     tokenizer = tokenizers.load(_weights_path(config))
-    prompts = ChatPrompts(tokenizer, config.model.get("system_prompt") or None)
+    prompts = chat_prompts(config, tokenizer)
     return Policy(model, tokenizer, prompts, source)
+
+
+def chat_prompts(config, tokenizer) -> ChatPrompts:
+    """A chat model's prompts: config.model's system prompt and user template, checked."""
+    template = config.model.get("user_template", "{question}")
+    try:
+        template.format(question="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"config.model.user_template={template!r}: expected a template whose "
+                          f"only field is {{question}} (literal braces doubled): {e!r}") from None
+    return ChatPrompts(tokenizer, config.model.get("system_prompt") or None, template)
 
 
 def model_dtypes(config) -> tuple[str, str]:
@@ -148,7 +160,7 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
         tokenizer = tokenizers.load(path)
     except (FileNotFoundError, ValueError) as e:  # what the readers say, naming the file
         raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
-    prompts = ChatPrompts(tokenizer, config.model.get("system_prompt") or None)
+    prompts = chat_prompts(config, tokenizer)
     return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)),
                         _has_experts(hf))
 

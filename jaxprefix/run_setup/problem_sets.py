@@ -20,6 +20,7 @@ line, or skipped and counted with `data.skip_invalid` (which also skips bad reco
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from absl import logging
 
@@ -28,6 +29,12 @@ from jaxprefix.errors import ConfigError
 
 BUILT_IN = ("carry_multiplication", "keyed_multiplication")  # jaxprefix.data.tasks.TASKS
 SOURCES = BUILT_IN + ("file", "reasoning_gym", "hf", "tfds")
+
+
+# reasoning-gym seeds entry i of a set with (seed + i), so sets of nearby seeds share entries
+# (seeds 1 and 2 share all but one): the held-out set's seeds start this far from any training
+# set's.
+HELD_OUT_SEEDS = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +158,31 @@ def _load(data, where: dict) -> ProblemSets:
     if data.source == "reasoning_gym":
         from jaxprefix.data import reasoning_gym_problems
 
-        train = reasoning_gym_problems(data.task, data.train_size, data.seed)
-        held_out = reasoning_gym_problems(data.task, data.eval_size, data.eval_seed)
-        return ProblemSets(train, held_out, [], data.verifier)
+        settings = task_config(data)
+        train = reasoning_gym_problems(data.task, data.train_size, data.seed, **settings)
+        held_out = reasoning_gym_problems(data.task, data.eval_size,
+                                          data.eval_seed + HELD_OUT_SEEDS, **settings)
+        # A generator repeats questions at small settings: what the policy trains on is not
+        # held out.
+        seen = {p.question for p in train}
+        kept = [p for p in held_out if p.question not in seen]
+        if len(kept) < len(held_out):
+            logging.info("%d held-out problems dropped: their questions are in the training set",
+                         len(held_out) - len(kept))
+        return ProblemSets(train, kept, [], data.verifier)
     raise ConfigError(f"config.data.source={data.source!r}: expected one of {SOURCES}")
+
+
+def task_config(data) -> dict:
+    """config.data.task_config: the reasoning-gym generator's keywords, a JSON object."""
+    text = data.get("task_config", "")
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as e:
+        settings = e
+    if not isinstance(settings, dict):
+        raise ConfigError(f"config.data.task_config={text!r}: expected a JSON object of "
+                          f"reasoning_gym.create_dataset keywords, e.g. '{{\"min_terms\": 2}}'")
+    return settings

@@ -2,12 +2,15 @@
 
 Every number and statement above the hand-written notes is computed here from results.json;
 nothing is typed in by hand, and a regenerated report keeps the notes (from NOTES_MARKER on).
-Each table cell is mean ± sample std over seeds [95% crossed bootstrap interval over seeds and
-problems], with the 95% upper bound on the per-sample rate where nothing succeeded
-(studies/study_tables.py); comparisons are paired differences, said to be "within noise" when
-their interval holds 0.
+Each table cell is mean ± sample std over seeds [95% interval of the crossed table's mean,
+jaxprefix/statistics.py], with the 95% upper bound on the per-sample rate where nothing
+succeeded (studies/study_tables.py); comparisons are paired differences, said to be "within
+noise" when their interval holds 0. A POPE arm's guided share is stated with its counts, and an
+arm under GUIDED_SHARE_FLOOR of its designed share is labelled a defect, not a result.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -21,6 +24,68 @@ REPORT = "REPORT.md"  # in results.output_dir, beside its figures
 # read under, so a rerun commits them and `python -m jaxprefix.jobs.report_tables` rebuilds
 # every table from the repository alone (runs/ is not committed).
 COUNTS = "counts.json"
+
+
+# A POPE arm meant to guide g of each problem's g + u contexts (pope.guided_copies,
+# unguided_copies) with under 0.9 of that share guided (0.45 at 1:1) is mostly plain GRPO: the
+# report states it as a defect of the study, not a result (issue 43: a restating arm that
+# guided 13% of its contexts had been read as "POPE ties GRPO").
+GUIDED_SHARE_FLOOR = 0.9
+
+
+def _pope_field(spec, config, field: str):
+    return spec.settings.get(f"pope.{field}", config.pope[field])
+
+
+def guided_share(run: dict, spec, config, hard: int) -> dict | None:
+    """A POPE run's share of guided training contexts, with its counts: counted in training
+    (the record's 'guided_contexts' of 'contexts', jobs/results.py) or, for a record from before
+    they were counted, expected from how many of the trained hard problems had a prefix
+    ('pope_problems'). None for a run that guides nothing by design."""
+    if spec.method != "pope" or "pope_problems" not in run:
+        return None
+    g, u = _pope_field(spec, config, "guided_copies"), _pope_field(spec, config, "unguided_copies")
+    if not g:
+        return None
+    designed = g / (g + u)
+    found = run["pope_problems"]
+    trained = hard if _pope_field(spec, config, "unsolved") == "unguided" else found
+    out = {"designed": designed, "guided_problems": found, "trained_problems": trained}
+    if run.get("contexts"):
+        out |= {"guided": run["guided_contexts"], "contexts": run["contexts"], "counted": True,
+                "share": run["guided_contexts"] / run["contexts"]}
+    else:  # B problems a step, each g + u contexts, plus easy ones
+        per_step = config.train.problems_per_step * (g + u)
+        easy = _pope_field(spec, config, "easy_per_step")
+        out |= {"counted": False,
+                "share": designed * found / trained * per_step / (per_step + easy)}
+    out["defect"] = out["share"] < GUIDED_SHARE_FLOOR * designed
+    return out
+
+
+def share_sentence(share: dict) -> str:
+    """'guided share 0.13 (6,656 of 51,200 training contexts; designed 0.50)', and the defect."""
+    counts = (f"{share['guided']:,} of {share['contexts']:,} training contexts" if share["counted"]
+              else f"expected from {share['guided_problems']} of {share['trained_problems']} "
+                   f"trained hard problems with a prefix: not counted in training before issue 43")
+    text = f"guided share {share['share']:.2f} ({counts}; designed {share['designed']:.2f})"
+    if share["defect"]:
+        text += (f": **defect: under {GUIDED_SHARE_FLOOR:g} of the designed share, this arm is "
+                 f"mostly plain GRPO and its rows are not a result**")
+    return text
+
+
+def marked_rows(rows: list[Row], specs, config, hard: int) -> list[Row]:
+    """`rows` with a POPE arm below its guided-share floor relabelled as a defect."""
+    out = []
+    for row in rows:
+        shares = [guided_share(r, specs[row.label], config, hard) for r in row.evals] \
+            if row.label in specs else []
+        if shares and shares[0] is not None and any(s["defect"] for s in shares):
+            mean = np.mean([s["share"] for s in shares])
+            row = dataclasses.replace(row, label=f"{row.label} (defect: {mean:.2f} guided)")
+        out.append(row)
+    return out
 
 
 def _mean_std(values) -> str:
@@ -51,7 +116,7 @@ def _setting(spec) -> str:
     return "; ".join(parts)
 
 
-def _legend(runs: dict, specs) -> list[str]:
+def _legend(runs: dict, specs, config, hard: int) -> list[str]:
     lines = []
     for name, rs in runs.items():
         done = [r for r in rs if "after" in r]
@@ -64,6 +129,12 @@ def _legend(runs: dict, specs) -> list[str]:
             extra += f" Not run at seed {', '.join(missing)} (time)."
         if "pope_problems" in done[0]:
             extra += f" Hard problems guided: {done[0]['pope_problems']}."
+            shares = [guided_share(r, specs[name], config, hard) for r in done]
+            if shares[0] is not None and not shares[0]["counted"]:  # the same at every seed
+                extra += f" Its {share_sentence(shares[0])}."
+            elif shares[0] is not None:
+                extra += " " + "; ".join(f"Seed {r['seed']}: {share_sentence(s)}"
+                                         for r, s in zip(done, shares)) + "."
         if "warm_start_examples" in done[0]:
             extra += f" SFT examples: {done[0]['warm_start_examples']}."
         lines.append(f"- **{name}**: {_setting(specs[name])}.{extra}")
@@ -98,7 +169,7 @@ def hard_section(report: dict, config, specs) -> list[str]:
     runs = _by_name(report, "hard", specs)
     if not runs:
         return []
-    rows = study_tables.run_rows(runs)
+    rows = marked_rows(study_tables.run_rows(runs), specs, config, study["hard"])
     base = _base_row(study)
     held_out = [Column(f"held-out pass@{x}", "after", x) for x in ks]
     columns = held_out + [Column(f"training hard set pass@{k}", "after_hard_set", k)]
@@ -118,7 +189,7 @@ def hard_section(report: dict, config, specs) -> list[str]:
                   f"{fractions.max():.2f} of the solution, median {np.median(fractions):.2f}).",
                   ""]
     lines += [*study_tables.metric_table([base] + rows + _warm_rows(runs), columns), "",
-              "Rows:", "", *_legend(runs, specs), "",
+              "Rows:", "", *_legend(runs, specs, config, study["hard"]), "",
               "Paired differences (the same seeds and problems drawn for both runs):", "",
               *study_tables.comparison_table(_pairs(rows, base), [held_out[0], held_out[-1]]),
               "", *study_tables.group_table([base] + rows, held_out[-1], _group_key(study)), "",
@@ -204,7 +275,7 @@ def regime_section(report: dict, config, specs) -> list[str]:
               f"the training hard set, which the paper plots) rewards memorising SFT'd traces.",
               "", *study_tables.metric_table([base] + rows + _warm_rows(runs),
                                              held_out + train), "",
-              "Rows:", "", *_legend(runs, specs), "",
+              "Rows:", "", *_legend(runs, specs, config, study["hard"]), "",
               "Paired differences of the final policies:", "",
               *study_tables.comparison_table(_pairs(rows, base), held_out[:1] + train[:1]), "",
               *study_tables.group_table([base] + rows, train[0], "multiplier"), ""]

@@ -3,10 +3,11 @@
 A row is a label and the evaluations of one run type at each seed (the results job's records,
 or the base's single evaluation); an evaluation holds each problem's correct samples
 (`correct_counts`, of `num_samples`) and its difficulty knobs (`groups`). Every cell is the
-mean, the sample std over seeds (ddof=1) and a 95% crossed bootstrap interval over seeds and
-problems (one problem draw for every seed); a cell with no success also states its one-sided
-95% upper bound on the per-sample rate over the samples behind it. Differences are paired (the
-same seeds and problems drawn for both runs).
+mean, the sample std over seeds (ddof=1) and a 95% interval of the crossed table's mean
+(statistics.crossed_interval, from the seeds' and the problems' variance components); a cell
+with no success also states its one-sided 95% upper bound on the per-sample rate over the
+samples behind it. Differences are paired (the interval of the difference table, the same
+seed and problem in both runs).
 """
 from __future__ import annotations
 
@@ -79,17 +80,24 @@ def metric_table(rows: list[Row], columns: list[Column]) -> list[str]:
     return lines
 
 
-def paired(a: Row, b: Row, column: Column) -> np.ndarray:
-    """a - b, per seed and problem; a single-seed row (the base) pairs with every seed."""
+def paired_tables(a: Row, b: Row, column: Column) -> tuple[np.ndarray, np.ndarray]:
+    """a's and b's tables, seed for seed; a single-seed row (the base) pairs with every seed."""
     ta, tb = table(a, column), table(b, column)
     if len(ta) != len(tb):
         ta, tb = (np.repeat(ta, len(tb), 0), tb) if len(ta) == 1 else (ta, np.repeat(tb, len(ta), 0))
+    return ta, tb
+
+
+def paired(a: Row, b: Row, column: Column) -> np.ndarray:
+    """a - b, per seed and problem (`paired_tables`)."""
+    ta, tb = paired_tables(a, b, column)
     return ta - tb
 
 
 def difference_cell(a: Row, b: Row, column: Column) -> str:
-    diff = paired(a, b, column)
-    low, high = statistics.bootstrap_interval(diff)
+    ta, tb = paired_tables(a, b, column)
+    diff = ta - tb
+    low, high = statistics.paired_difference_interval(ta, tb)
     verdict = "within noise" if low <= 0 <= high else ("higher" if low > 0 else "lower")
     return f"{diff.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({verdict})"
 

@@ -16,7 +16,8 @@ from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, Tool, ToolResult, c
 from jaxprefix.data.tasks import keyed_multiplication as _keyed
 from jaxprefix.tools.calculator import CALCULATOR
 from jaxprefix.tools.environments import Environment
-from jaxprefix.tools.python_tool import PythonLimits, python_tool
+from jaxprefix.tools.python_tool import python_tool
+from jaxprefix.tools.sandbox import PythonLimits
 
 # read_key: the built-in tool task's key reader (keyed_multiplication's environment calls it).
 READ_KEY = Tool("read_key", _keyed.read_key, "Reads d and c off the key by the rule",

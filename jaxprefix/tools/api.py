@@ -39,9 +39,11 @@ class Tool:
 
 @dataclasses.dataclass(frozen=True)
 class ToolResult:
-    """The observation text of one call; ok False: the call failed and `text` says how."""
+    """The observation text of one call; ok False: the call failed and `text` says how.
+    `stopped`: what a sandbox refused or a cap ended ('' nothing; python_tool's calls)."""
     text: str
     ok: bool
+    stopped: str = ""
 
 
 def error(message: str, max_chars: int = DEFAULT_MAX_CHARS) -> ToolResult:
@@ -67,7 +69,7 @@ def call(tool: Tool, arguments, max_chars: int = DEFAULT_MAX_CHARS) -> ToolResul
     except Exception as e:  # a tool's failure is the model's observation, not the run's crash
         return error(f"{tool.name}: {type(e).__name__}: {e}", max_chars)
     if isinstance(out, ToolResult):
-        return ToolResult(_truncate(out.text, max_chars), out.ok)
+        return dataclasses.replace(out, text=_truncate(out.text, max_chars))
     if not isinstance(out, str):
         return error(f"{tool.name} returned {type(out).__name__}, expected str", max_chars)
     return ToolResult(_truncate(out, max_chars), ok=True)

@@ -41,6 +41,7 @@ from jaxprefix.sampling import Rollouts, TurnEnd, generate, sample_turns, token_
 from jaxprefix.tools.api import DEFAULT_MAX_CHARS, Registry, ToolResult, error
 from jaxprefix.tools.calls import ToolCall, format_for, parser
 from jaxprefix.tools.observations import observation_tokens
+from jaxprefix.tools.sandbox import KILLS, REFUSALS
 
 # Why an episode ended.
 ANSWER = "answer"        # a turn ended on a stop token without a tool call
@@ -64,6 +65,8 @@ class Episode:
       routes       int8 or int16 [T, sparse layers, k], or None: with record_routes (a MoE),
                    each token's experts as the sampler computed them (module docstring), -1
                    on the last token
+      stopped      what a sandbox refused or a cap ended, one per such tool call
+                   (tools/sandbox.py REFUSALS, KILLS: rollout/sandbox_refusals, _kills)
     """
     tokens: np.ndarray
     sampled: np.ndarray
@@ -76,6 +79,7 @@ class Episode:
     group: int
     reprefilled: int = 0
     routes: np.ndarray | None = None
+    stopped: tuple[str, ...] = ()
 
     @property
     def turns(self) -> int:
@@ -110,6 +114,7 @@ class _Running:
     reprefilled: int = 0
     observed: int = 0  # the newest observation's tokens (the reference's bookkeeping)
     routes: list[np.ndarray] = dataclasses.field(default_factory=list)  # record_routes: spans
+    stopped: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def turns(self) -> int:
@@ -135,7 +140,7 @@ class _Running:
         return Episode(np.array(self.tokens, np.int32), np.array(self.sampled, np.int32),
                        np.array(self.logprobs, np.float32), self.prompt_length,
                        tuple(self.turn_starts), self.tool_calls, self.tool_failures,
-                       self.ended, self.group, self.reprefilled, routes)
+                       self.ended, self.group, self.reprefilled, routes, tuple(self.stopped))
 
 
 def run_calls(calls: Sequence[ToolCall], tools: Registry, max_chars: int = DEFAULT_MAX_CHARS,
@@ -192,6 +197,7 @@ class _Rules:
         and a next token, the episode ended on its budget)."""
         episode.tool_calls += len(calls)
         episode.tool_failures += sum(not r.ok for r in results)
+        episode.stopped.extend(r.stopped for r in results if r.stopped)
         last = episode.tokens[-1] if episode.tokens[-1] in self.stops else None
         observation = list(self.observation_ids(results, last))
         if len(episode.tokens) + len(observation) >= self.budget:
@@ -388,7 +394,10 @@ def episode_metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     return {"rollout/tool_calls": float(sum(e.tool_calls for e in episodes)),
             "rollout/tool_failures": float(sum(e.tool_failures for e in episodes)),
             "rollout/turns_mean": float(np.mean([e.turns for e in episodes])),
-            "rollout/reprefilled_tokens": float(sum(e.reprefilled for e in episodes))}
+            "rollout/reprefilled_tokens": float(sum(e.reprefilled for e in episodes)),
+            "rollout/sandbox_refusals": float(sum(s in REFUSALS for e in episodes
+                                                  for s in e.stopped)),
+            "rollout/sandbox_kills": float(sum(s in KILLS for e in episodes for s in e.stopped))}
 
 
 def reprefilled_tokens(episode: Episode) -> int:

@@ -66,9 +66,9 @@ class ToolSettings:
         if not t:
             return cls(max_turns=max_turns)
         p, limits = t.python, PythonLimits()
-        python = PythonLimits(p.cpu_s, p.memory_mb, p.wall_s, p.output_bytes) \
-            if p.enabled else None
-        for field in ("cpu_s", "memory_mb", "wall_s", "output_bytes"):
+        fields = [f.name for f in dataclasses.fields(PythonLimits)]
+        python = PythonLimits(*(p[field] for field in fields)) if p.enabled else None
+        for field in fields:
             need(p.enabled or p[field] == getattr(limits, field), f"config.tools.python.{field}",
                  p[field], "left at its default: tools.python.enabled=False (the python tool "
                  "is off)")
