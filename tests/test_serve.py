@@ -68,8 +68,9 @@ class Server:
             except (urllib.error.URLError, ConnectionError):
                 assert time.monotonic() < deadline, "the server did not start:\n" + self.output()
                 time.sleep(0.5)
+        # Long: on a busy 2-core box a SmolLM2 call that compiles a new shape took 213 s.
         self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0,
-                                    timeout=300)
+                                    timeout=1200)
 
     def output(self) -> str:
         self.log.flush()

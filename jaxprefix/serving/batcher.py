@@ -90,9 +90,11 @@ class Batcher:
         self._queue.put((request, future))
         return future
 
-    def close(self, timeout_s: float = 30.0) -> None:
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stops the thread after the call in flight; whether it stopped within timeout_s."""
         self._queue.put(None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         held = None  # a request that did not fit the previous batch: first of the next
