@@ -12,16 +12,13 @@ the rl job (its base trained in <workdir>/base when absent).
 import ml_collections
 
 from jaxprefix import variants
-from jaxprefix.run_config import base_config, parse_arg
+from jaxprefix.run_config import base_config, parse_variant
 
 VARIANTS = ("study", "smoke", "rl")
 
 
 def get_config(arg: str = ""):
-    args = parse_arg(arg, variant="study")
-    if args.variant not in VARIANTS:
-        raise ValueError(f"configs/tools.py: unknown variant {args.variant!r}; expected one of "
-                         f"{VARIANTS}")
+    args = parse_variant(arg, __file__, VARIANTS, "study")
     smoke = args.variant == "smoke"
     c = base_config()
     c.method = "grpo"

@@ -5,7 +5,7 @@
     python -m jaxprefix.main --config=configs/pope.py:rl --workdir=/tmp/pope --config.train.total_steps=300
 
 `config.job` picks the job (sft, mine, rl, eval, sweep, fit, prereg, demo, results, export,
-compile, tools; `describe` prints every field with its value and what it does, and runs nothing); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
+compile, tools, serve; `describe` prints every field with its value and what it does, and runs nothing); each is one function in jaxprefix/jobs/ that tests call directly. Without --workdir a
 run writes to runs/<config>-<variant>. Running the same command again in the same workdir resumes from the last checkpoint. The workdir
 and every path field may be local or gs:// (jaxprefix.storage).
 
@@ -46,6 +46,7 @@ JOBS = {
     "export": ("export", "run_export"),
     "compile": ("compile", "run_compile"),
     "tools": ("tool_study", "run_tool_study"),
+    "serve": ("serve", "run_serve"),
 }
 
 READ_ONLY_JOBS = ("eval", "fit")  # they write their report, never checkpoints or metrics

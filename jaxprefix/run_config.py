@@ -22,7 +22,7 @@ F = Field
 # describe job prints them: --config.job=describe). Longer explanations are comments above.
 FIELDS = {
     "job": F("rl", "sft | mine | rl | eval | sweep | fit | prereg | demo | results | export | "
-                   "compile | tools | describe"),
+                   "compile | tools | serve | describe"),
     "method": F("grpo", "grpo | pope | prefixrl"),
     "seed": F(0, "seed of the run's sampling and initialisation"),
     # Resuming refuses a change to a field that alters the run (run_identity.py) unless listed.
@@ -263,6 +263,18 @@ FIELDS = {
         "keep": F(3, "checkpoints kept"),
     },
     "export": {"dtype": F("", "the export job's HF weights dtype ('': param_dtype)")},
+    # The OpenAI-compatible server (jobs/serve.py, docs/SERVING.md) over the policy of `model`;
+    # the sampler's memory settings (rows in flight, KV budget, pages) are rollout's.
+    "serve": {
+        "host": F("127.0.0.1", "address the server listens on"),
+        "port": F(8000, "port the server listens on"),
+        "model_name": F("", "the model name clients ask for ('': model.path's file name)"),
+        "max_batch_rows": F(64, "sample rows one sampler call takes at most (more wait)"),
+        "batch_window_ms": F(10.0, "how long a request waits for others to share its call"),
+        "max_context": F(0, "prompt plus max_tokens a request may ask for (0: the model's)"),
+        "max_tokens": F(1024, "most new tokens a request may ask for; its default too"),
+        "max_top_logprobs": F(20, "most alternatives a request's logprobs may list"),
+    },
     # Verifiers (rewards/): in worker processes with timeouts.
     "rewards": {
         "timeout_s": F(10.0, "seconds a verifier may take per completion"),
@@ -459,6 +471,15 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
             key, value = "variant", part
         parsed[key] = _literal(value)
     return parsed
+
+
+def parse_variant(arg: str | None, config_file: str, variants, default: str):
+    """parse_arg(arg) with its variant (default `default`) checked to be one of `variants`."""
+    args = parse_arg(arg, variant=default)
+    if args.variant not in variants:
+        raise ValueError(f"{os.path.basename(config_file)}: unknown variant {args.variant!r}; "
+                         f"expected one of {tuple(variants)}")
+    return args
 
 
 def _literal(text: str):

@@ -36,7 +36,7 @@ SAMPLER_SPEED = tuple(f"rollout.{field}" for field in (
 # runs; a run reads its trajectory's fields from the blocks it sets, never from these.
 MAY_CHANGE = ("train.total_steps", "eval", "checkpoint", "rewards.workers", "rewards.max_memory_mb",
               "mesh", "distributed", "workdir_lock", "storage", "metrics", "allow_changes",
-              "results", "tool_study", *SAMPLER_SPEED, *SWEEP_GRID)
+              "results", "tool_study", "serve", *SAMPLER_SPEED, *SWEEP_GRID)
 
 
 def flatten(tree, prefix: str = "") -> dict:

@@ -7,12 +7,10 @@ runs) are `sft_config`'s, so no library code loads a file of configs/.
 """
 from __future__ import annotations
 
-import os
-
 import ml_collections
 
 from jaxprefix.methods.registry import method_spec
-from jaxprefix.run_config import base_config, parse_arg, sft_base_config
+from jaxprefix.run_config import base_config, parse_variant, sft_base_config
 
 
 def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> None:
@@ -253,11 +251,7 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
     LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
-    args = parse_arg(arg, variant="demo")
-    known = VARIANTS + tuple(extra_variants)
-    if args.variant not in known:
-        raise ValueError(f"{os.path.basename(config_file)}: unknown variant {args.variant!r}; "
-                         f"expected one of {known}")
+    args = parse_variant(arg, config_file, VARIANTS + tuple(extra_variants), "demo")
     c = base_config()
     c.method = method
     if args.variant == "carry_smoke":

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
-from jaxprefix import models, run_config, storage, tokenizers
+import tiny_checkpoints
+from jaxprefix.checkpoints.hf import from_pretrained
+from jaxprefix import run_config, storage, tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.checkpoints.hf import read_safetensors
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
@@ -31,14 +32,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def base(tokenizer, tmp_path_factory):
     """A tiny random llama over SmolLM2's vocabulary, saved with its tokenizer."""
-    config = models.ModelConfig(
-        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
-        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id)
-    path = str(tmp_path_factory.mktemp("base") / "base")
-    save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, path,
-                           tokenizer=tokenizer)
-    return path
+    return tiny_checkpoints.save_llama_over(tokenizer, tmp_path_factory.mktemp("base") / "base")
 
 
 def export_config(base: str, dtype: str = ""):

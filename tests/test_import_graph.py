@@ -61,6 +61,7 @@ FLOORS = (
     ("tpu",),                  # the compile job's programs: the learner and sampler, compiled
     ("methods",),              # POPE, PrefixRL, IsoCompute: what to sample and how to mix it
     ("rl",),                   # the loop, the learner, the compute ledger
+    ("serving",),              # the OpenAI-compatible server over the sampler (docs/SERVING.md)
     ("tools",),                # tools and multi-turn episodes (docs/TOOLS.md)
     ("statistics",),
     ("evaluation", "key_step_probe"),  # pass@k of samples; teacher-forced step probabilities

@@ -145,6 +145,10 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
                 raise ConfigError(f"config.sft.model: {e}") from None
         return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]),
                             _has_experts(hf))
+    if not config.model.get("path"):
+        raise ConfigError(f"config.model.path is empty: expected the model's "
+                          f"{'HF directory' if source == 'hf' else 'GGUF file'} "
+                          f"(--config.model.path=...)")
     path = _weights_path(config)
     try:
         if source == "hf":

@@ -96,6 +96,15 @@ def check(config, workdir: str):
     if config.job == "sft":
         _check_sft_settings(config)
         return None
+    if config.job == "serve":  # the server's settings and its model; no problems, no method
+        from jaxprefix.run_setup.policy import check_policy_inputs
+        from jaxprefix.sampling import RolloutSpec
+        from jaxprefix.serving.settings import ServeSettings
+
+        _as_config_error(ServeSettings.from_config, config)
+        _as_config_error(RolloutSpec.from_config, config.rollout)
+        check_policy_inputs(config, workdir)
+        return None
     _read_problem_files(config.data)  # first: a bad record is found before the heavy imports
     from jaxprefix.run_setup.policy import check_policy_inputs
     from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit

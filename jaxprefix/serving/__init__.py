@@ -1,0 +1,2 @@
+"""The OpenAI-compatible server over the sampler (docs/SERVING.md): settings.py (config.serve),
+batcher.py (requests arriving together sampled in one call), http_api.py (the endpoints)."""

@@ -1,0 +1,194 @@
+"""The batcher: requests that arrive together become one sampler call, their rows in flight
+together, on one thread that does all the device work.
+
+The HTTP layer submits a `SampleRequest` (n samples of one prompt) and awaits its future. The
+batcher's thread takes the first waiting request, gathers those that arrive within the batch
+window (or arrived while the previous call ran) up to `max_batch_rows` rows, and calls
+`sampling.generate` once per distinct (temperature, top_p, top_k): every sample a row of its
+own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
+each row cut back to its own request's max_tokens afterwards. Sample j of a request with seed s
+draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples
+whatever else shares its call.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import functools
+import queue
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from flax import nnx
+
+from jaxprefix import sampling
+from jaxprefix.sampling.layout import MIN_CONTEXT_BUCKET, bucket
+
+MAX_N = 256          # samples of one request: j is the low 8 bits of a row's stream
+SEED_LIMIT = 2**23   # a request's seed is taken modulo this (the stream's other 23 bits)
+RECENT_CALLS = 1000  # sampler calls kept for /stats
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+    """n samples of one prompt, as the HTTP layer validated them."""
+    prompt: tuple[int, ...]
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None   # None: a fresh one
+    top_logprobs: int = 0     # alternatives listed at each token (0: none)
+
+    @property
+    def call_key(self) -> tuple:
+        """Requests with equal keys share a sampler call (greedy ignores top_p and top_k)."""
+        return (0.0, 1.0, 0) if self.temperature == 0 else (
+            self.temperature, self.top_p, self.top_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]      # the completion, its stop token included
+    logprobs: list[float]     # of each token under the tempered model (greedy: temperature 1)
+    stopped: bool             # ended on a stop token (False: max_tokens reached)
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
+
+
+def stream_of(seed: int, j: int) -> int:
+    """The sampler's stream of sample j of a request seeded `seed` (fits int32)."""
+    return (seed % SEED_LIMIT) * MAX_N + j
+
+
+class Batcher:
+    """Owns the model after start-up: only its thread calls the sampler."""
+
+    def __init__(self, model, *, stop_ids, sampler_keywords: dict, max_batch_rows: int,
+                 window_s: float, max_top_logprobs: int, seed: int = 0):
+        self.model = model
+        self.stop_ids = tuple(stop_ids)
+        self.sampler_keywords = sampler_keywords  # rows in flight, KV budget, pages
+        self.max_batch_rows = max_batch_rows
+        self.window_s = window_s
+        self.max_top_logprobs = max_top_logprobs
+        self.calls = collections.deque(maxlen=RECENT_CALLS)  # one dict per sampler call
+        self._seeds = random.Random(seed)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: SampleRequest) -> concurrent.futures.Future:
+        """A future of the request's n Samples."""
+        future = concurrent.futures.Future()
+        self._queue.put((request, future))
+        return future
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stops the thread after the call in flight; whether it stopped within timeout_s."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        held = None  # a request that did not fit the previous batch: first of the next
+        while True:
+            first = held if held is not None else self._queue.get()
+            held = None
+            if first is None:
+                return
+            batch, rows = [first], first[0].n
+            deadline = time.monotonic() + self.window_s
+            while rows < self.max_batch_rows:
+                try:
+                    item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None or rows + item[0].n > self.max_batch_rows:
+                    held = item
+                    break
+                batch.append(item)
+                rows += item[0].n
+            groups = collections.defaultdict(list)
+            for item in batch:
+                groups[item[0].call_key].append(item)
+            for group in groups.values():
+                self._call(group)
+
+    def _call(self, group: list) -> None:
+        """One sampler call for requests of equal sampling settings; fulfils their futures."""
+        requests = [r for r, _ in group]
+        try:
+            started = time.monotonic()
+            samples = self._sample(requests)
+            seconds = time.monotonic() - started
+        except Exception as e:  # noqa: BLE001  (the requests fail; the server goes on)
+            logging.exception("sampler call of %d requests failed", len(group))
+            for _, future in group:
+                future.set_exception(e)
+            return
+        rows = sum(r.n for r in requests)
+        self.calls.append(dict(requests=len(requests), rows=rows, seconds=round(seconds, 3),
+                               max_tokens=max(r.max_tokens for r in requests)))
+        logging.info("sampler call: %d requests, %d rows, %.2f s", len(requests), rows, seconds)
+        for (_, future), result in zip(group, samples):
+            future.set_result(result)
+
+    def _sample(self, requests: list[SampleRequest]) -> list[list[Sample]]:
+        first = requests[0]
+        contexts, streams = [], []
+        for r in requests:
+            seed = self._seeds.randrange(SEED_LIMIT) if r.seed is None else r.seed
+            for j in range(r.n):
+                contexts.append(list(r.prompt))
+                streams.append((stream_of(seed, j), 0))
+        rollouts = sampling.generate(
+            self.model, contexts, n=1, max_new_tokens=max(r.max_tokens for r in requests),
+            temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
+            stop_ids=self.stop_ids, seed=0, streams=streams, **self.sampler_keywords)
+        out, row = [], 0
+        for r in requests:
+            samples = []
+            for _ in range(r.n):
+                start = int(rollouts.context_lengths[row])
+                length = min(int(rollouts.lengths[row]), r.max_tokens)
+                tokens = rollouts.tokens[row, :start + length]
+                top = None
+                if r.top_logprobs:
+                    top = self._top_logprobs(tokens, start, r.temperature or 1.0, r.top_logprobs)
+                samples.append(Sample(
+                    token_ids=tokens[start:].tolist(),
+                    logprobs=rollouts.logprobs[row, start:start + length].tolist(),
+                    stopped=bool(rollouts.stopped[row]) and length == rollouts.lengths[row],
+                    top_logprobs=top))
+                row += 1
+            out.append(samples)
+        return out
+
+    def _top_logprobs(self, tokens: np.ndarray, start: int, temperature: float,
+                      k: int) -> list[list[tuple[int, float]]]:
+        """The k most likely tokens at each completion position, with their log-probabilities
+        under the tempered model: one teacher-forced forward of the row."""
+        width = bucket(len(tokens), MIN_CONTEXT_BUCKET)
+        padded = np.zeros((1, width), np.int32)
+        padded[0, :len(tokens)] = tokens
+        mask = np.arange(width)[None] < len(tokens)
+        graphdef, params = nnx.split(self.model)
+        values, ids = jax.device_get(_top_k_logprobs(graphdef, params, padded, mask,
+                                                     np.float32(temperature),
+                                                     k=self.max_top_logprobs))
+        # The logits at t - 1 predict token t.
+        return [list(zip(ids[0, t - 1, :k].tolist(), values[0, t - 1, :k].tolist()))
+                for t in range(start, len(tokens))]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "k"))
+def _top_k_logprobs(graphdef, params, tokens, mask, temperature, *, k: int):
+    logits = nnx.merge(graphdef, params)(tokens, None, mask) / temperature
+    return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
