@@ -164,6 +164,10 @@ def fields_read(config, workdir: str = "") -> tuple[object, set[str]]:
         settings = dataclasses.replace(settings, config=unwrapped(settings.config))
     for block in RAW_BLOCKS.get(config.job, ()):
         reads |= read_whole(config, block)
+    if config.job == "rl" and config.get("isocompute", {}).get("config_arg"):
+        # one point of a sweep, run as the sweep printed it (configs/isocompute.py): it carries
+        # the sweep's own settings, which its run does not read
+        reads |= read_whole(config, "isocompute")
     return settings, reads
 
 
