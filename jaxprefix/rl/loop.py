@@ -532,15 +532,18 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
     with _Preemption() as preemption, ckpt:
-        if before:
+        def evaluated(step) -> dict:
+            """The step's evaluation figures (eval counts written); its policy freed after."""
             eval_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)
             scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
-                                      step=0, stop_ids=stop_ids, episodes=episodes)
-            scores.update(probe(policy) if probe else {})
-            del policy
-            counts_writer.write(0, counts)
-            writer.write(0, scores | {"time/eval": time.perf_counter() - eval_start})
+                                      step=step, stop_ids=stop_ids, episodes=episodes)
+            counts_writer.write(step, counts)
+            return scores | (probe(policy) if probe else {}) | {
+                "time/eval": time.perf_counter() - eval_start}
+
+        if before:
+            writer.write(0, evaluated(0))
             _draw_curves(writer)
         for step in range(start, total):
             step_start = time.perf_counter()
@@ -567,13 +570,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
                 bar.total = min(total, done + _steps_in_budget(flops_budget, cost, totals))
             last = done == total or totals.get("budget_spent", False)
             if config.eval.every and (done % config.eval.every == 0 or last):
-                eval_start = time.perf_counter()
-                policy = learner.sampling_model(state, decode)
-                scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
-                                          step=done, stop_ids=stop_ids, episodes=episodes)
-                record.update(scores | (probe(policy) if probe else {}))
-                counts_writer.write(done, counts)
-                record["time/eval"] = time.perf_counter() - eval_start
+                record.update(evaluated(done))
             writer.write(done, record)
             if "time/eval" in record:
                 _draw_curves(writer)
