@@ -95,6 +95,9 @@ FIELDS = {
                           " log-probs a little)"),
         "max_turns": F(1, "assistant turns of an episode (> 1: episodes with config.tools; "
                           "docs/TOOLS.md)"),
+        # Sampler and learner on disjoint devices (docs/OVERLAP.md): with train.max_staleness > 0
+        # they run at once, new weights copied to the sampler's devices after each update.
+        "devices": F(0, "devices the sampler holds, the learner the rest (0: all, time-shared)"),
     },
     # Multi-turn episodes (docs/TOOLS.md), read where rollout.max_turns > 1 and refused where it
     # is 1. The verifier scores an episode's last turn; observation tokens carry no loss.
@@ -165,6 +168,13 @@ FIELDS = {
                                      "'learner' (recomputed)"),
         "tis_cap": F(0.0, "truncated importance sampling cap (with old_logprobs='learner'; 0: "
                           "off)"),
+        # IcePop: a token whose pi_old / pi_sampler leaves [1/c, c] gets no gradient.
+        "ratio_mask": F(0.0, "mask tokens whose pi_old / pi_sampler leaves [1/c, c] (with "
+                             "old_logprobs='learner'; 0: off)"),
+        # Off-policy steps (docs/OVERLAP.md): step t trains on rollouts sampled with the weights
+        # of max(0, t - max_staleness) updates, sampled while the learner works.
+        "max_staleness": F(0, "updates the sampler may run ahead of the learner (0: "
+                              "synchronous)"),
         # A mixture of experts (docs/ARCHITECTURE.md, routing replay): the sampler records each
         # token's experts and the learner's forwards (old log-probs, ratio, loss) use them, gate
         # weights from the current router over them. auto: on for a MoE; a dense model refuses
