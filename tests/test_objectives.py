@@ -203,6 +203,42 @@ def test_tis_leaves_the_kl_term_alone_and_is_off_at_cap_zero():
         loss("token_mean", tis_cap=1.5)
 
 
+# IcePop at c = 1.5 on the same pi_old / pi_sampler: row 0's 2.0 and 0.5 leave [2/3, 1.5] (row
+# 1's 3.0 too, but it is prompt and must not count); 1.0, 1.2 and 0.8 stay.
+KEEP = np.array([[0, 0, 1], [0, 1, 1]], np.float32)
+
+
+def test_ratio_mask_drops_tokens_outside_the_band():
+    value, stats = loss("token_mean", sampler_logp=SAMPLER, ratio_mask=1.5)
+    # The kept tokens' losses (-1.0; 1.6, 2.4) over all 5 loss tokens: masked ones stay in the
+    # normaliser.
+    np.testing.assert_allclose(value, (-1.0 + 1.6 + 2.4) / 5, atol=1e-5)
+    np.testing.assert_allclose(stats["ratio_masked_sum"], 2.0)
+    logp = jnp.asarray(LOGP)
+    plain = np.asarray(jax.grad(lambda lp: loss_at(lp, "token_mean"))(logp))
+    masked = jax.grad(lambda lp: loss_at(lp, "token_mean", sampler_logp=SAMPLER,
+                                         ratio_mask=1.5))(logp)
+    assert plain[0, 1] != 0 and plain[0, 2] != 0  # a masked and a kept token with a gradient
+    np.testing.assert_allclose(masked, KEEP * plain, atol=1e-6)
+
+
+def test_ratio_mask_then_tis_on_the_rest():
+    value, stats = loss("token_mean", sampler_logp=SAMPLER, ratio_mask=1.5, tis_cap=1.5)
+    np.testing.assert_allclose(value, (-1.0 * 1.0 + 1.6 * 1.2 + 2.4 * 0.8) / 5, atol=1e-5)
+    np.testing.assert_allclose(stats["ratio_masked_sum"], 2.0)
+    np.testing.assert_allclose(stats["tis_capped_sum"], 1.0)
+    logp = jnp.asarray(LOGP)
+    plain = np.asarray(jax.grad(lambda lp: loss_at(lp, "token_mean"))(logp))
+    both = jax.grad(lambda lp: loss_at(lp, "token_mean", sampler_logp=SAMPLER, ratio_mask=1.5,
+                                       tis_cap=1.5))(logp)
+    np.testing.assert_allclose(both, KEEP * np.minimum(RAW_TIS, 1.5) * plain, atol=1e-6)
+    off, stats = loss("token_mean", sampler_logp=SAMPLER, ratio_mask=0.0)
+    np.testing.assert_allclose(off, PER_TOKEN_SUM / 5, atol=1e-5)
+    assert "ratio_masked_sum" not in stats
+    with pytest.raises(ValueError, match="ratio_mask > 0 needs sampler_logp"):
+        loss("token_mean", ratio_mask=1.5)
+
+
 def test_logprob_mismatch_over_loss_tokens():
     learner = SAMPLER + np.array([[0.1, -0.3, 0.0], [9.0, 0.2, -0.05]], np.float32)
     mean, largest = obj.logprob_mismatch(SAMPLER, learner, MASK)

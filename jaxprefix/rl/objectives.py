@@ -121,6 +121,17 @@ def truncated_importance_weights(old_logp, sampler_logp, cap: float):
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
 
 
+def ratio_band_mask(old_logp, sampler_logp, c: float):
+    """Per-token keep mask [B, T], detached: 1 where pi_old / pi_sampler lies in [1/c, c], else 0.
+
+    IcePop (Ling Team 2025, Ring-1T): a token the sampler and the learner disagree on by more
+    than a factor c (numerics, or stale weights) is dropped from the policy gradient rather than
+    re-weighted (as TIS does): its gradient would be more the mismatch's than the policy's.
+    """
+    r = jnp.exp(old_logp - sampler_logp)
+    return jax.lax.stop_gradient(((r >= 1.0 / c) & (r <= c)).astype(jnp.float32))
+
+
 def logprob_mismatch(sampler_logp, learner_logp, mask):
     """(mean, max) over mask tokens of |sampler - learner| log-prob: how far the sampler's
     numerics are from the learner's at the same weights."""
@@ -216,18 +227,30 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
                 eps_high: float = 0.2, ratio: str = "token", aggregation: str = "token_mean",
                 max_len: int | None = None, ref_logp=None, kl_coef: float = 0.0,
                 kl_kind: str = "k3", total_tokens=None, total_sequences=None,
-                sampler_logp=None, tis_cap: float = 0.0):
+                sampler_logp=None, tis_cap: float = 0.0, ratio_mask: float = 0.0):
     """Clipped policy-gradient loss (+ optional KL to a frozen reference) and its diagnostics.
 
     sampler_logp with tis_cap > 0: truncated importance sampling, the policy-gradient term of
     each token times `truncated_importance_weights(old_logp, sampler_logp, tis_cap)` (old_logp
     then being the learner's recomputation; the KL term is not re-weighted, as in verl).
+    sampler_logp with ratio_mask c > 0: IcePop, the policy-gradient term of each token whose
+    pi_old / pi_sampler leaves [1/c, c] multiplied by 0 (`ratio_band_mask`; before TIS, which then
+    weighs the rest; the KL term is kept).
     Returns (loss scalar, stats) with stats summed over tokens (see `ratio_stats`) plus
-    'kl_sum' (masked sum of the per-token KL, 0 without a reference) and, with TIS,
-    'tis_weight_sum' and 'tis_capped_sum' (tokens whose weight hit the cap).
+    'kl_sum' (masked sum of the per-token KL, 0 without a reference), with TIS
+    'tis_weight_sum' and 'tis_capped_sum' (tokens whose weight hit the cap), and with the ratio
+    mask 'ratio_masked_sum' (loss tokens masked).
     """
     r = importance_ratio(logp, old_logp, mask, ratio)
     per_token = clipped_surrogate(r, advantages, eps_low, eps_high)
+    keep = None
+    if ratio_mask > 0:
+        if sampler_logp is None:
+            raise ValueError("policy_loss: ratio_mask > 0 needs sampler_logp")
+        # Masked tokens stay in the normaliser (`aggregate` divides by `mask`, not `mask * keep`),
+        # as in IcePop: dropping a token takes its term out without scaling up the others'.
+        keep = ratio_band_mask(old_logp, sampler_logp, ratio_mask)
+        per_token = per_token * keep
     tis = None
     if tis_cap > 0:
         if sampler_logp is None:
@@ -247,4 +270,6 @@ def policy_loss(logp, old_logp, advantages, mask, *, eps_low: float = 0.2,
         m = mask.astype(jnp.float32)
         stats["tis_weight_sum"] = (tis * m).sum()
         stats["tis_capped_sum"] = ((tis >= tis_cap) * m).sum()
+    if keep is not None:
+        stats["ratio_masked_sum"] = ((1.0 - keep) * mask.astype(jnp.float32)).sum()
     return loss, stats
