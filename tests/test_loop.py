@@ -249,6 +249,8 @@ def test_invalid_settings_fail_naming_the_field():
     validate(run_settings(), make_mesh(data=8))  # 4 x 4 rows: fine
     with pytest.raises(ValueError, match="config.train.tis_cap=2.0: expected 0 unless"):
         validate(run_settings(tis_cap=2.0))  # TIS against the sampler's own log-probs is a no-op
+    with pytest.raises(ValueError, match=r"config.train.ratio_mask=0.5: expected 0 \(off\) or > 1"):
+        validate(run_settings(old_logprobs="learner", ratio_mask=0.5))
 
 
 def test_request_checks_lengths():

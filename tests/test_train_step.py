@@ -197,6 +197,40 @@ def test_tis_update_equals_the_hand_computed_loss(one_minibatch):
     assert abs(float(plain["loss"]) - by_hand) > 1e-3
 
 
+def test_ratio_mask_update_drops_the_tokens_outside_the_band(one_minibatch):
+    """On the first minibatch pi = pi_old (the learner's), so each token's loss is -A times 1 if
+    exp(pi_old - pi_sampler) lies in [1/c, c], else 0, over all loss tokens; the learner reports
+    the masked share of them."""
+    c = 1.2
+    config = dataclasses.replace(ONE_MINIBATCH, old_logprobs="learner", ratio_mask=c)
+    learner = Learner(tiny_model(), config)
+    state = learner.init_state()
+    own = np.asarray(learner.logprobs(state.params, rollout_batch()))
+    batch = with_old_logprobs(rollout_batch(), learner, state, noise=0.3)
+    mask = batch["completion_mask"]
+    ratio = np.exp(own - batch["old_logprobs"])
+    keep = (ratio >= 1 / c) & (ratio <= c)
+    by_hand = -(batch["advantages"][:, None] * keep * mask).sum() / mask.sum()
+
+    def direct(params):
+        model = nnx.merge(learner.graphdef, params, learner.rest)
+        logp, _ = token_logprobs(model, batch["tokens"], batch["token_mask"],
+                                 positions=batch["positions"])
+        return objectives.policy_loss(logp, own, batch["advantages"], mask, eps_low=0.2,
+                                      eps_high=0.28, sampler_logp=batch["old_logprobs"],
+                                      ratio_mask=c)[0]
+
+    loss, grads = jax.value_and_grad(direct)(state.params)
+    _, metrics = learner.update(state, batch)
+    np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
+    np.testing.assert_allclose(loss, by_hand, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+    masked = 1 - keep[mask > 0].mean()
+    assert 0.1 < masked < 0.9
+    np.testing.assert_allclose(metrics["ratio_mask/masked_fraction"], masked, rtol=1e-5)
+    assert "tis/weight_mean" not in metrics
+
+
 def test_sharded_step_equals_single_device_step(two_minibatches):
     state = two_minibatches.init_state()
     batch = with_old_logprobs(rollout_batch(), two_minibatches, state, noise=0.05)
@@ -325,6 +359,12 @@ def test_invalid_settings_name_the_field():
         TrainConfig(width_steps=0)
     with pytest.raises(ValueError, match="tis_cap=2.0: expected 0 unless old_logprobs='learner'"):
         TrainConfig(tis_cap=2.0)  # against the sampler's own log-probs TIS would do nothing
+    with pytest.raises(ValueError, match="ratio_mask=2.0: expected 0 unless old_logprobs="):
+        TrainConfig(ratio_mask=2.0)  # every ratio would be 1: nothing masked
+    for c in (0.5, 1.0, -1.0):  # a band [1/c, c] needs c > 1
+        with pytest.raises(ValueError, match=rf"ratio_mask={c}: expected 0 \(off\) or > 1"):
+            TrainConfig(old_logprobs="learner", ratio_mask=c)
+    TrainConfig(old_logprobs="learner", ratio_mask=2.0, tis_cap=2.0)  # both: fine
 
 
 def _sampled_batch(model, temperature):

@@ -10,8 +10,9 @@ minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` me
 sampler and learner disagree. With `old_logprobs='learner'` the same jitted update first runs one
 forward over the batch to recompute them (and reports `rollout/logprob_mismatch_mean`/`_max`);
 `tis_cap` then re-weights each token by min(pi_old / pi_sampler, cap) (truncated importance
-sampling). A non-finite loss or gradient leaves params and optimizer state untouched and is
-counted in `TrainState.skipped`.
+sampling) and `ratio_mask` drops the policy-gradient term of tokens whose ratio leaves
+[1/c, c] (IcePop). A non-finite loss or gradient leaves params and optimizer state untouched
+and is counted in `TrainState.skipped`.
 
 Mixed precision: params and the AdamW moments stay in the model's `param_dtype` (float32 master
 weights); each layer casts its weights to the compute `dtype` (bfloat16 on TPU) inside the
@@ -78,8 +79,11 @@ class TrainConfig:
     # in the learner's numerics: the sampler's bf16 or 8-bit KV cache then drops out of the
     # ratio). tis_cap > 0 (with 'learner'): truncated importance sampling against the sampler's
     # log-probs, each token's policy-gradient term times min(pi_old / pi_sampler, tis_cap).
+    # ratio_mask c > 0 (with 'learner'): IcePop, no policy-gradient term for a token whose
+    # pi_old / pi_sampler leaves [1/c, c] (before TIS when both are set).
     old_logprobs: str = "sampler"
     tis_cap: float = 0.0
+    ratio_mask: float = 0.0
     # Padding the update does not compute: each minibatch's rows are sorted by length into its
     # micro-batches, and each micro-batch runs at the shortest of `width_steps` equal steps of the
     # batch width that holds its last real token. Rows are left-aligned and causal, so the cut
@@ -117,10 +121,15 @@ class TrainConfig:
         check(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
              f"one of {objectives.OLD_LOGPROBS}")
         check(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
+        check(self.ratio_mask == 0 or self.ratio_mask > 1, "ratio_mask",
+              "0 (off) or > 1 (the band [1/c, c])")
         check(self.width_steps >= 1, "width_steps", ">= 1 (1: no trimming)")
         check(self.router_aux_coef >= 0, "router_aux_coef", ">= 0 (0: off)")
         check(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
              "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "
+             "is 1)")
+        check(self.ratio_mask == 0 or self.old_logprobs == "learner", "ratio_mask",
+             "0 unless old_logprobs='learner' (against the sampler's own log-probs every ratio "
              "is 1)")
 
     def check_batch(self, batch_size: int, batch_shards: int = 1):
@@ -401,7 +410,8 @@ def _micro_loss(graphdef, c: TrainConfig, micro_batches: int, params, rest, micr
         logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
         eps_high=c.eps_high, ratio=c.ratio, aggregation=c.aggregation, max_len=c.max_len or None,
         ref_logp=micro.get("ref_logprobs"), kl_coef=c.kl_coef, kl_kind=c.kl_kind,
-        sampler_logp=micro.get("sampler_logprobs"), tis_cap=c.tis_cap, **totals)
+        sampler_logp=micro.get("sampler_logprobs"), tis_cap=c.tis_cap,
+        ratio_mask=c.ratio_mask, **totals)
     if c.entropy_coef:
         loss = loss - objectives.entropy_bonus(entropy, mask, c.entropy_coef, c.aggregation,
                                                max_len=c.max_len or None, **totals)
@@ -580,6 +590,8 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
     if c.tis_cap:
         metrics["tis/weight_mean"] = total["tis_weight_sum"] / tokens
         metrics["tis/capped_fraction"] = total["tis_capped_sum"] / tokens
+    if c.ratio_mask:
+        metrics["ratio_mask/masked_fraction"] = total["ratio_masked_sum"] / tokens
     return metrics
 
 
