@@ -67,7 +67,7 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
     config, contexts = settings.config, settings.method.contexts_per_step
     run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
     policy, sets, mining = set_up(config, workdir)
-    mesh = models.make_mesh(**config.mesh)
+    mesh, sampler_mesh = models.split_meshes(settings.rollout.devices, **config.mesh)
     models.shard_model(policy.model, mesh)  # in place: the prober samples the sharded model
     method = build_method(settings, policy, sets, mining)
     mined = mining.cost(settings.method.needs)
@@ -77,7 +77,8 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
     result = loop.train(config, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, learner_config=settings.train,
                         rollout=settings.rollout, contexts_per_step=contexts,
-                        stop_ids=policy.stop_ids, mesh=mesh, ledger=ledger,
+                        stop_ids=policy.stop_ids, mesh=mesh, sampler_mesh=sampler_mesh,
+                        ledger=ledger,
                         probe=key_step_probe_of(config, policy, sets),
                         tools=settings.tools)
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.

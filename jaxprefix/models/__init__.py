@@ -6,7 +6,7 @@ from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.config import ModelConfig, Rope
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.scoring import token_logprobs
-from jaxprefix.models.sharding import make_mesh, shard_model
+from jaxprefix.models.sharding import make_mesh, shard_model, split_meshes
 
-__all__ = ['Decoder', 'KVCache', 'KVSegment', 'ModelConfig', 'Rope', 'make_mesh', 'shard_model',
+__all__ = ['Decoder', 'KVCache', 'KVSegment', 'ModelConfig', 'Rope', 'make_mesh', 'shard_model', 'split_meshes',
            'token_logprobs']

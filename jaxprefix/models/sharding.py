@@ -78,6 +78,25 @@ def make_mesh(data: int = -1, fsdp: int = 1, tensor: int = 1, devices=None) -> M
     return Mesh(grid, MESH_AXES)
 
 
+def split_meshes(sampler_devices: int, devices=None, **axes) -> tuple[Mesh, Mesh | None]:
+    """(the learner's mesh, the sampler's) when the sampler holds the last `sampler_devices`
+    devices (rollout.devices; 0: none of its own, it shares the learner's): the learner's axes
+    (`axes`, config.mesh) lay out the devices left, the sampler's hold rows ('data')."""
+    devices = list(jax.devices() if devices is None else devices)
+    if not sampler_devices:
+        return make_mesh(**axes, devices=devices), None
+    if not 0 < sampler_devices < len(devices):
+        raise ValueError(f'rollout.devices={sampler_devices}: expected fewer than the '
+                         f'{len(devices)} devices, the learner needs the rest (0: shared)')
+    learner = devices[:len(devices) - sampler_devices]
+    try:
+        return (make_mesh(**axes, devices=learner),
+                make_mesh(data=-1, devices=devices[len(learner):]))
+    except ValueError as e:
+        raise ValueError(f'rollout.devices={sampler_devices} leaves the learner '
+                         f'{len(learner)} devices: {e}') from None
+
+
 def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                  mesh_shape: dict[str, int] | None = None) -> PartitionSpec:
     """PartitionSpec of an array with these logical axis names under RULES.

@@ -9,6 +9,7 @@ the current step, saves, and returns.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import signal
 import threading
@@ -27,7 +28,7 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import need
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
-from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, wandb_writer
+from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, overlap, wandb_writer
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter
@@ -125,6 +126,10 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(t.total_steps >= 0, "config.train.total_steps", t.total_steps, ">= 0")
     need(t.max_refill_rounds >= 0, "config.train.max_refill_rounds", t.max_refill_rounds,
          ">= 0")
+    need(t.max_staleness >= 0, "config.train.max_staleness", t.max_staleness,
+         ">= 0 (0: synchronous)")
+    need(t.max_staleness == 0 or r.max_turns == 1, "config.train.max_staleness", t.max_staleness,
+         f"0 with rollout.max_turns={r.max_turns}: multi-turn episodes are sampled synchronously")
     need(config.checkpoint.every >= 1, "config.checkpoint.every", config.checkpoint.every,
          ">= 1")
     need(config.checkpoint.keep >= 1, "config.checkpoint.keep", config.checkpoint.keep, ">= 1")
@@ -436,13 +441,16 @@ def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCos
     return record
 
 
-def _resume(ckpt, state: TrainState, method: Method, totals: dict, ledger) -> TrainState:
+def _resume(ckpt, state: TrainState, method: Method, totals: dict, ledger,
+            resumed: dict) -> TrainState:
     """The newest checkpoint that restores (a corrupt one: the one before), with the method's
-    state, the running totals and the ledger; `state` itself when there is none."""
+    state, the running totals and the ledger (`resumed`: the checkpoint's metadata); `state`
+    itself when there is none."""
     restored = recovery.restore_newest(ckpt, _state_arrays(state))
     if restored is None:
         return state
     _, arrays, meta = restored
+    resumed.update(meta)
     method.restore(meta["method"])
     totals.update(meta["totals"])
     if ledger is not None and meta.get("ledger"):
@@ -475,13 +483,15 @@ def _steps_in_budget(flops_budget: float, cost: _StepCost, totals: dict) -> int:
 
 def train(config, workdir: str, *, method: Method, model, tokenizer, learner_config: TrainConfig,
           rollout: sampling.RolloutSpec, contexts_per_step: int, stop_ids=(), mesh=None,
-          ledger=None, probe=None, tools=None,
+          sampler_mesh=None, ledger=None, probe=None, tools=None,
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
 
     learner_config, rollout, contexts_per_step: the run's resolved settings (validate's
       TrainConfig, the RolloutSpec, the method's contexts a step); only the step's rows against
       `mesh` are checked here.
+    sampler_mesh: the sampler's own devices (rollout.devices > 0; None: it shares `mesh`); the
+      weights are copied there after each update.
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
       with config.train.lora_rank > 0 the frozen base that adapters are trained on.
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
@@ -502,10 +512,15 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     # one program a step; generate() then finds them in place.
     decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
                                                               config.rollout.tensor_parallel)
+    # The sampler's own devices (rollout.devices > 0), laid out for decoding there.
+    sampler_decode = decode if sampler_mesh is None else sampling.decode_layout(
+        sampler_mesh, model.config, config.rollout.tensor_parallel)
+    ahead = int(config.train.get("max_staleness", 0))  # > 0: rl/overlap.py samples ahead
     n_params = model.config.num_params()
     ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
-    state = _resume(ckpt, learner.init_state(), method, totals, ledger)
+    resumed: dict = {}
+    state = _resume(ckpt, learner.init_state(), method, totals, ledger, resumed)
     start = int(state.step)
     segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
     # An evaluation before the first step is the run's step 0: a fresh start rewrites it.
@@ -517,8 +532,12 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
     def save(step, final=False):
+        # Sampling ahead: the sampler first samples all it may (the method's state then matches
+        # the rollouts it holds), which are saved with it.
+        in_flight = overlap.encode_in_flight(sampler.settle()) if sampler else None
         meta = {"method": method.state(), "totals": totals, "seed": config.seed,
-                "ledger": ledger.to_dict() if ledger is not None else None}
+                "ledger": ledger.to_dict() if ledger is not None else None,
+                "in_flight": in_flight}
         # final: the run's last save is complete before it returns (made again if GCS failed it)
         ckpt.save(step, _state_arrays(state), meta, wait=final)
 
@@ -531,7 +550,23 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     record: dict[str, Any] = {}
     bar = tqdm(total=total, initial=start, desc="rl", unit="step", disable=not progress)
     preempted = False
-    with _Preemption() as preemption, ckpt:
+
+    def sampler_policy(state):
+        return learner.sampling_model(state, sampler_decode, detached=ahead > 0)
+
+    def sample_step(policy, step):
+        return _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids,
+                               replay, episodes)
+
+    sampler, publish_seconds = None, 0.0
+    if ahead and start < total:
+        sampler = overlap.AheadSampler(
+            sample_step, max_staleness=ahead, start=start, total=total,
+            in_flight=overlap.decode_in_flight(resumed.get("in_flight")))
+        sampler.publish(start, sampler_policy(state))
+    # However the loop ends, the sampler thread stops after the step it is sampling.
+    closing = contextlib.closing(sampler) if sampler else contextlib.nullcontext()
+    with _Preemption() as preemption, ckpt, closing:
         def evaluated(step) -> dict:
             """The step's evaluation figures (eval counts written); its policy freed after."""
             eval_start = time.perf_counter()
@@ -547,11 +582,16 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             _draw_curves(writer)
         for step in range(start, total):
             step_start = time.perf_counter()
-            policy = learner.sampling_model(state, decode)  # cast (and laid out) once a step
-            chunks = _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids,
-                                     replay, episodes)
+            if sampler is None:
+                policy = sampler_policy(state)  # cast (and laid out) once a step
+                chunks = sample_step(policy, step)
+                del policy  # the sampler's compute-dtype copy: free before the update
+                waited = time.perf_counter() - step_start
+                sampled = overlap.Sampled(step, step, chunks, waited)
+            else:  # sampled with older weights, maybe while the last update ran
+                sampled, waited = sampler.take(step)
+            chunks = sampled.chunks
             selection, batch = _batch(chunks, config.train)
-            del policy  # the sampler's compute-dtype copy: free before the update
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
@@ -565,6 +605,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             record = _step_record(chunks, selection, update_metrics, cost, totals,
                                   step_seconds=time.perf_counter() - step_start,
                                   update_seconds=update_seconds)
+            record.update(overlap.step_metrics(sampled, waited, publish_seconds))
             done = step + 1
             if flops_budget:  # the bar counts the steps the budget leaves, not total_steps
                 bar.total = min(total, done + _steps_in_budget(flops_budget, cost, totals))
@@ -580,6 +621,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
             if done % config.checkpoint.every == 0 or last or preemption.requested:
                 save(done, final=last or preemption.requested)
+            if sampler is not None and not last:  # the new weights, for the steps they sample
+                published = time.perf_counter()
+                sampler.publish(done, sampler_policy(state))
+                publish_seconds = time.perf_counter() - published
             if preemption.requested:
                 preempted = True
                 break

@@ -246,7 +246,8 @@ class Learner:
         adapters, the frozen base and `state`'s adapters)."""
         return nnx.merge(self.graphdef, state.params, self.rest)
 
-    def sampling_model(self, state: TrainState, mesh=None) -> nnx.Module:
+    def sampling_model(self, state: TrainState, mesh=None, *,
+                       detached: bool = False) -> nnx.Module:
         """The policy for the sampler: `state`'s weights cast to the compute dtype (a new bf16
         copy of f32 master weights, same shardings), or the weights themselves when they are
         already in it. Cast once per step; the sampler then reads half the bytes. Given the
@@ -254,15 +255,27 @@ class Learner:
         cast and laid out for it in one program, so no learner-layout copy is made. Adapters come
         folded into the (compute-dtype) base instead (lora.merged: a copy of the targeted weights,
         freed after sampling), which decodes faster than applying them per token
-        (bench/bench_lora.py); LoraConfig.merged_sampling=False applies them and saves the copy."""
+        (bench/bench_lora.py); LoraConfig.merged_sampling=False applies them and saves the copy.
+
+        A `mesh` on other devices (rollout.devices: the sampler's own) gets the policy cast here
+        and copied there. `detached`: no array of the result is one of `state`'s, which the next
+        update donates (a sampler that runs during it needs its own)."""
+        if mesh is not None and self.mesh is not None and \
+                set(mesh.devices.flat).isdisjoint(self.mesh.devices.flat):
+            policy = self.sampling_model(state)
+            graphdef, weights = nnx.split(policy)
+            return nnx.merge(graphdef, jax.device_put(weights, state_shardings(weights, mesh)))
         model = self.model(state)
         if lora.has_adapters(model):
-            return lora.merged(model) if model.adapters.config.merged_sampling else model
-        if mesh is None or self.mesh is None or mesh == self.mesh:
-            params, rest = _cast_floats(state.params, self.compute_dtype), self.rest
+            if model.adapters.config.merged_sampling:
+                return lora.merged(model)  # the adapters folded into new arrays
+            policy = model
+        elif mesh is None or self.mesh is None or mesh == self.mesh:
+            policy = nnx.merge(self.graphdef, _cast_floats(state.params, self.compute_dtype),
+                               self.rest)
         else:
-            params, rest = self._sampling_copy(mesh)(state.params, self.rest)
-        return nnx.merge(self.graphdef, params, rest)
+            return nnx.merge(self.graphdef, *self._sampling_copy(mesh)(state.params, self.rest))
+        return _copied(policy, state.params) if detached else policy
 
     def lower_sampling_copy(self, state: TrainState, mesh) -> jax.stages.Lowered:
         """sampling_model's cast and reshard for the decode `mesh`, lowered for `state` (which
@@ -342,6 +355,14 @@ class Learner:
 
     def _mesh_context(self):
         return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+
+def _copied(model: nnx.Module, params) -> nnx.Module:
+    """`model` with a copy of each array it shares with `params` (the others kept as they are)."""
+    shared = {id(x) for x in jax.tree.leaves(params)}
+    graphdef, weights = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(
+        lambda x: x.copy() if id(x) in shared else x, weights))
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -35,6 +35,7 @@ class RolloutSpec:
     kv_dtype: str = ''             # '': the compute dtype
     tensor_parallel: int = 0       # 0: the widest that divides the heads, on TPU
     max_turns: int = 1             # assistant turns of an episode with tools (docs/TOOLS.md)
+    devices: int = 0               # the sampler's own devices (0: it shares the learner's)
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -50,6 +51,7 @@ class RolloutSpec:
              "a power of two (tokens per KV page)")
         check(0 < self.kv_reserve <= 1, "kv_reserve", "a fraction in (0, 1]")
         check(self.tensor_parallel >= 0, "tensor_parallel", ">= 0 (0: automatic)")
+        check(self.devices >= 0, "devices", ">= 0 (0: the learner's, shared)")
         check(self.max_turns >= 1, "max_turns", ">= 1 (more than 1: episodes with the tools of "
               "config.tools, docs/TOOLS.md)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",

@@ -1,0 +1,167 @@
+"""Sampling ahead of the learner: off-policy steps with a staleness bound (train.max_staleness).
+
+With max_staleness = k > 0 a sampler thread samples step t's rollouts with the weights of
+version max(0, t - k) (a version counts the updates applied) while the learner updates on
+earlier steps' rollouts. The version of each step is a function of the step alone, never of
+timing, so a run is reproducible and a resumed run follows the uninterrupted one: at a
+checkpoint the sampler is let finish every step the published weights allow (through t + k)
+and those rollouts are checkpointed with the method's state (`in_flight`), never resampled.
+
+The thread runs the loop's own step sampler (`sample(policy, step)`: requests, dynamic
+sampling, rewards) and is the only caller of the method's next_request/observe while it runs;
+JAX dispatches both threads' programs at once, on disjoint devices with rollout.devices > 0.
+Every trained token then carries its step's version: the update's ratio uses the behaviour
+log-probs the sampler recorded (old_logprobs='sampler'), or corrects towards them
+(old_logprobs='learner' with tis_cap / ratio_mask).
+"""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import logging
+import pickle
+import threading
+import time
+from typing import Any, Callable
+
+from jaxprefix.errors import UserError
+
+
+class SamplerFailed(UserError):
+    """The sampler thread raised: the run stops in one line (the traceback is in the log)."""
+
+
+def sampling_version(step: int, max_staleness: int, start: int = 0) -> int:
+    """The weights' version (updates applied) that samples step `step`'s rollouts, in a run (or
+    a resume without rollouts in flight) that starts at step `start`."""
+    return max(start, step - max_staleness)
+
+
+def step_metrics(sampled: Sampled, waited: float, publish_seconds: float) -> dict:
+    """A step's staleness (updates between sampling and training: every token of a step has its
+    step's version) and the overlap's times: the learner's wait for the rollouts, the seconds
+    spent sampling them, and the last copy of new weights to the sampler."""
+    stale = sampled.step - sampled.version
+    return {"staleness/max": stale, "staleness/mean": float(stale),
+            "time/sampler_wait": waited, "time/sampler_busy": sampled.seconds,
+            "time/weights_publish": publish_seconds}
+
+
+@dataclasses.dataclass
+class Sampled:
+    step: int
+    version: int
+    chunks: list          # the loop's Scored rounds of this step
+    seconds: float        # wall time the sampler spent on it
+
+
+class AheadSampler:
+    """A thread that samples steps start, start+1, ... < total, each with the weights of its
+    version, up to max_staleness steps ahead of the learner.
+
+    sample: (policy, step) -> the step's scored rounds (runs in the thread).
+    in_flight: steps already sampled (a checkpoint's `in_flight`), taken first.
+    The learner calls `publish(version, policy)` with the weights after each update (the first
+    with the starting weights), `take(step)` for each step's rollouts, and `settle()` before a
+    checkpoint.
+    """
+
+    def __init__(self, sample: Callable[[Any, int], list], *, max_staleness: int, start: int,
+                 total: int, in_flight: list[Sampled] = ()):
+        self._sample = sample
+        self.max_staleness = max_staleness
+        self._total = total
+        self._ready = {s.step: s for s in in_flight}
+        self._start = start
+        self._next = start + len(self._ready)  # the next step the thread samples
+        self._policies: dict[int, Any] = {}
+        self._working = False
+        self._error: BaseException | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
+        self._thread.start()
+
+    # --- the learner's side -----------------------------------------------------------------
+
+    def publish(self, version: int, policy) -> None:
+        """The sampling weights of `version` (already copied off the learner's donated state);
+        versions no step still needs are dropped."""
+        with self._cond:
+            self._policies[version] = policy
+            needed = self._version(self._next)
+            for old in [v for v in self._policies if v < needed]:
+                del self._policies[old]
+            self._cond.notify_all()
+
+    def take(self, step: int) -> tuple[Sampled, float]:
+        """(step's rollouts, seconds the learner waited for them)."""
+        start = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: step in self._ready or self._error is not None)
+            if step not in self._ready:
+                raise SamplerFailed(f"the sampler stopped at step {self._next}: "
+                                    f"{type(self._error).__name__}: {self._error}")
+            return self._ready.pop(step), time.perf_counter() - start
+
+    def settle(self) -> list[Sampled]:
+        """Waits until the sampler has sampled every step the published weights allow, and
+        returns what it holds ahead of the learner (to checkpoint with the method's state,
+        which it no longer changes until the next publish)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or (
+                not self._working and not self._can_sample()))
+            if self._error is not None:
+                raise SamplerFailed(f"the sampler stopped at step {self._next}: "
+                                    f"{type(self._error).__name__}: {self._error}")
+            return [self._ready[s] for s in sorted(self._ready)]
+
+    def close(self) -> None:
+        """Stops the thread after the step it is sampling, if any."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # --- the thread -------------------------------------------------------------------------
+
+    def _version(self, step: int) -> int:
+        return sampling_version(step, self.max_staleness, self._start)
+
+    def _can_sample(self) -> bool:
+        return self._next < self._total and self._version(self._next) in self._policies
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._can_sample())
+                if self._stop:
+                    return
+                step = self._next
+                version = self._version(step)
+                policy = self._policies[version]
+                self._working = True
+            start = time.perf_counter()
+            try:
+                chunks = self._sample(policy, step)
+            except BaseException as e:  # noqa: BLE001  (reported to the learner in one line)
+                logging.exception("the sampler failed at step %d", step)
+                with self._cond:
+                    self._error, self._working = e, False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._ready[step] = Sampled(step, version, chunks, time.perf_counter() - start)
+                self._next = step + 1
+                self._working = False
+                self._cond.notify_all()
+
+
+def encode_in_flight(sampled: list[Sampled]) -> str:
+    """The sampled steps ahead of the learner as checkpoint metadata (JSON holds text): their
+    rollouts, requests and rewards, pickled. A checkpoint is the run's own trusted output."""
+    return base64.b64encode(pickle.dumps(sampled, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+
+
+def decode_in_flight(text: str | None) -> list[Sampled]:
+    return pickle.loads(base64.b64decode(text)) if text else []

@@ -1,0 +1,128 @@
+"""Sampling ahead of the learner (train.max_staleness, rollout.devices): rl/overlap.py and the
+loop's use of it, on the tiny policy of test_loop (its task, reward and method)."""
+import signal
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprefix.models.decoder import Decoder
+from jaxprefix.models.sharding import shard_model, split_meshes
+from jaxprefix.rl import overlap
+from jaxprefix.rl.loop import train
+from jaxprefix.rl.metrics import read_metrics
+from jaxprefix.rl.overlap import AheadSampler, SamplerFailed, sampling_version
+
+from test_loop import (MODEL, PROBLEMS, TOKENIZER, SignalAt, params_of, resolved, run_settings,
+                       without_timing)
+from jaxprefix.methods.prompting import TaskPrompts
+
+
+def test_each_step_is_sampled_with_its_version_never_more_than_k_ahead():
+    published = []  # versions published so far, as the thread sees them
+    seen = []
+
+    def sample(policy, step):
+        seen.append((step, policy, max(published)))
+        return [f"rollouts of {step}"]
+
+    sampler = AheadSampler(sample, max_staleness=2, start=0, total=6)
+    try:
+        for step in range(6):
+            published.append(step)
+            sampler.publish(step, policy=step)  # the weights of version `step` are `step`
+            got, _ = sampler.take(step)
+            assert (got.step, got.version, got.chunks) == (step, max(0, step - 2),
+                                                           [f"rollouts of {step}"])
+    finally:
+        sampler.close()
+    assert [(s, v) for s, v, _ in seen] == [(t, max(0, t - 2)) for t in range(6)]
+    assert all(s - newest <= 2 for s, _, newest in seen)  # at most k ahead of the learner
+    assert sampling_version(7, 2, start=6) == 6  # a resume without rollouts in flight
+
+
+def test_settle_waits_for_what_the_weights_allow_and_a_resume_continues_from_it():
+    release = threading.Event()
+
+    def sample(policy, step):
+        release.wait()
+        return [step]
+
+    sampler = AheadSampler(sample, max_staleness=2, start=0, total=10)
+    sampler.publish(0, "v0")
+    release.set()
+    held = sampler.settle()  # steps 0, 1, 2 need version 0: all sampled before it returns
+    sampler.close()
+    assert [(s.step, s.version) for s in held] == [(0, 0), (1, 0), (2, 0)]
+    again = AheadSampler(sample, max_staleness=2, start=1,  total=10,
+                         in_flight=overlap.decode_in_flight(overlap.encode_in_flight(held[1:])))
+    again.publish(1, "v1")
+    try:
+        assert again.take(1)[0].chunks == [1] and again.take(3)[0].version == 1
+    finally:
+        again.close()
+
+
+def test_a_sampler_failure_stops_the_learner_in_one_line():
+    def sample(policy, step):
+        if step == 1:
+            raise RuntimeError("out of pages")
+        return [step]
+
+    sampler = AheadSampler(sample, max_staleness=1, start=0, total=4)
+    sampler.publish(0, "v0")
+    try:
+        sampler.take(0)
+        with pytest.raises(SamplerFailed, match="the sampler stopped at step 1: RuntimeError: "
+                                                "out of pages"):
+            sampler.take(1)
+    finally:
+        sampler.close()
+
+
+def test_split_meshes_give_the_sampler_the_last_devices_and_refuse_taking_all():
+    devices = jax.devices()[:4]
+    learner, sampler = split_meshes(1, devices=devices)
+    assert list(learner.devices.flat) == devices[:3] and list(sampler.devices.flat) == devices[3:]
+    assert split_meshes(0, devices=devices)[1] is None
+    with pytest.raises(ValueError, match=r"rollout.devices=4: expected fewer than the 4 devices"):
+        split_meshes(4, devices=devices)
+    with pytest.raises(ValueError, match=r"rollout.devices=1 leaves the learner 3 devices"):
+        split_meshes(1, devices=devices, data=2)
+
+
+def run_split(workdir, config, at=None):
+    """test_loop's run, the learner on device 0 and the sampler on device 1."""
+    mesh, sampler_mesh = split_meshes(1, devices=jax.devices()[:2])
+    method = SignalAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
+                      eval_problems=PROBLEMS[12:], eval_n=4, at=at, signum=signal.SIGTERM)
+    model = shard_model(Decoder(MODEL, rngs=nnx.Rngs(0)), mesh)
+    return train(config, str(workdir), method=method, model=model, tokenizer=TOKENIZER,
+                 stop_ids=(TOKENIZER.eos_id,), progress=False, mesh=mesh,
+                 sampler_mesh=sampler_mesh, **resolved(config))
+
+
+@pytest.mark.slow  # three runs of the tiny policy (~2 min on 2 cores)
+def test_one_step_off_on_its_own_device_resumes_after_sigterm_to_the_same_run(tmp_path):
+    straight = run_split(tmp_path / "straight", run_settings(total_steps=4, max_staleness=1))
+    records = read_metrics(str(tmp_path / "straight"))
+    assert [r["staleness/max"] for r in records] == [0, 1, 1, 1]
+    assert records[0]["ratio/first_max_abs_dev"] < 1e-3  # sampled with the weights it trains
+    assert records[1]["ratio/first_max_abs_dev"] > 1e-3  # one update behind
+    # SIGTERM while the sampler draws step 2's batch, ahead of the learner.
+    stopped = run_split(tmp_path / "resumed", run_settings(total_steps=4, max_staleness=1), at=2)
+    assert stopped["preempted"]
+    resumed = run_split(tmp_path / "resumed", run_settings(total_steps=4, max_staleness=1))
+    assert resumed["step"] == 4
+    for a, b in zip(params_of(straight), params_of(resumed)):
+        np.testing.assert_array_equal(a, b)
+    assert (without_timing(read_metrics(str(tmp_path / "resumed")))
+            == without_timing(records))
+
+
+def test_the_synchronous_loop_states_staleness_zero(tmp_path):
+    from test_loop import run
+    run(tmp_path, run_settings(total_steps=2))
+    assert [r["staleness/max"] for r in read_metrics(str(tmp_path))] == [0, 0]
