@@ -3,6 +3,7 @@
     python -m jaxprefix.main --config=configs/results.py --workdir=runs/pope_study    # POPE
     python -m jaxprefix.main --config=configs/results.py:carry --workdir=runs/prefixrl_study
     python -m jaxprefix.main --config=configs/results.py:smoke --workdir=/tmp/results_smoke
+    python -m jaxprefix.main --config=configs/results.py:overlap --workdir=runs/overlap_study
     python -m jaxprefix.main --config=configs/results.py:eps --workdir=runs/eps_taught0.05 \
         --config.sft.data.second_rule_taught=0.05 \
         --config.results.output_dir=docs/results/pope_eps/taught0.05     # one eps level
@@ -16,6 +17,8 @@ resumes, finished runs are only re-evaluated. run_setup/study_arms.py lists the 
   (the key step names its rule), eps set by sft.data.second_rule_taught (one level a workdir),
   POPE with the value hint and with the restating hint, GRPO run on to the larger's FLOPs, and
   the teacher-forced key-step probe (probe/*) at every evaluation.
+- overlap: plain GRPO against GRPO one step off-policy (train.max_staleness=1,
+  docs/OVERLAP.md) on the demo task's hard set, 3 seeds, equal steps.
 - carry: carry_multiplication, PrefixRL's regime (a problem length chosen by a stated rule) and
   its controls: PrefixRL and SFT-then-GRPO on the base's own traces and on a second base's,
   plain GRPO, and more SFT on problems outside the hard set, then GRPO.
@@ -26,20 +29,23 @@ from jaxprefix import variants
 
 POPE_RUNS = ("pope_cap0.25", "grpo_matched", "sft_guided")
 EPS_RUNS = ("pope_value_hint", "pope_restating_hint", "grpo_matched_hints")
+OVERLAP_RUNS = ("grpo", "grpo_one_step_off")
 PREFIXRL_RUNS = ("prefixrl_regime", "sft_traces_regime", "grpo_regime", "sft_more_regime",
                  "prefixrl_other_regime", "sft_other_traces_regime")
 
 
 def get_config(arg: str = ""):
-    c, args = variants.method_config(__file__, "pope", arg, extra_variants=("eps", "eps_smoke"))
+    c, args = variants.method_config(__file__, "pope", arg, extra_variants=("eps", "eps_smoke", "overlap"))
     c.job = "results"
     carry = args.variant in ("carry", "carry_smoke")
     eps = args.variant in ("eps", "eps_smoke")
     c.results = ml_collections.ConfigDict(dict(
-        seeds=(0, 1, 2), runs=PREFIXRL_RUNS if carry else EPS_RUNS if eps else POPE_RUNS,
+        seeds=(0, 1, 2), runs=(PREFIXRL_RUNS if carry else EPS_RUNS if eps else OVERLAP_RUNS
+                               if args.variant == "overlap" else POPE_RUNS),
         isocompute=False,
         report_only=False,  # True: the report of the finished runs; the others are "not run"
-        output_dir="" if eps else "docs/results/prefixrl" if carry else "docs/results/pope",
+        output_dir=("" if eps else "docs/results/prefixrl" if carry else "docs/results/overlap"
+                    if args.variant == "overlap" else "docs/results/pope"),
         # The SFT warm starts: Adam at the base SFT's rate, 10 epochs over their examples, the
         # rate warmed up over the first 30% (the lowest final SFT loss of 1e-3, 3e-4, 1e-4 on
         # the own guided answers; without a warmup the loss jumped 0.58 -> 2.8 at step 2).

@@ -33,7 +33,7 @@ VARIANTS = {
                       "smollm2": ("sweep", "grpo"), "paper": ("sweep", "grpo"),
                       "fit": ("fit", "grpo")},
     "sft.py": {v: ("sft", None) for v in ("", "demo", "smoke", "tools", "tools_smoke")},
-    "results.py": {v: ("results", "pope") for v in ("", "demo", "smoke")},
+    "results.py": {v: ("results", "pope") for v in ("", "demo", "smoke", "overlap")},
     "tools.py": {"": ("tools", "grpo"), "study": ("tools", "grpo"), "smoke": ("tools", "grpo"),
                  "rl": ("rl", "grpo")},
     "serve.py": {v: ("serve", "grpo") for v in ("", "smollm2", "hf", "tpu")},

@@ -51,6 +51,10 @@ RUNS = {
     "grpo_matched_hints": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to the larger "
                                   "of the two POPE arms' FLOPs at the same seed (mining included)",
                                   flops_match=("pope_value_hint", "pope_restating_hint")),
+    # Issue 44: is one step off-policy (docs/OVERLAP.md) as good as the synchronous loop?
+    "grpo_one_step_off": RunSpec("grpo", {"train.max_staleness": 1},
+                                 "plain GRPO on the hard set, one step off-policy (each step "
+                                 "sampled with the weights of one update before)"),
     "grpo_entropy": RunSpec("grpo", {"train.entropy_coef": 0.01}, "GRPO + entropy bonus"),
     "grpo_pass_at_k": RunSpec("grpo", {"train.advantage": "pass_at_k", "train.pass_k": 4},
                               "GRPO with pass@k advantages (Chen et al. 2025)"),
