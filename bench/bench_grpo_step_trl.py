@@ -11,8 +11,9 @@ micro-batches of 8 rows, LoRA rank --rank (alpha 32) on every linear layer of th
 lr 1e-4 (constant), global-norm clip 1.0, f32 throughout.
   ours  `configs/grpo.py:smollm2` with the overrides above, one step of the RL loop's body:
         loop.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
-        Learner.update (remat on, its defaults otherwise: train.width_steps 1, every
-        micro-batch at full width). Old log-probs are the sampler's.
+        Learner.update (remat on, its defaults otherwise; --width-steps k sets
+        train.width_steps, each micro-batch cut to the shortest of k widths that holds its
+        rows, default 1: full width). Old log-probs are the sampler's.
   trl   TRL's GRPOTrainer as its docs set it up on CPU: transformers' model (our HF export read
         back by from_pretrained), peft LoraConfig(target_modules='all-linear'), its own
         generation (transformers' generate), per_device_train_batch_size 8 with
@@ -65,7 +66,8 @@ def run_config(args):
     c.rollout.update(n=args.n, temperature=TEMPERATURE, max_new_tokens=args.new)
     c.train.update(problems_per_step=args.problems, learning_rate=LEARNING_RATE, max_grad_norm=1.0,
                    weight_decay=0.0, advantage="dr_grpo", aggregation="seq_mean_token_sum_norm",
-                   lora_rank=args.rank, micro_batch_size=MICRO_ROWS, remat=True)
+                   lora_rank=args.rank, micro_batch_size=MICRO_ROWS, remat=True,
+                   width_steps=args.width_steps)
     c.train.lora.alpha = LORA_ALPHA
     return c
 
@@ -231,6 +233,9 @@ def main():
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="timed steps of each arm")
+    parser.add_argument("--width-steps", type=int, default=1,
+                        help="ours: train.width_steps (micro-batches cut to the shortest of k "
+                             "widths that holds their rows; 1: full width)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -260,7 +265,8 @@ def main():
         print(f"threads: torch {torch.get_num_threads()}, jax (XLA CPU) every core; "
               f"{args.problems} problems x {args.n} samples, up to {args.new} new tokens, "
               f"temperature {TEMPERATURE}, LoRA r{args.rank} all linear, lr {LEARNING_RATE}, "
-              f"dr_grpo, no KL, f32, micro-batches of {MICRO_ROWS} rows", flush=True)
+              f"dr_grpo, no KL, f32, micro-batches of {MICRO_ROWS} rows, ours at "
+              f"train.width_steps={args.width_steps}", flush=True)
         trainer.train()  # each TRL step is followed by one of ours (the Clock callback)
     print(f"first step (warm-up): ours {ours.parts[0]['step']:.1f} s (update "
           f"{ours.parts[0]['update']:.1f} s), trl {trl_parts[0]['step']:.1f} s")
