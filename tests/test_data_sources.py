@@ -8,7 +8,9 @@ from jaxprefix import rewards
 from jaxprefix.data import DataError, load_problems
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems
 from jaxprefix.rewards.reasoning_gym import (boxed_or_last, final_answer,
-                                             reasoning_gym_boxed_verifier, reasoning_gym_verifier)
+                                             reasoning_gym_boxed_verifier,
+                                             reasoning_gym_right_boxed_verifier,
+                                             reasoning_gym_verifier)
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
@@ -65,6 +67,16 @@ def test_boxed_verifier_values_the_right_answer_and_the_box():
     assert score(f"{answer} \\boxed{{}}", problem) == pytest.approx(0.8)  # an empty box is none
     # pass@k's threshold (reward > 0.5) is the right answer, boxed or not
     assert score(f"{wrong} \\boxed{{{answer}}}", problem) > 0.5 > score(f"\\boxed{{{wrong}}}", problem)
+
+
+def test_right_boxed_verifier_pays_the_box_on_right_answers_only():
+    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
+    answer, wrong = problem.answer, str(int(problem.answer) + 1)
+    score = reasoning_gym_right_boxed_verifier
+    assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
+    assert score(f"{answer} is the sum, I think.", problem) == pytest.approx(0.8)
+    assert score(f"{answer}, no: \\boxed{{{wrong}}}", problem) == 0.0  # a wrong box earns nothing
+    assert score(f"{answer} \\boxed{{}}", problem) == pytest.approx(0.8)
 
 
 def test_boxed_or_last_reads_numbers_only_for_numeric_answers():
