@@ -126,3 +126,19 @@ def test_the_synchronous_loop_states_staleness_zero(tmp_path):
     from test_loop import run
     run(tmp_path, run_settings(total_steps=2))
     assert [r["staleness/max"] for r in read_metrics(str(tmp_path))] == [0, 0]
+
+
+def test_a_sampler_split_the_devices_cannot_hold_is_one_line_before_any_work(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    done = subprocess.run([sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+                           f"--workdir={tmp_path}", "--config.train.max_staleness=1",
+                           "--config.rollout.devices=1"], capture_output=True, text=True, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: config.rollout.devices=1: expected fewer than the 1 devices, the learner needs "
+        "the rest (0: shared)")
+    assert not (tmp_path / "base").exists()  # refused before the smoke's SFT base was trained

@@ -12,6 +12,7 @@ from absl import logging
 
 from jaxprefix import distributed, key_step_probe, models, run_identity, storage
 from jaxprefix.data import tasks
+from jaxprefix.errors import ConfigError
 from jaxprefix.rl import compute_ledger, loop
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.run_setup.mining import set_up
@@ -66,8 +67,12 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
     settings = settings or resolve(config)  # isocompute.budget > 0: n, B, M from the rule
     config, contexts = settings.config, settings.method.contexts_per_step
     run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
+    # Before any work: a mesh or device split these devices cannot hold is one line.
+    try:
+        mesh, sampler_mesh = models.split_meshes(settings.rollout.devices, **config.mesh)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}" if str(e).startswith("rollout.") else str(e)) from None
     policy, sets, mining = set_up(config, workdir)
-    mesh, sampler_mesh = models.split_meshes(settings.rollout.devices, **config.mesh)
     models.shard_model(policy.model, mesh)  # in place: the prober samples the sharded model
     method = build_method(settings, policy, sets, mining)
     mined = mining.cost(settings.method.needs)
