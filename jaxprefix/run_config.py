@@ -315,6 +315,8 @@ FIELDS = {
         "headroom": F(0.1, "share of HBM kept free"),
         "model_config": F("", "a config.json to use when the model path's is not readable "
                               "from here"),
+        "search_split": F(False, "also cost each power-of-two rollout.devices and report the "
+                                 "fastest pipelined split"),
     },
     "distributed": distributed.FIELDS,
     "isocompute": {

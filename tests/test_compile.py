@@ -252,6 +252,79 @@ def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
     assert continuous['fits'] and continuous['roofline']['seconds'] > 0
 
 
+def test_a_split_reports_each_side_and_the_pipelined_step(tmp_path):
+    """rollout.devices=2 on v6e-4: the learner's update compiled with config.mesh (FSDP) over
+    the first 2 chips, the sampler's programs tensor-parallel over the last 2 with no training
+    state beside them; the pipelined step is the slower side plus the weights' copy (the
+    sampler's f32 weights, half of them a chip, over ICI). The sequential figure is the
+    time-shared compile's (the tests above), given here."""
+    from jaxprefix.jobs.compile import pipeline, run_model_config
+    from jaxprefix.run_setup.run_settings import resolve
+
+    config = smoke_compile_config(tmp_path, SMALL, 'v6e-4')
+    config.mesh.update(data=1, fsdp=-1, tensor=1)
+    config.rollout.devices = 2
+    settings = resolve(config)
+    model_config = run_model_config(config)
+    block = pipeline(settings, model_config, topology.slice_type('v6e-4'),
+                     str(tmp_path / 'work'), {'step': {'roofline_seconds': 1.0}, 'chips': 4})
+    sampler, learner, transfer = block['sampler'], block['learner'], block['transfer']
+    assert block['sequential_s'] == 1.0 and block['devices'] == 2 and block['fits']
+    assert learner['mesh'] == {'data': 1, 'fsdp': 2, 'tensor': 1}
+    assert sampler['mesh'] == {'data': 1, 'fsdp': 1, 'tensor': 2}
+    assert set(learner['programs']) == {'learner update'}
+    assert set(sampler['programs']) == {'sampler prefill', 'sampler decode'}  # no reshard
+    assert all(p['resident_bytes'] == 0 for p in sampler['programs'].values())
+    assert min(sampler['seconds'], learner['seconds']) > 0
+    weights = ModelConfig.from_hf(SMALL).num_params() * 4 / 2  # f32 compute (smoke), 2 ways
+    assert transfer['bytes_per_sampler_chip'] == pytest.approx(weights, rel=0.02)
+    assert transfer['seconds'] == pytest.approx(
+        transfer['bytes_per_sampler_chip'] / topology.CHIPS['v6e'].ici_bytes_per_s)
+    assert block['pipelined_s'] == pytest.approx(
+        max(sampler['seconds'], learner['seconds']) + transfer['seconds'])
+    assert (tmp_path / 'work' / 'hlo' / 'v6e-4' / 'split_2' / 'learner_update.txt').exists()
+
+
+def test_a_split_that_does_not_divide_is_refused_in_one_line(tmp_path):
+    """rollout.devices=1 on v6e-4 leaves the learner 3 chips, which the step's micro-batches of
+    16 rows do not split over: refused in one line before anything is compiled."""
+    from jaxprefix.errors import ConfigError, one_line
+    from jaxprefix.jobs.compile import run_compile
+
+    config = smoke_compile_config(tmp_path, SMALL, 'v6e-4')
+    config.mesh.update(data=1, fsdp=-1, tensor=1)
+    config.rollout.devices = 1
+    with pytest.raises(ConfigError) as refused:
+        run_compile(config, str(tmp_path / 'work'))
+    line = one_line(refused.value)
+    assert '\n' not in line and line.startswith('error: config.rollout.devices=1: on v6e-4 the '
+                                                  'learner gets 3 chips, the sampler 1'), line
+    assert 'not divisible' in line and not (tmp_path / 'work').exists()
+
+
+def test_the_weights_a_split_sampler_is_sent(tmp_path):
+    """What each update replaces on a sampler of its own chips, per chip of its decode mesh:
+    every weight in the compute dtype; with LoRA the merged targeted weights, or the adapters
+    when the sampler applies them (merged_sampling=False)."""
+    from flax import nnx
+
+    from jaxprefix.models import lora
+    from jaxprefix.tpu import programs
+
+    config = ModelConfig.from_hf(SMALL, param_dtype='float32', dtype='bfloat16')
+    mesh = make_mesh(data=1, tensor=2, devices=topology.devices(topology.slice_type('v6e-4'))[2:])
+    model, sent = programs.sampler_weights(config, mesh)
+    assert sent == pytest.approx(config.num_params() * 2 / 2, rel=0.02)
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(nnx.state(model)))
+    _, sent = programs.sampler_weights(config, mesh, lora.LoraConfig(4, targets=('q', 'o')))
+    layers, d, heads = config.num_layers, config.hidden_size, config.num_heads * config.head_dim
+    assert sent == 2 * layers * d * heads * 2 / 2  # q and o, bf16, heads split 2 ways
+    _, sent = programs.sampler_weights(
+        config, mesh, lora.LoraConfig(4, targets=('q', 'o'), merged_sampling=False))
+    adapters = layers * 4 * 2 * (d + heads) * 4  # A and B of q and o, rank 4, f32
+    assert adapters / 2 <= sent <= adapters  # some split over the heads
+
+
 SMALL_MOE = dict(model_type='qwen3_moe', architectures=['Qwen3MoeForCausalLM'], vocab_size=2048,
                  hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                  num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,

@@ -11,6 +11,13 @@ and the printed table give HBM per chip against the chip's capacity (the trainin
 stays resident while the sampler runs is counted in the sampler's programs), FLOPs, bytes,
 collectives and a roofline time (compiled_stats.py). Exit status 0 only when every program fits
 within (1 - compile.headroom) of HBM; otherwise one line names the program and the shortfall.
+
+Sampler and learner on chips of their own (rollout.devices = d; docs/SCALING.md): the learner's
+update is compiled again with config.mesh over the slice's first chips, the sampler's programs
+with the decode's layout over the last d, and compile.json's `pipeline` block sets each side's
+roofline seconds a step, the copy of the weights after each update and the pipelined step
+(costing.pipelined_seconds) beside the sequential one; compile.search_split tries each power
+of two below the slice's chips for d.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import storage
+from jaxprefix.errors import ConfigError
 from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
@@ -42,7 +50,11 @@ def run_compile(config, workdir: str) -> dict:
     table, and raises SystemExit (one line) when a program does not fit.
 
     A topology naming only a generation ('v6e') tries its slices from the smallest up and
-    reports the first on which everything fits: the slice to rent."""
+    reports the first on which everything fits: the slice to rent.
+
+    With rollout.devices = d > 0 (the sampler on d chips of its own, the learner on the rest)
+    or compile.search_split, the splits are compiled too (`pipeline`); with d > 0 the exit
+    status is the split's: whether each side fits its own chips."""
     c = config.compile
     if not c.topology:
         raise ValueError('config.compile.topology is empty: expected a TPU type such as v6e-8, '
@@ -60,6 +72,9 @@ def run_compile(config, workdir: str) -> dict:
     candidates = (topology.generation_slices(generation)
                   if generation in topology.CHIPS or generation in topology.ALIASES
                   else [topology.slice_type(generation)])
+    devices = config.rollout.devices
+    if devices and len(candidates) == 1:  # a split that does not divide: before any compile
+        split_meshes(settings, model_config, candidates[0], devices)
     search, report = [], None
     for slice_ in candidates:
         try:
@@ -72,6 +87,7 @@ def run_compile(config, workdir: str) -> dict:
             continue
         search.append({'topology': slice_.name, 'fits': report['fits'],
                        'why': '' if report['fits'] else _shortfall(report)})
+        compiled_on = slice_
         if report['fits']:
             break
     if report is None:
@@ -79,9 +95,15 @@ def run_compile(config, workdir: str) -> dict:
                          f'(tried {", ".join(s["topology"] for s in search)})')
     if len(candidates) > 1:
         report['search'] = search
+    # The sequential step beside, with rollout.devices or compile.search_split, the split's.
+    report['pipeline'] = pipeline(settings, model_config, compiled_on, workdir, report)
     storage.write_json(storage.join(workdir, REPORT), report)
     print(table(report))
-    if not report['fits']:
+    split = report['pipeline']
+    if devices and not split['fits']:  # the run's own layout is the split
+        raise SystemExit(f"compile: rollout.devices={devices} does not fit {report['topology']}: "
+                         f"{split['why']}; see {storage.join(workdir, REPORT)}")
+    if not devices and not report['fits']:
         raise SystemExit(f"compile: {_shortfall(report)}; see {storage.join(workdir, REPORT)}")
     if len(candidates) > 1:
         print(f"smallest {generation} slice that fits: {report['topology']}")
@@ -120,17 +142,10 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
     learner = Learner(model, train, mesh)
-    try:  # compiles the optimizer's init to learn its shardings
-        state = learner.abstract_state()
-    except jax.errors.JaxRuntimeError as e:
-        if 'RESOURCE_EXHAUSTED' not in str(e):
-            raise
-        raise ValueError(f'the training state alone does not fit {slice_.name}: '
-                         f'{str(e).splitlines()[0][:200]}') from None
+    state = _abstract_state(learner, slice_)
     held = programs.bytes_per_chip(state) + programs.bytes_per_chip(learner.rest)
     if searching and held > (1 - c.headroom) * slice_.chip.hbm_bytes:  # nothing to compile
-        raise ValueError(f'the training state alone needs {held / GiB:.1f} GiB per chip, over '
-                         f'{1 - c.headroom:.0%} of {slice_.chip.hbm_bytes / GiB:.0f} GiB')
+        raise ValueError(_state_too_big(held, slice_, c.headroom))
     compiled = _timed('learner update', lambda: programs.learner_programs(
         learner, state, train, step))
     usable = (1 - c.headroom) * slice_.chip.hbm_bytes
@@ -150,20 +165,178 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     if train.kl_coef > 0:
         resident += programs.bytes_per_chip(state.params)
         note += ', KL reference weights'
-    # The sampler's weights, and their tensor-parallel copy when the decode reshards them.
-    weights = programs.bytes_per_chip(nnx.state(sampler_model))
-    weights += programs.decode_copy_bytes(sampler_model, step)
-    kv_budget = spec.kv_budget_bytes(slice_.chip.hbm_bytes, mesh.size, resident + weights)
-    try:
-        compiled += _timed('sampler', lambda: programs.sampler_programs(
-            sampler_model, mesh, step, kv_budget_bytes=kv_budget, resident_bytes=resident,
-            resident_note=note))
-    except ValueError as e:  # the KV budget holds no row beside the weights: nothing to compile
-        compiled.append(programs.Program('sampler', None, error=str(e), required_bytes=weights,
-                                         resident_bytes=resident, resident_note=note))
+    sampled, kv_budget = _sampler(sampler_model, mesh, step, slice_.chip, resident, note)
+    compiled += sampled
 
     return _report(config, model_config, slice_, workdir, mesh, step, compiled, learner, state,
                    kv_budget, start)
+
+
+def split_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
+                 devices: int) -> tuple:
+    """(the learner's mesh, the sampler's) with the sampler on the slice's last `devices` chips
+    (rollout.devices): config.mesh over the first chips, the decode's layout (decode_layout)
+    over the last. A split the meshes or the learner's rows do not divide is refused in one
+    line (ConfigError)."""
+    config = settings.config
+    what = f'config.rollout.devices={devices}'
+    if config.compile.slices > 1:  # the split would cut across the slices' DCN
+        raise ConfigError(f'{what}: a split is costed on one slice only (compile.slices='
+                          f'{config.compile.slices})')
+    chips = topology.devices(slice_)
+    learner_chips = len(chips) - devices
+    if not 0 < devices < len(chips):
+        raise ConfigError(f'{what}: expected 0 (all {len(chips)} chips of {slice_.name}, '
+                          f'time-shared) or fewer, leaving the learner some')
+    try:
+        learner = make_mesh(**config.mesh, devices=chips[:learner_chips])
+        loop.check_rows(config, settings.train, settings.method.contexts_per_step, learner)
+        sampler = decode_layout(make_mesh(data=-1, devices=chips[learner_chips:]), model_config,
+                                settings.rollout.tensor_parallel)
+    except ValueError as e:
+        raise ConfigError(f'{what}: on {slice_.name} the learner gets {learner_chips} chips, '
+                          f'the sampler {devices}, and {e}') from None
+    return learner, sampler
+
+
+def split_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
+              workdir: str, devices: int) -> dict:
+    """The pipeline block's figures for the sampler on the slice's last `devices` chips and the
+    learner on the rest (split_meshes), each side's programs compiled on its own mesh and its
+    HLO under <workdir>/hlo/<slice>/split_<devices>/. A side whose chips cannot hold it is
+    reported as not fitting; the learner's compile is skipped when its state alone is over."""
+    config, train, spec, chip = (settings.config, settings.train, settings.rollout,
+                                 slice_.chip)
+    c = config.compile
+    learner_mesh, sampler_mesh = split_meshes(settings, model_config, slice_, devices)
+    step = programs.StepShape(contexts=settings.method.contexts_per_step,
+                              context_length=c.context_length, n=config.rollout.n, rollout=spec,
+                              routing_replay=loop.routing_replay(
+                                  config, any(model_config.sparse_layers)))
+    adapters = loop.lora_config(config)
+    logging.info('compile: split %d: learner mesh %s, sampler mesh %s', devices,
+                 dict(learner_mesh.shape), dict(sampler_mesh.shape))
+    # The learner: its training state and update, nothing of the sampler's beside them.
+    learner = Learner(programs.abstract_model(model_config, learner_mesh, adapters), train,
+                      learner_mesh)
+    held = 0.0
+    try:
+        state = _abstract_state(learner, slice_)
+        held = programs.bytes_per_chip(state) + programs.bytes_per_chip(learner.rest)
+        if held > (1 - c.headroom) * chip.hbm_bytes:
+            raise ValueError(_state_too_big(held, slice_, c.headroom))
+        learned = _timed(f'learner update on {learner_mesh.size} chips',
+                         lambda: programs.learner_programs(learner, state, train, step))
+    except ValueError as e:
+        learned = [programs.Program('learner update', None, error=str(e), required_bytes=held)]
+    # The sampler: its compute-dtype weights on the decode layout, the rest of HBM its KV.
+    model, sent = programs.sampler_weights(model_config, sampler_mesh, adapters)
+    sampled, kv_budget = _sampler(model, sampler_mesh, step, chip, 0.0, '')
+    directory = storage.join(workdir, 'hlo', slice_.name, f'split_{devices}')
+    _write_hlo(learned + sampled, directory)
+
+    def side(compiled, mesh):
+        rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
+        fits = all(r['fits'] for r in rows)
+        return {'chips': mesh.size, 'mesh': dict(mesh.shape), 'fits': fits,
+                'seconds': sum(r['calls_per_step'] * r['roofline']['seconds'] for r in rows)
+                if fits else None, 'programs': {r['name']: r for r in rows}}, rows
+    learner_side, _ = side(learned, learner_mesh)
+    sampler_side, rows = side(sampled, sampler_mesh)
+    sampler_side.update(kv_budget_bytes=kv_budget, **sampler_figures(
+        rows, next((p for p in sampled if p.rows_in_flight), None), step, model_config, chip,
+        devices))
+    transfer_s = costing.weight_transfer_seconds(sent, devices, learner_mesh.size, chip)
+    fits = learner_side['fits'] and sampler_side['fits']
+    split = {'devices': devices, 'max_staleness': config.train.max_staleness, 'fits': fits,
+             'sampler': sampler_side, 'learner': learner_side}
+    return split | {
+            'transfer': {'bytes_per_sampler_chip': sent, 'seconds': transfer_s,
+                         'what': 'the weights each update replaces on the sampler: '
+                                 + ('every trained weight in the compute dtype'
+                                    if adapters is None else
+                                    'the merged targeted weights' if adapters.merged_sampling
+                                    else 'the adapters')},
+            'pipelined_s': costing.pipelined_seconds(sampler_side['seconds'],
+                                                     learner_side['seconds'], transfer_s)
+            if fits else None, 'why': '' if fits else _split_shortfall(split)}
+
+
+def pipeline(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
+             workdir: str, sequential: dict) -> dict:
+    """compile.json's `pipeline` block: the sequential step (the time-shared compile's,
+    `sequential`), and with rollout.devices = d > 0 the split at d (split_for); with
+    compile.search_split each power of two below the slice's chips (and d) is tried, `search`
+    lists them, and the fastest split that fits is the one reported (`best_devices`)."""
+    config = settings.config
+    block = {'sequential_s': sequential['step']['roofline_seconds']}
+    devices, search = config.rollout.devices, config.compile.search_split
+    if not devices and not search:
+        return block
+    chips = sequential['chips']
+    tried = {devices} - {0}
+    if search:
+        tried |= {2**k for k in range(chips.bit_length()) if 2**k < chips}
+    splits = {}
+    for d in sorted(tried):
+        try:
+            splits[d] = split_for(settings, model_config, slice_, workdir, d)
+        except ValueError as e:  # the split does not divide: nothing compiled
+            if not search:
+                raise
+            splits[d] = {'devices': d, 'fits': False, 'why': str(e), 'pipelined_s': None}
+    fitting = [s for s in splits.values() if s['fits']]
+    best = min(fitting, key=lambda s: s['pipelined_s'])['devices'] if fitting else None
+    chosen = devices or best
+    if chosen:
+        block |= splits[chosen]
+    if search:
+        block |= {'best_devices': best, 'search': list(splits.values())}
+    return block
+
+
+def _split_shortfall(split: dict) -> str:
+    """Why a split does not fit, in one line: each side's programs that do not."""
+    if 'learner' not in split:  # refused before compiling
+        return split['why']
+    return '; '.join(f"{side}: {p['name']} needs {p['hbm_bytes_per_chip'] / GiB:.1f} GiB a "
+                     f"chip of {p['usable_bytes'] / GiB:.1f} usable"
+                     + (f" ({p['error'][:120]})" if p.get('error') else '')
+                     for side in ('learner', 'sampler')
+                     for p in split[side]['programs'].values() if not p['fits'])
+
+
+def _abstract_state(learner: Learner, slice_: topology.SliceType):
+    """The learner's abstract TrainState (compiling the optimizer's init to learn its
+    shardings); ValueError when the compiler finds it does not fit the chips."""
+    try:
+        return learner.abstract_state()
+    except jax.errors.JaxRuntimeError as e:
+        if 'RESOURCE_EXHAUSTED' not in str(e):
+            raise
+        raise ValueError(f'the training state alone does not fit {slice_.name}: '
+                         f'{str(e).splitlines()[0][:200]}') from None
+
+
+def _state_too_big(held: float, slice_: topology.SliceType, headroom: float) -> str:
+    return (f'the training state alone needs {held / GiB:.1f} GiB per chip, over '
+            f'{1 - headroom:.0%} of {slice_.chip.hbm_bytes / GiB:.0f} GiB')
+
+
+def _sampler(model, mesh, step: programs.StepShape, chip: topology.Chip, resident: float,
+             note: str) -> tuple[list, int]:
+    """The sampler's compiled programs for `model` on `mesh`, `resident` bytes per chip held
+    beside them, and its KV budget: what the chips hold beyond its weights (and their
+    tensor-parallel copy when the decode reshards them) and `resident`."""
+    weights = programs.bytes_per_chip(nnx.state(model)) + programs.decode_copy_bytes(model, step)
+    kv_budget = step.rollout.kv_budget_bytes(chip.hbm_bytes, mesh.size, resident + weights)
+    try:
+        return _timed('sampler', lambda: programs.sampler_programs(
+            model, mesh, step, kv_budget_bytes=kv_budget, resident_bytes=resident,
+            resident_note=note)), kv_budget
+    except ValueError as e:  # the KV budget holds no row beside the weights: nothing to compile
+        return [programs.Program('sampler', None, error=str(e), required_bytes=weights,
+                                 resident_bytes=resident, resident_note=note)], kv_budget
 
 
 def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner, state,
@@ -171,11 +344,7 @@ def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner
     """compile.json's content from the compiled programs (and their HLO under workdir)."""
     c, spec, chip = config.compile, step.rollout, slice_.chip
     rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
-    for p in compiled:
-        if p.compiled is not None:
-            storage.write_atomic(storage.join(workdir, 'hlo', slice_.name,
-                                              p.name.replace(' ', '_') + '.txt'),
-                                 p.compiled.as_text())
+    _write_hlo(compiled, storage.join(workdir, 'hlo', slice_.name))
     return {
         'topology': slice_.name, 'slices': c.slices, 'chips': mesh.size,
         'hosts': slice_.hosts * c.slices, 'mesh': dict(mesh.shape),
@@ -202,6 +371,13 @@ def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner
         'programs': {p['name']: p for p in rows},
         'compile_seconds': time.perf_counter() - start,
     }
+
+
+def _write_hlo(compiled: list, directory: str) -> None:
+    for p in compiled:
+        if p.compiled is not None:
+            storage.write_atomic(storage.join(directory, p.name.replace(' ', '_') + '.txt'),
+                                 p.compiled.as_text())
 
 
 def sampler_figures(rows: list, decode: programs.Program | None, step: programs.StepShape,
@@ -380,4 +556,39 @@ def table(report: dict) -> str:
                      f"{step['rows_in_flight']:,} rows in flight, {step['sampler_ici_s']:,.0f} s "
                      f"of ICI; {step['generated_tokens_per_s_per_chip']:,.0f} generated tokens/s "
                      f"per chip when every row runs to {step['max_new_tokens']:,} tokens.")
-    return '\n'.join(lines)
+    return '\n'.join(lines + _pipeline_lines(report.get('pipeline', {})))
+
+
+def _pipeline_lines(block: dict) -> list[str]:
+    """The split's figures beside the sequential step, and the search's, if any."""
+    lines = []
+    if 'devices' in block:
+        s, l, t = block['sampler'], block['learner'], block['transfer']
+        seconds = lambda side: f"{side['seconds']:,.0f} s" if side['fits'] else 'does not fit'
+        lines += ['', f"Split at rollout.devices={block['devices']}: sampler on {s['chips']} "
+                  f"chips (mesh {s['mesh']}) {seconds(s)} a step, learner on {l['chips']} "
+                  f"(mesh {l['mesh']}) {seconds(l)}, weights copy {t['seconds']:,.2f} s "
+                  f"({t['bytes_per_sampler_chip'] / GiB:.2f} GiB a sampler chip).",
+                  '| side | program | HBM GiB/chip | fits | roofline s |', '|---|---|---:|---|---:|']
+        for name in ('sampler', 'learner'):
+            for p in block[name]['programs'].values():
+                lines.append(f"| {name} | {p['name']} | {p['hbm_bytes_per_chip'] / GiB:.2f} | "
+                             f"{'yes' if p['fits'] else '**no**'} | "
+                             + (f"{p['roofline']['seconds']:,.2f} |" if p['roofline'] else
+                                f"{p['error'][:100]} |"))
+        if block['fits']:
+            lines.append(f"Pipelined step (max(sampler, learner) + copy; train.max_staleness "
+                         f">= 1): {block['pipelined_s']:,.0f} s against the sequential "
+                         f"{block['sequential_s']:,.0f} s.")
+    if 'search' in block:
+        lines.append('Splits tried (compile.search_split):')
+    for tried in block.get('search', []):
+        sampler = tried.get('sampler', {}).get('seconds')
+        lines.append(f"  rollout.devices={tried['devices']}: " + (
+            f"pipelined {tried['pipelined_s']:,.0f} s" if tried['fits'] else tried['why'])
+            + (f" (sampler {sampler:,.0f} s)" if sampler and not tried['fits'] else ''))
+    if 'search' in block:
+        lines.append(f"Fastest split: rollout.devices={block['best_devices']}; sequential "
+                     f"{block['sequential_s']:,.0f} s." if block['best_devices'] else
+                     'No split fits.')
+    return lines

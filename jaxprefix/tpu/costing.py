@@ -4,6 +4,9 @@ kernels' own costing share, written once.
 - Seconds on a chip: `compute_seconds` (FLOPs at a share of peak bf16 FLOP/s), `hbm_seconds`
   (bytes at HBM bandwidth), and a compiled program's `roofline`: max(compute, HBM) per chip,
   with collectives' ICI time beside it, not added.
+- Sampler and learner on chips of their own (rollout.devices): `weight_transfer_seconds`, the
+  copy of new weights from one side to the other, and `pipelined_seconds`, a step when the two
+  overlap.
 - The sampler's floor (`kv_read_floor_seconds`): the KV a step's decode must read at the least;
   `sampling_floor_seconds`: a batch of sampling calls' FLOPs and weight reads, before any work.
 - Pallas kernels are custom calls whose costs XLA cannot see; models/backend.py writes them
@@ -45,6 +48,30 @@ def roofline(flops: float, bytes_accessed: float, ici_bytes: float, chip: Chip) 
     return {'compute_s': compute_s, 'hbm_s': memory_s, 'ici_s': ici_bytes / chip.ici_bytes_per_s,
             'seconds': max(compute_s, memory_s),
             'bound': 'compute' if compute_s >= memory_s else 'HBM bandwidth'}
+
+
+def weight_transfer_seconds(bytes_per_receiver: float, receivers: int, senders: int,
+                            chip: Chip) -> float:
+    """Seconds to copy new weights from the learner's `senders` chips to the sampler's
+    `receivers` chips over ICI, each receiver taking in `bytes_per_receiver` (its shard of the
+    weights in its own layout).
+
+    Bandwidth model: every chip moves bytes at the chip's ici_bytes_per_s (all its links, the
+    figure a roofline's ICI seconds use), and the copy lasts as long as its busiest chip: a
+    receiver taking in its shard, or a sender putting out its even share of all of them
+    (receivers x bytes / senders). Hops, link contention and the torus's shape are left out: a
+    floor, as the roofline is."""
+    return max(bytes_per_receiver, receivers * bytes_per_receiver / senders) / chip.ici_bytes_per_s
+
+
+def pipelined_seconds(sampler_s: float, learner_s: float, transfer_s: float) -> float:
+    """A step with the sampler running ahead of the learner (train.max_staleness >= 1) on chips
+    of its own: the slower side sets the pace, and the weight copy after each update overlaps
+    neither. Each side holds one copy of the weights: the sampler's HBM beyond them is its KV
+    budget, with no room for a second copy to fill while it decodes, so it waits for the new
+    weights; the learner's next update donates the weights being sent, so it waits until they
+    are out."""
+    return max(sampler_s, learner_s) + transfer_s
 
 
 def sampling_floor_seconds(*, flops: float, calls: int, decode_steps: int, weight_bytes: float,

@@ -153,11 +153,9 @@ def sampling_model(learner: Learner, state, decode_mesh=None
     if lora.has_adapters(model):
         if not model.adapters.config.merged_sampling:
             return model, 0.0, '', None
-        merged = nnx.merge(*nnx.split(model), copy=True)  # abstract: same shapes, no adapters
-        targets = merged.adapters.config.targets
-        del merged.adapters
-        copies = bytes_per_chip([getattr(merged, name).get_value() for name in targets])
-        return merged, copies, 'the base weights the merged sampler copy replaces', None
+        merged, targeted = _merged_copy(model)
+        return merged, bytes_per_chip(targeted), \
+            'the base weights the merged sampler copy replaces', None
     if decode_mesh is not None and decode_mesh != learner.mesh:
         params, rest = learner._sampling_copy(decode_mesh).eval_shape(state.params, learner.rest)
         program = compile_program(
@@ -166,11 +164,42 @@ def sampling_model(learner: Learner, state, decode_mesh=None
             shapes="the master weights cast to the compute dtype and laid out for the decode "
                    "mesh's (heads over 'tensor')")
         return nnx.merge(learner.graphdef, params, rest), 0.0, '', program
-    cast = lambda x: jax.ShapeDtypeStruct(
-        x.shape, compute if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
-        sharding=x.sharding)
-    return (nnx.merge(learner.graphdef, jax.tree.map(cast, state.params), learner.rest), 0.0,
+    return (nnx.merge(learner.graphdef, _cast(state.params, compute), learner.rest), 0.0,
             '', None)
+
+
+def sampler_weights(config: ModelConfig, mesh, adapters: lora.LoraConfig | None = None
+                    ) -> tuple[nnx.Module, float]:
+    """A sampler on chips of its own (rollout.devices): (the model it holds, laid out on its
+    decode `mesh`; the bytes per chip of it that each update replaces, which the learner sends).
+    Full fine-tuning: every trained weight, in the compute dtype. LoRA: the base (already in the
+    compute dtype) with the adapters folded in, the merged targeted weights sent; or the base
+    and the adapters, applied per token, the adapters sent (merged_sampling=False)."""
+    model = abstract_model(config, mesh, adapters)
+    if adapters is None:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        params = _cast(params, jnp.dtype(config.dtype))
+        return nnx.merge(graphdef, params, rest), bytes_per_chip(params)
+    if not adapters.merged_sampling:
+        return model, bytes_per_chip(nnx.state(model, lora.trainable(model)))
+    merged, targeted = _merged_copy(model)
+    return merged, bytes_per_chip(targeted)
+
+
+def _merged_copy(model) -> tuple[nnx.Module, list]:
+    """lora.merged for an abstract adapted model (same shapes, no adapters), and its targeted
+    weights: the new copies merging makes."""
+    merged = nnx.merge(*nnx.split(model), copy=True)
+    targets = merged.adapters.config.targets
+    del merged.adapters
+    return merged, [getattr(merged, name).get_value() for name in targets]
+
+
+def _cast(tree, dtype):
+    """Abstract floating leaves in `dtype`, their shardings kept."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype,
+        sharding=x.sharding), tree)
 
 
 def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | None,
