@@ -35,7 +35,7 @@ from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
-from jaxprefix.models.sharding import make_mesh
+from jaxprefix.models.sharding import make_mesh, split_meshes
 from jaxprefix.rl import loop
 from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import decode_layout
@@ -74,7 +74,7 @@ def run_compile(config, workdir: str) -> dict:
                   else [topology.slice_type(generation)])
     devices = config.rollout.devices
     if devices and len(candidates) == 1:  # a split that does not divide: before any compile
-        split_meshes(settings, model_config, candidates[0], devices)
+        slice_meshes(settings, model_config, candidates[0], devices)
     search, report = [], None
     for slice_ in candidates:
         try:
@@ -172,7 +172,7 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
                    kv_budget, start)
 
 
-def split_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
+def slice_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
                  devices: int) -> tuple:
     """(the learner's mesh, the sampler's) with the sampler on the slice's last `devices` chips
     (rollout.devices): config.mesh over the first chips, the decode's layout (decode_layout)
@@ -188,11 +188,10 @@ def split_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topol
     if not 0 < devices < len(chips):
         raise ConfigError(f'{what}: expected 0 (all {len(chips)} chips of {slice_.name}, '
                           f'time-shared) or fewer, leaving the learner some')
-    try:
-        learner = make_mesh(**config.mesh, devices=chips[:learner_chips])
+    try:  # the run's own rule (models.split_meshes): the sampler takes the last chips
+        learner, sampler = split_meshes(devices, devices=chips, **config.mesh)
         loop.check_rows(config, settings.train, settings.method.contexts_per_step, learner)
-        sampler = decode_layout(make_mesh(data=-1, devices=chips[learner_chips:]), model_config,
-                                settings.rollout.tensor_parallel)
+        sampler = decode_layout(sampler, model_config, settings.rollout.tensor_parallel)
     except ValueError as e:
         raise ConfigError(f'{what}: on {slice_.name} the learner gets {learner_chips} chips, '
                           f'the sampler {devices}, and {e}') from None
@@ -202,13 +201,13 @@ def split_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topol
 def split_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
               workdir: str, devices: int) -> dict:
     """The pipeline block's figures for the sampler on the slice's last `devices` chips and the
-    learner on the rest (split_meshes), each side's programs compiled on its own mesh and its
+    learner on the rest (slice_meshes), each side's programs compiled on its own mesh and its
     HLO under <workdir>/hlo/<slice>/split_<devices>/. A side whose chips cannot hold it is
     reported as not fitting; the learner's compile is skipped when its state alone is over."""
     config, train, spec, chip = (settings.config, settings.train, settings.rollout,
                                  slice_.chip)
     c = config.compile
-    learner_mesh, sampler_mesh = split_meshes(settings, model_config, slice_, devices)
+    learner_mesh, sampler_mesh = slice_meshes(settings, model_config, slice_, devices)
     step = programs.StepShape(contexts=settings.method.contexts_per_step,
                               context_length=c.context_length, n=config.rollout.n, rollout=spec,
                               routing_replay=loop.routing_replay(
