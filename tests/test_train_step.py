@@ -161,19 +161,15 @@ def test_learner_old_logprobs_replace_the_samplers(one_minibatch):
     assert "rollout/logprob_mismatch_mean" not in reference  # 'sampler' mode: as before
 
 
-def test_tis_update_equals_the_hand_computed_loss(one_minibatch):
-    """On the first minibatch pi = pi_old (the learner's), so the clipped ratio is 1 and each
-    token's loss is -A * min(exp(pi_old - pi_sampler), cap): the loss is that mean, and the
-    gradient that of the TIS loss written out directly."""
-    cap = 1.2
-    config = dataclasses.replace(ONE_MINIBATCH, old_logprobs="learner", tis_cap=cap)
+def corrected_update(config, **correction):
+    """(the learner's update metrics, the loss tokens' mask, exp(pi_old - pi_sampler), the batch)
+    of a noisy-sampler batch under `config`, after checking that the update's loss and gradient
+    are those of policy_loss(**correction) written out directly."""
     learner = Learner(tiny_model(), config)
     state = learner.init_state()
     own = np.asarray(learner.logprobs(state.params, rollout_batch()))
     batch = with_old_logprobs(rollout_batch(), learner, state, noise=0.3)
     mask = batch["completion_mask"]
-    weights = np.minimum(np.exp(own - batch["old_logprobs"]), cap)
-    by_hand = -(batch["advantages"][:, None] * weights * mask).sum() / mask.sum()
 
     def direct(params):
         model = nnx.merge(learner.graphdef, params, learner.rest)
@@ -181,13 +177,25 @@ def test_tis_update_equals_the_hand_computed_loss(one_minibatch):
                                  positions=batch["positions"])
         return objectives.policy_loss(logp, own, batch["advantages"], mask, eps_low=0.2,
                                       eps_high=0.28, sampler_logp=batch["old_logprobs"],
-                                      tis_cap=cap)[0]
+                                      **correction)[0]
 
     loss, grads = jax.value_and_grad(direct)(state.params)
     _, metrics = learner.update(state, batch)
-    np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
-    np.testing.assert_allclose(loss, by_hand, rtol=1e-5)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
     np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
+    return metrics, mask, np.exp(own - batch["old_logprobs"]), batch
+
+
+def test_tis_update_equals_the_hand_computed_loss(one_minibatch):
+    """On the first minibatch pi = pi_old (the learner's), so the clipped ratio is 1 and each
+    token's loss is -A * min(exp(pi_old - pi_sampler), cap): the loss is that mean, and the
+    gradient that of the TIS loss written out directly."""
+    cap = 1.2
+    config = dataclasses.replace(ONE_MINIBATCH, old_logprobs="learner", tis_cap=cap)
+    metrics, mask, ratio, batch = corrected_update(config, tis_cap=cap)
+    weights = np.minimum(ratio, cap)
+    by_hand = -(batch["advantages"][:, None] * weights * mask).sum() / mask.sum()
+    np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
     np.testing.assert_allclose(metrics["tis/weight_mean"], weights[mask > 0].mean(), rtol=1e-5)
     capped = (weights[mask > 0] >= cap).mean()
     assert 0 < capped < 1
@@ -203,28 +211,10 @@ def test_ratio_mask_update_drops_the_tokens_outside_the_band(one_minibatch):
     the masked share of them."""
     c = 1.2
     config = dataclasses.replace(ONE_MINIBATCH, old_logprobs="learner", ratio_mask=c)
-    learner = Learner(tiny_model(), config)
-    state = learner.init_state()
-    own = np.asarray(learner.logprobs(state.params, rollout_batch()))
-    batch = with_old_logprobs(rollout_batch(), learner, state, noise=0.3)
-    mask = batch["completion_mask"]
-    ratio = np.exp(own - batch["old_logprobs"])
+    metrics, mask, ratio, batch = corrected_update(config, ratio_mask=c)
     keep = (ratio >= 1 / c) & (ratio <= c)
     by_hand = -(batch["advantages"][:, None] * keep * mask).sum() / mask.sum()
-
-    def direct(params):
-        model = nnx.merge(learner.graphdef, params, learner.rest)
-        logp, _ = token_logprobs(model, batch["tokens"], batch["token_mask"],
-                                 positions=batch["positions"])
-        return objectives.policy_loss(logp, own, batch["advantages"], mask, eps_low=0.2,
-                                      eps_high=0.28, sampler_logp=batch["old_logprobs"],
-                                      ratio_mask=c)[0]
-
-    loss, grads = jax.value_and_grad(direct)(state.params)
-    _, metrics = learner.update(state, batch)
     np.testing.assert_allclose(metrics["loss"], by_hand, rtol=1e-5)
-    np.testing.assert_allclose(loss, by_hand, rtol=1e-5)
-    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(grads), rtol=1e-4)
     masked = 1 - keep[mask > 0].mean()
     assert 0.1 < masked < 0.9
     np.testing.assert_allclose(metrics["ratio_mask/masked_fraction"], masked, rtol=1e-5)
