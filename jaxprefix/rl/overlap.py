@@ -100,8 +100,7 @@ class AheadSampler:
         with self._cond:
             self._cond.wait_for(lambda: step in self._ready or self._error is not None)
             if step not in self._ready:
-                raise SamplerFailed(f"the sampler stopped at step {self._next}: "
-                                    f"{type(self._error).__name__}: {self._error}")
+                raise self._failed()
             return self._ready.pop(step), time.perf_counter() - start
 
     def settle(self) -> list[Sampled]:
@@ -112,9 +111,12 @@ class AheadSampler:
             self._cond.wait_for(lambda: self._error is not None or (
                 not self._working and not self._can_sample()))
             if self._error is not None:
-                raise SamplerFailed(f"the sampler stopped at step {self._next}: "
-                                    f"{type(self._error).__name__}: {self._error}")
+                raise self._failed()
             return [self._ready[s] for s in sorted(self._ready)]
+
+    def _failed(self) -> SamplerFailed:
+        return SamplerFailed(f"the sampler stopped at step {self._next}: "
+                             f"{type(self._error).__name__}: {self._error}")
 
     def close(self) -> None:
         """Stops the thread after the step it is sampling, if any."""
