@@ -160,6 +160,9 @@ FIELDS = {
                                  "logits)"),
         "mask_truncated": F(False, "exclude completions cut at max_new_tokens from the loss"),
         "remat": F(False, "recompute each layer in the backward pass (large models)"),
+        "skip_zero_advantage": F(True, "skip micro-batches whose every row has advantage 0 (the "
+                                       "same gradient; only without KL, entropy or router "
+                                       "losses)"),
         "width_steps": F(1, "micro-batches sorted by length, each cut to the shortest of this "
                             "many steps of the batch width that holds it (1: full width)"),
         # tis_cap > 0 (with 'learner'): each token's policy-gradient term times

@@ -334,6 +334,32 @@ def test_cut_padding_takes_the_same_step(aggregation):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_zero_advantage_micro_batches_are_skipped_for_the_same_step(aggregation):
+    """Rows whose advantage is 0 (groups that all scored alike) are sorted into micro-batches of
+    their own, which are not computed: the same loss, gradient norm and new weights as computing
+    every micro-batch, with the computed share logged."""
+    config = dataclasses.replace(ONE_MINIBATCH, aggregation=aggregation)
+    skip, full = (Learner(tiny_model(), dataclasses.replace(config, skip_zero_advantage=on))
+                  for on in (True, False))
+    state = full.init_state()
+    batch = rollout_batch()
+    quiet = np.ones(ROWS, bool)
+    quiet[[1, 6, 7, 10, 13, 14]] = False                  # 6 rows with a signal, 10 without
+    batch["advantages"] = np.where(quiet, 0.0, batch["advantages"]).astype(np.float32)
+    batch = with_old_logprobs(batch, full, state, noise=0.1)
+    full_state, expected = full.update(state, batch)
+    skip_state, metrics = skip.update(skip.init_state(), batch)
+    for key in ("loss", "grad_norm", "ratio/first_max_abs_dev"):
+        np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5)
+    for a, b in zip(params_of(skip_state), params_of(full_state)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert float(metrics["update/computed_share"]) == 0.5   # 2 of 4 micro-batches of 4 rows
+    assert float(expected["update/computed_share"]) == 1.0
+    # a KL term gives every row a gradient: nothing is skipped
+    assert not dataclasses.replace(config, kl_coef=0.01).skips_zero_advantage
+
+
 def test_invalid_settings_name_the_field():
     with pytest.raises(ValueError, match="eps_low"):
         TrainConfig(eps_low=-0.1)

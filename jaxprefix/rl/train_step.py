@@ -95,6 +95,17 @@ class TrainConfig:
     # A mixture of experts: + coef * the Switch / Qwen3-MoE load-balancing loss of the routers
     # (models.moe.load_balancing_loss), each micro-batch's over its own tokens, averaged.
     router_aux_coef: float = 0.0
+    # Micro-batches whose every loss token has advantage 0 (a group whose samples all scored the
+    # same) are not computed: their policy-gradient term is exactly 0, so the gradient is the
+    # same. Each minibatch's rows are sorted so that those rows share micro-batches. Only where
+    # nothing else in the loss (KL, entropy bonus, router loss) gives such a row a gradient
+    # (`skips_zero_advantage`); their tokens then leave the entropy and ratio diagnostics.
+    skip_zero_advantage: bool = True
+
+    @property
+    def skips_zero_advantage(self) -> bool:
+        return (self.skip_zero_advantage and self.kl_coef == 0 and self.entropy_coef == 0
+                and self.router_aux_coef == 0)
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -462,23 +473,42 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     widths = trim_widths(mask.shape[-1], c.width_steps)
 
     def body(carry, xs):
-        loss_sum, grad_sum, stats_sum = carry
+        loss_sum, grad_sum, stats_sum, computed_sum = carry
         micro, index = xs
         if sharded:
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
         micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
-        (loss, stats), grads = _at_shortest_width(grad_fn, widths, params, rest, micro, totals)
-        grads = constrain_params(grads)
+
+        def computed(micro):
+            (loss, stats), grads = _at_shortest_width(grad_fn, widths, params, rest, micro,
+                                                      totals)
+            return loss, stats, constrain_params(grads), jnp.ones((), jnp.int32)
+
+        if c.skips_zero_advantage:  # only the branch taken runs
+            loss, stats, grads, done = jax.lax.cond(_has_signal(micro), computed, skipped, micro)
+        else:
+            loss, stats, grads, done = computed(micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
-                _combine_stats(stats_sum, stats)), None
+                _combine_stats(stats_sum, stats), computed_sum + done), None
 
     first = jax.tree.map(lambda x: x[0], minibatch)
     _, stats_shape = jax.eval_shape(loss_fn, params, rest, first, totals)
-    init = (jnp.zeros((), jnp.float32), constrain_params(jax.tree.map(jnp.zeros_like, params)),
-            _empty_stats(stats_shape))
+    zero_grads = constrain_params(jax.tree.map(jnp.zeros_like, params))
+    skipped = lambda micro: (jnp.zeros((), jnp.float32), _empty_stats(stats_shape), zero_grads,
+                             jnp.zeros((), jnp.int32))
+    init = (jnp.zeros((), jnp.float32), zero_grads, _empty_stats(stats_shape),
+            jnp.zeros((), jnp.int32))
     indices = jnp.arange(mask.shape[0])
-    (loss, grads, stats), _ = jax.lax.scan(body, init, (minibatch, indices))
-    return loss, grads, stats
+    (loss, grads, stats, computed), _ = jax.lax.scan(body, init, (minibatch, indices))
+    return loss, grads, {**stats, "computed_micro_batches": computed,
+                         "micro_batches": jnp.asarray(mask.shape[0], jnp.int32)}
+
+
+def _has_signal(micro) -> jax.Array:
+    """Whether any loss token of the micro-batch has a non-zero advantage."""
+    mask, advantages = micro["completion_mask"], micro["advantages"]
+    advantages = advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim))
+    return jnp.any((advantages != 0) & (mask > 0))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
@@ -488,8 +518,9 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     micro = c.micro_batch_size or minibatch
     arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
                             batch)
-    if c.width_steps > 1:
-        arranged = _sort_rows(arranged)
+    if c.width_steps > 1 or c.skips_zero_advantage:
+        arranged = _sort_rows(arranged, by_length=c.width_steps > 1,
+                              by_signal=c.skips_zero_advantage)
     recomputed = {}
     if c.old_logprobs == "learner":  # before any update: state.params are the sampler's weights
         arranged, recomputed = _learner_old_logprobs(graphdef, c, sharded, state.params, rest,
@@ -537,13 +568,21 @@ def _row_lengths(token_mask):
     return jnp.max(jnp.where(token_mask, columns, 0), axis=-1)
 
 
-def _sort_rows(arranged):
-    """Each minibatch's rows [micro-batches, micro, ...] sorted by length, so that a micro-batch
-    holds rows of like length and its padding can be cut (a permutation within the minibatch:
-    its gradient, a sum over its rows, is unchanged)."""
-    lengths = _row_lengths(arranged["token_mask"])          # [minibatches, micro-batches, micro]
+def _sort_rows(arranged, *, by_length: bool, by_signal: bool):
+    """Each minibatch's rows [micro-batches, micro, ...] sorted, rows with a non-zero advantage
+    first (`by_signal`: the rest fill micro-batches that need not be computed), then by length
+    (`by_length`: a micro-batch holds rows of like length and its padding can be cut). A
+    permutation within the minibatch: its gradient, a sum over its rows, is unchanged."""
+    key = jnp.zeros(arranged["token_mask"].shape[:3], jnp.int32)
+    if by_length:
+        key = _row_lengths(arranged["token_mask"])          # [minibatches, micro-batches, micro]
+    if by_signal:
+        mask, advantages = arranged["completion_mask"], arranged["advantages"]
+        advantages = advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim))
+        quiet = ~jnp.any((advantages != 0) & (mask > 0), axis=-1)
+        key = key + quiet * (mask.shape[-1] + 1)   # after every row with a signal
     flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])
-    order = jnp.argsort(flat(lengths), axis=1, stable=True)
+    order = jnp.argsort(flat(key), axis=1, stable=True)
     take = jax.vmap(lambda x, o: x[o])
     return jax.tree.map(lambda x: take(flat(x), order).reshape(x.shape), arranged)
 
@@ -605,6 +644,8 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
         "updates": updates,
         "skipped_updates": skipped_now,
         "loss_tokens": total["tokens"],
+        # the share of micro-batches computed (skip_zero_advantage skips the rest)
+        "update/computed_share": total["computed_micro_batches"] / total["micro_batches"],
     })
     if c.router_aux_coef:  # per optimizer update
         metrics["router/aux_loss"] = total["router_aux_sum"] / (c.num_minibatches * c.num_epochs)
