@@ -74,9 +74,11 @@ def test_right_boxed_verifier_pays_the_box_on_right_answers_only():
     answer, wrong = problem.answer, str(int(problem.answer) + 1)
     score = reasoning_gym_right_boxed_verifier
     assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
-    assert score(f"{answer} is the sum, I think.", problem) == pytest.approx(0.8)
+    assert score(f"{answer} is the sum, I think.", problem) == pytest.approx(0.6)
     assert score(f"{answer}, no: \\boxed{{{wrong}}}", problem) == 0.0  # a wrong box earns nothing
-    assert score(f"{answer} \\boxed{{}}", problem) == pytest.approx(0.8)
+    assert score(f"{answer} \\boxed{{}}", problem) == pytest.approx(0.6)
+    # pass@k's threshold (reward > 0.5) is the right answer, boxed or not
+    assert score(f"{answer} is the sum", problem) > 0.5
 
 
 def test_boxed_or_last_reads_numbers_only_for_numeric_answers():

@@ -8,7 +8,7 @@ number of a numeric answer, else the last line), and the reward also values the 
 CORRECT_WEIGHT for a right answer plus BOXED_WEIGHT for any closed, non-empty box. A reward above 0.5 is a
 right answer, and 1.0 a right boxed one, so pass@k (reward > 0.5) is the lenient accuracy and the
 share of full rewards the strict one. `reasoning_gym_right_boxed` pays the box only on a right
-answer (0.8 right, 1.0 right and boxed, 0 wrong, boxed or not): the same readings of pass@k and
+answer (0.6 right, 1.0 right and boxed, 0 wrong, boxed or not): the same readings of pass@k and
 full rewards, and no reward for boxing a wrong answer.
 
 The dataset object is rebuilt from (task, seed, size, config) in the problem's metadata, once per
@@ -29,6 +29,10 @@ _OPEN, _CLOSE = "<answer>", "</answer>"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 _NUMERIC = re.compile(r"-?\d+(?:\.\d+)?")
 CORRECT_WEIGHT, BOXED_WEIGHT = 0.8, 0.2
+# reasoning_gym_right_boxed: the box paid on right answers only, so it can weigh more. Right
+# answers are rare (~5% of SmolLM2's samples) and boxed ones rarer; at 0.2 the second run moved
+# no greedy answer into a box in 10 steps.
+RIGHT_WEIGHT, RIGHT_BOXED_WEIGHT = 0.6, 0.4
 
 
 @functools.lru_cache(maxsize=64)
@@ -103,10 +107,10 @@ def reasoning_gym_boxed_verifier(completion: str, problem: Problem) -> float:
 
 
 def reasoning_gym_right_boxed_verifier(completion: str, problem: Problem) -> float:
-    """The box valued only on a right answer: the generator's score x (CORRECT_WEIGHT +
-    BOXED_WEIGHT x boxed). Under `reasoning_gym_boxed` a wrong boxed answer earns 0.2, and
+    """The box valued only on a right answer: the generator's score x (RIGHT_WEIGHT +
+    RIGHT_BOXED_WEIGHT x boxed). Under `reasoning_gym_boxed` a wrong boxed answer earns 0.2, and
     SmolLM2's first 40-step run learnt to box while its accuracy fell (docs/results/
     smollm2_learns); here only right answers earn, the boxed ones more."""
     dataset, entry = _entry(problem)
     correct = float(dataset.score_answer(boxed_or_last(completion, str(entry["answer"])), entry))
-    return correct * (CORRECT_WEIGHT + BOXED_WEIGHT * bool(last_boxed(completion)))
+    return correct * (RIGHT_WEIGHT + RIGHT_BOXED_WEIGHT * bool(last_boxed(completion)))
