@@ -13,7 +13,10 @@ lr 1e-4 (constant), global-norm clip 1.0, f32 throughout.
         loop.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
         Learner.update (remat on, its defaults otherwise; --width-steps k sets
         train.width_steps, each micro-batch cut to the shortest of k widths that holds its
-        rows, default 1: full width). Old log-probs are the sampler's.
+        rows, default 1: full width). Old log-probs are the sampler's. Micro-batches whose
+        rows all have advantage 0 (groups that scored alike) are skipped, as the run does
+        (train.skip_zero_advantage; the same gradient): each step prints the share computed,
+        and --no-skip computes them all, as TRL does.
   trl   TRL's GRPOTrainer as its docs set it up on CPU: transformers' model (our HF export read
         back by from_pretrained), peft LoraConfig(target_modules='all-linear'), its own
         generation (transformers' generate), per_device_train_batch_size 8 with
@@ -67,7 +70,7 @@ def run_config(args):
     c.train.update(problems_per_step=args.problems, learning_rate=LEARNING_RATE, max_grad_norm=1.0,
                    weight_decay=0.0, advantage="dr_grpo", aggregation="seq_mean_token_sum_norm",
                    lora_rank=args.rank, micro_batch_size=MICRO_ROWS, remat=True,
-                   width_steps=args.width_steps)
+                   width_steps=args.width_steps, skip_zero_advantage=not args.no_skip)
     c.train.lora.alpha = LORA_ALPHA
     return c
 
@@ -110,7 +113,8 @@ class Ours:
                            - (end - update_start),
                            "tokens": int(batch["token_mask"].sum()),
                            "width": batch["tokens"].shape[1],
-                           "reward": float(scored.rewards.mean())})
+                           "reward": float(scored.rewards.mean()),
+                           "computed": float(metrics["update/computed_share"])})
         self.step += 1
         print(f"  ours step {self.step}: {total:.1f} s", flush=True)
 
@@ -236,6 +240,8 @@ def main():
     parser.add_argument("--width-steps", type=int, default=1,
                         help="ours: train.width_steps (micro-batches cut to the shortest of k "
                              "widths that holds their rows; 1: full width)")
+    parser.add_argument("--no-skip", action="store_true",
+                        help="ours: compute every micro-batch (train.skip_zero_advantage=False)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -266,13 +272,15 @@ def main():
               f"{args.problems} problems x {args.n} samples, up to {args.new} new tokens, "
               f"temperature {TEMPERATURE}, LoRA r{args.rank} all linear, lr {LEARNING_RATE}, "
               f"dr_grpo, no KL, f32, micro-batches of {MICRO_ROWS} rows, ours at "
-              f"train.width_steps={args.width_steps}", flush=True)
+              f"train.width_steps={args.width_steps}, train.skip_zero_advantage="
+              f"{not args.no_skip}", flush=True)
         trainer.train()  # each TRL step is followed by one of ours (the Clock callback)
     print(f"first step (warm-up): ours {ours.parts[0]['step']:.1f} s (update "
           f"{ours.parts[0]['update']:.1f} s), trl {trl_parts[0]['step']:.1f} s")
     for i, p in enumerate(ours.parts[1:], 1):
         print(f"  ours step {i}: {p['step']:.1f} s, {p['tokens']} real tokens at width "
-              f"{p['width']}, mean reward {p['reward']:.3f}; trl step {i}: "
+              f"{p['width']}, mean reward {p['reward']:.3f}, micro-batches computed "
+              f"{p['computed']:.0%}; trl step {i}: "
               f"{trl_parts[i]['step']:.1f} s")
     print("where a step goes (after the warm-up):")
     ours_s = print_parts("ours", ours.parts[1:])

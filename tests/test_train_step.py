@@ -104,6 +104,12 @@ def test_accumulated_update_is_adam_sign_step_of_the_direct_gradient(one_minibat
     assert int(state.step) == 1 and int(state.updates) == 1 and int(state.skipped) == 0
     assert 0 < float(metrics["ratio/first_max_abs_dev"]) < 1.0  # the injected noise shows
     np.testing.assert_allclose(metrics["loss_tokens"], batch["completion_mask"].sum())
+    # the mismatch read back: |old - learner| is the injected noise (normal, sigma 0.1)
+    diff = np.abs(batch["old_logprobs"] - np.asarray(one_minibatch.logprobs(
+        one_minibatch.init_state().params, batch)))[batch["completion_mask"] > 0]
+    np.testing.assert_allclose(metrics["mismatch/first_logp_diff_mean"], diff.mean(), rtol=1e-3)
+    np.testing.assert_allclose(metrics["mismatch/first_logp_diff_max"], diff.max(), rtol=1e-3)
+    np.testing.assert_allclose(metrics["mismatch/first_past_0.1"], (diff > 0.1).mean())
     np.testing.assert_allclose(metrics["lr"], 1e-3)
 
 

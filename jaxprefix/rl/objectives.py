@@ -186,11 +186,17 @@ def kl_penalty(logp, ref_logp, kind: str = "k3"):
     raise ValueError(f"kl_penalty: kind must be one of {KL_KINDS}, got {kind!r}")
 
 
+# A token whose sampler and learner log-probs differ by more than this is counted apart.
+LOGP_DIFF_FAR = 0.1
+
+
 def ratio_stats(ratio, advantages, mask, eps_low: float, eps_high: float):
     """Token-weighted sums of the ratio diagnostics (sums, so micro-batches can be added).
 
     clipped_low: tokens with A < 0 whose ratio fell below 1 - eps_low (gradient cut off);
-    clipped_high: tokens with A > 0 above 1 + eps_high.
+    clipped_high: tokens with A > 0 above 1 + eps_high; logp_diff: |log ratio|, on the first
+    minibatch the learner's log-prob against the sampler's at the same weights (the mismatch),
+    its sum, largest, and the tokens past LOGP_DIFF_FAR.
     """
     m = mask.astype(jnp.float32)
     r = jax.lax.stop_gradient(ratio).astype(jnp.float32)
@@ -198,6 +204,7 @@ def ratio_stats(ratio, advantages, mask, eps_low: float, eps_high: float):
     low = (r < 1.0 - eps_low) & (adv < 0)
     high = (r > 1.0 + eps_high) & (adv > 0)
     big = jnp.finfo(jnp.float32).max
+    diff = jnp.abs(jnp.log(jnp.maximum(r, 1e-30)))
     return {
         "tokens": m.sum(),
         "clip_low_sum": (low * m).sum(),
@@ -206,6 +213,9 @@ def ratio_stats(ratio, advantages, mask, eps_low: float, eps_high: float):
         "ratio_min": jnp.where(m > 0, r, big).min(),
         "ratio_max": jnp.where(m > 0, r, -big).max(),
         "ratio_dev_max": jnp.where(m > 0, jnp.abs(r - 1.0), 0.0).max(),
+        "logp_diff_sum": (diff * m).sum(),
+        "logp_diff_max": jnp.where(m > 0, diff, 0.0).max(),
+        "logp_diff_far_sum": ((diff > LOGP_DIFF_FAR) * m).sum(),
     }
 
 

@@ -638,6 +638,11 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
         "loss": finite_mean(per_update["loss"]),
         "grad_norm": finite_mean(per_update["grad_norm"]),
         "ratio/first_max_abs_dev": first["ratio_dev_max"],
+        # the first minibatch's |log pi_learner - log pi_old| before any update: with the
+        # sampler's log-probs as pi_old, the sampler-learner mismatch of each step's tokens
+        "mismatch/first_logp_diff_mean": first["logp_diff_sum"] / jnp.maximum(first["tokens"], 1),
+        "mismatch/first_logp_diff_max": first["logp_diff_max"],
+        "mismatch/first_past_0.1": first["logp_diff_far_sum"] / jnp.maximum(first["tokens"], 1),
         "entropy": total["entropy_sum"] / tokens,
         "kl": total["kl_sum"] / tokens,
         "lr": learning_rate_schedule(c)(updates),
