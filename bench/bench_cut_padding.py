@@ -30,7 +30,9 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from jaxprefix.models import lora  # noqa: E402
 from jaxprefix.rl.dynamic_sampling import bucket  # noqa: E402
-from jaxprefix.rl.train_step import Learner, TrainConfig, trim_widths  # noqa: E402
+from jaxprefix.rl.batch_layout import trim_widths  # noqa: E402
+from jaxprefix.rl.train_config import TrainConfig  # noqa: E402
+from jaxprefix.rl.train_step import Learner  # noqa: E402
 
 MICRO_ROWS, STEPS = 8, 8
 

@@ -38,7 +38,8 @@ import common  # noqa: E402
 from jaxprefix.checkpoints import gguf, hf  # noqa: E402
 from jaxprefix.models.scoring import token_logprobs  # noqa: E402
 from jaxprefix.rl import dynamic_sampling, objectives  # noqa: E402
-from jaxprefix.rl.train_step import Learner, TrainConfig  # noqa: E402
+from jaxprefix.rl.train_config import TrainConfig  # noqa: E402
+from jaxprefix.rl.train_step import Learner  # noqa: E402
 from jaxprefix.sampling import generate  # noqa: E402
 
 PROMPTS = ['The capital of France is', 'def fibonacci(n):\n    ', 'Solve: 12 * 7 = ',

@@ -28,7 +28,8 @@ import numpy as np  # noqa: E402
 from bench import common  # noqa: E402
 from jaxprefix.models import attention, backend  # noqa: E402
 from jaxprefix.rl import train_step  # noqa: E402
-from jaxprefix.rl.train_step import Learner, TrainConfig  # noqa: E402
+from jaxprefix.rl.train_config import TrainConfig  # noqa: E402
+from jaxprefix.rl.train_step import Learner  # noqa: E402
 
 ARMS = ("blockwise", "dense")
 

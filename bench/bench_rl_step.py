@@ -54,7 +54,8 @@ from bench.bench_sampler import IdTokenizer, make_context  # noqa: E402
 from jaxprefix import sampling  # noqa: E402
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path  # noqa: E402
 from jaxprefix.rl import dynamic_sampling, objectives  # noqa: E402
-from jaxprefix.rl.train_step import Learner, TrainConfig, make_optimizer  # noqa: E402
+from jaxprefix.rl.train_config import TrainConfig, make_optimizer  # noqa: E402
+from jaxprefix.rl.train_step import Learner  # noqa: E402
 
 EOS_ID = 2  # SmolLM2's <|im_end|>
 PAD_ID = 0

@@ -12,7 +12,8 @@ from jaxprefix.checkpoints import peft as peft_format
 from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.rl import loop
-from jaxprefix.rl.train_step import Learner, TrainConfig
+from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.rl.train_step import Learner
 from jaxprefix.run_config import base_config
 
 RANK = 4

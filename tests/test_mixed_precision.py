@@ -11,7 +11,8 @@ from jaxprefix import run_config, variants
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.rl.loop import check_update_resolution
-from jaxprefix.rl.train_step import Learner, TrainConfig, frozen_fraction
+from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.rl.train_step import Learner, frozen_fraction
 from tests.test_train_step import CONFIG, rollout_batch, with_old_logprobs
 
 LR = 1e-6  # the paper variant's

@@ -18,7 +18,8 @@ import tiny_checkpoints as tc
 from jaxprefix.checkpoints.hf import from_pretrained, save_pretrained
 from jaxprefix.models import Decoder, ModelConfig, moe, published, token_logprobs
 from jaxprefix.rl import boundaries, dynamic_sampling, objectives
-from jaxprefix.rl.train_step import Learner, TrainConfig
+from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import SharedContext, budget, generate
 from jaxprefix.tools.episodes import ANSWER, Episode, as_rollouts
 

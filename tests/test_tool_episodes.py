@@ -20,7 +20,8 @@ from jaxprefix.models import Decoder, ModelConfig, token_logprobs
 from jaxprefix.rl import loop
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
 from jaxprefix.rl.metrics import read_metrics
-from jaxprefix.rl.train_step import Learner, TrainConfig
+from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import RolloutSpec
 from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools.calls import ToolCall

@@ -13,7 +13,9 @@ from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.models.sharding import make_mesh, shard_model
 from jaxprefix.rl import objectives
-from jaxprefix.rl.train_step import Learner, TrainConfig, trim_widths
+from jaxprefix.rl.batch_layout import trim_widths
+from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.rl.train_step import Learner
 
 CONFIG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

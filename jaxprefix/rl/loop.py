@@ -32,7 +32,8 @@ from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, overl
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter
-from jaxprefix.rl.train_step import Learner, TrainConfig, TrainState, frozen_fraction
+from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.rl.train_step import Learner, TrainState, frozen_fraction
 
 
 @dataclasses.dataclass

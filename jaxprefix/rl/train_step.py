@@ -1,18 +1,19 @@
-"""The learner: optimizer, TrainState and ONE jitted update over a rollout batch.
+"""The learner: TrainState and ONE jitted update over a rollout batch (its settings and optimizer:
+rl/train_config.py).
 
 The update is a pure function of (TrainState, batch): the batch is cut into minibatches (one
 optimizer step each, `num_epochs` passes), each minibatch into micro-batches whose gradients are
 summed in a `lax.scan`; the loss of a micro-batch is normalised by its minibatch's totals, so the
-sum is exactly the minibatch gradient. A minibatch's rows are sorted by length into its
-micro-batches and each micro-batch runs at the shortest of `width_steps` widths that holds its
-rows (a `lax.switch` over them): padding past every row is never computed. Old log-probs come from the sampler; on the first
-minibatch the policy still equals the sampler's, so `ratio/first_max_abs_dev` measures how far
-sampler and learner disagree. With `old_logprobs='learner'` the same jitted update first runs one
-forward over the batch to recompute them (and reports `rollout/logprob_mismatch_mean`/`_max`);
-`tis_cap` then re-weights each token by min(pi_old / pi_sampler, cap) (truncated importance
-sampling) and `ratio_mask` drops the policy-gradient term of tokens whose ratio leaves
-[1/c, c] (IcePop). A non-finite loss or gradient leaves params and optimizer state untouched
-and is counted in `TrainState.skipped`.
+sum is exactly the minibatch gradient. How rows are laid into micro-batches (sorted, cut to the
+shortest width that holds them, skipped where every advantage is 0) is rl/batch_layout.py's. Old
+log-probs come from the sampler; on the first minibatch the policy still equals the sampler's,
+so `ratio/first_max_abs_dev` and `mismatch/*` measure how far sampler and learner disagree. With
+`old_logprobs='learner'` the same jitted update first runs one forward over the batch to
+recompute them (and reports `rollout/logprob_mismatch_mean`/`_max`); `tis_cap` then re-weights
+each token by min(pi_old / pi_sampler, cap) (truncated importance sampling) and `ratio_mask`
+drops the policy-gradient term of tokens whose ratio leaves [1/c, c] (IcePop). A non-finite
+loss or gradient leaves params and optimizer state untouched and is counted in
+`TrainState.skipped`.
 
 Mixed precision: params and the AdamW moments stay in the model's `param_dtype` (float32 master
 weights); each layer casts its weights to the compute `dtype` (bfloat16 on TPU) inside the
@@ -37,147 +38,9 @@ from jaxprefix.errors import need
 from jaxprefix.models import lora, moe
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.models.sharding import constrain_params, state_shardings
-from jaxprefix.rl import objectives
-
-BATCH_AXES = ("data", "fsdp")
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """Optimizer, batching and loss settings of the learner (static under jit)."""
-    learning_rate: float = 1e-6
-    schedule: str = "constant"          # 'constant' | 'cosine' (after warmup)
-    warmup_steps: int = 0               # in optimizer updates
-    decay_steps: int = 1000             # cosine: updates from the end of warmup to the floor
-    min_lr_ratio: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    adam_eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    num_minibatches: int = 1            # optimizer updates per pass over the rollout batch
-    num_epochs: int = 1                 # passes over the rollout batch
-    micro_batch_size: int = 0           # rows per gradient-accumulation step; 0 = whole minibatch
-    eps_low: float = 0.2
-    eps_high: float = 0.2               # > eps_low is DAPO clip-higher
-    ratio: str = "token"                # 'token' | 'sequence' (GSPO)
-    aggregation: str = "token_mean"
-    max_len: int = 0                    # seq_mean_token_sum_norm normaliser; 0 = batch width
-    kl_coef: float = 0.0                # > 0 needs batch['ref_logprobs']
-    kl_kind: str = "k3"
-    logprob_chunk: int = 1024           # tokens per vocabulary-projection chunk in token_logprobs
-    # Log-probs (and the loss) of softmax(logits / temperature): the sampling temperature, so the
-    # learner scores the distribution the rollouts came from (TRL, verl, Tunix); 1 = the raw model.
-    temperature: float = 1.0
-    entropy_coef: float = 0.0           # > 0: an entropy bonus, - coef * entropy (aggregated)
-    # Recompute each decoder layer in the backward pass instead of keeping its activations
-    # (attention scores are [rows, heads, T, T] per layer): one more forward of compute, and
-    # SmolLM2-135M at 16 x 512 tokens needs 3.0 instead of 20.4 GiB of XLA temporaries.
-    remat: bool = False
-    # The pi_old of the ratio: 'sampler' (the log-probs the rollouts carry) or 'learner' (one
-    # extra forward at the start of the update recomputes them at the weights the sampler used,
-    # in the learner's numerics: the sampler's bf16 or 8-bit KV cache then drops out of the
-    # ratio). tis_cap > 0 (with 'learner'): truncated importance sampling against the sampler's
-    # log-probs, each token's policy-gradient term times min(pi_old / pi_sampler, tis_cap).
-    # ratio_mask c > 0 (with 'learner'): IcePop, no policy-gradient term for a token whose
-    # pi_old / pi_sampler leaves [1/c, c] (before TIS when both are set).
-    old_logprobs: str = "sampler"
-    tis_cap: float = 0.0
-    ratio_mask: float = 0.0
-    # Padding the update does not compute: each minibatch's rows are sorted by length into its
-    # micro-batches, and each micro-batch runs at the shortest of `width_steps` equal steps of the
-    # batch width that holds its last real token. Rows are left-aligned and causal, so the cut
-    # padding changes no real token's log-prob: the gradient is the same (dropout masks aside).
-    # Each step is one more branch compiled into the update; 1 = every micro-batch at full width.
-    # Off by default until measured on an idle box (bench/bench_cut_padding.py): the branches
-    # cost compile time, and the one round measured so far, on a starved box, settled nothing.
-    width_steps: int = 1
-    # A mixture of experts: + coef * the Switch / Qwen3-MoE load-balancing loss of the routers
-    # (models.moe.load_balancing_loss), each micro-batch's over its own tokens, averaged.
-    router_aux_coef: float = 0.0
-    # Micro-batches whose every loss token has advantage 0 (a group whose samples all scored the
-    # same) are not computed: their policy-gradient term is exactly 0, so the gradient is the
-    # same. Each minibatch's rows are sorted so that those rows share micro-batches. Only where
-    # nothing else in the loss (KL, entropy bonus, router loss) gives such a row a gradient
-    # (`skips_zero_advantage`); their tokens then leave the entropy and ratio diagnostics.
-    skip_zero_advantage: bool = True
-
-    @property
-    def skips_zero_advantage(self) -> bool:
-        return (self.skip_zero_advantage and self.kl_coef == 0 and self.entropy_coef == 0
-                and self.router_aux_coef == 0)
-
-    def __post_init__(self):
-        def check(ok, field, expected):
-            need(ok, f"TrainConfig.{field}", getattr(self, field), expected)
-        check(self.learning_rate >= 0, "learning_rate", ">= 0")
-        check(self.schedule in ("constant", "cosine"), "schedule", "'constant' or 'cosine'")
-        check(self.warmup_steps >= 0, "warmup_steps", ">= 0")
-        check(self.decay_steps > 0, "decay_steps", "> 0")
-        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]")
-        check(self.max_grad_norm > 0, "max_grad_norm", "> 0")
-        check(self.num_minibatches >= 1, "num_minibatches", ">= 1")
-        check(self.num_epochs >= 1, "num_epochs", ">= 1")
-        check(self.micro_batch_size >= 0, "micro_batch_size", ">= 0")
-        check(self.eps_low >= 0, "eps_low", ">= 0")
-        check(self.eps_high >= 0, "eps_high", ">= 0")
-        check(self.ratio in objectives.RATIO_LEVELS, "ratio", f"one of {objectives.RATIO_LEVELS}")
-        check(self.aggregation in objectives.AGGREGATIONS, "aggregation",
-             f"one of {objectives.AGGREGATIONS}")
-        check(self.kl_coef >= 0, "kl_coef", ">= 0")
-        check(self.kl_kind in objectives.KL_KINDS, "kl_kind", f"one of {objectives.KL_KINDS}")
-        check(self.logprob_chunk > 0, "logprob_chunk", "> 0")
-        check(self.temperature > 0, "temperature", "> 0")
-        check(self.entropy_coef >= 0, "entropy_coef", ">= 0")
-        check(self.old_logprobs in objectives.OLD_LOGPROBS, "old_logprobs",
-             f"one of {objectives.OLD_LOGPROBS}")
-        check(self.tis_cap >= 0, "tis_cap", ">= 0 (0: off)")
-        check(self.ratio_mask == 0 or self.ratio_mask > 1, "ratio_mask",
-              "0 (off) or > 1 (the band [1/c, c])")
-        check(self.width_steps >= 1, "width_steps", ">= 1 (1: no trimming)")
-        check(self.router_aux_coef >= 0, "router_aux_coef", ">= 0 (0: off)")
-        check(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
-             "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "
-             "is 1)")
-        check(self.ratio_mask == 0 or self.old_logprobs == "learner", "ratio_mask",
-             "0 unless old_logprobs='learner' (against the sampler's own log-probs every ratio "
-             "is 1)")
-
-    def check_batch(self, batch_size: int, batch_shards: int = 1):
-        """Raises unless `batch_size` rows split into minibatches and sharded micro-batches."""
-        if batch_size % self.num_minibatches:
-            raise ValueError(f"batch of {batch_size} rows is not divisible by "
-                             f"TrainConfig.num_minibatches={self.num_minibatches}")
-        minibatch = batch_size // self.num_minibatches
-        micro = self.micro_batch_size or minibatch
-        if minibatch % micro:
-            raise ValueError(f"minibatch of {minibatch} rows is not divisible by "
-                             f"TrainConfig.micro_batch_size={micro}")
-        if micro % batch_shards:
-            raise ValueError(f"micro-batch of {micro} rows is not divisible by the mesh's batch "
-                             f"axes {BATCH_AXES} ({batch_shards} devices)")
-
-
-def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
-    """Linear warmup from 0, then constant or cosine decay to min_lr_ratio * lr."""
-    lr = config.learning_rate
-    if config.schedule == "cosine":
-        after = optax.cosine_decay_schedule(lr, config.decay_steps, alpha=config.min_lr_ratio)
-    else:
-        after = optax.constant_schedule(lr)
-    if not config.warmup_steps:
-        return after
-    warmup = optax.linear_schedule(0.0, lr, config.warmup_steps)
-    return optax.join_schedules([warmup, after], [config.warmup_steps])
-
-
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW on the schedule."""
-    return optax.chain(
-        optax.clip_by_global_norm(config.max_grad_norm),
-        optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
-                    eps=config.adam_eps, weight_decay=config.weight_decay))
-
+from jaxprefix.rl import batch_layout, objectives
+from jaxprefix.rl.train_config import (BATCH_AXES, TrainConfig, learning_rate_schedule,
+                                        make_optimizer)
 
 @struct.dataclass
 class TrainState:
@@ -192,13 +55,6 @@ class TrainState:
 
 def _tree_select(ok, new, old):
     return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-
-
-def _arrange(x, num_minibatches: int, num_micro: int, micro: int):
-    """[B, ...] -> [minibatches, micro-batches, micro, ...], rows strided over micro-batches so
-    that a contiguous block of rows (one device's shard) feeds every micro-batch."""
-    x = x.reshape((micro, num_minibatches, num_micro) + x.shape[1:])
-    return jnp.moveaxis(x, 0, 2)
 
 
 class Learner:
@@ -470,7 +326,7 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
     c = dataclasses.replace(c, max_len=c.max_len or mask.shape[-1])
     loss_fn = functools.partial(_micro_loss, graphdef, c, mask.shape[0])
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    widths = trim_widths(mask.shape[-1], c.width_steps)
+    widths = batch_layout.trim_widths(mask.shape[-1], c.width_steps)
 
     def body(carry, xs):
         loss_sum, grad_sum, stats_sum, computed_sum = carry
@@ -480,12 +336,13 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
         micro = {**micro, "dropout_key": jax.random.fold_in(dropout_key, index)}
 
         def computed(micro):
-            (loss, stats), grads = _at_shortest_width(grad_fn, widths, params, rest, micro,
-                                                      totals)
+            (loss, stats), grads = batch_layout.at_shortest_width(grad_fn, widths, params, rest,
+                                                                  micro, totals)
             return loss, stats, constrain_params(grads), jnp.ones((), jnp.int32)
 
         if c.skips_zero_advantage:  # only the branch taken runs
-            loss, stats, grads, done = jax.lax.cond(_has_signal(micro), computed, skipped, micro)
+            loss, stats, grads, done = jax.lax.cond(batch_layout.has_signal(micro), computed,
+                                                    skipped, micro)
         else:
             loss, stats, grads, done = computed(micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
@@ -504,23 +361,16 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
                          "micro_batches": jnp.asarray(mask.shape[0], jnp.int32)}
 
 
-def _has_signal(micro) -> jax.Array:
-    """Whether any loss token of the micro-batch has a non-zero advantage."""
-    mask, advantages = micro["completion_mask"], micro["advantages"]
-    advantages = advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim))
-    return jnp.any((advantages != 0) & (mask > 0))
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
 def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, batch: dict):
     rows = batch["tokens"].shape[0]
     minibatch = rows // c.num_minibatches
     micro = c.micro_batch_size or minibatch
-    arranged = jax.tree.map(lambda x: _arrange(x, c.num_minibatches, minibatch // micro, micro),
-                            batch)
+    arranged = jax.tree.map(
+        lambda x: batch_layout.arrange(x, c.num_minibatches, minibatch // micro, micro), batch)
     if c.width_steps > 1 or c.skips_zero_advantage:
-        arranged = _sort_rows(arranged, by_length=c.width_steps > 1,
-                              by_signal=c.skips_zero_advantage)
+        arranged = batch_layout.sort_rows(arranged, by_length=c.width_steps > 1,
+                                          by_signal=c.skips_zero_advantage)
     recomputed = {}
     if c.old_logprobs == "learner":  # before any update: state.params are the sampler's weights
         arranged, recomputed = _learner_old_logprobs(graphdef, c, sharded, state.params, rest,
@@ -553,57 +403,6 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
                            updates=updates, skipped=skipped)
     return new_state, {**_summarise(c, per_update, updates, skipped - state.skipped), **recomputed}
-
-
-def trim_widths(width: int, steps: int) -> tuple[int, ...]:
-    """The widths a micro-batch of a `width`-token batch may be cut to: `steps` equal steps of
-    it, each a multiple of 8 tokens and at least 16 (a narrow batch gets fewer)."""
-    step = max(16, -(-width // (steps * 8)) * 8)
-    return tuple(range(step, width, step)) + (width,)
-
-
-def _row_lengths(token_mask):
-    """Tokens up to and including each row's last real one (rows are left-aligned)."""
-    columns = jnp.arange(1, token_mask.shape[-1] + 1)
-    return jnp.max(jnp.where(token_mask, columns, 0), axis=-1)
-
-
-def _sort_rows(arranged, *, by_length: bool, by_signal: bool):
-    """Each minibatch's rows [micro-batches, micro, ...] sorted, rows with a non-zero advantage
-    first (`by_signal`: the rest fill micro-batches that need not be computed), then by length
-    (`by_length`: a micro-batch holds rows of like length and its padding can be cut). A
-    permutation within the minibatch: its gradient, a sum over its rows, is unchanged."""
-    key = jnp.zeros(arranged["token_mask"].shape[:3], jnp.int32)
-    if by_length:
-        key = _row_lengths(arranged["token_mask"])          # [minibatches, micro-batches, micro]
-    if by_signal:
-        mask, advantages = arranged["completion_mask"], arranged["advantages"]
-        advantages = advantages.reshape(advantages.shape + (1,) * (mask.ndim - advantages.ndim))
-        quiet = ~jnp.any((advantages != 0) & (mask > 0), axis=-1)
-        key = key + quiet * (mask.shape[-1] + 1)   # after every row with a signal
-    flat = lambda x: x.reshape((x.shape[0], -1) + x.shape[3:])
-    order = jnp.argsort(flat(key), axis=1, stable=True)
-    take = jax.vmap(lambda x, o: x[o])
-    return jax.tree.map(lambda x: take(flat(x), order).reshape(x.shape), arranged)
-
-
-def _at_shortest_width(fn, widths, params, rest, micro, totals):
-    """fn(params, rest, micro, totals) with `micro` cut to the shortest of `widths` that holds
-    every row's last real token. What is cut is padding after each row: masked, never attended
-    to (causal), and its log-probs are 0, so the result is fn's on the whole width."""
-    full = micro["tokens"].shape[-1]
-    if len(widths) == 1:
-        return fn(params, rest, micro, totals)
-
-    def at(width, params, rest, micro, totals):
-        cut = {k: v[:, :width] if v.ndim >= 2 and v.shape[1] == full else v
-               for k, v in micro.items()}
-        return fn(params, rest, cut, totals)
-
-    need = jnp.max(_row_lengths(micro["token_mask"]))
-    branch = jnp.searchsorted(jnp.asarray(widths), need)   # the first width >= need
-    return jax.lax.switch(branch, [functools.partial(at, w) for w in widths],
-                          params, rest, micro, totals)
 
 
 def _learner_old_logprobs(graphdef, c: TrainConfig, sharded: bool, params, rest, arranged):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprefix.rl import loop
-from jaxprefix.rl.train_step import TrainConfig
+from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.run_setup.allocation import allocated
 from jaxprefix.run_setup.method_settings import MethodSettings
 from jaxprefix.sampling import RolloutSpec

@@ -22,7 +22,8 @@ from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import param_shardings
 from jaxprefix.rl.dynamic_sampling import bucket as batch_width_bucket
-from jaxprefix.rl.train_step import BATCH_AXES, Learner, TrainConfig
+from jaxprefix.rl.train_config import BATCH_AXES, TrainConfig
+from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling.rollout_spec import RolloutSpec
 
 
