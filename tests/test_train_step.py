@@ -365,6 +365,17 @@ def test_zero_advantage_micro_batches_are_skipped_for_the_same_step(aggregation)
                      ("loss", "grad_norm", "ratio/first_max_abs_dev"))
     assert float(metrics["update/computed_share"]) == 0.5   # 2 of 4 micro-batches of 4 rows
     assert float(expected["update/computed_share"]) == 1.0
+    # a batch with no signal at all: nothing computed, the weights unchanged, the diagnostics
+    # those of an unchanged policy (not the empty accumulator's sentinels)
+    silent = {**batch, "advantages": np.zeros(ROWS, np.float32)}
+    before = params_of(skip.init_state())
+    state, metrics = skip.update(skip.init_state(), silent)
+    assert float(metrics["update/computed_share"]) == 0.0
+    assert all(np.array_equal(a, b) for a, b in zip(params_of(state), before))
+    for key in ("ratio/min", "ratio/max", "ratio/mean"):
+        assert float(metrics[key]) == 1.0, key
+    for key in ("ratio/first_max_abs_dev", "mismatch/first_logp_diff_max", "loss"):
+        assert float(metrics[key]) == 0.0, key
     # a KL term gives every row a gradient: nothing is skipped
     assert not dataclasses.replace(config, kl_coef=0.01).skips_zero_advantage
 

@@ -220,15 +220,17 @@ def ratio_stats(ratio, advantages, mask, eps_low: float, eps_high: float):
 
 
 def finish_ratio_stats(sums):
-    """Turn summed diagnostics into means: clip fractions and ratio mean/min/max."""
+    """Turn summed diagnostics into means: clip fractions and ratio mean/min/max (with no loss
+    token computed, e.g. every micro-batch skipped, those of an unchanged policy: 1)."""
     tokens = jnp.maximum(sums["tokens"], 1.0)
+    seen = lambda x: jnp.where(sums["tokens"] > 0, x, 1.0)
     return {
         "clip_frac/low": sums["clip_low_sum"] / tokens,
         "clip_frac/high": sums["clip_high_sum"] / tokens,
         "clip_frac/total": (sums["clip_low_sum"] + sums["clip_high_sum"]) / tokens,
-        "ratio/mean": sums["ratio_sum"] / tokens,
-        "ratio/min": sums["ratio_min"],
-        "ratio/max": sums["ratio_max"],
+        "ratio/mean": seen(sums["ratio_sum"] / tokens),
+        "ratio/min": seen(sums["ratio_min"]),
+        "ratio/max": seen(sums["ratio_max"]),
         "ratio/max_abs_dev": sums["ratio_dev_max"],
     }
 

@@ -468,7 +468,8 @@ def _combine_stats(acc, new):
 
 
 def _empty_stats(shapes):
+    """The identity of `_combine_stats`: every maximum is of a quantity >= 0 (ratios, their
+    deviations), so 0 also reads right where no micro-batch was computed."""
     big = jnp.finfo(jnp.float32).max
-    return {k: jnp.full(s.shape, big if k == "ratio_min" else -big if k.endswith("_max") else 0,
-                        s.dtype)
+    return {k: jnp.full(s.shape, big if k == "ratio_min" else 0, s.dtype)
             for k, s in shapes.items()}
