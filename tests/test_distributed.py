@@ -195,9 +195,12 @@ def _wait_all(procs, timeout_s):
                     reason="needs configs/grpo.py and the rl job (jaxprefix/jobs/rl.py)")
 def test_grpo_smoke_two_hosts_matches_one_host(tmp_path):
     one, two = tmp_path / "one_host", tmp_path / "two_hosts"
-    _wait_all([_main(one, 8)], timeout_s=600)
+    # Every micro-batch computed, though every group scores alike: the learner's diagnostics
+    # (entropy, ratios) are then compared across the two layouts too.
+    every = "--config.train.skip_zero_advantage=False"
+    _wait_all([_main(one, 8, every)], timeout_s=600)
     address = f"127.0.0.1:{_free_port()}"
-    _wait_all([_main(two, 4, *_cluster(address, i)) for i in range(2)], timeout_s=600)
+    _wait_all([_main(two, 4, *_cluster(address, i, every)) for i in range(2)], timeout_s=600)
     expected, got = _final_params(one), _final_params(two)
     assert sorted(got) == sorted(expected)
     last = max(expected)
