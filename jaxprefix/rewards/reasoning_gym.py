@@ -31,7 +31,8 @@ _NUMERIC = re.compile(r"-?\d+(?:\.\d+)?")
 CORRECT_WEIGHT, BOXED_WEIGHT = 0.8, 0.2
 # reasoning_gym_right_boxed: the box paid on right answers only, so it can weigh more. Right
 # answers are rare (~5% of SmolLM2's samples) and boxed ones rarer; at 0.2 the second run moved
-# no greedy answer into a box in 10 steps.
+# no greedy answer into a box in 10 steps, and at 0.4 the fourth boxed none in 40 (the base
+# almost never boxes a right answer, so the weight is almost never paid).
 RIGHT_WEIGHT, RIGHT_BOXED_WEIGHT = 0.6, 0.4
 
 
