@@ -42,6 +42,7 @@ from jaxprefix.rl import batch_layout, objectives
 from jaxprefix.rl.train_config import (BATCH_AXES, TrainConfig, learning_rate_schedule,
                                         make_optimizer)
 
+
 @struct.dataclass
 class TrainState:
     """Everything the update changes. `step`: rollout batches seen; `updates`: optimizer updates
@@ -314,8 +315,8 @@ def _micro_loss(graphdef, c: TrainConfig, micro_batches: int, params, rest, micr
 def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch,
                      dropout_key):
     """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
-    minibatch; each micro-batch's loss is normalised by the minibatch's totals. Micro-batch i
-    draws its (adapter) dropout from fold_in(dropout_key, i)."""
+    minibatch, and the share of them computed; each micro-batch's loss is normalised by the
+    minibatch's totals. Micro-batch i draws its (adapter) dropout from fold_in(dropout_key, i)."""
     mask = minibatch["completion_mask"]
     if c.aggregation == "seq_mean_token_mean":
         sequences = (mask.sum(-1) > 0).sum()
@@ -357,8 +358,7 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
             jnp.zeros((), jnp.int32))
     indices = jnp.arange(mask.shape[0])
     (loss, grads, stats, computed), _ = jax.lax.scan(body, init, (minibatch, indices))
-    return loss, grads, {**stats, "computed_micro_batches": computed,
-                         "micro_batches": jnp.asarray(mask.shape[0], jnp.int32)}
+    return loss, grads, stats, computed / mask.shape[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
@@ -385,8 +385,8 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
         params, opt_state, updates, skipped = carry
         position, index = xs
         mb = jax.tree.map(lambda x: x[index], arranged)
-        loss, grads, stats = _minibatch_grads(graphdef, c, sharded, params, rest, mb,
-                                              jax.random.fold_in(step_key, position))
+        loss, grads, stats, computed_share = _minibatch_grads(
+            graphdef, c, sharded, params, rest, mb, jax.random.fold_in(step_key, position))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         deltas, new_opt = optimizer.update(grads, opt_state, params)
@@ -395,7 +395,8 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
         params = _tree_select(ok, new_params, params)
         opt_state = _tree_select(ok, new_opt, opt_state)
         carry = (params, opt_state, updates + ok, skipped + (~ok))
-        return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats}
+        return carry, {"loss": loss, "grad_norm": grad_norm, "ok": ok, "stats": stats,
+                       "computed_share": computed_share}
 
     init = (state.params, state.opt_state, state.updates, state.skipped)
     (params, opt_state, updates, skipped), per_update = jax.lax.scan(
@@ -441,15 +442,17 @@ def _summarise(c: TrainConfig, per_update, updates, skipped_now):
         # sampler's log-probs as pi_old, the sampler-learner mismatch of each step's tokens
         "mismatch/first_logp_diff_mean": first["logp_diff_sum"] / jnp.maximum(first["tokens"], 1),
         "mismatch/first_logp_diff_max": first["logp_diff_max"],
-        "mismatch/first_past_0.1": first["logp_diff_far_sum"] / jnp.maximum(first["tokens"], 1),
+        f"mismatch/first_past_{objectives.LOGP_DIFF_FAR}":
+            first["logp_diff_far_sum"] / jnp.maximum(first["tokens"], 1),
         "entropy": total["entropy_sum"] / tokens,
         "kl": total["kl_sum"] / tokens,
         "lr": learning_rate_schedule(c)(updates),
         "updates": updates,
         "skipped_updates": skipped_now,
         "loss_tokens": total["tokens"],
-        # the share of micro-batches computed (skip_zero_advantage skips the rest)
-        "update/computed_share": total["computed_micro_batches"] / total["micro_batches"],
+        # the share of micro-batches computed (skip_zero_advantage skips the rest); every
+        # minibatch has as many
+        "update/computed_share": per_update["computed_share"].mean(),
     })
     if c.router_aux_coef:  # per optimizer update
         metrics["router/aux_loss"] = total["router_aux_sum"] / (c.num_minibatches * c.num_epochs)
