@@ -8,6 +8,7 @@ from jaxprefix import rewards
 from jaxprefix.data import DataError, load_problems
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems
 from jaxprefix.rewards.reasoning_gym import (boxed_or_last, final_answer,
+                                             reasoning_gym_box_nudged_verifier,
                                              reasoning_gym_boxed_verifier,
                                              reasoning_gym_right_boxed_verifier,
                                              reasoning_gym_verifier)
@@ -79,6 +80,17 @@ def test_right_boxed_verifier_pays_the_box_on_right_answers_only():
     assert score(f"{answer} \\boxed{{}}", problem) == pytest.approx(0.6)
     # pass@k's threshold (reward > 0.5) is the right answer, boxed or not
     assert score(f"{answer} is the sum", problem) > 0.5
+
+
+def test_box_nudged_verifier_pays_a_wrong_box_a_little():
+    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
+    answer, wrong = problem.answer, str(int(problem.answer) + 1)
+    score = reasoning_gym_box_nudged_verifier
+    assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
+    assert score(f"{answer} is the sum", problem) == pytest.approx(0.6)
+    assert score(f"{answer}, no: \\boxed{{{wrong}}}", problem) == pytest.approx(0.1)
+    assert score(f"{wrong} then \\boxed{{}}", problem) == 0.0  # an empty box is none
+    assert score(f"{wrong}", problem) == 0.0
 
 
 def test_boxed_or_last_reads_numbers_only_for_numeric_answers():
