@@ -56,6 +56,8 @@ from jaxprefix.checkpoints.gguf import bundled_smollm2_path  # noqa: E402
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems  # noqa: E402
 from jaxprefix.methods.prompting import ChatPrompts  # noqa: E402
 from jaxprefix.rl import loop  # noqa: E402
+from jaxprefix.run_setup.learner_settings import (lora_config, reward_settings,  # noqa: E402
+                                                  train_config)
 from jaxprefix.rl.train_step import Learner  # noqa: E402
 
 TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
@@ -81,7 +83,8 @@ class Ours:
     def __init__(self, config, problems, args):
         model, _ = common.load_smollm2()
         self.config, self.problems, self.args = config, problems, args
-        self.learner = Learner(loop.adapted(model, config), loop.train_config(config))
+        self.learner = Learner(loop.adapted(model, lora_config(config), config.seed),
+                               train_config(config))
         self.state = self.learner.init_state()
         self.tokenizer = tokenizers.load(bundled_smollm2_path())
         prompts = ChatPrompts(self.tokenizer, config.model.system_prompt)
@@ -96,7 +99,8 @@ class Ours:
         request = loop.RolloutRequest([self.contexts[i] for i in picked],
                                       [self.problems[i] for i in picked], {}, self.args.n)
         policy = self.learner.sampling_model(self.state)
-        scored = loop.sample_and_score(policy, self.tokenizer, request, self.config,
+        scored = loop.sample_and_score(policy, self.tokenizer, request,
+                                       reward_settings(self.config),
                                        rollout=self.rollout, seed=self.step,
                                        stop_ids=(self.tokenizer.eos_id,))
         del policy

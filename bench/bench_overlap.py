@@ -44,7 +44,8 @@ from jaxprefix.methods.prompting import TaskPrompts  # noqa: E402
 from jaxprefix.models.config import ModelConfig  # noqa: E402
 from jaxprefix.models.decoder import Decoder  # noqa: E402
 from jaxprefix.models.sharding import shard_model, split_meshes  # noqa: E402
-from jaxprefix.rl.loop import train, validate  # noqa: E402
+from jaxprefix.rl.loop import train  # noqa: E402
+from jaxprefix.run_setup.learner_settings import loop_settings, validate  # noqa: E402
 from jaxprefix.rl.metrics import read_metrics  # noqa: E402
 from jaxprefix.sampling import RolloutSpec  # noqa: E402
 
@@ -87,7 +88,7 @@ def one_run(args, arm: str) -> list[dict]:
                         n=args.n, seed=0)
     model = shard_model(Decoder(model_config(args.hidden), rngs=nnx.Rngs(0)), mesh)
     with tempfile.TemporaryDirectory() as workdir:
-        train(config, workdir, method=method, model=model, tokenizer=TOKENIZER,
+        train(loop_settings(config), workdir, method=method, model=model, tokenizer=TOKENIZER,
               stop_ids=(TOKENIZER.eos_id,), progress=False, mesh=mesh, sampler_mesh=sampler_mesh,
               learner_config=validate(config, mesh), rollout=RolloutSpec.from_config(config.rollout),
               contexts_per_step=args.contexts)

@@ -275,7 +275,8 @@ FIELDS = {
         "every": F(25, "steps between checkpoints"),
         "keep": F(3, "checkpoints kept"),
     },
-    "export": {"dtype": F("", "the export job's HF weights dtype ('': param_dtype)")},
+    "export": {"dtype": F("", "the export job's HF weights dtype ('': param_dtype)"),
+               "step": F(0, "the checkpoint step exported (0: the latest)")},
     # The OpenAI-compatible server (jobs/serve.py, docs/SERVING.md) over the policy of `model`;
     # the sampler's memory settings (rows in flight, KV budget, pages) are rollout's.
     "serve": {

@@ -17,7 +17,7 @@ from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.checkpoints.hf import read_safetensors
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.jobs.export import run_export
-from jaxprefix.rl.loop import train_config
+from jaxprefix.run_setup.learner_settings import train_config
 from jaxprefix.rl.train_step import Learner
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]

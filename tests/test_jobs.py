@@ -218,18 +218,25 @@ def test_grpo_lora_smoke_with_a_reward_file_resumes_exactly(base, tmp_path):
     # What the eval and export jobs load: the trained adapters, or them folded into the base.
     from jaxprefix.run_setup.policy import load_policy
     from jaxprefix.models import lora
+    from jaxprefix.errors import CheckpointError
     from jaxprefix.rl.loop import restore_trained, restore_trained_params
     from jaxprefix.run_config import from_file
+    from jaxprefix.run_setup.learner_settings import lora_config, train_config
 
     config = from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
     config.model.path, config.train.lora_rank = base, 8
     policy = load_policy(config, resumed)
-    step, trained = restore_trained(policy.model, resumed, config)
+    learner, adapters = train_config(config), lora_config(config)
+    step, trained = restore_trained(policy.model, resumed, learner, adapters)
     assert step == STEPS and lora.has_adapters(trained) and not lora.has_adapters(policy.model)
     tokens = np.arange(1, 13, dtype=np.int32).reshape(2, 6)
     adapted_logits = np.asarray(trained(tokens))
     assert np.abs(adapted_logits - np.asarray(policy.model(tokens))).max() > 0
-    assert restore_trained_params(policy.model, resumed, config) == STEPS
+    # A chosen step (the export job's export.step) must be one the workdir holds.
+    assert restore_trained(policy.model, resumed, learner, adapters, step=STEPS)[0] == STEPS
+    with pytest.raises(CheckpointError, match=rf"checkpoints has no step {STEPS + 1}: it holds"):
+        restore_trained(policy.model, resumed, learner, adapters, step=STEPS + 1)
+    assert restore_trained_params(policy.model, resumed, learner, adapters) == STEPS
     np.testing.assert_allclose(np.asarray(policy.model(tokens)), adapted_logits, atol=1e-4)
 
 

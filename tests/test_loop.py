@@ -25,7 +25,8 @@ from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.rl import dynamic_sampling as ds
 from jaxprefix.rl.eval_counts import EvalCountsWriter, read_eval_counts
-from jaxprefix.rl.loop import RolloutRequest, train, validate
+from jaxprefix.rl.loop import RolloutRequest, train
+from jaxprefix.run_setup.learner_settings import loop_settings, validate
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import MetricsWriter, count_params, read_metrics
 from jaxprefix.sampling import Rollouts, RolloutSpec
@@ -80,7 +81,8 @@ def resolved(config) -> dict:
 def run(workdir, config, at=None, signum=signal.SIGTERM):
     method = SignalAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
                       eval_problems=PROBLEMS[12:], eval_n=4, at=at, signum=signum)
-    return train(config, str(workdir), method=method, model=Decoder(MODEL, rngs=nnx.Rngs(0)),
+    return train(loop_settings(config), str(workdir), method=method,
+                 model=Decoder(MODEL, rngs=nnx.Rngs(0)),
                  tokenizer=TOKENIZER, stop_ids=(TOKENIZER.eos_id,), progress=False,
                  **resolved(config))
 
@@ -357,7 +359,8 @@ def test_checkpoint_of_another_model_is_refused_by_shape_and_left_in_place(tmp_p
     with pytest.raises(CheckpointError, match=r"checkpoints/1: array .* was saved with shape "
                                               r".*32.*, this run's model has .*64"):
         config = run_settings(total_steps=2)
-        train(config, str(tmp_path), method=method, model=Decoder(wider, rngs=nnx.Rngs(0)),
+        train(loop_settings(config), str(tmp_path), method=method,
+              model=Decoder(wider, rngs=nnx.Rngs(0)),
               tokenizer=TOKENIZER, progress=False, **resolved(config))
     assert TrainCheckpointer(str(tmp_path / "checkpoints")).all_steps() == [1]
 

@@ -12,6 +12,7 @@ from jaxprefix.checkpoints import peft as peft_format
 from jaxprefix.models import lora
 from jaxprefix.models.scoring import token_logprobs
 from jaxprefix.rl import loop
+from jaxprefix.run_setup.learner_settings import lora_config, train_config
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner
 from jaxprefix.run_config import base_config
@@ -138,7 +139,7 @@ def test_bad_lora_fields_are_one_line_errors_naming_them(field, value, message):
     block, _, name = field.rpartition(".")
     (c.train.lora if block else c.train)[name] = value
     with pytest.raises(ValueError, match=message) as error:
-        loop.lora_config(c)
+        lora_config(c)
     assert "\n" not in str(error.value)
 
 
@@ -188,7 +189,8 @@ def test_export_job_writes_the_peft_adapter_beside_the_merged_model(tmp_path):
     config.model.update(source="hf", path=base)
     config.train.lora_rank, config.train.lora.alpha = RANK, 8.0
     # What the RL loop checkpoints: the adapters (here random, i.e. trained) and their optimizer.
-    learner = Learner(loop.adapted(from_pretrained(base)[0], config), loop.train_config(config))
+    learner = Learner(loop.adapted(from_pretrained(base)[0], lora_config(config), config.seed),
+                      train_config(config))
     state = learner.init_state()
     state = state.replace(params=jax.tree.map(
         lambda x: 0.05 * jax.random.normal(jax.random.key(x.size), x.shape), state.params))

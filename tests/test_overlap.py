@@ -12,6 +12,7 @@ from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import shard_model, split_meshes
 from jaxprefix.rl import overlap
 from jaxprefix.rl.loop import train
+from jaxprefix.run_setup.learner_settings import loop_settings
 from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.rl.overlap import AheadSampler, SamplerFailed, sampling_version
 
@@ -99,7 +100,8 @@ def run_split(workdir, config, at=None):
     method = SignalAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4, seed=0,
                       eval_problems=PROBLEMS[12:], eval_n=4, at=at, signum=signal.SIGTERM)
     model = shard_model(Decoder(MODEL, rngs=nnx.Rngs(0)), mesh)
-    return train(config, str(workdir), method=method, model=model, tokenizer=TOKENIZER,
+    return train(loop_settings(config), str(workdir), method=method, model=model,
+                 tokenizer=TOKENIZER,
                  stop_ids=(TOKENIZER.eos_id,), progress=False, mesh=mesh,
                  sampler_mesh=sampler_mesh, **resolved(config))
 

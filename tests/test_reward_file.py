@@ -6,7 +6,7 @@ import pytest
 from jaxprefix import rewards
 from jaxprefix.data.problem import Problem
 from jaxprefix.run_setup.problem_sets import load_problem_sets
-from jaxprefix.rl import loop
+from jaxprefix.run_setup.learner_settings import validate
 from jaxprefix.run_config import base_config
 
 REWARDS = textwrap.dedent("""\
@@ -76,7 +76,7 @@ def test_a_missing_file_or_function_is_a_one_line_error_before_any_work(reward_f
     c = base_config()
     c.rewards.path = spec.format(dir=tmp_path, file=reward_file)
     with pytest.raises((ValueError, FileNotFoundError), match=message) as error:
-        loop.validate(c)  # what the rl job checks before it loads a model
+        validate(c)  # what the rl job checks before it loads a model
     assert "\n" not in str(error.value)
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         load_problem_sets(c.data, rewards_path=c.rewards.path)  # eval and mine jobs

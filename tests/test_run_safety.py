@@ -282,8 +282,8 @@ def test_moe_fields_on_a_dense_model_are_refused_in_preflight(tmp_path):
     dense smoke policy, one line each; 'auto' replays on the MoE smoke (episodes of several
     turns too), 'off' does not."""
     from jaxprefix.errors import ConfigError
-    from jaxprefix.rl import loop
     from jaxprefix.run_setup import preflight
+    from jaxprefix.run_setup.learner_settings import routing_replay
 
     workdir = str(tmp_path / "w")
     dense = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
@@ -297,15 +297,15 @@ def test_moe_fields_on_a_dense_model_are_refused_in_preflight(tmp_path):
     moe = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "moe_smoke")
     moe.train.router_aux_coef = 0.01
     preflight.check(moe, workdir)
-    assert loop.routing_replay(moe, True) and not loop.routing_replay(dense, False)
+    assert routing_replay(moe, True) and not routing_replay(dense, False)
     moe.train.routing_replay = "off"
-    assert not loop.routing_replay(moe, True)
+    assert not routing_replay(moe, True)
     moe.train.routing_replay = "yes"
     with pytest.raises(ConfigError, match=r"^config.train.routing_replay='yes': expected 'auto', "
                                           r"'on' or 'off'$"):
         preflight.check(moe, workdir)
     moe.train.routing_replay, moe.rollout.max_turns = "auto", 3  # episodes record routes too
-    assert loop.routing_replay(moe, True)
+    assert routing_replay(moe, True)
     assert not (tmp_path / "w").exists()
 
 

@@ -18,6 +18,7 @@ from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import TaskPrompts
 from jaxprefix.models import Decoder, ModelConfig, token_logprobs
 from jaxprefix.rl import loop
+from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
 from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.rl.train_config import TrainConfig
@@ -302,9 +303,9 @@ def _config(tmp_path, **tool_fields):
 def train_one_step(model, tokenizer, config, workdir: str) -> dict:
     """The metrics row of one GRPO step (loop.train) of `config` on the three problems."""
     method = GrpoMethod(TaskPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
-    result = loop.train(config, workdir, method=method, model=model, tokenizer=tokenizer,
-                        stop_ids=[tokenizer.eos_id],
-                        learner_config=loop.validate(config, contexts_per_step=3),
+    result = loop.train(loop_settings(config), workdir, method=method, model=model,
+                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
+                        learner_config=validate(config, contexts_per_step=3),
                         rollout=RolloutSpec.from_config(config.rollout), contexts_per_step=3,
                         tools=ToolSettings.from_config(config), progress=False)
     (record,) = read_metrics(workdir)
@@ -318,7 +319,7 @@ def _scored(policy, config, seed=0, record_routes=False, **sampler) -> loop.Scor
     model, tokenizer, contexts = policy
     request = loop.RolloutRequest(contexts=contexts, problems=PROBLEMS, tags={}, n=2)
     rollout = ToolSettings.from_config(config).episode_rollout(tokenizer, 512)
-    return loop.sample_and_score(model, tokenizer, request, config, seed=seed,
+    return loop.sample_and_score(model, tokenizer, request, reward_settings(config), seed=seed,
                                  rollout=RolloutSpec.from_config(config.rollout),
                                  stop_ids=[tokenizer.eos_id], record_routes=record_routes,
                                  episodes=lambda *args, **kwargs: rollout(*args, **{**kwargs,

@@ -7,6 +7,7 @@ import pytest
 
 from jaxprefix.rl import wandb_writer
 from jaxprefix.run_config import base_config
+from jaxprefix.run_setup.learner_settings import wandb_settings
 
 wandb_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
@@ -54,12 +55,12 @@ def test_offline_run_holds_step_metrics_and_the_config(tmp_path, monkeypatch):
     c = base_config()
     c.metrics.update(wandb=True, wandb_mode="offline")
     c.train.lora_rank = 8
-    writer = wandb_writer.start(c, str(tmp_path))
+    writer = wandb_writer.start(wandb_settings(c), str(tmp_path))
     for step in (1, 2):
         writer.write(step, {"reward/mean": 0.25 * step, "loss": float("nan"), "tokens/sampled": 96})
     writer.close()
     # The same workdir again (a resumed run) continues the same W&B run.
-    writer = wandb_writer.start(c, str(tmp_path))
+    writer = wandb_writer.start(wandb_settings(c), str(tmp_path))
     writer.write(3, {"reward/mean": 0.75, "tokens/sampled": 96})
     writer.close()
 
@@ -74,4 +75,5 @@ def test_offline_run_holds_step_metrics_and_the_config(tmp_path, monkeypatch):
 
 
 def test_off_by_default():
-    assert wandb_writer.start(base_config(), "/nonexistent") is None
+    assert wandb_settings(base_config()) is None
+    assert wandb_writer.start(None, "/nonexistent") is None

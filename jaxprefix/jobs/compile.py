@@ -31,12 +31,13 @@ from flax import nnx
 
 from jaxprefix import storage
 from jaxprefix.errors import ConfigError
+from jaxprefix.run_setup.learner_settings import routing_replay
 from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.run_setup.policy import model_dtypes
 from jaxprefix.models import published
 from jaxprefix.models.config import ModelConfig
 from jaxprefix.models.sharding import make_mesh, split_meshes
-from jaxprefix.rl import loop
+from jaxprefix.rl.loop_settings import check_rows
 from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import decode_layout
 from jaxprefix.tpu import compiled_stats, costing, programs, topology
@@ -134,11 +135,11 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     start = time.perf_counter()
     contexts = settings.method.contexts_per_step
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
-    loop.check_rows(config, train, contexts, mesh)
+    check_rows(train, contexts, config.rollout.n, mesh)
     step = programs.StepShape(contexts=contexts, context_length=c.context_length,
-                              n=config.rollout.n, rollout=spec, routing_replay=loop.routing_replay(
+                              n=config.rollout.n, rollout=spec, routing_replay=routing_replay(
                                   config, any(model_config.sparse_layers)))
-    model = programs.abstract_model(model_config, mesh, loop.lora_config(config))
+    model = programs.abstract_model(model_config, mesh, settings.loop.adapters)
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
     learner = Learner(model, train, mesh)
@@ -190,7 +191,7 @@ def slice_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topol
                           f'time-shared) or fewer, leaving the learner some')
     try:  # the run's own rule (models.split_meshes): the sampler takes the last chips
         learner, sampler = split_meshes(devices, devices=chips, **config.mesh)
-        loop.check_rows(config, settings.train, settings.method.contexts_per_step, learner)
+        check_rows(settings.train, settings.method.contexts_per_step, settings.loop.n, learner)
         sampler = decode_layout(sampler, model_config, settings.rollout.tensor_parallel)
     except ValueError as e:
         raise ConfigError(f'{what}: on {slice_.name} the learner gets {learner_chips} chips, '
@@ -210,9 +211,9 @@ def split_for(settings: RunSettings, model_config: ModelConfig, slice_: topology
     learner_mesh, sampler_mesh = slice_meshes(settings, model_config, slice_, devices)
     step = programs.StepShape(contexts=settings.method.contexts_per_step,
                               context_length=c.context_length, n=config.rollout.n, rollout=spec,
-                              routing_replay=loop.routing_replay(
+                              routing_replay=routing_replay(
                                   config, any(model_config.sparse_layers)))
-    adapters = loop.lora_config(config)
+    adapters = settings.loop.adapters
     logging.info('compile: split %d: learner mesh %s, sampler mesh %s', devices,
                  dict(learner_mesh.shape), dict(sampler_mesh.shape))
     # The learner: its training state and update, nothing of the sampler's beside them.

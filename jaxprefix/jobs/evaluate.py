@@ -18,9 +18,11 @@ from jaxprefix.studies.study import evaluate_guided, evaluate_unguided
 def run_eval(config, workdir: str) -> dict:
     from jaxprefix.run_setup.mining import prefix_search, set_up
     from jaxprefix.rl.loop import restore_trained_params
+    from jaxprefix.run_setup.learner_settings import lora_config, train_config
 
     policy, sets, mining = set_up(config, workdir)
-    step = restore_trained_params(policy.model, workdir, config)
+    step = restore_trained_params(policy.model, workdir, train_config(config),
+                                  lora_config(config))
     e = config.eval
     report = {"step": step, "problems": len(sets.eval),
               "unguided": evaluate_unguided(mining.prober, policy.prompts, sets.eval, n=e.n,

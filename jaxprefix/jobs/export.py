@@ -20,6 +20,7 @@ from flax import nnx
 
 from jaxprefix.checkpoints.hf import save_pretrained
 from jaxprefix import distributed, models, storage
+from jaxprefix.errors import CheckpointError
 from jaxprefix.models import lora
 
 EXPORT_DIR = "export"
@@ -31,10 +32,12 @@ def export_dir(workdir: str) -> str:
 
 
 def run_export(config, workdir: str) -> str:
-    """Writes the workdir's trained policy to <workdir>/export/; returns that path."""
+    """Writes the workdir's trained policy (its latest checkpoint, or export.step's) to
+    <workdir>/export/; returns that path."""
     from jaxprefix.checkpoints.peft import save_peft_adapter
     from jaxprefix.run_setup.policy import FLOAT_DTYPES, load_policy
     from jaxprefix.rl.loop import load_trained, restore_trained
+    from jaxprefix.run_setup.learner_settings import lora_config, train_config
 
     dtype = config.export.dtype or None
     if dtype is not None and dtype not in FLOAT_DTYPES:
@@ -43,7 +46,12 @@ def run_export(config, workdir: str) -> str:
     policy = load_policy(config, workdir)
     mesh = models.make_mesh(**config.mesh)
     models.shard_model(policy.model, mesh)
-    step, trained = restore_trained(policy.model, workdir, config, mesh)
+    try:
+        step, trained = restore_trained(policy.model, workdir, train_config(config),
+                                        lora_config(config), mesh,
+                                        step=config.export.step or None)
+    except CheckpointError as e:
+        raise CheckpointError(f"config.export.step={config.export.step}: {e}") from None
     if step is not None:
         load_trained(policy.model, trained)
     adapters = trained.adapters if lora.has_adapters(trained) else None

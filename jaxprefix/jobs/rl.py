@@ -79,7 +79,7 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
     ledger = ComputeLedger(policy.model.config.num_params())
     logging.info("%s: mining spent %.3g FLOPs", config.method, mined.extra_flops)
     logging.info(training_cost(config, contexts, ledger.n_params))
-    result = loop.train(config, workdir, method=method, model=policy.model,
+    result = loop.train(settings.loop, workdir, method=method, model=policy.model,
                         tokenizer=policy.tokenizer, learner_config=settings.train,
                         rollout=settings.rollout, contexts_per_step=contexts,
                         stop_ids=policy.stop_ids, mesh=mesh, sampler_mesh=sampler_mesh,

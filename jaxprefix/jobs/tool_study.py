@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxprefix import evaluation, run_config, storage
 from jaxprefix.jobs.rl import run_rl
+from jaxprefix.run_setup.learner_settings import reward_settings
 from jaxprefix.run_setup.mining import set_up
 from jaxprefix.run_setup.policy import base_dir
 from jaxprefix.studies import study_tables
@@ -75,7 +76,7 @@ def evaluate(how: Evaluation, policy, model, problems, *, with_tools: bool) -> d
                                   problems=list(problems), tags={}, n=config.eval.n)
     episodes = how.tools.episode_rollout(
         policy.tokenizer, model.config.max_position_embeddings) if with_tools else None
-    scored = loop.sample_and_score(model, policy.tokenizer, request, config,
+    scored = loop.sample_and_score(model, policy.tokenizer, request, reward_settings(config),
                                    rollout=how.rollout, seed=config.seed + 7,
                                    stop_ids=policy.stop_ids, episodes=episodes)
     return (evaluation.summarize(scored.rewards, config.eval.ks)

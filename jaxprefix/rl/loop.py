@@ -21,17 +21,18 @@ from flax import nnx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxprefix import distributed, rewards, sampling
+from jaxprefix import distributed, rewards, sampling, storage
 from jaxprefix.tools import episodes as multi_turn
 from jaxprefix.tools.settings import ToolSettings
 from jaxprefix.checkpoints import recovery
-from jaxprefix.errors import need
+from jaxprefix.errors import CheckpointError
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
 from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, overlap, wandb_writer
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
-from jaxprefix.rl.metrics import SEGMENT_ROWS, MetricsWriter
+from jaxprefix.rl.metrics import MetricsWriter
+from jaxprefix.rl.loop_settings import LoopSettings, RewardSettings, check_rows
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner, TrainState, frozen_fraction
 
@@ -68,107 +69,14 @@ class Method(Protocol):
     def restore(self, state: dict) -> None: ...
 
 
-# --- configuration --------------------------------------------------------------------------
+# --- the learner's model ------------------------------------------------------------------
 
-def train_config(config) -> TrainConfig:
-    """TrainConfig from `config.train` (its extra loop fields ignored); errors name config.train."""
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in config.train.items() if k in fields}
-    if not values.get("max_len") and values.get("aggregation") == "seq_mean_token_sum_norm":
-        values["max_len"] = int(config.rollout.max_new_tokens)  # Dr. GRPO's constant normaliser
-    # Score the distribution the rollouts were drawn from (greedy sampling: the raw model).
-    sampling_t = float(config.rollout.temperature)
-    if config.train.get("logprobs_at_sampling_temperature", True) and sampling_t > 0:
-        values["temperature"] = sampling_t
-    try:
-        return TrainConfig(**values)
-    except ValueError as e:
-        raise ValueError(str(e).replace("TrainConfig.", "config.train.")) from None
-
-
-def lora_config(config) -> lora.LoraConfig | None:
-    """The adapters of `config.train.lora_rank` / `config.train.lora` (None: full fine-tuning)."""
-    rank, fields = config.train.get("lora_rank", 0), config.train.get("lora", {})
-    if rank == 0:
-        return None
-    try:
-        return lora.LoraConfig(rank, **fields)
-    except (TypeError, ValueError) as e:
-        message = str(e).replace("LoraConfig.rank", "config.train.lora_rank")
-        raise ValueError(message.replace("LoraConfig.", "config.train.lora.")) from None
-
-
-def adapted(model, config, mesh=None):
-    """`model` with fresh adapters placed on `mesh` when the config asks for LoRA, else `model`."""
-    adapters = lora_config(config)
+def adapted(model, adapters: lora.LoraConfig | None, seed: int, mesh=None):
+    """`model` with fresh adapters (seeded by `seed`) placed on `mesh`, else `model` itself."""
     if adapters is None:
         return model
-    model = lora.with_adapters(model, adapters, seed=config.seed)
+    model = lora.with_adapters(model, adapters, seed=seed)
     return model if mesh is None else sharding.shard_model(model, mesh)
-
-
-def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainConfig:
-    """Checks the loop's and the learner's settings before anything is loaded (the rollout
-    block is its RolloutSpec's, the method's its MethodSettings': run_setup/run_settings.resolve
-    makes all three); returns the learner's TrainConfig.
-
-    contexts_per_step: the contexts a step samples, n times each (default: one per problem; a
-    method with guided copies or prefixes has more)."""
-    t, r = config.train, config.rollout
-    need(t.advantage in objectives.ADVANTAGE_MODES, "config.train.advantage", t.advantage,
-         f"one of {objectives.ADVANTAGE_MODES}")
-    need(r.n >= 2, "config.rollout.n", r.n,
-         f"n >= 2 samples per context: {t.advantage} advantages compare the samples of a group")
-    if t.advantage == "pass_at_k":
-        need(1 <= t.get("pass_k", 1) <= r.n, "config.train.pass_k", t.get("pass_k"),
-             f"1 <= pass_k <= rollout.n={r.n}")
-    need(t.problems_per_step >= 1, "config.train.problems_per_step", t.problems_per_step,
-         ">= 1")
-    need(t.total_steps >= 0, "config.train.total_steps", t.total_steps, ">= 0")
-    need(t.max_refill_rounds >= 0, "config.train.max_refill_rounds", t.max_refill_rounds,
-         ">= 0")
-    need(t.max_staleness >= 0, "config.train.max_staleness", t.max_staleness,
-         ">= 0 (0: synchronous)")
-    need(t.max_staleness == 0 or r.max_turns == 1, "config.train.max_staleness", t.max_staleness,
-         f"0 with rollout.max_turns={r.max_turns}: multi-turn episodes are sampled synchronously")
-    need(config.checkpoint.every >= 1, "config.checkpoint.every", config.checkpoint.every,
-         ">= 1")
-    need(config.checkpoint.keep >= 1, "config.checkpoint.keep", config.checkpoint.keep, ">= 1")
-    need(config.eval.every >= 0, "config.eval.every", config.eval.every, ">= 0 (0: never)")
-    lora_config(config)
-    rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
-    learner_config = train_config(config)
-    check_rows(config, learner_config, contexts_per_step or t.problems_per_step, mesh)
-    return learner_config
-
-
-def check_rows(config, learner_config: TrainConfig, contexts_per_step: int, mesh=None) -> None:
-    """A step's rows (contexts x rollout.n) split into the learner's minibatches over the row
-    devices of `mesh` (none: one)."""
-    t, n = config.train, config.rollout.n
-    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    try:
-        learner_config.check_batch(contexts_per_step * n, shards)
-    except ValueError as e:
-        raise ValueError(f"config.train.problems_per_step={t.problems_per_step} "
-                         f"({contexts_per_step} contexts) x config.rollout.n={n}: {e}") from None
-
-
-def routing_replay(config, mixture_of_experts: bool) -> bool:
-    """Whether the sampler records a MoE's experts and the learner replays them
-    (config.train.routing_replay), one-turn rows and multi-turn episodes alike (each episode's
-    sequence carries its tokens' experts: tools/episodes.py); a dense model refuses it and
-    router_aux_coef when set."""
-    t = config.train
-    value = t.get("routing_replay", "auto")
-    need(value in ("auto", "on", "off"), "config.train.routing_replay", value,
-         "'auto', 'on' or 'off'")
-    if not mixture_of_experts:
-        need(value == "auto", "config.train.routing_replay", value,
-             "'auto' on a dense model (it has no experts to replay)")
-        need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
-             t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
-    return mixture_of_experts and value != "off"
 
 
 def check_update_resolution(model, learning_rate: float) -> None:
@@ -215,7 +123,7 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
     return texts
 
 
-def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
+def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardSettings, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
                      record_routes: bool = False, episodes=None) -> Scored:
     """Samples the request (one turn a row; with `episodes`, an episode rollout of
@@ -240,11 +148,9 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, config, *,
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     problems = [request.problems[g] for g in rollouts.group_ids]
-    verifier = rewards.verifier_name(config.rewards.get("path", ""), config.data.verifier)
-    scores, stats = rewards.score_batch(verifier, texts, problems,
-                                        timeout_s=config.rewards.timeout_s,
-                                        workers=config.rewards.workers or None,
-                                        max_chars=config.rewards.max_chars)
+    scores, stats = rewards.score_batch(scoring.verifier, texts, problems,
+                                        timeout_s=scoring.timeout_s, workers=scoring.workers,
+                                        max_chars=scoring.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
                   sampled - start, time.perf_counter() - sampled, stats["too_long"],
@@ -290,7 +196,8 @@ def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
             "rollout/sandbox_kills": 0.0}
 
 
-def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec, step: int,
+def evaluate(model, tokenizer, method, settings: LoopSettings, *, rollout: sampling.RolloutSpec,
+             step: int,
              stop_ids, episodes=None) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
     (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
@@ -299,15 +206,16 @@ def evaluate(model, tokenizer, method, config, *, rollout: sampling.RolloutSpec,
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
-        scored = sample_and_score(model, tokenizer, request, config, rollout=rollout,
-                                  stop_ids=stop_ids, seed=round_seed(config.seed + 1, step, 0),
+        scored = sample_and_score(model, tokenizer, request, settings.rewards, rollout=rollout,
+                                  stop_ids=stop_ids, seed=round_seed(settings.seed + 1, step, 0),
                                   episodes=episodes)
-        summary = evaluation.summarize(scored.rewards, config.eval.ks)
+        summary = evaluation.summarize(scored.rewards, settings.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out.update(_reward_shares(name, scored.rewards))
         counts[name] = (request.n, [int(c) for c in (scored.rewards > 0.5).sum(axis=1)])
-        if config.eval.get("greedy", False):  # one greedy sample a problem: what a user sees
-            greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1), config,
+        if settings.eval.greedy:  # one greedy sample a problem: what a user sees
+            greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1),
+                                      settings.rewards,
                                       rollout=dataclasses.replace(rollout, temperature=0.0),
                                       stop_ids=stop_ids, seed=0, episodes=episodes)
             out[f"{name}_greedy/accuracy"] = float((greedy.rewards > 0.5).mean())
@@ -357,38 +265,38 @@ def _state_arrays(state: TrainState) -> dict:
     return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
-def _rollout_chunks(policy, tokenizer, method: Method, config, rollout, step: int,
-                    stop_ids, record_routes: bool, episodes=None) -> list[Scored]:
+def _rollout_chunks(policy, tokenizer, method: Method, settings: LoopSettings, rollout,
+                    step: int, stop_ids, record_routes: bool, episodes=None) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
-    chunks = [sample_and_score(policy, tokenizer, request, config, rollout=rollout,
-                               stop_ids=stop_ids, seed=round_seed(config.seed, step, 0),
+    chunks = [sample_and_score(policy, tokenizer, request, settings.rewards, rollout=rollout,
+                               stop_ids=stop_ids, seed=round_seed(settings.seed, step, 0),
                                record_routes=record_routes, episodes=episodes)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
-    while config.train.dynamic_sampling and dynamic_sampling.needs_refill(
-            [c.rewards for c in chunks], target, len(chunks) - 1, config.train.max_refill_rounds):
+    while settings.dynamic_sampling and dynamic_sampling.needs_refill(
+            [c.rewards for c in chunks], target, len(chunks) - 1, settings.max_refill_rounds):
         more = method.next_request(step)
-        chunks.append(sample_and_score(policy, tokenizer, more, config, rollout=rollout,
-                                       stop_ids=stop_ids,
-                                       seed=round_seed(config.seed, step, len(chunks)),
+        chunks.append(sample_and_score(policy, tokenizer, more, settings.rewards,
+                                       rollout=rollout, stop_ids=stop_ids,
+                                       seed=round_seed(settings.seed, step, len(chunks)),
                                        record_routes=record_routes, episodes=episodes))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
 
-def _batch(chunks: list[Scored], train) -> tuple:
+def _batch(chunks: list[Scored], settings: LoopSettings) -> tuple:
     """(the groups selected, the update's batch) from a step's scored rollouts: as many groups
     as the method's request had contexts."""
     target = len(chunks[0].request.contexts)
     advantages = [np.asarray(objectives.group_advantages(
-        c.rewards, train.advantage, k=train.get("pass_k", 1))) for c in chunks]
+        c.rewards, settings.advantage, k=settings.pass_k)) for c in chunks]
     selection = dynamic_sampling.select_groups(
-        [c.rewards for c in chunks], target, drop_zero_variance=train.dynamic_sampling)
+        [c.rewards for c in chunks], target, drop_zero_variance=settings.dynamic_sampling)
     batch = dynamic_sampling.build_batch(
         [c.rollouts for c in chunks], advantages, selection,
-        mask_truncated=train.get("mask_truncated", False))
+        mask_truncated=settings.mask_truncated)
     return selection, batch
 
 
@@ -482,19 +390,20 @@ def _steps_in_budget(flops_budget: float, cost: _StepCost, totals: dict) -> int:
     return 0 if totals.get("budget_spent") else int((flops_budget - totals["flops"]) // step_flops)
 
 
-def train(config, workdir: str, *, method: Method, model, tokenizer, learner_config: TrainConfig,
+def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokenizer,
+          learner_config: TrainConfig,
           rollout: sampling.RolloutSpec, contexts_per_step: int, stop_ids=(), mesh=None,
           sampler_mesh=None, ledger=None, probe=None, tools=None,
           progress: bool = True) -> dict[str, Any]:
-    """Runs RL from the latest checkpoint in `workdir` (or from `model`) to train.total_steps.
+    """Runs RL from the latest checkpoint in `workdir` (or from `model`) to settings.total_steps.
 
-    learner_config, rollout, contexts_per_step: the run's resolved settings (validate's
-      TrainConfig, the RolloutSpec, the method's contexts a step); only the step's rows against
-      `mesh` are checked here.
+    settings, learner_config, rollout, contexts_per_step: the run's resolved settings (the
+      loop's, the learner's, the sampler's and the method's contexts a step: run_setup/
+      run_settings.resolve); only the step's rows against `mesh` are checked here.
     sampler_mesh: the sampler's own devices (rollout.devices > 0; None: it shares `mesh`); the
       weights are copied there after each update.
     model: the policy's initial weights (an nnx Decoder placed on `mesh`), also the KL reference;
-      with config.train.lora_rank > 0 the frozen base that adapters are trained on.
+      with settings.adapters the frozen base that adapters are trained on.
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
     probe: an optional function of the sampling model, called at each evaluation; its figures
       join the step's record (the rl job's key-step probe, eval.key_step_probe).
@@ -502,9 +411,10 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
       (training and evaluation) is sampled as episodes with its environment's tools.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
-    check_rows(config, learner_config, contexts_per_step, mesh)
-    replay = routing_replay(config, any(model.config.sparse_layers))
-    model = adapted(model, config, mesh)  # with LoRA: the frozen base plus fresh adapters
+    check_rows(learner_config, contexts_per_step, settings.n, mesh)
+    replay = settings.replays_routes(any(model.config.sparse_layers))
+    # with LoRA: the frozen base plus fresh adapters
+    model = adapted(model, settings.adapters, settings.seed, mesh)
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
     episodes = tools.episode_rollout(tokenizer, model.config.max_position_embeddings) \
@@ -512,40 +422,40 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
     # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
     # one program a step; generate() then finds them in place.
     decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
-                                                              config.rollout.tensor_parallel)
+                                                              rollout.tensor_parallel)
     # The sampler's own devices (rollout.devices > 0), laid out for decoding there.
     sampler_decode = decode if sampler_mesh is None else sampling.decode_layout(
-        sampler_mesh, model.config, config.rollout.tensor_parallel)
-    ahead = int(config.train.get("max_staleness", 0))  # > 0: rl/overlap.py samples ahead
+        sampler_mesh, model.config, rollout.tensor_parallel)
+    ahead = settings.max_staleness  # > 0: rl/overlap.py samples ahead
     n_params = model.config.num_params()
-    ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
+    ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=settings.checkpoint_keep)
     totals = {"tokens_sampled": 0, "tokens_trained": 0, "flops": 0.0}
     resumed: dict = {}
     state = _resume(ckpt, learner.init_state(), method, totals, ledger, resumed)
     start = int(state.step)
-    segment_rows = config.metrics.get("segment_rows", SEGMENT_ROWS)
+    segment_rows = settings.segment_rows
     # An evaluation before the first step is the run's step 0: a fresh start rewrites it.
-    before = start == 0 and config.eval.every and config.eval.get("before_train", False)
+    before = start == 0 and settings.eval.every and settings.eval.before_train
     resume_step = start if before else start + 1
     writer = MetricsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
     counts_writer = EvalCountsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
-    tracker = wandb_writer.start(config, workdir)  # None unless config.metrics.wandb
+    tracker = wandb_writer.start(settings.wandb, workdir)  # None unless metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
     def save(step, final=False):
         # Sampling ahead: the sampler first samples all it may (the method's state then matches
         # the rollouts it holds), which are saved with it.
         in_flight = overlap.encode_in_flight(sampler.settle()) if sampler else None
-        meta = {"method": method.state(), "totals": totals, "seed": config.seed,
+        meta = {"method": method.state(), "totals": totals, "seed": settings.seed,
                 "ledger": ledger.to_dict() if ledger is not None else None,
                 "in_flight": in_flight}
         # final: the run's last save is complete before it returns (made again if GCS failed it)
         ckpt.save(step, _state_arrays(state), meta, wait=final)
 
-    total = int(config.train.total_steps)
+    total = settings.total_steps
     # A FLOPs budget (IsoCompute allocations) ends the run before a step like the last one
     # would pass it; a run that stopped so stays stopped when resumed.
-    flops_budget = float(config.train.get("flops_budget", 0.0))
+    flops_budget = settings.flops_budget
     if totals.get("budget_spent"):
         total = start
     record: dict[str, Any] = {}
@@ -556,7 +466,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
         return learner.sampling_model(state, sampler_decode, detached=ahead > 0)
 
     def sample_step(policy, step):
-        return _rollout_chunks(policy, tokenizer, method, config, rollout, step, stop_ids,
+        return _rollout_chunks(policy, tokenizer, method, settings, rollout, step, stop_ids,
                                replay, episodes)
 
     sampler, publish_seconds = None, 0.0
@@ -572,7 +482,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             """The step's evaluation figures (eval counts written); its policy freed after."""
             eval_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)
-            scores, counts = evaluate(policy, tokenizer, method, config, rollout=rollout,
+            scores, counts = evaluate(policy, tokenizer, method, settings, rollout=rollout,
                                       step=step, stop_ids=stop_ids, episodes=episodes)
             counts_writer.write(step, counts)
             return scores | (probe(policy) if probe else {}) | {
@@ -592,7 +502,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             else:  # sampled with older weights, maybe while the last update ran
                 sampled, waited = sampler.take(step)
             chunks = sampled.chunks
-            selection, batch = _batch(chunks, config.train)
+            selection, batch = _batch(chunks, settings)
             update_start = time.perf_counter()
             if ref_params is not None:
                 batch["ref_logprobs"] = np.asarray(learner.logprobs(ref_params, batch))
@@ -611,7 +521,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
             if flops_budget:  # the bar counts the steps the budget leaves, not total_steps
                 bar.total = min(total, done + _steps_in_budget(flops_budget, cost, totals))
             last = done == total or totals.get("budget_spent", False)
-            if config.eval.every and (done % config.eval.every == 0 or last):
+            if settings.eval.every and (done % settings.eval.every == 0 or last):
                 record.update(evaluated(done))
             writer.write(done, record)
             if "time/eval" in record:
@@ -620,7 +530,7 @@ def train(config, workdir: str, *, method: Method, model, tokenizer, learner_con
                 tracker.write(done, record)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward/mean']:.3f}", loss=f"{record['loss']:.4f}")
-            if done % config.checkpoint.every == 0 or last or preemption.requested:
+            if done % settings.checkpoint_every == 0 or last or preemption.requested:
                 save(done, final=last or preemption.requested)
             if sampler is not None and not last:  # the new weights, for the steps they sample
                 published = time.perf_counter()
@@ -646,26 +556,37 @@ def _draw_curves(writer: MetricsWriter) -> None:
         curves.plot_run(writer.workdir)
 
 
-def restore_trained(model, workdir: str, config, mesh=None):
-    """(step, policy) of the latest checkpoint of `workdir`: `model` with the checkpointed weights
-    (with train.lora_rank > 0, a copy of `model` carrying the trained adapters), or (None, model)
-    when the workdir has no checkpoint. `model` itself is left as it is."""
-    ckpt = TrainCheckpointer(f"{workdir}/checkpoints", max_to_keep=config.checkpoint.keep)
-    step = None
+def restore_trained(model, workdir: str, learner_config: TrainConfig,
+                    adapters: lora.LoraConfig | None, mesh=None, step: int | None = None):
+    """(step, policy) of a checkpoint of `workdir` (`step`; None: the latest that restores):
+    `model` with the checkpointed weights (with `adapters`, a copy of `model` carrying the
+    trained ones), or (None, model) when the workdir has no checkpoint. `model` itself is left
+    as it is."""
+    ckpt = TrainCheckpointer(f"{workdir}/checkpoints")
     trained = model
-    if ckpt.latest_step() is not None:
-        learner = Learner(adapted(model, config, mesh), train_config(config), mesh)
-        step, arrays, _ = recovery.restore_newest(ckpt, _state_arrays(learner.init_state()),
-                                                  move_aside=False)
-        trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest, copy=True)
-    ckpt.close()
+    try:
+        if step is not None and step not in ckpt.all_steps():
+            raise CheckpointError(f"{ckpt.directory} has no step {step}: it holds "
+                                  f"{ckpt.all_steps() or 'none'}")
+        if ckpt.latest_step() is not None:
+            learner = Learner(adapted(model, adapters, 0, mesh), learner_config, mesh)
+            like = _state_arrays(learner.init_state())
+            if step is None:
+                step, arrays, _ = recovery.restore_newest(ckpt, like, move_aside=False)
+            else:
+                recovery.check_fits(storage.join(ckpt.directory, str(step)), like)
+                arrays, _ = ckpt.restore(like, step)
+            trained = nnx.merge(learner.graphdef, arrays["params"], learner.rest, copy=True)
+    finally:
+        ckpt.close()
     return step, trained
 
 
-def restore_trained_params(model, workdir: str, config, mesh=None) -> int | None:
+def restore_trained_params(model, workdir: str, learner_config: TrainConfig,
+                           adapters: lora.LoraConfig | None, mesh=None) -> int | None:
     """Loads the latest checkpointed policy of `workdir` into `model` (in place; trained adapters
     folded into its weights); returns its step, or None (model untouched) without a checkpoint."""
-    step, trained = restore_trained(model, workdir, config, mesh)
+    step, trained = restore_trained(model, workdir, learner_config, adapters, mesh)
     if step is not None:
         load_trained(model, trained)
     return step

@@ -8,6 +8,7 @@ account; `wandb sync <workdir>/wandb/offline-run-*` uploads such a run later.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import uuid
@@ -16,13 +17,20 @@ import jax
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class WandbSettings:
+    """config.metrics' W&B fields, and the run's whole config as a plain dict (logged once)."""
+    project: str
+    mode: str = ""               # '' (W&B's default), 'online', 'offline', 'disabled'
+    run_config: dict = dataclasses.field(default_factory=dict)
+
+
 class WandbWriter:
     """A W&B run for `workdir`: write(step, record) per step, close() at the end."""
 
-    def __init__(self, workdir: str, config):
+    def __init__(self, workdir: str, settings: WandbSettings):
         import wandb  # optional dependency: pip install wandb
 
-        m = config.metrics
         os.makedirs(workdir, exist_ok=True)
         id_file = os.path.join(workdir, "wandb_run_id")
         if os.path.exists(id_file):
@@ -32,9 +40,9 @@ class WandbWriter:
             run_id = uuid.uuid4().hex[:12]
             with open(id_file, "w") as f:
                 f.write(run_id)
-        self.run = wandb.init(project=m.wandb_project, id=run_id, resume="allow", dir=workdir,
+        self.run = wandb.init(project=settings.project, id=run_id, resume="allow", dir=workdir,
                               name=os.path.basename(os.path.abspath(workdir)),
-                              mode=m.wandb_mode or None, config=config.to_dict())
+                              mode=settings.mode or None, config=settings.run_config)
 
     def write(self, step: int, record: dict):
         values = {k: float(np.asarray(v)) for k, v in record.items()}
@@ -47,9 +55,8 @@ class WandbWriter:
         wandb.teardown()  # waits for W&B's service to write everything out
 
 
-def start(config, workdir: str) -> WandbWriter | None:
-    """The run's W&B writer when config.metrics.wandb is on (process 0 only), else None."""
-    metrics = config.get("metrics")
-    if metrics is None or not metrics.wandb or jax.process_index() != 0:
+def start(settings: WandbSettings | None, workdir: str) -> WandbWriter | None:
+    """The run's W&B writer when it has W&B settings (process 0 only), else None."""
+    if settings is None or jax.process_index() != 0:
         return None
-    return WandbWriter(workdir, config)
+    return WandbWriter(workdir, settings)

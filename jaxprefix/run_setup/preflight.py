@@ -112,9 +112,9 @@ def check(config, workdir: str):
     settings, reads = fields_read(config, workdir)
     inputs = check_policy_inputs(config, workdir)
     if config.job in TRAINING_JOBS:
-        from jaxprefix.rl import loop
+        from jaxprefix.run_setup.learner_settings import routing_replay
 
-        _as_config_error(loop.routing_replay, config, inputs.mixture_of_experts)
+        _as_config_error(routing_replay, config, inputs.mixture_of_experts)
     if config.job in FIELDS_CHECKED:
         _check_notation(config)
         _check_template_read(config, inputs.prompts)
@@ -357,10 +357,10 @@ def _check_settings(config, workdir: str):
         if config.job in ("mine", "eval"):
             RolloutSpec.from_config(config.rollout)
         if config.job == "eval":  # the trained run's adapters, and its prefix search's file
-            from jaxprefix.rl import loop
+            from jaxprefix.run_setup.learner_settings import lora_config
             from jaxprefix.run_setup.mining import prefix_search
 
-            loop.lora_config(config)
+            lora_config(config)
             prefix_search(config)
         return None
     if config.job == "demo":  # each method it runs, resolved as its run

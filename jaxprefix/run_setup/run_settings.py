@@ -4,7 +4,8 @@
 
 applies the allocation rule first (isocompute.budget: the run's n, B, M and learning rate), then
 checks and types each block the run reads: the method's (MethodSettings), the rollout's
-(RolloutSpec), the learner's and the loop's (TrainConfig, from rl.loop.validate), the tools'
+(RolloutSpec), the learner's (TrainConfig) and the loop's (LoopSettings, both from
+run_setup/learner_settings), the tools'
 (ToolSettings: read where rollout.max_turns > 1, refused on a one-turn run). Each error is
 one line naming the field. Preflight resolves the rl job's config and main hands the result to
 the job; a run started otherwise (the demo's and the results job's arms, the sweep's points, a
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxprefix.rl import loop
+from jaxprefix.rl.loop_settings import LoopSettings
 from jaxprefix.rl.train_config import TrainConfig
+from jaxprefix.run_setup import learner_settings
 from jaxprefix.run_setup.allocation import allocated
 from jaxprefix.run_setup.method_settings import MethodSettings
 from jaxprefix.sampling import RolloutSpec
@@ -29,6 +31,7 @@ class RunSettings:
     method: MethodSettings
     rollout: RolloutSpec
     train: TrainConfig
+    loop: LoopSettings
     tools: ToolSettings
 
 
@@ -37,5 +40,6 @@ def resolve(config) -> RunSettings:
     config = allocated(config)
     method = MethodSettings.from_config(config)
     rollout = RolloutSpec.from_config(config.rollout)
-    train = loop.validate(config, contexts_per_step=method.contexts_per_step)
-    return RunSettings(config, method, rollout, train, ToolSettings.from_config(config))
+    train = learner_settings.validate(config, contexts_per_step=method.contexts_per_step)
+    return RunSettings(config, method, rollout, train, learner_settings.loop_settings(config),
+                       ToolSettings.from_config(config))
