@@ -10,7 +10,7 @@ the group's std, loss summed over tokens / (rows x --new)), no KL, one update pe
 micro-batches of 8 rows, LoRA rank --rank (alpha 32) on every linear layer of the decoder, AdamW
 lr 1e-4 (constant), global-norm clip 1.0, f32 throughout.
   ours  `configs/grpo.py:smollm2` with the overrides above, one step of the RL loop's body:
-        loop.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
+        scoring.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
         Learner.update (remat on, its defaults otherwise; --width-steps k sets
         train.width_steps, each micro-batch cut to the shortest of k widths that holds its
         rows, default 1: full width). Old log-probs are the sampler's. Micro-batches whose
@@ -55,9 +55,9 @@ from jaxprefix import rewards, sampling, tokenizers, variants  # noqa: E402
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path  # noqa: E402
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems  # noqa: E402
 from jaxprefix.methods.prompting import ChatPrompts  # noqa: E402
-from jaxprefix.rl import loop  # noqa: E402
-from jaxprefix.run_setup.learner_settings import (lora_config, reward_settings,  # noqa: E402
-                                                  train_config)
+from jaxprefix.rl import loop, scoring  # noqa: E402
+from jaxprefix.run_setup.learner_settings import (lora_config, loop_settings,  # noqa: E402
+                                                  reward_settings, train_config)
 from jaxprefix.rl.train_step import Learner  # noqa: E402
 
 TASK_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
@@ -96,15 +96,15 @@ class Ours:
         start = time.perf_counter()
         picked = [(self.step * self.args.problems + i) % len(self.problems)
                   for i in range(self.args.problems)]
-        request = loop.RolloutRequest([self.contexts[i] for i in picked],
+        request = scoring.RolloutRequest([self.contexts[i] for i in picked],
                                       [self.problems[i] for i in picked], {}, self.args.n)
         policy = self.learner.sampling_model(self.state)
-        scored = loop.sample_and_score(policy, self.tokenizer, request,
+        scored = scoring.sample_and_score(policy, self.tokenizer, request,
                                        reward_settings(self.config),
                                        rollout=self.rollout, seed=self.step,
                                        stop_ids=(self.tokenizer.eos_id,))
         del policy
-        _, batch = loop._batch([scored], self.config.train)
+        _, batch = loop._batch([scored], loop_settings(self.config))
         update_start = time.perf_counter()
         self.state, metrics = self.learner.update(self.state, batch)
         jax.block_until_ready(metrics)

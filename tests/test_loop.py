@@ -25,7 +25,8 @@ from jaxprefix.models.decoder import Decoder
 from jaxprefix.models.sharding import make_mesh
 from jaxprefix.rl import dynamic_sampling as ds
 from jaxprefix.rl.eval_counts import EvalCountsWriter, read_eval_counts
-from jaxprefix.rl.loop import RolloutRequest, train
+from jaxprefix.rl.loop import train
+from jaxprefix.rl.scoring import RolloutRequest
 from jaxprefix.run_setup.learner_settings import loop_settings, validate
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import MetricsWriter, count_params, read_metrics

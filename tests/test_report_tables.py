@@ -90,7 +90,7 @@ def test_a_report_without_counts_says_it_cannot_be_rebuilt(tmp_path):
 def test_a_pope_arm_that_guides_few_contexts_is_stated_as_a_defect_not_a_result():
     # Issue 43: the restating arm found a prefix for 66 of 254 hard problems and trained the
     # rest unguided (pope.unsolved=unguided): 66 x 1 guided of 254 x 2 contexts = 0.13.
-    from jaxprefix.rl.loop import RolloutRequest, Scored, reward_metrics
+    from jaxprefix.rl.scoring import RolloutRequest, Scored, reward_metrics
     from jaxprefix.run_setup.study_arms import RUNS
     from jaxprefix.studies.study_tables import Row
 

@@ -17,7 +17,7 @@ from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import TaskPrompts
 from jaxprefix.models import Decoder, ModelConfig, token_logprobs
-from jaxprefix.rl import loop
+from jaxprefix.rl import loop, scoring
 from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
 from jaxprefix.rl.metrics import read_metrics
@@ -313,13 +313,13 @@ def train_one_step(model, tokenizer, config, workdir: str) -> dict:
     return record
 
 
-def _scored(policy, config, seed=0, record_routes=False, **sampler) -> loop.Scored:
-    """loop.sample_and_score's episodes of the three problems (`sampler`: generate()'s keywords
+def _scored(policy, config, seed=0, record_routes=False, **sampler) -> scoring.Scored:
+    """scoring.sample_and_score's episodes of the three problems (`sampler`: generate()'s keywords
     over the config's)."""
     model, tokenizer, contexts = policy
-    request = loop.RolloutRequest(contexts=contexts, problems=PROBLEMS, tags={}, n=2)
+    request = scoring.RolloutRequest(contexts=contexts, problems=PROBLEMS, tags={}, n=2)
     rollout = ToolSettings.from_config(config).episode_rollout(tokenizer, 512)
-    return loop.sample_and_score(model, tokenizer, request, reward_settings(config), seed=seed,
+    return scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=seed,
                                  rollout=RolloutSpec.from_config(config.rollout),
                                  stop_ids=[tokenizer.eos_id], record_routes=record_routes,
                                  episodes=lambda *args, **kwargs: rollout(*args, **{**kwargs,
@@ -338,7 +338,7 @@ def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, epis
     scored = _scored(policy, config)
     assert [e.tokens.tolist() for e in scored.episodes] == [e.tokens.tolist() for e in episodes]
     np.testing.assert_array_equal(scored.rewards, np.ones((3, 2)))  # "=5", "=24", "hello"
-    _, batch = loop._batch([scored], config.train)
+    _, batch = loop._batch([scored], loop_settings(config))
     for row, e in enumerate(scored.episodes):
         assert batch["tokens"][row, :len(e.tokens)].tolist() == e.tokens.tolist()
         assert batch["completion_mask"][row, :len(e.tokens)].tolist() == e.sampled.tolist()
@@ -349,14 +349,14 @@ def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, epis
     assert sampled == sum(int(e.sampled.sum()) for e in scored.episodes)
     assert prefilled == sum(e.prompt_length + int(e.observation_mask.sum()) +
                             reprefilled_tokens(e) for e in scored.episodes)
-    assert loop.turn_metrics([scored]) == episode_metrics(scored.episodes)
+    assert scoring.turn_metrics([scored]) == episode_metrics(scored.episodes)
 
     kept = _scored(policy, _config(tmp_path, rollout="kv_kept"))
     assert_same_episodes(kept.episodes, scored.episodes)
     np.testing.assert_array_equal(kept.rewards, scored.rewards)
     assert (kept.prefilled, kept.generated) == (
         prefilled - sum(map(reprefilled_tokens, scored.episodes)), sampled)
-    assert loop.turn_metrics([kept]) == {**loop.turn_metrics([scored]),
+    assert scoring.turn_metrics([kept]) == {**scoring.turn_metrics([scored]),
                                          "rollout/reprefilled_tokens": 0.0}
 
 

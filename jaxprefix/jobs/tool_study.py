@@ -34,7 +34,7 @@ from jaxprefix.run_setup.policy import base_dir
 from jaxprefix.studies import study_tables
 from jaxprefix.studies.study import problem_groups
 from jaxprefix.studies.study_tables import Column, Row
-from jaxprefix.rl import loop
+from jaxprefix.rl import scoring
 from jaxprefix.sampling import RolloutSpec
 from jaxprefix.tools.settings import ToolSettings
 
@@ -72,15 +72,15 @@ def evaluate(how: Evaluation, policy, model, problems, *, with_tools: bool) -> d
     """pass@k and each problem's correct samples (eval.n each) of `model` on `problems`,
     unguided, as episodes with the study's tools or as one turn; one seed for every model."""
     config = how.config
-    request = loop.RolloutRequest(contexts=[policy.prompts.question(p) for p in problems],
+    request = scoring.RolloutRequest(contexts=[policy.prompts.question(p) for p in problems],
                                   problems=list(problems), tags={}, n=config.eval.n)
     episodes = how.tools.episode_rollout(
         policy.tokenizer, model.config.max_position_embeddings) if with_tools else None
-    scored = loop.sample_and_score(model, policy.tokenizer, request, reward_settings(config),
+    scored = scoring.sample_and_score(model, policy.tokenizer, request, reward_settings(config),
                                    rollout=how.rollout, seed=config.seed + 7,
                                    stop_ids=policy.stop_ids, episodes=episodes)
     return (evaluation.summarize(scored.rewards, config.eval.ks)
-            | loop.turn_metrics([scored])
+            | scoring.turn_metrics([scored])
             | {"correct_counts": [int(c) for c in (scored.rewards > 0.5).sum(axis=1)],
                "groups": problem_groups(problems)})
 

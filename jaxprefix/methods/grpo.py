@@ -16,7 +16,7 @@ from jaxprefix.data.loader import ProblemLoader
 from jaxprefix.data.problem import Problem
 from jaxprefix.errors import need
 from jaxprefix.methods.method_spec import MethodSpec, register_method
-from jaxprefix.rl.loop import RolloutRequest
+from jaxprefix.rl.scoring import RolloutRequest
 
 
 class GrpoMethod:

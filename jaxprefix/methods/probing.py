@@ -18,7 +18,7 @@ from jaxprefix import rewards, sampling
 from jaxprefix.data.problem import Problem
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl import boundaries
-from jaxprefix.rl.loop import completion_texts
+from jaxprefix.rl.scoring import completion_texts
 from jaxprefix.sampling import RolloutSpec
 
 

@@ -14,16 +14,14 @@ import dataclasses
 import signal
 import threading
 import time
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import jax
 from flax import nnx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxprefix import distributed, rewards, sampling, storage
-from jaxprefix.tools import episodes as multi_turn
-from jaxprefix.tools.settings import ToolSettings
+from jaxprefix import distributed, sampling, storage
 from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import CheckpointError
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
@@ -32,33 +30,11 @@ from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, overl
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import MetricsWriter
-from jaxprefix.rl.loop_settings import LoopSettings, RewardSettings, check_rows
+from jaxprefix.rl.loop_settings import LoopSettings, check_rows
+from jaxprefix.rl.scoring import (RolloutRequest, Scored, evaluate, reward_metrics, round_seed,
+                                  sample_and_score, turn_metrics)
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner, TrainState, frozen_fraction
-
-
-@dataclasses.dataclass
-class RolloutRequest:
-    """What to sample: one problem and one value per tag for each context.
-
-    contexts: token-id lists or `SharedContext`s; tags: name -> array [C] (boolean tags such as
-    'guided' get their own reward curves); response_prefixes: per context, the text of an
-    unfinished answer the context ends with ('' for none): the verifier judges prefix + completion.
-    """
-    contexts: list
-    problems: list
-    tags: dict[str, np.ndarray]
-    n: int
-    response_prefixes: list[str] | None = None
-
-    def __post_init__(self):
-        if len(self.contexts) != len(self.problems):
-            raise ValueError(f"RolloutRequest: {len(self.contexts)} contexts but "
-                             f"{len(self.problems)} problems")
-        for name, values in self.tags.items():
-            if len(values) != len(self.contexts):
-                raise ValueError(f"RolloutRequest: tag {name!r} has {len(values)} values for "
-                                 f"{len(self.contexts)} contexts")
 
 
 class Method(Protocol):
@@ -96,139 +72,6 @@ def check_update_resolution(model, learning_rate: float) -> None:
             f"them in {dtype} (it rounds away), so the run would not train; use "
             f"config.model.param_dtype=float32 (master weights; config.model.dtype stays the "
             f"compute dtype)")
-
-
-# --- one round of sampling and scoring ------------------------------------------------------
-
-@dataclasses.dataclass
-class Scored:
-    request: RolloutRequest
-    rollouts: sampling.Rollouts  # episodes laid out as rows (multi_turn.as_rollouts) too
-    rewards: np.ndarray          # [C, n]
-    verifier_failures: int
-    seconds_sampling: float
-    seconds_reward: float
-    too_long: int = 0            # completions over rewards.max_chars, scored 0 unread
-    prefilled: int = 0           # tokens the sampler prefilled (observations, re-prefills too)
-    generated: int = 0           # tokens the policy sampled
-    episodes: list | None = None  # multi-turn episodes (None: one turn a row)
-
-
-def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
-    """Each row's response prefix + its decoded completion, the stop token left out."""
-    texts = []
-    for row, ids in enumerate(rollouts.completions()):
-        prefix = prefixes[rollouts.group_ids[row]] if prefixes else ""
-        texts.append(prefix + tokenizer.decode(list(ids)))
-    return texts
-
-
-def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardSettings, *,
-                     rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
-                     record_routes: bool = False, episodes=None) -> Scored:
-    """Samples the request (one turn a row; with `episodes`, an episode rollout of
-    ToolSettings.rollout, multi-turn episodes scored on their final answers, a row each) and
-    scores it; with `record_routes`, each row's tokens carry a MoE's experts (Rollouts.routes)."""
-    start = time.perf_counter()
-    boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
-    keywords = rollout.sampler_keywords()
-    found = None
-    if episodes is None:
-        rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                     seed=seed, record_routes=record_routes, **keywords)
-        texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
-        prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
-    else:
-        found = episodes(model, request.contexts, n=request.n, stop_ids=stop_ids, seed=seed,
-                         record_routes=record_routes, **keywords)
-        rollouts = multi_turn.as_rollouts(found, request.n)
-        texts = [(request.response_prefixes[e.group] if request.response_prefixes and
-                  e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
-        prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
-    boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
-    sampled = time.perf_counter()
-    problems = [request.problems[g] for g in rollouts.group_ids]
-    scores, stats = rewards.score_batch(scoring.verifier, texts, problems,
-                                        timeout_s=scoring.timeout_s, workers=scoring.workers,
-                                        max_chars=scoring.max_chars)
-    failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
-    return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled, stats["too_long"],
-                  prefilled, generated, found)
-
-
-def round_seed(seed: int, step: int, round_index: int) -> int:
-    """The sampler seed of one round: a pure function of (run seed, step, round)."""
-    return (seed * 1_000_003 + step * 64 + round_index) % (2**31 - 1)
-
-
-# --- metrics --------------------------------------------------------------------------------
-
-def reward_metrics(scored: Scored) -> dict[str, float]:
-    """reward/mean, solve rate, and both sides of every boolean tag (guided / unguided) with its
-    contexts, over the method's own request (dynamic-sampling refills are counted in dynamic/*
-    instead)."""
-    r = scored.rewards
-    out = {"reward/mean": float(r.mean()), "solve_rate": float((r > 0.5).any(1).mean()),
-           "reward/verifier_failures": scored.verifier_failures,
-           "reward/too_long": scored.too_long}
-    for name, values in scored.request.tags.items():
-        values = np.asarray(values)
-        if values.dtype != bool:
-            continue
-        for label, chosen in ((name, values), (f"un{name}", ~values)):
-            out[f"contexts/{label}"] = float(chosen.sum())  # POPE's guided share (issue 43)
-            if chosen.any():
-                out[f"reward/{label}"] = float(r[chosen].mean())
-                out[f"solve_rate/{label}"] = float((r[chosen] > 0.5).any(1).mean())
-    return out
-
-
-def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
-    """rollout/* of a step's rollouts: tool calls, their failures, turns per episode, the
-    tokens of earlier turns prefilled again and the calls a sandbox refused or a cap ended (a
-    one-turn row is an episode of one turn)."""
-    found = [e for c in chunks for e in (c.episodes or ())]
-    if found:
-        return multi_turn.episode_metrics(found)
-    return {"rollout/tool_calls": 0.0, "rollout/tool_failures": 0.0, "rollout/turns_mean": 1.0,
-            "rollout/reprefilled_tokens": 0.0, "rollout/sandbox_refusals": 0.0,
-            "rollout/sandbox_kills": 0.0}
-
-
-def evaluate(model, tokenizer, method, settings: LoopSettings, *, rollout: sampling.RolloutSpec,
-             step: int,
-             stop_ids, episodes=None) -> tuple[dict, dict]:
-    """pass@k and friends on each of the method's (unguided) eval requests, and per request
-    (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
-    `episodes`, of episodes with the run's tools."""
-    from jaxprefix import evaluation
-
-    out, counts = {}, {}
-    for name, request in method.eval_requests().items():
-        scored = sample_and_score(model, tokenizer, request, settings.rewards, rollout=rollout,
-                                  stop_ids=stop_ids, seed=round_seed(settings.seed + 1, step, 0),
-                                  episodes=episodes)
-        summary = evaluation.summarize(scored.rewards, settings.eval.ks)
-        out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
-        out.update(_reward_shares(name, scored.rewards))
-        counts[name] = (request.n, [int(c) for c in (scored.rewards > 0.5).sum(axis=1)])
-        if settings.eval.greedy:  # one greedy sample a problem: what a user sees
-            greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1),
-                                      settings.rewards,
-                                      rollout=dataclasses.replace(rollout, temperature=0.0),
-                                      stop_ids=stop_ids, seed=0, episodes=episodes)
-            out[f"{name}_greedy/accuracy"] = float((greedy.rewards > 0.5).mean())
-            out.update(_reward_shares(f"{name}_greedy", greedy.rewards))
-            counts[f"{name}_greedy"] = (1, [int(c) for c in (greedy.rewards > 0.5).sum(axis=1)])
-    return out, counts
-
-
-def _reward_shares(name: str, rewards: np.ndarray) -> dict[str, float]:
-    """The mean reward and the share of samples given the verifier's full reward (with a
-    verifier that also values a format, the right answers in that format)."""
-    return {f"{name}/reward_mean": float(rewards.mean()),
-            f"{name}/full_reward": float((rewards >= 1.0 - 1e-6).mean())}
 
 
 # --- the loop -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """How a run samples its policy: the config's `rollout` block, parsed and checked once.
 
 Every part that samples takes a RolloutSpec rather than reading the config: the RL loop
-(`rl.loop.sample_and_score`), mining and probing (`methods.probing.Prober`), and the compile
+(`rl.scoring.sample_and_score`), mining and probing (`methods.probing.Prober`), and the compile
 job's step shape (`tpu.programs.StepShape`). A new rollout knob is a field here and a keyword
 where it acts. The sample count n is not in it: it is the request's (rollout.n in RL, mining.k
 in mining).
