@@ -48,7 +48,6 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 from bench import common  # noqa: E402
 from jaxprefix import rewards, sampling, tokenizers, variants  # noqa: E402

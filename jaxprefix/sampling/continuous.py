@@ -50,267 +50,20 @@ replays its tokens (its KV is written again too).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import constrain
-from jaxprefix.sampling import page_pool
+from jaxprefix.sampling import admission, page_pool
+from jaxprefix.sampling.continuous_state import (ACTIVE, IDLE, QUEUED, SEGMENTS, WAITING, _FOREVER,
+                                                 Groups, Limits, LoopState, Outputs,
+                                                 PendingTokens, Rows, Shape, constrain_blocks)
 from jaxprefix.sampling import routes as recorded_routes
-from jaxprefix.sampling.prefill import TRACE_COUNTS, context_kv
+from jaxprefix.sampling.prefill import TRACE_COUNTS
 from jaxprefix.sampling.token_choice import SamplingSettings, choose_tokens, row_step_keys
-
-IDLE, QUEUED, ACTIVE, WAITING = 0, 1, 2, 3  # WAITING: its turn ended, the host answers it
-SEGMENTS = ('prompt', 'suffix')  # a context's segments, as layout.py splits it
-_FOREVER = 2 ** 30  # steps, rows or tokens: no bound
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """The decode's static sizes, per block of rows (budget.plan chooses them): group slots of
-    n rows, at most `row_slots` of them active, `admit` contexts prefilled together, up to
-    `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
-    pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
-    answer, a preempted row's replay) in passes of that many instead of one a step;
-    `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
-    argument of the programs."""
-    n: int
-    new_bucket: int
-    row_slots: int
-    context_slots: int
-    admit: int
-    reserve: int
-    layout: PageLayout
-    append_tokens: int = 0  # known tokens a row feeds in one pass (0: one a decode step)
-    record_routes: bool = False
-
-
-@flax.struct.dataclass
-class Limits:
-    """Where a row's turn and its episode end (traced: other values do not recompile). A turn
-    ends after a stop id or `turn_tokens` sampled tokens; the episode after `turns` turns or
-    when its tokens (context included) reach `episode_tokens`. One turn of generate():
-    (max_new_tokens, 1, no bound)."""
-    turn_tokens: jax.Array     # int32 []
-    turns: jax.Array           # int32 []
-    episode_tokens: jax.Array  # int32 []
-
-    @classmethod
-    def one_turn(cls, max_new_tokens) -> Limits:
-        return cls(jnp.asarray(max_new_tokens, jnp.int32), jnp.int32(1), jnp.int32(_FOREVER))
-
-
-@flax.struct.dataclass
-class Groups:
-    """[D, K] each (lengths, first: [D, K, segments]). A slot is free when context is -1 (then
-    none of its rows is queued or active)."""
-    context: jax.Array        # int32: index of the context within its block
-    stamp: jax.Array          # int32: admission order; older groups' queued rows start first
-    last_token: jax.Array     # int32: the held-back last context token, every sample's first input
-    last_position: jax.Array  # int32
-    lengths: jax.Array        # int32: real tokens of each context segment (prompt, suffix)
-    first: jax.Array          # int32: the position of each segment's first token
-
-
-@flax.struct.dataclass
-class Rows:
-    """[D, K * n] each; row r of a block is sample r % n of the group in slot r // n. A row's
-    own tokens are everything after its context: sampled turns and, between them, the tokens
-    the host appended (observations); own token t is drawn at the step that feeds token t - 1."""
-    state: jax.Array    # int32: IDLE (free slot or done), QUEUED, ACTIVE or WAITING
-    t: jax.Array        # int32: own tokens drawn so far (its next own token's index)
-    token: jax.Array    # int32: the token fed at the next step
-    position: jax.Array  # int32: its position
-    started: jax.Array  # int32: the loop step it (last) started at: preemption takes the youngest
-    known: jax.Array    # int32: own tokens below this index are known (Outputs.completions):
-                        # appended by the host, or drawn before a preemption: fed, not drawn
-    replay: jax.Array   # int32: own tokens below this index were computed before a preemption
-    turn: jax.Array     # int32: its turn (0 first)
-    turn_start: jax.Array  # int32: the own index of its turn's first sampled token
-
-
-@flax.struct.dataclass
-class Outputs:
-    """[D * R, T] and [D * R], R = contexts per block x n: row (d * C/D + m) * n + j is sample j
-    of block d's context m, i.e. rows in request order."""
-    completions: jax.Array  # int32: own tokens (sampled, and what the host appended)
-    logprobs: jax.Array     # f32: of sampled tokens (0 elsewhere)
-    lengths: jax.Array      # int32
-    stopped: jax.Array      # bool: its last sampled token is a stop id
-    waiting: jax.Array      # bool: its turn ended and the host has yet to answer
-    recomputed: jax.Array   # int32: tokens before its current turn computed again (preempted)
-    # record_routes: [D * R, T, sparse layers, k] as static.DecodeState.routes; the contexts'
-    # (row: the context in request order) prompts' [C, Sp, ...] and suffixes' [C, Ss, ...]
-    routes: jax.Array | None = None
-    prompt_routes: jax.Array | None = None
-    suffix_routes: jax.Array | None = None
-
-
-@flax.struct.dataclass
-class PendingTokens:
-    """The last step's new keys and values, written into the rows' pages at the top of the next
-    step: then the pool's in-place write comes before that step's reads of it (written after
-    the reads, nothing but the model's output orders them, and the K and V projections come
-    before attention: XLA copied every layer's pool each step to keep the reads safe). A row
-    still going then has the same page table and one token more (its own index t - 1)."""
-    k: jax.Array        # [L, D * R, 1, Hkv, Dh]
-    v: jax.Array
-    valid: jax.Array    # bool [D * R]: rows still going (a stopped row's last token is not read)
-
-
-@flax.struct.dataclass
-class LoopState:
-    step: jax.Array             # int32 []
-    groups: Groups
-    rows: Rows
-    next_context: jax.Array     # int32 [D]: the block's next context to admit
-    admitted: jax.Array         # int32 [D]: contexts admitted so far (the next stamp)
-    store: tuple                # page_pool.Pools, one per context segment: the groups' contexts
-    tables: page_pool.PageTables
-    pool: page_pool.Pool        # the rows' own tokens
-    pending: PendingTokens      # the last step's, not yet in the pool
-    out: Outputs
-
-
-def _blocks(x: jax.Array, d: int) -> jax.Array:
-    return x.reshape(d, x.shape[0] // d, *x.shape[1:])
-
-
-def _constrain_blocks(tree):
-    """Every [D, ...] scheduling array split over the row devices."""
-    return jax.tree.map(lambda x: constrain(x, ('batch',) + (None,) * (x.ndim - 1)), tree)
-
-
-def _admit(model, contexts: dict, state: LoopState, shape: Shape) -> LoopState:
-    """Prefills each block's next `shape.admit` contexts into its first free group slots; their n rows
-    are queued."""
-    groups, n, admit = state.groups, shape.n, shape.admit
-    d, k = groups.context.shape
-    num_valid = _blocks(contexts['valid'], d).sum(axis=1)
-    free = groups.context < 0
-    rank = jnp.cumsum(free, axis=1) - 1
-    # target[f]: the block's f-th free slot (k when there are fewer).
-    target = jax.vmap(lambda fr, rk: jnp.full(admit, k, jnp.int32).at[jnp.where(fr, rk, admit)]
-                      .set(jnp.arange(k, dtype=jnp.int32), mode='drop'))(free, rank)
-    local = state.next_context[:, None] + jnp.arange(admit, dtype=jnp.int32)
-    ok = (local < num_valid[:, None]) & (target < k)
-    target = jnp.where(ok, target, k)
-
-    def pick(name, empty=None):  # [D*F, ...] rows of the admitted contexts
-        table = _blocks(contexts[name], d)
-        picked = jax.vmap(lambda block, at: block[at])(table, jnp.minimum(local, table.shape[1] - 1))
-        if empty is not None:
-            picked = jnp.where(ok.reshape(ok.shape + (1,) * (picked.ndim - 2)), picked, empty)
-        return picked.reshape(d * admit, *picked.shape[2:])
-
-    record = state.out.routes is not None
-    prompt, prompt_routes = context_kv(model, pick('prompt_tokens'),
-                                       pick('prompt_positions', -1), record_routes=record)
-    segments, out = (prompt,), state.out
-    if contexts['suffix_tokens'].shape[1]:
-        suffix, suffix_routes = context_kv(model, pick('suffix_tokens'),
-                                           pick('suffix_positions', -1), segments,
-                                           record_routes=record)
-        segments += (suffix,)
-    if record:  # at each admitted context's row in request order (past the end: dropped)
-        num_contexts = contexts['valid'].shape[0]
-        at = jnp.where(ok, jnp.arange(d)[:, None] * (num_contexts // d) + local,
-                       num_contexts).reshape(-1)
-        out = out.replace(prompt_routes=out.prompt_routes.at[at].set(prompt_routes, mode='drop'))
-        if out.suffix_routes is not None:
-            out = out.replace(suffix_routes=out.suffix_routes.at[at].set(suffix_routes,
-                                                                         mode='drop'))
-    store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
-                  for pool, new in zip(state.store, segments))
-    # Each segment's real tokens (a prefix of its slots) and its first position.
-    lengths = jnp.stack([(x.pos >= 0).sum(axis=1, dtype=jnp.int32) for x in segments], -1)
-    first = jnp.stack([jnp.maximum(x.pos[:, 0], 0) for x in segments], -1)
-
-    def put(table, values):  # table [D, K, ...] with values [D * F, ...] at the target slots
-        return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
-            table, target, values.reshape(d, admit, *table.shape[2:]))
-    stamps = state.admitted[:, None] + jnp.arange(admit, dtype=jnp.int32)
-    groups = Groups(context=put(groups.context, local), stamp=put(groups.stamp, stamps),
-                    last_token=put(groups.last_token, pick('last_tokens')),
-                    last_position=put(groups.last_position, pick('last_positions')),
-                    lengths=put(groups.lengths, lengths), first=put(groups.first, first))
-    taken = jnp.zeros((d, k), bool).at[jnp.arange(d)[:, None], target].set(True, mode='drop')
-    queued = jnp.repeat(taken, n, axis=1)
-    fresh = lambda x: jnp.where(queued, 0, x)  # a new episode: nothing drawn, known or replayed
-    rows = state.rows
-    rows = rows.replace(state=jnp.where(queued, QUEUED, rows.state), t=fresh(rows.t),
-                        known=fresh(rows.known), replay=fresh(rows.replay), turn=fresh(rows.turn),
-                        turn_start=fresh(rows.turn_start))
-    count = ok.sum(axis=1, dtype=jnp.int32)
-    return state.replace(groups=groups, rows=rows, store=store, out=out,
-                         next_context=state.next_context + count,
-                         admitted=state.admitted + count)
-
-
-def _wants_contexts(contexts: dict, state: LoopState, *, admit: int) -> jax.Array:
-    """Whether some block should admit contexts now: it has contexts left and either room for a
-    full batch of them, or free room and no queued row (its rows would otherwise idle)."""
-    groups = state.groups
-    pending = _blocks(contexts['valid'], groups.context.shape[0]).sum(1) - state.next_context
-    free = (groups.context < 0).sum(axis=1)
-    starving = (free > 0) & ~jnp.any(state.rows.state == QUEUED, axis=1)
-    return jnp.any((pending > 0) & ((free >= jnp.minimum(admit, pending)) | starving))
-
-
-def _in_flight(rows: Rows) -> jax.Array:
-    """Rows between their start and their episode's end: decoding, or waiting for the host with
-    their pages (and their promise of `reserve`) kept."""
-    return (rows.state == ACTIVE) | (rows.state == WAITING)
-
-
-def _room(state: LoopState, shape: Shape) -> jax.Array:
-    """[D] rows each block may start now: free row slots with `reserve` unpromised pages each."""
-    in_flight = _in_flight(state.rows)
-    return jnp.minimum(shape.row_slots - in_flight.sum(axis=1),
-                       state.tables.unreserved(in_flight, shape.reserve) // shape.reserve)
-
-
-def _start_rows(state: LoopState, shape: Shape) -> LoopState:
-    """Each block starts its oldest queued rows while it has fewer than `row_slots` rows in
-    flight and `reserve` unreserved pages for each. A row starts from its first own token
-    (again, if it was preempted: what it had drawn is known, and replayed)."""
-    rows, groups, n = state.rows, state.groups, shape.n
-    d, r = rows.state.shape
-    queued = rows.state == QUEUED
-    room = _room(state, shape)
-    # Priority: the group's admission stamp, then the sample index (a stable order).
-    priority = jnp.repeat(groups.stamp, n, axis=1) * n + jnp.arange(r) % n
-    priority = jnp.where(queued, priority, jnp.iinfo(jnp.int32).max)
-    order = jnp.argsort(priority, axis=1, stable=True)
-    rank = jnp.zeros((d, r), jnp.int32).at[jnp.arange(d)[:, None], order].set(
-        jnp.arange(r, dtype=jnp.int32)[None, :])
-    start = queued & (rank < room[:, None])
-    slot = jnp.arange(r) // n
-    last_token = jnp.take_along_axis(groups.last_token, jnp.broadcast_to(slot, (d, r)), axis=1)
-    last_position = jnp.take_along_axis(groups.last_position, jnp.broadcast_to(slot, (d, r)),
-                                        axis=1)
-    new = lambda fresh, old: jnp.where(start, fresh, old)
-    return state.replace(rows=rows.replace(
-        state=new(ACTIVE, rows.state), t=new(0, rows.t), token=new(last_token, rows.token),
-        position=new(last_position, rows.position), started=new(state.step, rows.started)))
-
-
-def _preempt(state: LoopState, needs: jax.Array) -> tuple[LoopState, jax.Array]:
-    """Rows that give their pages back start again from their first own token later, feeding
-    what they had drawn (known) instead of drawing it again: the same tokens by construction,
-    with no tool run twice. Only active rows are preempted: a waiting row keeps its pages."""
-    rows = state.rows
-    tables, preempted = state.tables.preempt(rows.state == ACTIVE, rows.started, needs)
-    upto = lambda x: jnp.where(preempted, jnp.maximum(x, rows.t), x)
-    rows = rows.replace(state=jnp.where(preempted, QUEUED, rows.state), known=upto(rows.known),
-                        replay=upto(rows.replay))
-    return state.replace(rows=rows, tables=tables), needs & ~preempted
-
 
 def _segment_lengths(contexts: dict) -> list[int]:
     """Token slots of each context segment (prompt; suffix when any context has one)."""
@@ -358,10 +111,10 @@ def _initial_state(model, contexts: dict, shape: Shape) -> LoopState:
     kv = jnp.zeros((config.num_layers, d * k * n, 1, config.num_kv_heads, config.head_dim),
                    config.dtype)
     pending = PendingTokens(k=kv, v=kv, valid=jnp.zeros(d * k * n, bool))
-    return LoopState(step=jnp.zeros((), jnp.int32), groups=_constrain_blocks(groups),
-                     rows=_constrain_blocks(rows), next_context=ints((d,)), admitted=ints((d,)),
-                     store=store, tables=_constrain_blocks(tables), pool=pool, pending=pending,
-                     out=_constrain_blocks(out))
+    return LoopState(step=jnp.zeros((), jnp.int32), groups=constrain_blocks(groups),
+                     rows=constrain_blocks(rows), next_context=ints((d,)), admitted=ints((d,)),
+                     store=store, tables=constrain_blocks(tables), pool=pool, pending=pending,
+                     out=constrain_blocks(out))
 
 
 def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
@@ -481,8 +234,8 @@ def can_progress(contexts: dict, state: LoopState, shape: Shape) -> jax.Array:
     """Whether a step would do anything: a row is active, a queued row can start, or a block
     should admit contexts. (Rows waiting for the host alone: nothing to do until it answers.)"""
     queued = jnp.any(state.rows.state == QUEUED, axis=1)
-    return (jnp.any(state.rows.state == ACTIVE) | jnp.any(queued & (_room(state, shape) > 0))
-            | _wants_contexts(contexts, state, admit=shape.admit))
+    return (jnp.any(state.rows.state == ACTIVE) | jnp.any(queued & (admission.room_to_start(state, shape) > 0))
+            | admission.wants_contexts(contexts, state, admit=shape.admit))
 
 
 def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids, limits: Limits,
@@ -494,10 +247,10 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     state = state.replace(pool=page_pool.write_tokens(
         state.pool, last.k, last.v, table.reshape(-1, table.shape[-1]),
         state.rows.t.reshape(-1) - 1, last.valid))
-    state = jax.lax.cond(_wants_contexts(contexts, state, admit=shape.admit),
-                         functools.partial(_admit, model, contexts, shape=shape),
+    state = jax.lax.cond(admission.wants_contexts(contexts, state, admit=shape.admit),
+                         functools.partial(admission.admit, model, contexts, shape=shape),
                          lambda s: s, state)
-    state = _start_rows(state, shape)
+    state = admission.start_rows(state, shape)
     if shape.append_tokens:  # up to `admit` passes a step, each one row a block
         append = functools.partial(_append, model, contexts, layer_weights, shape)
         state = jax.lax.while_loop(
@@ -505,7 +258,7 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
             lambda c: (c[0] + 1, append(c[1])), (0, state))[1]
     needs = (state.rows.state == ACTIVE) & (state.rows.t % page_size == 0)
     short = jnp.any(needs.sum(axis=1) > state.tables.count)
-    state, needs = jax.lax.cond(short, _preempt, lambda s, w: (s, w), state, needs)
+    state, needs = jax.lax.cond(short, admission.preempt, lambda s, w: (s, w), state, needs)
     tables = page_pool.grow(state.tables, needs)
     rows, out = state.rows, state.out
     active = rows.state == ACTIVE

@@ -25,6 +25,7 @@ from jaxprefix.models import backend
 from jaxprefix.models.paged_attention import PageLayout
 from jaxprefix.models.sharding import logical_spec
 from jaxprefix.sampling import budget, continuous, decode_mesh, routes, static
+from jaxprefix.sampling.continuous_state import Shape
 from jaxprefix.sampling.prefill import TRACE_COUNTS
 from jaxprefix.sampling.layout import (MIN_NEW_TOKENS_BUCKET, Context, ContextLayout,
                                        SharedContext, bucket, layout_contexts)
@@ -195,9 +196,9 @@ def _decode_program(req: _Request, segments, state) -> Program:
                                    *_sampling_args(req)), dict(hoist_layers=req.hoist_layers))
 
 
-def continuous_shape(req: _Request) -> continuous.Shape:
+def continuous_shape(req: _Request) -> Shape:
     s = req.plan
-    return continuous.Shape(n=req.n, new_bucket=req.new_bucket, row_slots=s.row_slots,
+    return Shape(n=req.n, new_bucket=req.new_bucket, row_slots=s.row_slots,
                             context_slots=s.context_slots, admit=s.admit, reserve=s.reserve,
                             layout=req.pages, record_routes=req.record_routes)
 

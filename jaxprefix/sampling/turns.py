@@ -22,7 +22,7 @@ chunk. Short chunks cut that latency but each costs a return to the host (a sync
 and a dispatch). Ending a chunk when a quarter of the rows wait bounds the idle batch rows;
 `chunk_steps` bounds the latency of a lone waiting row.
 
-A preempted row (continuous._preempt) starts again from its episode's first own token,
+A preempted row (admission.preempt) starts again from its episode's first own token,
 prefilling everything it had (earlier turns, observations, its current turn so far) in the same
 passes before it samples on:
 the same episode by construction, no tool run twice, and the tokens of its earlier turns
@@ -46,13 +46,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprefix import distributed
-from jaxprefix.sampling import continuous
+from jaxprefix.sampling import continuous, page_pool
+from jaxprefix.sampling.continuous_state import (ACTIVE, IDLE, WAITING, Limits, LoopState,
+                                                 Outputs, Shape)
 from jaxprefix.sampling.layout import Context, SharedContext, bucket
 from jaxprefix.sampling.rollouts import Rollouts
 from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prepare, _sampling_args,
                                         continuous_shape, laid_out)
 
-ACTIVE, IDLE, WAITING = continuous.ACTIVE, continuous.IDLE, continuous.WAITING
 # A returning row's appended tokens go into its pages in passes of this many (one forward of a
 # few tokens a row, beside the decode step): an observation of a tool turn is ~10-30 tokens.
 APPEND_TOKENS = 32
@@ -88,8 +89,8 @@ class TurnRollouts:
 
 
 @functools.partial(jax.jit, static_argnames=('shape',), donate_argnames=('state',))
-def resume(state: continuous.LoopState, contexts: dict, episodes, tokens, lengths, *,
-           shape: continuous.Shape) -> continuous.LoopState:
+def resume(state: LoopState, contexts: dict, episodes, tokens, lengths, *,
+           shape: Shape) -> LoopState:
     """The host's answers: waiting episode episodes[a] (past the end: no one) goes on with
     tokens[a, :lengths[a]] after its last token, or ends (lengths[a] < 0)."""
     out, rows = state.out, state.rows
@@ -113,13 +114,13 @@ def resume(state: continuous.LoopState, contexts: dict, episodes, tokens, length
         completions=out.completions.at[episodes[:, None], columns].set(tokens, mode='drop'),
         lengths=out.lengths.at[episodes].add(jnp.where(goes_on, lengths, 0), mode='drop'),
         waiting=out.waiting.at[episodes].set(False, mode='drop'))
-    state = state.replace(rows=rows, out=out, tables=continuous.page_pool.release(state.tables,
+    state = state.replace(rows=rows, out=out, tables=page_pool.release(state.tables,
                                                                                    ends))
     return continuous.free_groups(state, shape.n)
 
 
 @functools.partial(jax.jit, static_argnames=('shape',))
-def _progress(state: continuous.LoopState, contexts: dict, *, shape: continuous.Shape):
+def _progress(state: LoopState, contexts: dict, *, shape: Shape):
     """What the host reads after a chunk: per episode whether it waits and its length; whether
     any episode is unfinished, and whether the device can go on without the host."""
     blocks = contexts['valid'].reshape(shape.layout.blocks, -1).sum(axis=1)
@@ -129,7 +130,7 @@ def _progress(state: continuous.LoopState, contexts: dict, *, shape: continuous.
 
 
 @jax.jit
-def _rows_of(out: continuous.Outputs, episodes):
+def _rows_of(out: Outputs, episodes):
     return out.completions[episodes], out.logprobs[episodes]
 
 
@@ -165,7 +166,7 @@ class _Host:
         self.pending: dict[int, concurrent.futures.Future] = {}
         self.ended: set[int] = set()
 
-    def hand_over(self, out: continuous.Outputs, waiting, lengths) -> None:
+    def hand_over(self, out: Outputs, waiting, lengths) -> None:
         """Every episode newly waiting: its turn to `respond`."""
         fresh = [e for e in np.flatnonzero(waiting[:len(self.turn)]) if e not in self.pending]
         if not fresh:
@@ -234,7 +235,7 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     shape = dataclasses.replace(continuous_shape(req), append_tokens=APPEND_TOKENS)
-    limits = continuous.Limits(jnp.int32(max_new_tokens), jnp.int32(max_turns),
+    limits = Limits(jnp.int32(max_new_tokens), jnp.int32(max_turns),
                                jnp.int32(episode_token_budget))
     num = req.layout.num_contexts * n
     host = _Host(num, respond, set(int(s) for s in stop_ids))
