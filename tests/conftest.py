@@ -55,3 +55,26 @@ def _compiled_programs_freed_after_each_module():
     import jax
 
     jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def base(tmp_path_factory):
+    """The smoke SFT policy: an HF directory every other run starts from."""
+    from tests.job_runs import run_main
+
+    workdir = tmp_path_factory.mktemp("sft")
+    run_main("configs/sft.py:smoke", workdir)
+    path = workdir / "base"
+    assert {"config.json", "model.safetensors", "task_tokenizer.json",
+            "sft_report.json"} <= set(os.listdir(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def carry_base(tmp_path_factory):
+    """The smoke SFT policy of carry_multiplication (the IsoCompute sweep's task)."""
+    from tests.job_runs import run_main
+
+    workdir = tmp_path_factory.mktemp("sft_carry")
+    run_main("configs/sft.py:carry_smoke", workdir)
+    return str(workdir / "base")

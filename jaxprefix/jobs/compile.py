@@ -21,11 +21,9 @@ of two below the slice's chips for d.
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
-import jax.numpy as jnp
 from absl import logging
 from flax import nnx
 
@@ -40,9 +38,10 @@ from jaxprefix.models.sharding import make_mesh, split_meshes
 from jaxprefix.rl.loop_settings import check_rows
 from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import decode_layout
-from jaxprefix.tpu import compiled_stats, costing, programs, topology
+from jaxprefix.jobs import compile_report
+from jaxprefix.tpu import costing, programs, topology
+from jaxprefix.tpu.topology import GiB
 
-GiB = 2**30
 REPORT = 'compile.json'
 
 
@@ -87,7 +86,7 @@ def run_compile(config, workdir: str) -> dict:
             search.append({'topology': slice_.name, 'fits': False, 'why': str(e)})
             continue
         search.append({'topology': slice_.name, 'fits': report['fits'],
-                       'why': '' if report['fits'] else _shortfall(report)})
+                       'why': '' if report['fits'] else compile_report.shortfall(report)})
         compiled_on = slice_
         if report['fits']:
             break
@@ -99,29 +98,17 @@ def run_compile(config, workdir: str) -> dict:
     # The sequential step beside, with rollout.devices or compile.search_split, the split's.
     report['pipeline'] = pipeline(settings, model_config, compiled_on, workdir, report)
     storage.write_json(storage.join(workdir, REPORT), report)
-    print(table(report))
+    print(compile_report.table(report))
     split = report['pipeline']
     if devices and not split['fits']:  # the run's own layout is the split
         raise SystemExit(f"compile: rollout.devices={devices} does not fit {report['topology']}: "
                          f"{split['why']}; see {storage.join(workdir, REPORT)}")
     if not devices and not report['fits']:
-        raise SystemExit(f"compile: {_shortfall(report)}; see {storage.join(workdir, REPORT)}")
+        raise SystemExit(f"compile: {compile_report.shortfall(report)}; "
+                         f"see {storage.join(workdir, REPORT)}")
     if len(candidates) > 1:
         print(f"smallest {generation} slice that fits: {report['topology']}")
     return report
-
-
-def _shortfall(report: dict) -> str:
-    worst = max((p for p in report['programs'].values() if not p['fits']),
-                key=lambda p: p['hbm_bytes_per_chip'] / p['usable_bytes'])
-    over = (worst['hbm_bytes_per_chip'] - worst['usable_bytes']) / GiB
-    line = (f"{worst['name']} does not fit {report['topology']}: it needs "
-            f"{worst['hbm_bytes_per_chip'] / GiB:.1f} GiB per chip, {over:.1f} GiB over the "
-            f"{worst['usable_bytes'] / GiB:.1f} GiB usable ({1 - report['headroom']:.0%} of "
-            f"{worst['hbm_capacity_bytes'] / GiB:.0f} GiB)")
-    if over <= 0 and worst.get('error'):
-        line = f"{worst['name']} does not fit {report['topology']}: {worst['error']}"
-    return line
 
 
 def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
@@ -150,7 +137,8 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     compiled = _timed('learner update', lambda: programs.learner_programs(
         learner, state, train, step))
     usable = (1 - c.headroom) * slice_.chip.hbm_bytes
-    if searching and not 0 < _hbm_bytes(compiled[0]) <= usable:  # the sampler can wait
+    # the sampler can wait
+    if searching and not 0 < compile_report.hbm_bytes(compiled[0]) <= usable:
         return _report(config, model_config, slice_, workdir, mesh, step, compiled, learner,
                        state, None, start)
     # While the sampler runs on its compute-dtype copy of the weights, the training state (master
@@ -236,14 +224,14 @@ def split_for(settings: RunSettings, model_config: ModelConfig, slice_: topology
     _write_hlo(learned + sampled, directory)
 
     def side(compiled, mesh):
-        rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
+        rows = [compile_report.program_report(p, chip, mesh.size, c.headroom) for p in compiled]
         fits = all(r['fits'] for r in rows)
         return {'chips': mesh.size, 'mesh': dict(mesh.shape), 'fits': fits,
                 'seconds': sum(r['calls_per_step'] * r['roofline']['seconds'] for r in rows)
                 if fits else None, 'programs': {r['name']: r for r in rows}}, rows
     learner_side, _ = side(learned, learner_mesh)
     sampler_side, rows = side(sampled, sampler_mesh)
-    sampler_side.update(kv_budget_bytes=kv_budget, **sampler_figures(
+    sampler_side.update(kv_budget_bytes=kv_budget, **compile_report.sampler_figures(
         rows, next((p for p in sampled if p.rows_in_flight), None), step, model_config, chip,
         devices))
     transfer_s = costing.weight_transfer_seconds(sent, devices, learner_mesh.size, chip)
@@ -259,7 +247,7 @@ def split_for(settings: RunSettings, model_config: ModelConfig, slice_: topology
                                     else 'the adapters')},
             'pipelined_s': costing.pipelined_seconds(sampler_side['seconds'],
                                                      learner_side['seconds'], transfer_s)
-            if fits else None, 'why': '' if fits else _split_shortfall(split)}
+            if fits else None, 'why': '' if fits else compile_report.split_shortfall(split)}
 
 
 def pipeline(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
@@ -293,17 +281,6 @@ def pipeline(settings: RunSettings, model_config: ModelConfig, slice_: topology.
     if search:
         block |= {'best_devices': best, 'search': list(splits.values())}
     return block
-
-
-def _split_shortfall(split: dict) -> str:
-    """Why a split does not fit, in one line: each side's programs that do not."""
-    if 'learner' not in split:  # refused before compiling
-        return split['why']
-    return '; '.join(f"{side}: {p['name']} needs {p['hbm_bytes_per_chip'] / GiB:.1f} GiB a "
-                     f"chip of {p['usable_bytes'] / GiB:.1f} usable"
-                     + (f" ({p['error'][:120]})" if p.get('error') else '')
-                     for side in ('learner', 'sampler')
-                     for p in split[side]['programs'].values() if not p['fits'])
 
 
 def _abstract_state(learner: Learner, slice_: topology.SliceType):
@@ -343,7 +320,7 @@ def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner
             kv_budget, start) -> dict:
     """compile.json's content from the compiled programs (and their HLO under workdir)."""
     c, spec, chip = config.compile, step.rollout, slice_.chip
-    rows = [program_report(p, chip, mesh.size, c.headroom) for p in compiled]
+    rows = [compile_report.program_report(p, chip, mesh.size, c.headroom) for p in compiled]
     _write_hlo(compiled, storage.join(workdir, 'hlo', slice_.name))
     return {
         'topology': slice_.name, 'slices': c.slices, 'chips': mesh.size,
@@ -363,8 +340,9 @@ def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner
                  'learner_width': step.learner_width, 'routing_replay': step.routing_replay,
                  'roofline_seconds': sum(p['calls_per_step'] * p['roofline']['seconds']
                                          for p in rows if p['roofline']),
-                 **sampler_figures(rows, next((p for p in compiled if p.rows_in_flight), None),
-                                   step, model_config, chip, mesh.size)},
+                 **compile_report.sampler_figures(
+                     rows, next((p for p in compiled if p.rows_in_flight), None), step,
+                     model_config, chip, mesh.size)},
         'state_bytes_per_chip': {'params': programs.bytes_per_chip(state.params),
                                  'optimizer': programs.bytes_per_chip(state.opt_state),
                                  'frozen': programs.bytes_per_chip(learner.rest)},
@@ -378,39 +356,6 @@ def _write_hlo(compiled: list, directory: str) -> None:
         if p.compiled is not None:
             storage.write_atomic(storage.join(directory, p.name.replace(' ', '_') + '.txt'),
                                  p.compiled.as_text())
-
-
-def sampler_figures(rows: list, decode: programs.Program | None, step: programs.StepShape,
-                    model_config: ModelConfig, chip: topology.Chip, chips: int) -> dict:
-    """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
-
-    The floor is what the step's decoding must read at the least, every row running to
-    max_new_tokens (docs/SCALING.md), spread over every chip's HBM: the KV
-    (costing.kv_read_floor_seconds, in the KV dtype); and the weights, at each of the decode's
-    steps (its generations of `decode.rows_in_flight` rows) those its rows need, once: every
-    weight but the embedding table, of a MoE's experts those some row routes to
-    (ModelConfig.decode_step_params)."""
-    from jaxprefix.sampling import budget
-
-    token = budget.page_bytes_per_token(model_config, step.rollout.kv_dtype or model_config.dtype)
-    in_flight = decode.rows_in_flight if decode is not None else 0
-    steps = decode.unknown_trip_count if decode is not None else 0
-    weights = steps * model_config.decode_step_params(in_flight) * jnp.dtype(
-        model_config.dtype).itemsize
-    weights_s = costing.hbm_seconds(weights / chips, chip)
-    floor = weights_s + costing.kv_read_floor_seconds(
-        rows=step.rows, contexts=step.contexts, context_length=step.context_length,
-        max_new_tokens=step.max_new_tokens, kv_bytes_per_token=token, chips=chips, chip=chip)
-    sampler = [p for p in rows if p['name'].startswith('sampler') and p['roofline']]
-    hbm = sum(p['calls_per_step'] * p['roofline']['hbm_s'] for p in sampler)
-    seconds = sum(p['calls_per_step'] * p['roofline']['seconds'] for p in sampler)
-    generated = step.rows * step.max_new_tokens
-    return {'sampler_hbm_s': hbm, 'sampler_hbm_floor_s': floor,
-            'sampler_floor_weights_s': weights_s,
-            'sampler_vs_floor': hbm / floor if floor else None,
-            'sampler_ici_s': sum(p['calls_per_step'] * p['roofline']['ici_s'] for p in sampler),
-            'rows_in_flight': in_flight, 'decode_steps': steps,
-            'generated_tokens_per_s_per_chip': generated / seconds / chips if seconds else None}
 
 
 def run_model_config(config) -> ModelConfig:
@@ -463,132 +408,3 @@ def _timed(what: str, build):
     result = build()
     logging.info('compile: %s compiled in %.0f s', what, time.perf_counter() - start)
     return result
-
-
-def program_report(p: programs.Program, chip: topology.Chip, devices: int,
-                   headroom: float) -> dict:
-    """compile.json's entry for one program (bytes and FLOPs per chip, per call)."""
-    usable = (1 - headroom) * chip.hbm_bytes
-    entry = {'name': p.name, 'shapes': p.shapes, 'calls_per_step': p.calls_per_step,
-             'hbm_capacity_bytes': chip.hbm_bytes, 'usable_bytes': usable,
-             'resident_bytes': p.resident_bytes, 'resident': p.resident_note}
-    if p.compiled is None:  # refused by the compiler: what it said it needed, at least
-        hbm = p.required_bytes + p.resident_bytes
-        return entry | {'hbm_bytes_per_chip': hbm, 'fits': False, 'error': p.error,
-                        'headroom_fraction': 1 - hbm / chip.hbm_bytes, 'flops': None,
-                        'bytes_accessed': None, 'collectives': {}, 'roofline': None}
-    memory = p.compiled.memory_analysis()
-    hbm = _hbm_bytes(p)
-    cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
-                                  unknown_trip_count=p.unknown_trip_count,
-                                  rare_branch_calls=p.rare_branch_calls,
-                                  kernel_flops=costing.kernel_flops,
-                                  kernel_bytes=functools.partial(
-                                      costing.kernel_bytes,
-                                      tokens_per_call=p.paged_tokens_per_call)).total()
-    return entry | {
-        'hbm_bytes_per_chip': hbm, 'fits': hbm <= usable,
-        'headroom_fraction': 1 - hbm / chip.hbm_bytes,
-        'argument_bytes': memory.argument_size_in_bytes,
-        'output_bytes': memory.output_size_in_bytes,
-        'alias_bytes': memory.alias_size_in_bytes, 'temp_bytes': memory.temp_size_in_bytes,
-        'code_bytes': memory.generated_code_size_in_bytes,
-        'flops': cost.flops, 'bytes_accessed': cost.bytes, 'collectives': cost.collectives,
-        'loops_with_assumed_trip_count': cost.unknown_loops,
-        'assumed_trip_count': p.unknown_trip_count if cost.unknown_loops else None,
-        'kernels_without_flops': cost.kernels_without_flops,
-        'roofline': costing.roofline(cost.flops, cost.bytes,
-                                     sum(c['moved'] for c in cost.collectives.values()), chip),
-    }
-
-
-def _hbm_bytes(p: programs.Program) -> float:
-    """HBM per chip a compiled program needs: XLA's arguments + outputs - donated + temporaries
-    + code, and what stays resident beside it (0: not compiled)."""
-    if p.compiled is None:
-        return 0.0
-    memory = p.compiled.memory_analysis()
-    return (memory.argument_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes + memory.temp_size_in_bytes
-            + memory.generated_code_size_in_bytes + p.resident_bytes)
-
-
-def table(report: dict) -> str:
-    """The printed summary: one row per program, per chip and per call."""
-    step = report['step']
-    model = report['model']
-    lines = [
-        f"compile: {report['slices']} x {report['topology']} ({report['chips']} chips, "
-        f"{report['hosts']} host(s)), mesh {report['mesh']}",
-        f"model {model['model_type']} {model['params'] / 1e9:.2f}B params ({model['param_dtype']} "
-        f"parameters, {model['dtype']} compute); step: {step['contexts']} contexts x "
-        f"n={step['n']} = {step['rows']} rows, context {step['context_length']} + "
-        f"{step['max_new_tokens']} new tokens, learner width {step['learner_width']}", '',
-        '| program | calls/step | HBM GiB/chip | args | temp | resident | headroom | fits '
-        '| TFLOP | GB | compute s | HBM s | ICI s | collectives |',
-        '|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|']
-    for p in report['programs'].values():
-        if p['roofline'] is None:
-            lines.append(f"| {p['name']} | {p['calls_per_step']} | >= "
-                         f"{p['hbm_bytes_per_chip'] / GiB:.2f} | | | "
-                         f"{p['resident_bytes'] / GiB:.2f} | | **no** | | | | | | {p['error']} |")
-            continue
-        collectives = ', '.join(f"{kind} {c['count']:,.0f}x" for kind, c in p['collectives'].items())
-        cells = [p['name'], p['calls_per_step'], f"{p['hbm_bytes_per_chip'] / GiB:.2f}",
-                 f"{p['argument_bytes'] / GiB:.2f}", f"{p['temp_bytes'] / GiB:.2f}",
-                 f"{p['resident_bytes'] / GiB:.2f}", f"{p['headroom_fraction']:.0%}",
-                 'yes' if p['fits'] else '**no**', f"{p['flops'] / 1e12:,.1f}",
-                 f"{p['bytes_accessed'] / 1e9:,.1f}", f"{p['roofline']['compute_s']:,.2f}",
-                 f"{p['roofline']['hbm_s']:,.2f}", f"{p['roofline']['ici_s']:,.2f}",
-                 collectives or '-']
-        lines.append('| ' + ' | '.join(str(x) for x in cells) + ' |')
-    lines += ['', f"Per chip and per call, on {report['topology']} chips of "
-              f"{report['chip']['hbm_bytes'] / GiB:.0f} GiB (fits: within "
-              f"{1 - report['headroom']:.0%}). HBM = arguments + outputs - donated + temporaries + "
-              "code + resident (the training state, in HBM while the sampler runs). Roofline "
-              "seconds per call = max(compute s, HBM s); ICI s (collectives) shown beside it. "
-              f"One step's roofline: {step['roofline_seconds']:,.0f} s."]
-    if step.get('sampler_vs_floor'):
-        lines.append(f"Sampler: {step['sampler_hbm_s']:,.0f} s of HBM time against a floor of "
-                     f"{step['sampler_hbm_floor_s']:,.0f} s ({step['sampler_vs_floor']:.2f}x; "
-                     f"{step['kv_dtype']} KV, the weights "
-                     f"{step['sampler_floor_weights_s']:,.0f} s of it), "
-                     f"{step['rows_in_flight']:,} rows in flight, {step['sampler_ici_s']:,.0f} s "
-                     f"of ICI; {step['generated_tokens_per_s_per_chip']:,.0f} generated tokens/s "
-                     f"per chip when every row runs to {step['max_new_tokens']:,} tokens.")
-    return '\n'.join(lines + _pipeline_lines(report.get('pipeline', {})))
-
-
-def _pipeline_lines(block: dict) -> list[str]:
-    """The split's figures beside the sequential step, and the search's, if any."""
-    lines = []
-    if 'devices' in block:
-        s, l, t = block['sampler'], block['learner'], block['transfer']
-        seconds = lambda side: f"{side['seconds']:,.0f} s" if side['fits'] else 'does not fit'
-        lines += ['', f"Split at rollout.devices={block['devices']}: sampler on {s['chips']} "
-                  f"chips (mesh {s['mesh']}) {seconds(s)} a step, learner on {l['chips']} "
-                  f"(mesh {l['mesh']}) {seconds(l)}, weights copy {t['seconds']:,.2f} s "
-                  f"({t['bytes_per_sampler_chip'] / GiB:.2f} GiB a sampler chip).",
-                  '| side | program | HBM GiB/chip | fits | roofline s |', '|---|---|---:|---|---:|']
-        for name in ('sampler', 'learner'):
-            for p in block[name]['programs'].values():
-                lines.append(f"| {name} | {p['name']} | {p['hbm_bytes_per_chip'] / GiB:.2f} | "
-                             f"{'yes' if p['fits'] else '**no**'} | "
-                             + (f"{p['roofline']['seconds']:,.2f} |" if p['roofline'] else
-                                f"{p['error'][:100]} |"))
-        if block['fits']:
-            lines.append(f"Pipelined step (max(sampler, learner) + copy; train.max_staleness "
-                         f">= 1): {block['pipelined_s']:,.0f} s against the sequential "
-                         f"{block['sequential_s']:,.0f} s.")
-    if 'search' in block:
-        lines.append('Splits tried (compile.search_split):')
-    for tried in block.get('search', []):
-        sampler = tried.get('sampler', {}).get('seconds')
-        lines.append(f"  rollout.devices={tried['devices']}: " + (
-            f"pipelined {tried['pipelined_s']:,.0f} s" if tried['fits'] else tried['why'])
-            + (f" (sampler {sampler:,.0f} s)" if sampler and not tried['fits'] else ''))
-    if 'search' in block:
-        lines.append(f"Fastest split: rollout.devices={block['best_devices']}; sequential "
-                     f"{block['sequential_s']:,.0f} s." if block['best_devices'] else
-                     'No split fits.')
-    return lines
