@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprefix import rewards
+from jaxprefix.config_reads import unwrapped
 from jaxprefix.errors import need
 from jaxprefix.models import lora
 from jaxprefix.rl import objectives
@@ -114,7 +115,9 @@ def wandb_settings(config) -> WandbSettings | None:
     m = config.get("metrics")
     if m is None or not m.wandb:
         return None
-    return WandbSettings(project=m.wandb_project, mode=m.wandb_mode, run_config=config.to_dict())
+    # The whole config as the run's record: not a read of its fields (config_reads).
+    return WandbSettings(project=m.wandb_project, mode=m.wandb_mode,
+                         run_config=unwrapped(config).to_dict())
 
 
 def loop_settings(config) -> LoopSettings:
