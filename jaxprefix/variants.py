@@ -172,7 +172,7 @@ def smollm2_learns(c: ml_collections.ConfigDict) -> None:
                    user_template=BOXED_EXAMPLE_TEMPLATE)
     c.data.update(source="reasoning_gym", task="chain_sum", task_config=CHAIN_SUM_EASY,
                   train_size=512, eval_size=64, seed=1, eval_seed=2,
-                  verifier="reasoning_gym_box_nudged")
+                  verifier="reasoning_gym_right_boxed")
     c.rollout.update(n=8, temperature=0.8, max_new_tokens=128)
     c.train.update(problems_per_step=8, total_steps=40, learning_rate=3e-4, max_grad_norm=1.0,
                    advantage="dr_grpo", lora_rank=16, logprob_chunk=256, remat=True,

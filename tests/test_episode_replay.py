@@ -18,7 +18,8 @@ from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import budget
 from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools.episodes import BUDGET, reprefilled_tokens
-from test_moe import TINY, recorded_routes_expected, replayed_logprobs
+from test_moe import TINY, recorded_routes_expected
+from test_routing_replay import replayed_logprobs
 from test_tool_episodes import CONVERSATIONS, TEMPLATE, _config, _scored, train_one_step
 
 

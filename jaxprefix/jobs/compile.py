@@ -122,7 +122,8 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     start = time.perf_counter()
     contexts = settings.method.contexts_per_step
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
-    check_rows(train, contexts, config.rollout.n, mesh)
+    check_rows(train, contexts, config.rollout.n, mesh,
+               problems_per_step=config.train.problems_per_step)
     step = programs.StepShape(contexts=contexts, context_length=c.context_length,
                               n=config.rollout.n, rollout=spec, routing_replay=routing_replay(
                                   config, any(model_config.sparse_layers)))
@@ -179,7 +180,8 @@ def slice_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topol
                           f'time-shared) or fewer, leaving the learner some')
     try:  # the run's own rule (models.split_meshes): the sampler takes the last chips
         learner, sampler = split_meshes(devices, devices=chips, **config.mesh)
-        check_rows(settings.train, settings.method.contexts_per_step, settings.loop.n, learner)
+        check_rows(settings.train, settings.method.contexts_per_step, settings.loop.n, learner,
+                   problems_per_step=config.train.problems_per_step)
         sampler = decode_layout(sampler, model_config, settings.rollout.tensor_parallel)
     except ValueError as e:
         raise ConfigError(f'{what}: on {slice_.name} the learner gets {learner_chips} chips, '

@@ -59,12 +59,15 @@ class LoopSettings:
         return mixture_of_experts and self.routing_replay != "off"
 
 
-def check_rows(learner_config: TrainConfig, contexts_per_step: int, n: int, mesh=None) -> None:
+def check_rows(learner_config: TrainConfig, contexts_per_step: int, n: int, mesh=None, *,
+               problems_per_step: int | None = None) -> None:
     """A step's rows (contexts x n) split into the learner's minibatches over the row devices of
-    `mesh` (none: one); the error names the fields that set them."""
+    `mesh` (none: one); the error names the fields that set them (with `problems_per_step`, its
+    value too)."""
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     try:
         learner_config.check_batch(contexts_per_step * n, shards)
     except ValueError as e:
-        raise ValueError(f"config.train.problems_per_step x config.rollout.n: {contexts_per_step}"
-                         f" contexts x n={n}: {e}") from None
+        problems = "" if problems_per_step is None else f"={problems_per_step}"
+        raise ValueError(f"config.train.problems_per_step{problems} ({contexts_per_step} "
+                         f"contexts) x config.rollout.n={n}: {e}") from None

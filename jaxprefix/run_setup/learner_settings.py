@@ -81,7 +81,8 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     lora_config(config)
     reward_settings(config)
     learner_config = train_config(config)
-    check_rows(learner_config, contexts_per_step or t.problems_per_step, r.n, mesh)
+    check_rows(learner_config, contexts_per_step or t.problems_per_step, r.n, mesh,
+               problems_per_step=t.problems_per_step)
     return learner_config
 
 
