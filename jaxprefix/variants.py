@@ -167,7 +167,8 @@ def smollm2_learns(c: ml_collections.ConfigDict) -> None:
     sampled. Sampled at temperature 0.8: at 1.0 the base's samples were right less than half as
     often as its greedy answers (0.044 vs 0.105), so fewer groups carried a signal. LoRA at
     3e-4: at 1e-4 neither the greedy accuracy nor the reward moved in 20 steps (docs/results/
-    smollm2_learns/run3_lr1e-4)."""
+    smollm2_learns/run3_lr1e-4). With 0.1 more for any box (`reasoning_gym_box_nudged`, run 5)
+    it learned to box the prompt's example answer, \\boxed{7}, after its own sum."""
     c.model.update(source="gguf", path="bundled", system_prompt=BOXED_ANSWER_PROMPT,
                    user_template=BOXED_EXAMPLE_TEMPLATE)
     c.data.update(source="reasoning_gym", task="chain_sum", task_config=CHAIN_SUM_EASY,

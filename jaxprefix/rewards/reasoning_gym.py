@@ -38,6 +38,7 @@ CORRECT_WEIGHT, BOXED_WEIGHT = 0.8, 0.2
 RIGHT_WEIGHT, RIGHT_BOXED_WEIGHT = 0.6, 0.4
 # reasoning_gym_box_nudged: a wrong boxed answer earns a sixth of a right unboxed one. The box
 # is taught where no sample is right (most groups, early), and a right answer still outweighs it.
+# On SmolLM2 (run 5) it taught a copy of the prompt's example box, \boxed{7}: any box pays.
 WRONG_BOXED_WEIGHT = 0.1
 
 
