@@ -9,6 +9,7 @@ from jaxprefix.data import DataError, load_problems
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems
 from jaxprefix.rewards.reasoning_gym import (boxed_or_last, final_answer,
                                              reasoning_gym_box_nudged_verifier,
+                                             reasoning_gym_box_own_verifier,
                                              reasoning_gym_boxed_verifier,
                                              reasoning_gym_right_boxed_verifier,
                                              reasoning_gym_verifier)
@@ -91,6 +92,19 @@ def test_box_nudged_verifier_pays_a_wrong_box_a_little():
     assert score(f"{answer}, no: \\boxed{{{wrong}}}", problem) == pytest.approx(0.1)
     assert score(f"{wrong} then \\boxed{{}}", problem) == 0.0  # an empty box is none
     assert score(f"{wrong}", problem) == 0.0
+
+
+def test_box_own_verifier_pays_a_wrong_box_only_around_the_completions_own_result():
+    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
+    answer, wrong = problem.answer, str(int(problem.answer) + 1)
+    score = reasoning_gym_box_own_verifier
+    assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
+    assert score(f"{answer} is the sum", problem) == pytest.approx(0.6)
+    assert score(f"1 + 2 = {wrong}\n\\boxed{{{wrong}}}", problem) == pytest.approx(0.1)
+    assert score("7 + 2 = 9\n\n\\boxed{7}", problem) == 0.0     # run 5's copied example
+    assert score("\\boxed{7}", problem) == 0.0                    # no result of its own
+    assert score("it is 1,234\n\\boxed{1234}", problem) == pytest.approx(0.1)
+    assert score("\\boxed{7} then \\boxed{", problem) == 0.0  # the number is the box's own
 
 
 def test_boxed_or_last_reads_numbers_only_for_numeric_answers():

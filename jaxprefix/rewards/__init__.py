@@ -5,7 +5,8 @@ Built in: `math` (last `\\boxed{}` vs the reference, math-verify), `math_lenient
 X" and the last number), `exact` (normalised text), `reasoning_gym` (the generator's
 score_answer), `format` (a closed `\\boxed{}` is present), `reasoning_gym_boxed` (the generator's check of a
 leniently read answer, plus a share for the box asked for), `reasoning_gym_right_boxed` (that
-share paid on right answers only), `reasoning_gym_box_nudged` (and a little for a wrong box) and each built-in task's exact check
+share paid on right answers only), `reasoning_gym_box_nudged` (and a little for a wrong box), `reasoning_gym_box_own` (that
+little only for a box around the completion's own result) and each built-in task's exact check
 under the task's name (data/tasks). Others register their own:
 
     rewards.register("my_task", my_task_verifier, in_process=True)
@@ -41,6 +42,7 @@ from jaxprefix.rewards.math import format_reward, math_reward, math_verifier, ma
 from jaxprefix.rewards.pool import (VerifierPool, close_pools, default_workers, set_max_memory_mb,
                                     shared_pool)
 from jaxprefix.rewards.reasoning_gym import (reasoning_gym_box_nudged_verifier,
+                                             reasoning_gym_box_own_verifier,
                                              reasoning_gym_boxed_verifier,
                                              reasoning_gym_right_boxed_verifier,
                                              reasoning_gym_verifier)
@@ -203,6 +205,7 @@ register("reasoning_gym", reasoning_gym_verifier)
 register("reasoning_gym_boxed", reasoning_gym_boxed_verifier)
 register("reasoning_gym_right_boxed", reasoning_gym_right_boxed_verifier)
 register("reasoning_gym_box_nudged", reasoning_gym_box_nudged_verifier)
+register("reasoning_gym_box_own", reasoning_gym_box_own_verifier)
 for _name, _task in TASKS.items():  # exact match on short strings: cheap and safe, in process
     register(_name, _task.verify, in_process=True)
 
