@@ -55,8 +55,13 @@ class LoopSettings:
     wandb: WandbSettings | None = None       # None: no W&B run
 
     def replays_routes(self, mixture_of_experts: bool) -> bool:
-        """Whether the sampler records a MoE's experts and the learner replays them."""
-        return mixture_of_experts and self.routing_replay != "off"
+        return replays_routes(self.routing_replay, mixture_of_experts)
+
+
+def replays_routes(choice: str, mixture_of_experts: bool) -> bool:
+    """Whether the sampler records a MoE's experts and the learner replays them, under
+    train.routing_replay = `choice` ('auto' | 'on' | 'off', checked at the door)."""
+    return mixture_of_experts and choice != "off"
 
 
 def check_rows(learner_config: TrainConfig, contexts_per_step: int, n: int, mesh=None, *,

@@ -16,7 +16,7 @@ from jaxprefix.errors import need
 from jaxprefix.models import lora
 from jaxprefix.rl import objectives
 from jaxprefix.rl.loop_settings import (EvalSettings, LoopSettings, RewardSettings,
-                                        check_rows)
+                                        check_rows, replays_routes)
 from jaxprefix.rl.metrics import SEGMENT_ROWS
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.wandb_writer import WandbSettings
@@ -100,7 +100,7 @@ def routing_replay(config, mixture_of_experts: bool) -> bool:
              "'auto' on a dense model (it has no experts to replay)")
         need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
              t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
-    return mixture_of_experts and value != "off"
+    return replays_routes(value, mixture_of_experts)
 
 
 def reward_settings(config) -> RewardSettings:
