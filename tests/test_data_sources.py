@@ -83,28 +83,25 @@ def test_right_boxed_verifier_pays_the_box_on_right_answers_only():
     assert score(f"{answer} is the sum", problem) > 0.5
 
 
-def test_box_nudged_verifier_pays_a_wrong_box_a_little():
+def test_box_nudges_pay_a_wrong_box_a_little_and_box_own_only_around_its_own_result():
     [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
     answer, wrong = problem.answer, str(int(problem.answer) + 1)
-    score = reasoning_gym_box_nudged_verifier
-    assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
-    assert score(f"{answer} is the sum", problem) == pytest.approx(0.6)
-    assert score(f"{answer}, no: \\boxed{{{wrong}}}", problem) == pytest.approx(0.1)
-    assert score(f"{wrong} then \\boxed{{}}", problem) == 0.0  # an empty box is none
-    assert score(f"{wrong}", problem) == 0.0
-
-
-def test_box_own_verifier_pays_a_wrong_box_only_around_the_completions_own_result():
-    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
-    answer, wrong = problem.answer, str(int(problem.answer) + 1)
-    score = reasoning_gym_box_own_verifier
-    assert score(f"so it is \\boxed{{{answer}}}.", problem) == pytest.approx(1.0)
-    assert score(f"{answer} is the sum", problem) == pytest.approx(0.6)
-    assert score(f"1 + 2 = {wrong}\n\\boxed{{{wrong}}}", problem) == pytest.approx(0.1)
-    assert score("7 + 2 = 9\n\n\\boxed{7}", problem) == 0.0     # run 5's copied example
-    assert score("\\boxed{7}", problem) == 0.0                    # no result of its own
-    assert score("it is 1,234\n\\boxed{1234}", problem) == pytest.approx(0.1)
-    assert score("\\boxed{7} then \\boxed{", problem) == 0.0  # the number is the box's own
+    assert "7" not in (answer, wrong) and "1234" not in (answer, wrong)
+    cases = {  # completion: (reasoning_gym_box_nudged, reasoning_gym_box_own)
+        f"so it is \\boxed{{{answer}}}.": (1.0, 1.0),
+        f"{answer} is the sum": (0.6, 0.6),
+        f"1 + 2 = {wrong}\n\\boxed{{{wrong}}}": (0.1, 0.1),
+        "it is 1,234\n\\boxed{1234}": (0.1, 0.1),
+        "7 + 2 = 9\n\n\\boxed{7}": (0.1, 0.0),     # run 5's copy of the prompt's example
+        "\\boxed{7}": (0.1, 0.0),                    # no result of its own
+        "\\boxed{7} then \\boxed{": (0.1, 0.0),      # the number before is the box's own
+        f"{wrong} then \\boxed{{}}": (0.0, 0.0),      # an empty box is none
+        wrong: (0.0, 0.0),
+    }
+    for completion, expected in cases.items():
+        got = (reasoning_gym_box_nudged_verifier(completion, problem),
+               reasoning_gym_box_own_verifier(completion, problem))
+        assert got == pytest.approx(expected), completion
 
 
 def test_boxed_or_last_reads_numbers_only_for_numeric_answers():
