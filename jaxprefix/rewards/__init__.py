@@ -5,9 +5,9 @@ Built in: `math` (last `\\boxed{}` vs the reference, math-verify), `math_lenient
 X" and the last number), `exact` (normalised text), `reasoning_gym` (the generator's
 score_answer), `format` (a closed `\\boxed{}` is present), `reasoning_gym_boxed` (the generator's check of a
 leniently read answer, plus a share for the box asked for), `reasoning_gym_right_boxed` (that
-share paid on right answers only), `reasoning_gym_box_nudged` (and a little for a wrong box), `reasoning_gym_box_own` (that
-little only for a box around the completion's own result) and each built-in task's exact check
-under the task's name (data/tasks). Others register their own:
+share paid on right answers only), `reasoning_gym_box_nudged` (and a little for a wrong box),
+`reasoning_gym_box_own` (that little only for a box around the completion's own result) and
+each built-in task's exact check under the task's name (data/tasks). Others register their own:
 
     rewards.register("my_task", my_task_verifier, in_process=True)
 

@@ -1,5 +1,6 @@
-"""Verifiers `reasoning_gym`, `reasoning_gym_boxed`, `reasoning_gym_right_boxed` and
-`reasoning_gym_box_nudged`: the generator's own `score_answer` on the completion's final answer.
+"""Verifiers `reasoning_gym`, `reasoning_gym_boxed`, `reasoning_gym_right_boxed`,
+`reasoning_gym_box_nudged` and `reasoning_gym_box_own`: the generator's own `score_answer` on the
+completion's final answer.
 
 `reasoning_gym` reads the answer from reasoning-gym's own `<answer>` tags first. `reasoning_gym_boxed`
 is for a chat model asked to box its answer (configs/grpo.py:smollm2_learns): the answer is read
@@ -131,10 +132,7 @@ def reasoning_gym_box_nudged_verifier(completion: str, problem: Problem) -> floa
     right_boxed the base's right answers were almost never boxed, so the box was never paid and
     never learned (run 4); under `reasoning_gym_boxed`'s 0.2 for any box it was learned and the
     accuracy fell (run 1)."""
-    right_boxed = reasoning_gym_right_boxed_verifier(completion, problem)
-    if right_boxed > 0:
-        return right_boxed
-    return WRONG_BOXED_WEIGHT * bool(last_boxed(completion))
+    return _right_boxed_or_nudged(completion, problem, bool(last_boxed(completion)))
 
 
 def boxes_its_own_result(completion: str) -> bool:
@@ -152,7 +150,13 @@ def reasoning_gym_box_own_verifier(completion: str, problem: Problem) -> float:
     """`reasoning_gym_right_boxed`, plus WRONG_BOXED_WEIGHT for a wrong answer boxed as the
     completion's own result (`boxes_its_own_result`): the format taught without paying for a
     box around anything else (run 5's `\\boxed{7}`, the prompt's example)."""
+    return _right_boxed_or_nudged(completion, problem, boxes_its_own_result(completion))
+
+
+def _right_boxed_or_nudged(completion: str, problem: Problem, nudged: bool) -> float:
+    """`reasoning_gym_right_boxed`'s reward of a right answer; WRONG_BOXED_WEIGHT for a wrong one
+    whose box the nudge pays (`nudged`), else 0."""
     right_boxed = reasoning_gym_right_boxed_verifier(completion, problem)
     if right_boxed > 0:
         return right_boxed
-    return WRONG_BOXED_WEIGHT * boxes_its_own_result(completion)
+    return WRONG_BOXED_WEIGHT * nudged

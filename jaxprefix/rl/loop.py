@@ -276,12 +276,12 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
     resumed: dict = {}
     state = _resume(ckpt, learner.init_state(), method, totals, ledger, resumed)
     start = int(state.step)
-    segment_rows = settings.segment_rows
     # An evaluation before the first step is the run's step 0: a fresh start rewrites it.
     before = start == 0 and settings.eval.every and settings.eval.before_train
     resume_step = start if before else start + 1
-    writer = MetricsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
-    counts_writer = EvalCountsWriter(workdir, resume_step=resume_step, segment_rows=segment_rows)
+    writer = MetricsWriter(workdir, resume_step=resume_step, segment_rows=settings.segment_rows)
+    counts_writer = EvalCountsWriter(workdir, resume_step=resume_step,
+                                     segment_rows=settings.segment_rows)
     tracker = wandb_writer.start(settings.wandb, workdir)  # None unless metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
