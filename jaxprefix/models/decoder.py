@@ -1,8 +1,8 @@
 """Decoder (flax.nnx): embed -> layers (scanned, weights stacked over layers) -> norm -> unembed.
 
 One code path serves training and sampling: `_run` embeds the new tokens, then each layer
-attends over the read-only context segments plus either the new tokens themselves (no cache)
-or a KVCache the new tokens are first written into. The layer weights are stacked along a
+(decoder_layer.py) attends over the read-only context segments plus either the new tokens
+themselves (no cache) or a KVCache the new tokens are first written into. The layer weights are stacked along a
 leading 'layers' axis and the layers run under lax.scan, so a 30-layer model compiles as one.
 
 A mixture of experts (config.num_experts) may mix dense and sparse layers: the attention weights
@@ -11,6 +11,7 @@ sparse ones (`stacked_layers`), and each run of consecutive same-kind layers is 
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import backend, layers, lora, moe
+from jaxprefix.models import backend, decoder_layer, layers, lora
 from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
@@ -211,190 +212,202 @@ class Decoder(nnx.Module):
         """(final-normed h, the new KV, the routing or None for a dense model): 'experts'
         [B, T, sparse layers, k] and, with router_load, 'load' [sparse layers, 2, E]."""
         c = self.config
-        dtype = jnp.dtype(c.dtype)
-        x = self.embed[...][tokens].astype(dtype)
-        if c.embed_scale:
-            x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
-        x = constrain(x, ('batch', 'length', 'act_embed'))
-
-        angles = layers.rope_angles(positions, layers.inverse_frequencies(c.rope, c.head_dim))
-        local_rope = c.local_rope or c.rope
-        local_angles = layers.rope_angles(positions, layers.inverse_frequencies(local_rope, c.head_dim))
-        sliding = np.asarray(c.is_sliding)
-        window = None
-        if sliding.any():
-            window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
-
-        adapters = self.adapters if lora.has_adapters(self) else None
-        lora_config = adapters.config if adapters is not None else None
-        per_layer = dict(sliding=jnp.asarray(sliding), window=window,
-                         lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
+        x = self._embed(tokens)
+        angles, local_angles = _rope_angles(c, positions)
+        per_layer = self._per_layer_inputs()
         head_major = (*(s.head_major for s in context), cache is not None and cache.head_major)
         if any(head_major) and layer_weights is None:
             raise ValueError('head-major KV (KVSegment.head_major) is read layer by layer: '
                              'expected layer_weights')
-        runs = _layer_runs(c)
-        # A decode step's experts stay stacked, each layer's read in place by the expert kernel
-        # (backend.grouped_matmul): the scan's slice of a layer would be copied first.
-        whole_experts = {}
-        if (cache is not None or pages) and layer_weights is None and any(c.sparse_layers):
-            whole_experts = {n: getattr(self, n)[...] for n in _STACKED_EXPERTS}
-            if any(w.dtype != dtype for w in whole_experts.values()):
-                whole_experts = {}  # the decode's own weights are cast once, outside its loop
-
-        def run_weights(start, stop):
-            """The stacked weights of the layers start..stop (one kind), sliced to them."""
-            out = {}
-            for name in self.layer_names:
-                held = stacked_layers(c, name)
-                if start in held and name not in whole_experts:
-                    w = getattr(self, name)[...]
-                    first = held.index(start)
-                    out[name] = w if len(runs) == 1 else w[first:first + stop - start]
-            return out
-
+        decoding = cache is not None or bool(pages)
+        whole_experts = self._whole_experts(decoding and layer_weights is None)
         # Replayed experts, one entry per sparse layer along the leading axis.
         replay = None if routes is None else jnp.moveaxis(jnp.asarray(routes, jnp.int32), 2, 0)
+        shared = decoder_layer.Shared(
+            config=c, positions=positions, angles=angles, local_angles=local_angles,
+            context_pos=[s.pos for s in context], head_major=head_major, pages=pages,
+            # Over pages (a decode step, or a few appended tokens): plain attention to the new
+            # tokens themselves, plus the pages' partials.
+            attend=backend.attention_for(cached=decoding, sliding_window=c.sliding_window),
+            lora_config=self.adapters.config if lora.has_adapters(self) else None,
+            output_major=layer_weights is not None, whole_experts=whole_experts,
+            router_load=router_load)
+        layer = functools.partial(decoder_layer.layer, shared)
 
         def over_layers(step, carry):
-            """(carry, outputs stacked over all layers, the sparse layers' routings stacked over
-            them or None): scan(step, carry, per_layer) per run of same-kind layers, or a Python
-            loop over the given layer weights. step(carry, xs) -> (carry, (output, routing))."""
-            outs, routings = [], []
-            if layer_weights is None:
-                for start, stop, sparse in runs:
-                    whole = len(runs) == 1
-                    xs = per_layer if whole else jax.tree.map(lambda a: a[start:stop], per_layer)
-                    xs = {**xs, 'weights': run_weights(start, stop), 'context': [
-                        (s.k, s.v) if whole else (s.k[start:stop], s.v[start:stop])
-                        for s in context]}
-                    first = sum(c.sparse_layers[:start])
-                    if sparse and replay is not None:
-                        xs['routes'] = replay[first:first + stop - start]
-                    if sparse and whole_experts:
-                        xs['expert_layer'] = jnp.arange(first, first + stop - start)
-                    unroll = stop - start if c.num_layers <= _UNROLL_UP_TO_LAYERS else 1
-                    carry, (out, used) = jax.lax.scan(step, carry, xs, unroll=unroll)
-                    outs.append(out)
-                    routings += [used] if sparse else []
-                out = outs[0] if len(outs) == 1 else jax.tree.map(
-                    lambda *a: jnp.concatenate(a), *outs)
-            else:
-                for i, weights in enumerate(layer_weights):
-                    # A Python int index: it picks each layer's own arrays (page pool, KV).
-                    xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights,
-                          'context': [s.layer(i) for s in context], 'index': i}
-                    if c.sparse_layers[i] and replay is not None:
-                        xs['routes'] = replay[sum(c.sparse_layers[:i])]
-                    carry, (out, used) = step(carry, xs)
-                    outs.append(out)
-                    if c.sparse_layers[i]:
-                        routings.append(jax.tree.map(lambda a: a[None], used))
-                out = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-            if not routings:
-                return carry, out, None
-            routing = jax.tree.map(lambda *a: jnp.concatenate(a), *routings)
-            return carry, out, {**routing, 'experts': jnp.moveaxis(routing['experts'], 0, 2)}
-        context_pos = [s.pos for s in context]
-        # Over pages (a decode step, or a few appended tokens): plain attention to the new
-        # tokens themselves, plus the pages' partials.
-        attend_fn = backend.attention_for(cached=cache is not None or bool(pages),
-                                          sliding_window=c.sliding_window)
-
-        def layer(x, xs, kv_self):
-            """One layer; kv_self(k, v) -> the (k, v, pos) segment the new tokens add."""
-            w = {n: a.astype(dtype) for n, a in xs['weights'].items()}
-
-            def project(name, equation, x):
-                return lora.project(name, equation, x, w[name], xs['lora'], lora_config,
-                                    output_major=layer_weights is not None)
-
-            cos, sin = [jnp.where(xs['sliding'], l, g) for l, g in zip(local_angles, angles)]
-            h = layers.rms_norm(x, w['attn_norm'], c.rms_norm_eps, c.norm_plus_one)
-            q = project('q', 'btd,dhk->bthk', h)
-            k = project('k', 'btd,dhk->bthk', h)
-            v = project('v', 'btd,dhk->bthk', h)
-            if c.qkv_bias:
-                q, k, v = q + w['q_bias'], k + w['k_bias'], v + w['v_bias']
-            if c.qk_norm:
-                q = layers.rms_norm(q, w['q_norm'], c.rms_norm_eps, c.norm_plus_one)
-                k = layers.rms_norm(k, w['k_norm'], c.rms_norm_eps, c.norm_plus_one)
-            q, k = layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)
-            q = constrain(q, ('batch', 'length', 'act_heads', None))
-            segments = [(ck, cv, cp) for (ck, cv), cp in zip(xs['context'], context_pos)]
-            own, new_kv = kv_self(k, v)
-            segments.append(own)
-            extra = {'head_major': head_major} if any(head_major) else {}
-            if pages:
-                extra['partials'] = [backend.attend_pages(
-                    q, positions, p, xs['index'], scale=c.attn_scale, window=xs['window'],
-                    logit_cap=c.attn_logit_softcapping) for p in pages]
-            a = attend_fn(q, positions, segments, scale=c.attn_scale, window=xs['window'],
-                          logit_cap=c.attn_logit_softcapping, **extra)
-            a = project('o', 'bthk,hkd->btd', a)
-            if c.out_bias:
-                a = a + w['o_bias']
-            if c.sandwich_norms:
-                a = layers.rms_norm(a, w['post_attn_norm'], c.rms_norm_eps, c.norm_plus_one)
-            x = x + a
-            h = layers.rms_norm(x, w['mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            routing = None
-            if 'router' in w:  # a sparse layer (the weights of a run are of one kind)
-                m, routing = moe.sparse_mlp(h, {**w, **whole_experts}, c.num_experts_per_tok,
-                                            c.norm_topk_prob, c.activation, xs.get('routes'),
-                                            positions >= 0 if router_load else None,
-                                            layer=xs.get('expert_layer'))
-            else:
-                m = layers.gated_mlp(h, project, c.activation)
-            if c.sandwich_norms:
-                m = layers.rms_norm(m, w['post_mlp_norm'], c.rms_norm_eps, c.norm_plus_one)
-            x = constrain(x + m, ('batch', 'length', 'act_embed'))
-            return x, new_kv, routing
+            return self._over_layers(step, carry, per_layer, context, layer_weights, replay,
+                                     whole_experts)
 
         if cache is None:
-            def step(x, xs):
-                x, kv, routing = layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
-                return x, (kv, routing)
-            step = jax.checkpoint(step) if c.remat else step
-            per_layer['index'] = jnp.arange(c.num_layers)
-            x, (ks, vs), routing = over_layers(step, x)
+            x, (ks, vs), routing = over_layers(_segment_step(layer, positions), x)
             kv = KVSegment(k=ks, v=vs, pos=positions)
         else:
-            t = tokens.shape[1]
             cache_pos = jax.lax.dynamic_update_slice(cache.pos, positions, (0, cache.index))
-
-            # New k, v [B, T, Hkv, Dh] laid out as the cache is (KVSegment.head_major).
-            k_axes, v_axes = (0, 1, 2, 3), (0, 1, 2, 3)
-            if cache.head_major:
-                k_axes, v_axes = (0, 2, 3, 1), (0, 2, 1, 3)
-
-            def put(kv, i, new, axes):  # every row's new tokens at column index
-                new = new.transpose(axes)
-                start = [0, 0, 0, 0]
-                start[axes.index(1)] = cache.index
-                if cache.head_major:  # a tuple of layers
-                    update = jax.lax.dynamic_update_slice(kv[i], new.astype(kv[i].dtype), start)
-                    return kv[:i] + (update,) + kv[i + 1:]
-                return jax.lax.dynamic_update_slice(kv, new[None].astype(kv.dtype), (i, *start))
-
-            def step(carry, xs):
-                x, cache_k, cache_v = carry
-                i = xs['index']
-
-                def write(k, v):
-                    nonlocal cache_k, cache_v
-                    cache_k, cache_v = put(cache_k, i, k, k_axes), put(cache_v, i, v, v_axes)
-                    return (cache_k[i], cache_v[i], cache_pos), None
-
-                x, _, routing = layer(x, xs, write)
-                return (x, cache_k, cache_v), (None, routing)
-
-            step = jax.checkpoint(step) if c.remat else step
-            per_layer['index'] = jnp.arange(c.num_layers)
-            (x, ks, vs), _, routing = over_layers(step, (x, cache.k, cache.v))
-            kv = cache.replace(k=ks, v=vs, pos=cache_pos, index=cache.index + t)
+            (x, ks, vs), _, routing = over_layers(_cache_step(layer, cache, cache_pos),
+                                                  (x, cache.k, cache.v))
+            kv = cache.replace(k=ks, v=vs, pos=cache_pos, index=cache.index + tokens.shape[1])
         h = layers.rms_norm(x, self.final_norm[...], c.rms_norm_eps, c.norm_plus_one)
         return h, kv, routing
+
+    def _embed(self, tokens) -> jax.Array:
+        """The tokens' embeddings [B, T, D] in the compute dtype (times sqrt(D): Gemma)."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        x = self.embed[...][tokens].astype(dtype)
+        if c.embed_scale:
+            x = x * jnp.asarray(c.hidden_size ** 0.5, dtype)
+        return constrain(x, ('batch', 'length', 'act_embed'))
+
+    def _per_layer_inputs(self) -> dict:
+        """Each layer's own inputs, stacked over the layers: whether it slides, its window
+        (None where no layer slides), its adapters' factors and dropout key."""
+        c = self.config
+        sliding = np.asarray(c.is_sliding)
+        window = None
+        if sliding.any():
+            window = jnp.asarray(np.where(sliding, c.sliding_window, _NO_WINDOW), jnp.int32)
+        adapters = self.adapters if lora.has_adapters(self) else None
+        return dict(sliding=jnp.asarray(sliding), window=window,
+                    lora=adapters.scan_inputs(c.num_layers) if adapters is not None else {})
+
+    def _whole_experts(self, scanned_decode: bool) -> dict:
+        """The experts' weights stacked over the sparse layers, for a scanned decode step of a
+        MoE ({} otherwise): the layers read them whole."""
+        c = self.config
+        if not (scanned_decode and any(c.sparse_layers)):
+            return {}
+        # A decode step's experts stay stacked, each layer's read in place by the expert kernel
+        # (backend.grouped_matmul): the scan's slice of a layer would be copied first.
+        whole = {n: getattr(self, n)[...] for n in _STACKED_EXPERTS}
+        if any(w.dtype != jnp.dtype(c.dtype) for w in whole.values()):
+            return {}  # the decode's own weights are cast once, outside its loop
+        return whole
+
+    def _over_layers(self, step, carry, per_layer: dict, context: tuple[KVSegment, ...],
+                     layer_weights: Sequence[dict] | None, replay, whole_experts: dict):
+        """(carry, outputs stacked over all layers, the sparse layers' routings stacked over
+        them or None): step(carry, xs) -> (carry, (output, routing)) on each layer in turn,
+        xs its slice of per_layer plus its index, weights, context KV and replayed routes;
+        rematerialised in the backward pass with config.remat."""
+        c = self.config
+        step = jax.checkpoint(step) if c.remat else step
+        per_layer = {**per_layer, 'index': jnp.arange(c.num_layers)}
+        if layer_weights is None:
+            carry, out, routings = self._scan_layers(step, carry, per_layer, context, replay,
+                                                     whole_experts)
+        else:
+            carry, out, routings = self._loop_layers(step, carry, per_layer, context,
+                                                     layer_weights, replay)
+        if not routings:
+            return carry, out, None
+        routing = jax.tree.map(lambda *a: jnp.concatenate(a), *routings)
+        return carry, out, {**routing, 'experts': jnp.moveaxis(routing['experts'], 0, 2)}
+
+    def _scan_layers(self, step, carry, per_layer, context, replay, whole_experts):
+        """(carry, outputs, routings of the sparse runs): lax.scan(step) over the stacked
+        weights, one scan per run of same-kind layers."""
+        c = self.config
+        runs = _layer_runs(c)
+        outs, routings = [], []
+        for start, stop, sparse in runs:
+            whole = len(runs) == 1
+            xs = per_layer if whole else jax.tree.map(lambda a: a[start:stop], per_layer)
+            xs = {**xs, 'weights': self._run_weights(start, stop, whole, whole_experts),
+                  'context': [(s.k, s.v) if whole else (s.k[start:stop], s.v[start:stop])
+                              for s in context]}
+            first = sum(c.sparse_layers[:start])
+            if sparse and replay is not None:
+                xs['routes'] = replay[first:first + stop - start]
+            if sparse and whole_experts:
+                xs['expert_layer'] = jnp.arange(first, first + stop - start)
+            unroll = stop - start if c.num_layers <= _UNROLL_UP_TO_LAYERS else 1
+            carry, (out, used) = jax.lax.scan(step, carry, xs, unroll=unroll)
+            outs.append(out)
+            routings += [used] if sparse else []
+        out = outs[0] if len(outs) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+        return carry, out, routings
+
+    def _run_weights(self, start: int, stop: int, whole: bool, whole_experts: dict) -> dict:
+        """The stacked weights of the layers start..stop (one kind), sliced to them unless the
+        run is every layer; the experts in whole_experts left out."""
+        out = {}
+        for name in self.layer_names:
+            held = stacked_layers(self.config, name)
+            if start in held and name not in whole_experts:
+                w = getattr(self, name)[...]
+                first = held.index(start)
+                out[name] = w if whole else w[first:first + stop - start]
+        return out
+
+    def _loop_layers(self, step, carry, per_layer, context, layer_weights, replay):
+        """(carry, outputs, routings of the sparse layers): step in a Python loop over the
+        layers' own weights."""
+        c = self.config
+        outs, routings = [], []
+        for i, weights in enumerate(layer_weights):
+            # A Python int index: it picks each layer's own arrays (page pool, KV).
+            xs = {**jax.tree.map(lambda a: a[i], per_layer), 'weights': weights,
+                  'context': [s.layer(i) for s in context], 'index': i}
+            if c.sparse_layers[i] and replay is not None:
+                xs['routes'] = replay[sum(c.sparse_layers[:i])]
+            carry, (out, used) = step(carry, xs)
+            outs.append(out)
+            if c.sparse_layers[i]:
+                routings.append(jax.tree.map(lambda a: a[None], used))
+        return carry, jax.tree.map(lambda *a: jnp.stack(a), *outs), routings
+
+
+def _rope_angles(c: ModelConfig, positions: jax.Array) -> tuple[tuple, tuple]:
+    """The rotary (cos, sin) of the positions in a full-attention layer and in a sliding-window
+    layer (Gemma 3's local rope)."""
+    angles = layers.rope_angles(positions, layers.inverse_frequencies(c.rope, c.head_dim))
+    local_rope = c.local_rope or c.rope
+    local_angles = layers.rope_angles(positions, layers.inverse_frequencies(local_rope, c.head_dim))
+    return angles, local_angles
+
+
+def _segment_step(layer, positions: jax.Array):
+    """The layer step without a cache: the new tokens attend to each other and each layer's
+    (k, v) is an output, stacked over the layers into the KVSegment `extend` returns."""
+    def step(x, xs):
+        x, kv, routing = layer(x, xs, lambda k, v: ((k, v, positions), (k, v)))
+        return x, (kv, routing)
+    return step
+
+
+def _cache_step(layer, cache: KVCache, cache_pos: jax.Array):
+    """The layer step with a cache, carried as (x, cache.k, cache.v): each layer writes its new
+    tokens' k, v into the cache at column cache.index, then they attend to the cache."""
+    # New k, v [B, T, Hkv, Dh] laid out as the cache is (KVSegment.head_major).
+    k_axes, v_axes = (0, 1, 2, 3), (0, 1, 2, 3)
+    if cache.head_major:
+        k_axes, v_axes = (0, 2, 3, 1), (0, 2, 1, 3)
+
+    def step(carry, xs):
+        x, cache_k, cache_v = carry
+        i = xs['index']
+
+        def write(k, v):
+            nonlocal cache_k, cache_v
+            cache_k = _put_new_tokens(cache, cache_k, i, k, k_axes)
+            cache_v = _put_new_tokens(cache, cache_v, i, v, v_axes)
+            return (cache_k[i], cache_v[i], cache_pos), None
+
+        x, _, routing = layer(x, xs, write)
+        return (x, cache_k, cache_v), (None, routing)
+    return step
+
+
+def _put_new_tokens(cache: KVCache, kv, i, new: jax.Array, axes: tuple[int, ...]):
+    """kv (the cache's k or v as carried) with every row's new tokens of layer i at column
+    cache.index; `axes` lays new out as the cache is."""
+    new = new.transpose(axes)
+    start = [0, 0, 0, 0]
+    start[axes.index(1)] = cache.index
+    if cache.head_major:  # a tuple of layers
+        update = jax.lax.dynamic_update_slice(kv[i], new.astype(kv[i].dtype), start)
+        return kv[:i] + (update,) + kv[i + 1:]
+    return jax.lax.dynamic_update_slice(kv, new[None].astype(kv.dtype), (i, *start))
 
 
 # A scan over layers compiles once however deep the model; on a few layers its loop costs more
