@@ -129,6 +129,17 @@ FIELDS = {
                                 "path)"),
         },
     },
+    # An external environment the rl job's rollouts run in (docs/TOOLS.md, "Environments of
+    # other frameworks"): each round serves the current policy on 127.0.0.1 (serving/live.py)
+    # and the environment runs n episodes of each problem against it over the OpenAI API.
+    "environment": {
+        "source": F("", "'FILE.py:NAME': NAME(tokenizer) returns the environment (an object with "
+                        "async run_episode(client, model, problem, sampling_args)); '': the "
+                        "run's own sampler and verifier"),
+        "max_concurrent": F(0, "episodes in flight at once (0: every episode of a round)"),
+        "max_batch_rows": F(64, "sample rows one sampler call of the live server takes at most"),
+        "timeout_s": F(600.0, "seconds one request to the live server may take"),
+    },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     "train": {
         "problems_per_step": F(32, "problems (contexts) sampled per RL step"),

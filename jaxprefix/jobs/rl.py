@@ -85,7 +85,7 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
                         stop_ids=policy.stop_ids, mesh=mesh, sampler_mesh=sampler_mesh,
                         ledger=ledger,
                         probe=key_step_probe_of(config, policy, sets),
-                        tools=settings.tools)
+                        tools=settings.tools, environment=settings.environment)
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:

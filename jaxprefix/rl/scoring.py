@@ -66,15 +66,23 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 
 def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardSettings, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
-                     record_routes: bool = False, episodes=None) -> Scored:
+                     record_routes: bool = False, episodes=None, external=None) -> Scored:
     """Samples the request (one turn a row; with `episodes`, an episode rollout of
     ToolSettings.rollout, multi-turn episodes scored on their final answers, a row each) and
-    scores it; with `record_routes`, each row's tokens carry a MoE's experts (Rollouts.routes)."""
+    scores it; with `record_routes`, each row's tokens carry a MoE's experts (Rollouts.routes).
+    With `external` (EnvironmentSettings.episode_source), an external environment runs n
+    episodes of each of the request's problems against the policy served live: each a row, the
+    environment's reward its score (no verifier; the request's contexts are not sampled)."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     keywords = rollout.sampler_keywords()
-    found = None
-    if episodes is None:
+    found, env_rewards = None, None
+    if external is not None:
+        found, env_rewards = external(model, request.problems, n=request.n, stop_ids=stop_ids,
+                                      seed=seed, record_routes=record_routes, **keywords)
+        rollouts = multi_turn.as_rollouts(found, request.n)
+        prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
+    elif episodes is None:
         rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
                                      seed=seed, record_routes=record_routes, **keywords)
         texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
@@ -88,6 +96,9 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardS
         prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
+    if env_rewards is not None:  # the environment's own, timed with its episodes
+        return Scored(request, rollouts, env_rewards, 0, sampled - start, 0.0, 0, prefilled,
+                      generated, found)
     problems = [request.problems[g] for g in rollouts.group_ids]
     scores, stats = rewards.score_batch(scoring.verifier, texts, problems,
                                         timeout_s=scoring.timeout_s, workers=scoring.workers,
@@ -139,17 +150,18 @@ def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
 
 def evaluate(model, tokenizer, method, settings: LoopSettings, *, rollout: sampling.RolloutSpec,
              step: int,
-             stop_ids, episodes=None) -> tuple[dict, dict]:
+             stop_ids, episodes=None, external=None) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
     (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
-    `episodes`, of episodes with the run's tools."""
+    `episodes`, of episodes with the run's tools; with `external`, of an external environment's
+    episodes, its reward > 0.5 counted as a solve."""
     from jaxprefix import evaluation
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
         scored = sample_and_score(model, tokenizer, request, settings.rewards, rollout=rollout,
                                   stop_ids=stop_ids, seed=round_seed(settings.seed + 1, step, 0),
-                                  episodes=episodes)
+                                  episodes=episodes, external=external)
         summary = evaluation.summarize(scored.rewards, settings.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out.update(_reward_shares(name, scored.rewards))
@@ -158,7 +170,8 @@ def evaluate(model, tokenizer, method, settings: LoopSettings, *, rollout: sampl
             greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1),
                                       settings.rewards,
                                       rollout=dataclasses.replace(rollout, temperature=0.0),
-                                      stop_ids=stop_ids, seed=0, episodes=episodes)
+                                      stop_ids=stop_ids, seed=0, episodes=episodes,
+                                      external=external)
             out[f"{name}_greedy/accuracy"] = float((greedy.rewards > 0.5).mean())
             out.update(_reward_shares(f"{name}_greedy", greedy.rewards))
             counts[f"{name}_greedy"] = (1, [int(c) for c in (greedy.rewards > 0.5).sum(axis=1)])

@@ -1,0 +1,86 @@
+"""EnvironmentSettings: the config's `environment` block (an external environment the RL loop's
+rollouts run in, docs/TOOLS.md) parsed and checked once.
+
+`source` '' (the default) leaves the run's own sampler and verifier; 'FILE.py:NAME' names a
+function NAME(tokenizer) in that file that returns the environment (external.ExternalEnvironment;
+the policy's tokenizer, for an environment that writes token-id prompts). With
+one set, every round of the loop serves the current policy on 127.0.0.1 (live.py), runs n
+episodes of each of the method's problems against it (external.run_episodes), and trains on
+their turns' tokens and the environment's rewards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+
+from jaxprefix.errors import need
+from jaxprefix.rewards import from_file
+from jaxprefix.serving.external import run_episodes, sampling_args
+from jaxprefix.serving.live import LiveServer
+
+FIELD = "config.environment.source"
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentSettings:
+    source: str = ""
+    max_concurrent: int = 0
+    max_batch_rows: int = 64
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        def check(ok, field, expected):
+            need(ok, f"config.environment.{field}", getattr(self, field), expected)
+        check(self.max_concurrent >= 0, "max_concurrent", ">= 0 (0: every episode of a round)")
+        check(self.max_batch_rows >= 1, "max_batch_rows", ">= 1")
+        check(self.timeout_s > 0, "timeout_s", "> 0 seconds")
+        if self.source:
+            from_file.load(self.source, FIELD)  # a missing file or function: one line
+
+    @property
+    def active(self) -> bool:
+        return bool(self.source)
+
+    @classmethod
+    def from_config(cls, config) -> EnvironmentSettings:
+        e = config.environment
+        return cls(e.source, e.max_concurrent, e.max_batch_rows, e.timeout_s)
+
+    def environment(self, tokenizer):
+        """The environment `source` names (NAME(tokenizer) of FILE.py), checked to have an
+        async run_episode."""
+        loaded = from_file.load(self.source, FIELD)
+        made = getattr(from_file._module(loaded.path), loaded.function)(tokenizer)
+        if not inspect.iscoroutinefunction(getattr(made, "run_episode", None)):
+            raise ValueError(f"{FIELD}={self.source!r}: returned {type(made).__name__}, expected "
+                             f"an object with `async def run_episode(client, model, problem, "
+                             f"sampling_args)` (jaxprefix.serving.external)")
+        return made
+
+    def episode_source(self, tokenizer, context_length: int):
+        """`fn(model, problems, n=, stop_ids=, seed=, **sampler keywords) -> (Episodes, rewards
+        [len(problems), n])`: the round's episodes against `model` served live."""
+        return functools.partial(rollout, self.environment(tokenizer), tokenizer=tokenizer,
+                                 context_length=context_length, settings=self)
+
+
+def rollout(environment, model, problems, *, tokenizer, context_length: int,
+            settings: EnvironmentSettings, n: int, stop_ids, seed: int,
+            record_routes: bool = False, **keywords):
+    """n episodes of each problem by `environment` against `model`, served live for the round
+    with the run's sampler keywords (RolloutSpec.sampler_keywords())."""
+    if record_routes:
+        raise ValueError(f"{FIELD}={settings.source!r}: routing replay (a mixture of experts, "
+                         f"train.routing_replay) needs each token's experts, which the served "
+                         f"rollouts do not record; expected a dense model or "
+                         f"train.routing_replay='off'")
+    args = sampling_args(max_tokens=keywords.pop("max_new_tokens"),
+                         temperature=keywords.pop("temperature"), top_p=keywords.pop("top_p"),
+                         top_k=keywords.pop("top_k"))
+    with LiveServer(model, tokenizer, stop_ids=stop_ids, sampler_keywords=keywords,
+                    max_tokens=args["max_tokens"], context_length=context_length,
+                    max_batch_rows=settings.max_batch_rows, seed=seed) as server:
+        return run_episodes(environment, server, problems, n, args,
+                            max_concurrent=settings.max_concurrent,
+                            timeout_s=settings.timeout_s)

@@ -1,0 +1,155 @@
+"""External environments: episodes an environment of its own runs against the live policy over
+the OpenAI-compatible API, turned into the rows the RL loop trains on (docs/TOOLS.md,
+"Environments of other frameworks").
+
+An environment is any object with
+
+    async def run_episode(client, model: str, problem, sampling_args: dict) -> EpisodeResult
+
+`client` an `openai.AsyncOpenAI` on the live server (live.py), `model` the name to ask for,
+`problem` the run's data.Problem, `sampling_args` the run's sampling (rollout.temperature, top_p,
+top_k, max_new_tokens) with the token-id fields this needs (`logprobs`, vLLM's
+`return_token_ids`), to pass to every request as `**sampling_args` (chat's form; for
+/v1/completions pass `logprobs=0` instead of True). It returns the responses of the policy's
+turns, in order, and its scalar reward. The environment owns its prompts, its turns and its
+reward; the run's method only picks which problems, n episodes of each (GRPO's groups).
+
+`episode_of` lays an episode's turns out as one token sequence (tools.episodes.Episode): the
+first turn's prompt, then each turn's sampled tokens (loss mask 1, the server's log-probs) and
+what the next turn's prompt appends after them (mask 0). A later turn's prompt must therefore
+begin with everything before it, token for token: a chat environment whose template re-renders
+an earlier turn's text into other tokens is refused in one line (one row per turn is not built).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+
+from jaxprefix.tools.episodes import ANSWER, TRUNCATED, Episode
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    """One policy turn as the server sampled it."""
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]   # the stop token included where the turn ended on one
+    logprobs: tuple[float, ...]       # the sampler's, one per completion token
+    finish_reason: str                # 'stop' or 'length'
+
+
+@dataclasses.dataclass
+class EpisodeResult:
+    """What an environment's episode returns: its policy turns (openai responses of the live
+    server, their dicts, or Turns) and its reward."""
+    turns: Sequence[Any]
+    reward: float
+
+
+class ExternalEnvironment(Protocol):
+    async def run_episode(self, client, model: str, problem,
+                          sampling_args: dict) -> EpisodeResult: ...
+
+
+def sampling_args(*, max_tokens: int, temperature: float, top_p: float, top_k: int) -> dict:
+    """The keywords every request of an episode passes (chat's form: logprobs=True)."""
+    return {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+            "logprobs": True, "extra_body": {"return_token_ids": True, "top_k": top_k}}
+
+
+def turn_of(response) -> Turn:
+    """The Turn of a chat or completions response of one choice (an openai object or its dict),
+    asked with return_token_ids and logprobs."""
+    if isinstance(response, Turn):
+        return response
+    body = response if isinstance(response, dict) else response.model_dump()
+    choices = body.get("choices") or []
+    if len(choices) != 1:
+        raise ValueError(f"an episode's turn has {len(choices)} choices; expected n=1")
+    (choice,) = choices
+    prompt = body.get("prompt_token_ids") or choice.get("prompt_token_ids")
+    completion = choice.get("token_ids")
+    if prompt is None or completion is None:
+        raise ValueError("an episode's turn came back without token ids; expected each request "
+                         "to pass the environment's sampling_args (extra_body "
+                         "return_token_ids=True)")
+    logprobs = choice.get("logprobs") or {}
+    if "content" in logprobs:  # chat
+        values = [entry["logprob"] for entry in logprobs["content"] or ()]
+    else:                      # completions
+        values = logprobs.get("token_logprobs")
+    if values is None or len(values) != len(completion):
+        raise ValueError("an episode's turn came back without a log-prob per token; expected "
+                         "each request to pass the environment's sampling_args (logprobs)")
+    return Turn(tuple(map(int, prompt)), tuple(map(int, completion)), tuple(map(float, values)),
+                choice.get("finish_reason") or "length")
+
+
+def episode_of(turns: Sequence[Turn], group: int) -> Episode:
+    """The episode's turns as one token sequence (module docstring); refuses a turn whose prompt
+    does not begin with the sequence so far."""
+    if not turns:
+        raise ValueError("an episode returned no policy turn; expected at least one")
+    first = list(turns[0].prompt_ids)
+    tokens, sampled, logprobs = list(first), [0] * len(first), [0.0] * len(first)
+    starts, reprefilled = [], 0
+    for k, turn in enumerate(turns):
+        prompt = list(turn.prompt_ids)
+        if prompt[:len(tokens)] != tokens:
+            at = next((i for i, (a, b) in enumerate(zip(prompt, tokens)) if a != b),
+                      min(len(prompt), len(tokens)))
+            raise ValueError(f"turn {k + 1} of an episode: its prompt does not begin with the "
+                             f"episode so far (they differ at token {at} of {len(tokens)}); "
+                             f"expected each turn to extend the last one token for token (a "
+                             f"chat template that re-renders an earlier turn into other tokens, "
+                             f"or a history cut short, cannot be one training row)")
+        appended = prompt[len(tokens):]
+        reprefilled += len(tokens) if k else 0  # the server prefills each turn's prompt whole
+        tokens += appended
+        sampled += [0] * len(appended)
+        logprobs += [0.0] * len(appended)
+        starts.append(len(tokens))
+        tokens += turn.completion_ids
+        sampled += [1] * len(turn.completion_ids)
+        logprobs += turn.logprobs
+    return Episode(np.array(tokens, np.int32), np.array(sampled, np.int32),
+                   np.array(logprobs, np.float32), len(first), tuple(starts), 0, 0,
+                   ANSWER if turns[-1].finish_reason == "stop" else TRUNCATED, group,
+                   reprefilled)
+
+
+def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n: int,
+                 args: dict, *, max_concurrent: int = 0, timeout_s: float = 600.0
+                 ) -> tuple[list[Episode], np.ndarray]:
+    """n episodes of each problem against `server` (a started LiveServer): (episode i*n + j of
+    problems[i], in order; their rewards [len(problems), n])."""
+    import openai
+
+    async def run_all():
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0,
+                                    timeout=timeout_s)
+        slots = asyncio.Semaphore(max_concurrent or len(problems) * n)
+
+        async def one(problem):
+            async with slots:
+                return await environment.run_episode(client, server.model_name, problem,
+                                                     dict(args))
+        try:
+            return await asyncio.gather(*(one(p) for p in problems for _ in range(n)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    episodes, rewards = [], []
+    for e, result in enumerate(results):
+        if not isinstance(result, EpisodeResult):
+            raise TypeError(f"run_episode returned {type(result).__name__}; expected a "
+                            f"jaxprefix.serving.external.EpisodeResult")
+        reward = float(result.reward)
+        if not np.isfinite(reward):
+            raise ValueError(f"episode {e}: reward {result.reward!r}; expected a finite number")
+        episodes.append(episode_of([turn_of(t) for t in result.turns], group=e // n))
+        rewards.append(reward)
+    return episodes, np.array(rewards, np.float32).reshape(len(problems), n)

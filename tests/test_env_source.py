@@ -1,0 +1,232 @@
+"""An external environment drives training: each round serves the policy live on 127.0.0.1
+(serving/live.py), an environment of this file runs its episodes against it through the openai
+client, and the loop trains on what came back (serving/external.py, env_settings.py).
+
+The environment (ENVIRONMENT, written to a file as a user's would be) is a two-turn arithmetic
+episode: a chat turn asks "What is a+b?", then a token-in /v1/completions turn continues that
+conversation's exact ids with a user turn asking to confirm; the reward is 1 for the right sum in
+the last answer plus a bonus for a short one, in characters (so that a random policy's rewards
+vary within a group). The
+policy is a tiny random llama over SmolLM2's vocabulary and chat template.
+"""
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxprefix import models, run_config, tokenizers
+from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+from jaxprefix.data.problem import Problem
+from jaxprefix.methods.grpo import GrpoMethod
+from jaxprefix.methods.prompting import ChatPrompts
+from jaxprefix.rewards import from_file
+from jaxprefix.rl import loop, objectives, scoring
+from jaxprefix.rl.metrics import read_metrics
+from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
+from jaxprefix.run_setup.run_settings import resolve
+from jaxprefix.sampling import RolloutSpec
+from jaxprefix.serving.env_settings import EnvironmentSettings
+from jaxprefix.serving.external import Turn, episode_of, turn_of
+from jaxprefix.tools.episodes import ANSWER, TRUNCATED
+
+MAX_NEW = 8
+ENVIRONMENT = '''
+from jaxprefix.serving.external import EpisodeResult
+
+EPISODES = []  # (problem, its two responses, reward), in the order the episodes started
+FOLLOW_UP = "\\n<|im_start|>user\\nSure? Answer with the number.<|im_end|>\\n<|im_start|>assistant\\n"
+
+
+class TwoTurnSum:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    async def run_episode(self, client, model, problem, sampling_args):
+        index = len(EPISODES)
+        EPISODES.append(None)
+        first = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": f"What is {problem.question}?"}],
+            **sampling_args)
+        # The conversation's exact ids, the turn closed (a turn cut at max_tokens has no
+        # <|im_end|> of its own), then the next user turn.
+        close = "" if first.choices[0].finish_reason == "stop" else "<|im_end|>"
+        prompt = (first.prompt_token_ids + first.choices[0].token_ids
+                  + self.tokenizer.encode(close + FOLLOW_UP, add_special_tokens=False))
+        second = await client.completions.create(model=model, prompt=prompt,
+                                                 **dict(sampling_args, logprobs=0))
+        answer = second.choices[0].text
+        brevity = 1 - min(len(answer), 200) / 200  # in characters
+        reward = float(problem.answer in answer) + 0.5 * brevity
+        EPISODES[index] = (problem, first, second, reward)
+        return EpisodeResult([first, second], reward)
+
+
+def make(tokenizer):
+    return TwoTurnSum(tokenizer)
+'''
+PROBLEMS = [Problem(id=f"p{i}", question=f"{a}+{b}", answer=str(a + b))
+            for i, (a, b) in enumerate([(2, 3), (4, 6), (12, 9)])]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizers.load(bundled_smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A tiny random llama over SmolLM2's vocabulary (tests/tiny_checkpoints.save_llama_over's)."""
+    config = models.ModelConfig(
+        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id,
+        max_position_embeddings=256)
+    return models.Decoder(config, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture
+def source(tmp_path):
+    (tmp_path / "env.py").write_text(ENVIRONMENT)
+    return f"{tmp_path}/env.py:make"
+
+
+def _recorded(source):
+    """The environment file's EPISODES, emptied for the next run."""
+    module = from_file._module(from_file.load(source, "test").path)
+    return module.EPISODES
+
+
+def _config(source, **train):
+    c = run_config.base_config()
+    c.rollout.update(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
+    c.environment.source = source
+    c.train.update(problems_per_step=3, total_steps=1, learning_rate=1e-3, micro_batch_size=0,
+                   **train)
+    c.eval.every = 0
+    c.checkpoint.every = 1
+    return c
+
+
+def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_reach_the_advantage(
+        model, tokenizer, source):
+    config = _config(source)
+    external = EnvironmentSettings.from_config(config).episode_source(tokenizer, 256)
+    request = scoring.RolloutRequest(
+        contexts=[ChatPrompts(tokenizer).question(p) for p in PROBLEMS], problems=PROBLEMS,
+        tags={}, n=2)
+    scored = scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=3,
+                                      rollout=RolloutSpec.from_config(config.rollout),
+                                      stop_ids=[tokenizer.eos_id], external=external)
+    seen = _recorded(source)
+    assert len(seen) == 6 and all(s is not None for s in seen)
+    # The rewards are the environment's, grouped n per problem in the episodes' order.
+    assert [s[0].id for s in seen] == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    np.testing.assert_array_equal(scored.rewards,
+                                  np.float32([s[3] for s in seen]).reshape(3, 2))
+    assert scored.rewards.std() > 0  # the brevity bonus varies
+    _, batch = loop._batch([scored], loop_settings(config))
+    advantages = np.asarray(objectives.group_advantages(scored.rewards, "grpo")).reshape(-1)
+    np.testing.assert_allclose(batch["advantages"], advantages, rtol=1e-6)
+    assert np.abs(batch["advantages"]).max() > 0
+    for row, (_, first, second, _) in enumerate(seen):
+        prompt1, sampled1 = first.prompt_token_ids, first.choices[0].token_ids
+        prompt2, sampled2 = second.choices[0].prompt_token_ids, second.choices[0].token_ids
+        # The second turn's prompt continues the first turn's ids (the environment wrote it so).
+        assert prompt2[:len(prompt1)] == prompt1
+        expected = prompt2 + sampled2
+        length = len(expected)
+        assert batch["token_mask"][row].sum() == length
+        np.testing.assert_array_equal(batch["tokens"][row, :length], expected)
+        # Loss only on the two policy turns' tokens, as the server returned them.
+        mask = np.zeros(length, np.float32)
+        start1 = len(prompt1)
+        assert prompt2[start1:start1 + len(sampled1)] == sampled1
+        mask[start1:start1 + len(sampled1)] = 1
+        mask[len(prompt2):] = 1
+        np.testing.assert_array_equal(batch["completion_mask"][row, :length], mask)
+        assert batch["completion_mask"][row, length:].sum() == 0
+        logprobs = np.zeros(length, np.float32)
+        logprobs[start1:start1 + len(sampled1)] = [
+            c.logprob for c in first.choices[0].logprobs.content]
+        logprobs[len(prompt2):] = second.choices[0].logprobs.token_logprobs
+        np.testing.assert_allclose(batch["old_logprobs"][row, :length], logprobs, rtol=1e-6)
+    # ... and they are the policy's own: the learner's teacher-forced log-probs of the rows
+    # (temperature 1) agree on every policy token, so the first ratio is 1.
+    forced, _ = models.token_logprobs(model, batch["tokens"], batch["token_mask"])
+    policy = batch["completion_mask"] > 0
+    np.testing.assert_allclose(np.asarray(forced)[policy], batch["old_logprobs"][policy],
+                               atol=2e-3)
+    seen.clear()
+
+
+def test_a_grpo_step_of_the_loop_trains_on_the_environment(model, tokenizer, source, tmp_path):
+    """loop.train, one GRPO step: the method's problems run as the environment's episodes
+    against the live server, its rewards in the metrics, the update made (the policy moved)."""
+    config = _config(source)
+    settings = resolve(config)
+    assert settings.environment.source == source
+    method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
+    before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    result = loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
+                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
+                        learner_config=validate(config, contexts_per_step=3),
+                        rollout=settings.rollout, contexts_per_step=3,
+                        tools=settings.tools, environment=settings.environment, progress=False)
+    assert result["step"] == 1
+    seen = _recorded(source)
+    assert sorted(s[0].id for s in seen) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    (record,) = read_metrics(str(tmp_path / "run"))
+    np.testing.assert_allclose(record["reward/mean"], np.mean([s[3] for s in seen]), rtol=1e-5)
+    assert record["rollout/turns_mean"] == 2.0
+    assert record["tokens/generated"] == sum(len(r.choices[0].token_ids)
+                                             for s in seen for r in s[1:3])
+    assert np.isfinite(record["loss"])
+    trained = nnx.state(result["learner"].sampling_model(result["state"], None), nnx.Param)
+    moved = [k for k, v in nnx.to_flat_state(trained)
+             if not np.allclose(np.asarray(v), before[k])]
+    assert moved, "one update on nonzero advantages changed no weight"
+    seen.clear()
+
+
+def test_a_turn_that_does_not_extend_the_episode_is_refused():
+    first = Turn((1, 2, 3), (4, 5), (-0.5, -0.25), "stop")
+    ok = Turn((1, 2, 3, 4, 5, 6), (7,), (-1.0,), "length")
+    episode = episode_of([first, ok], group=1)
+    np.testing.assert_array_equal(episode.tokens, [1, 2, 3, 4, 5, 6, 7])
+    np.testing.assert_array_equal(episode.sampled, [0, 0, 0, 1, 1, 0, 1])
+    np.testing.assert_allclose(episode.logprobs, [0, 0, 0, -0.5, -0.25, 0, -1.0])
+    assert (episode.turn_starts, episode.ended, episode.group) == ((3, 6), TRUNCATED, 1)
+    assert episode.reprefilled == 5  # the server prefilled the first turn again
+    assert episode_of([first], group=0).ended == ANSWER
+    retokenized = Turn((1, 2, 3, 9, 5, 6), (7,), (-1.0,), "stop")
+    with pytest.raises(ValueError, match="turn 2 of an episode: its prompt does not begin with "
+                                         "the episode so far .they differ at token 3 of 5"):
+        episode_of([first, retokenized], group=0)
+
+
+def test_a_turn_without_token_ids_or_logprobs_is_refused():
+    response = {"choices": [{"token_ids": [4, 5], "finish_reason": "stop",
+                             "logprobs": {"content": [{"logprob": -0.5}, {"logprob": -0.25}]}}],
+                "prompt_token_ids": [1, 2, 3]}
+    assert turn_of(response) == Turn((1, 2, 3), (4, 5), (-0.5, -0.25), "stop")
+    with pytest.raises(ValueError, match="without token ids"):
+        turn_of({**response, "prompt_token_ids": None})
+    del response["choices"][0]["logprobs"]
+    with pytest.raises(ValueError, match="without a log-prob per token"):
+        turn_of(response)
+
+
+def test_settings_refuse_what_an_environment_cannot_run(source, tmp_path):
+    with pytest.raises(ValueError, match="expected method=grpo"):
+        c = _config(source)
+        c.method = "pope"
+        resolve(c)
+    with pytest.raises(ValueError, match="expected rollout.max_turns=1"):
+        c = _config(source)
+        c.rollout.max_turns = 2
+        c.tools.names = ("calculator",)
+        resolve(c)
+    with pytest.raises(ValueError, match="has no function 'missing'"):
+        EnvironmentSettings(source=source.replace(":make", ":missing"))
+    (tmp_path / "wrong.py").write_text("def make(tokenizer):\n    return object()\n")
+    with pytest.raises(ValueError, match="expected an object with `async def run_episode"):
+        EnvironmentSettings(source=f"{tmp_path}/wrong.py:make").environment(None)
