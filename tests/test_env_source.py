@@ -1,14 +1,15 @@
 """An external environment drives training: each round serves the policy live on 127.0.0.1
-(serving/live.py), an environment of this file runs its episodes against it through the openai
-client, and the loop trains on what came back (serving/external.py, env_settings.py).
+(serving/live.py), an environment runs its episodes against it through the openai client, and
+the loop trains on what came back (serving/external.py, env_settings.py).
 
-The environment (ENVIRONMENT, written to a file as a user's would be) is a two-turn arithmetic
-episode: a chat turn asks "What is a+b?", then a token-in /v1/completions turn continues that
-conversation's exact ids with a user turn asking to confirm; the reward is 1 for the right sum in
-the last answer plus a bonus for a short one, in characters (so that a random policy's rewards
-vary within a group). The
-policy is a tiny random llama over SmolLM2's vocabulary and chat template.
+The environment is tests/fixtures/two_turn_env.py, a file as a user's would be: a chat turn
+asks the question, then a token-in /v1/completions turn continues that conversation's exact ids
+with a user turn asking to confirm; the reward is 1 for the right answer in the last turn plus a
+bonus for a short one, in characters (so that a random policy's rewards vary within a group).
+The policy is a tiny random llama over SmolLM2's vocabulary and chat template.
 """
+import os
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -24,46 +25,14 @@ from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.run_setup.run_settings import resolve
 from jaxprefix.sampling import RolloutSpec
+from jaxprefix.serving import env_settings
 from jaxprefix.serving.env_settings import EnvironmentSettings
-from jaxprefix.serving.external import Turn, episode_of, turn_of
+from jaxprefix.serving.external import EpisodeResult, Turn, episode_of, turn_of
 from jaxprefix.tools.episodes import ANSWER, TRUNCATED
 
 MAX_NEW = 8
-ENVIRONMENT = '''
-from jaxprefix.serving.external import EpisodeResult
-
-EPISODES = []  # (problem, its two responses, reward), in the order the episodes started
-FOLLOW_UP = "\\n<|im_start|>user\\nSure? Answer with the number.<|im_end|>\\n<|im_start|>assistant\\n"
-
-
-class TwoTurnSum:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    async def run_episode(self, client, model, problem, sampling_args):
-        index = len(EPISODES)
-        EPISODES.append(None)
-        first = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": f"What is {problem.question}?"}],
-            **sampling_args)
-        # The conversation's exact ids, the turn closed (a turn cut at max_tokens has no
-        # <|im_end|> of its own), then the next user turn.
-        close = "" if first.choices[0].finish_reason == "stop" else "<|im_end|>"
-        prompt = (first.prompt_token_ids + first.choices[0].token_ids
-                  + self.tokenizer.encode(close + FOLLOW_UP, add_special_tokens=False))
-        second = await client.completions.create(model=model, prompt=prompt,
-                                                 **dict(sampling_args, logprobs=0))
-        answer = second.choices[0].text
-        brevity = 1 - min(len(answer), 200) / 200  # in characters
-        reward = float(problem.answer in answer) + 0.5 * brevity
-        EPISODES[index] = (problem, first, second, reward)
-        return EpisodeResult([first, second], reward)
-
-
-def make(tokenizer):
-    return TwoTurnSum(tokenizer)
-'''
-PROBLEMS = [Problem(id=f"p{i}", question=f"{a}+{b}", answer=str(a + b))
+ENVIRONMENT = os.path.join(os.path.dirname(__file__), "fixtures", "two_turn_env.py")
+PROBLEMS = [Problem(id=f"p{i}", question=f"What is {a}+{b}?", answer=str(a + b))
             for i, (a, b) in enumerate([(2, 3), (4, 6), (12, 9)])]
 
 
@@ -84,15 +53,15 @@ def model(tokenizer):
 
 
 @pytest.fixture
-def source(tmp_path):
-    (tmp_path / "env.py").write_text(ENVIRONMENT)
-    return f"{tmp_path}/env.py:make"
+def source():
+    source = f"{ENVIRONMENT}:make"
+    _recorded(source).clear()
+    return source
 
 
 def _recorded(source):
-    """The environment file's EPISODES, emptied for the next run."""
-    module = from_file._module(from_file.load(source, "test").path)
-    return module.EPISODES
+    """The environment file's EPISODES (this process's copy of it)."""
+    return from_file._module(from_file.load(source, "test").path).EPISODES
 
 
 def _config(source, **train):
@@ -155,7 +124,6 @@ def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_reach_the_advantag
     policy = batch["completion_mask"] > 0
     np.testing.assert_allclose(np.asarray(forced)[policy], batch["old_logprobs"][policy],
                                atol=2e-3)
-    seen.clear()
 
 
 def test_a_grpo_step_of_the_loop_trains_on_the_environment(model, tokenizer, source, tmp_path):
@@ -184,7 +152,6 @@ def test_a_grpo_step_of_the_loop_trains_on_the_environment(model, tokenizer, sou
     moved = [k for k, v in nnx.to_flat_state(trained)
              if not np.allclose(np.asarray(v), before[k])]
     assert moved, "one update on nonzero advantages changed no weight"
-    seen.clear()
 
 
 def test_a_turn_that_does_not_extend_the_episode_is_refused():
@@ -230,3 +197,26 @@ def test_settings_refuse_what_an_environment_cannot_run(source, tmp_path):
     (tmp_path / "wrong.py").write_text("def make(tokenizer):\n    return object()\n")
     with pytest.raises(ValueError, match="expected an object with `async def run_episode"):
         EnvironmentSettings(source=f"{tmp_path}/wrong.py:make").environment(None)
+
+
+class _Colder:
+    """An environment that asks for another temperature than the run samples at."""
+
+    async def run_episode(self, client, model, problem, sampling_args):
+        response = await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": problem.question}],
+            **dict(sampling_args, temperature=0.5))
+        return EpisodeResult([response], 1.0)
+
+
+def test_a_request_for_other_sampling_than_the_runs_is_refused(model, tokenizer):
+    """The learner scores the run's temperature: a request for another is a 400, and the round
+    fails naming it rather than training on log-probs of another distribution."""
+    import openai
+
+    keywords = RolloutSpec(temperature=1.0, max_new_tokens=4).sampler_keywords()
+    with pytest.raises(openai.BadRequestError, match="temperature=0.5: this server samples a "
+                                                     "policy in training"):
+        env_settings.rollout(_Colder(), model, PROBLEMS[:1], tokenizer=tokenizer,
+                             context_length=256, settings=EnvironmentSettings(), n=1,
+                             stop_ids=[tokenizer.eos_id], seed=0, **keywords)

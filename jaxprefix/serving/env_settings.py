@@ -61,6 +61,11 @@ class EnvironmentSettings:
     def episode_source(self, tokenizer, context_length: int):
         """`fn(model, problems, n=, stop_ids=, seed=, **sampler keywords) -> (Episodes, rewards
         [len(problems), n])`: the round's episodes against `model` served live."""
+        import jax
+
+        if jax.process_count() > 1:  # each host's server would batch its own requests apart
+            raise ValueError(f"{FIELD}={self.source!r}: an external environment runs on one "
+                             f"host; this run has {jax.process_count()} processes")
         return functools.partial(rollout, self.environment(tokenizer), tokenizer=tokenizer,
                                  context_length=context_length, settings=self)
 
@@ -69,7 +74,8 @@ def rollout(environment, model, problems, *, tokenizer, context_length: int,
             settings: EnvironmentSettings, n: int, stop_ids, seed: int,
             record_routes: bool = False, **keywords):
     """n episodes of each problem by `environment` against `model`, served live for the round
-    with the run's sampler keywords (RolloutSpec.sampler_keywords())."""
+    with the run's sampler keywords (RolloutSpec.sampler_keywords()); a request that asks for
+    other sampling than the run's is a 400 (the learner scores the run's)."""
     if record_routes:
         raise ValueError(f"{FIELD}={settings.source!r}: routing replay (a mixture of experts, "
                          f"train.routing_replay) needs each token's experts, which the served "
@@ -80,7 +86,9 @@ def rollout(environment, model, problems, *, tokenizer, context_length: int,
                          top_k=keywords.pop("top_k"))
     with LiveServer(model, tokenizer, stop_ids=stop_ids, sampler_keywords=keywords,
                     max_tokens=args["max_tokens"], context_length=context_length,
-                    max_batch_rows=settings.max_batch_rows, seed=seed) as server:
+                    max_batch_rows=settings.max_batch_rows, seed=seed,
+                    sampling={k: args[k] for k in ("temperature", "top_p")} |
+                    {"top_k": args["extra_body"]["top_k"]}) as server:
         return run_episodes(environment, server, problems, n, args,
                             max_concurrent=settings.max_concurrent,
                             timeout_s=settings.timeout_s)

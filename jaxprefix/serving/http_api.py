@@ -100,12 +100,16 @@ UNSUPPORTED = {"stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.
 
 
 class Api:
-    """What the endpoints need: the batcher, the tokenizer and the limits."""
+    """What the endpoints need: the batcher, the tokenizer and the limits; `sampling` (a
+    training server, live.py: temperature, top_p, top_k) the sampling every request must ask
+    for, the one the learner scores the returned log-probs at."""
 
-    def __init__(self, batcher, tokenizer, settings, model_context: int):
+    def __init__(self, batcher, tokenizer, settings, model_context: int,
+                 sampling: dict | None = None):
         self.batcher, self.tokenizer, self.settings = batcher, tokenizer, settings
         self.context_limit = settings.context_limit(model_context)
         self.vocab_size = batcher.model.config.vocab_size
+        self.sampling = sampling
 
     # --- requests -> SampleRequests --------------------------------------------------------
 
@@ -114,6 +118,15 @@ class Api:
         if body.model != s.model_name:
             raise BadRequest(f"The model `{body.model}` does not exist; this server serves "
                              f"`{s.model_name}`", "model", "model_not_found")
+        if self.sampling is not None:
+            asked = {"temperature": body.temperature, "top_p": body.top_p,
+                     "top_k": max(body.top_k, 0)}
+            for field, value in self.sampling.items():
+                if asked[field] != value:
+                    raise BadRequest(f"{field}={asked[field]}: this server samples a policy in "
+                                     f"training, whose learner scores the run's {field}={value}; "
+                                     f"expected the sampling_args given to the environment, "
+                                     f"unchanged", field)
         for field, default in UNSUPPORTED.items():
             value = getattr(body, field, default)
             if value and value != default:  # an empty list or dict asks for nothing either
