@@ -68,8 +68,8 @@ def _config(source, **train):
     c = run_config.base_config()
     c.rollout.update(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
     c.environment.source = source
-    c.train.update(problems_per_step=3, total_steps=1, learning_rate=1e-3, micro_batch_size=0,
-                   **train)
+    c.train.update(dict(problems_per_step=3, total_steps=1, learning_rate=1e-3,
+                        micro_batch_size=0) | train)
     c.eval.every = 0
     c.checkpoint.every = 1
     return c
@@ -220,3 +220,26 @@ def test_a_request_for_other_sampling_than_the_runs_is_refused(model, tokenizer)
         env_settings.rollout(_Colder(), model, PROBLEMS[:1], tokenizer=tokenizer,
                              context_length=256, settings=EnvironmentSettings(), n=1,
                              stop_ids=[tokenizer.eos_id], seed=0, **keywords)
+
+
+def test_sampling_ahead_runs_the_environment_on_the_sampler_thread(model, tokenizer, source,
+                                                                   tmp_path):
+    """train.max_staleness=1: the sampler thread (rl/overlap.py) serves the policy and runs the
+    episodes, a step ahead of the learner; two steps, each its own six episodes, rewards and
+    metrics row."""
+    config = _config(source, total_steps=2, max_staleness=1)
+    settings = resolve(config)
+    method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
+    result = loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
+                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
+                        learner_config=validate(config, contexts_per_step=3),
+                        rollout=settings.rollout, contexts_per_step=3,
+                        tools=settings.tools, environment=settings.environment, progress=False)
+    assert result["step"] == 2
+    seen = _recorded(source)
+    assert len(seen) == 12 and all(s is not None for s in seen)
+    records = read_metrics(str(tmp_path / "run"))
+    assert [r["step"] for r in records] == [1, 2]
+    for record, episodes in zip(records, (seen[:6], seen[6:])):
+        np.testing.assert_allclose(record["reward/mean"], np.mean([s[3] for s in episodes]),
+                                   rtol=1e-5)
