@@ -128,11 +128,14 @@ def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_reach_the_advantag
 
 def test_a_grpo_step_of_the_loop_trains_on_the_environment(model, tokenizer, source, tmp_path):
     """loop.train, one GRPO step: the method's problems run as the environment's episodes
-    against the live server, its rewards in the metrics, the update made (the policy moved)."""
+    against the live server, its rewards in the metrics, the update made (the policy moved);
+    then the evaluation, sampled and greedy, runs its problem through the environment too."""
     config = _config(source)
+    config.eval.update(every=1, greedy=True)
     settings = resolve(config)
     assert settings.environment.source == source
-    method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
+    method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0,
+                        eval_problems=PROBLEMS[2:], eval_n=3)
     before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     result = loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
                         tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
@@ -141,12 +144,21 @@ def test_a_grpo_step_of_the_loop_trains_on_the_environment(model, tokenizer, sou
                         tools=settings.tools, environment=settings.environment, progress=False)
     assert result["step"] == 1
     seen = _recorded(source)
-    assert sorted(s[0].id for s in seen) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert len(seen) == 6 + 3 + 1
+    training, evaluation, greedy = seen[:6], seen[6:9], seen[9:]
+    assert sorted(s[0].id for s in training) == ["p0", "p0", "p1", "p1", "p2", "p2"]
+    assert [s[0].id for s in evaluation + greedy] == ["p2"] * 4
     (record,) = read_metrics(str(tmp_path / "run"))
-    np.testing.assert_allclose(record["reward/mean"], np.mean([s[3] for s in seen]), rtol=1e-5)
+    np.testing.assert_allclose(record["reward/mean"], np.mean([s[3] for s in training]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(record["eval/reward_mean"], np.mean([s[3] for s in evaluation]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(record["eval/pass@1"],
+                               np.mean([s[3] > 0.5 for s in evaluation]), rtol=1e-5)
+    np.testing.assert_allclose(record["eval_greedy/reward_mean"], greedy[0][3], rtol=1e-5)
     assert record["rollout/turns_mean"] == 2.0
     assert record["tokens/generated"] == sum(len(r.choices[0].token_ids)
-                                             for s in seen for r in s[1:3])
+                                             for s in training for r in s[1:3])
     assert np.isfinite(record["loss"])
     trained = nnx.state(result["learner"].sampling_model(result["state"], None), nnx.Param)
     moved = [k for k, v in nnx.to_flat_state(trained)
@@ -243,3 +255,19 @@ def test_sampling_ahead_runs_the_environment_on_the_sampler_thread(model, tokeni
     for record, episodes in zip(records, (seen[:6], seen[6:])):
         np.testing.assert_allclose(record["reward/mean"], np.mean([s[3] for s in episodes]),
                                    rtol=1e-5)
+
+
+@pytest.mark.slow  # minutes on 2 cores: SmolLM2-135M's sampling and update
+def test_smollm2_grpo_step_through_the_environment(tmp_path):
+    """The rl job as docs/TOOLS.md prints it, cut to one step without evaluation: SmolLM2-135M-
+    Instruct (the bundled GGUF) on gsm_symbolic, 2 problems x 4 episodes of the fixture's two
+    turns against the live server, GRPO (dr_grpo) on what came back."""
+    from job_runs import run_main
+
+    run_main("configs/grpo.py:smollm2", tmp_path, f"--config.environment.source={ENVIRONMENT}:make",
+             "--config.train.total_steps=1", "--config.rollout.max_new_tokens=64",
+             "--config.eval.every=0", "--config.checkpoint.every=1", timeout=1800)
+    (record,) = read_metrics(str(tmp_path))
+    assert record["rollout/turns_mean"] == 2.0
+    assert record["tokens/generated"] > 0 and np.isfinite(record["loss"])
+    assert 0.0 <= record["reward/mean"] <= 1.5

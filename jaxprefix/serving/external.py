@@ -37,7 +37,7 @@ class Turn:
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]   # the stop token included where the turn ended on one
     logprobs: tuple[float, ...]       # the sampler's, one per completion token
-    finish_reason: str                # 'stop' or 'length'
+    finish_reason: str                # 'stop', 'tool_calls' (ended on a stop token too), 'length'
 
 
 @dataclasses.dataclass
@@ -116,7 +116,8 @@ def episode_of(turns: Sequence[Turn], group: int) -> Episode:
         logprobs += turn.logprobs
     return Episode(np.array(tokens, np.int32), np.array(sampled, np.int32),
                    np.array(logprobs, np.float32), len(first), tuple(starts), 0, 0,
-                   ANSWER if turns[-1].finish_reason == "stop" else TRUNCATED, group,
+                   ANSWER if turns[-1].finish_reason in ("stop", "tool_calls") else TRUNCATED,
+                   group,
                    reprefilled)
 
 
