@@ -17,11 +17,13 @@ from flax import nnx
 from jaxprefix import models, run_config, tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.data.problem import Problem
+from jaxprefix.errors import ConfigError
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import ChatPrompts
 from jaxprefix.rewards import from_file
 from jaxprefix.rl import loop, objectives, scoring
 from jaxprefix.rl.metrics import read_metrics
+from jaxprefix.run_setup import preflight
 from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.run_setup.run_settings import resolve
 from jaxprefix.sampling import RolloutSpec
@@ -30,6 +32,7 @@ from jaxprefix.serving.env_settings import EnvironmentSettings
 from jaxprefix.serving.external import EpisodeResult, Turn, episode_of, turn_of
 from jaxprefix.tools.episodes import ANSWER, TRUNCATED
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_NEW = 8
 ENVIRONMENT = os.path.join(os.path.dirname(__file__), "fixtures", "two_turn_env.py")
 PROBLEMS = [Problem(id=f"p{i}", question=f"What is {a}+{b}?", answer=str(a + b))
@@ -209,6 +212,13 @@ def test_settings_refuse_what_an_environment_cannot_run(source, tmp_path):
     (tmp_path / "wrong.py").write_text("def make(tokenizer):\n    return object()\n")
     with pytest.raises(ValueError, match="expected an object with `async def run_episode"):
         EnvironmentSettings(source=f"{tmp_path}/wrong.py:make").environment(None)
+    # The rl job's preflight builds it over the policy's tokenizer, before any work.
+    c = run_config.from_file(os.path.join(ROOT, "configs", "grpo.py"), "smoke")
+    c.environment.source = f"{tmp_path}/wrong.py:make"
+    with pytest.raises(ConfigError, match="returned object, expected an object with `async"):
+        preflight.check(c, str(tmp_path / "run"))
+    c.environment.source = source
+    assert preflight.check(c, str(tmp_path / "run")).environment.source == source
 
 
 class _Colder:

@@ -115,6 +115,7 @@ def check(config, workdir: str):
         from jaxprefix.run_setup.learner_settings import routing_replay
 
         _as_config_error(routing_replay, config, inputs.mixture_of_experts)
+        _check_environment(config, inputs)
     if config.job in FIELDS_CHECKED:
         _check_notation(config)
         _check_template_read(config, inputs.prompts)
@@ -232,6 +233,23 @@ def _check_probe_read(config) -> None:
     if not config.eval.every:
         raise ConfigError("config.eval.key_step_probe=True is set but no stage reads it: "
                           "eval.every=0 never evaluates; expected eval.every > 0")
+
+
+def _check_environment(config, inputs) -> None:
+    """An external environment (config.environment.source) built over the policy's tokenizer,
+    on a model whose routes need no replay (the live server records none)."""
+    from jaxprefix.rl.loop_settings import replays_routes
+    from jaxprefix.serving.env_settings import EnvironmentSettings
+
+    settings = _as_config_error(EnvironmentSettings.from_config, config)
+    if not settings.active:
+        return
+    _as_config_error(settings.environment, inputs.tokenizer)
+    if replays_routes(config.train.routing_replay, inputs.mixture_of_experts):
+        raise ConfigError(f"config.environment.source={settings.source!r} is set on a mixture "
+                          f"of experts with train.routing_replay={config.train.routing_replay!r}"
+                          f": the live server records no experts to replay; expected "
+                          f"train.routing_replay='off'")
 
 
 def _check_tools_read(config, tokenizer) -> None:
