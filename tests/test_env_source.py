@@ -27,7 +27,7 @@ from jaxprefix.run_setup import preflight
 from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.run_setup.run_settings import resolve
 from jaxprefix.sampling import RolloutSpec
-from jaxprefix.serving import env_settings
+from jaxprefix.serving import external
 from jaxprefix.serving.env_settings import EnvironmentSettings
 from jaxprefix.serving.external import EpisodeResult, Turn, episode_of, turn_of
 from jaxprefix.tools.episodes import ANSWER, TRUNCATED
@@ -239,9 +239,9 @@ def test_a_request_for_other_sampling_than_the_runs_is_refused(model, tokenizer)
     keywords = RolloutSpec(temperature=1.0, max_new_tokens=4).sampler_keywords()
     with pytest.raises(openai.BadRequestError, match="temperature=0.5: this server samples a "
                                                      "policy in training"):
-        env_settings.rollout(_Colder(), model, PROBLEMS[:1], tokenizer=tokenizer,
-                             context_length=256, settings=EnvironmentSettings(), n=1,
-                             stop_ids=[tokenizer.eos_id], seed=0, **keywords)
+        external.rollout(_Colder(), model, PROBLEMS[:1], tokenizer=tokenizer,
+                         context_length=256, n=1, stop_ids=[tokenizer.eos_id], seed=0,
+                         **keywords)
 
 
 def test_sampling_ahead_runs_the_environment_on_the_sampler_thread(model, tokenizer, source,

@@ -5,8 +5,8 @@ rollouts run in, docs/TOOLS.md) parsed and checked once.
 function NAME(tokenizer) in that file that returns the environment (external.ExternalEnvironment;
 the policy's tokenizer, for an environment that writes token-id prompts). With
 one set, every round of the loop serves the current policy on 127.0.0.1 (live.py), runs n
-episodes of each of the method's problems against it (external.run_episodes), and trains on
-their turns' tokens and the environment's rewards.
+episodes of each of the method's problems against it (external.rollout), and trains on their
+turns' tokens and the environment's rewards.
 """
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ import inspect
 
 from jaxprefix.errors import need
 from jaxprefix.rewards import from_file
-from jaxprefix.serving.external import run_episodes, sampling_args
-from jaxprefix.serving.live import LiveServer
+from jaxprefix.serving.external import rollout
 
 FIELD = "config.environment.source"
 
@@ -67,28 +66,7 @@ class EnvironmentSettings:
             raise ValueError(f"{FIELD}={self.source!r}: an external environment runs on one "
                              f"host; this run has {jax.process_count()} processes")
         return functools.partial(rollout, self.environment(tokenizer), tokenizer=tokenizer,
-                                 context_length=context_length, settings=self)
+                                 context_length=context_length,
+                                 max_concurrent=self.max_concurrent,
+                                 max_batch_rows=self.max_batch_rows, timeout_s=self.timeout_s)
 
-
-def rollout(environment, model, problems, *, tokenizer, context_length: int,
-            settings: EnvironmentSettings, n: int, stop_ids, seed: int,
-            record_routes: bool = False, **keywords):
-    """n episodes of each problem by `environment` against `model`, served live for the round
-    with the run's sampler keywords (RolloutSpec.sampler_keywords()); a request that asks for
-    other sampling than the run's is a 400 (the learner scores the run's)."""
-    if record_routes:
-        raise ValueError(f"{FIELD}={settings.source!r}: routing replay (a mixture of experts, "
-                         f"train.routing_replay) needs each token's experts, which the served "
-                         f"rollouts do not record; expected a dense model or "
-                         f"train.routing_replay='off'")
-    args = sampling_args(max_tokens=keywords.pop("max_new_tokens"),
-                         temperature=keywords.pop("temperature"), top_p=keywords.pop("top_p"),
-                         top_k=keywords.pop("top_k"))
-    with LiveServer(model, tokenizer, stop_ids=stop_ids, sampler_keywords=keywords,
-                    max_tokens=args["max_tokens"], context_length=context_length,
-                    max_batch_rows=settings.max_batch_rows, seed=seed,
-                    sampling={k: args[k] for k in ("temperature", "top_p")} |
-                    {"top_k": args["extra_body"]["top_k"]}) as server:
-        return run_episodes(environment, server, problems, n, args,
-                            max_concurrent=settings.max_concurrent,
-                            timeout_s=settings.timeout_s)

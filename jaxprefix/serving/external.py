@@ -28,6 +28,7 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from jaxprefix.serving.live import LiveServer
 from jaxprefix.tools.episodes import ANSWER, TRUNCATED, Episode
 
 
@@ -154,3 +155,27 @@ def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n
         episodes.append(episode_of([turn_of(t) for t in result.turns], group=e // n))
         rewards.append(reward)
     return episodes, np.array(rewards, np.float32).reshape(len(problems), n)
+
+
+def rollout(environment: ExternalEnvironment, model, problems: Sequence, *, tokenizer,
+            context_length: int, n: int, stop_ids, seed: int, record_routes: bool = False,
+            max_concurrent: int = 0, max_batch_rows: int = 64, timeout_s: float = 600.0,
+            **keywords) -> tuple[list[Episode], np.ndarray]:
+    """One round: `model` served live (LiveServer, its batcher seeded by `seed`) with the run's
+    sampler keywords (RolloutSpec.sampler_keywords()), n episodes of each problem by
+    `environment` against it (run_episodes), the server stopped. A request that asks for other
+    sampling than the run's is a 400: the learner scores the run's."""
+    if record_routes:
+        raise ValueError("config.environment.source: routing replay (a mixture of experts, "
+                         "train.routing_replay) needs each token's experts, which the live "
+                         "server does not record; expected train.routing_replay='off'")
+    args = sampling_args(max_tokens=keywords.pop("max_new_tokens"),
+                         temperature=keywords.pop("temperature"), top_p=keywords.pop("top_p"),
+                         top_k=keywords.pop("top_k"))
+    sampling = {"temperature": args["temperature"], "top_p": args["top_p"],
+                "top_k": args["extra_body"]["top_k"]}
+    with LiveServer(model, tokenizer, stop_ids=stop_ids, sampler_keywords=keywords,
+                    max_tokens=args["max_tokens"], context_length=context_length,
+                    max_batch_rows=max_batch_rows, seed=seed, sampling=sampling) as server:
+        return run_episodes(environment, server, problems, n, args,
+                            max_concurrent=max_concurrent, timeout_s=timeout_s)
