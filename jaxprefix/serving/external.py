@@ -1,6 +1,6 @@
 """External environments: episodes an environment of its own runs against the live policy over
 the OpenAI-compatible API, turned into the rows the RL loop trains on (docs/TOOLS.md,
-"Environments of other frameworks").
+"Training through such an environment"); `rollout` is one round of the loop.
 
 An environment is any object with
 
@@ -23,6 +23,7 @@ an earlier turn's text into other tokens is refused in one line (one row per tur
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 from typing import Any, Protocol, Sequence
 
@@ -137,7 +138,7 @@ def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n
         async def one(problem):
             async with slots:
                 return await environment.run_episode(client, server.model_name, problem,
-                                                     dict(args))
+                                                     copy.deepcopy(args))
         try:
             return await asyncio.gather(*(one(p) for p in problems for _ in range(n)))
         finally:
