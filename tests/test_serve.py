@@ -245,6 +245,24 @@ def post_json(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
+def test_tokenize_gives_the_ids_a_prompt_or_a_chat_is_sampled_from(server, tokenizer):
+    """vLLM's /tokenize: a chat's ids equal the chat completion's prompt_token_ids, a text's the
+    tokenizer's; /detokenize inverts; another model's name is a 400."""
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    chat = post_json(server.base + "/tokenize", {"model": "tiny-llama", "messages": messages})
+    out = server.client.chat.completions.create(model="tiny-llama", messages=messages,
+                                                max_tokens=1, extra_body={"return_token_ids": True})
+    assert chat["tokens"] == out.model_extra["prompt_token_ids"]
+    assert chat["count"] == len(chat["tokens"]) and chat["max_model_len"] == MAX_CONTEXT
+    text = "\n<|im_start|>user\nSure?<|im_end|>\n"
+    ids = post_json(server.base + "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert ids["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert post_json(server.base + "/detokenize", {"tokens": ids["tokens"]})["prompt"] == text
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        post_json(server.base + "/tokenize", {"model": "other", "prompt": "hi"})
+    assert refused.value.code == 400
+
+
 def test_token_in_token_out_generate_as_verifiers_training_client_calls_it(server, reference):
     """vLLM's /inference/v1/generate, with the body verifiers' renderer client sends."""
     prompt = [1, 504, 3458, 282, 4649, 314]

@@ -2,7 +2,8 @@
 built from the batcher's Samples (docs/SERVING.md).
 
 Endpoints: /v1/models, /v1/completions, /v1/chat/completions (the model's chat template),
-vLLM's token-in, token-out /inference/v1/generate (verifiers' training client), /health and
+vLLM's token-in, token-out /inference/v1/generate (verifiers' training client), vLLM's
+/tokenize and /detokenize (a prompt's or a chat's token ids, for token-in turns), /health and
 /stats (the recent sampler calls: requests and rows each). Besides OpenAI's fields, vLLM's that
 RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
 `prompt_token_ids` and `token_ids`, as vLLM names them), `return_tokens_as_token_ids`, `top_k`,
@@ -93,6 +94,22 @@ class ChatRequest(_Sampled):
     tools: list[dict] | None = None
     tool_choice: Union[str, dict, None] = None
     response_format: dict | None = None
+
+
+class TokenizeRequest(pydantic.BaseModel):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the model's template."""
+    model: str | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = True              # a prompt's (the template writes a chat's)
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 UNSUPPORTED = {"stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
@@ -385,6 +402,36 @@ def make_app(api: Api) -> fastapi.FastAPI:
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return response
+
+    def check_tokenizing(model: str | None) -> None:
+        if model not in (None, api.settings.model_name):
+            raise BadRequest(f"The model `{model}` does not exist; this server serves "
+                             f"`{api.settings.model_name}`", "model", "model_not_found")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """The token ids a prompt, or a chat's messages, are sampled from (vLLM's /tokenize):
+        what an environment appends to write a token-in turn."""
+        check_tokenizing(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("expected one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = api.chat_prompt(ChatRequest(
+                model=api.settings.model_name, messages=body.messages, tools=body.tools,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message))
+        else:
+            tokens = api.tokenizer.encode(body.prompt,
+                                          add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": api.context_limit,
+                "tokens": list(tokens)}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        check_tokenizing(body.model)
+        if any(not 0 <= t < api.vocab_size for t in body.tokens):
+            raise BadRequest(f"tokens: expected ids in [0, {api.vocab_size})", "tokens")
+        return {"prompt": api.tokenizer.decode(body.tokens)}
 
     @app.post("/inference/v1/generate")
     async def generate(body: GenerateRequest):
