@@ -272,11 +272,21 @@ def test_smollm2_grpo_step_through_the_environment(tmp_path):
     """The rl job as docs/TOOLS.md prints it, cut to one step without evaluation: SmolLM2-135M-
     Instruct (the bundled GGUF) on gsm_symbolic, 2 problems x 4 episodes of the fixture's two
     turns against the live server, GRPO (dr_grpo) on what came back."""
-    from job_runs import run_main
+    import subprocess
+    import sys
 
-    run_main("configs/grpo.py:smollm2", tmp_path, f"--config.environment.source={ENVIRONMENT}:make",
-             "--config.train.total_steps=1", "--config.rollout.max_new_tokens=64",
-             "--config.eval.every=0", "--config.checkpoint.every=1", timeout=1800)
+    # One CPU device, as the command runs outside the tests: under the suite's 8 simulated
+    # devices (conftest.py) this run's first sampler call of the live server grew past 19 GB
+    # and was killed for memory on a 23 GB machine (not investigated yet; docs/TOOLS.md).
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smollm2",
+         f"--workdir={tmp_path}", f"--config.environment.source={ENVIRONMENT}:make",
+         "--config.train.total_steps=1", "--config.rollout.max_new_tokens=64",
+         "--config.eval.every=0", "--config.checkpoint.every=1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-4000:]}"
     (record,) = read_metrics(str(tmp_path))
     assert record["rollout/turns_mean"] == 2.0
     assert record["tokens/generated"] > 0 and np.isfinite(record["loss"])
