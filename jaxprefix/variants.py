@@ -23,9 +23,10 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     (3e-4 collapsed, 3e-5 too slow), one on-policy update per batch, temperature 1.
     """
     _tiny_policy(c, sft)
-    # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
+    # Easy problems (hard + easy runs, data.easy_size): rule '<' of data.easy_digits, by default
+    # 1..8 digits, the task's slots.
     c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
-                  multipliers=(2, 9), easy_digits=(1, 8),
+                  multipliers=(2, 9),
                   # the base's notation (the restating route when on): preflight refuses a
                   # run whose problems are written otherwise than its base's SFT rows
                   key_names_rule=sft.data.get("key_names_rule", False))

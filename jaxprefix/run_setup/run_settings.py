@@ -33,6 +33,7 @@ class RunSettings:
     train: TrainConfig
     loop: LoopSettings
     tools: ToolSettings
+    mesh: dict               # config.mesh: the learner's axes (data, fsdp, tensor)
 
 
 def resolve(config) -> RunSettings:
@@ -42,4 +43,4 @@ def resolve(config) -> RunSettings:
     rollout = RolloutSpec.from_config(config.rollout)
     train = learner_settings.validate(config, contexts_per_step=method.contexts_per_step)
     return RunSettings(config, method, rollout, train, learner_settings.loop_settings(config),
-                       ToolSettings.from_config(config))
+                       ToolSettings.from_config(config), dict(config.mesh))
