@@ -129,3 +129,25 @@ def test_refused_on_the_command_line_before_any_work(tmp_path):
         "error: config.isocompute.ns is set but no stage of job rl with method grpo reads "
         "it (its settings read other isocompute.* fields); expected it left at its default")
     assert not workdir.exists()
+
+
+def test_a_variants_fields_the_command_line_made_moot_are_reset_its_own_refused(tmp_path):
+    """--config.data.source=file on a built-in task's variant: the task's fields the variant set
+    go back to their defaults (logged), as the README's own-data commands need; a field the
+    command line set that the run does not read is still refused."""
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"question": "1+1", "answer": "2"}\n')
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+         "--config.data.source=file", f"--config.data.path={problems}",
+         "--config.data.verifier=exact", "--config.data.task=chain_sum", f"--workdir={workdir}"],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 1
+    assert "config.data.digits: set by the config file, not read once the command line's " \
+           "changes apply; back at its default" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config.data.task is set but no stage of job rl with method grpo reads it (its "
+        "settings read other data.* fields); expected it left at its default")
+    assert not workdir.exists()

@@ -213,18 +213,34 @@ def unread(config, reads: set[str] | None = None) -> list[tuple[str, str]]:
             for field in _changed(config) if field not in reads]
 
 
-def reset_unread(config) -> None:
+def reset_unread(config, only=None) -> list[str]:
     """Puts each field `config.job` does not read (`unread`) back to run_config's default: for a
-    config file that builds on another job's variant (configs/eval.py on an rl run's)."""
+    config file that builds on another job's variant (configs/eval.py on an rl run's). `only`:
+    a predicate on the field's name choosing which. Returns the fields reset."""
     from jaxprefix.run_config import base_config
 
     defaults = dict(config_fields.leaves(base_config()))
-    for field, _ in unread(config):
+    reset = [field for field, _ in unread(config) if only is None or only(field)]
+    for field in reset:
         *blocks, name = field.split(".")
         node = config
         for block in blocks:
             node = node[block]
         node[name] = defaults[field]
+    return reset
+
+
+def reset_mooted(config, overrides) -> list[str]:
+    """The config file's fields that the command line's `overrides` (dotted field names) left
+    unread, back at their defaults: a variant's reasoning-gym task on a run whose
+    --config.data.source=file reads a file instead (README's own-data commands). Only fields of
+    a block an override touches, and none the command line set itself: those, like a config
+    file's own unread fields, are refused by `check`. Returns the fields reset."""
+    if config.job not in FIELDS_CHECKED or not overrides:
+        return []
+    touched = {o.split(".")[0] for o in overrides}
+    return reset_unread(config, only=lambda field: field.split(".")[0] in touched
+                        and field not in overrides)
 
 
 def _why(config, field: str, methods, reads: set[str]) -> str:
