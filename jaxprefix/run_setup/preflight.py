@@ -168,10 +168,10 @@ def fields_read(config, workdir: str = "") -> tuple[object, set[str]]:
 
 
 def _stage_reads(view, workdir: str) -> None:
-    """Reads what a sampling job's stages read besides its settings, by their own readers:
-    the policy's settings (load_policy), the prompt budget and the problem loader
-    (load_problem_sets: the fields of its source, read without loading a problem), and Mining. Preflight's `check` runs the same
-    readers, on the model's files too."""
+    """Reads what a sampling job's stages read besides its settings, by their own readers: the
+    policy's settings (load_policy), the prompt budget, the problem loader (load_problem_sets:
+    the fields of its source, read without loading a problem) and Mining. Preflight's `check`
+    runs the same readers, on the model's files and problems too."""
     from jaxprefix.run_setup.policy import PolicySettings
     from jaxprefix.run_setup.problem_sets import prompt_limit, source_fields
 
