@@ -174,6 +174,11 @@ def main(argv):
         distributed.initialize(config.distributed)
         distributed.enable_compilation_cache(storage.join(storage.cache_dir(), "xla"))
         logging.info("job %s, workdir %s", config.job, workdir)
+        overrides = {a.split("=", 1)[0].removeprefix("--config.") for a in sys.argv[1:]
+                     if a.startswith("--config.")}
+        for field in preflight.reset_mooted(config, overrides):
+            logging.info("config.%s: set by the config file, not read once the command line's "
+                         "changes apply; back at its default", field)
         settings = preflight.check(config, workdir)  # reads every input; writes nothing
         from jaxprefix import rewards
 

@@ -67,7 +67,7 @@ FIELDS = {
         "digits": F((20, 20), "built-in tasks: the hard problems' digit range"),
         "multipliers": F((6, 9), "built-in tasks: the multiplier range"),
         "easy_size": F(0, "built-in tasks: easy problems added (POPE's hard + easy runs)"),
-        "easy_digits": F((1, 10), "built-in tasks: the easy problems' digit range"),
+        "easy_digits": F((1, 8), "built-in tasks: the easy problems' digit range"),
         "key_names_rule": F(False, "keyed_multiplication: key steps name the rule they read the "
                                    "key by (the restating route; the SFT base's notation)"),
         "skip_invalid": F(False, "skip and count bad records instead of refusing the file"),

@@ -20,6 +20,7 @@ import subprocess
 from absl import logging
 
 from jaxprefix import distributed, storage
+from jaxprefix.config_reads import unwrapped
 from jaxprefix.errors import ConfigError
 
 RECORD = "run.json"
@@ -57,7 +58,9 @@ def _covered(field: str, names) -> bool:
 
 
 def config_json(config) -> dict:
-    """The resolved config as plain JSON values (tuples become lists)."""
+    """The resolved config as plain JSON values (tuples become lists). A copy of the record, not
+    a read of its fields (config_reads: unwrapped)."""
+    config = unwrapped(config)
     plain = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     return json.loads(json.dumps(plain, default=str))
 

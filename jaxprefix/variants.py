@@ -23,9 +23,10 @@ def demo_task(c: ml_collections.ConfigDict, sft: ml_collections.ConfigDict) -> N
     (3e-4 collapsed, 3e-5 too slow), one on-policy update per batch, temperature 1.
     """
     _tiny_policy(c, sft)
-    # Easy problems (hard + easy runs, data.easy_size): rule '<' of 1..8 digits, the task's slots.
+    # Easy problems (hard + easy runs, data.easy_size): rule '<' of data.easy_digits, by default
+    # 1..8 digits, the task's slots.
     c.data.update(source="keyed_multiplication", verifier="keyed_multiplication", digits=(8, 8),
-                  multipliers=(2, 9), easy_digits=(1, 8),
+                  multipliers=(2, 9),
                   # the base's notation (the restating route when on): preflight refuses a
                   # run whose problems are written otherwise than its base's SFT rows
                   key_names_rule=sft.data.get("key_names_rule", False))
@@ -149,10 +150,9 @@ def smollm2(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.every = 3
 
 
-# SmolLM2-135M's user turn in smollm2_learns: with an example of the box, the base boxes ~12% of
-# its samples at temperature 1 (~1% without one), so GRPO sees the format it is asked for.
-BOXED_EXAMPLE_TEMPLATE = ("{question}\nPut the final answer in \\boxed{{}}, "
-                          "for example \\boxed{{7}}.")
+# SmolLM2-135M's user turn in smollm2_learns: the question, then the format asked for. No
+# example answer: with "for example \\boxed{7}" the policy learned to box the 7 (run 5).
+BOXED_TEMPLATE = "{question}\nPut the final answer in \\boxed{{}}."
 # reasoning-gym's chain_sum at 2-3 terms of 1-2 digits: the base's held-out greedy accuracy
 # ~0.07-0.2 (README, "A real model learns"): room to learn, and enough right samples to learn from.
 CHAIN_SUM_EASY = '{"max_digits": 2, "max_terms": 3, "min_digits": 1, "min_terms": 2}'
@@ -160,20 +160,22 @@ CHAIN_SUM_EASY = '{"max_digits": 2, "max_terms": 3, "min_digits": 1, "min_terms"
 
 def smollm2_learns(c: ml_collections.ConfigDict) -> None:
     """A real model learning on CPU (README, "A real model learns"): LoRA GRPO of the bundled
-    SmolLM2-135M-Instruct on reasoning-gym's chain_sum, answers asked in \\boxed{}, rewarded for
-    the right answer (0.6, read leniently) and 0.4 more when it is boxed
-    (`reasoning_gym_right_boxed`: the first run's reward, which also paid a wrong boxed answer,
-    taught the box and cost accuracy); evaluated before the first step and every 10, greedy and
-    sampled. Sampled at temperature 0.8: at 1.0 the base's samples were right less than half as
-    often as its greedy answers (0.044 vs 0.105), so fewer groups carried a signal. LoRA at
-    3e-4: at 1e-4 neither the greedy accuracy nor the reward moved in 20 steps (docs/results/
-    smollm2_learns/run3_lr1e-4). With 0.1 more for any box (`reasoning_gym_box_nudged`, run 5)
-    it learned to box the prompt's example answer, \\boxed{7}, after its own sum."""
+    SmolLM2-135M-Instruct on reasoning-gym's chain_sum, answers asked in \\boxed{}, rewarded
+    (`reasoning_gym_box_own`) 0.6 for the right answer (read leniently), 1.0 for a right boxed
+    one, and 0.1 for a wrong answer boxed as the completion's own result (its last number before
+    the box), else 0; evaluated before the first step and every 10, greedy and sampled (run 6,
+    docs/results/smollm2_learns). Why each choice: paying any box (run 1) taught the box and
+    cost accuracy; paying it on right answers only (run 4) never paid it, the base boxing ~2%
+    of its answers; paying any box 0.1 with an example answer in the prompt (run 5) taught the
+    policy to box the example. Sampled at temperature 0.8: at 1.0 the base's samples were right
+    less than half as often as its greedy answers (0.044 vs 0.105), so fewer groups carried a
+    signal. LoRA at 3e-4: at 1e-4 neither the greedy accuracy nor the reward moved in 20 steps
+    (run 3)."""
     c.model.update(source="gguf", path="bundled", system_prompt=BOXED_ANSWER_PROMPT,
-                   user_template=BOXED_EXAMPLE_TEMPLATE)
+                   user_template=BOXED_TEMPLATE)
     c.data.update(source="reasoning_gym", task="chain_sum", task_config=CHAIN_SUM_EASY,
                   train_size=512, eval_size=64, seed=1, eval_seed=2,
-                  verifier="reasoning_gym_right_boxed")
+                  verifier="reasoning_gym_box_own")
     c.rollout.update(n=8, temperature=0.8, max_new_tokens=128)
     c.train.update(problems_per_step=8, total_steps=40, learning_rate=3e-4, max_grad_norm=1.0,
                    advantage="dr_grpo", lora_rank=16, logprob_chunk=256, remat=True,

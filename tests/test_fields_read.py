@@ -40,6 +40,7 @@ def test_a_recording_view_records_leaves_blocks_read_whole_and_copies():
     ("grpo.py", "isocompute.ns", (2, 4), "rl with method grpo"),    # the sweep's, not a run's
     ("grpo.py", "compile.topology", "v5e-8", "rl with method grpo"),  # the compile job's
     ("eval.py", "train.learning_rate", 0.5, "eval with method pope"),  # an eval trains nothing
+    ("grpo.py", "model.system_prompt", "Be brief.", "rl with method grpo"),  # a task's prompts
 ])
 def test_a_field_of_a_block_the_job_reads_no_further_is_refused_in_one_line(
         name, field, value, job, tmp_path):
@@ -54,6 +55,44 @@ def test_a_field_of_a_block_the_job_reads_no_further_is_refused_in_one_line(
     assert line.startswith(f"config.{field} is set but no stage of job {job} reads it (")
     assert line.endswith("expected it left at its default")
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"data.task_config": '{"a": 1}'}, "data.task_config"),  # reasoning-gym's generator only
+    ({"data.question_field": "q"}, "data.question_field"),    # a problem file's only
+    ({"model.source": "hf", "model.path": "/m", "sft.lr": 0.5}, "sft.lr"),  # a base given
+])
+def test_a_field_its_blocks_reader_skips_is_unread(changes, field):
+    """Model and data: each block is read by its owner (the policy's settings, the problem
+    loader) field by field, as the run will use them."""
+    config = smoke("grpo.py")
+    for name, value in changes.items():
+        block, key = name.split(".")
+        config[block][key] = value
+    unread = {f for f, _ in preflight.unread(config)}
+    assert field in unread and not (set(changes) - {field}) & unread
+
+
+@pytest.mark.parametrize("name,job", [
+    ("grpo.py", "rl"),
+    pytest.param("pope.py", "rl", marks=pytest.mark.slow),
+    pytest.param("prefixrl.py", "rl", marks=pytest.mark.slow),
+    pytest.param("pope.py", "mine", marks=pytest.mark.slow),
+])
+def test_a_run_reads_no_field_its_preflight_did_not(name, job, base, tmp_path):
+    """By construction: the job, run over a recording view, reads nothing that preflight's
+    settings and stage readers did not (so no field a run uses can be refused as unread)."""
+    import importlib
+
+    from jaxprefix.main import JOBS
+
+    config = smoke(name)
+    config.job, config.model.path = job, base
+    before = preflight.fields_read(config, str(tmp_path))[1]
+    view, reads = recording(config)
+    module, function = JOBS[job]
+    getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)(view, str(tmp_path))
+    assert reads and reads <= before, sorted(reads - before)
 
 
 def test_what_the_job_reads_passes_and_its_settings_come_back_on_the_config_itself(tmp_path):
@@ -89,4 +128,26 @@ def test_refused_on_the_command_line_before_any_work(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "error: config.isocompute.ns is set but no stage of job rl with method grpo reads "
         "it (its settings read other isocompute.* fields); expected it left at its default")
+    assert not workdir.exists()
+
+
+def test_a_variants_fields_the_command_line_made_moot_are_reset_its_own_refused(tmp_path):
+    """--config.data.source=file on a built-in task's variant: the task's fields the variant set
+    go back to their defaults (logged), as the README's own-data commands need; a field the
+    command line set that the run does not read is still refused."""
+    problems = tmp_path / "p.jsonl"
+    problems.write_text('{"question": "1+1", "answer": "2"}\n')
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smoke",
+         "--config.data.source=file", f"--config.data.path={problems}",
+         "--config.data.verifier=exact", "--config.data.task=chain_sum", f"--workdir={workdir}"],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 1
+    assert "config.data.digits: set by the config file, not read once the command line's " \
+           "changes apply; back at its default" in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: config.data.task is set but no stage of job rl with method grpo reads it (its "
+        "settings read other data.* fields); expected it left at its default")
     assert not workdir.exists()

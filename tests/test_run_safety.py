@@ -209,6 +209,8 @@ def test_prompt_guidance_a_task_policy_cannot_read_fails_in_preflight(tmp_path):
     path.write_text(json.dumps({"question": "12", "answer": "1"}) + "\n")
     config = variants.method_config(os.path.join(ROOT, "configs", "pope.py"), "pope", "smoke")[0]
     assert config.pope.guidance == "instruction" and config.model.source == "sft"
+    # A file's problems: the built-in task's data fields back at their defaults (else unread).
+    config.data = run_config.base_config().data
     config.data.update(source="file", path=str(path), verifier="exact")
     # Used to pass here and fail at the prefix search, after the base's SFT and the mining.
     with pytest.raises(ConfigError, match=r"pope.guidance='instruction': problems from \['p'\] "

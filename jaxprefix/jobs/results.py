@@ -24,7 +24,7 @@ import math
 from jaxprefix import storage
 from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
-from jaxprefix.jobs.rl import key_step_probe_of, run_rl
+from jaxprefix.jobs.rl import key_step_probe, run_rl
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
@@ -120,7 +120,7 @@ def _study_record(study: Study) -> dict:
                                               study.hard.problems),
               "mining": {}}
     if study.config.eval.get("key_step_probe"):  # the base's eps, a, rho: the sweep's x axis
-        record["base_probe"] = key_step_probe_of(study.config, study.policy, study.sets)(
+        record["base_probe"] = key_step_probe(study.config.data.source, study.policy, study.sets)(
             study.policy.model)
     record["mining"] = storage.read_json(storage.join(study.mining.dir, LEDGER))
     if "trace_pool" in record["mining"]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from absl import logging
 
-from jaxprefix import distributed, key_step_probe, models, run_identity, storage
+from jaxprefix import distributed, models, run_identity, storage
+from jaxprefix import key_step_probe as probing
 from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 from jaxprefix.rl import compute_ledger, loop
@@ -21,23 +22,22 @@ from jaxprefix.storage import workdir_lock
 
 def build_method(settings: RunSettings, policy, sets, mining):
     """The configured method over its training problems, mining first where it needs to."""
-    config = settings.config
+    config, evals = settings.config, settings.loop.eval
     # Every host builds the same global request (problem lists are small): the sampler and the
     # learner then place their rows over the global mesh, and all hosts agree on every batch.
-    common = dict(problems_per_step=config.train.problems_per_step, n=config.rollout.n,
-                  seed=config.seed, eval_problems=sets.eval, eval_n=config.eval.n)
-    if config.eval.get("hard_set"):
+    common = dict(problems_per_step=config.train.problems_per_step, n=settings.loop.n,
+                  seed=settings.loop.seed, eval_problems=sets.eval, eval_n=evals.n)
+    if evals.hard_set:
         common["hard_eval_problems"] = mining.hard_set().problems
     return settings.method.build(policy.prompts, sets, mining, **common)
 
 
-def key_step_probe_of(config, policy, sets):
-    """The loop's probe under eval.key_step_probe: the teacher-forced key-step figures of the
-    eval set (jaxprefix/key_step_probe.py), logged as probe/* at each evaluation; else None."""
-    if not config.eval.get("key_step_probe"):
-        return None
-    task, problems, tokenizer = tasks.get(config.data.source), list(sets.eval), policy.tokenizer
-    return lambda model: key_step_probe.probe(model, problems, tokenizer, task).metrics()
+def key_step_probe(source: str, policy, sets):
+    """The teacher-forced key-step figures of the eval set of built-in task `source`
+    (jaxprefix/key_step_probe.py) as a function of the model: the loop logs them as probe/* at
+    each evaluation under eval.key_step_probe."""
+    task, problems, tokenizer = tasks.get(source), list(sets.eval), policy.tokenizer
+    return lambda model: probing.probe(model, problems, tokenizer, task).metrics()
 
 
 def training_cost(config, contexts_per_step: int, num_params: int) -> str:
@@ -69,7 +69,7 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
     run_identity.claim(config, workdir)  # a resume under another config stops here, unmined
     # Before any work: a mesh or device split these devices cannot hold is one line.
     try:
-        mesh, sampler_mesh = models.split_meshes(settings.rollout.devices, **config.mesh)
+        mesh, sampler_mesh = models.split_meshes(settings.rollout.devices, **settings.mesh)
     except ValueError as e:
         raise ConfigError(f"config.{e}" if str(e).startswith("rollout.") else str(e)) from None
     policy, sets, mining = set_up(config, workdir)
@@ -84,7 +84,8 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
                         rollout=settings.rollout, contexts_per_step=contexts,
                         stop_ids=policy.stop_ids, mesh=mesh, sampler_mesh=sampler_mesh,
                         ledger=ledger,
-                        probe=key_step_probe_of(config, policy, sets),
+                        probe=(key_step_probe(config.data.source, policy, sets)
+                               if settings.loop.eval.key_step_probe else None),
                         tools=settings.tools, environment=settings.environment)
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops

@@ -28,6 +28,9 @@ class EvalSettings:
     before_train: bool = False   # also at step 0, before the first update (verl's default)
     greedy: bool = False         # also one greedy sample a problem: what a user sees
     ks: tuple[int, ...] = (1,)   # the k of pass@k
+    n: int = 1                   # samples a held-out problem
+    hard_set: bool = False       # also the mined hard set's problems (eval/hard_*)
+    key_step_probe: bool = False # the teacher-forced key-step figures (built-in tasks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,14 +121,22 @@ def wandb_settings(config) -> WandbSettings | None:
                          run_config=unwrapped(config).to_dict())
 
 
+def eval_settings(e) -> EvalSettings:
+    """config.eval's settings: the evaluation's plan, read whole even where eval.every is 0 (a
+    variant's plan stays acceptable to a run that turns evaluation off)."""
+    return EvalSettings(every=e.every, before_train=bool(e.get("before_train", False)),
+                        greedy=bool(e.get("greedy", False)), ks=tuple(e.ks), n=e.n,
+                        hard_set=bool(e.get("hard_set", False)),
+                        key_step_probe=bool(e.get("key_step_probe", False)))
+
+
 def loop_settings(config) -> LoopSettings:
     """The RL loop's settings (rl/loop_settings.py) of a config `validate` has checked."""
     t, e = config.train, config.eval
     return LoopSettings(
         seed=config.seed, n=config.rollout.n, total_steps=int(t.total_steps),
         rewards=reward_settings(config),
-        eval=EvalSettings(every=e.every, before_train=bool(e.get("before_train", False)),
-                          greedy=bool(e.get("greedy", False)), ks=tuple(e.ks)),
+        eval=eval_settings(e),
         advantage=t.advantage, pass_k=t.get("pass_k", 1),
         dynamic_sampling=bool(t.dynamic_sampling), max_refill_rounds=t.max_refill_rounds,
         mask_truncated=bool(t.get("mask_truncated", False)),

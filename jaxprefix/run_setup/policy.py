@@ -16,6 +16,7 @@ from jaxprefix.checkpoints.hf import from_pretrained
 from jaxprefix.checkpoints.hf import from_gguf
 from jaxprefix import models, storage, tokenizers
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts
+from jaxprefix.config_reads import unwrapped
 from jaxprefix.errors import ConfigError
 
 SOURCES = ("sft", "hf", "gguf")
@@ -42,38 +43,72 @@ def base_dir(config, workdir: str) -> str:
     return config.model.get("path") or storage.join(workdir, "base")
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicySettings:
+    """config.model, read once (and config.sft, the recipe of the demo's base): where the weights
+    come from, their dtypes and how problems become the policy's prompts."""
+    source: str                       # SOURCES
+    path: str                         # the HF directory or GGUF file; 'sft': the base's directory
+    dtype: str                        # compute dtype
+    param_dtype: str                  # the weights held (the compute dtype under LoRA)
+    system_prompt: str | None = None  # a chat model's
+    user_template: str = "{question}"
+    sft: object = None                # source 'sft': the settings that train an absent base
+
+    @classmethod
+    def from_config(cls, config, workdir: str = "") -> PolicySettings:
+        source = config.model.source
+        if source not in SOURCES:
+            raise ConfigError(f"config.model.source={source!r}: expected one of {SOURCES}")
+        try:
+            dtype, param_dtype = model_dtypes(config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if source == "sft":  # a task's prompts: no system prompt, no template
+            sft = config.get("sft") or None
+            if sft is not None:
+                sft.to_dict()  # the base is trained from the whole block: every field read
+            return cls(source, base_dir(config, workdir), dtype, param_dtype,
+                       sft=unwrapped(sft))
+        template = config.model.get("user_template", "{question}")
+        try:
+            template.format(question="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(f"config.model.user_template={template!r}: expected a template "
+                              f"whose only field is {{question}} (literal braces doubled): "
+                              f"{e!r}") from None
+        return cls(source, config.model.get("path", ""), dtype, param_dtype,
+                   config.model.get("system_prompt") or None, template)
+
+    @property
+    def weights_path(self) -> str:
+        """The model's files: path, or the bundled SmolLM2's GGUF for 'bundled'."""
+        if self.source == "gguf" and self.path == "bundled":
+            from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+
+            return bundled_smollm2_path()
+        return self.path
+
+    def chat_prompts(self, tokenizer) -> ChatPrompts:
+        return ChatPrompts(tokenizer, self.system_prompt, self.user_template)
+
+
 def load_policy(config, workdir: str) -> Policy:
     """The policy named by `config.model`, built (sft) or read from disk."""
-    source = config.model.source
-    dtype, param_dtype = model_dtypes(config)
-    if source == "sft":
+    s = PolicySettings.from_config(config, workdir)
+    if s.source == "sft":
         from jaxprefix.run_setup import sft_base
 
-        path = base_dir(config, workdir)
-        if not sft_base.is_complete(path):  # absent, or its save was cut short: (re)train it
-            sft_base.train_base(config.sft, storage.dirname(path) or ".")
-        model, tokenizer = sft_base.load_base(path, dtype, param_dtype)
-        return Policy(model, tokenizer, TaskPrompts(tokenizer), source)
-    if source == "hf":
-        model, _ = from_pretrained(config.model.path, dtype, param_dtype=param_dtype)
-    elif source == "gguf":
-        model, _ = from_gguf(_weights_path(config), dtype, param_dtype=param_dtype)
+        if not sft_base.is_complete(s.path):  # absent, or its save was cut short: (re)train it
+            sft_base.train_base(s.sft, storage.dirname(s.path) or ".")
+        model, tokenizer = sft_base.load_base(s.path, s.dtype, s.param_dtype)
+        return Policy(model, tokenizer, TaskPrompts(tokenizer), s.source)
+    if s.source == "hf":
+        model, _ = from_pretrained(s.path, s.dtype, param_dtype=s.param_dtype)
     else:
-        raise ValueError(f"config.model.source={source!r}: expected one of {SOURCES}")
-    tokenizer = tokenizers.load(_weights_path(config))
-    prompts = chat_prompts(config, tokenizer)
-    return Policy(model, tokenizer, prompts, source)
-
-
-def chat_prompts(config, tokenizer) -> ChatPrompts:
-    """A chat model's prompts: config.model's system prompt and user template, checked."""
-    template = config.model.get("user_template", "{question}")
-    try:
-        template.format(question="")
-    except (KeyError, IndexError, ValueError) as e:
-        raise ConfigError(f"config.model.user_template={template!r}: expected a template whose "
-                          f"only field is {{question}} (literal braces doubled): {e!r}") from None
-    return ChatPrompts(tokenizer, config.model.get("system_prompt") or None, template)
+        model, _ = from_gguf(s.weights_path, s.dtype, param_dtype=s.param_dtype)
+    tokenizer = tokenizers.load(s.weights_path)
+    return Policy(model, tokenizer, s.chat_prompts(tokenizer), s.source)
 
 
 def model_dtypes(config) -> tuple[str, str]:
@@ -95,14 +130,6 @@ def model_dtypes(config) -> tuple[str, str]:
     return out[0], out[1]
 
 
-def _weights_path(config) -> str:
-    if config.model.source == "gguf" and config.model.path == "bundled":
-        from jaxprefix.checkpoints.gguf import bundled_smollm2_path
-
-        return bundled_smollm2_path()
-    return config.model.path
-
-
 @dataclasses.dataclass(frozen=True)
 class PolicyInputs:
     """What the configured policy reads besides its weights, read before they are."""
@@ -120,49 +147,40 @@ def check_policy_inputs(config, workdir: str) -> PolicyInputs:
     from jaxprefix import storage
     from jaxprefix.errors import ConfigError, ModelError
 
-    source = config.model.source
-    if source not in SOURCES:
-        raise ConfigError(f"config.model.source={source!r}: expected one of {SOURCES}")
-    try:
-        model_dtypes(config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    if source == "sft":
+    s = PolicySettings.from_config(config, workdir)
+    if s.source == "sft":
         from jaxprefix.run_setup import sft_base
 
-        path = base_dir(config, workdir)
-        if sft_base.is_complete(path):
-            tokenizer = tokenizers.load(path)
-            hf = storage.read_json(storage.join(path, "config.json"))
+        if sft_base.is_complete(s.path):
+            tokenizer = tokenizers.load(s.path)
+            hf = storage.read_json(storage.join(s.path, "config.json"))
         else:
-            if not config.get("sft"):
-                raise ConfigError(f"config.sft is empty and {path} holds no trained base: "
+            if s.sft is None:
+                raise ConfigError(f"config.sft is empty and {s.path} holds no trained base: "
                                   "expected the SFT settings of configs/sft.py")
             try:
-                tokenizer = sft_base.task_of(config.sft).tokenizer()
-                hf = sft_base.model_config(config.sft, tokenizer).to_hf()
+                tokenizer = sft_base.task_of(s.sft).tokenizer()
+                hf = sft_base.model_config(s.sft, tokenizer).to_hf()
             except (ValueError, AttributeError, KeyError) as e:
                 raise ConfigError(f"config.sft.model: {e}") from None
         return PolicyInputs(tokenizer, TaskPrompts(tokenizer), int(hf["max_position_embeddings"]),
                             _has_experts(hf))
-    if not config.model.get("path"):
+    if not s.path:
         raise ConfigError(f"config.model.path is empty: expected the model's "
-                          f"{'HF directory' if source == 'hf' else 'GGUF file'} "
+                          f"{'HF directory' if s.source == 'hf' else 'GGUF file'} "
                           f"(--config.model.path=...)")
-    path = _weights_path(config)
     try:
-        if source == "hf":
-            hf = _check_model_dir(path)
+        if s.source == "hf":
+            hf = _check_model_dir(s.weights_path)
         else:
             from jaxprefix.checkpoints.gguf import read_gguf_config
 
-            hf = read_gguf_config(path)
-        tokenizer = tokenizers.load(path)
+            hf = read_gguf_config(s.weights_path)
+        tokenizer = tokenizers.load(s.weights_path)
     except (FileNotFoundError, ValueError) as e:  # what the readers say, naming the file
-        raise ModelError(f"config.model.path={config.model.path!r}: {e}") from None
-    prompts = chat_prompts(config, tokenizer)
-    return PolicyInputs(tokenizer, prompts, int(hf.get("max_position_embeddings", 8192)),
-                        _has_experts(hf))
+        raise ModelError(f"config.model.path={s.path!r}: {e}") from None
+    return PolicyInputs(tokenizer, s.chat_prompts(tokenizer),
+                        int(hf.get("max_position_embeddings", 8192)), _has_experts(hf))
 
 
 def _has_experts(hf: dict) -> bool:

@@ -8,11 +8,14 @@ verifier (main has checked the storage backends of every gs:// path first). It w
 main calls it before it locks the workdir. Every failure is a UserError, one line from main.
 
 Every field a run is given is read, or the run is refused (`unread`), whatever its block: the
-job's settings are built over a recording view of the config (`fields_read`; config_reads), and
-a field that differs from run_config.base_config() (set by a variant or on the command line)
-that no settings builder read is refused in one line naming it and the job. The blocks a job's
-stages still take raw count as read whole (RAW_BLOCKS); a config file built on another job's
-variant leaves what its job does not read at its default (`reset_unread`: configs/eval.py).
+job's settings and its stages' own readers (the policy's settings, the problem loader's fields,
+mining) run over a recording view of the config (`fields_read`; config_reads), and a field
+that differs from run_config.base_config() (set by a variant or on the command line) that none
+of them read is refused in one line naming it and the job. Only main's own blocks, a study's
+plan and the launch's compile context are read whole (DOOR, STUDY_BLOCKS, LAUNCH_FIELDS), and
+tests/test_fields_read runs jobs over a recording view to show that a run reads no field its
+preflight did not. A config file built on another job's variant leaves what its job does not
+read at its default (`reset_unread`: configs/eval.py).
 The results job resolves each of its runs and refuses a field a run changes that it does not
 read. pope.template is refused besides on a policy whose prompts have no template (a built-in
 task's TaskPrompts: its hint is a layout, not English) or with guidance that puts no
@@ -24,6 +27,7 @@ must be its SFT base's.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from jaxprefix import config_fields, storage
 from jaxprefix.config_reads import read_whole, recording, unwrapped
@@ -34,21 +38,17 @@ TRAINING_JOBS = ("rl", "demo", "results", "sweep", "prereg", "tools")
 # other jobs config.method alone).
 JOB_METHODS = {"demo": ("pope", "grpo"), "results": ("grpo", "pope", "prefixrl")}
 FIELDS_CHECKED = ("rl", "mine", "eval", "demo", "results", "sweep", "prereg", "tools")
-# The blocks a job's stages still take raw, not as typed settings: each is read whole by the jobs
-# that run the stage, so any of its fields counts as read there. Every other field counts as
-# read only if the job's settings builders read it (fields_read records them).
-_RUN = ("job", "method", "seed", "allow_changes", "storage", "workdir_lock", "distributed",
-        "model", "sft", "data", "rewards")           # policy.load_policy, problem_sets, run_identity
-_SAMPLE = _RUN + ("mining",)                          # mining.set_up
-# rl.loop.train; and compile.context_length, the context the run's programs are planned for:
-# launch/tpu.sh compiles a run's own config (the compile job) before it runs it.
-_TRAIN = _SAMPLE + ("eval", "checkpoint", "metrics", "mesh", "compile.context_length")
-RAW_BLOCKS = {"rl": _TRAIN, "mine": _SAMPLE, "eval": _SAMPLE + ("eval",), "demo": _TRAIN,
-              # every method's blocks: its study (prefix search, trace pools, regime, report)
-              # reads them whatever results.runs chooses
-              "results": _TRAIN + ("results", "pope", "prefixrl", "schedule"),
-              "sweep": _TRAIN + ("isocompute",), "prereg": _TRAIN + ("isocompute",),
-              "tools": _TRAIN + ("tool_study",)}
+# What a job reads beyond its settings and its stages' own readers (`fields_read`), read whole:
+# main's fields, read for every job before its settings (the distributed runtime, storage's
+# retry deadline, the workdir lock, the run's identity and its allowed changes);
+DOOR = ("job", "allow_changes", "storage", "distributed", "workdir_lock")
+# a study job's own plan and report (each of its runs reads the rest through its settings);
+STUDY_BLOCKS = {"demo": ("eval",), "results": ("results", "pope", "prefixrl", "schedule", "eval"),
+                "sweep": ("isocompute",), "prereg": ("isocompute",),
+                "tools": ("tool_study", "eval")}
+# and the context a training run's programs are planned for: launch/tpu.sh compiles a run's own
+# config (the compile job) before it runs it.
+LAUNCH_FIELDS = ("compile.context_length",)
 # The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
 TOOL_JOBS = ("rl", "tools")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
@@ -109,8 +109,8 @@ def check(config, workdir: str):
     from jaxprefix.run_setup.policy import check_policy_inputs
     from jaxprefix.run_setup.problem_sets import load_problem_sets, prompt_limit
 
-    settings, reads = fields_read(config, workdir)
-    inputs = check_policy_inputs(config, workdir)
+    settings, view, reads = _settings_recorded(config, workdir)
+    inputs = check_policy_inputs(view, workdir)
     if config.job in TRAINING_JOBS:
         from jaxprefix.run_setup.learner_settings import routing_replay
 
@@ -121,13 +121,15 @@ def check(config, workdir: str):
         _check_template_read(config, inputs.prompts)
         _check_probe_read(config)
         _check_tools_read(config, inputs.tokenizer)
-        _check_fields_read(config, reads)  # after the checks that say more of why
-    limit = prompt_limit(config, inputs.prompts, inputs.context_length)
-    sets = load_problem_sets(config.data, limit, rewards_path=config.rewards.path)
+    limit = prompt_limit(view, inputs.prompts, inputs.context_length)
+    sets = load_problem_sets(view.data, limit, rewards_path=view.rewards.path)
     if _guides_in_prompt(config):
         from jaxprefix.methods.prompting import check_hint_layouts
 
         _as_config_error(check_hint_layouts, inputs.prompts, sets.train)
+    if config.job in FIELDS_CHECKED:
+        _mining_reads(view)
+        _check_fields_read(config, reads)  # after the checks that say more of why
     return settings
 
 
@@ -157,19 +159,51 @@ def _methods_run(config) -> tuple[str, ...]:
 
 
 def fields_read(config, workdir: str = "") -> tuple[object, set[str]]:
-    """(the job's settings, every field they read): the settings built over a recording view
-    (config_reads), plus the blocks the job's stages take whole (RAW_BLOCKS)."""
+    """(the job's settings, every field it reads): its settings and its stages' own readers
+    (`_stage_reads`) run over a recording view (config_reads), plus the blocks above read whole
+    (DOOR, STUDY_BLOCKS, LAUNCH_FIELDS)."""
+    settings, view, reads = _settings_recorded(config, workdir)
+    if config.job in FIELDS_CHECKED:
+        _stage_reads(view, workdir)
+    return settings, reads
+
+
+def _stage_reads(view, workdir: str) -> None:
+    """Reads what a sampling job's stages read besides its settings, by their own readers: the
+    policy's settings (load_policy), the prompt budget, the problem loader (load_problem_sets:
+    the fields of its source, read without loading a problem) and Mining. Preflight's `check`
+    runs the same readers, on the model's files and problems too."""
+    from jaxprefix.run_setup.policy import PolicySettings
+    from jaxprefix.run_setup.problem_sets import prompt_limit, source_fields
+
+    _as_config_error(PolicySettings.from_config, view, workdir)
+    prompt_limit(view, None, sys.maxsize)  # its fields; the model's context is not read here
+    _as_config_error(source_fields, view.data)
+    view.rewards.get("path")  # the loader's verifier: a function in a file, or data.verifier
+    _mining_reads(view)
+
+
+def _mining_reads(view) -> None:
+    """set_up's Mining: its caches and prober read the mining block whole, its samples seeded."""
+    view.mining.to_dict()
+    view.seed
+
+
+def _settings_recorded(config, workdir: str):
+    """(the job's settings, the recording view they were built over, the fields read so far,
+    the blocks above included)."""
     view, reads = recording(config)
     settings = _as_config_error(_check_settings, view, workdir)
     if settings is not None:  # the run goes on with the config itself, not the view
         settings = dataclasses.replace(settings, config=unwrapped(settings.config))
-    for block in RAW_BLOCKS.get(config.job, ()):
+    launched = LAUNCH_FIELDS if config.job in TRAINING_JOBS else ()
+    for block in (*DOOR, *STUDY_BLOCKS.get(config.job, ()), *launched):
         reads |= read_whole(config, block)
     if config.job == "rl" and config.get("isocompute", {}).get("config_arg"):
         # one point of a sweep, run as the sweep printed it (configs/isocompute.py): it carries
         # the sweep's own settings, which its run does not read
         reads |= read_whole(config, "isocompute")
-    return settings, reads
+    return settings, view, reads
 
 
 def unread(config, reads: set[str] | None = None) -> list[tuple[str, str]]:
@@ -180,18 +214,34 @@ def unread(config, reads: set[str] | None = None) -> list[tuple[str, str]]:
             for field in _changed(config) if field not in reads]
 
 
-def reset_unread(config) -> None:
+def reset_unread(config, only=None) -> list[str]:
     """Puts each field `config.job` does not read (`unread`) back to run_config's default: for a
-    config file that builds on another job's variant (configs/eval.py on an rl run's)."""
+    config file that builds on another job's variant (configs/eval.py on an rl run's). `only`:
+    a predicate on the field's name choosing which. Returns the fields reset."""
     from jaxprefix.run_config import base_config
 
     defaults = dict(config_fields.leaves(base_config()))
-    for field, _ in unread(config):
+    reset = [field for field, _ in unread(config) if only is None or only(field)]
+    for field in reset:
         *blocks, name = field.split(".")
         node = config
         for block in blocks:
             node = node[block]
         node[name] = defaults[field]
+    return reset
+
+
+def reset_mooted(config, overrides) -> list[str]:
+    """The config file's fields that the command line's `overrides` (dotted field names) left
+    unread, back at their defaults: a variant's reasoning-gym task on a run whose
+    --config.data.source=file reads a file instead (README's own-data commands). Only fields of
+    a block an override touches, and none the command line set itself: those, like a config
+    file's own unread fields, are refused by `check`. Returns the fields reset."""
+    if config.job not in FIELDS_CHECKED or not overrides:
+        return []
+    touched = {o.split(".")[0] for o in overrides}
+    return reset_unread(config, only=lambda field: field.split(".")[0] in touched
+                        and field not in overrides)
 
 
 def _why(config, field: str, methods, reads: set[str]) -> str:
@@ -380,6 +430,7 @@ def _check_settings(config, workdir: str):
 
             lora_config(config)
             prefix_search(config)
+            config.eval.n, config.eval.ks  # its samples a problem and pass@k (jobs/evaluate)
         return None
     if config.job == "demo":  # each method it runs, resolved as its run
         for method in JOB_METHODS["demo"]:
@@ -418,8 +469,8 @@ def _check_arms(config) -> None:
             block, key = field.split(".")
             arm[block][key] = value
         resolve(arm)
-        for block in RAW_BLOCKS["rl"]:  # each run is an rl run
-            reads |= read_whole(config, block)
+        _stage_reads(arm, "")  # each run is an rl run
+        reads |= read_whole(config, "compile.context_length")
         _refuse_unread([(f, _why(config, f, (spec.method,), reads)) for f in spec.settings
                         if f not in reads], f"run {name} of job results (method {spec.method})")
 

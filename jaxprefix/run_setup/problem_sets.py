@@ -80,13 +80,13 @@ def load_problem_sets(data, limit: PromptLimit | None = None, *,
     verifier = rewards.verifier_name(rewards_path, data.verifier)
     where: dict[str, str] = {}  # problem id -> 'file:line N' for problems read from files
     sets = _load(data, where)  # a built-in task registers its verifier here
+    skip = bool(data.get("skip_invalid", False))
     if verifier not in rewards.names():
         raise ConfigError(f"config.data.verifier={data.verifier!r}: expected one of "
                           f"{sorted(rewards.names())}")
     sets = dataclasses.replace(sets, verifier=verifier)
     if limit is None:
         return sets
-    skip = bool(data.get("skip_invalid", False))
     kept, skipped = {}, []
     for name in ("train", "eval", "easy"):
         kept[name] = []
@@ -121,56 +121,78 @@ def _prompt_error(limit: PromptLimit, problem: Problem, where: str) -> str | Non
     return None
 
 
-def _load(data, where: dict) -> ProblemSets:
-    if data.source in BUILT_IN:
+def source_fields(data) -> dict:
+    """What the loader reads of config.data for its source, read here alone and without loading
+    a problem (preflight records these reads; a field another source reads is left unread)."""
+    return dict(verifier=data.verifier, skip_invalid=bool(data.get("skip_invalid", False)),
+                **_source_fields(data))
+
+
+def _source_fields(data) -> dict:
+    source = data.source
+    if source in BUILT_IN:
         from jaxprefix.data import tasks
 
-        task = tasks.get(data.source)
-        return ProblemSets(*task.problem_sets(data), data.verifier)
-    if data.source == "file":
+        return dict(source=source, **tasks.get(source).data_settings(data))
+    if source not in SOURCES:
+        raise ConfigError(f"config.data.source={source!r}: expected one of {SOURCES}")
+    sizes = dict(train_size=data.train_size, eval_size=data.eval_size)
+    if source == "reasoning_gym":
+        return dict(source=source, task=data.task, task_config=task_config(data),
+                    seed=data.seed, eval_seed=data.eval_seed, **sizes)
+    fields = dict(question_field=data.question_field, solution_field=data.solution_field,
+                  answer_field=data.answer_field)
+    if source == "file":
+        return dict(source=source, path=data.path, eval_path=data.eval_path, fields=fields,
+                    **sizes)
+    return dict(source=source, path=data.path, split=data.split, eval_path=data.eval_path,
+                eval_split=data.eval_split, fields=fields, **sizes)
+
+
+def _load(data, where: dict) -> ProblemSets:
+    f = source_fields(data)
+    source, verifier = f["source"], f["verifier"]
+    if source in BUILT_IN:
+        from jaxprefix.data import tasks
+
+        return ProblemSets(*tasks.get(source).problem_sets(data), verifier)
+    if source == "file":
         from jaxprefix.data import read_problem_file
 
-        if not data.path:
+        if not f["path"]:
             raise ConfigError("config.data.path='': expected a .jsonl, .json or .parquet file "
                               "of training problems (data.source='file')")
-        fields = dict(question_field=data.question_field, solution_field=data.solution_field,
-                      answer_field=data.answer_field,
-                      skip_invalid=bool(data.get("skip_invalid", False)))
-        reports = [read_problem_file(p, **fields) for p in (data.path, data.eval_path) if p]
+        reports = [read_problem_file(p, **f["fields"], skip_invalid=f["skip_invalid"])
+                   for p in (f["path"], f["eval_path"]) if p]
         for report in reports:
             where.update((p.id, f"{report.path}:{location}")
                          for p, location in zip(report.problems, report.locations))
-        train = reports[0].problems[:data.train_size or None]
-        held_out = reports[1].problems if data.eval_path else []
-        return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
-    if data.source in ("hf", "tfds"):
-        if data.source == "hf":
+        train = reports[0].problems[:f["train_size"] or None]
+        held_out = reports[1].problems if f["eval_path"] else []
+        return ProblemSets(train, held_out[:f["eval_size"] or None], [], verifier)
+    if source in ("hf", "tfds"):
+        if source == "hf":
             from jaxprefix.data.hf_source import hf_problems as read
         else:
             from jaxprefix.data.tfds_source import tfds_directory_problems as read
-        fields = dict(question_field=data.question_field, solution_field=data.solution_field,
-                      answer_field=data.answer_field)
-        train = read(data.path, data.split, **fields)[:data.train_size or None]
+        train = read(f["path"], f["split"], **f["fields"])[:f["train_size"] or None]
         held_out = []
-        if data.eval_path or data.eval_split:
-            held_out = read(data.eval_path or data.path, data.eval_split or "test", **fields)
-        return ProblemSets(train, held_out[:data.eval_size or None], [], data.verifier)
-    if data.source == "reasoning_gym":
-        from jaxprefix.data import reasoning_gym_problems
+        if f["eval_path"] or f["eval_split"]:
+            held_out = read(f["eval_path"] or f["path"], f["eval_split"] or "test", **f["fields"])
+        return ProblemSets(train, held_out[:f["eval_size"] or None], [], verifier)
+    from jaxprefix.data import reasoning_gym_problems
 
-        settings = task_config(data)
-        train = reasoning_gym_problems(data.task, data.train_size, data.seed, **settings)
-        held_out = reasoning_gym_problems(data.task, data.eval_size,
-                                          data.eval_seed + HELD_OUT_SEEDS, **settings)
-        # A generator repeats questions at small settings: what the policy trains on is not
-        # held out.
-        seen = {p.question for p in train}
-        kept = [p for p in held_out if p.question not in seen]
-        if len(kept) < len(held_out):
-            logging.info("%d held-out problems dropped: their questions are in the training set",
-                         len(held_out) - len(kept))
-        return ProblemSets(train, kept, [], data.verifier)
-    raise ConfigError(f"config.data.source={data.source!r}: expected one of {SOURCES}")
+    settings = f["task_config"]
+    train = reasoning_gym_problems(f["task"], f["train_size"], f["seed"], **settings)
+    held_out = reasoning_gym_problems(f["task"], f["eval_size"], f["eval_seed"] + HELD_OUT_SEEDS,
+                                      **settings)
+    # A generator repeats questions at small settings: what the policy trains on is not held out.
+    seen = {p.question for p in train}
+    kept = [p for p in held_out if p.question not in seen]
+    if len(kept) < len(held_out):
+        logging.info("%d held-out problems dropped: their questions are in the training set",
+                     len(held_out) - len(kept))
+    return ProblemSets(train, kept, [], verifier)
 
 
 def task_config(data) -> dict:

@@ -37,6 +37,7 @@ class RunSettings:
     loop: LoopSettings
     tools: ToolSettings
     environment: EnvironmentSettings
+    mesh: dict               # config.mesh: the learner's axes (data, fsdp, tensor)
 
 
 def resolve(config) -> RunSettings:
@@ -59,4 +60,4 @@ def resolve(config) -> RunSettings:
                              f"config.environment.source={environment.source!r}: the "
                              f"environment takes its own turns; expected rollout.max_turns=1")
     return RunSettings(config, method, rollout, train, learner_settings.loop_settings(config),
-                       tools, environment)
+                       tools, environment, dict(config.mesh))

@@ -133,15 +133,24 @@ def hard_set(count: int, *, seed: int = 0) -> list[Problem]:
     return generate(count, digits=(SLOTS, SLOTS), multipliers=(6, 9), seed=seed)
 
 
+def data_settings(data) -> dict:
+    """The fields of config.data that `problem_sets` uses, read here alone."""
+    easy_size = data.get("easy_size", 0)
+    return dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers),
+                train_size=data.train_size, eval_size=data.eval_size, seed=data.seed,
+                eval_seed=data.eval_seed, easy_size=easy_size,
+                easy_digits=tuple(data.easy_digits) if easy_size else None)
+
+
 def problem_sets(data) -> tuple[list, list, list]:
     """(training candidates, held-out, easy) for config.data: problems of data.digits digits
     times data.multipliers, and data.easy_size easy ones of data.easy_digits."""
-    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers))
-    easy_size = data.get("easy_size", 0)
-    easy = generate(easy_size, digits=tuple(data.easy_digits), seed=data.seed + 1) \
-        if easy_size else []
-    return (generate(data.train_size, seed=data.seed, **shape),
-            generate(data.eval_size, seed=data.eval_seed, **shape), easy)
+    s = data_settings(data)
+    shape = dict(digits=s["digits"], multipliers=s["multipliers"])
+    easy = generate(s["easy_size"], digits=s["easy_digits"], seed=s["seed"] + 1) \
+        if s["easy_size"] else []
+    return (generate(s["train_size"], seed=s["seed"], **shape),
+            generate(s["eval_size"], seed=s["eval_seed"], **shape), easy)
 
 
 def _parse_question(question: str) -> tuple[list[int], int, list[str]]:

@@ -154,17 +154,25 @@ def hard_set(count: int, *, seed: int = 0, names_rule: bool = False) -> list[Pro
     return generate(count, digits=(SLOTS, SLOTS), rule=SECOND, seed=seed, names_rule=names_rule)
 
 
+def data_settings(data) -> dict:
+    """The fields of config.data that `problem_sets` uses, read here alone."""
+    easy_size = data.get("easy_size", 0)
+    return dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers),
+                names_rule=restating_notation(data), train_size=data.train_size,
+                eval_size=data.eval_size, seed=data.seed, eval_seed=data.eval_seed,
+                easy_size=easy_size, easy_digits=tuple(data.easy_digits) if easy_size else None)
+
+
 def problem_sets(data) -> tuple[list, list, list]:
     """(training candidates, held-out, easy) for config.data: rule '>' problems of data.digits
     digits, and as many easy rule '<' problems of data.easy_digits as data.easy_size asks."""
-    named = restating_notation(data)
-    shape = dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers), rule=SECOND,
-                 names_rule=named)
-    easy_size = data.get("easy_size", 0)
-    easy = generate(easy_size, digits=tuple(data.easy_digits), rule=FIRST,
-                    seed=data.seed + 1, names_rule=named) if easy_size else []
-    return (generate(data.train_size, seed=data.seed, **shape),
-            generate(data.eval_size, seed=data.eval_seed, **shape), easy)
+    s = data_settings(data)
+    shape = dict(digits=s["digits"], multipliers=s["multipliers"], rule=SECOND,
+                 names_rule=s["names_rule"])
+    easy = generate(s["easy_size"], digits=s["easy_digits"], rule=FIRST, seed=s["seed"] + 1,
+                    names_rule=s["names_rule"]) if s["easy_size"] else []
+    return (generate(s["train_size"], seed=s["seed"], **shape),
+            generate(s["eval_size"], seed=s["eval_seed"], **shape), easy)
 
 
 def _parse_question(question: str) -> tuple[list[int], int, int, list[str]]:
