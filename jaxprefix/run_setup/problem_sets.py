@@ -80,13 +80,13 @@ def load_problem_sets(data, limit: PromptLimit | None = None, *,
     verifier = rewards.verifier_name(rewards_path, data.verifier)
     where: dict[str, str] = {}  # problem id -> 'file:line N' for problems read from files
     sets = _load(data, where)  # a built-in task registers its verifier here
-    skip = bool(data.get("skip_invalid", False))
     if verifier not in rewards.names():
         raise ConfigError(f"config.data.verifier={data.verifier!r}: expected one of "
                           f"{sorted(rewards.names())}")
     sets = dataclasses.replace(sets, verifier=verifier)
     if limit is None:
         return sets
+    skip = bool(data.get("skip_invalid", False))
     kept, skipped = {}, []
     for name in ("train", "eval", "easy"):
         kept[name] = []
