@@ -138,7 +138,8 @@ def main():
     t = {k: statistics.median(v) for k, v in timings[name].items()}
     idle = 1 - t['device_s'] / t['wall_s']
     idle_tools = t['idle_while_tools_s'] / t['tools_s'] if t['tools_s'] else 0.0
-    steps = f", {t['steps']:.0f} decode steps in {t['chunks']:.0f} chunks" if 'steps' in t else ''
+    steps = (f", {t['steps']:.0f} decode steps in {t['chunks']:.0f} chunks "
+             f"({t['narrow_chunks']:.0f} on part of the rows)" if 'steps' in t else '')
     print(f"  {name:9s}  {rates[name]:7.1f} sampled tok/s (median of {args.repeats}, spread "
           f"{spread:.0%}); re-prefilled {episode_metrics(episodes)['rollout/reprefilled_tokens']:.0f}"
           f" tokens; device idle {idle:.0%} of the wall time, {idle_tools:.0%} of the time a "

@@ -66,6 +66,25 @@ def test_reference_is_attention_over_the_tokens_a_query_may_see():
         np.testing.assert_allclose(lse[g, h, i, 0], s.max() + np.log(p.sum()), atol=1e-5)
 
 
+@pytest.mark.parametrize('quantized', [False, True])
+def test_reference_reads_in_blocks_what_it_reads_at_once(monkeypatch, quantized):
+    """Blocks of one page and of three (a table of 4 padded to 6) merge to what one block of
+    every page gives."""
+    q, k, v, q_start, first, lengths, table = _case(2)
+    kw = dict(pages_per_layer=PAGES, scale=0.1, logit_cap=30.0)
+    if quantized:
+        k, ks = paged_attention.quantize(k)
+        v, vs = paged_attention.quantize(v)
+        kw.update(k_scales=ks, v_scales=vs)
+    args = (q, k, v, q_start, first, lengths, table, jnp.int32(1))
+    monkeypatch.setattr(paged_attention, 'BLOCK_TOKENS', WIDTH * PAGE)
+    whole = paged_attention.reference(*args, **kw)
+    for pages in (1, 3):
+        monkeypatch.setattr(paged_attention, 'BLOCK_TOKENS', pages * PAGE)
+        for got, want in zip(paged_attention.reference(*args, **kw), whole):
+            np.testing.assert_allclose(got, want, atol=2e-6)
+
+
 def test_pages_go_to_growing_rows_and_come_back():
     tables = page_pool.PageTables.empty(blocks=1, pages=6, rows=3, pages_per_row=4)
     tables = page_pool.grow(tables, jnp.array([[True, False, True]]))

@@ -253,10 +253,14 @@ def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stocha
     assert BUDGET in {e.ended for e in stochastic}
     assert all(reprefilled_tokens(e) > 0 for e in stochastic)
     page = 2 * 2 * 16 * 4 * 2  # K and V of 2 layers, 2 KV heads of 16, f32
+    timings = {}
     kept = _rollout(policy, **stochastic_settings, kv_kept=True, max_rows_in_flight=6, page_size=16,
-                    reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + 8 * 16) * page)
+                    reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + 8 * 16) * page,
+                    timings=timings)
     assert_same_episodes(kept, stochastic)
     assert sum(reprefilled_tokens(e) for e in kept) > 0  # earlier turns replayed: preempted
+    # The tail ran on part of the rows (turns.rows_to_compute), with the same episodes.
+    assert 0 < timings['narrow_chunks'] < timings['chunks']
 
 
 @pytest.mark.slow  # two more compiles of the continuous decode

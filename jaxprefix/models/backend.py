@@ -130,6 +130,14 @@ def attend_pages(q: jax.Array, q_pos: jax.Array, pages: paged_attention.PagedKV,
     pages hold and the kernel's bytes per token read ride in the name stack
     (`paged_<name>_token_bytes_<n>`) for the compile job.
     """
+    if pages.query_slots is not None:  # some of the group-major rows: placed, then taken back
+        slots, rows = pages.query_slots, pages.table.shape[0] * pages.rows_per_group
+        placed = attend_pages(
+            jnp.zeros((rows, *q.shape[1:]), q.dtype).at[slots].set(q, mode='drop'),
+            jnp.full((rows, q_pos.shape[1]), -1, q_pos.dtype).at[slots].set(q_pos, mode='drop'),
+            pages.replace(query_slots=None), layer, scale=scale, window=window,
+            logit_cap=logit_cap)
+        return jax.tree.map(lambda x: x[slots], placed)
     b, t, h, dh = q.shape
     k_pages, v_pages, k_scales, v_scales, layer = pages.layer(layer)
     hkv = k_pages.shape[0]

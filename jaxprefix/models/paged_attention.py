@@ -10,8 +10,8 @@ its keys and values into the pages before the next step's pass.
 
 The attention returns (output, log-sum-exp) so that it merges with the other parts (the
 context, the new token) as attention.attend merges segments. On TPU the Pallas kernel
-(paged_kernel.py) reads only the pages a group needs; elsewhere `reference` reads every page of
-the layer where it lies, against its owner group's queries, and masks the rest;
+(paged_kernel.py) reads only the pages a group needs; elsewhere `reference` reads the layer's
+pages where they lie, up to the highest one in use, against their owner group's queries;
 backend.attend_pages picks by backend.
 
 `PageLayout` says a pool's shape and where each page lies; the sampler's pools, the writes into
@@ -98,7 +98,8 @@ class PageLayout:
 class PagedKV:
     """A pool and G groups' view of it during one decode step. The B query rows are group-major:
     rows g * B/G .. (g + 1) * B/G - 1 read group g's pages (B/G = 1: a row's own tokens; n: a
-    context's). The pool is one array of every layer's pages, or one array per layer."""
+    context's), or, with query_slots, row i is the group-major row query_slots[i]. The pool is
+    one array of every layer's pages, or one array per layer."""
     k: tuple                # ([Hkv, D * L * P, page_size, Dh],) or L x [Hkv, D * P, ...], kv dtype
     v: tuple
     k_scale: tuple | None   # f32 [Hkv, ..., page_size] for int8 pages, else None
@@ -108,6 +109,10 @@ class PagedKV:
     first_position: jax.Array   # int32 [G]: the position of its first token (sliding windows)
     layout: PageLayout = flax.struct.field(pytree_node=False)
     name: str = flax.struct.field(pytree_node=False, default='pages')  # what it holds
+    # Query rows that are some of the group-major rows (a decode step over the rows in flight
+    # alone): row i is group-major row query_slots[i] of G * rows_per_group.
+    query_slots: jax.Array | None = None   # int32 [B]
+    rows_per_group: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def page_size(self) -> int:
@@ -140,64 +145,67 @@ def quantize(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return q.astype(jnp.int8), safe / _INT8_MAX
 
 
+# The reference reads each group's pages this many tokens' worth at a time (a page at least),
+# as far as its longest group's tokens go.
+BLOCK_TOKENS = 64
+
+
 def reference(q, k_pages, v_pages, q_start, first_token, lengths, table, layer, *,
               pages_per_layer: int, scale: float, logit_cap: float | None = None, k_scales=None,
               v_scales=None):
     """What paged_kernel.paged_decode_attention computes, in jnp. Same arguments and results;
-    first_token only saves the kernel work. A page holds tokens of at most one group (as the
-    sampler's pools do).
+    first_token only saves the kernel work.
 
-    Page-major: it reads the layer's pages where they lie, each page against the queries of the
-    group that owns it, and merges each group's pages by their log-sum-exp. Gathering each
-    group's pages into rows instead copies every page of every table, at its full width, once a
-    layer and step: on CPU that copy took 37% of a long-tail decode step, where this reads each
-    page of the pool once and copies only the (few) queries.
+    Group by group, as the kernel reads: a loop over the tables' columns, the pages of
+    every group at a time (BLOCK_TOKENS' worth, gathered where they lie), until the longest group's last token,
+    each block merged into the groups' softmax as it comes (online: the running peak, total
+    and output rescaled). So a step reads the pages in use of the groups it has, whatever the
+    pool's size, and no page is scattered back to its group.
     """
     del first_token
     groups, hkv, queries, dh = q.shape
     page_size = k_pages.shape[2]
-    pages = pages_per_layer
-    # Each page's owner (groups: none) and its index in the owner's table, for the pages that
-    # hold the owner's tokens.
-    width = table.shape[1]
-    used = jnp.arange(width)[None, :] * page_size < lengths[:, None]  # [G, W]
-    ids = jnp.where(used, jnp.clip(table, 0, pages - 1), pages).reshape(-1)  # unused: dropped
-    owner = jnp.full(pages, groups, jnp.int32).at[ids].set(
-        jnp.repeat(jnp.arange(groups, dtype=jnp.int32), width), mode='drop')
-    rank = jnp.zeros(pages, jnp.int32).at[ids].set(
-        jnp.tile(jnp.arange(width, dtype=jnp.int32), groups), mode='drop')
-    mine = owner < groups
-    by_page = lambda x: x[jnp.minimum(owner, groups - 1)]  # [G, ...] -> [P, ...]
+    block = max(1, BLOCK_TOKENS // page_size)  # pages
+    width = -(-table.shape[1] // block) * block
+    table = jnp.pad(jnp.clip(table, 0, pages_per_layer - 1), ((0, 0), (0, width - table.shape[1])))
+    q_start = q_start[:, None, :, 0]  # [G, 1, Q]
 
-    layer_pages = lambda pool: jax.lax.dynamic_slice_in_dim(pool, page_row(layer, 0, pages), pages,
-                                                            axis=1)
-    k, v = layer_pages(k_pages).astype(q.dtype), layer_pages(v_pages).astype(q.dtype)
-    q_pages = by_page(q).swapaxes(0, 1)  # [Hkv, P, Q, Dh]
-    s = jnp.einsum('hpqd,hpnd->hpqn', q_pages, k, preferred_element_type=jnp.float32)
-    if k_scales is not None:
-        s = s * layer_pages(k_scales)[:, :, None, :]
-    s = s * scale
-    if logit_cap is not None:
-        s = logit_cap * jnp.tanh(s / logit_cap)
-    column = rank[:, None] * page_size + jnp.arange(page_size)  # [P, ps]: the owner's token
-    seen = (mine[:, None, None] & (column[:, None, :] >= by_page(q_start))
-            & (column < by_page(lengths)[:, None])[:, None, :])  # [P, Q, ps]
-    s = jnp.where(seen, s, MASKED)
-    # Per group: its pages' greatest score, then each page's share against it.
-    def per_group(x, init, combine):  # [Hkv, P, ...] -> [Hkv, G, ...], pages combined
-        empty = jnp.full((hkv, groups + 1) + x.shape[2:], init, x.dtype)  # + 1: no owner
-        return getattr(empty.at[:, owner], combine)(x)[:, :groups]
-    peak = per_group(s.max(axis=-1), MASKED, 'max')  # [Hkv, G, Q]
-    p = jnp.where(seen, jnp.exp(s - peak[:, jnp.minimum(owner, groups - 1), :, None]), 0.0)
-    total = per_group(p.sum(axis=-1), 0.0, 'add')[..., None]
-    if v_scales is not None:
-        p = p * layer_pages(v_scales)[:, :, None, :]
-    out = per_group(jnp.einsum('hpqn,hpnd->hpqd', p.astype(q.dtype), v,
-                               preferred_element_type=jnp.float32), 0.0, 'add')
+    def one_block(i, merged):
+        peak0, total0, out0 = merged
+        columns = jax.lax.dynamic_slice_in_dim(table, i * block, block, axis=1)  # [G, block]
+        rows = page_row(layer, columns, pages_per_layer).reshape(-1)
+        read = lambda pool: pool[:, rows].reshape(hkv, groups, block * page_size, *pool.shape[3:])
+        k, v = read(k_pages).astype(q.dtype), read(v_pages).astype(q.dtype)
+        s = jnp.einsum('ghqd,hgnd->ghqn', q, k, preferred_element_type=jnp.float32)
+        if k_scales is not None:
+            s = s * read(k_scales).swapaxes(0, 1)[:, :, None, :]
+        s = s * scale
+        if logit_cap is not None:
+            s = logit_cap * jnp.tanh(s / logit_cap)
+        token = i * block * page_size + jnp.arange(block * page_size)  # the group's own index
+        seen = ((token[None, None, :] >= q_start[..., None]) &
+                (token < lengths[:, None, None, None]))  # [G, 1, Q, n]
+        s = jnp.where(seen, s, MASKED)
+        peak = jnp.maximum(peak0, s.max(axis=-1))  # [G, Hkv, Q]
+        p = jnp.where(seen, jnp.exp(s - peak[..., None]), 0.0)
+        rescale = jnp.exp(peak0 - peak)
+        total = total0 * rescale + p.sum(axis=-1)
+        if v_scales is not None:
+            p = p * read(v_scales).swapaxes(0, 1)[:, :, None, :]
+        out = out0 * rescale[..., None] + jnp.einsum('ghqn,hgnd->ghqd', p.astype(q.dtype), v,
+                                                     preferred_element_type=jnp.float32)
+        return peak, total, out
+
+    start = (jnp.full((groups, hkv, queries), MASKED, jnp.float32),
+             jnp.zeros((groups, hkv, queries), jnp.float32),
+             jnp.zeros((groups, hkv, queries, dh), jnp.float32))
+    blocks = -(-jnp.max(lengths) // (block * page_size))
+    peak, total, out = jax.lax.fori_loop(0, blocks, one_block, start)
+    total = total[..., None]
     some = total > 0
     out = jnp.where(some, out / jnp.where(some, total, 1.0), 0.0)
     lse = jnp.where(some, peak[..., None] + jnp.log(jnp.where(some, total, 1.0)), MASKED)
-    return out.swapaxes(0, 1), lse.swapaxes(0, 1)
+    return out, lse
 
 
 def pool_bytes_per_token(kv_heads: int, head_dim: int, dtype) -> int:

@@ -117,25 +117,44 @@ def _initial_state(model, contexts: dict, shape: Shape) -> LoopState:
                      out=constrain_blocks(out))
 
 
-def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, *,
+def _views(state: LoopState, tables: page_pool.PageTables, active: jax.Array, pick, *,
            n: int) -> tuple:
     """What a decode step attends to besides the new token: each group's context segments (read
-    once for its n rows; nothing for a group with no active row) and each row's own pages."""
+    once for its n rows; nothing for a group with no active row) and each row's own pages.
+    pick [D, b] (None: every row): the rows the step computes, the rows in flight among them."""
     d, k = state.groups.context.shape
+    r = tables.table.shape[1]
+    slots = None if pick is None else (jnp.arange(d)[:, None] * r + pick).reshape(-1)
     reading = active.reshape(d, k, n).any(axis=2).reshape(-1)
     views = []
     for i, pool in enumerate(state.store):
         views.append(pool.view(page_pool.slot_tables(pool.layout, k),
                                jnp.where(reading, state.groups.lengths[..., i].reshape(-1), 0),
-                               state.groups.first[..., i].reshape(-1), SEGMENTS[i]))
-    r = tables.table.shape[1]
+                               state.groups.first[..., i].reshape(-1), SEGMENTS[i]).replace(
+                                   query_slots=slots, rows_per_group=n))
     first_own = jnp.repeat(state.groups.last_position, n, axis=1)  # own token 0's position
     # Only active rows read pages: a stopped or preempted row's table still names pages that
     # other rows hold now.
-    own_lengths = jnp.where(active, state.rows.t, 0).reshape(-1)
-    views.append(state.pool.view(tables.table.reshape(d * r, -1), own_lengths,
+    own_lengths = jnp.where(active, state.rows.t, 0)
+    table = tables.table
+    if pick is not None:
+        own_lengths, first_own = _picked(own_lengths, pick), _picked(first_own, pick)
+        table = jnp.take_along_axis(table, pick[..., None], axis=1)
+    views.append(state.pool.view(table.reshape(-1, table.shape[-1]), own_lengths.reshape(-1),
                                  first_own.reshape(-1), 'own'))
     return tuple(views)
+
+
+def _picked(x: jax.Array, pick: jax.Array) -> jax.Array:
+    """[D, R, ...] -> [D, b, ...]: the rows pick [D, b] names."""
+    return jnp.take_along_axis(x, pick.reshape(pick.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _placed(x: jax.Array, pick: jax.Array, rows: int) -> jax.Array:
+    """[D, b, ...] -> [D, R, ...]: each picked row's value in its place, zeros elsewhere."""
+    d = pick.shape[0]
+    full = jnp.zeros((d, rows) + x.shape[2:], x.dtype)
+    return full.at[jnp.arange(d)[:, None], pick].set(x)
 
 
 def _appendable(state: LoopState, shape: Shape) -> tuple:
@@ -262,15 +281,33 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     tables = page_pool.grow(state.tables, needs)
     rows, out = state.rows, state.out
     active = rows.state == ACTIVE
+    d, r = active.shape
+    # The rows the forward computes: every row, or (rows_computed) the rows in flight first.
+    pick = None
+    if shape.rows_computed and shape.rows_computed < r:
+        pick = jnp.argsort(~active, axis=1, stable=True)[:, :shape.rows_computed]
+    picked = (lambda x: x) if pick is None else functools.partial(_picked, pick=pick)
+    placed = (lambda x: x) if pick is None else functools.partial(_placed, pick=pick, rows=r)
     logits, new_kv, experts = model.extend(
-        rows.token.reshape(-1, 1), jnp.where(active, rows.position, -1).reshape(-1, 1),
-        pages=_views(state, tables, active, n=n), layer_weights=layer_weights, with_routes=True)
+        picked(rows.token).reshape(-1, 1),
+        picked(jnp.where(active, rows.position, -1)).reshape(-1, 1),
+        pages=_views(state, tables, active, pick, n=n), layer_weights=layer_weights,
+        with_routes=True)
     context, episode = episodes_of_rows(state, contexts, shape)
-    sample = jnp.arange(rows.t.shape[1]) % n
-    keys = row_step_keys(seed_key, (contexts['stream_index'][context] * n + sample).reshape(-1),
-                         (rows.t + contexts['stream_offset'][context]).reshape(-1))
+    sample = jnp.arange(r) % n
+    stream = picked(contexts['stream_index'][context] * n + sample)
+    keys = row_step_keys(seed_key, stream.reshape(-1),
+                         picked(rows.t + contexts['stream_offset'][context]).reshape(-1))
     drawn, logprobs = choose_tokens(logits[:, -1], keys, settings)
-    drawn, logprobs = drawn.reshape(rows.t.shape), logprobs.reshape(rows.t.shape)
+    drawn, logprobs = placed(drawn.reshape(d, -1)), placed(logprobs.reshape(d, -1))
+    k_new, v_new = new_kv.k, new_kv.v
+    if pick is not None:  # each picked row's results back in its row
+        layers = lambda x: jnp.moveaxis(placed(jnp.moveaxis(x, 0, 1).reshape(
+            d, -1, x.shape[0], *x.shape[2:])), 2, 0).reshape(x.shape[0], d * r, *x.shape[2:])
+        k_new, v_new = layers(k_new), layers(v_new)  # [L, D * b, ...] -> [L, D * R, ...]
+        if experts is not None:
+            experts = placed(experts.reshape(d, -1, *experts.shape[1:])).reshape(
+                d * r, *experts.shape[1:])
     known = active & (rows.t < rows.known)
     given = out.completions[episode, jnp.minimum(rows.t, out.completions.shape[1] - 1)]
     tokens = jnp.where(known, given, drawn)
@@ -281,7 +318,7 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     turn_over = sampled & (hit_stop | (t - rows.turn_start >= limits.turn_tokens) | (t >= room))
     last_turn = (rows.turn + 1 >= limits.turns) | ((t >= room) & ~hit_stop)
     finished, waiting = turn_over & last_turn, turn_over & ~last_turn
-    pending = PendingTokens(k=new_kv.k, v=new_kv.v, valid=(active & ~finished).reshape(-1))
+    pending = PendingTokens(k=k_new, v=v_new, valid=(active & ~finished).reshape(-1))
 
     past = out.lengths.shape[0]  # an index past the end: dropped
     at = jnp.where(sampled, episode, past)

@@ -38,6 +38,9 @@ class Shape:
     layout: PageLayout
     append_tokens: int = 0  # known tokens a row feeds in one pass (0: one a decode step)
     record_routes: bool = False
+    # Rows a decode step computes per block, the active ones first (0: every row): a chunk
+    # whose caller knows no more rows can be in flight (turns.py) skips the idle ones.
+    rows_computed: int = 0
 
 
 @flax.struct.dataclass

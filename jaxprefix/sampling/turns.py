@@ -16,6 +16,12 @@ every token but the last, which the decode step then feeds to sample the next tu
 the new tokens are prefilled, no token of an earlier turn is computed again, and none is ever
 re-tokenized.
 
+Rows computed: the rows of a block that are not done only fall in number once every context is
+admitted (a waiting row may come back, a queued one start, none is added), so after each chunk
+the host sizes the next one's decode step to them (`rows_to_compute`: an eighth, a quarter or
+half of the block's rows, else all): the long tail of an episode batch, a few rows on their
+sixth turn, no longer pays for the rows that finished on their first.
+
 Why chunks bounded by steps and by waiting rows: a row that ends its turn holds its batch row
 idle until the chunk ends, and its tool starts only then; a finished tool waits for the next
 chunk. Short chunks cut that latency but each costs a return to the host (a sync, a few reads
@@ -81,8 +87,9 @@ Respond = Callable[[TurnEnd], 'concurrent.futures.Future | None']
 class TurnRollouts:
     """The episodes as Rollouts (row e = episode e; completion_mask 1 on sampled tokens only,
     so appended tokens carry none), the tokens of earlier turns each computed again
-    (`recomputed` [N]) and how the time went (`stats`: chunks, steps, wall_s, device_s, idle_s,
-    tools_s: wall time with a tool running, idle_while_tools_s: of that, the device idle)."""
+    (`recomputed` [N]) and how the time went (`stats`: chunks, narrow_chunks: those whose steps
+    computed part of the rows, steps, wall_s, device_s, idle_s, tools_s: wall time with a tool
+    running, idle_while_tools_s: of that, the device idle)."""
     rollouts: Rollouts
     recomputed: np.ndarray
     stats: dict
@@ -122,11 +129,27 @@ def resume(state: LoopState, contexts: dict, episodes, tokens, lengths, *,
 @functools.partial(jax.jit, static_argnames=('shape',))
 def _progress(state: LoopState, contexts: dict, *, shape: Shape):
     """What the host reads after a chunk: per episode whether it waits and its length; whether
-    any episode is unfinished, and whether the device can go on without the host."""
+    any episode is unfinished, whether the device can go on without the host, and the most
+    rows a block can have in flight from now on (every row while contexts wait to be
+    admitted; else its rows not done: a waiting row may come back, a queued one start)."""
     blocks = contexts['valid'].reshape(shape.layout.blocks, -1).sum(axis=1)
-    alive = jnp.any(state.rows.state != IDLE) | jnp.any(state.next_context < blocks)
+    admitting = jnp.any(state.next_context < blocks)
+    alive = jnp.any(state.rows.state != IDLE) | admitting
+    busy = jnp.where(admitting, state.rows.state.shape[1],
+                     jnp.max(jnp.sum(state.rows.state != IDLE, axis=1)))
     return (state.out.waiting, state.out.lengths, alive,
-            continuous.can_progress(contexts, state, shape))
+            continuous.can_progress(contexts, state, shape), busy)
+
+
+def rows_to_compute(busy: int, rows: int) -> int:
+    """Shape.rows_computed for a chunk in which at most `busy` of a block's `rows` can be in
+    flight: the smallest of rows / 8, / 4, / 2 (rounded up) that holds them, else 0 (every
+    row). Four sizes at most: each is a compile of the chunk's program."""
+    for halvings in (3, 2, 1):
+        size = -(-rows // 2 ** halvings)
+        if busy <= size:
+            return size
+    return 0
 
 
 @jax.jit
@@ -242,8 +265,9 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     wait_rows = np.int32(max(1, shape.layout.blocks * shape.row_slots // 4))
     arrays = _layout_arrays(req.layout, True)
     settings, seed_key, stops = _sampling_args(req)[:3]
-    stats = dict(chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0)
+    stats = dict(chunks=0, narrow_chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0)
     begin = time.perf_counter()
+    rows, busy = shape.context_slots * n, None
     with _mesh_scope(req.mesh):
         state, answers = continuous.start(req.graphdef, req.params, arrays, shape=shape), {}
         while True:
@@ -251,13 +275,15 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
             if answers:
                 state = resume(state, arrays, *_answers(answers, state.out.lengths.shape[0]),
                                shape=shape)
+            computed = 0 if busy is None else rows_to_compute(int(busy), rows)
             state = continuous.advance(req.graphdef, req.params, arrays, settings, seed_key,
                                        stops, limits, state, np.int32(chunk_steps), wait_rows,
-                                       shape=shape)
-            waiting, lengths, alive, can_go = jax.device_get(_progress(state, arrays,
-                                                                        shape=shape))
+                                       shape=dataclasses.replace(shape, rows_computed=computed))
+            waiting, lengths, alive, can_go, busy = jax.device_get(
+                _progress(state, arrays, shape=shape))
             chunk = time.perf_counter() - dispatched
             stats['chunks'] += 1
+            stats['narrow_chunks'] += computed > 0
             stats['device_s'] += chunk
             stats['tools_s'] += chunk if host.pending else 0.0  # tools ran through it
             host.hand_over(state.out, waiting, lengths)
