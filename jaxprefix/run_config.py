@@ -111,9 +111,9 @@ FIELDS = {
                                      "included (0: the model's context)"),
         "max_observation_chars": F(2000, "an observation's cap in characters (cut, marked)"),
         "workers": F(1, "a turn's tool calls run at once (threads; python's are processes)"),
-        "rollout": F("reference", "the episode rollout: reference (one generate() per turn, "
-                                  "the conversation re-prefilled) or kv_kept (one in-graph "
-                                  "decode, every turn's KV kept; the same episodes)"),
+        "rollout": F("kv_kept", "the episode rollout: kv_kept (one in-graph decode, every "
+                                "turn's KV kept) or reference (one generate() per turn, the "
+                                "conversation re-prefilled; the same episodes)"),
         # Model-written code in a fresh sandbox per call, capped (docs/TOOLS.md, "The sandbox").
         "python": {
             "enabled": F(False, "allow the python tool (runs model-written code; opt-in)"),

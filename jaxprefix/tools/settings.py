@@ -35,7 +35,7 @@ class ToolSettings:
     episode_token_budget: int = 0       # 0: the model's context
     max_observation_chars: int = DEFAULT_MAX_CHARS
     workers: int = 1
-    rollout: str = "reference"
+    rollout: str = "kv_kept"
     python: PythonLimits | None = None  # None: the python tool is off
 
     def __post_init__(self):
