@@ -62,6 +62,15 @@ def source():
     return source
 
 
+def _train(config, settings, method, model, tokenizer, tmp_path):
+    """loop.train on the run's settings, three contexts a step, in tmp_path/run."""
+    return loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
+                      tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
+                      learner_config=validate(config, contexts_per_step=3),
+                      rollout=settings.rollout, contexts_per_step=3, tools=settings.tools,
+                      environment=settings.environment, progress=False)
+
+
 def _recorded(source):
     """The environment file's EPISODES (this process's copy of it)."""
     return from_file._module(from_file.load(source, "test").path).EPISODES
@@ -140,11 +149,7 @@ def test_a_grpo_step_of_the_loop_trains_on_the_environment(model, tokenizer, sou
     method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0,
                         eval_problems=PROBLEMS[2:], eval_n=3)
     before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    result = loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
-                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
-                        learner_config=validate(config, contexts_per_step=3),
-                        rollout=settings.rollout, contexts_per_step=3,
-                        tools=settings.tools, environment=settings.environment, progress=False)
+    result = _train(config, settings, method, model, tokenizer, tmp_path)
     assert result["step"] == 1
     seen = _recorded(source)
     assert len(seen) == 6 + 3 + 1
@@ -252,11 +257,7 @@ def test_sampling_ahead_runs_the_environment_on_the_sampler_thread(model, tokeni
     config = _config(source, total_steps=2, max_staleness=1)
     settings = resolve(config)
     method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
-    result = loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
-                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
-                        learner_config=validate(config, contexts_per_step=3),
-                        rollout=settings.rollout, contexts_per_step=3,
-                        tools=settings.tools, environment=settings.environment, progress=False)
+    result = _train(config, settings, method, model, tokenizer, tmp_path)
     assert result["step"] == 2
     seen = _recorded(source)
     assert len(seen) == 12 and all(s is not None for s in seen)
