@@ -150,11 +150,14 @@ def _picked(x: jax.Array, pick: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, pick.reshape(pick.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _placed(x: jax.Array, pick: jax.Array, rows: int) -> jax.Array:
-    """[D, b, ...] -> [D, R, ...]: each picked row's value in its place, zeros elsewhere."""
-    d = pick.shape[0]
-    full = jnp.zeros((d, rows) + x.shape[2:], x.dtype)
-    return full.at[jnp.arange(d)[:, None], pick].set(x)
+def _placed(x: jax.Array, pick: jax.Array, rows: int, axis: int = 0) -> jax.Array:
+    """x whose `axis` holds, block by block, the D * b rows pick [D, b] names -> D * rows there,
+    each picked row's value in its place, zeros elsewhere."""
+    d, b = pick.shape
+    x = x.reshape(x.shape[:axis] + (d, b) + x.shape[axis + 1:])
+    full = jnp.zeros(x.shape[:axis] + (d, rows) + x.shape[axis + 2:], x.dtype)
+    at = (slice(None),) * axis + (jnp.arange(d)[:, None], pick)
+    return full.at[at].set(x).reshape(x.shape[:axis] + (d * rows,) + x.shape[axis + 2:])
 
 
 def _appendable(state: LoopState, shape: Shape) -> tuple:
@@ -287,7 +290,8 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     if shape.rows_computed and shape.rows_computed < r:
         pick = jnp.argsort(~active, axis=1, stable=True)[:, :shape.rows_computed]
     picked = (lambda x: x) if pick is None else functools.partial(_picked, pick=pick)
-    placed = (lambda x: x) if pick is None else functools.partial(_placed, pick=pick, rows=r)
+    placed = ((lambda x, axis=0: x) if pick is None
+              else functools.partial(_placed, pick=pick, rows=r))  # back in their rows
     logits, new_kv, experts = model.extend(
         picked(rows.token).reshape(-1, 1),
         picked(jnp.where(active, rows.position, -1)).reshape(-1, 1),
@@ -299,15 +303,8 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     keys = row_step_keys(seed_key, stream.reshape(-1),
                          picked(rows.t + contexts['stream_offset'][context]).reshape(-1))
     drawn, logprobs = choose_tokens(logits[:, -1], keys, settings)
-    drawn, logprobs = placed(drawn.reshape(d, -1)), placed(logprobs.reshape(d, -1))
-    k_new, v_new = new_kv.k, new_kv.v
-    if pick is not None:  # each picked row's results back in its row
-        layers = lambda x: jnp.moveaxis(placed(jnp.moveaxis(x, 0, 1).reshape(
-            d, -1, x.shape[0], *x.shape[2:])), 2, 0).reshape(x.shape[0], d * r, *x.shape[2:])
-        k_new, v_new = layers(k_new), layers(v_new)  # [L, D * b, ...] -> [L, D * R, ...]
-        if experts is not None:
-            experts = placed(experts.reshape(d, -1, *experts.shape[1:])).reshape(
-                d * r, *experts.shape[1:])
+    drawn, logprobs = placed(drawn).reshape(d, r), placed(logprobs).reshape(d, r)
+    experts = None if experts is None else placed(experts)
     known = active & (rows.t < rows.known)
     given = out.completions[episode, jnp.minimum(rows.t, out.completions.shape[1] - 1)]
     tokens = jnp.where(known, given, drawn)
@@ -318,7 +315,8 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
     turn_over = sampled & (hit_stop | (t - rows.turn_start >= limits.turn_tokens) | (t >= room))
     last_turn = (rows.turn + 1 >= limits.turns) | ((t >= room) & ~hit_stop)
     finished, waiting = turn_over & last_turn, turn_over & ~last_turn
-    pending = PendingTokens(k=k_new, v=v_new, valid=(active & ~finished).reshape(-1))
+    pending = PendingTokens(k=placed(new_kv.k, axis=1), v=placed(new_kv.v, axis=1),
+                            valid=(active & ~finished).reshape(-1))
 
     past = out.lengths.shape[0]  # an index past the end: dropped
     at = jnp.where(sampled, episode, past)
