@@ -39,8 +39,14 @@ class FileVerifier:
     path: str
     function: str
 
+    @property
+    def fn(self):
+        """The function itself (the file loaded once per process): a tool or an environment
+        named the same way takes it from here."""
+        return getattr(_module(self.path), self.function)
+
     def __call__(self, completion: str, problem: Problem) -> float:
-        value = getattr(_module(self.path), self.function)(completion, problem)
+        value = self.fn(completion, problem)
         # float() would take "1" or True without a word: a reward must be a real number.
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{self.spec} returned {type(value).__name__} {value!r:.40}, "

@@ -49,8 +49,7 @@ class EnvironmentSettings:
     def environment(self, tokenizer):
         """The environment `source` names (NAME(tokenizer) of FILE.py), checked to have an
         async run_episode."""
-        loaded = from_file.load(self.source, FIELD)
-        made = getattr(from_file._module(loaded.path), loaded.function)(tokenizer)
+        made = from_file.load(self.source, FIELD).fn(tokenizer)
         if not inspect.iscoroutinefunction(getattr(made, "run_episode", None)):
             raise ValueError(f"{FIELD}={self.source!r}: returned {type(made).__name__}, expected "
                              f"an object with `async def run_episode(client, model, problem, "

@@ -79,7 +79,7 @@ def from_file(spec: str, field: str = "config.tools.path") -> Tool:
     """The tool `FUNCTION` of 'FILE.py:FUNCTION' (its docstring is the description), checked
     here; errors are one line naming `field`, the file and the function (as rewards.path)."""
     loaded = _files.load(spec, field)
-    fn = getattr(_files._module(loaded.path), loaded.function)
+    fn = loaded.fn
     return Tool(loaded.function, fn, (fn.__doc__ or "").strip().split("\n")[0])
 
 
