@@ -82,8 +82,7 @@ def environment(name: str, tokenizer, tools: Registry, *, format: str = "",
                 field: str = "config.tools.environment") -> Environment:
     """The environment `name` (a built-in, or FILE.py:NAME) over `tools`; one-line errors."""
     if ":" in name:
-        loaded = _files.load(name, field)
-        made = getattr(_files._module(loaded.path), loaded.function)(tokenizer, tools)
+        made = _files.load(name, field).fn(tokenizer, tools)
         if not isinstance(made, Environment):
             raise ValueError(f"{field}={name!r}: returned {type(made).__name__}, expected a "
                              f"jaxprefix.tools.Environment")
