@@ -15,8 +15,9 @@ resumes, finished runs are only re-evaluated. run_setup/study_arms.py lists the 
   quarter of the solution, plain GRPO run on to POPE's FLOPs, and POPE's SFT baseline.
 - eps: POPE along the overlap axis (docs/results/pope/PREDICTIONS.md): the restating notation
   (the key step names its rule), eps set by sft.data.second_rule_taught (one level a workdir),
-  POPE with the value hint and with the restating hint, GRPO run on to the larger's FLOPs, and
-  the teacher-forced key-step probe (probe/*) at every evaluation.
+  POPE with the value hint and with the restating hint, GRPO run on to the larger's FLOPs, all
+  three on the hard problems both hints guide (results.same_problems), 5 seeds, and the
+  teacher-forced key-step probe (probe/*) at every evaluation.
 - overlap: plain GRPO against GRPO one step off-policy (train.max_staleness=1,
   docs/OVERLAP.md) on the demo task's hard set, 3 seeds, equal steps.
 - carry: carry_multiplication, PrefixRL's regime (a problem length chosen by a stated rule) and
@@ -44,6 +45,9 @@ def get_config(arg: str = ""):
                                if args.variant == "overlap" else POPE_RUNS),
         isocompute=False,
         report_only=False,  # True: the report of the finished runs; the others are "not run"
+        # True: every arm (GRPO too) trains on the hard problems every POPE arm's prefix search
+        # solves (the eps sweep: one problem set per level, issue 43)
+        same_problems=eps,
         output_dir=("" if eps else "docs/results/prefixrl" if carry else "docs/results/overlap"
                     if args.variant == "overlap" else "docs/results/pope"),
         # The SFT warm starts: Adam at the base SFT's rate, 10 epochs over their examples, the
@@ -72,6 +76,11 @@ def get_config(arg: str = ""):
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if eps:
         variants.overlap_axis(c)
+        # One problem set per level (results.same_problems): the hard problems both hints
+        # guide, each arm's intervals over 5 seeds (issue 43).
+        c.results.seeds = (0, 1, 2, 3, 4)
+        if args.variant == "eps":
+            c.pope.unsolved = "drop"
     if args.variant in ("smoke", "carry_smoke", "eps_smoke"):
         c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
         c.prefixrl.update(**variants.SMOKE_PREFIXRL)  # results runs PrefixRL too

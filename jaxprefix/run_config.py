@@ -429,6 +429,7 @@ RESULTS_DOCS = {
     "runs": "the runs of the study (run_setup/study_arms.py RUNS)",
     "isocompute": "also the isocompute comparison",
     "report_only": "the report of the finished runs; the others are 'not run'",
+    "same_problems": "every run trains on the hard problems every POPE run's search guides",
     "output_dir": "where the report and its plots go",
     "warm_start.epochs": "SFT warm starts: epochs over their examples",
     "warm_start.batch_size": "SFT warm starts: rows per step",

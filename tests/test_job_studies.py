@@ -163,6 +163,10 @@ def test_eps_sweep_smoke(base, tmp_path):
     for run in runs.values():
         assert 0 <= run["curve"][-1]["probe/success"] <= run["curve"][-1]["probe/key_step"] <= 1
     assert report["studies"]["hard"]["base_probe"]["probe/key_name"] > 0
+    # One problem set for the three arms (results.same_problems): the smoke guides every hard
+    # problem by the longest prefix tried, so the cut keeps them all.
+    cut = report["studies"]["hard"]["cut"]
+    assert cut["kept"] == cut["hard"] == report["studies"]["hard"]["hard"] > 0
     # Each POPE arm's guided contexts, counted in training (issue 43).
     for name in ("pope_restating_hint", "pope_value_hint"):
         if "after" in runs[name]:
@@ -175,6 +179,51 @@ def test_eps_sweep_smoke(base, tmp_path):
     for hint in ("value hint", "restating hint"):
         assert re.search(rf"\| {hint} \| (-|\d\.\d\d[^|]*) \| 1 \| [+-]\d\.\d{{3}} \[", phase), hint
     check_png(str(tmp_path / "phase.png"))
+
+
+def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_path):
+    """results.same_problems (the eps sweep): the cut keeps the hard problems every POPE arm's
+    search solved, GRPO trains on those too, and each arm is still charged the whole mining.
+    The smoke base solves no prefix, so the two searches' records are written here by hand."""
+    import importlib.util
+
+    from jaxprefix.jobs.results import run_config
+    from jaxprefix.methods import pope
+    from jaxprefix.run_setup.mining import mined_artifacts
+    from jaxprefix.studies.study import Study
+
+    spec = importlib.util.spec_from_file_location("results_config",
+                                                  os.path.join(ROOT, "configs", "results.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("eps_smoke")
+    config.model.path, config.pope.unsolved = base, "drop"
+    study = Study.prepare(config, str(tmp_path))
+    arms = ("pope_value_hint", "pope_restating_hint")
+    searches = {a: [m for m in mined_artifacts(run_config(study, a, 0)) if m != "hard_set"][0]
+                for a in arms}
+    study.on_problems_all_guide([run_config(study, a, 0) for a in arms])  # searched: none found
+    ids = [p.id for p in study.hard.problems]
+    assert len(ids) >= 4
+    for arm, solved in zip(arms, (ids[:3], ids[1:4])):
+        path = tmp_path / "mining" / f"{searches[arm]}.json"
+        record = json.loads(path.read_text())
+        record["shortest_units"] = {i: (1 if i in solved else None) for i in ids}
+        path.write_text(json.dumps(record))
+    cut = study.on_problems_all_guide([run_config(study, a, 0) for a in arms])
+    assert [p.id for p in cut.hard.problems] == ids[1:3]
+    with open(tmp_path / "mining_all_guide" / "cut.json") as f:
+        assert json.load(f) == {"hard": len(ids), "kept": 2,
+                                "found": {searches[a]: 3 for a in arms}}
+    for name in (*arms, "grpo_matched_hints"):
+        c = run_config(cut, name, 0)
+        assert c.mining.dir == str(tmp_path / "mining_all_guide")
+        needs = mined_artifacts(c)
+        assert cut.mining.cost(needs).extra_flops == study.mining.cost(needs).extra_flops > 0
+        if name in arms:  # both guide every problem they train on
+            settings = pope.PopeSettings.from_config(c)
+            assert sorted(pope.guided_units(cut.hard.problems, cut.mining.prefixes(cut.hard),
+                                            settings)) == sorted(ids[1:3])
 
 
 def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_path):

@@ -25,7 +25,7 @@ from jaxprefix import storage
 from jaxprefix.errors import ConfigError
 from jaxprefix.jobs import isocompute as iso_jobs
 from jaxprefix.jobs.rl import key_step_probe, run_rl
-from jaxprefix.methods import prefixrl
+from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.run_setup.method_settings import contexts_per_problem
@@ -33,7 +33,7 @@ from jaxprefix.run_setup.mining import LEDGER, mined_artifacts
 from jaxprefix.run_setup.policy import base_dir, load_policy
 from jaxprefix.run_setup.study_arms import RUNS
 from jaxprefix.studies import prefixrl_controls, results_report, warm_start
-from jaxprefix.studies.study import Study
+from jaxprefix.studies.study import CUT, Study
 
 
 def _set(config, field: str, value) -> None:
@@ -86,6 +86,10 @@ def run_results(config, workdir: str) -> dict:
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}
+    if config.results.same_problems:  # every arm on the hard problems all POPE arms guide
+        studies["hard"] = studies["hard"].on_problems_all_guide(
+            [run_config(studies["hard"], name, config.seed) for name in names
+             if RUNS[name].method == "pope" and RUNS[name].regime == "hard"])
     report = {"runs": {}}
     # Seed-major: an interrupted study has answered every question at its first seeds.
     for seed in config.results.seeds:
@@ -123,6 +127,8 @@ def _study_record(study: Study) -> dict:
         record["base_probe"] = key_step_probe(study.config.data.source, study.policy, study.sets)(
             study.policy.model)
     record["mining"] = storage.read_json(storage.join(study.mining.dir, LEDGER))
+    if storage.exists(storage.join(study.mining.dir, CUT)):
+        record["cut"] = storage.read_json(storage.join(study.mining.dir, CUT))
     if "trace_pool" in record["mining"]:
         pool = study.mining.trace_pool(study.hard.problems)
         samples = pool.samples_per_problem
@@ -241,10 +247,9 @@ def _pope_problems(study: Study, c) -> int:
     from jaxprefix.run_setup.mining import Mining, mining_dir
 
     mining = Mining(c, study.policy, study.sets, mining_dir(c, study.workdir))
-    found = mining.prefixes(study.hard)
-    if c.pope.unsolved == "longest":
-        return len(found)
-    return sum(v is not None for v in found.values())
+    hard = study.hard
+    return len(pope.guided_units(hard.problems, mining.prefixes(hard),
+                                 pope.PopeSettings.from_config(c)))
 
 
 def warm_start_mining(study: Study, kind: str):

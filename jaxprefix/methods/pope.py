@@ -201,6 +201,20 @@ def revealed_fractions(problems: Sequence[Problem], shortest: dict) -> list[floa
     return [shortest[p.id] / oracle_units(p) for p in problems if shortest.get(p.id)]
 
 
+def guided_units(hard: Sequence[Problem], prefix_units: dict, settings: PopeSettings) -> dict:
+    """Per hard problem POPE guides, the prefix it is guided by: its shortest solvable one, or
+    with unsolved='longest' the longest the search tried where none solved it."""
+    out = {}
+    for p in hard:
+        units = prefix_units.get(p.id)
+        if units is None and settings.unsolved == "longest":
+            units = prefix_limit(p, max_units=settings.max_units,
+                                 max_fraction=settings.max_fraction) or None
+        if units is not None:
+            out[p.id] = units
+    return out
+
+
 class PopeMethod(GrpoMethod):
     """Hard problems asked guided and unguided, mixed `guided_copies : unguided_copies`."""
 
@@ -211,13 +225,7 @@ class PopeMethod(GrpoMethod):
                  seed: int, **kwargs):
         guided_copies, unsolved = settings.guided_copies, settings.unsolved
         max_units, max_fraction = settings.max_units, settings.max_fraction
-        self.prefix_units = {}
-        for p in hard:
-            units = prefix_units.get(p.id)
-            if units is None and unsolved == "longest":  # the longest prefix the search tried
-                units = prefix_limit(p, max_units=max_units, max_fraction=max_fraction) or None
-            if units is not None:
-                self.prefix_units[p.id] = units
+        self.prefix_units = guided_units(hard, prefix_units, settings)
         # Without guided copies (hard + easy), or with unsolved='unguided', every hard problem
         # is trained on; those without a prefix unguided only.
         kept = [p for p in hard

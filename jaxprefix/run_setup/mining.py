@@ -202,6 +202,26 @@ class Mining:
         self._save(f"{name}.json", record)
         return record
 
+    def restricted(self, ids, directory: str) -> "Mining":
+        """This directory's hard set cut down to `ids`, in `directory`, with every prefix search
+        and ledger entry mined here: runs pointed there train on those problems alone and are
+        charged what the whole mining spent (the cut chose its problems from all of it)."""
+        keep = set(ids)
+        hard = self.hard_set()
+        cut = pope.HardSet([p for p in hard.problems if p.id in keep], hard.k, hard.solve_counts)
+        storage.write_json(storage.join(directory, HARD_SET), cut.to_json())
+        for name in self.costs:
+            if name.startswith("prefixes_"):
+                record = storage.read_json(self._path(f"{name}.json"))
+                record |= {key: {i: v for i, v in record[key].items() if i in keep}
+                           for key in ("shortest_units", "answers")}
+                record["revealed_fractions"] = pope.revealed_fractions(
+                    cut.problems, record["shortest_units"])
+                storage.write_json(storage.join(directory, f"{name}.json"), record)
+        storage.write_json(storage.join(directory, LEDGER),
+                           {k: v.to_dict() for k, v in self.costs.items()})
+        return Mining(self.config, self.policy, self.sets, directory)
+
     def _imported_pool(self, p: prefixrl.PrefixRLSettings, problems) -> prefixrl.TracePool:
         """An imported pool, each trace verified against its problem (failures dropped and
         counted in imported_pool.json); its declared generation cost (prefixrl.pool_flops) is

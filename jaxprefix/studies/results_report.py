@@ -215,13 +215,20 @@ def prefix_search_lines(study: dict) -> list[str]:
              "| search | problems with a prefix | fraction min / median / max | "
              + " | ".join(f"({a:g}, {b:g}]" for a, b in zip(bins, bins[1:])) + " |",
              "|---" * (3 + len(bins) - 1) + "|"]
+    cut = study.get("cut")  # results.same_problems: the searches ran on every hard problem
     for name, s in sorted(searches.items()):
         f = np.asarray(s["revealed_fractions"], float)
         # (a, b] bins, as the header says: a prefix at exactly a cap counts under that cap.
         counts = np.bincount(np.searchsorted(bins, f, side="left") - 1, minlength=len(bins) - 1)
         spread = f"{f.min():.2f} / {np.median(f):.2f} / {f.max():.2f}" if f.size else "-"
-        lines.append(f"| {name.removeprefix('prefixes_')} | {s['found']} of {study['hard']} | "
-                     f"{spread} | " + " | ".join(str(int(c)) for c in counts) + " |")
+        found = (f"{cut['found'][name]} of {cut['hard']}" if cut and name in cut["found"]
+                 else f"{s['found']} of {study['hard']}")
+        lines.append(f"| {name.removeprefix('prefixes_')} | {found} | {spread} | "
+                     + " | ".join(str(int(c)) for c in counts) + " |")
+    if cut:
+        lines += ["", f"Every run trains on the {cut['kept']} hard problems that every POPE "
+                  f"run's search solved, of the {cut['hard']} mined (results.same_problems); "
+                  f"the fractions above are those problems' prefixes."]
     return lines + [""]
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxprefix import evaluation
+from jaxprefix import evaluation, storage
 from jaxprefix.methods import pope
 from jaxprefix.methods.probing import Prober
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.run_setup.method_settings import contexts_per_problem
-from jaxprefix.run_setup.mining import Mining, make_prober, set_up
+from jaxprefix.run_setup.mining import Mining, make_prober, mined_artifacts, set_up
 from jaxprefix.run_setup.policy import base_dir
 
 
@@ -53,6 +53,9 @@ def evaluate_guided(prober: Prober, prompts, problems, prefix_units: dict, *, n:
 
 
 
+CUT = "cut.json"  # on_problems_all_guide's counts, in the cut's mining directory
+
+
 @dataclasses.dataclass
 class Study:
     config: object
@@ -77,6 +80,26 @@ class Study:
     @property
     def hard(self):
         return self.mining.hard_set()
+
+    def on_problems_all_guide(self, configs) -> "Study":
+        """The study cut down to the hard problems that every prefix search of `configs` (the
+        POPE arms') solves, so every arm, GRPO's too, trains on one problem set: a mining
+        directory beside this one (<dir>_all_guide) holds the cut and, in CUT, its counts."""
+        hard = self.hard
+        found = {}
+        for c in configs:
+            searches = [a for a in mined_artifacts(c) if a.startswith("prefixes_")]
+            if searches:  # an arm that guides (POPE without guided copies searches nothing)
+                mining = Mining(c, self.policy, self.sets, self.mining.dir)
+                found[searches[0]] = set(pope.guided_units(hard.problems, mining.prefixes(hard),
+                                                           pope.PopeSettings.from_config(c)))
+        kept = set.intersection(*found.values()) if found else {p.id for p in hard.problems}
+        directory = self.mining.dir.rstrip("/") + "_all_guide"
+        mining = self.mining.restricted(kept, directory)
+        storage.write_json(storage.join(directory, CUT),
+                           {"hard": len(hard.problems), "kept": len(kept),
+                            "found": {name: len(ids) for name, ids in found.items()}})
+        return dataclasses.replace(self, mining=mining)
 
     def evaluate(self, model, description: str = "eval", problems=None,
                  n: int | None = None) -> dict:
