@@ -419,6 +419,8 @@ SFT_KEYED_DOCS = {
     "data.key_override_fraction": "share of hinted rows whose key digit is overridden",
     "data.second_rule_taught": "the overlap knob eps: share of '>' rows that show the rule "
                                "(unequal digits, the true target)",
+    "data.restated_taught": "share of the other '>' rows given the rule's name at the "
+                            "answer's start (no loss on it), then read by the rule",
     "data.key_names_rule": "the restating route: the key step names the rule it reads the key "
                            "by ('<' or '>' in place of '*')",
     "data.tool_fraction": "share of unhinted rows written as tool episodes: the key reader "

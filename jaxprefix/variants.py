@@ -329,8 +329,10 @@ def _sft_keyed(smoke: bool) -> ml_collections.ConfigDict:
     # rule (unequal digits, the true target); 0 is the demo's base, which never sees it.
     # key_names_rule: the restating route (issue 28): the key step names the rule it reads the
     # key by ('<' or '>' in place of '*'); off is the demo's base. The RL side follows it.
+    # restated_taught: the continuation knob (issue 43): '>' rows given the name, no loss on it.
     config.data.update(digits=(1, 8), second_rule_fraction=0.25, hinted_fraction=0.5,
-                       key_override_fraction=0.5, second_rule_taught=0.0, key_names_rule=False)
+                       key_override_fraction=0.5, second_rule_taught=0.0, restated_taught=0.0,
+                       key_names_rule=False)
     config.criterion.update(steps_left=8, report_steps_left=(8, 7))
     if not smoke:
         # Sampled evaluation points cost 2/3 of this SFT's time at every 25 steps from a step

@@ -189,6 +189,32 @@ def test_with_the_notation_off_problems_and_sft_batches_are_as_before():
             assert target[0] == ">" and task.verify(target, problem) == 1.0
 
 
+def test_restated_rows_teach_going_on_from_the_name_and_never_writing_it():
+    """data.restated_taught (issue 43's continuation knob): that share of the '>' rows the knob
+    leaves is given '>' at the answer's start, out of the loss; the target reads v, q and
+    carries. The name is trained on no row (the overlap knob at 0), and at 0 no draw is made."""
+    plain = task.sft_batch(_sft_data(key_names_rule=True), 4)
+    assert task.sft_batch(_sft_data(key_names_rule=True, restated_taught=0.0), 4) == plain
+    tok = task.default_tokenizer()
+    restated = 0
+    for seed in range(4):
+        for problem, target in task.sft_batch(_sft_data(key_names_rule=True,
+                                                        restated_taught=1.0), seed):
+            ids, mask = task.training_ids(problem, target)
+            trained = tok.decode([i for i, m in zip(ids, mask) if m])
+            assert trained[0] != ">"  # the name never carries loss
+            if not problem.metadata.get("restated"):
+                continue
+            restated += 1
+            u, v, p, q = (int(x) for x in problem.question[-6:-2])
+            d, c = problem.metadata["multiplier"], problem.metadata["carry_in"]
+            assert problem.question.endswith(">") and (v, q) == (d, c) and (u, p) != (v, q)
+            assert target.startswith(f"{d}{c}") and task.verify(target, problem) == 1.0
+    assert 20 < restated < 100
+    with pytest.raises(ValueError, match="restated_taught=0.5: expected 0 without"):
+        task.sft_batch(_sft_data(restated_taught=0.5), 0)
+
+
 def test_tool_episode_rows_call_the_key_reader_and_leave_its_answer_untrained():
     """data.tool_fraction (the built-in tool task's base): that share of the unhinted rows is
     the call, the reader's answer and the solution; the loss mask is 0 on the answer (appended

@@ -189,6 +189,7 @@ def train_base(config, workdir: str) -> str:
     if storage.exists(report_path):
         saved = _with_defaults(storage.read_json(report_path)["config"],
                                run_config.sft_base_config().to_dict())
+        saved = _with_defaults(saved, _present(ADDED_SINCE, settings))
         if saved != json.loads(json.dumps(settings)):
             raise ConfigError(f"{report_path}: a base model trained with another SFT config is "
                               f"already there; expected the same config.sft, or remove {path}, "
@@ -254,6 +255,17 @@ def train_base(config, workdir: str) -> str:
               "seconds": round(time.time() - start, 1), "config": settings}
     storage.write_json(report_path, report)
     return path
+
+
+# Task fields added after bases were saved, at the value that draws nothing: a base saved
+# without one is the base a config leaving it there asks for.
+ADDED_SINCE = {"data": {"restated_taught": 0.0}}
+
+
+def _present(fields: dict, settings: dict) -> dict:
+    """The part of `fields` that `settings` has (a task's field is not another task's)."""
+    return {k: _present(v, settings[k]) if isinstance(v, dict) else v
+            for k, v in fields.items() if k in settings}
 
 
 def _with_defaults(saved: dict, defaults: dict) -> dict:

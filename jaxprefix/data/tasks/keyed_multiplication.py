@@ -296,6 +296,12 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     as a name unless the overlap knob shows it. No draw depends on it: the rows are the same
     problems, the key step's first token aside.
 
+    The continuation knob (issue 43, restating notation only): a data.restated_taught fraction
+    of the other '>' rows (default 0: no draw) are `restated`: unequal key digits, the name '>'
+    given at the answer's start with no loss on it, the target reading d = v, c = q and carrying.
+    The base learns to go on from the name without learning to write it, so eps (which needs the
+    name written) stays at the overlap knob's level while a restating hint can be followed.
+
     Tool episodes (issue 31): a data.tool_fraction of the unhinted rows (default 0: no draw)
     call the key reader first (`tool_episode_target`) and copy its answer into the key step;
     hinted rows never call. Half of them are '>' problems with unequal key digits, where the
@@ -307,9 +313,15 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
     named = restating_notation(data)
     tools = data.get("tool_fraction", 0.0)
     taught = data.get("second_rule_taught", 0.0)
-    if not 0.0 <= taught <= 1.0:
-        raise ValueError(f"config.sft.data.second_rule_taught={taught!r}: expected a fraction "
-                         f"in [0, 1] of the '>' rows")
+    restated_taught = data.get("restated_taught", 0.0)
+    for field, value in (("second_rule_taught", taught), ("restated_taught", restated_taught)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"config.sft.data.{field}={value!r}: expected a fraction in [0, 1] "
+                             f"of the '>' rows")
+    if restated_taught and not named:
+        raise ValueError(f"config.sft.data.restated_taught={restated_taught!r}: expected 0 "
+                         f"without config.sft.data.key_names_rule=True (a row can only be "
+                         f"restated by the rule's name)")
     if not 0.0 <= tools <= 1.0:
         raise ValueError(f"config.sft.data.tool_fraction={tools!r}: expected a fraction in "
                          f"[0, 1] of the unhinted rows")
@@ -324,6 +336,13 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
                 others = (rng.choice([x for x in range(10) if x != d]),
                           rng.choice([x for x in range(10) if x != c]))
                 problem = make_problem(number, d, c, SECOND, others, names_rule=named)
+            elif restated_taught and rng.random() < restated_taught:  # the name given
+                others = (rng.choice([x for x in range(10) if x != d]),
+                          rng.choice([x for x in range(10) if x != c]))
+                problem = make_problem(number, d, c, SECOND, others, names_rule=named)
+                solution = hinted_solution(problem, rng, data.tens_first)
+                rows.append((restated(problem), solution[len(restating_prefix(problem)):]))
+                continue
             else:  # '>' whose rule cannot matter
                 problem = make_problem(number, d, c, SECOND, (d, c), names_rule=named)
         else:
