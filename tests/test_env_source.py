@@ -67,8 +67,11 @@ def _train(config, settings, method, model, tokenizer, tmp_path):
     return loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
                       tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
                       learner_config=validate(config, contexts_per_step=3),
-                      rollout=settings.rollout, contexts_per_step=3, tools=settings.tools,
-                      environment=settings.environment, progress=False)
+                      rollout=settings.rollout, contexts_per_step=3,
+                      episodes=scoring.episode_source(settings.tools, settings.environment,
+                                                      tokenizer,
+                                                      model.config.max_position_embeddings),
+                      progress=False)
 
 
 def _recorded(source):
@@ -96,7 +99,8 @@ def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_reach_the_advantag
         tags={}, n=2)
     scored = scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=3,
                                       rollout=RolloutSpec.from_config(config.rollout),
-                                      stop_ids=[tokenizer.eos_id], external=external)
+                                      stop_ids=[tokenizer.eos_id],
+                                      episodes=scoring.EpisodeSource(external, rewarded=True))
     seen = _recorded(source)
     assert len(seen) == 6 and all(s is not None for s in seen)
     # The rewards are the environment's, grouped n per problem in the episodes' order.

@@ -311,7 +311,9 @@ def train_one_step(model, tokenizer, config, workdir: str) -> dict:
                         tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
                         learner_config=validate(config, contexts_per_step=3),
                         rollout=RolloutSpec.from_config(config.rollout), contexts_per_step=3,
-                        tools=ToolSettings.from_config(config), progress=False)
+                        episodes=scoring.episode_source(
+                            ToolSettings.from_config(config), None, tokenizer,
+                            model.config.max_position_embeddings), progress=False)
     (record,) = read_metrics(workdir)
     assert result["step"] == 1
     return record
@@ -326,8 +328,9 @@ def _scored(policy, config, seed=0, record_routes=False, **sampler) -> scoring.S
     return scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=seed,
                                  rollout=RolloutSpec.from_config(config.rollout),
                                  stop_ids=[tokenizer.eos_id], record_routes=record_routes,
-                                 episodes=lambda *args, **kwargs: rollout(*args, **{**kwargs,
-                                                                                 **sampler}))
+                                 episodes=scoring.EpisodeSource(
+                                     lambda *args, **kwargs: rollout(*args, **{**kwargs,
+                                                                     **sampler})))
 
 
 def test_the_loop_trains_on_exactly_the_sampled_and_appended_tokens(policy, episodes,

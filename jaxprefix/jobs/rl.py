@@ -16,6 +16,7 @@ from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 from jaxprefix.rl import compute_ledger, loop
 from jaxprefix.rl.compute_ledger import ComputeLedger
+from jaxprefix.rl.scoring import episode_source
 from jaxprefix.run_setup.mining import set_up
 from jaxprefix.run_setup.run_settings import RunSettings, resolve
 from jaxprefix.storage import workdir_lock
@@ -86,7 +87,9 @@ def run_rl(config, workdir: str, settings: RunSettings | None = None) -> dict:
                         ledger=ledger,
                         probe=(key_step_probe(config.data.source, policy, sets)
                                if settings.loop.eval.key_step_probe else None),
-                        tools=settings.tools, environment=settings.environment)
+                        episodes=episode_source(settings.tools, settings.environment,
+                                                policy.tokenizer,
+                                                policy.model.config.max_position_embeddings))
     # Mining is charged from the mining directory's ledger, the truth for a resumed run too.
     ledger.extra_rollouts, ledger.extra_flops = mined.extra_rollouts, mined.extra_flops
     if result["preempted"]:

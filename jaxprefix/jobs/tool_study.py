@@ -74,8 +74,8 @@ def evaluate(how: Evaluation, policy, model, problems, *, with_tools: bool) -> d
     config = how.config
     request = scoring.RolloutRequest(contexts=[policy.prompts.question(p) for p in problems],
                                   problems=list(problems), tags={}, n=config.eval.n)
-    episodes = how.tools.episode_rollout(
-        policy.tokenizer, model.config.max_position_embeddings) if with_tools else None
+    episodes = scoring.EpisodeSource(how.tools.episode_rollout(
+        policy.tokenizer, model.config.max_position_embeddings)) if with_tools else None
     scored = scoring.sample_and_score(model, policy.tokenizer, request, reward_settings(config),
                                    rollout=how.rollout, seed=config.seed + 7,
                                    stop_ids=policy.stop_ids, episodes=episodes)

@@ -31,8 +31,8 @@ from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import MetricsWriter
 from jaxprefix.rl.loop_settings import LoopSettings, check_rows
-from jaxprefix.rl.scoring import (RolloutRequest, Scored, evaluate, reward_metrics, round_seed,
-                                  sample_and_score, turn_metrics)
+from jaxprefix.rl.scoring import (EpisodeSource, RolloutRequest, Scored, evaluate,
+                                  reward_metrics, round_seed, sample_and_score, turn_metrics)
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner, TrainState, frozen_fraction
 
@@ -109,15 +109,14 @@ def _state_arrays(state: TrainState) -> dict:
 
 
 def _rollout_chunks(policy, tokenizer, method: Method, settings: LoopSettings, rollout,
-                    step: int, stop_ids, record_routes: bool, episodes=None,
-                    external=None) -> list[Scored]:
+                    step: int, stop_ids, record_routes: bool,
+                    episodes: EpisodeSource | None = None) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round)."""
     request = method.next_request(step)
     chunks = [sample_and_score(policy, tokenizer, request, settings.rewards, rollout=rollout,
                                stop_ids=stop_ids, seed=round_seed(settings.seed, step, 0),
-                               record_routes=record_routes, episodes=episodes,
-                               external=external)]
+                               record_routes=record_routes, episodes=episodes)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while settings.dynamic_sampling and dynamic_sampling.needs_refill(
@@ -126,8 +125,7 @@ def _rollout_chunks(policy, tokenizer, method: Method, settings: LoopSettings, r
         chunks.append(sample_and_score(policy, tokenizer, more, settings.rewards,
                                        rollout=rollout, stop_ids=stop_ids,
                                        seed=round_seed(settings.seed, step, len(chunks)),
-                                       record_routes=record_routes, episodes=episodes,
-                                       external=external))
+                                       record_routes=record_routes, episodes=episodes))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
@@ -239,7 +237,7 @@ def _steps_in_budget(flops_budget: float, cost: _StepCost, totals: dict) -> int:
 def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokenizer,
           learner_config: TrainConfig,
           rollout: sampling.RolloutSpec, contexts_per_step: int, stop_ids=(), mesh=None,
-          sampler_mesh=None, ledger=None, probe=None, tools=None, environment=None,
+          sampler_mesh=None, ledger=None, probe=None, episodes: EpisodeSource | None = None,
           progress: bool = True) -> dict[str, Any]:
     """Runs RL from the latest checkpoint in `workdir` (or from `model`) to settings.total_steps.
 
@@ -253,11 +251,9 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
     ledger: an optional compute_ledger.ComputeLedger, updated and checkpointed with the run.
     probe: an optional function of the sampling model, called at each evaluation; its figures
       join the step's record (the rl job's key-step probe, eval.key_step_probe).
-    tools: the run's ToolSettings (tools/settings.py); with rollout.max_turns > 1 every request
-      (training and evaluation) is sampled as episodes with its environment's tools.
-    environment: the run's EnvironmentSettings (serving/env_settings.py); with a source, every
-      request's problems (training and evaluation) are run as that external environment's
-      episodes against the policy served live on 127.0.0.1, rewarded by the environment.
+    episodes: the run's episode source (scoring.episode_source: tool episodes, or an external
+      environment's against the policy served live on 127.0.0.1); every request, training and
+      evaluation, is then sampled as its episodes. None: one turn a row.
     Returns {'step', 'preempted', 'metrics' (the last step's record)}.
     """
     check_rows(learner_config, contexts_per_step, settings.n, mesh)
@@ -266,10 +262,6 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
     model = adapted(model, settings.adapters, settings.seed, mesh)
     check_update_resolution(model, learner_config.learning_rate)
     learner = Learner(model, learner_config, mesh)
-    episodes = tools.episode_rollout(tokenizer, model.config.max_position_embeddings) \
-        if tools is not None and tools.episodes else None
-    external = environment.episode_source(tokenizer, model.config.max_position_embeddings) \
-        if environment is not None and environment.active else None
     # The sampler's weights are cast and laid out for decoding (heads over 'tensor' on TPU) in
     # one program a step; generate() then finds them in place.
     decode = None if mesh is None else sampling.decode_layout(mesh, model.config,
@@ -318,7 +310,7 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
 
     def sample_step(policy, step):
         return _rollout_chunks(policy, tokenizer, method, settings, rollout, step, stop_ids,
-                               replay, episodes, external)
+                               replay, episodes)
 
     sampler, publish_seconds = None, 0.0
     if ahead and start < total:
@@ -334,8 +326,7 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
             eval_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)
             scores, counts = evaluate(policy, tokenizer, method, settings, rollout=rollout,
-                                      step=step, stop_ids=stop_ids, episodes=episodes,
-                                      external=external)
+                                      step=step, stop_ids=stop_ids, episodes=episodes)
             counts_writer.write(step, counts)
             return scores | (probe(policy) if probe else {}) | {
                 "time/eval": time.perf_counter() - eval_start}

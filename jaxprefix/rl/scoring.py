@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -55,6 +55,33 @@ class Scored:
     episodes: list | None = None  # multi-turn episodes (None: one turn a row)
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeSource:
+    """Where a request's rows come from when not one turn each: the run's tool episodes
+    (`ToolSettings.episode_rollout`, the request's contexts sampled with tools and the final
+    answers scored by the run's verifier) or an external environment's (`EnvironmentSettings.
+    episode_source`, the request's problems run against the policy served live and rewarded by
+    the environment: `rewarded`)."""
+    run: Callable
+    rewarded: bool = False
+
+    def __call__(self, model, request: RolloutRequest, **keywords) -> tuple[list, np.ndarray | None]:
+        """(the episodes, n per context in order; the environment's rewards [C, n] or None)."""
+        if self.rewarded:
+            return self.run(model, request.problems, n=request.n, **keywords)
+        return self.run(model, request.contexts, n=request.n, **keywords), None
+
+
+def episode_source(tools, environment, tokenizer, context_length: int) -> EpisodeSource | None:
+    """The run's episode source: an external environment's where config.environment names
+    one, else the tool episodes where rollout.max_turns > 1, else None (one turn a row)."""
+    if environment is not None and environment.active:
+        return EpisodeSource(environment.episode_source(tokenizer, context_length), rewarded=True)
+    if tools is not None and tools.episodes:
+        return EpisodeSource(tools.episode_rollout(tokenizer, context_length))
+    return None
+
+
 def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> list[str]:
     """Each row's response prefix + its decoded completion, the stop token left out."""
     texts = []
@@ -66,34 +93,29 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 
 def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardSettings, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
-                     record_routes: bool = False, episodes=None, external=None) -> Scored:
-    """Samples the request (one turn a row; with `episodes`, an episode rollout of
-    ToolSettings.rollout, multi-turn episodes scored on their final answers, a row each) and
-    scores it; with `record_routes`, each row's tokens carry a MoE's experts (Rollouts.routes).
-    With `external` (EnvironmentSettings.episode_source), an external environment runs n
-    episodes of each of the request's problems against the policy served live: each a row, the
-    environment's reward its score (no verifier; the request's contexts are not sampled)."""
+                     record_routes: bool = False,
+                     episodes: EpisodeSource | None = None) -> Scored:
+    """Samples the request, one turn a row or as `episodes` says (a row an episode), and scores
+    it: by the run's verifier (on an episode, its final answer), or by the environment where it
+    rewards its own episodes. With `record_routes`, each row's tokens carry a MoE's experts
+    (Rollouts.routes)."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     keywords = rollout.sampler_keywords()
     found, env_rewards = None, None
-    if external is not None:
-        found, env_rewards = external(model, request.problems, n=request.n, stop_ids=stop_ids,
-                                      seed=seed, record_routes=record_routes, **keywords)
-        rollouts = multi_turn.as_rollouts(found, request.n)
-        prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
-    elif episodes is None:
+    if episodes is None:
         rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
                                      seed=seed, record_routes=record_routes, **keywords)
         texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
         prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
     else:
-        found = episodes(model, request.contexts, n=request.n, stop_ids=stop_ids, seed=seed,
-                         record_routes=record_routes, **keywords)
+        found, env_rewards = episodes(model, request, stop_ids=stop_ids, seed=seed,
+                                      record_routes=record_routes, **keywords)
         rollouts = multi_turn.as_rollouts(found, request.n)
-        texts = [(request.response_prefixes[e.group] if request.response_prefixes and
-                  e.turns == 1 else "") + multi_turn.final_answer(e, tokenizer) for e in found]
         prefilled, generated = map(sum, zip(*map(multi_turn.sampler_tokens, found)))
+        texts = None if env_rewards is not None else [
+            (request.response_prefixes[e.group] if request.response_prefixes and e.turns == 1
+             else "") + multi_turn.final_answer(e, tokenizer) for e in found]
     boundaries.check_rollouts(rollouts, contexts=len(request.contexts), n=request.n)
     sampled = time.perf_counter()
     if env_rewards is not None:  # the environment's own, timed with its episodes
@@ -149,19 +171,18 @@ def turn_metrics(chunks: list[Scored]) -> dict[str, float]:
 
 
 def evaluate(model, tokenizer, method, settings: LoopSettings, *, rollout: sampling.RolloutSpec,
-             step: int,
-             stop_ids, episodes=None, external=None) -> tuple[dict, dict]:
+             step: int, stop_ids,
+             episodes: EpisodeSource | None = None) -> tuple[dict, dict]:
     """pass@k and friends on each of the method's (unguided) eval requests, and per request
     (samples per problem, correct samples of each problem) for eval_counts.jsonl; with
-    `episodes`, of episodes with the run's tools; with `external`, of an external environment's
-    episodes, its reward > 0.5 counted as a solve."""
+    `episodes`, of the run's episodes (a reward > 0.5 counted as a solve)."""
     from jaxprefix import evaluation
 
     out, counts = {}, {}
     for name, request in method.eval_requests().items():
         scored = sample_and_score(model, tokenizer, request, settings.rewards, rollout=rollout,
                                   stop_ids=stop_ids, seed=round_seed(settings.seed + 1, step, 0),
-                                  episodes=episodes, external=external)
+                                  episodes=episodes)
         summary = evaluation.summarize(scored.rewards, settings.eval.ks)
         out.update({f"{name}/{k}": float(v) for k, v in summary.items()})
         out.update(_reward_shares(name, scored.rewards))
@@ -170,8 +191,7 @@ def evaluate(model, tokenizer, method, settings: LoopSettings, *, rollout: sampl
             greedy = sample_and_score(model, tokenizer, dataclasses.replace(request, n=1),
                                       settings.rewards,
                                       rollout=dataclasses.replace(rollout, temperature=0.0),
-                                      stop_ids=stop_ids, seed=0, episodes=episodes,
-                                      external=external)
+                                      stop_ids=stop_ids, seed=0, episodes=episodes)
             out[f"{name}_greedy/accuracy"] = float((greedy.rewards > 0.5).mean())
             out.update(_reward_shares(f"{name}_greedy", greedy.rewards))
             counts[f"{name}_greedy"] = (1, [int(c) for c in (greedy.rewards > 0.5).sum(axis=1)])
