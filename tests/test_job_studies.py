@@ -215,11 +215,14 @@ def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_
     with open(tmp_path / "mining_all_guide" / "cut.json") as f:
         assert json.load(f) == {"hard": len(ids), "kept": 2,
                                 "found": {searches[a]: 3 for a in arms}}
+    with open(tmp_path / "mining" / "ledger.json") as f:
+        spent = {name: ledger["extra_flops"] for name, ledger in json.load(f).items()}
+    assert all(spent[searches[a]] > 0 for a in arms)
     for name in (*arms, "grpo_matched_hints"):
         c = run_config(cut, name, 0)
         assert c.mining.dir == str(tmp_path / "mining_all_guide")
         needs = mined_artifacts(c)
-        assert cut.mining.cost(needs).extra_flops == study.mining.cost(needs).extra_flops > 0
+        assert cut.mining.cost(needs).extra_flops == pytest.approx(sum(spent[a] for a in needs))
         if name in arms:  # both guide every problem they train on
             settings = pope.PopeSettings.from_config(c)
             assert sorted(pope.guided_units(cut.hard.problems, cut.mining.prefixes(cut.hard),

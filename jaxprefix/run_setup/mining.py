@@ -208,6 +208,9 @@ class Mining:
         charged what the whole mining spent (the cut chose its problems from all of it)."""
         keep = set(ids)
         hard = self.hard_set()
+        # What is on disk: another Mining of this directory (another arm's search) may have
+        # booked an artifact since this one was read.
+        self.costs = self._load_costs() | self.costs
         cut = pope.HardSet([p for p in hard.problems if p.id in keep], hard.k, hard.solve_counts)
         storage.write_json(storage.join(directory, HARD_SET), cut.to_json())
         for name in self.costs:
