@@ -134,3 +134,13 @@ def test_every_committed_report_rebuilds_byte_for_byte_from_its_records(tmp_path
                    "pope_eps/taught0.05", "pope_eps/taught0.2"):
         committed, rebuilt = _rebuilt_in_a_copy(tmp_path, folder)
         assert rebuilt == committed, folder
+
+
+def test_a_difference_is_called_a_tie_only_inside_the_registered_margin():
+    from jaxprefix.studies.study_tables import TIE_MARGIN, verdict
+
+    assert verdict(0.01, 0.2) == "ahead" and verdict(-0.3, -0.02) == "behind"
+    assert verdict(-0.04, 0.03) == f"tie (within ±{TIE_MARGIN:g})"
+    # Wider than the margin and holding 0: not a tie, and what it could have seen is stated
+    # (1.43 x the half-width: 80% power at two-sided 5%).
+    assert verdict(-0.29, 0.22) == "not distinguishable (detectable: ≥ 0.36)"

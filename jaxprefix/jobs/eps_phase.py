@@ -40,6 +40,13 @@ def level_folders(root: str) -> list[str]:
     return sorted(d for d, _, files in os.walk(root) if results_report.COUNTS in files)
 
 
+def _knob(sft_data: dict) -> str:
+    """The level's SFT mixture: the overlap knob, and the continuation knob where set."""
+    restated = sft_data.get("restated_taught", 0.0)
+    return f"{sft_data.get('second_rule_taught', 0.0)}" + (
+        f", restated {restated}" if restated else "")
+
+
 def level(folder: str) -> dict:
     """One level: its base's probe, and each arm's paired difference from GRPO per column."""
     from jaxprefix.run_setup.study_arms import RUNS
@@ -55,7 +62,7 @@ def level(folder: str) -> dict:
         raise ValueError(f"{folder}: no base probe in counts.json; expected a run of "
                          f"configs/results.py:eps (eval.key_step_probe)")
     out = {"folder": folder, "k": max(record["config"]["eval"]["ks"]), "eps": probe["probe/key_step"], "success": probe["probe/success"],
-           "knob": record["config"]["sft"]["data"].get("second_rule_taught", 0.0), "arms": {}}
+           "knob": _knob(record["config"]["sft"]["data"]), "arms": {}}
     for arm in ARMS:
         if arm not in rows or GRPO not in rows:
             continue
@@ -80,8 +87,8 @@ def table_lines(levels: list[dict]) -> list[str]:
              "|---" * (6 + len(headers)) + "|"]
     for lv in levels:
         for arm, d in lv["arms"].items():
-            cells = [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]" for m, lo, hi in
-                     (d[c.header] for c in columns([1]))]
+            cells = [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]: {study_tables.verdict(lo, hi)}"
+                     for m, lo, hi in (d[c.header] for c in columns([1]))]
             share = d["guided"]
             guided = ("-" if share is None else f"{share['share']:.2f}"
                       + (" (defect: not a result)" if share["defect"] else ""))
@@ -128,7 +135,10 @@ def main(argv: list[str]) -> int:
              f"counts.json; paired 95% intervals (jaxprefix/statistics.py). Guided share: the "
              f"arm's share of guided training contexts (1:1 mixing: 0.50); an arm under "
              f"{results_report.GUIDED_SHARE_FLOOR:g} of its designed share is mostly plain GRPO, "
-             f"a defect of the study, not a result.", "", *table_lines(levels), "",
+             f"a defect of the study, not a result. Words: 'ahead'/'behind' where the interval "
+             f"excludes 0, 'tie' only inside ±{study_tables.TIE_MARGIN:g} (registered before "
+             f"the window runs), else not distinguishable with the smallest difference the "
+             f"runs could have detected.", "", *table_lines(levels), "",
              "![phase](phase.png)"]
     storage.write_atomic(storage.join(root, "PHASE.md"), "\n".join(lines) + "\n")
     plot(levels, storage.join(root, "phase.png"))

@@ -156,3 +156,24 @@ def flops_to_targets(curves: dict, targets, label: str) -> list[str]:
                          + ")")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+# The margin inside which a paired difference may be called a tie, registered before the
+# window levels' runs (docs/results/pope/PREDICTIONS.md, issue 43).
+TIE_MARGIN = 0.05
+# 80% power at two-sided 5%: (1.96 + 0.84) / 1.96 of an interval's half-width.
+DETECTABLE_PER_HALF_WIDTH = 1.43
+
+
+def verdict(low: float, high: float, margin: float = TIE_MARGIN) -> str:
+    """The words a paired difference's 95% interval carries: 'ahead' or 'behind' where it
+    excludes 0; 'tie' only where it lies inside ±margin; else 'not distinguishable', with the
+    smallest difference these runs could have detected."""
+    if low > 0:
+        return "ahead"
+    if high < 0:
+        return "behind"
+    if -margin <= low and high <= margin:
+        return f"tie (within ±{margin:g})"
+    detectable = DETECTABLE_PER_HALF_WIDTH * (high - low) / 2
+    return f"not distinguishable (detectable: ≥ {detectable:.2f})"
