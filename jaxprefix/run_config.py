@@ -437,6 +437,9 @@ RESULTS_DOCS = {
     "warm_start.batch_size": "SFT warm starts: rows per step",
     "warm_start.learning_rate": "SFT warm starts: Adam learning rate",
     "warm_start.warmup_fraction": "SFT warm starts: share of steps warming the rate up",
+    "regime.rule": "PrefixRL regime: 'hard' (the shortest length whose base pass@k is at "
+                   "most max_pass) or 'middle' (rate closest to 1/sqrt(k max_samples))",
+    "regime.max_pass": "PrefixRL regime: the base's largest pass@k at the 'hard' rule's length",
     "regime.probe_digits": "PrefixRL regime: problem lengths probed",
     "regime.probe_problems": "PrefixRL regime: problems probed per length",
     "regime.probe_samples": "PrefixRL regime: samples per probed problem",

@@ -3,6 +3,7 @@ tiny synthetic counts files and on the committed ones."""
 import os
 
 import numpy as np
+import pytest
 
 from jaxprefix import run_config, statistics, storage
 from jaxprefix.jobs import isocompute_prereg, report_tables
@@ -144,3 +145,19 @@ def test_a_difference_is_called_a_tie_only_inside_the_registered_margin():
     # Wider than the margin and holding 0: not a tie, and what it could have seen is stated
     # (1.43 x the half-width: 80% power at two-sided 5%).
     assert verdict(-0.29, 0.22) == "not distinguishable (detectable: ≥ 0.36)"
+
+
+def test_prefixrl_regime_rules_choose_the_length_from_the_measured_rates():
+    """'hard' (issue 43): the shortest length whose base pass@16 is at most 0.02, a rate above
+    0 (rejection sampling must find traces); 'middle': the rate closest in log to the target.
+    The rates are the 2026-12 study's probe (32 x 32 samples a length)."""
+    from jaxprefix.jobs.results import choose_length, regime_target
+
+    rates = {8: 0.0117, 10: 0.0068, 12: 0.0, 14: 0.00098, 16: 0.00098, 18: 0.0}
+    config = run_config.from_file(os.path.join(ROOT, "configs", "results.py"), "carry")
+    target, words = regime_target(config)
+    assert config.results.regime.rule == "hard" and "at most 0.02" in words
+    assert target == pytest.approx(1 - 0.98 ** (1 / 16))  # ~1.26e-3
+    assert choose_length(rates, "hard", target) == 14
+    assert choose_length(rates, "middle", 1 / (16 * 512) ** 0.5) == 8
+    assert choose_length({8: 0.0, 10: 0.0}, "hard", target) is None

@@ -293,18 +293,47 @@ def _warm_examples(study: Study, kind: str, seed: int) -> list:
                      f"'other_traces' or 'more_sft'")
 
 
+def regime_target(config) -> tuple[float, str]:
+    """The per-sample base success rate PrefixRL's regime is chosen by, and the rule's words.
+    'middle': the length closest (in log) to 1 / sqrt(k * max_samples), the geometric middle
+    between a rate the mining k (pass@k = 0) rarely sees and one the rejection-sampling budget
+    still finds. 'hard': the shortest length at most 1 - (1 - p)^(1/k), where the base's pass@k
+    is at most p = regime.max_pass (issue 43: at 'middle' the base reached 0.145 pass@16 on
+    the held-out problems of its 'hard' set)."""
+    r, k = config.results.regime, config.mining.k
+    if r.get("rule", "middle") == "middle":
+        target = 1.0 / math.sqrt(k * config.prefixrl.max_samples)
+        return target, (f"the length whose base success rate per sample is closest (in log) "
+                        f"to 1 / sqrt(k x max_samples) = {target:.4f}")
+    if r.rule != "hard":
+        raise ConfigError(f"config.results.regime.rule={r.rule!r}: expected 'middle' or 'hard'")
+    target = 1.0 - (1.0 - r.max_pass) ** (1.0 / k)
+    return target, (f"the shortest length whose base success rate per sample is above 0 and "
+                    f"at most 1 - (1 - {r.max_pass:g})^(1/{k}) = {target:.2e}, so that the "
+                    f"base's pass@{k} there is at most {r.max_pass:g}")
+
+
+def choose_length(rates: dict[int, float], rule: str, target: float) -> int | None:
+    """The regime's problem length from the base's per-sample success rates by `rule`
+    (`regime_target`); None where no length with a success qualifies."""
+    measured = {d: v for d, v in rates.items() if v > 0}
+    if rule == "hard":
+        return min((d for d, v in measured.items() if v <= target), default=None)
+    if not measured:
+        return None
+    return min(measured, key=lambda d: abs(math.log(measured[d]) - math.log(target)))
+
+
 def _prefixrl_regime(hard: Study, workdir: str):
-    """PrefixRL's regime: the problem length whose base success rate per sample is closest (in
-    log) to 1 / sqrt(k * max_samples), the geometric middle between a rate the mining k (pass@k
-    = 0) rarely sees and one the rejection-sampling budget still finds. Measured on the base."""
+    """PrefixRL's regime: the problem length `regime_target` chooses, measured on the base."""
     config = hard.config
     r = config.results.regime
     path = storage.join(workdir, "regime_probe.json")
     if storage.exists(path):
         probe = storage.read_json(path)
     else:
-        probe = {"digits": {}, "target_rate": 1.0 / math.sqrt(config.mining.k
-                                                             * config.prefixrl.max_samples)}
+        target_rate, rule = regime_target(config)
+        probe = {"digits": {}, "target_rate": target_rate, "rule": rule}
         from jaxprefix.data import tasks
 
         task = tasks.get(config.data.source)
@@ -316,12 +345,12 @@ def _prefixrl_regime(hard: Study, workdir: str):
             rates = hard.evaluate(hard.policy.model, f"regime probe {digits} digits", problems,
                                   n=r.probe_samples)
             probe["digits"][str(digits)] = rates["pass@1"]
-        target = math.log(probe["target_rate"])
-        measured = {int(d): v for d, v in probe["digits"].items() if v > 0}
-        if measured:
-            probe["chosen"] = min(measured, key=lambda d: abs(math.log(measured[d]) - target))
-        else:  # an untrained (smoke) base: the shortest length, and the report says so
+        chosen = choose_length({int(d): v for d, v in probe["digits"].items()},
+                               r.get("rule", "middle"), target_rate)
+        if chosen is None:  # an untrained (smoke) base, or no length qualifies: said so
             probe["chosen"], probe["no_success"] = min(r.probe_digits), True
+        else:
+            probe["chosen"] = chosen
         storage.write_json(path, probe)
     c = config.copy_and_resolve_references()
     c.data.digits = (probe["chosen"], probe["chosen"])

@@ -252,12 +252,14 @@ def regime_section(report: dict, config, specs) -> list[str]:
     pool = study.get("trace_pool", {"problems": 0, "samples": 0, "samples_found": []})
     other = study.get("other_trace_pool")
     r = config.results.regime
+    # A probe from before the rule was recorded ('middle', the only rule then).
+    rule = probe.get("rule") or (f"the length whose base success rate per sample is closest "
+                                 f"(in log) to 1 / sqrt(k x max_samples) = "
+                                 f"{probe['target_rate']:.4f}")
     lines = [
         "## PrefixRL in its own regime, with its controls", "",
-        f"The problem length is chosen by a rule fixed before any run: the length whose base "
-        f"success rate per sample is closest (in log) to 1 / sqrt(k x max_samples) = "
-        f"{probe['target_rate']:.4f}. Measured ({r.probe_problems} problems x "
-        f"{r.probe_samples} samples per length):", "",
+        f"The problem length is chosen by a rule fixed before any run: {rule}. Measured "
+        f"({r.probe_problems} problems x {r.probe_samples} samples per length):", "",
         "| digits | " + " | ".join(probe["digits"]) + " |",
         "|---" * (len(probe["digits"]) + 1) + "|",
         "| base pass@1 | " + " | ".join(f"{v:.4f}" for v in probe["digits"].values()) + " |", "",
