@@ -225,8 +225,8 @@ def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_
         assert cut.mining.cost(needs).extra_flops == pytest.approx(sum(spent[a] for a in needs))
         if name in arms:  # both guide every problem they train on
             settings = pope.PopeSettings.from_config(c)
-            assert sorted(pope.guided_units(cut.hard.problems, cut.mining.prefixes(cut.hard),
-                                            settings)) == sorted(ids[1:3])
+            units = cut.mining.prefixes(cut.hard, settings)
+            assert sorted(pope.guided_units(cut.hard.problems, units, settings)) == sorted(ids[1:3])
 
 
 def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_path):

@@ -41,7 +41,7 @@ UNSOLVED = {"drop": "dropped from POPE's training", "longest": "guided by the lo
 def run_demo(config, workdir: str) -> dict:
     study = Study.prepare(config, workdir)
     hard = study.hard
-    search = study.mining.prefix_search(hard)
+    search = study.prefix_search()
     report = {"hard_set": {"candidates": len(study.sets.train), "hard": len(hard.problems),
                            "k": hard.k},
               "prefixes": {"guidance": config.pope.guidance,

@@ -130,7 +130,7 @@ def _study_record(study: Study) -> dict:
     if storage.exists(storage.join(study.mining.dir, CUT)):
         record["cut"] = storage.read_json(storage.join(study.mining.dir, CUT))
     if "trace_pool" in record["mining"]:
-        pool = study.mining.trace_pool(study.hard.problems)
+        pool = study.trace_pool()
         samples = pool.samples_per_problem
         record["trace_pool"] = {"problems": len(pool.traces), "samples": int(sum(samples.values())),
                                 "samples_found": [int(t.samples) for t in pool.traces.values()]}
@@ -238,17 +238,13 @@ def _other_pool(study: Study) -> tuple[str, dict]:
 def _solved(study: Study) -> tuple[list, dict]:
     """The more-SFT control's examples (the base's own traces of problems it solves, as many as
     the hard set's trace pool holds, none of them hard) and the stats of finding them."""
-    count = len(study.mining.trace_pool(study.hard.problems).traces)
+    count = len(study.trace_pool().traces)
     return prefixrl_controls.solved_examples(study, count)
 
 
 def _pope_problems(study: Study, c) -> int:
     """How many hard problems a POPE run guides (the rest have no solvable prefix in its cap)."""
-    from jaxprefix.run_setup.mining import Mining, mining_dir
-
-    mining = Mining(c, study.policy, study.sets, mining_dir(c, study.workdir))
-    hard = study.hard
-    return len(pope.guided_units(hard.problems, mining.prefixes(hard),
+    return len(pope.guided_units(study.hard.problems, study.prefix_search(c)["shortest_units"],
                                  pope.PopeSettings.from_config(c)))
 
 
@@ -285,10 +281,10 @@ def _warm_examples(study: Study, kind: str, seed: int) -> list:
     if kind == "oracle":
         return warm_start.oracle_examples(study.policy, problems)
     if kind == "own_guided":
-        answers = study.mining.prefix_search(study.hard)["answers"]
+        answers = study.prefix_search()["answers"]
         return warm_start.own_guided_examples(problems, answers)
     if kind == "traces":
-        return warm_start.trace_examples(problems, study.mining.trace_pool(problems))
+        return warm_start.trace_examples(problems, study.trace_pool(problems))
     raise ValueError(f"warm start {kind!r}: expected 'oracle', 'own_guided', 'traces', "
                      f"'other_traces' or 'more_sft'")
 

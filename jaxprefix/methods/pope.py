@@ -306,13 +306,13 @@ class PopeMethod(GrpoMethod):
 
 def _build(settings: PopeSettings, inputs) -> PopeMethod:
     hard = inputs.mining.hard_set()
-    return PopeMethod(inputs.prompts, hard.problems, inputs.mining.prefixes(hard),
+    return PopeMethod(inputs.prompts, hard.problems, inputs.mining.prefixes(hard, settings),
                       schedule=make_prefix_schedule(dict(settings.schedule)), settings=settings,
                       easy=inputs.sets.easy, **inputs.common)
 
 
 def _mined_summary(settings: PopeSettings, mining, hard: HardSet) -> dict:
-    found = mining.prefixes(hard)
+    found = mining.prefixes(hard, settings)
     return {"prefix_found": sum(v is not None for v in found.values()),
             "revealed_fractions": revealed_fractions(hard.problems, found)}
 

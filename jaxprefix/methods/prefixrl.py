@@ -234,7 +234,7 @@ class PrefixRLSettings:
 def _build(settings: PrefixRLSettings, inputs) -> PrefixRLMethod:
     hard = inputs.mining.hard_set()
     return PrefixRLMethod(
-        inputs.prompts, hard.problems, inputs.mining.trace_pool(hard.problems),
+        inputs.prompts, hard.problems, inputs.mining.trace_pool(hard.problems, settings),
         schedule=make_prefix_schedule(dict(settings.schedule)),
         prefixes_per_problem=settings.prefixes_per_problem,
         unprefixed_copies=settings.unprefixed_copies, cut_range=settings.cut_range,
@@ -248,4 +248,4 @@ register_method(MethodSpec(
     # Another model's traces are billed at their declared cost; the oracle's cost nothing.
     needs=lambda s: ("hard_set",) + ((s.pool,) if s.pool != "oracle" else ()),
     mined_summary=lambda s, mining, hard: {
-        "pool": len(mining.trace_pool(hard.problems).traces)}))
+        "pool": len(mining.trace_pool(hard.problems, s).traces)}))

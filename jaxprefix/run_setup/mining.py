@@ -15,6 +15,8 @@ recorded apart in mining/ledger.json, and each run is charged for the artifacts 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from absl import logging
 import jax
 
@@ -79,22 +81,50 @@ def _length(context) -> int:
     return len(token_ids(context))
 
 
-def make_prober(config, policy, ledger: ComputeLedger, verifier: str) -> Prober:
-    spec = RolloutSpec.from_config(config.rollout)
-    return Prober(policy.model, policy.tokenizer, spec, stop_ids=policy.stop_ids,
-                  verifier=verifier, ledger=ledger,
-                  rows_per_call=config.mining.rows_per_call,
-                  verifier_timeout_s=config.rewards.timeout_s,
-                  verifier_max_chars=config.rewards.max_chars)
+@dataclasses.dataclass(frozen=True)
+class ProbeSettings:
+    """How a policy is sampled to be measured (mining, the studies' evaluations): the sampler's
+    spec, rows a call (mining.rows_per_call) and the verifier's limits (rewards.*)."""
+    rollout: RolloutSpec
+    rows_per_call: int
+    verifier_timeout_s: float
+    verifier_max_chars: int
+
+    @classmethod
+    def from_config(cls, config) -> ProbeSettings:
+        return cls(RolloutSpec.from_config(config.rollout), config.mining.rows_per_call,
+                   config.rewards.timeout_s, config.rewards.max_chars)
+
+    def prober(self, policy, ledger: ComputeLedger, verifier: str) -> Prober:
+        return Prober(policy.model, policy.tokenizer, self.rollout, stop_ids=policy.stop_ids,
+                      verifier=verifier, ledger=ledger, rows_per_call=self.rows_per_call,
+                      verifier_timeout_s=self.verifier_timeout_s,
+                      verifier_max_chars=self.verifier_max_chars)
+
+
+@dataclasses.dataclass(frozen=True)
+class MiningSettings:
+    """config.mining and the seed, read once: the hard set's k, the samples each prefix length
+    gets, and how the base is sampled. What a prefix search or a trace pool is searched with is
+    its method's settings (PopeSettings, PrefixRLSettings), handed to the call."""
+    k: int
+    prefix_samples: int
+    seed: int
+    probe: ProbeSettings
+
+    @classmethod
+    def from_config(cls, config) -> MiningSettings:
+        return cls(config.mining.k, config.mining.prefix_samples, config.seed,
+                   ProbeSettings.from_config(config))
 
 
 class Mining:
     """Cached mining results of one directory, computed on first request."""
 
-    def __init__(self, config, policy, sets, directory: str):
-        self.config, self.policy, self.sets, self.dir = config, policy, sets, directory
+    def __init__(self, settings: MiningSettings, policy, sets, directory: str):
+        self.settings, self.policy, self.sets, self.dir = settings, policy, sets, directory
         self.costs = self._load_costs()
-        self.prober = make_prober(config, policy, self._new_ledger(), sets.verifier)
+        self.prober = settings.probe.prober(policy, self._new_ledger(), sets.verifier)
 
     def _path(self, name: str) -> str:
         return storage.join(self.dir, name)
@@ -118,10 +148,10 @@ class Mining:
         context)."""
         lengths = [_length(c) if contexts else len(self.policy.prompts.question(c))
                    for c in items]
-        logging.info("%s", sampling_cost(what, lengths, samples,
-                                         self.config.rollout.max_new_tokens,
+        probe = self.settings.probe
+        logging.info("%s", sampling_cost(what, lengths, samples, probe.rollout.max_new_tokens,
                                          self.policy.model.config.num_params(),
-                                         rows_per_call=self.config.mining.rows_per_call,
+                                         rows_per_call=probe.rows_per_call,
                                          devices=jax.devices()))
 
     def _booking(self, artifact: str) -> None:
@@ -153,25 +183,26 @@ class Mining:
             record = storage.read_json(self._path(HARD_SET))
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
-        k = self.config.mining.k
+        k = self.settings.k
         self._log_cost("mining the hard set", self.sets.train, k)
         self._booking("hard_set")
         hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
-                                  seed=self.config.seed)
+                                  seed=self.settings.seed)
         logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
                      len(self.sets.train), k)
         self._save(HARD_SET, hard.to_json())
         return hard
 
-    def prefixes(self, hard: pope.HardSet) -> dict:
+    def prefixes(self, hard: pope.HardSet, search: pope.PopeSettings) -> dict:
         """Per hard problem id, its shortest solvable prefix within the cap (None: none)."""
-        return self.prefix_search(hard)["shortest_units"]
+        return self.prefix_search(hard, search)["shortest_units"]
 
-    def prefix_search(self, hard: pope.HardSet) -> dict:
-        """The configured search's record: shortest_units, answers (the policy's own correct
-        guided answers, token ids) and the settings it ran with."""
-        s = pope.PopeSettings.from_config(self.config)  # its guidance, template and cap
-        name, samples = s.search_name, self.config.mining.prefix_samples
+    def prefix_search(self, hard: pope.HardSet, search: pope.PopeSettings) -> dict:
+        """The record of the search `search` describes (its guidance, template and cap):
+        shortest_units, answers (the policy's own correct guided answers, token ids) and the
+        settings it ran with."""
+        s = search
+        name, samples = s.search_name, self.settings.prefix_samples
         settings = {"samples": samples, "max_units": s.max_units, "max_fraction": s.max_fraction}
         path = self._path(f"{name}.json")
         if storage.exists(path):
@@ -192,7 +223,7 @@ class Mining:
         self._booking(name)
         search = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=samples, **guide, **cap,
-            seed=self.config.seed + 1)
+            seed=self.settings.seed + 1)
         solved = sum(v is not None for v in search.shortest.values())
         logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
                      len(search.shortest))
@@ -223,7 +254,7 @@ class Mining:
                 storage.write_json(storage.join(directory, f"{name}.json"), record)
         storage.write_json(storage.join(directory, LEDGER),
                            {k: v.to_dict() for k, v in self.costs.items()})
-        return Mining(self.config, self.policy, self.sets, directory)
+        return Mining(self.settings, self.policy, self.sets, directory)
 
     def _imported_pool(self, p: prefixrl.PrefixRLSettings, problems) -> prefixrl.TracePool:
         """An imported pool, each trace verified against its problem (failures dropped and
@@ -232,7 +263,7 @@ class Mining:
         pool, stats = prefixrl.verified_pool(
             prefixrl.TracePool.load_jsonl(p.pool_path, self.policy.prompts), problems,
             verifier=self.sets.verifier, decode=self.policy.tokenizer.decode,
-            timeout_s=self.config.rewards.timeout_s)
+            timeout_s=self.settings.probe.verifier_timeout_s)
         logging.info("imported trace pool %s: %s", p.pool_path, stats)
         if not pool.traces:
             raise ValueError(f"config.prefixrl.pool_path={p.pool_path!r}: no trace solves its "
@@ -242,9 +273,9 @@ class Mining:
         self._save(IMPORTED_POOL, {"path": p.pool_path, "declared_flops": p.pool_flops, **stats})
         return pool
 
-    def trace_pool(self, problems) -> prefixrl.TracePool:
+    def trace_pool(self, problems, p: prefixrl.PrefixRLSettings) -> prefixrl.TracePool:
+        """The pool `p` describes (its source and rejection-sampling budget) of `problems`."""
         path = self._path(TRACE_POOL)
-        p = prefixrl.PrefixRLSettings.from_config(self.config)
         if p.pool == "imported_pool":  # traces from elsewhere (another model), verified first
             return self._imported_pool(p, problems)
         if p.pool == "oracle":
@@ -260,7 +291,7 @@ class Mining:
         self._booking("trace_pool")
         pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
                                          samples_per_round=p.samples_per_round,
-                                         max_samples=p.max_samples, seed=self.config.seed + 2)
+                                         max_samples=p.max_samples, seed=self.settings.seed + 2)
         logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),
                      sum(pool.samples_per_problem.values()))
         pool.save_jsonl(path, self.policy.tokenizer)
@@ -279,4 +310,5 @@ def set_up(config, workdir: str) -> tuple:
     sets = load_problem_sets(config.data,
                              prompt_limit(config, policy.prompts, policy.context_length),
                              rewards_path=config.rewards.path)
-    return policy, sets, Mining(config, policy, sets, mining_dir(config, workdir))
+    return policy, sets, Mining(MiningSettings.from_config(config), policy, sets,
+                                mining_dir(config, workdir))

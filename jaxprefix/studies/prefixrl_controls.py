@@ -23,7 +23,7 @@ from jaxprefix import storage
 from jaxprefix.data import tasks
 from jaxprefix.data.problem import Problem
 from jaxprefix.run_setup import sft_base
-from jaxprefix.run_setup.mining import make_prober
+from jaxprefix.run_setup.mining import ProbeSettings
 from jaxprefix.run_setup.policy import Policy
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
@@ -60,7 +60,7 @@ def other_policy_pool(study, workdir: str) -> tuple[str, dict]:
     model, tokenizer = sft_base.load_base(base)
     policy = Policy(model, tokenizer, TaskPrompts(tokenizer), "sft")
     ledger = ComputeLedger(model.config.num_params())
-    prober = make_prober(study.config, policy, ledger, study.sets.verifier)
+    prober = ProbeSettings.from_config(study.config).prober(policy, ledger, study.sets.verifier)
     p = study.config.prefixrl
     pool = prefixrl.build_trace_pool(prober, policy.prompts, study.hard.problems,
                                      samples_per_round=p.samples_per_round,
@@ -101,7 +101,8 @@ def _mine_solved(study, count: int, path: str, stats_path: str) -> None:
     task, data = tasks.get(study.config.data.source), study.config.data
     taken = {p.id for p in study.hard.problems} | {p.id for p in study.sets.eval}
     ledger = ComputeLedger(study.policy.model.config.num_params())
-    prober = make_prober(study.config, study.policy, ledger, study.sets.verifier)
+    prober = ProbeSettings.from_config(study.config).prober(study.policy, ledger,
+                                                             study.sets.verifier)
     k = study.config.mining.k
     found, tried, batch = [], 0, 0
     while len(found) < count and batch < MAX_SOLVED_BATCHES:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 from jaxprefix import evaluation, storage
-from jaxprefix.methods import pope
+from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.probing import Prober
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.run_setup.method_settings import contexts_per_problem
-from jaxprefix.run_setup.mining import Mining, make_prober, mined_artifacts, set_up
+from jaxprefix.run_setup.mining import Mining, ProbeSettings, mined_artifacts, set_up
 from jaxprefix.run_setup.policy import base_dir
 
 
@@ -69,17 +69,26 @@ class Study:
                 trace_pool: bool = False) -> "Study":
         """Base policy (trained if absent), problem sets, hard set [, POPE prefixes] [, trace
         pool]."""
-        policy, sets, mining = set_up(config, workdir)
-        hard = mining.hard_set()
+        study = cls(config, workdir, *set_up(config, workdir))
         if prefixes:
-            mining.prefixes(hard)
+            study.prefix_search()
         if trace_pool:
-            mining.trace_pool(hard.problems)
-        return cls(config, workdir, policy, sets, mining)
+            study.trace_pool()
+        return study
 
     @property
     def hard(self):
         return self.mining.hard_set()
+
+    def prefix_search(self, config=None) -> dict:
+        """The hard set's prefix search with `config`'s POPE settings (default: the study's)."""
+        search = pope.PopeSettings.from_config(self.config if config is None else config)
+        return self.mining.prefix_search(self.hard, search)
+
+    def trace_pool(self, problems=None) -> prefixrl.TracePool:
+        """The study's trace pool (its PrefixRL settings) of `problems` (default: the hard set)."""
+        return self.mining.trace_pool(self.hard.problems if problems is None else problems,
+                                      prefixrl.PrefixRLSettings.from_config(self.config))
 
     def on_problems_all_guide(self, configs) -> "Study":
         """The study cut down to the hard problems that every prefix search of `configs` (the
@@ -90,8 +99,8 @@ class Study:
         for c in configs:
             searches = [a for a in mined_artifacts(c) if a.startswith("prefixes_")]
             if searches:  # an arm that guides (POPE without guided copies searches nothing)
-                mining = Mining(c, self.policy, self.sets, self.mining.dir)
-                found[searches[0]] = set(pope.guided_units(hard.problems, mining.prefixes(hard),
+                units = self.prefix_search(c)["shortest_units"]
+                found[searches[0]] = set(pope.guided_units(hard.problems, units,
                                                            pope.PopeSettings.from_config(c)))
         kept = set.intersection(*found.values()) if found else {p.id for p in hard.problems}
         directory = self.mining.dir.rstrip("/") + "_all_guide"
@@ -106,8 +115,9 @@ class Study:
         """Unguided pass@k and friends on `problems` (default: the held-out ones), eval.n samples
         each; one seed for every model."""
         e = self.config.eval
-        prober = make_prober(self.config, dataclasses.replace(self.policy, model=model),
-                             ComputeLedger(model.config.num_params()), self.sets.verifier)
+        prober = ProbeSettings.from_config(self.config).prober(
+            dataclasses.replace(self.policy, model=model), ComputeLedger(model.config.num_params()),
+            self.sets.verifier)
         problems = self.sets.eval if problems is None else problems
         ks = e.ks if n is None else [k for k in e.ks if k <= n]
         return evaluate_unguided(prober, self.policy.prompts, problems, n=n or e.n, ks=ks,
