@@ -48,6 +48,10 @@ def get_config(arg: str = ""):
         # True: every arm (GRPO too) trains on the hard problems every POPE arm's prefix search
         # solves (the eps sweep: one problem set per level, issue 43)
         same_problems=eps,
+        # The margin inside which a paired difference is called a tie, stated before the runs
+        # (0: none, nothing is a tie); the eps sweep's, registered with the window levels'
+        # predictions (docs/results/pope/PREDICTIONS.md)
+        tie_margin=0.05 if eps else 0.0,
         output_dir=("" if eps else "docs/results/prefixrl" if carry else "docs/results/overlap"
                     if args.variant == "overlap" else "docs/results/pope"),
         # The SFT warm starts: Adam at the base SFT's rate, 10 epochs over their examples, the

@@ -432,6 +432,8 @@ RESULTS_DOCS = {
     "isocompute": "also the isocompute comparison",
     "report_only": "the report of the finished runs; the others are 'not run'",
     "same_problems": "every run trains on the hard problems every POPE run's search guides",
+    "tie_margin": "a paired difference inside ±this is called a tie (stated before the runs; "
+                  "0: nothing is)",
     "output_dir": "where the report and its plots go",
     "warm_start.epochs": "SFT warm starts: epochs over their examples",
     "warm_start.batch_size": "SFT warm starts: rows per step",

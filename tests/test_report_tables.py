@@ -138,13 +138,15 @@ def test_every_committed_report_rebuilds_byte_for_byte_from_its_records(tmp_path
 
 
 def test_a_difference_is_called_a_tie_only_inside_the_registered_margin():
-    from jaxprefix.studies.study_tables import TIE_MARGIN, verdict
+    from jaxprefix.studies.study_tables import verdict
 
-    assert verdict(0.01, 0.2) == "ahead" and verdict(-0.3, -0.02) == "behind"
-    assert verdict(-0.04, 0.03) == f"tie (within ±{TIE_MARGIN:g})"
-    # Wider than the margin and holding 0: not a tie, and what it could have seen is stated
-    # (1.43 x the half-width: 80% power at two-sided 5%).
-    assert verdict(-0.29, 0.22) == "not distinguishable (detectable: ≥ 0.36)"
+    assert verdict(0.01, 0.2, 0.05) == "higher" and verdict(-0.3, -0.02) == "lower"
+    assert verdict(-0.04, 0.03, 0.05) == "tie, within ±0.05"
+    assert verdict(0.0, 0.0, 0.05) == "identical"
+    # No margin stated before the runs: never a tie. Wider than the margin and holding 0: not a
+    # tie, and what it could have seen is stated (1.43 x the half-width: 80% power, 5%).
+    assert verdict(-0.04, 0.03) == "not distinguishable; detectable ≥ 0.05"
+    assert verdict(-0.29, 0.22, 0.05) == "not distinguishable; detectable ≥ 0.36"
 
 
 def test_prefixrl_regime_rules_choose_the_length_from_the_measured_rates():

@@ -62,7 +62,8 @@ def level(folder: str) -> dict:
         raise ValueError(f"{folder}: no base probe in counts.json; expected a run of "
                          f"configs/results.py:eps (eval.key_step_probe)")
     out = {"folder": folder, "k": max(record["config"]["eval"]["ks"]), "eps": probe["probe/key_step"], "success": probe["probe/success"],
-           "knob": _knob(record["config"]["sft"]["data"]), "arms": {}}
+           "knob": _knob(record["config"]["sft"]["data"]), "arms": {},
+           "tie_margin": results_report.tie_margin(config)}
     for arm in ARMS:
         if arm not in rows or GRPO not in rows:
             continue
@@ -87,7 +88,8 @@ def table_lines(levels: list[dict]) -> list[str]:
              "|---" * (6 + len(headers)) + "|"]
     for lv in levels:
         for arm, d in lv["arms"].items():
-            cells = [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]: {study_tables.verdict(lo, hi)}"
+            cells = [f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]: "
+                     f"{study_tables.verdict(lo, hi, lv['tie_margin'])}"
                      for m, lo, hi in (d[c.header] for c in columns([1]))]
             share = d["guided"]
             guided = ("-" if share is None else f"{share['share']:.2f}"
@@ -135,10 +137,10 @@ def main(argv: list[str]) -> int:
              f"counts.json; paired 95% intervals (jaxprefix/statistics.py). Guided share: the "
              f"arm's share of guided training contexts (1:1 mixing: 0.50); an arm under "
              f"{results_report.GUIDED_SHARE_FLOOR:g} of its designed share is mostly plain GRPO, "
-             f"a defect of the study, not a result. Words: 'ahead'/'behind' where the interval "
-             f"excludes 0, 'tie' only inside ±{study_tables.TIE_MARGIN:g} (registered before "
-             f"the window runs), else not distinguishable with the smallest difference the "
-             f"runs could have detected.", "", *table_lines(levels), "",
+             f"a defect of the study, not a result. Words: 'higher'/'lower' where the interval "
+             f"excludes 0, 'tie' only inside the margin its runs registered (results.tie_margin; "
+             f"none before the window levels), else not distinguishable, with the smallest "
+             f"difference the runs could have detected.", "", *table_lines(levels), "",
              "![phase](phase.png)"]
     storage.write_atomic(storage.join(root, "PHASE.md"), "\n".join(lines) + "\n")
     plot(levels, storage.join(root, "phase.png"))

@@ -33,6 +33,12 @@ COUNTS = "counts.json"
 GUIDED_SHARE_FLOOR = 0.9
 
 
+def tie_margin(config) -> float:
+    """The margin inside which a difference is a tie, stated before the runs
+    (results.tie_margin; a study run before the field existed stated none: 0)."""
+    return float(config.results.get("tie_margin", 0.0))
+
+
 def _pope_field(spec, config, field: str):
     return spec.settings.get(f"pope.{field}", config.pope[field])
 
@@ -191,7 +197,8 @@ def hard_section(report: dict, config, specs) -> list[str]:
     lines += [*study_tables.metric_table([base] + rows + _warm_rows(runs), columns), "",
               "Rows:", "", *_legend(runs, specs, config, study["hard"]), "",
               "Paired differences (the same seeds and problems drawn for both runs):", "",
-              *study_tables.comparison_table(_pairs(rows, base), [held_out[0], held_out[-1]]),
+              *study_tables.comparison_table(_pairs(rows, base), [held_out[0], held_out[-1]],
+                                             tie_margin(config)),
               "", *study_tables.group_table([base] + rows, held_out[-1], _group_key(study)), "",
               *study_tables.group_table([base] + rows, held_out[0], _group_key(study)), "",
               "![held-out pass@k vs FLOPs](curves.png)", "", *prefix_search_lines(study)]
@@ -286,7 +293,8 @@ def regime_section(report: dict, config, specs) -> list[str]:
                                              held_out + train), "",
               "Rows:", "", *_legend(runs, specs, config, study["hard"]), "",
               "Paired differences of the final policies:", "",
-              *study_tables.comparison_table(_pairs(rows, base), held_out[:1] + train[:1]), "",
+              *study_tables.comparison_table(_pairs(rows, base), held_out[:1] + train[:1],
+                                             tie_margin(config)), "",
               *study_tables.group_table([base] + rows, train[0], "multiplier"), ""]
     lines += _targets_lines(runs, study)
     return lines + ["", "![training reward vs FLOPs](regime_curves.png)", ""]

@@ -94,24 +94,25 @@ def paired(a: Row, b: Row, column: Column) -> np.ndarray:
     return ta - tb
 
 
-def difference_cell(a: Row, b: Row, column: Column) -> str:
+def difference_cell(a: Row, b: Row, column: Column, margin: float = 0.0) -> str:
     ta, tb = paired_tables(a, b, column)
     diff = ta - tb
     low, high = statistics.paired_difference_interval(ta, tb)
-    verdict = "within noise" if low <= 0 <= high else ("higher" if low > 0 else "lower")
-    return f"{diff.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({verdict})"
+    return f"{diff.mean():+.3f} [{low:+.3f}, {high:+.3f}] ({verdict(low, high, margin)})"
 
 
-def comparison_table(pairs: list[tuple[Row, Row]], columns: list[Column]) -> list[str]:
-    """| a - b | paired difference of each column [95% interval] (what the interval says) |
-    FLOPs of a / FLOPs of b |."""
+def comparison_table(pairs: list[tuple[Row, Row]], columns: list[Column],
+                     margin: float = 0.0) -> list[str]:
+    """| a - b | paired difference of each column [95% interval] (what the interval says, a
+    tie only inside the `margin` registered before the runs) | FLOPs of a / FLOPs of b |."""
     lines = ["| comparison | " + " | ".join(f"Δ {c.header}" for c in columns)
              + " | FLOPs ratio |", "|---" * (len(columns) + 2) + "|"]
     for a, b in pairs:
         ratio = (f"{np.mean(a.flops) / np.mean(b.flops):.2f}"
                  if len(a.flops) and len(b.flops) and np.mean(b.flops) > 0 else "-")
         lines.append(f"| {a.label} − {b.label} | "
-                     + " | ".join(difference_cell(a, b, c) for c in columns) + f" | {ratio} |")
+                     + " | ".join(difference_cell(a, b, c, margin) for c in columns)
+                     + f" | {ratio} |")
     return lines
 
 
@@ -158,22 +159,22 @@ def flops_to_targets(curves: dict, targets, label: str) -> list[str]:
     return lines
 
 
-# The margin inside which a paired difference may be called a tie, registered before the
-# window levels' runs (docs/results/pope/PREDICTIONS.md, issue 43).
-TIE_MARGIN = 0.05
 # 80% power at two-sided 5%: (1.96 + 0.84) / 1.96 of an interval's half-width.
 DETECTABLE_PER_HALF_WIDTH = 1.43
 
 
-def verdict(low: float, high: float, margin: float = TIE_MARGIN) -> str:
-    """The words a paired difference's 95% interval carries: 'ahead' or 'behind' where it
-    excludes 0; 'tie' only where it lies inside ±margin; else 'not distinguishable', with the
-    smallest difference these runs could have detected."""
+def verdict(low: float, high: float, margin: float = 0.0) -> str:
+    """The words a paired difference's 95% interval carries: 'higher' or 'lower' where it
+    excludes 0; 'tie' only where it lies inside ±margin, a margin stated before the runs
+    (results.tie_margin; 0: none was, so nothing is a tie); else 'not distinguishable', with
+    the smallest difference these runs could have detected."""
+    if low == high == 0:  # every paired count the same: no success in either, typically
+        return "identical"
     if low > 0:
-        return "ahead"
+        return "higher"
     if high < 0:
-        return "behind"
-    if -margin <= low and high <= margin:
-        return f"tie (within ±{margin:g})"
+        return "lower"
+    if margin > 0 and -margin <= low and high <= margin:
+        return f"tie, within ±{margin:g}"
     detectable = DETECTABLE_PER_HALF_WIDTH * (high - low) / 2
-    return f"not distinguishable (detectable: ≥ {detectable:.2f})"
+    return f"not distinguishable; detectable ≥ {detectable:.2f}"
