@@ -5,9 +5,10 @@ FLOP-matched, from one base SFT'd with tool calls on easy problems.
     python -m jaxprefix.main --config=configs/tools.py:smoke --workdir=/tmp/tools_smoke
     python -m jaxprefix.main --config=configs/tools.py:rl --workdir=/tmp/tools_rl   # one arm
 
-The study (jobs/tool_study.py) is a long job: SFT, then both arms at each of tool_study.seeds,
-then the report, <workdir>/tool_study_report.md. Rerunning resumes. `rl`: the tools arm alone,
-the rl job (its base trained in <workdir>/base when absent).
+The study (jobs/tool_study.py) is a long job: SFT, then at each of tool_study.seeds the tools arm
+and, on to its FLOPs, GRPO without tools and the two controls (the key in the prompt; an
+uninformative reader), then the report, <workdir>/tool_study_report.md. Rerunning resumes. `rl`:
+the tools arm alone, the rl job (its base trained in <workdir>/base when absent).
 """
 import ml_collections
 

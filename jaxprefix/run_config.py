@@ -70,6 +70,8 @@ FIELDS = {
         "easy_digits": F((1, 8), "built-in tasks: the easy problems' digit range"),
         "key_names_rule": F(False, "keyed_multiplication: key steps name the rule they read the "
                                    "key by (the restating route; the SFT base's notation)"),
+        "key_given": F(False, "keyed_multiplication: every problem's key step given in the "
+                              "prompt's hint slots (the tool study's control)"),
         "skip_invalid": F(False, "skip and count bad records instead of refusing the file"),
         "max_prompt_tokens": F(0, "refuse (or skip) longer prompts (0: the model's context less "
                                   "rollout.max_new_tokens)"),

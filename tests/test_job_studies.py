@@ -325,8 +325,9 @@ def test_prefix_search_table_counts_a_prefix_at_a_cap_under_that_cap():
 
 
 # configs/tools.py:smoke (the tools study at smoke sizes): its own smoke SFT base with tool
-# episodes, then GRPO with tools (3 steps) and GRPO without (on to the tools arm's FLOPs).
-TOOL_ARMS = ("tools_seed0", "no_tools_seed0")
+# episodes, then GRPO with tools (3 steps) and, on to the tools arm's FLOPs, GRPO without, with
+# the key in the prompt and with the uninformative reader (the controls).
+TOOL_ARMS = ("tools_seed0", "no_tools_seed0", "key_given_seed0", "blind_tool_seed0")
 TOOL_METRICS = ("rollout/tool_calls", "rollout/turns_mean", "rollout/tool_failures",
                 "rollout/reprefilled_tokens")
 
@@ -356,13 +357,21 @@ def test_tool_study_smoke_from_a_fresh_workdir(tool_study):
                for r in tools)
     spent = [json.loads((tool_study / arm / "compute.json").read_text()) for arm in TOOL_ARMS]
     total = [ComputeLedger.from_dict(s).total_flops for s in spent]
-    last_step = none[-1]["flops/sampling"] + none[-1]["flops/update"]
-    assert total[1] <= total[0] < total[1] + last_step
+    for arm, flops in zip(TOOL_ARMS[1:], total[1:]):  # each control on to the tools arm's FLOPs
+        last = read_metrics(str(tool_study / arm))[-1]
+        assert flops <= total[0] < flops + last["flops/sampling"] + last["flops/update"], arm
+    # The key in the prompt: one turn, d and c in the hint slots; the blind reader: called as the
+    # tools arm calls its reader, its answers never the key's.
+    assert all(r["rollout/tool_calls"] == 0 for r in read_metrics(str(tool_study /
+                                                                      "key_given_seed0")))
     report = json.loads((tool_study / "tool_study_report.json").read_text())
-    assert set(report["base"]) == {"tools", "no_tools"}
+    assert set(report["base"]) == {"tools", "no_tools", "key_given", "blind_tool"}
     assert [r["steps"] for r in report["runs"]["tools"]] == [3]
-    assert "GRPO with tools − GRPO without tools" in \
-        (tool_study / "tool_study_report.md").read_text()
+    text = (tool_study / "tool_study_report.md").read_text()
+    for line in ("GRPO with tools − GRPO without tools",
+                 "GRPO with tools − GRPO with the key in the prompt, no tool",
+                 "GRPO with tools − GRPO with an uninformative tool"):
+        assert line in text, line
 
 
 @pytest.mark.slow  # two smoke studies: a few minutes on 2 cores

@@ -255,3 +255,24 @@ def test_the_key_reader_reads_by_the_rule_and_refuses_malformed_calls():
         with pytest.raises(ValueError, match="expected a rule"):
             task.read_key(arguments)
     assert task.observation_text("63") == "63=" and task.observation_text(None) == "__="
+
+
+def test_the_key_given_and_the_blind_reader_controls():
+    """data.key_given: every problem carries its key step in the hint slots (d and c in the
+    prompt), verified as before; read_key_blind answers in read_key's format by rule '<'
+    whatever is asked, so on a hard problem never the key's d and c."""
+    sets = dict(digits=(8, 8), multipliers=(2, 9), train_size=4, eval_size=4, seed=0,
+                eval_seed=1, key_names_rule=True)
+    plain = task.problem_sets(ml_collections.ConfigDict(sets))
+    given = task.problem_sets(ml_collections.ConfigDict(dict(sets, key_given=True)))
+    for ours, theirs in zip(plain[:2], given[:2]):
+        for p, g in zip(ours, theirs):
+            d, c = p.metadata["multiplier"], p.metadata["carry_in"]
+            assert g.metadata["hint_steps"] == 1 and g.question != p.question
+            assert task.verify(p.solution, g) == 1.0
+            key = p.question[-5:-1]
+            call = {"rule": ">", "key": key}
+            assert task.read_key(call) == f"{d}{c}"
+            assert task.read_key_blind(call) == key[0] + key[2] != f"{d}{c}"
+    with pytest.raises(ValueError):
+        task.read_key_blind({"rule": "?", "key": "1234"})

@@ -22,7 +22,12 @@ from jaxprefix.tools.sandbox import PythonLimits
 # read_key: the built-in tool task's key reader (keyed_multiplication's environment calls it).
 READ_KEY = Tool("read_key", _keyed.read_key, "Reads d and c off the key by the rule",
                 {"rule": {"type": "string"}, "key": {"type": "string"}})
-BUILTIN = {"calculator": CALCULATOR, "read_key": READ_KEY}
+# read_key_blind: the tool study's control, called as read_key, answering by rule '<' whatever
+# rule is asked (on a hard problem never what the answer needs).
+READ_KEY_BLIND = Tool("read_key", _keyed.read_key_blind,
+                      "Reads two digits off the key (rule '<' whatever the rule)",
+                      READ_KEY.parameters)
+BUILTIN = {"calculator": CALCULATOR, "read_key": READ_KEY, "read_key_blind": READ_KEY_BLIND}
 
 
 def registry(names: Sequence[str], python: PythonLimits | None = None,

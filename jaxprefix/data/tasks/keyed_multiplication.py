@@ -157,22 +157,30 @@ def hard_set(count: int, *, seed: int = 0, names_rule: bool = False) -> list[Pro
 def data_settings(data) -> dict:
     """The fields of config.data that `problem_sets` uses, read here alone."""
     easy_size = data.get("easy_size", 0)
+    key_given = data.get("key_given", False)
+    if not isinstance(key_given, bool):
+        raise ValueError(f"config.data.key_given={key_given!r}: expected True or False")
     return dict(digits=tuple(data.digits), multipliers=tuple(data.multipliers),
                 names_rule=restating_notation(data), train_size=data.train_size,
                 eval_size=data.eval_size, seed=data.seed, eval_seed=data.eval_seed,
-                easy_size=easy_size, easy_digits=tuple(data.easy_digits) if easy_size else None)
+                easy_size=easy_size, easy_digits=tuple(data.easy_digits) if easy_size else None,
+                key_given=key_given)
 
 
 def problem_sets(data) -> tuple[list, list, list]:
     """(training candidates, held-out, easy) for config.data: rule '>' problems of data.digits
-    digits, and as many easy rule '<' problems of data.easy_digits as data.easy_size asks."""
+    digits, and as many easy rule '<' problems of data.easy_digits as data.easy_size asks. With
+    data.key_given every problem is `hinted` by its key step: d and c in the prompt."""
     s = data_settings(data)
     shape = dict(digits=s["digits"], multipliers=s["multipliers"], rule=SECOND,
                  names_rule=s["names_rule"])
     easy = generate(s["easy_size"], digits=s["easy_digits"], rule=FIRST, seed=s["seed"] + 1,
                     names_rule=s["names_rule"]) if s["easy_size"] else []
-    return (generate(s["train_size"], seed=s["seed"], **shape),
+    sets = (generate(s["train_size"], seed=s["seed"], **shape),
             generate(s["eval_size"], seed=s["eval_seed"], **shape), easy)
+    if s["key_given"]:
+        sets = tuple([hinted(p, 1) for p in problems] for problems in sets)
+    return sets
 
 
 def _parse_question(question: str) -> tuple[list[int], int, int, list[str]]:
@@ -367,6 +375,14 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
         else:
             rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
     return rows
+
+
+def read_key_blind(arguments: dict) -> str:
+    """The tool study's uninformative reader: the same call and answer format as `read_key`,
+    but 'dc' read by rule '<' (u, p) whatever rule is asked: on a hard problem ('>', u != v,
+    p != q) never what the answer needs."""
+    return read_key({**arguments, "rule": FIRST} if arguments.get("rule") in (FIRST, SECOND)
+                    else arguments)
 
 
 def read_key(arguments: dict) -> str:
