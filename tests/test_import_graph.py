@@ -57,7 +57,8 @@ FLOORS = (
     ("studies",),              # method comparisons from one base, and their reports
     ("run_setup",),            # settings resolved and checked; policy, problem sets, mining
     ("variants",),             # the variants configs/*.py share
-    ("run_config",),           # every field's default and doc, read by jobs and configs/
+    ("run_config", "study_fields"),  # every field's default and doc (the SFT job's and the
+    #                                   studies' blocks apart), read by jobs and configs/
     ("tpu",),                  # the compile job's programs: the learner and sampler, compiled
     ("methods",),              # POPE, PrefixRL, IsoCompute: what to sample and how to mix it
     ("rl",),                   # the loop, the learner, the compute ledger
