@@ -32,4 +32,7 @@ def get_config(arg: str = ""):
         # is chosen at 1200; each earlier point costs ~5 s and cannot be chosen).
         c.train.problems_per_step = 16
         c.sft.eval_start = 1000
+        # One problem set for both runs (issue 43): a hard problem without a solvable prefix
+        # leaves both, so POPE guides every problem it trains on.
+        c.pope.unsolved = "drop"
     return c

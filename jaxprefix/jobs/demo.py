@@ -11,7 +11,8 @@ oracle prefix up to that name, so the policy reads the key itself.
    given).
 2. Mine the hard set (0 of k) and each hard problem's shortest solvable oracle prefix of at most
    pope.max_prefix_fraction of the solution (the demo: the restating hint); a problem with none
-   is handled as pope.unsolved says (the demo: kept in POPE's training, unguided) and counted.
+   is handled as pope.unsolved says and counted (the demo: dropped from both runs, so POPE and
+   GRPO train on the same problems and POPE guides every one of them, issue 43).
 3. Train POPE, then plain GRPO from the same base at the same rollouts per step, run on to
    POPE's FLOPs (its prefix search included).
 4. Evaluate both, unguided, on held-out hard problems; print a table and write
@@ -34,8 +35,9 @@ from jaxprefix.studies.study import Study
 
 # Each method, and the run whose FLOPs it runs on to (its prefix search included): POPE first.
 RUNS = {"pope": None, "grpo": "pope"}
-UNSOLVED = {"drop": "dropped from POPE's training", "longest": "guided by the longest prefix "
-            "tried", "unguided": "kept in POPE's training, unguided"}
+UNSOLVED = {"drop": "dropped from both runs' training (POPE and GRPO train on the same "
+                    "problems)", "longest": "guided by the longest prefix tried",
+            "unguided": "kept in POPE's training, unguided"}
 
 
 def run_demo(config, workdir: str) -> dict:
@@ -50,6 +52,8 @@ def run_demo(config, workdir: str) -> dict:
                            "revealed_fractions": search["revealed_fractions"]},
               "eval_problems": len(study.sets.eval),
               "base": study.evaluate(study.policy.model, "eval base"), "runs": {}}
+    if config.pope.unsolved == "drop":  # GRPO on the problems POPE guides, as POPE
+        study = study.on_problems_all_guide([study.run_config("pope")])
     for method, matched in RUNS.items():
         started = time.perf_counter()
         config_ = study.run_config(method)
