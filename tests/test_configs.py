@@ -236,3 +236,17 @@ def test_results_refuses_a_regime_budget_it_cannot_spend_in_one_line(tmp_path, v
         run_results(config, str(tmp_path))  # refused before any study is prepared
     assert "\n" not in str(error.value) and "config.results.regime.flops_budget" in str(error.value)
     assert os.listdir(tmp_path) == []
+
+
+def test_results_refuses_a_flop_matched_run_listed_before_what_it_matches(tmp_path):
+    """GRPO run on to the POPE arms' FLOPs needs one of them before it (the eps sweep's floor
+    levels run the value hint alone); refused in one line before any study is prepared."""
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs.results import run_results
+
+    config = build("results.py", "eps_smoke")
+    config.results.runs = ("grpo_matched_hints", "pope_value_hint")
+    with pytest.raises(ConfigError, match="grpo_matched_hints spends the larger FLOPs of "
+                                          "pope_value_hint or pope_restating_hint"):
+        run_results(config, str(tmp_path))
+    assert os.listdir(tmp_path) == []

@@ -83,6 +83,11 @@ def run_results(config, workdir: str) -> dict:
                           f"{config.results.regime.flops_budget} is set but no run of "
                           f"results.runs={tuple(names)} is in PrefixRL's regime; expected 0, or "
                           f"runs among {sorted(n for n in RUNS if RUNS[n].regime == 'prefixrl')}")
+    for i, name in enumerate(names):  # a FLOP-matched run follows what it spends (one at least)
+        if RUNS[name].flops_match and not set(RUNS[name].flops_match) & set(names[:i]):
+            raise ConfigError(f"config.results.runs: {name} spends the larger FLOPs of "
+                              f"{' or '.join(RUNS[name].flops_match)}; expected one of them "
+                              f"(or both) before it, got {tuple(names)}")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
     studies = {"hard": Study.prepare(config, workdir)}
@@ -102,7 +107,10 @@ def run_results(config, workdir: str) -> dict:
             if config.results.report_only and not storage.exists(saved):
                 report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
                 continue
-            matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match]
+            # the FLOPs of those of its matched runs the study runs (the floor levels of the
+            # eps sweep run the value hint alone: no restating prefix exists there)
+            matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match
+                       if m in names]
             report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
                                        storage.join(workdir, key), matched)
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
@@ -158,10 +166,6 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     spec = RUNS[name]
     c = run_config(study, name, seed)
     if spec.flops_match:
-        if not all(matched):
-            runs = " and ".join(spec.flops_match)
-            raise ConfigError(f"results run {name} spends {runs}'s FLOPs: expected {runs} "
-                              f"before it in config.results.runs")
         ran = [m for m in matched if "ledger" in m]  # a skipped run spent nothing to match
         if not ran:
             return {"name": name, "seed": seed,
