@@ -155,3 +155,30 @@ def test_final_answer_prefers_tags_then_box_then_last_line():
     assert final_answer("<answer>a</answer> \\boxed{b}") == "a"
     assert final_answer("x \\boxed{b}\nmore") == "b"
     assert final_answer("work\n 42 \n\n") == "42"
+
+
+def test_a_generated_source_is_generated_once_a_process(monkeypatch):
+    """Preflight, the job and each of a study's runs load the problem sets: a generated source
+    (reasoning-gym, the built-in tasks) is generated once for the same fields (issue 42), each
+    load getting its own lists; other fields generate again."""
+    import jaxprefix.data
+    from jaxprefix import run_config
+    from jaxprefix.run_setup import problem_sets
+
+    calls, real = [], jaxprefix.data.reasoning_gym_problems
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jaxprefix.data, "reasoning_gym_problems", counted)
+    config = run_config.base_config()
+    config.data.update(source="reasoning_gym", task="chain_sum", train_size=8, eval_size=4,
+                       seed=11, eval_seed=12, verifier="reasoning_gym_boxed")
+    first = problem_sets.load_problem_sets(config.data)
+    again = problem_sets.load_problem_sets(config.data)
+    assert len(calls) == 2  # train and held out, once
+    assert again == first and again.train is not first.train
+    config.data.seed = 13
+    problem_sets.load_problem_sets(config.data)
+    assert len(calls) == 4

@@ -149,8 +149,25 @@ def _source_fields(data) -> dict:
                 eval_split=data.eval_split, fields=fields, **sizes)
 
 
+# Generated sources (built-in tasks, reasoning-gym) by their fields: generated once a process,
+# though preflight, the job and each of a study's runs load them (issue 42). Files are read
+# each time: they may change between loads.
+_GENERATED: dict[str, ProblemSets] = {}
+
+
 def _load(data, where: dict) -> ProblemSets:
     f = source_fields(data)
+    if f["source"] not in BUILT_IN and f["source"] != "reasoning_gym":
+        return _read(data, f, where)
+    key = json.dumps(f, sort_keys=True, default=str)
+    if key not in _GENERATED:
+        _GENERATED[key] = _read(data, f, where)
+    sets = _GENERATED[key]  # fresh lists: a caller may reorder its own
+    return dataclasses.replace(sets, train=list(sets.train), eval=list(sets.eval),
+                               easy=list(sets.easy))
+
+
+def _read(data, f: dict, where: dict) -> ProblemSets:
     source, verifier = f["source"], f["verifier"]
     if source in BUILT_IN:
         from jaxprefix.data import tasks
