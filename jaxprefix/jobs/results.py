@@ -20,6 +20,9 @@ outcome: the report states what the runs measured, effect or not.
 from __future__ import annotations
 
 import math
+import time
+
+from absl import logging
 
 from jaxprefix import storage
 from jaxprefix.errors import ConfigError
@@ -97,22 +100,27 @@ def run_results(config, workdir: str) -> dict:
              if RUNS[name].method == "pope" and RUNS[name].regime == "hard"])
     report = {"runs": {}}
     # Seed-major: an interrupted study has answered every question at its first seeds.
-    for seed in config.results.seeds:
-        for name in names:
-            if RUNS[name].regime not in studies:
-                studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
-                                                                               workdir)
-            key = f"{name}_seed{seed}"
-            saved = storage.join(workdir, key, RECORD)
-            if config.results.report_only and not storage.exists(saved):
-                report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
-                continue
-            # the FLOPs of those of its matched runs the study runs (the floor levels of the
-            # eps sweep run the value hint alone: no restating prefix exists there)
-            matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match
-                       if m in names]
-            report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
-                                       storage.join(workdir, key), matched)
+    total, started = len(config.results.seeds) * len(names), time.perf_counter()
+    for i, (seed, name) in enumerate((s, n) for s in config.results.seeds for n in names):
+        if i:  # where a study of hours stands, in the log
+            elapsed = time.perf_counter() - started
+            logging.info("results: run %d of %d (%s, seed %d); %.0f s so far, ~%.0f s left at "
+                         "this pace", i + 1, total, name, seed, elapsed,
+                         elapsed / i * (total - i))
+        if RUNS[name].regime not in studies:
+            studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
+                                                                           workdir)
+        key = f"{name}_seed{seed}"
+        saved = storage.join(workdir, key, RECORD)
+        if config.results.report_only and not storage.exists(saved):
+            report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
+            continue
+        # the FLOPs of those of its matched runs the study runs (the floor levels of the
+        # eps sweep run the value hint alone: no restating prefix exists there)
+        matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match
+                   if m in names]
+        report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
+                                   storage.join(workdir, key), matched)
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
     report["studies"] = {name: _study_record(study) for name, study in studies.items()}
     if config.results.isocompute:
