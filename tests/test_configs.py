@@ -250,3 +250,15 @@ def test_results_refuses_a_flop_matched_run_listed_before_what_it_matches(tmp_pa
                                           "pope_value_hint or pope_restating_hint"):
         run_results(config, str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_results_refuses_a_regime_rule_it_has_not_got(tmp_path):
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs.results import run_results
+
+    config = build("results.py", "carry_smoke")
+    config.results.regime.rule = "easy"
+    with pytest.raises(ConfigError, match="config.results.regime.rule='easy': expected 'middle' "
+                                          "or 'hard'"):
+        run_results(config, str(tmp_path))  # before any study is prepared
+    assert os.listdir(tmp_path) == []

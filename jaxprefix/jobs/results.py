@@ -86,6 +86,8 @@ def run_results(config, workdir: str) -> dict:
                           f"{config.results.regime.flops_budget} is set but no run of "
                           f"results.runs={tuple(names)} is in PrefixRL's regime; expected 0, or "
                           f"runs among {sorted(n for n in RUNS if RUNS[n].regime == 'prefixrl')}")
+    if any(RUNS[name].regime == "prefixrl" for name in names):
+        regime_target(config)  # a rule it has not got is refused before any work
     for i, name in enumerate(names):  # a FLOP-matched run follows what it spends (one at least)
         if RUNS[name].flops_match and not set(RUNS[name].flops_match) & set(names[:i]):
             raise ConfigError(f"config.results.runs: {name} spends the larger FLOPs of "
@@ -115,8 +117,8 @@ def run_results(config, workdir: str) -> dict:
         if config.results.report_only and not storage.exists(saved):
             report["runs"][key] = {"name": name, "seed": seed, "skipped": "not run"}
             continue
-        # the FLOPs of those of its matched runs the study runs (the floor levels of the
-        # eps sweep run the value hint alone: no restating prefix exists there)
+        # what it spends: those of its matched runs this study runs (the eps sweep's floor
+        # levels run the value hint alone: no restating prefix exists there)
         matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match
                    if m in names]
         report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,

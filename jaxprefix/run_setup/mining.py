@@ -201,9 +201,9 @@ class Mining:
         """The record of the search `search` describes (its guidance, template and cap):
         shortest_units, answers (the policy's own correct guided answers, token ids) and the
         settings it ran with."""
-        s = search
-        name, samples = s.search_name, self.settings.prefix_samples
-        settings = {"samples": samples, "max_units": s.max_units, "max_fraction": s.max_fraction}
+        name, samples = search.search_name, self.settings.prefix_samples
+        settings = {"samples": samples, "max_units": search.max_units,
+                    "max_fraction": search.max_fraction}
         path = self._path(f"{name}.json")
         if storage.exists(path):
             record = storage.read_json(path)
@@ -214,22 +214,22 @@ class Mining:
             return record
         # Every prefix length the cap allows each problem, m samples each (a problem stops at
         # its first solved length): the guided contexts the search may sample.
-        guide = dict(guidance=s.guidance, template=s.template_text)
-        cap = dict(max_units=s.max_units, max_fraction=s.max_fraction)
+        guide = dict(guidance=search.guidance, template=search.template_text)
+        cap = dict(max_units=search.max_units, max_fraction=search.max_fraction)
         guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
                   for problem in hard.problems
                   for units in range(1, pope.prefix_limit(problem, **cap) + 1)]
         self._log_cost(f"{name} (every length the cap allows)", guided, samples, contexts=True)
         self._booking(name)
-        search = pope.shortest_solvable_prefixes(
+        found = pope.shortest_solvable_prefixes(
             self.prober, self.policy.prompts, hard.problems, m=samples, **guide, **cap,
             seed=self.settings.seed + 1)
-        solved = sum(v is not None for v in search.shortest.values())
+        solved = sum(v is not None for v in found.shortest.values())
         logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
-                     len(search.shortest))
-        record = settings | {"shortest_units": search.shortest, "answers": search.answers,
+                     len(found.shortest))
+        record = settings | {"shortest_units": found.shortest, "answers": found.answers,
                              "revealed_fractions": pope.revealed_fractions(hard.problems,
-                                                                           search.shortest)}
+                                                                           found.shortest)}
         self._save(f"{name}.json", record)
         return record
 
