@@ -19,7 +19,9 @@ resumes, finished runs are only re-evaluated. run_setup/study_arms.py lists the 
   three on the hard problems both hints guide (results.same_problems), 5 seeds, and the
   teacher-forced key-step probe (probe/*) at every evaluation.
 - overlap: plain GRPO against GRPO one step off-policy (train.max_staleness=1,
-  docs/OVERLAP.md) on the demo task's hard set, 3 seeds, equal steps.
+  docs/OVERLAP.md), 3 seeds, equal steps, at the eps sweep's knob 0.05 (restating notation),
+  where GRPO learns the hard set (held-out pass@16 ~0.47): on the demo's own base it had no
+  signal (0 of 6,144 in both arms, 2026-12-06), which compares nothing.
 - carry: carry_multiplication, PrefixRL's regime (a problem length chosen by a stated rule) and
   its controls: PrefixRL and SFT-then-GRPO on the base's own traces and on a second base's,
   plain GRPO, and more SFT on problems outside the hard set, then GRPO.
@@ -83,6 +85,9 @@ def get_config(arg: str = ""):
     c.prefixrl.update(samples_per_round=64, max_samples=512)
     if carry:
         c.results.seeds = (0, 1, 2, 3, 4)
+    if args.variant == "overlap":
+        variants.overlap_axis(c)
+        c.sft.data.second_rule_taught = 0.05
     if eps:
         variants.overlap_axis(c)
         # One problem set per level (results.same_problems): the hard problems both hints
