@@ -97,11 +97,11 @@ class Study:
         hard = self.hard
         found = {}
         for c in configs:
-            searches = [a for a in mined_artifacts(c) if a.startswith("prefixes_")]
-            if searches:  # an arm that guides (POPE without guided copies searches nothing)
-                units = self.prefix_search(c)["shortest_units"]
-                found[searches[0]] = set(pope.guided_units(hard.problems, units,
-                                                           pope.PopeSettings.from_config(c)))
+            search = pope.PopeSettings.from_config(c)
+            # An arm that guides: POPE without guided copies searches nothing.
+            if search.search_name in mined_artifacts(c):
+                units = self.mining.prefixes(hard, search)
+                found[search.search_name] = set(pope.guided_units(hard.problems, units, search))
         kept = set.intersection(*found.values()) if found else {p.id for p in hard.problems}
         directory = self.mining.dir.rstrip("/") + "_all_guide"
         mining = self.mining.restricted(kept, directory)

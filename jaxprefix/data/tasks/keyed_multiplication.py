@@ -131,6 +131,12 @@ def restating_notation(data) -> bool:
     return value
 
 
+def _other_digits(rng: random.Random, d: int, c: int) -> tuple[int, int]:
+    """Two key digits unequal to d and c, drawn in that order: a read of them is never d, c."""
+    return (rng.choice([x for x in range(10) if x != d]),
+            rng.choice([x for x in range(10) if x != c]))
+
+
 def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
              multipliers: tuple[int, int] = (2, 9), rule: str = SECOND,
              seed: int = 0, names_rule: bool = False) -> list[Problem]:
@@ -143,8 +149,7 @@ def generate(count: int, *, digits: tuple[int, int] = (1, SLOTS),
     for _ in range(count):
         number = carry.random_number(rng, digits)
         d, c = rng.randint(*multipliers), rng.randrange(10)
-        others = (rng.choice([x for x in range(10) if x != d]),
-                  rng.choice([x for x in range(10) if x != c]))
+        others = _other_digits(rng, d, c)
         problems.append(make_problem(number, d, c, rule, others, names_rule=names_rule))
     return problems
 
@@ -341,12 +346,10 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
         d, c = rng.randint(*data.multipliers), rng.randrange(10)
         if rng.random() < data.second_rule_fraction:
             if taught and rng.random() < taught:  # '>' read by its rule: u != v, p != q
-                others = (rng.choice([x for x in range(10) if x != d]),
-                          rng.choice([x for x in range(10) if x != c]))
+                others = _other_digits(rng, d, c)
                 problem = make_problem(number, d, c, SECOND, others, names_rule=named)
             elif restated_taught and rng.random() < restated_taught:  # the name given
-                others = (rng.choice([x for x in range(10) if x != d]),
-                          rng.choice([x for x in range(10) if x != c]))
+                others = _other_digits(rng, d, c)
                 problem = make_problem(number, d, c, SECOND, others, names_rule=named)
                 solution = hinted_solution(problem, rng, data.tens_first)
                 rows.append((restated(problem), solution[len(restating_prefix(problem)):]))
@@ -361,14 +364,13 @@ def sft_batch(data, seed: int) -> list[tuple[Problem, str]]:
             if problem.metadata["rule"] == FIRST and rng.random() < data.key_override_fraction:
                 key = problem.question.index(TIMES) + 1
                 text = list(problem.question)
-                text[key] = str(rng.choice([x for x in range(10) if x != d]))
-                text[key + 2] = str(rng.choice([x for x in range(10) if x != c]))
+                other_d, other_c = _other_digits(rng, d, c)
+                text[key], text[key + 2] = str(other_d), str(other_c)
                 problem = dataclasses.replace(problem, question="".join(text))
             rows.append((problem, hinted_solution(problem, rng, data.tens_first)))
         elif tools and rng.random() < tools:
             if rng.random() < 0.5:  # the reader's answer is not the habit's read: '>', u != v
-                others = (rng.choice([x for x in range(10) if x != d]),
-                          rng.choice([x for x in range(10) if x != c]))
+                others = _other_digits(rng, d, c)
                 problem = make_problem(number, d, c, SECOND, others, names_rule=named)
             rows.append((problem, tool_episode_target(
                 problem, hinted_solution(problem, rng, data.tens_first))))
