@@ -13,6 +13,9 @@ tail every step waits for.
            0 (the split alone, no overlap);
   overlap  train.max_staleness=1, rollout.devices=1: the split, step t's rollouts sampled with
            the weights of t - 1 updates while the learner updates on step t - 1's.
+  inflight overlap with rollout.inflight_kv=keep: the weights of t updates, published while
+           step t decodes, take over at its next chunk (the KV kept); the table's mean staleness
+           and in-flight share say how many tokens they drew.
 
 Each call is a fresh run in a new workdir; the figure is the median step time over its steps
 after the first two (compilation is paid once per process, in a warm-up call of each arm).
@@ -64,14 +67,17 @@ def model_config(hidden: int) -> ModelConfig:
                        head_dim=hidden // 4, tie_word_embeddings=True)
 
 
-ARMS = {"sync": (0, 0), "split": (0, 1), "overlap": (1, 1)}  # (max_staleness, rollout.devices)
+# (train.max_staleness, rollout.devices, rollout.inflight_kv)
+ARMS = {"sync": (0, 0, ""), "split": (0, 1, ""), "overlap": (1, 1, ""),
+        "inflight": (1, 1, "keep")}
 
 
 def settings(args, arm: str):
-    staleness, devices = ARMS[arm]
+    staleness, devices, inflight_kv = ARMS[arm]
     c = run_config.base_config()
     c.data.verifier = "bench_plus_share"
-    c.rollout.update(n=args.n, max_new_tokens=args.max_new_tokens, devices=devices)
+    c.rollout.update(n=args.n, max_new_tokens=args.max_new_tokens, devices=devices,
+                     inflight_kv=inflight_kv)
     c.train.update(problems_per_step=args.contexts, total_steps=args.steps, learning_rate=1e-3,
                    max_staleness=staleness)
     c.eval.every = 0
@@ -119,19 +125,22 @@ def main():
     detail = {name: [] for name in ARMS}
     names = list(ARMS)
     for r in range(args.rounds):
-        for name in names[r % 3:] + names[:r % 3]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             rows = one_run(args, name)[2:]
             steps[name] += [row["time/step"] for row in rows]
             detail[name] += rows
     print(f"\n{'arm':<9}{'step s':>8}{'min s':>8}{'wait s':>8}{'update s':>9}"
-          f"{'sampling s':>11}{'staleness':>10}{'tokens/s':>10}")
+          f"{'sampling s':>11}{'stale max':>10}{'mean':>6}{'in-flight':>10}{'tokens/s':>10}")
     for name, rows in detail.items():
         med = lambda key: statistics.median(row[key] for row in rows)
+        mean = lambda key: statistics.mean(row[key] for row in rows)
         print(f"{name:<9}{med('time/step'):>8.3f}{min(steps[name]):>8.3f}"
               f"{med('time/sampler_wait'):>8.3f}{med('time/update'):>9.3f}"
               f"{med('time/sampler_busy'):>11.3f}{max(r['staleness/max'] for r in rows):>10}"
+              f"{mean('staleness/mean'):>6.2f}{mean('staleness/inflight_share'):>10.2f}"
               f"{med('throughput/tokens_per_s'):>10.1f}")
-    for slow, fast in (("sync", "overlap"), ("split", "overlap"), ("sync", "split")):
+    for slow, fast in (("sync", "overlap"), ("split", "overlap"), ("sync", "split"),
+                       ("overlap", "inflight")):
         gain = statistics.median(steps[slow]) / statistics.median(steps[fast])
         print(f"{fast} vs {slow} (step rate): {gain:.2f}x from medians, "
               f"{min(steps[slow]) / min(steps[fast]):.2f}x from fastest steps")

@@ -102,6 +102,9 @@ FIELDS = {
         # Sampler and learner on disjoint devices (docs/OVERLAP.md): with train.max_staleness > 0
         # they run at once, new weights copied to the sampler's devices after each update.
         "devices": F(0, "devices the sampler holds, the learner the rest (0: all, time-shared)"),
+        "inflight_kv": F("", "new weights into a running decode, with train.max_staleness > 0 "
+                             "('': a step decodes with one version; 'keep': the next chunk takes "
+                             "the newest, the KV written so far kept)"),
     },
     # Multi-turn episodes (docs/TOOLS.md), read where rollout.max_turns > 1 and refused where it
     # is 1. The verifier scores an episode's last turn; observation tokens carry no loss.

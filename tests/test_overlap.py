@@ -66,6 +66,53 @@ def test_settle_waits_for_what_the_weights_allow_and_a_resume_continues_from_it(
         again.close()
 
 
+def test_live_weights_take_newer_versions_up_to_the_steps_own():
+    """rollout.inflight_kv='keep': the thread's policy is a LiveWeights that takes a version
+    published while the step samples, never past the step's on-policy one."""
+    published = threading.Event()
+    seen = {}
+
+    def sample(live, step):
+        started = live.version
+        if step == 1:
+            published.wait()  # the learner publishes version 1 while step 1 is sampled
+        took = live.refresh()
+        seen[step] = (started, took, live.version, live.model, live.refresh())
+        return [step]
+
+    sampler = AheadSampler(sample, max_staleness=1, start=0, total=3, live=True)
+    try:
+        sampler.publish(0, "v0")
+        sampler.take(0)
+        sampler.publish(1, "v1")
+        published.set()
+        sampler.take(1)
+        sampler.publish(2, "v2")
+        assert sampler.take(2)[0].version == 1
+    finally:
+        sampler.close()
+    assert seen[0] == (0, False, 0, "v0", False)
+    assert seen[1] == (0, True, 1, "v1", False)  # version 1 taken mid-step, 2 is not yet due
+    assert seen[2][0] == 1 and seen[2][2] <= 2
+
+
+class _Round:
+    def __init__(self, generated, versions=None):
+        self.generated, self.versions = generated, versions
+
+
+def test_staleness_is_per_token_when_newer_weights_took_over():
+    sampled = overlap.Sampled(step=3, version=2, chunks=[_Round(20, {2: 30, 3: 10}), _Round(20)],
+                              seconds=1.0)
+    metrics = overlap.step_metrics(sampled, waited=0.5, publish_seconds=0.1)
+    assert metrics["staleness/max"] == 1
+    assert metrics["staleness/mean"] == pytest.approx(50 / 60)
+    assert metrics["staleness/inflight_share"] == pytest.approx(10 / 60)
+    plain = overlap.step_metrics(overlap.Sampled(3, 2, [_Round(8)], 1.0), 0.0, 0.0)
+    assert (plain["staleness/max"], plain["staleness/mean"],
+            plain["staleness/inflight_share"]) == (1, 1.0, 0.0)
+
+
 def test_a_sampler_failure_stops_the_learner_in_one_line():
     def sample(policy, step):
         if step == 1:
@@ -144,3 +191,20 @@ def test_a_sampler_split_the_devices_cannot_hold_is_one_line_before_any_work(tmp
         "error: config.rollout.devices=1: expected fewer than the 1 devices, the learner needs "
         "the rest (0: shared)")
     assert not (tmp_path / "base").exists()  # refused before the smoke's SFT base was trained
+
+
+def test_weights_into_the_running_decode_state_per_token_staleness_within_the_bound(tmp_path):
+    from test_loop import run
+    config = run_settings(total_steps=3, max_staleness=1)
+    config.rollout.inflight_kv = "keep"
+    run(tmp_path, config)
+    records = read_metrics(str(tmp_path))
+    assert records[0]["staleness/max"] == 0
+    for r in records:
+        assert 0 <= r["staleness/mean"] <= r["staleness/max"] <= 1
+        assert 0 <= r["staleness/inflight_share"] <= 1
+    synchronous = run_settings(total_steps=3)
+    synchronous.rollout.inflight_kv = "keep"
+    with pytest.raises(ValueError, match=r"config.rollout.inflight_kv='keep': expected '' with "
+                                         r"train.max_staleness=0"):
+        resolved(synchronous)

@@ -258,3 +258,42 @@ def test_free_device_memory_asks_only_this_process_devices():
     devices = [_Device(0, 40), _Device(0, 30), _Device(1, 5), _Device(1, 90)]
     assert budget.free_device_memory(devices) == 4 * 30
     assert budget.free_device_memory([_Device(0, None), _Device(1, 5)]) is None
+
+
+class _Publisher:
+    """newer() for LiveWeights: nothing before the decode's `at`-th chunk, then `model` as
+    version 1 (one swap), as a learner publishing mid-decode would."""
+
+    def __init__(self, model, at):
+        self.model, self.at, self.calls = model, at, 0
+
+    def __call__(self, current):
+        self.calls += 1
+        return (1, self.model) if self.calls > self.at and current < 1 else None
+
+
+def _live(model, newer, chunk_steps=4):
+    from jaxprefix.sampling import LiveWeights, sample_live
+    return sample_live(LiveWeights(0, model, newer), CONTEXTS, temperature=1.0,
+                       chunk_steps=chunk_steps, page_size=16, **REQUEST)
+
+
+def test_newer_weights_take_over_a_running_decode_at_a_chunk_the_kv_kept(model, static):
+    reference = static(1.0)
+    unchanged = _live(model, lambda current: None)
+    assert_same_rollouts(unchanged.rollouts, reference)  # generate()'s streams, chunked
+    assert unchanged.versions == {0: int(reference.lengths.sum())}
+    # The same values under a new version: the swap itself changes nothing.
+    copy = nnx.merge(*nnx.split(jax.tree.map(jnp.copy, model)))
+    same = _live(model, _Publisher(copy, at=1))
+    assert_same_rollouts(same.rollouts, reference)
+    assert same.stats['weight_swaps'] == 1
+    # Other weights from the second chunk (4 decode steps in): each row's first tokens are the
+    # old weights' draws, what follows the new weights', every token counted once.
+    other = models.Decoder(CONFIG, rngs=nnx.Rngs(1))
+    swapped = _live(model, _Publisher(other, at=1))
+    firsts = [ids[:3] for ids in reference.completions()]
+    assert [ids[:3] for ids in swapped.rollouts.completions()] == firsts
+    assert sum(swapped.versions.values()) == int(swapped.rollouts.lengths.sum())
+    assert 0 < swapped.versions[0] < sum(swapped.versions.values()) and swapped.versions[1] > 0
+    assert swapped.rollouts.completions() != reference.completions()

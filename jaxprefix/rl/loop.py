@@ -112,20 +112,24 @@ def _rollout_chunks(policy, tokenizer, method: Method, settings: LoopSettings, r
                     step: int, stop_ids, record_routes: bool,
                     episodes: EpisodeSource | None = None) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
-    while too few groups carry signal, each round seeded by (run seed, step, round)."""
+    while too few groups carry signal, each round seeded by (run seed, step, round). `policy`:
+    the model, or sampling.LiveWeights whose newer weights take over mid-decode."""
+    live = policy if isinstance(policy, sampling.LiveWeights) else None
+
+    def scored(request, round_index):
+        return sample_and_score(live.model if live else policy, tokenizer, request,
+                                settings.rewards, rollout=rollout, stop_ids=stop_ids,
+                                seed=round_seed(settings.seed, step, round_index),
+                                record_routes=record_routes, episodes=episodes, live=live)
+
     request = method.next_request(step)
-    chunks = [sample_and_score(policy, tokenizer, request, settings.rewards, rollout=rollout,
-                               stop_ids=stop_ids, seed=round_seed(settings.seed, step, 0),
-                               record_routes=record_routes, episodes=episodes)]
+    chunks = [scored(request, 0)]
     method.observe(request, chunks[0].rewards)
     target = len(request.contexts)
     while settings.dynamic_sampling and dynamic_sampling.needs_refill(
             [c.rewards for c in chunks], target, len(chunks) - 1, settings.max_refill_rounds):
         more = method.next_request(step)
-        chunks.append(sample_and_score(policy, tokenizer, more, settings.rewards,
-                                       rollout=rollout, stop_ids=stop_ids,
-                                       seed=round_seed(settings.seed, step, len(chunks)),
-                                       record_routes=record_routes, episodes=episodes))
+        chunks.append(scored(more, len(chunks)))
         method.observe(more, chunks[-1].rewards)
     return chunks
 
@@ -316,7 +320,8 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
     if ahead and start < total:
         sampler = overlap.AheadSampler(
             sample_step, max_staleness=ahead, start=start, total=total,
-            in_flight=overlap.decode_in_flight(resumed.get("in_flight")))
+            in_flight=overlap.decode_in_flight(resumed.get("in_flight")),
+            live=rollout.inflight_kv == "keep")
         sampler.publish(start, sampler_policy(state))
     # However the loop ends, the sampler thread stops after the step it is sampling.
     closing = contextlib.closing(sampler) if sampler else contextlib.nullcontext()

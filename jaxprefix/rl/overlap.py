@@ -13,17 +13,26 @@ JAX dispatches both threads' programs at once, on disjoint devices with rollout.
 Every trained token then carries its step's version: the update's ratio uses the behaviour
 log-probs the sampler recorded (old_logprobs='sampler'), or corrects towards them
 (old_logprobs='learner' with tis_cap / ratio_mask).
+
+Weights into a running decode (rollout.inflight_kv='keep'): the thread samples each step with
+sampling.LiveWeights, so a version published while step t decodes (at most t, the on-policy
+one) takes over at the decode's next chunk, its KV kept. A step's tokens then carry several
+versions (Scored.versions), the staleness metrics are per token, and which tokens a version
+drew depends on timing: such a run is not reproducible token for token (a resume still
+checkpoints what is in flight, as above).
 """
 from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import logging
 import pickle
 import threading
 import time
 from typing import Any, Callable
 
+from jaxprefix import sampling
 from jaxprefix.errors import UserError
 
 
@@ -37,12 +46,29 @@ def sampling_version(step: int, max_staleness: int, start: int = 0) -> int:
     return max(start, step - max_staleness)
 
 
+def token_versions(sampled: Sampled) -> dict[int, int]:
+    """{weights version: tokens of the step it drew}: the step's own version for every token,
+    unless newer weights took over mid-decode (Scored.versions)."""
+    counts: dict[int, int] = {}
+    for chunk in sampled.chunks:
+        for version, tokens in (chunk.versions or {sampled.version: chunk.generated}).items():
+            counts[version] = counts.get(version, 0) + tokens
+    return counts
+
+
 def step_metrics(sampled: Sampled, waited: float, publish_seconds: float) -> dict:
-    """A step's staleness (updates between sampling and training: every token of a step has its
-    step's version) and the overlap's times: the learner's wait for the rollouts, the seconds
-    spent sampling them, and the last copy of new weights to the sampler."""
-    stale = sampled.step - sampled.version
-    return {"staleness/max": stale, "staleness/mean": float(stale),
+    """A step's staleness (per token: updates between the weights that drew it and the step's
+    training), the share of its tokens drawn by weights newer than those it started with, and
+    the overlap's times: the learner's wait for the rollouts, the seconds spent sampling them,
+    and the last copy of new weights to the sampler."""
+    counts = token_versions(sampled)
+    tokens = sum(counts.values())
+    if not tokens:
+        counts, tokens = {sampled.version: 1}, 1
+    newer = sum(c for v, c in counts.items() if v > sampled.version)
+    return {"staleness/max": sampled.step - min(counts),
+            "staleness/mean": sum((sampled.step - v) * c for v, c in counts.items()) / tokens,
+            "staleness/inflight_share": newer / tokens,
             "time/sampler_wait": waited, "time/sampler_busy": sampled.seconds,
             "time/weights_publish": publish_seconds}
 
@@ -59,7 +85,9 @@ class AheadSampler:
     """A thread that samples steps start, start+1, ... < total, each with the weights of its
     version, up to max_staleness steps ahead of the learner.
 
-    sample: (policy, step) -> the step's scored rounds (runs in the thread).
+    sample: (policy, step) -> the step's scored rounds (runs in the thread); with `live` the
+    policy is a sampling.LiveWeights, which takes newer published weights (<= the step's
+    on-policy version) while the step decodes.
     in_flight: steps already sampled (a checkpoint's `in_flight`), taken first.
     The learner calls `publish(version, policy)` with the weights after each update (the first
     with the starting weights), `take(step)` for each step's rollouts, and `settle()` before a
@@ -67,8 +95,9 @@ class AheadSampler:
     """
 
     def __init__(self, sample: Callable[[Any, int], list], *, max_staleness: int, start: int,
-                 total: int, in_flight: list[Sampled] = ()):
+                 total: int, in_flight: list[Sampled] = (), live: bool = False):
         self._sample = sample
+        self._live = live
         self.max_staleness = max_staleness
         self._total = total
         self._ready = {s.step: s for s in in_flight}
@@ -130,6 +159,13 @@ class AheadSampler:
     def _version(self, step: int) -> int:
         return sampling_version(step, self.max_staleness, self._start)
 
+    def _newer(self, step: int, current: int) -> tuple | None:
+        """(the newest published version after `current`, its policy), at most `step` (the
+        step's on-policy weights), or None."""
+        with self._cond:
+            later = [v for v in self._policies if current < v <= step]
+            return (max(later), self._policies[max(later)]) if later else None
+
     def _can_sample(self) -> bool:
         return self._next < self._total and self._version(self._next) in self._policies
 
@@ -142,6 +178,9 @@ class AheadSampler:
                 step = self._next
                 version = self._version(step)
                 policy = self._policies[version]
+                if self._live:
+                    policy = sampling.LiveWeights(version, policy,
+                                                  functools.partial(self._newer, step))
                 self._working = True
             start = time.perf_counter()
             try:

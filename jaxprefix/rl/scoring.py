@@ -53,6 +53,7 @@ class Scored:
     prefilled: int = 0           # tokens the sampler prefilled (observations, re-prefills too)
     generated: int = 0           # tokens the policy sampled
     episodes: list | None = None  # multi-turn episodes (None: one turn a row)
+    versions: dict | None = None  # {weights version: tokens it drew} when they changed mid-decode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +95,26 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardSettings, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
                      record_routes: bool = False,
-                     episodes: EpisodeSource | None = None) -> Scored:
+                     episodes: EpisodeSource | None = None,
+                     live: sampling.LiveWeights | None = None) -> Scored:
     """Samples the request, one turn a row or as `episodes` says (a row an episode), and scores
     it: by the run's verifier (on an episode, its final answer), or by the environment where it
     rewards its own episodes. With `record_routes`, each row's tokens carry a MoE's experts
-    (Rollouts.routes)."""
+    (Rollouts.routes). `live` (one turn a row; then `model` is live.model): newer weights take
+    over between the decode's chunks, and Scored.versions counts the tokens each drew."""
     start = time.perf_counter()
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     keywords = rollout.sampler_keywords()
-    found, env_rewards = None, None
+    found, env_rewards, versions = None, None, None
     if episodes is None:
-        rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
-                                     seed=seed, record_routes=record_routes, **keywords)
+        if live is None:
+            rollouts = sampling.generate(model, request.contexts, n=request.n, stop_ids=stop_ids,
+                                         seed=seed, record_routes=record_routes, **keywords)
+        else:
+            decoded = sampling.sample_live(live, request.contexts, n=request.n,
+                                           stop_ids=stop_ids, seed=seed,
+                                           record_routes=record_routes, **keywords)
+            rollouts, versions = decoded.rollouts, decoded.versions
         texts = completion_texts(tokenizer, rollouts, request.response_prefixes)
         prefilled, generated = int(rollouts.context_lengths.sum()), int(rollouts.lengths.sum())
     else:
@@ -128,7 +137,7 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardS
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
     return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
                   sampled - start, time.perf_counter() - sampled, stats["too_long"],
-                  prefilled, generated, found)
+                  prefilled, generated, found, versions)
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:

@@ -74,6 +74,9 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
          ">= 0 (0: synchronous)")
     need(t.max_staleness == 0 or r.max_turns == 1, "config.train.max_staleness", t.max_staleness,
          f"0 with rollout.max_turns={r.max_turns}: multi-turn episodes are sampled synchronously")
+    need(not r.get("inflight_kv") or t.max_staleness > 0, "config.rollout.inflight_kv",
+         r.get("inflight_kv"), "'' with train.max_staleness=0: a synchronous step's decode has "
+         "no newer weights to take")
     need(config.checkpoint.every >= 1, "config.checkpoint.every", config.checkpoint.every,
          ">= 1")
     need(config.checkpoint.keep >= 1, "config.checkpoint.keep", config.checkpoint.keep, ">= 1")

@@ -19,6 +19,9 @@ from jaxprefix.errors import need
 from jaxprefix.sampling.sampler import KV_DTYPES
 
 GiB = 2**30
+# What a running decode does with new weights: '' never takes them (a decode, one version);
+# 'keep' takes them between chunks and keeps the KV the older ones wrote (PipelineRL, prime-rl).
+INFLIGHT_KV = ('', 'keep')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,7 @@ class RolloutSpec:
     tensor_parallel: int = 0       # 0: the widest that divides the heads, on TPU
     max_turns: int = 1             # assistant turns of an episode with tools (docs/TOOLS.md)
     devices: int = 0               # the sampler's own devices (0: it shares the learner's)
+    inflight_kv: str = ''          # 'keep': newer weights take over between a decode's chunks
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -54,6 +58,9 @@ class RolloutSpec:
         check(self.devices >= 0, "devices", ">= 0 (0: the learner's, shared)")
         check(self.max_turns >= 1, "max_turns", ">= 1 (more than 1: episodes with the tools of "
               "config.tools, docs/TOOLS.md)")
+        check(self.inflight_kv in INFLIGHT_KV, "inflight_kv",
+              f"one of {INFLIGHT_KV} ('': one version a decode; 'keep': newer weights take over "
+              f"between chunks, the KV written so far kept)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",
              f"'' (the compute dtype) or one of {KV_DTYPES}")
 

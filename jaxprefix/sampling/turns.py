@@ -38,6 +38,13 @@ reserve of a whole row, which never preempts).
 Sampling streams: every token of episode e (= i*n + j, sample j of context i) is drawn from
 (seed, e, its own index), its index among the tokens after the context (sampled and appended):
 a function of the episode alone, whatever ran beside it.
+
+Weights that change while the decode runs (`LiveWeights`, the sampler running ahead of the
+learner with rollout.inflight_kv='keep'): between chunks the host asks for newer weights and,
+given some, the next chunk decodes with them. The KV already written stays as the older weights
+computed it (PipelineRL's and prime-rl's choice: nothing is computed again), and every token
+keeps the log-prob of the weights that drew it, so the learner's ratio is exact per token.
+`TurnRollouts.versions` counts the tokens each version drew.
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxprefix import distributed
 from jaxprefix.sampling import continuous, page_pool
@@ -83,16 +91,45 @@ class TurnEnd:
 Respond = Callable[[TurnEnd], 'concurrent.futures.Future | None']
 
 
+class LiveWeights:
+    """The weights a decode samples with, and newer ones as they are published: `newer(version)`
+    gives (a later version, its policy) or None. `refresh` takes the newest there is."""
+
+    def __init__(self, version: int, model, newer: Callable[[int], tuple | None]):
+        self.version, self.model, self._newer = version, model, newer
+
+    def refresh(self) -> bool:
+        """True when newer weights were taken."""
+        got = self._newer(self.version)
+        if got is not None:
+            self.version, self.model = got
+        return got is not None
+
+
+def tokens_by_version(first: int, swaps: Sequence[tuple[int, np.ndarray]],
+                      lengths: np.ndarray) -> dict[int, int]:
+    """{weights version: tokens after the contexts written while it decoded}: the decode started
+    with `first`; swaps: (version, every episode's length when it took over), in order."""
+    counts, version, before = {}, first, np.zeros_like(lengths)
+    for new_version, at in swaps:
+        counts[version] = counts.get(version, 0) + int((at - before).sum())
+        version, before = new_version, at
+    counts[version] = counts.get(version, 0) + int((lengths - before).sum())
+    return {v: c for v, c in counts.items() if c}
+
+
 @dataclasses.dataclass(frozen=True)
 class TurnRollouts:
     """The episodes as Rollouts (row e = episode e; completion_mask 1 on sampled tokens only,
     so appended tokens carry none), the tokens of earlier turns each computed again
     (`recomputed` [N]) and how the time went (`stats`: chunks, narrow_chunks: those whose steps
     computed part of the rows, steps, wall_s, device_s, idle_s, tools_s: wall time with a tool
-    running, idle_while_tools_s: of that, the device idle)."""
+    running, idle_while_tools_s: of that, the device idle, weight_swaps) and, decoded with
+    LiveWeights, the tokens each weights version wrote (`versions`; None otherwise)."""
     rollouts: Rollouts
     recomputed: np.ndarray
     stats: dict
+    versions: dict[int, int] | None = None
 
 
 @functools.partial(jax.jit, static_argnames=('shape',), donate_argnames=('state',))
@@ -236,7 +273,7 @@ class _Host:
 def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
                  max_turns: int, episode_token_budget: int, respond: Respond,
                  stop_ids: Sequence[int] = (), seed: int = 0, chunk_steps: int = 32,
-                 **sampler) -> TurnRollouts:
+                 weights: LiveWeights | None = None, **sampler) -> TurnRollouts:
     """n episodes of each context (episode i*n + j continues contexts[i]) of up to `max_turns`
     sampled turns of up to `max_new_tokens` tokens each, `episode_token_budget` tokens in all
     (context included), the host's answers between turns (see the module docstring). `sampler`:
@@ -246,7 +283,8 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     holds each token's experts as the forward that wrote its KV computed them: the context's
     prefill, the appending pass of an observation, the decode step of a sampled token; no
     earlier turn is computed again, so these are the experts every later token attended
-    through (routes.py)."""
+    through (routes.py). `weights` (then `model` is weights.model): between chunks the decode
+    goes on with the newest weights it gives (see the module docstring)."""
     if max_turns < 1 or chunk_steps < 1:
         raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
     room = episode_token_budget - min(map(_length, contexts))
@@ -268,10 +306,15 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     stats = dict(chunks=0, narrow_chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0)
     begin = time.perf_counter()
     rows, busy = shape.context_slots * n, None
+    first, swaps = None if weights is None else weights.version, []
+    lengths = np.zeros(num, np.int32)
     with _mesh_scope(req.mesh):
         state, answers = continuous.start(req.graphdef, req.params, arrays, shape=shape), {}
         while True:
             dispatched = time.perf_counter()
+            if weights is not None and weights.refresh():
+                req = _with_weights(req, weights.model)
+                swaps.append((weights.version, np.asarray(lengths[:num]).copy()))
             if answers:
                 state = resume(state, arrays, *_answers(answers, state.out.lengths.shape[0]),
                                shape=shape)
@@ -312,4 +355,32 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     host.final_turns(completions, logprobs, lengths, stopped)
     rollouts = laid_out(req, completions, logprobs, lengths, stopped, recorded)
     host.unmask_appended(rollouts)
-    return TurnRollouts(rollouts, recomputed[:num], stats)
+    stats['weight_swaps'] = len(swaps)
+    versions = None if weights is None else tokens_by_version(first, swaps, lengths[:num])
+    return TurnRollouts(rollouts, recomputed[:num], stats, versions)
+
+
+def _with_weights(req, model):
+    """The request decoding with `model`'s weights, laid out as the first ones were."""
+    graphdef, params = nnx.split(model)
+    if req.reshard is not None:
+        params = req.reshard.fn(params)
+    return dataclasses.replace(req, graphdef=graphdef, params=params)
+
+
+def _no_answer(turn_end: TurnEnd):
+    """One turn an episode: nothing is ever appended."""
+    return None
+
+
+def sample_live(weights: LiveWeights, contexts: Sequence[Context], *, n: int,
+                max_new_tokens: int, stop_ids: Sequence[int] = (), seed: int = 0,
+                chunk_steps: int = 32, **sampler) -> TurnRollouts:
+    """generate() with weights that may change between chunks (one turn a row): the same
+    rollouts as generate's for the same seed while no newer weights come (the same streams),
+    and `versions` says which weights wrote how many tokens."""
+    longest = max(map(_length, contexts))
+    return sample_turns(weights.model, contexts, n=n, max_new_tokens=max_new_tokens, max_turns=1,
+                        episode_token_budget=longest + max_new_tokens + 1, respond=_no_answer,
+                        stop_ids=stop_ids, seed=seed, chunk_steps=chunk_steps, weights=weights,
+                        **sampler)
