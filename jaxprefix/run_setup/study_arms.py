@@ -55,6 +55,9 @@ RUNS = {
     "grpo_one_step_off": RunSpec("grpo", {"train.max_staleness": 1},
                                  "plain GRPO on the hard set, one step off-policy (each step "
                                  "sampled with the weights of one update before)"),
+    "grpo_inflight": RunSpec("grpo", {"train.max_staleness": 1, "rollout.inflight_kv": "keep"},
+                             "GRPO one step off, newer weights taking over mid-decode (each "
+                             "token drawn by the newest weights published, up to the step's own)"),
     "grpo_entropy": RunSpec("grpo", {"train.entropy_coef": 0.01}, "GRPO + entropy bonus"),
     "grpo_pass_at_k": RunSpec("grpo", {"train.advantage": "pass_at_k", "train.pass_k": 4},
                               "GRPO with pass@k advantages (Chen et al. 2025)"),
