@@ -182,3 +182,34 @@ def test_a_generated_source_is_generated_once_a_process(monkeypatch):
     config.data.seed = 13
     problem_sets.load_problem_sets(config.data)
     assert len(calls) == 4
+
+
+def test_a_problem_file_is_read_once_a_process_until_it_changes(monkeypatch, tmp_path):
+    """Preflight and the job both load a file source: read once, with each problem's file:line
+    kept for the error messages; a file that changed since is read again."""
+    import json
+
+    import jaxprefix.data
+    from jaxprefix import run_config
+    from jaxprefix.run_setup import problem_sets
+
+    path = tmp_path / "problems.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n"
+                            for i in range(4)))
+    calls, real = [], jaxprefix.data.read_problem_file
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jaxprefix.data, "read_problem_file", counted)
+    config = run_config.base_config()
+    config.data.update(source="file", path=str(path), verifier="math")
+    first_where, again_where = {}, {}
+    first = problem_sets._load(config.data, first_where)
+    again = problem_sets._load(config.data, again_where)
+    assert len(calls) == 1 and again == first and again.train is not first.train
+    assert again_where == first_where and first_where[first.train[2].id].endswith(":line 3")
+    with open(path, "a") as f:
+        f.write(json.dumps({"question": "9 + 1 = ?", "answer": "10"}) + "\n")
+    assert len(problem_sets._load(config.data, {}).train) == 5 and len(calls) == 2

@@ -29,6 +29,10 @@ def test_write_read_list_remove(root):
     assert storage.listdir(storage.join(root, "sub")) == ["a.json", "b.txt"]
     assert storage.glob(storage.join(root, "sub"), "*.txt") == [storage.join(root, "sub", "b.txt")]
     assert storage.size(path) == len(b"{\"x\": 3}")
+    written = storage.modified_ns(path)
+    assert written > 0
+    storage.write_atomic(path, b"{\"x\": 4}")
+    assert storage.modified_ns(path) >= written
     storage.rename(path, storage.join(root, "sub", "c.json"))
     assert not storage.exists(path) and storage.read_json(storage.join(root, "sub", "c.json"))
     storage.remove(storage.join(root, "sub", "b.txt"))

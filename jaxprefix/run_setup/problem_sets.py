@@ -20,10 +20,12 @@ line, or skipped and counted with `data.skip_invalid` (which also skips bad reco
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 from absl import logging
 
+from jaxprefix import storage
 from jaxprefix.data.problem import DataError, Problem
 from jaxprefix.errors import ConfigError
 
@@ -149,20 +151,43 @@ def _source_fields(data) -> dict:
                 eval_split=data.eval_split, fields=fields, **sizes)
 
 
-# Generated sources (built-in tasks, reasoning-gym) by their fields: generated once a process,
-# though preflight, the job and each of a study's runs load them (issue 42). Files are read
-# each time: they may change between loads.
-_GENERATED: dict[str, ProblemSets] = {}
+# Problem sets by their fields, loaded once a process though preflight, the job and each of a
+# study's runs load them (issue 42): generated sources (built-in tasks, reasoning-gym) and
+# problem files, a file's entry keyed by its contents too (a local file's digest, a gs:// one's
+# size and modification time), so a file that changed is read again. hf/tfds directories are
+# read each time (their libraries cache).
+_LOADED: dict[str, tuple[ProblemSets, dict]] = {}
+
+
+def _file_stamp(path: str):
+    if storage.is_remote(path):
+        return storage.size(path), storage.modified_ns(path)
+    return hashlib.sha256(storage.read_bytes(path)).hexdigest()  # far cheaper than parsing
+
+
+def _file_stamps(f: dict) -> list | None:
+    """What says a file source's files are unchanged ([] for a generated source); None for a
+    source not cached."""
+    if f["source"] in BUILT_IN or f["source"] == "reasoning_gym":
+        return []
+    paths = [p for p in (f["path"], f["eval_path"]) if p] if f["source"] == "file" else []
+    if not paths or not all(map(storage.isfile, paths)):  # none, or the reader's error to say
+        return None
+    return [_file_stamp(p) for p in paths]
 
 
 def _load(data, where: dict) -> ProblemSets:
     f = source_fields(data)
-    if f["source"] not in BUILT_IN and f["source"] != "reasoning_gym":
+    stamps = _file_stamps(f)
+    if stamps is None:
         return _read(data, f, where)
-    key = json.dumps(f, sort_keys=True, default=str)
-    if key not in _GENERATED:
-        _GENERATED[key] = _read(data, f, where)
-    sets = _GENERATED[key]  # fresh lists: a caller may reorder its own
+    key = json.dumps([f, stamps], sort_keys=True, default=str)
+    if key not in _LOADED:
+        found: dict[str, str] = {}
+        _LOADED[key] = (_read(data, f, found), found)
+    sets, found = _LOADED[key]
+    where.update(found)
+    # fresh lists: a caller may reorder its own
     return dataclasses.replace(sets, train=list(sets.train), eval=list(sets.eval),
                                easy=list(sets.easy))
 

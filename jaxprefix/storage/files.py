@@ -140,6 +140,13 @@ def size(path) -> int:
     return _remote("checking", path, lambda: _epath(path).stat().length)
 
 
+def modified_ns(path) -> int:
+    """The file's last modification time, in nanoseconds."""
+    if not is_remote(path):
+        return os.stat(path).st_mtime_ns
+    return _remote("checking", path, lambda: int(_epath(path).stat().mtime * 1e9))
+
+
 # --- reading and writing ---------------------------------------------------------------------
 
 def open(path, mode: str = "r"):  # noqa: A001  (the builtin's name, on purpose)
