@@ -63,6 +63,9 @@ def test_results_pipeline_smoke(base, tmp_path):
     with open(workdir / "results.json") as f:
         report = json.load(f)
     assert sorted(report["runs"]) == sorted(f"{name}_seed0" for name in names)
+    assert report["command"].startswith(  # the report's first line says how it was made
+        "python -m jaxprefix.main --config=configs/results.py:smoke ")
+    assert report["command"] in (workdir / "REPORT.md").read_text()
     for run in report["runs"].values():
         assert "pass@4" in run["after"] and "pass@4" in run["after_hard_set"], run["name"]
         assert run["curve"] and "flops" in run["curve"][-1], run["name"]

@@ -20,6 +20,8 @@ outcome: the report states what the runs measured, effect or not.
 from __future__ import annotations
 
 import math
+import shlex
+import sys
 import time
 
 from absl import logging
@@ -125,6 +127,8 @@ def run_results(config, workdir: str) -> dict:
                                    storage.join(workdir, key), matched)
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
     report["studies"] = {name: _study_record(study) for name, study in studies.items()}
+    # The command as given, for the report's first line (a rebuilt report keeps it).
+    report["command"] = " ".join(["python -m jaxprefix.main", *map(shlex.quote, sys.argv[1:])])
     if config.results.isocompute:
         report["isocompute"] = _isocompute(studies["hard"], storage.join(workdir, "iso"))
     storage.write_json(storage.join(workdir, "results.json"), report, default=float)
