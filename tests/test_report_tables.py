@@ -14,13 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBLEMS, SAMPLES = 128, 16
 
 
-def _evaluation(counts):
-    groups = {"multiplier": [2 + p % 8 for p in range(len(counts))]}
+def _evaluation(counts, grouped=True):
+    # problems from a file or reasoning-gym carry no difficulty knob: no groups
+    groups = {"multiplier": [2 + p % 8 for p in range(len(counts))]} if grouped else {}
     return {"correct_counts": list(map(int, counts)), "num_samples": SAMPLES, "groups": groups,
             "pass@1": float(np.mean(counts)) / SAMPLES}
 
 
-def test_results_report_is_rebuilt_from_its_counts_file(tmp_path):
+@pytest.mark.parametrize("grouped", [True, False])
+def test_results_report_is_rebuilt_from_its_counts_file(tmp_path, grouped):
     config = run_config.from_file(os.path.join(ROOT, "configs", "results.py"), "smoke")
     config.results.runs = ("pope_cap0.25", "grpo_matched")
     config.eval.ks = (1, 16)
@@ -33,14 +35,14 @@ def test_results_report_is_rebuilt_from_its_counts_file(tmp_path):
     for seed in range(3):
         runs[f"pope_cap0.25_seed{seed}"] = {"name": "pope_cap0.25", "seed": seed, "steps": 2,
                                             "ledger": ledger, "curve": curve,
-                                            "after": _evaluation(zeros),
-                                            "after_hard_set": _evaluation(zeros)}
+                                            "after": _evaluation(zeros, grouped),
+                                            "after_hard_set": _evaluation(zeros, grouped)}
         runs[f"grpo_matched_seed{seed}"] = {"name": "grpo_matched", "seed": seed, "steps": 2,
                                             "ledger": ledger, "curve": curve,
-                                            "after": _evaluation(grpo[seed]),
-                                            "after_hard_set": _evaluation(grpo[seed])}
+                                            "after": _evaluation(grpo[seed], grouped),
+                                            "after_hard_set": _evaluation(grpo[seed], grouped)}
     study = {"digits": [8, 8], "hard": PROBLEMS, "candidates": PROBLEMS, "k": 16,
-             "base": _evaluation(zeros), "base_hard_set": _evaluation(zeros)}
+             "base": _evaluation(zeros, grouped), "base_hard_set": _evaluation(zeros, grouped)}
     report = {"runs": runs, "studies": {"hard": study}}
     config.results.output_dir = str(tmp_path)
     counts = results_report.write_counts(report, config, "runs/synthetic")
@@ -54,6 +56,7 @@ def test_results_report_is_rebuilt_from_its_counts_file(tmp_path):
         statistics.pass_at_k_table(grpo, SAMPLES, 1), samples=3 * PROBLEMS * SAMPLES))
     assert f"| grpo_matched | 3 | {grpo_cell} |" in text
     assert "(rate < 1.5e-3, 0 of 2048)" in text  # the base: one evaluation
+    assert ("held-out pass@16 by multiplier" in text) == grouped
 
 
 def test_prereg_outcome_and_report_are_rebuilt_from_counts_and_the_committed_prediction(

@@ -199,15 +199,20 @@ def hard_section(report: dict, config, specs) -> list[str]:
               "Paired differences (the same seeds and problems drawn for both runs):", "",
               *study_tables.comparison_table(_pairs(rows, base), [held_out[0], held_out[-1]],
                                              tie_margin(config)),
-              "", *study_tables.group_table([base] + rows, held_out[-1], _group_key(study)), "",
-              *study_tables.group_table([base] + rows, held_out[0], _group_key(study)), "",
+              "", *_group_tables([base] + rows, [held_out[-1], held_out[0]], study),
               "![held-out pass@k vs FLOPs](curves.png)", "", *prefix_search_lines(study)]
     return lines
 
 
-def _group_key(study: dict) -> str:
+def _group_tables(rows: list[Row], columns, study: dict) -> list[str]:
+    """Per-group breakdowns by the problems' difficulty knob (the multiplier where it varies);
+    none for problems that carry no knob (a file's, reasoning-gym's)."""
     groups = study["base"]["groups"]
-    return "multiplier" if len(set(groups.get("multiplier", []))) > 1 else next(iter(groups))
+    key = "multiplier" if len(set(groups.get("multiplier", []))) > 1 else next(iter(groups), None)
+    if key is None:
+        return []
+    return [line for column in columns
+            for line in (*study_tables.group_table(rows, column, key), "")]
 
 
 def prefix_search_lines(study: dict) -> list[str]:
