@@ -7,6 +7,6 @@ from jaxprefix.sampling.sampler import KV_DTYPES, generate
 from jaxprefix.sampling.token_choice import SamplingSettings
 from jaxprefix.sampling.turns import LiveWeights, TurnEnd, TurnRollouts, sample_live, sample_turns
 
-__all__ = ['KV_DTYPES', 'LiveWeights', 'RolloutSpec', 'Rollouts', 'SamplingSettings', 'SharedContext',
-           'TurnEnd', 'TurnRollouts', 'decode_layout', 'generate', 'sample_live',
-           'sample_turns', 'token_ids']
+__all__ = ['KV_DTYPES', 'LiveWeights', 'RolloutSpec', 'Rollouts', 'SamplingSettings',
+           'SharedContext', 'TurnEnd', 'TurnRollouts', 'decode_layout', 'generate',
+           'sample_live', 'sample_turns', 'token_ids']
