@@ -157,21 +157,28 @@ def test_final_answer_prefers_tags_then_box_then_last_line():
     assert final_answer("work\n 42 \n\n") == "42"
 
 
-def test_a_generated_source_is_generated_once_a_process(monkeypatch):
-    """Preflight, the job and each of a study's runs load the problem sets: a generated source
-    (reasoning-gym, the built-in tasks) is generated once for the same fields (issue 42), each
-    load getting its own lists; other fields generate again."""
+def _counted(monkeypatch, name: str) -> list:
+    """jaxprefix.data.<name> wrapped to record its calls (the loader reads it from there)."""
     import jaxprefix.data
-    from jaxprefix import run_config
-    from jaxprefix.run_setup import problem_sets
 
-    calls, real = [], jaxprefix.data.reasoning_gym_problems
+    calls, real = [], getattr(jaxprefix.data, name)
 
     def counted(*args, **kwargs):
         calls.append(args)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(jaxprefix.data, "reasoning_gym_problems", counted)
+    monkeypatch.setattr(jaxprefix.data, name, counted)
+    return calls
+
+
+def test_a_generated_source_is_generated_once_a_process(monkeypatch):
+    """Preflight, the job and each of a study's runs load the problem sets: a generated source
+    (reasoning-gym, the built-in tasks) is generated once for the same fields (issue 42), each
+    load getting its own lists; other fields generate again."""
+    from jaxprefix import run_config
+    from jaxprefix.run_setup import problem_sets
+
+    calls = _counted(monkeypatch, "reasoning_gym_problems")
     config = run_config.base_config()
     config.data.update(source="reasoning_gym", task="chain_sum", train_size=8, eval_size=4,
                        seed=11, eval_seed=12, verifier="reasoning_gym_boxed")
@@ -189,20 +196,13 @@ def test_a_problem_file_is_read_once_a_process_until_it_changes(monkeypatch, tmp
     kept for the error messages; a file that changed since is read again."""
     import json
 
-    import jaxprefix.data
     from jaxprefix import run_config
     from jaxprefix.run_setup import problem_sets
 
     path = tmp_path / "problems.jsonl"
     path.write_text("".join(json.dumps({"question": f"{i} + 1 = ?", "answer": str(i + 1)}) + "\n"
                             for i in range(4)))
-    calls, real = [], jaxprefix.data.read_problem_file
-
-    def counted(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(jaxprefix.data, "read_problem_file", counted)
+    calls = _counted(monkeypatch, "read_problem_file")
     config = run_config.base_config()
     config.data.update(source="file", path=str(path), verifier="math")
     first_where, again_where = {}, {}
