@@ -22,6 +22,9 @@ resumes, finished runs are only re-evaluated. run_setup/study_arms.py lists the 
   docs/OVERLAP.md), 3 seeds, equal steps, at the eps sweep's knob 0.05 (restating notation),
   where GRPO learns the hard set (held-out pass@16 ~0.47): on the demo's own base it had no
   signal (0 of 6,144 in both arms, 2026-12-06), which compares nothing.
+- smollm2_hard: POPE on a real model (issue 48): SmolLM2-135M-Instruct with LoRA on chain_sum's
+  hard tail (jaxprefix/variants.py), POPE with prefixes of up to half the worked solution
+  against GRPO run on to its FLOPs, 2 seeds.
 - carry: carry_multiplication, PrefixRL's regime (a problem length chosen by a stated rule) and
   its controls: PrefixRL and SFT-then-GRPO on the base's own traces and on a second base's,
   plain GRPO, and more SFT on problems outside the hard set, then GRPO.
@@ -35,6 +38,7 @@ EPS_RUNS = ("pope_value_hint", "pope_restating_hint", "grpo_matched_hints")
 # grpo_inflight (rollout.inflight_kv=keep) is not among them: here a step samples in less time
 # than its update takes, so no newer weights reach a running decode (docs/OVERLAP.md).
 OVERLAP_RUNS = ("grpo", "grpo_one_step_off")
+SMOLLM2_RUNS = ("pope_cap0.5", "grpo_matched_cap0.5")
 PREFIXRL_RUNS = ("prefixrl_regime", "sft_traces_regime", "grpo_regime", "sft_more_regime",
                  "prefixrl_other_regime", "sft_other_traces_regime")
 
@@ -97,6 +101,8 @@ def get_config(arg: str = ""):
         c.results.seeds = (0, 1, 2, 3, 4)
         if args.variant == "eps":
             c.pope.unsolved = "drop"
+    if args.variant == "smollm2_hard":
+        c.results.update(seeds=(0, 1), runs=SMOLLM2_RUNS, output_dir="docs/results/smollm2_pope")
     if args.variant in ("smoke", "carry_smoke", "eps_smoke"):
         c.results.update(seeds=(0,), output_dir="", iso_eval_size=8)
         c.prefixrl.update(**variants.SMOKE_PREFIXRL)  # results runs PrefixRL too

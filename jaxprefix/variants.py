@@ -186,6 +186,24 @@ def smollm2_learns(c: ml_collections.ConfigDict) -> None:
     c.checkpoint.update(every=10, keep=5)
 
 
+# chain_sum at 3 terms of 2 digits: the base (smollm2_learns' prompt and reading, T = 0.8)
+# solved 1 of 32 such problems in 8 samples, pass@1 0.004 (2026-12-06): a hard tail, whose
+# worked solutions (a running total a line, data/worked_solutions.py) give POPE its prefixes:
+# the first line leaves a 2-term sum, the kind the base gets right ~10% of the time.
+CHAIN_SUM_HARD = '{"max_digits": 2, "max_terms": 3, "min_digits": 2, "min_terms": 3}'
+
+
+def smollm2_hard(c: ml_collections.ConfigDict) -> None:
+    """POPE on a real model (issue 48): smollm2_learns' LoRA GRPO of SmolLM2-135M-Instruct on
+    chain_sum's hard tail (CHAIN_SUM_HARD), problems the base solves 0 of mining.k=8 times,
+    guided by prefixes of their worked solutions (up to 2 lines). At smollm2_learns' step size
+    (4 problems x 2 copies x 8 samples): ~1-2 minutes a step on 2 idle cores."""
+    smollm2_learns(c)
+    c.data.update(task_config=CHAIN_SUM_HARD, train_size=128, eval_size=64)
+    c.mining.update(k=8, prefix_samples=4, max_prefix_units=2, rows_per_call=64)
+    c.train.update(problems_per_step=4, total_steps=20)
+
+
 def paper(c: ml_collections.ConfigDict) -> None:
     """Paper scale on a TPU slice: Qwen3-4B-Instruct-2507 from an HF directory (paths as fields).
 
@@ -249,7 +267,7 @@ def colab(c: ml_collections.ConfigDict) -> None:
 
 
 VARIANTS = ("demo", "smoke", "carry", "carry_smoke", "moe_smoke", "smollm2", "smollm2_learns",
-            "paper", "paper_moe", "colab")
+            "smollm2_hard", "paper", "paper_moe", "colab")
 
 
 def method_config(config_file: str, method: str, arg: str, *, extra_variants=()):
@@ -257,7 +275,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
 
     demo / smoke use the demo task, keyed_multiplication (smoke: seconds); carry / carry_smoke
     carry_multiplication (the long-guidance case); moe_smoke the smoke with a mixture-of-experts
-    policy; smollm2 a real model on CPU; paper a TPU run (paper_moe: on Qwen3-30B-A3B); colab
+    policy; smollm2 a real model on CPU (smollm2_learns: its LoRA run that learns; smollm2_hard:
+    its hard tail, POPE's); paper a TPU run (paper_moe: on Qwen3-30B-A3B); colab
     LoRA on one free TPU chip.
     `extra_variants` are names a config file handles itself on top of one of these.
     """
@@ -276,6 +295,8 @@ def method_config(config_file: str, method: str, arg: str, *, extra_variants=())
         smollm2(c)
     elif args.variant == "smollm2_learns":
         smollm2_learns(c)
+    elif args.variant == "smollm2_hard":
+        smollm2_hard(c)
     elif args.variant == "paper":
         paper(c)
     elif args.variant == "paper_moe":

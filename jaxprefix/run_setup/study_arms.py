@@ -27,6 +27,9 @@ RUNS = {
     "grpo_matched": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to POPE's FLOPs "
                             "(pope_cap0.25's at the same seed, its mining included)",
                             flops_match=("pope_cap0.25",)),
+    "grpo_matched_cap0.5": RunSpec("grpo", {}, "plain GRPO on the hard set, run on to POPE's "
+                                   "FLOPs (pope_cap0.5's at the same seed, its mining included)",
+                                   flops_match=("pope_cap0.5",)),
     "pope_cap1": RunSpec("pope", {"pope.max_prefix_fraction": 1.0},
                          "POPE, prefixes up to all steps but one"),
     "pope_cap0.5": RunSpec("pope", {"pope.max_prefix_fraction": 0.5},
