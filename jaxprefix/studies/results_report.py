@@ -487,6 +487,7 @@ def _plot_runs(runs: dict, path: str, key: str, ylabel: str, title: str,
     ax.set(xscale="log", xlabel="FLOPs (sampling + updates + mining + SFT)", ylabel=ylabel,
            title=title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))  # outside: curves fill the axes
+    if ax.get_legend_handles_labels()[0]:  # no run may have a curve yet
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))  # outside: curves fill the axes
     fig.tight_layout()
     storage.write_figure(path, fig, dpi=110)
