@@ -78,7 +78,7 @@ def get_config(arg: str = ""):
         # traces ~110. The second base's arms are skipped at it: that base's SFT and sampling
         # (7.5e12 measured) spend more than the whole budget.
         regime=dict(rule="hard", max_pass=0.02,
-                    probe_digits=(8, 10, 12, 14, 16, 18), probe_problems=64, probe_samples=64,
+                    probe_digits=(8, 10, 12, 14, 16, 18, 20), probe_problems=64, probe_samples=64,
                     steps=60, contexts_per_step=32, eval_every=10, eval_n=4,
                     flops_budget=4e12 if carry and args.variant == "carry" else 0.0),
         # The second base of PrefixRL's "traces from a different policy": another SFT seed and

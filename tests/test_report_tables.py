@@ -166,3 +166,6 @@ def test_prefixrl_regime_rules_choose_the_length_from_the_measured_rates():
     assert choose_length(rates, "hard", target) == 14
     assert choose_length(rates, "middle", 1 / (16 * 512) ** 0.5) == 8
     assert choose_length({8: 0.0, 10: 0.0}, "hard", target) is None
+    # none as hard as the target: the hardest measured, never the easiest (issue 43's rerun
+    # chose 8 digits at 0.036 when 18 measured 0.002)
+    assert choose_length({8: 0.036, 12: 0.006, 18: 0.002, 20: 0.0}, "hard", target) == 18

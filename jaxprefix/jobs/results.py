@@ -329,12 +329,15 @@ def regime_target(config) -> tuple[float, str]:
 
 def choose_length(rates: dict[int, float], rule: str, target: float) -> int | None:
     """The regime's problem length from the base's per-sample success rates by `rule`
-    (`regime_target`); None where no length with a success qualifies."""
+    (`regime_target`); None where no length has a success. 'hard' where no measured length is
+    as hard as its target: the hardest measured one (the closest to it; the probe records that
+    the target was missed), never an easier one."""
     measured = {d: v for d, v in rates.items() if v > 0}
-    if rule == "hard":
-        return min((d for d, v in measured.items() if v <= target), default=None)
     if not measured:
         return None
+    if rule == "hard":
+        within = [d for d, v in measured.items() if v <= target]
+        return min(within) if within else min(measured, key=measured.get)
     return min(measured, key=lambda d: abs(math.log(measured[d]) - math.log(target)))
 
 
@@ -361,10 +364,12 @@ def _prefixrl_regime(hard: Study, workdir: str):
             probe["digits"][str(digits)] = rates["pass@1"]
         chosen = choose_length({int(d): v for d, v in probe["digits"].items()},
                                r.get("rule", "middle"), target_rate)
-        if chosen is None:  # an untrained (smoke) base, or no length qualifies: said so
+        if chosen is None:  # an untrained (smoke) base: no length has a success, said so
             probe["chosen"], probe["no_success"] = min(r.probe_digits), True
         else:
             probe["chosen"] = chosen
+            # the 'hard' rule's target out of the probed lengths' reach: the hardest, said so
+            probe["target_missed"] = probe["digits"][str(chosen)] > target_rate
         storage.write_json(path, probe)
     c = config.copy_and_resolve_references()
     c.data.digits = (probe["chosen"], probe["chosen"])

@@ -270,6 +270,15 @@ def _start(run: dict, study: dict) -> tuple:
     return run["ledger"]["extra_flops"], before["pass@1"]
 
 
+def _target_missed(probe: dict) -> str:
+    if probe.get("no_success"):
+        return " (no probed length had a success: the shortest, by default)"
+    if probe.get("target_missed"):
+        return (f" (no probed length was as hard as the target {probe['target_rate']:.2e}: the "
+                f"hardest measured)")
+    return ""
+
+
 def regime_section(report: dict, config, specs) -> list[str]:
     if "prefixrl" not in report.get("studies", {}):
         return []
@@ -295,7 +304,7 @@ def regime_section(report: dict, config, specs) -> list[str]:
         "| digits | " + " | ".join(probe["digits"]) + " |",
         "|---" * (len(probe["digits"]) + 1) + "|",
         "| base pass@1 | " + " | ".join(f"{v:.4f}" for v in probe["digits"].values()) + " |", "",
-        f"Chosen: {probe['chosen']} digits. Hard set: {study['hard']} of {study['candidates']} "
+        f"Chosen: {probe['chosen']} digits{_target_missed(probe)}. Hard set: {study['hard']} of {study['candidates']} "
         f"candidates solved 0 of {study['k']} times. The base's own traces (rejection sampling, "
         f"{config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per "
         f"problem): {pool['problems']} of {study['hard']} problems in {pool['samples']:,} "
