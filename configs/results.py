@@ -68,8 +68,9 @@ def get_config(arg: str = ""):
         warm_start=dict(epochs=10, batch_size=64, learning_rate=1e-3, warmup_fraction=0.3),
         # PrefixRL's regime: the problem length (of these) the rule chooses from the base's
         # measured success rates (probe_problems x probe_samples each): 'hard' the shortest
-        # whose pass@k is at most max_pass (issue 43: a hard set that is hard; 64 x 64 samples
-        # resolve ~1e-3), 'middle' the closest to 1 / sqrt(mining.k * prefixrl.max_samples).
+        # whose pass@k is at most max_pass, else the hardest measured (issue 43: a hard set
+        # that is hard; 64 x 64 samples resolve ~1e-3), 'middle' the closest to
+        # 1 / sqrt(mining.k * prefixrl.max_samples).
         # Its runs: `steps` RL steps of contexts_per_step contexts (x rollout.n samples),
         # evaluated every eval_every with eval_n samples a problem. 60 steps of 32 contexts:
         # what 18 runs on 2 shared cores allow (the previous study: 60 steps of 64).
