@@ -226,9 +226,10 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
             + warm_flops
         if "imported_pool" in artifacts:  # the second base's traces: booked when the run
             fixed += float(c.prefixrl.get("pool_flops", 0.0))  # imports them, after this
-        if fixed >= budget:
-            return record | {"skipped": f"its mining and SFT ({fixed:.3g} FLOPs) spend the "
-                             f"regime's whole budget ({budget:.3g})"}
+        if fixed >= budget:  # its SFT, if any, was evaluated: a row of the report
+            return record | {"warm_flops": warm_flops,
+                             "skipped": f"its mining and SFT ({fixed:.3g} FLOPs) spend the "
+                                        f"regime's whole budget ({budget:.3g})"}
         c.train.flops_budget = record["flops_budget"] = budget - fixed
         c.train.total_steps *= 10  # the budget, not the steps, ends it
     out = run_rl(c, run_dir)
