@@ -7,7 +7,7 @@ import pytest
 
 from jaxprefix import run_config, statistics, storage
 from jaxprefix.jobs import isocompute_prereg, report_tables
-from jaxprefix.studies import results_report
+from jaxprefix.studies import guided_share, results_report
 from jaxprefix.rl.compute_ledger import ComputeLedger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -101,23 +101,23 @@ def test_a_pope_arm_that_guides_few_contexts_is_stated_as_a_defect_not_a_result(
     config = run_config.from_file(os.path.join(ROOT, "configs", "results.py"), "eps")
     config.pope.unsolved = "unguided"
     spec = RUNS["pope_restating_hint"]
-    expected = results_report.guided_share({"pope_problems": 66}, spec, config, 254)
+    expected = guided_share.guided_share({"pope_problems": 66}, spec, config, 254)
     assert expected["share"] == 66 / 508 and not expected["counted"] and expected["defect"]
-    assert results_report.guided_share({"pope_problems": 251}, RUNS["pope_value_hint"], config,
+    assert guided_share.guided_share({"pope_problems": 251}, RUNS["pope_value_hint"], config,
                                        254)["defect"] is False  # 0.494 >= 0.45
-    assert results_report.guided_share({}, RUNS["grpo_matched_hints"], config, 254) is None
+    assert guided_share.guided_share({}, RUNS["grpo_matched_hints"], config, 254) is None
     # Counted in training: the loop logs each step's contexts on both sides of the tag.
     guided = np.array([True, False, False, False])
     request = RolloutRequest([[1]] * 4, [None] * 4, {"guided": guided}, n=2)
     metrics = reward_metrics(Scored(request, None, np.zeros((4, 2)), 0, 0.0, 0.0))
     assert (metrics["contexts/guided"], metrics["contexts/unguided"]) == (1.0, 3.0)
-    counted = results_report.guided_share(
+    counted = guided_share.guided_share(
         {"pope_problems": 254, "guided_contexts": 1, "contexts": 4}, spec, config, 254)
     assert counted["counted"] and counted["share"] == 0.25 and counted["defect"]
-    assert "1 of 4 training contexts" in results_report.share_sentence(counted)
+    assert "1 of 4 training contexts" in guided_share.share_sentence(counted)
     # The report's rows say so wherever the arm appears.
     row = Row("pope_restating_hint", [{"pope_problems": 66, "seed": 0}])
-    [marked] = results_report.marked_rows([row], RUNS, config, 254)
+    [marked] = guided_share.marked_rows([row], RUNS, config, 254)
     assert marked.label == "pope_restating_hint (defect: 0.13 guided)"
 
 

@@ -37,7 +37,7 @@ from jaxprefix.run_setup.method_settings import contexts_per_problem
 from jaxprefix.run_setup.mining import LEDGER, mined_artifacts
 from jaxprefix.run_setup.policy import base_dir, load_policy
 from jaxprefix.run_setup.study_arms import RUNS
-from jaxprefix.studies import prefixrl_controls, results_report, warm_start
+from jaxprefix.studies import guided_share, prefixrl_controls, results_report, warm_start
 from jaxprefix.studies.study import CUT, Study
 
 
@@ -242,9 +242,9 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
                "curve": _curve(run_dir, warm_flops)}
     if spec.method == "pope":
         record |= _guided_contexts(run_dir)
-        share = results_report.guided_share(record, spec, c, len(study.hard.problems))
+        share = guided_share.guided_share(record, spec, c, len(study.hard.problems))
         if share is not None:
-            print(f"results: {name} seed {seed}: {results_report.share_sentence(share)}")
+            print(f"results: {name} seed {seed}: {guided_share.share_sentence(share)}")
     storage.write_json(saved, record, default=float)
     return record
 
