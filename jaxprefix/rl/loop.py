@@ -114,13 +114,11 @@ def _rollout_chunks(policy, tokenizer, method: Method, settings: LoopSettings, r
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round). `policy`:
     the model, or sampling.LiveWeights whose newer weights take over mid-decode."""
-    live = policy if isinstance(policy, sampling.LiveWeights) else None
-
     def scored(request, round_index):
-        return sample_and_score(live.model if live else policy, tokenizer, request,
-                                settings.rewards, rollout=rollout, stop_ids=stop_ids,
-                                seed=round_seed(settings.seed, step, round_index),
-                                record_routes=record_routes, episodes=episodes, live=live)
+        seed = round_seed(settings.seed, step, round_index)
+        return sample_and_score(policy, tokenizer, request, settings.rewards, rollout=rollout,
+                                stop_ids=stop_ids, seed=seed, record_routes=record_routes,
+                                episodes=episodes)
 
     request = method.next_request(step)
     chunks = [scored(request, 0)]

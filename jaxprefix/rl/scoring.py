@@ -95,14 +95,16 @@ def completion_texts(tokenizer, rollouts, prefixes: Sequence[str] | None) -> lis
 def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardSettings, *,
                      rollout: sampling.RolloutSpec, seed: int, stop_ids: Sequence[int],
                      record_routes: bool = False,
-                     episodes: EpisodeSource | None = None,
-                     live: sampling.LiveWeights | None = None) -> Scored:
+                     episodes: EpisodeSource | None = None) -> Scored:
     """Samples the request, one turn a row or as `episodes` says (a row an episode), and scores
     it: by the run's verifier (on an episode, its final answer), or by the environment where it
     rewards its own episodes. With `record_routes`, each row's tokens carry a MoE's experts
-    (Rollouts.routes). `live` (one turn a row; then `model` is live.model): newer weights take
-    over between the decode's chunks, and Scored.versions counts the tokens each drew."""
+    (Rollouts.routes). `model` may be a sampling.LiveWeights (one turn a row): its newer
+    weights take over between the decode's chunks, and Scored.versions counts the tokens each
+    drew."""
     start = time.perf_counter()
+    live = model if isinstance(model, sampling.LiveWeights) else None
+    model = live.model if live else model
     boundaries.check_contexts(request.contexts, vocab_size=model.config.vocab_size)
     keywords = rollout.sampler_keywords()
     found, env_rewards, versions = None, None, None
