@@ -16,6 +16,8 @@ tail every step waits for.
   inflight overlap with rollout.inflight_kv=keep: the weights of t updates, published while
            step t decodes, take over at its next chunk (the KV kept); the table's mean staleness
            and in-flight share say how many tokens they drew.
+  recompute inflight with rollout.inflight_kv=recompute: the new weights compute the KV
+           written so far again before they decode on.
 
 Each call is a fresh run in a new workdir; the figure is the median step time over its steps
 after the first two (compilation is paid once per process, in a warm-up call of each arm).
@@ -69,7 +71,7 @@ def model_config(hidden: int) -> ModelConfig:
 
 # (train.max_staleness, rollout.devices, rollout.inflight_kv)
 ARMS = {"sync": (0, 0, ""), "split": (0, 1, ""), "overlap": (1, 1, ""),
-        "inflight": (1, 1, "keep")}
+        "inflight": (1, 1, "keep"), "recompute": (1, 1, "recompute")}
 
 
 def settings(args, arm: str):
@@ -140,7 +142,7 @@ def main():
               f"{mean('staleness/mean'):>6.2f}{mean('staleness/inflight_share'):>10.2f}"
               f"{med('throughput/tokens_per_s'):>10.1f}")
     for slow, fast in (("sync", "overlap"), ("split", "overlap"), ("sync", "split"),
-                       ("overlap", "inflight")):
+                       ("overlap", "inflight"), ("overlap", "recompute")):
         gain = statistics.median(steps[slow]) / statistics.median(steps[fast])
         print(f"{fast} vs {slow} (step rate): {gain:.2f}x from medians, "
               f"{min(steps[slow]) / min(steps[fast]):.2f}x from fastest steps")

@@ -103,8 +103,9 @@ FIELDS = {
         # they run at once, new weights copied to the sampler's devices after each update.
         "devices": F(0, "devices the sampler holds, the learner the rest (0: all, time-shared)"),
         "inflight_kv": F("", "new weights into a running decode, with train.max_staleness > 0 "
-                             "('': a step decodes with one version; 'keep': the next chunk takes "
-                             "the newest, the KV written so far kept)"),
+                             "('': a step decodes with one version; 'keep' / 'recompute': the "
+                             "next chunk takes the newest, the KV written so far kept / computed "
+                             "again by it)"),
     },
     # Multi-turn episodes (docs/TOOLS.md), read where rollout.max_turns > 1 and refused where it
     # is 1. The verifier scores an episode's last turn; observation tokens carry no loss.

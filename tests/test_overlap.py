@@ -80,7 +80,7 @@ def test_live_weights_take_newer_versions_up_to_the_steps_own():
         seen[step] = (started, took, live.version, live.model, live.refresh())
         return [step]
 
-    sampler = AheadSampler(sample, max_staleness=1, start=0, total=3, live=True)
+    sampler = AheadSampler(sample, max_staleness=1, start=0, total=3, inflight_kv='keep')
     try:
         sampler.publish(0, "v0")
         sampler.take(0)
@@ -193,10 +193,12 @@ def test_a_sampler_split_the_devices_cannot_hold_is_one_line_before_any_work(tmp
     assert not (tmp_path / "base").exists()  # refused before the smoke's SFT base was trained
 
 
-def test_weights_into_the_running_decode_state_per_token_staleness_within_the_bound(tmp_path):
+@pytest.mark.parametrize("inflight_kv", ["keep", "recompute"])
+def test_weights_into_the_running_decode_state_per_token_staleness_within_the_bound(
+        tmp_path, inflight_kv):
     from test_loop import run
     config = run_settings(total_steps=3, max_staleness=1)
-    config.rollout.inflight_kv = "keep"
+    config.rollout.inflight_kv = inflight_kv
     run(tmp_path, config)
     records = read_metrics(str(tmp_path))
     assert records[0]["staleness/max"] == 0

@@ -272,10 +272,19 @@ class _Publisher:
         return (1, self.model) if self.calls > self.at and current < 1 else None
 
 
-def _live(model, newer, chunk_steps=4):
+def _live(model, newer, chunk_steps=4, kv='keep'):
     from jaxprefix.sampling import LiveWeights, sample_live
-    return sample_live(LiveWeights(0, model, newer), CONTEXTS, temperature=1.0,
+    return sample_live(LiveWeights(0, model, newer, kv=kv), CONTEXTS, temperature=1.0,
                        chunk_steps=chunk_steps, page_size=16, **REQUEST)
+
+
+def _teacher_forced(model, rollouts):
+    """Each sampled token's log-prob under `model` given everything before it."""
+    from jaxprefix.models.scoring import token_logprobs
+    real = np.arange(rollouts.tokens.shape[1]) < (rollouts.context_lengths
+                                                  + rollouts.lengths)[:, None]
+    logprobs = token_logprobs(model, rollouts.tokens, real, positions=rollouts.positions)[0]
+    return np.where(rollouts.completion_mask, np.asarray(logprobs), 0.0)
 
 
 def test_newer_weights_take_over_a_running_decode_at_a_chunk_the_kv_kept(model, static):
@@ -297,3 +306,32 @@ def test_newer_weights_take_over_a_running_decode_at_a_chunk_the_kv_kept(model, 
     assert sum(swapped.versions.values()) == int(swapped.rollouts.lengths.sum())
     assert 0 < swapped.versions[0] < sum(swapped.versions.values()) and swapped.versions[1] > 0
     assert swapped.rollouts.completions() != reference.completions()
+
+
+def test_newer_weights_recompute_the_kv_written_before_they_took_over(model, static):
+    """rollout.inflight_kv='recompute': after the swap every token is drawn as the new weights
+    alone would draw it after that prefix (its log-prob is theirs, teacher-forced); with 'keep'
+    the old weights' KV still shapes it. The tokens before the swap stay the old weights'."""
+    reference = static(1.0)
+    copy = nnx.merge(*nnx.split(jax.tree.map(jnp.copy, model)))
+    same = _live(model, _Publisher(copy, at=1), kv='recompute')
+    assert_same_rollouts(same.rollouts, reference)  # equal weights: computing again changes nothing
+    assert same.stats['swap_recomputed_tokens'] > 0
+    other = models.Decoder(CONFIG, rngs=nnx.Rngs(1))
+    swapped = _live(model, _Publisher(other, at=1), kv='recompute')
+    assert [ids[:3] for ids in swapped.rollouts.completions()] == \
+        [ids[:3] for ids in reference.completions()]
+    assert sum(swapped.versions.values()) == int(swapped.rollouts.lengths.sum())
+    r = swapped.rollouts
+    # Every row started at the first step, so each drew its first chunk's 4 tokens before.
+    after = r.completion_mask.astype(bool) & (
+        np.arange(r.tokens.shape[1]) >= r.context_lengths[:, None] + 4)
+    assert after.sum() > 20
+    old, new = _teacher_forced(model, r), _teacher_forced(other, r)
+    np.testing.assert_allclose(r.logprobs[after], new[after], atol=1e-5)
+    before = r.completion_mask.astype(bool) & ~after
+    np.testing.assert_allclose(r.logprobs[before], old[before], atol=1e-5)
+    kept = _live(model, _Publisher(other, at=1)).rollouts
+    kept_after = kept.completion_mask.astype(bool) & (
+        np.arange(kept.tokens.shape[1]) >= kept.context_lengths[:, None] + 4)
+    assert np.abs(kept.logprobs - _teacher_forced(other, kept))[kept_after].max() > 1e-3

@@ -319,7 +319,7 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
         sampler = overlap.AheadSampler(
             sample_step, max_staleness=ahead, start=start, total=total,
             in_flight=overlap.decode_in_flight(resumed.get("in_flight")),
-            live=rollout.inflight_kv == "keep")
+            inflight_kv=rollout.inflight_kv)
         sampler.publish(start, sampler_policy(state))
     # However the loop ends, the sampler thread stops after the step it is sampling.
     closing = contextlib.closing(sampler) if sampler else contextlib.nullcontext()

@@ -14,9 +14,10 @@ Every trained token then carries its step's version: the update's ratio uses the
 log-probs the sampler recorded (old_logprobs='sampler'), or corrects towards them
 (old_logprobs='learner' with tis_cap / ratio_mask).
 
-Weights into a running decode (rollout.inflight_kv='keep'): the thread samples each step with
-sampling.LiveWeights, so a version published while step t decodes (at most t, the on-policy
-one) takes over at the decode's next chunk, its KV kept. A step's tokens then carry several
+Weights into a running decode (rollout.inflight_kv='keep' or 'recompute'): the thread samples
+each step with sampling.LiveWeights, so a version published while step t decodes (at most t, the
+on-policy one) takes over at the decode's next chunk, the KV written so far kept or computed
+again by it. A step's tokens then carry several
 versions (Scored.versions), the staleness metrics are per token, and which tokens a version
 drew depends on timing: such a run is not reproducible token for token (a resume still
 checkpoints what is in flight, as above).
@@ -85,9 +86,9 @@ class AheadSampler:
     """A thread that samples steps start, start+1, ... < total, each with the weights of its
     version, up to max_staleness steps ahead of the learner.
 
-    sample: (policy, step) -> the step's scored rounds (runs in the thread); with `live` the
-    policy is a sampling.LiveWeights, which takes newer published weights (<= the step's
-    on-policy version) while the step decodes.
+    sample: (policy, step) -> the step's scored rounds (runs in the thread); with `inflight_kv`
+    (rollout.inflight_kv: 'keep' or 'recompute') the policy is a sampling.LiveWeights, which
+    takes newer published weights (<= the step's on-policy version) while the step decodes.
     in_flight: steps already sampled (a checkpoint's `in_flight`), taken first.
     The learner calls `publish(version, policy)` with the weights after each update (the first
     with the starting weights), `take(step)` for each step's rollouts, and `settle()` before a
@@ -95,9 +96,9 @@ class AheadSampler:
     """
 
     def __init__(self, sample: Callable[[Any, int], list], *, max_staleness: int, start: int,
-                 total: int, in_flight: list[Sampled] = (), live: bool = False):
+                 total: int, in_flight: list[Sampled] = (), inflight_kv: str = ''):
         self._sample = sample
-        self._live = live
+        self._inflight_kv = inflight_kv
         self.max_staleness = max_staleness
         self._total = total
         self._ready = {s.step: s for s in in_flight}
@@ -178,9 +179,10 @@ class AheadSampler:
                 step = self._next
                 version = self._version(step)
                 policy = self._policies[version]
-                if self._live:
+                if self._inflight_kv:
                     policy = sampling.LiveWeights(version, policy,
-                                                  functools.partial(self._newer, step))
+                                                  functools.partial(self._newer, step),
+                                                  kv=self._inflight_kv)
                 self._working = True
             start = time.perf_counter()
             try:

@@ -28,36 +28,7 @@ def admit(model, contexts: dict, state: LoopState, shape: Shape) -> LoopState:
     local = state.next_context[:, None] + jnp.arange(admit, dtype=jnp.int32)
     ok = (local < num_valid[:, None]) & (target < k)
     target = jnp.where(ok, target, k)
-
-    def pick(name, empty=None):  # [D*F, ...] rows of the admitted contexts
-        table = blocks(contexts[name], d)
-        picked = jax.vmap(lambda block, at: block[at])(table, jnp.minimum(local, table.shape[1] - 1))
-        if empty is not None:
-            picked = jnp.where(ok.reshape(ok.shape + (1,) * (picked.ndim - 2)), picked, empty)
-        return picked.reshape(d * admit, *picked.shape[2:])
-
-    record = state.out.routes is not None
-    prompt, prompt_routes = context_kv(model, pick('prompt_tokens'),
-                                       pick('prompt_positions', -1), record_routes=record)
-    segments, out = (prompt,), state.out
-    if contexts['suffix_tokens'].shape[1]:
-        suffix, suffix_routes = context_kv(model, pick('suffix_tokens'),
-                                           pick('suffix_positions', -1), segments,
-                                           record_routes=record)
-        segments += (suffix,)
-    if record:  # at each admitted context's row in request order (past the end: dropped)
-        num_contexts = contexts['valid'].shape[0]
-        at = jnp.where(ok, jnp.arange(d)[:, None] * (num_contexts // d) + local,
-                       num_contexts).reshape(-1)
-        out = out.replace(prompt_routes=out.prompt_routes.at[at].set(prompt_routes, mode='drop'))
-        if out.suffix_routes is not None:
-            out = out.replace(suffix_routes=out.suffix_routes.at[at].set(suffix_routes,
-                                                                         mode='drop'))
-    store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
-                  for pool, new in zip(state.store, segments))
-    # Each segment's real tokens (a prefix of its slots) and its first position.
-    lengths = jnp.stack([(x.pos >= 0).sum(axis=1, dtype=jnp.int32) for x in segments], -1)
-    first = jnp.stack([jnp.maximum(x.pos[:, 0], 0) for x in segments], -1)
+    state, lengths, first, pick = _prefill(model, contexts, state, local, ok, target)
 
     def put(table, values):  # table [D, K, ...] with values [D * F, ...] at the target slots
         return jax.vmap(lambda t, at, v: t.at[at].set(v, mode='drop'))(
@@ -75,9 +46,70 @@ def admit(model, contexts: dict, state: LoopState, shape: Shape) -> LoopState:
                         known=fresh(rows.known), replay=fresh(rows.replay), turn=fresh(rows.turn),
                         turn_start=fresh(rows.turn_start))
     count = ok.sum(axis=1, dtype=jnp.int32)
-    return state.replace(groups=groups, rows=rows, store=store, out=out,
-                         next_context=state.next_context + count,
+    return state.replace(groups=groups, rows=rows, next_context=state.next_context + count,
                          admitted=state.admitted + count)
+
+
+def _prefill(model, contexts: dict, state: LoopState, local, ok, target):
+    """The KV of each block's contexts `local` [D, F] (where `ok`) written into its group slots
+    `target` [D, F] (K: none), routes recorded where the decode records them. Returns (state,
+    each context's segment lengths and first positions [D * F, segments], pick: a context field
+    at those contexts)."""
+    d, width = local.shape
+
+    def pick(name, empty=None):  # [D*F, ...] rows of the contexts
+        table = blocks(contexts[name], d)
+        picked = jax.vmap(lambda block, at: block[at])(table, jnp.minimum(local, table.shape[1] - 1))
+        if empty is not None:
+            picked = jnp.where(ok.reshape(ok.shape + (1,) * (picked.ndim - 2)), picked, empty)
+        return picked.reshape(d * width, *picked.shape[2:])
+
+    record = state.out.routes is not None
+    prompt, prompt_routes = context_kv(model, pick('prompt_tokens'),
+                                       pick('prompt_positions', -1), record_routes=record)
+    segments, out = (prompt,), state.out
+    if contexts['suffix_tokens'].shape[1]:
+        suffix, suffix_routes = context_kv(model, pick('suffix_tokens'),
+                                           pick('suffix_positions', -1), segments,
+                                           record_routes=record)
+        segments += (suffix,)
+    if record:  # at each context's row in request order (past the end: dropped)
+        num_contexts = contexts['valid'].shape[0]
+        at = jnp.where(ok, jnp.arange(d)[:, None] * (num_contexts // d) + local,
+                       num_contexts).reshape(-1)
+        out = out.replace(prompt_routes=out.prompt_routes.at[at].set(prompt_routes, mode='drop'))
+        if out.suffix_routes is not None:
+            out = out.replace(suffix_routes=out.suffix_routes.at[at].set(suffix_routes,
+                                                                         mode='drop'))
+    store = tuple(page_pool.write_slots(pool, new.k, new.v, target)
+                  for pool, new in zip(state.store, segments))
+    # Each segment's real tokens (a prefix of its slots) and its first position.
+    lengths = jnp.stack([(x.pos >= 0).sum(axis=1, dtype=jnp.int32) for x in segments], -1)
+    first = jnp.stack([jnp.maximum(x.pos[:, 0], 0) for x in segments], -1)
+    return state.replace(store=store, out=out), lengths, first, pick
+
+
+def recompute_in_flight(model, contexts: dict, state: LoopState) -> tuple[LoopState, jax.Array]:
+    """`model` (newer weights) computes again every admitted context's KV, in the slots it holds,
+    and every active row gives its pages back and starts again from its first own token, feeding
+    what it had drawn (as a preempted row does): from then on the decode attends to KV these
+    weights wrote. Returns (state, the tokens computed again: contexts and rows)."""
+    groups, rows = state.groups, state.rows
+    k = groups.context.shape[1]
+    held = groups.context >= 0
+    target = jnp.where(held, jnp.arange(k, dtype=jnp.int32), k)
+    state = _prefill(model, contexts, state, jnp.maximum(groups.context, 0), held, target)[0]
+    active = rows.state == ACTIVE
+    upto = lambda x: jnp.where(active, jnp.maximum(x, rows.t), x)
+    state = state.replace(
+        rows=rows.replace(state=jnp.where(active, QUEUED, rows.state), known=upto(rows.known),
+                          replay=upto(rows.replay)),
+        tables=page_pool.release(state.tables, active),
+        # The last fed token's KV is written at the next step's top: not into pages given back.
+        pending=state.pending.replace(valid=state.pending.valid & ~active.reshape(-1)))
+    tokens = (jnp.where(held, groups.lengths.sum(-1), 0).sum()
+              + jnp.where(active, rows.t, 0).sum())
+    return state, tokens
 
 
 def wants_contexts(contexts: dict, state: LoopState, *, admit: int) -> jax.Array:

@@ -391,3 +391,10 @@ def advance(graphdef, params, contexts: dict, settings: SamplingSettings, seed_k
     TRACE_COUNTS['turns'] += 1
     return _run(nnx.merge(graphdef, params), contexts, settings, seed_key, stop_ids, limits,
                 state, steps, wait_rows, shape)
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('state',))
+def recompute(graphdef, params, contexts: dict, state: LoopState) -> tuple:
+    """Newer weights take over a running decode with every KV computed again by them
+    (rollout.inflight_kv='recompute'; admission.recompute_in_flight): (state, tokens recomputed)."""
+    return admission.recompute_in_flight(nnx.merge(graphdef, params), contexts, state)

@@ -17,11 +17,13 @@ import dataclasses
 
 from jaxprefix.errors import need
 from jaxprefix.sampling.sampler import KV_DTYPES
+from jaxprefix.sampling.turns import KV_AT_SWAP
 
 GiB = 2**30
 # What a running decode does with new weights: '' never takes them (a decode, one version);
-# 'keep' takes them between chunks and keeps the KV the older ones wrote (PipelineRL, prime-rl).
-INFLIGHT_KV = ('', 'keep')
+# 'keep' takes them between chunks and keeps the KV the older ones wrote (PipelineRL, prime-rl);
+# 'recompute' takes them and has them compute that KV again first.
+INFLIGHT_KV = ('', *KV_AT_SWAP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ class RolloutSpec:
     tensor_parallel: int = 0       # 0: the widest that divides the heads, on TPU
     max_turns: int = 1             # assistant turns of an episode with tools (docs/TOOLS.md)
     devices: int = 0               # the sampler's own devices (0: it shares the learner's)
-    inflight_kv: str = ''          # 'keep': newer weights take over between a decode's chunks
+    inflight_kv: str = ''          # newer weights take over between a decode's chunks: 'keep' | 'recompute'
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -59,8 +61,8 @@ class RolloutSpec:
         check(self.max_turns >= 1, "max_turns", ">= 1 (more than 1: episodes with the tools of "
               "config.tools, docs/TOOLS.md)")
         check(self.inflight_kv in INFLIGHT_KV, "inflight_kv",
-              f"one of {INFLIGHT_KV} ('': one version a decode; 'keep': newer weights take over "
-              f"between chunks, the KV written so far kept)")
+              f"one of {INFLIGHT_KV} ('': one version a decode; 'keep' / 'recompute': newer weights "
+              f"take over between chunks, the KV written so far kept / computed again)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",
              f"'' (the compute dtype) or one of {KV_DTYPES}")
 

@@ -40,11 +40,14 @@ Sampling streams: every token of episode e (= i*n + j, sample j of context i) is
 a function of the episode alone, whatever ran beside it.
 
 Weights that change while the decode runs (`LiveWeights`, the sampler running ahead of the
-learner with rollout.inflight_kv='keep'): between chunks the host asks for newer weights and,
-given some, the next chunk decodes with them. The KV already written stays as the older weights
-computed it (PipelineRL's and prime-rl's choice: nothing is computed again), and every token
-keeps the log-prob of the weights that drew it, so the learner's ratio is exact per token.
-`TurnRollouts.versions` counts the tokens each version drew.
+learner with rollout.inflight_kv): between chunks the host asks for newer weights and, given
+some, the next chunk decodes with them. With 'keep' the KV already written stays as the older
+weights computed it (PipelineRL's and prime-rl's choice: nothing is computed again); with
+'recompute' the new weights compute it again first (the contexts in one prefill, each row in
+flight by replaying what it drew, as a preempted row does; counted in stats['swap_recomputed_tokens']),
+so every later token is drawn as the new weights alone would draw it after that prefix. Either
+way every token keeps the log-prob of the weights that drew it, so the learner's ratio is exact
+per token. `TurnRollouts.versions` counts the tokens each version drew.
 """
 from __future__ import annotations
 
@@ -91,12 +94,20 @@ class TurnEnd:
 Respond = Callable[[TurnEnd], 'concurrent.futures.Future | None']
 
 
+# What becomes of the KV already written when newer weights take over (rollout.inflight_kv).
+KV_AT_SWAP = ('keep', 'recompute')
+
+
 class LiveWeights:
     """The weights a decode samples with, and newer ones as they are published: `newer(version)`
-    gives (a later version, its policy) or None. `refresh` takes the newest there is."""
+    gives (a later version, its policy) or None. `refresh` takes the newest there is. `kv`: one
+    of KV_AT_SWAP (see the module docstring)."""
 
-    def __init__(self, version: int, model, newer: Callable[[int], tuple | None]):
-        self.version, self.model, self._newer = version, model, newer
+    def __init__(self, version: int, model, newer: Callable[[int], tuple | None],
+                 kv: str = 'keep'):
+        if kv not in KV_AT_SWAP:
+            raise ValueError(f'kv={kv!r}: expected one of {KV_AT_SWAP}')
+        self.version, self.model, self._newer, self.kv = version, model, newer, kv
 
     def refresh(self) -> bool:
         """True when newer weights were taken."""
@@ -124,7 +135,7 @@ class TurnRollouts:
     so appended tokens carry none), the tokens of earlier turns each computed again
     (`recomputed` [N]) and how the time went (`stats`: chunks, narrow_chunks: those whose steps
     computed part of the rows, steps, wall_s, device_s, idle_s, tools_s: wall time with a tool
-    running, idle_while_tools_s: of that, the device idle, weight_swaps) and, decoded with
+    running, idle_while_tools_s: of that, the device idle, weight_swaps, swap_recomputed_tokens) and, decoded with
     LiveWeights, the tokens each weights version wrote (`versions`; None otherwise)."""
     rollouts: Rollouts
     recomputed: np.ndarray
@@ -287,6 +298,9 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     goes on with the newest weights it gives (see the module docstring)."""
     if max_turns < 1 or chunk_steps < 1:
         raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
+    if weights is not None and weights.kv == 'recompute' and max_turns > 1:
+        # A row waiting for its tool's answer keeps its pages; it would attend to both versions.
+        raise ValueError("weights with kv='recompute' take one turn a row (max_turns=1)")
     room = episode_token_budget - min(map(_length, contexts))
     if room < 1:
         raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
@@ -303,7 +317,8 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     wait_rows = np.int32(max(1, shape.layout.blocks * shape.row_slots // 4))
     arrays = _layout_arrays(req.layout, True)
     settings, seed_key, stops = _sampling_args(req)[:3]
-    stats = dict(chunks=0, narrow_chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0)
+    stats = dict(chunks=0, narrow_chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0,
+                 swap_recomputed_tokens=0)
     begin = time.perf_counter()
     rows, busy = shape.context_slots * n, None
     first, swaps = None if weights is None else weights.version, []
@@ -315,6 +330,10 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
             if weights is not None and weights.refresh():
                 req = _with_weights(req, weights.model)
                 swaps.append((weights.version, np.asarray(lengths[:num]).copy()))
+                if weights.kv == 'recompute':
+                    state, recomputed = continuous.recompute(req.graphdef, req.params, arrays,
+                                                             state)
+                    stats['swap_recomputed_tokens'] += int(recomputed)
             if answers:
                 state = resume(state, arrays, *_answers(answers, state.out.lengths.shape[0]),
                                shape=shape)
