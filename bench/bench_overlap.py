@@ -98,7 +98,8 @@ def one_run(args, arm: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as workdir:
         train(loop_settings(config), workdir, method=method, model=model, tokenizer=TOKENIZER,
               stop_ids=(TOKENIZER.eos_id,), progress=False, mesh=mesh, sampler_mesh=sampler_mesh,
-              learner_config=validate(config, mesh), rollout=RolloutSpec.from_config(config.rollout),
+              learner_config=validate(config, mesh),
+              rollout=RolloutSpec.from_config(config.rollout, training=True),
               contexts_per_step=args.contexts)
         return read_metrics(workdir)
 

@@ -40,6 +40,7 @@ def test_a_recording_view_records_leaves_blocks_read_whole_and_copies():
     ("grpo.py", "isocompute.ns", (2, 4), "rl with method grpo"),    # the sweep's, not a run's
     ("grpo.py", "compile.topology", "v5e-8", "rl with method grpo"),  # the compile job's
     ("eval.py", "train.learning_rate", 0.5, "eval with method pope"),  # an eval trains nothing
+    ("eval.py", "rollout.inflight_kv", "keep", "eval with method pope"),  # no learner to publish
     ("grpo.py", "model.system_prompt", "Be brief.", "rl with method grpo"),  # a task's prompts
 ])
 def test_a_field_of_a_block_the_job_reads_no_further_is_refused_in_one_line(

@@ -75,7 +75,7 @@ class SignalAt(GrpoMethod):
 
 def resolved(config) -> dict:
     """What train takes of a GRPO config, resolved once (as run_settings.resolve does)."""
-    return dict(learner_config=validate(config), rollout=RolloutSpec.from_config(config.rollout),
+    return dict(learner_config=validate(config), rollout=RolloutSpec.from_config(config.rollout, training=True),
                 contexts_per_step=config.train.problems_per_step)
 
 

@@ -44,7 +44,7 @@ def resolve(config) -> RunSettings:
     """The settings of the training run `config` describes (see the module's docstring)."""
     config = allocated(config)
     method = MethodSettings.from_config(config)
-    rollout = RolloutSpec.from_config(config.rollout)
+    rollout = RolloutSpec.from_config(config.rollout, training=True)
     train = learner_settings.validate(config, contexts_per_step=method.contexts_per_step)
     tools = ToolSettings.from_config(config)
     environment = EnvironmentSettings.from_config(config)

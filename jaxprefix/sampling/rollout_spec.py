@@ -24,6 +24,9 @@ GiB = 2**30
 # 'keep' takes them between chunks and keeps the KV the older ones wrote (PipelineRL, prime-rl);
 # 'recompute' takes them and has them compute that KV again first.
 INFLIGHT_KV = ('', *KV_AT_SWAP)
+# Read by a training run's loop alone (the sampler's own devices, weights into a running
+# decode): a job that runs no RL step leaves them unread, so preflight refuses them there.
+LOOP_FIELDS = ('devices', 'inflight_kv')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,7 @@ class RolloutSpec:
     tensor_parallel: int = 0       # 0: the widest that divides the heads, on TPU
     max_turns: int = 1             # assistant turns of an episode with tools (docs/TOOLS.md)
     devices: int = 0               # the sampler's own devices (0: it shares the learner's)
-    inflight_kv: str = ''          # newer weights take over between a decode's chunks: 'keep' | 'recompute'
+    inflight_kv: str = ''          # newer weights between a decode's chunks: 'keep' | 'recompute'
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -61,15 +64,17 @@ class RolloutSpec:
         check(self.max_turns >= 1, "max_turns", ">= 1 (more than 1: episodes with the tools of "
               "config.tools, docs/TOOLS.md)")
         check(self.inflight_kv in INFLIGHT_KV, "inflight_kv",
-              f"one of {INFLIGHT_KV} ('': one version a decode; 'keep' / 'recompute': newer weights "
-              f"take over between chunks, the KV written so far kept / computed again)")
+              f"one of {INFLIGHT_KV} ('': one version a decode; 'keep' / 'recompute': newer "
+              f"weights take over between chunks, the KV written so far kept / computed again)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",
              f"'' (the compute dtype) or one of {KV_DTYPES}")
 
     @classmethod
-    def from_config(cls, rollout, **overrides) -> RolloutSpec:
-        """The spec of a config's `rollout` block (its sample count n aside)."""
-        values = {f.name: rollout[f.name] for f in dataclasses.fields(cls) if f.name in rollout}
+    def from_config(cls, rollout, *, training: bool = False, **overrides) -> RolloutSpec:
+        """The spec of a config's `rollout` block (its sample count n aside; LOOP_FIELDS only
+        for a `training` run's loop)."""
+        values = {f.name: rollout[f.name] for f in dataclasses.fields(cls)
+                  if f.name in rollout and (training or f.name not in LOOP_FIELDS)}
         return cls(**{**values, **overrides})
 
     def sampler_keywords(self) -> dict:

@@ -44,8 +44,8 @@ learner with rollout.inflight_kv): between chunks the host asks for newer weight
 some, the next chunk decodes with them. With 'keep' the KV already written stays as the older
 weights computed it (PipelineRL's and prime-rl's choice: nothing is computed again); with
 'recompute' the new weights compute it again first (the contexts in one prefill, each row in
-flight by replaying what it drew, as a preempted row does; counted in stats['swap_recomputed_tokens']),
-so every later token is drawn as the new weights alone would draw it after that prefix. Either
+flight by replaying what it drew, as a preempted row does; counted in
+stats['swap_recomputed_tokens']), so every later token is drawn as the new weights alone would draw it after that prefix. Either
 way every token keeps the log-prob of the weights that drew it, so the learner's ratio is exact
 per token. `TurnRollouts.versions` counts the tokens each version drew.
 """
@@ -135,7 +135,8 @@ class TurnRollouts:
     so appended tokens carry none), the tokens of earlier turns each computed again
     (`recomputed` [N]) and how the time went (`stats`: chunks, narrow_chunks: those whose steps
     computed part of the rows, steps, wall_s, device_s, idle_s, tools_s: wall time with a tool
-    running, idle_while_tools_s: of that, the device idle, weight_swaps, swap_recomputed_tokens) and, decoded with
+    running, idle_while_tools_s: of that, the device idle, weight_swaps,
+    swap_recomputed_tokens) and, decoded with
     LiveWeights, the tokens each weights version wrote (`versions`; None otherwise)."""
     rollouts: Rollouts
     recomputed: np.ndarray
