@@ -18,6 +18,9 @@ tail every step waits for.
            and in-flight share say how many tokens they drew.
   recompute inflight with rollout.inflight_kv=recompute: the new weights compute the KV
            written so far again before they decode on.
+  partial  the synchronous loop with partial rollouts (rollout.partial_tokens = a quarter of
+           --max-new-tokens): a step trains the groups the step before drew, their tails
+           decoded beside its own request's first rounds (rl/partial.py).
 
 Each call is a fresh run in a new workdir; the figure is the median step time over its steps
 after the first two (compilation is paid once per process, in a warm-up call of each arm).
@@ -69,17 +72,20 @@ def model_config(hidden: int) -> ModelConfig:
                        head_dim=hidden // 4, tie_word_embeddings=True)
 
 
-# (train.max_staleness, rollout.devices, rollout.inflight_kv)
-ARMS = {"sync": (0, 0, ""), "split": (0, 1, ""), "overlap": (1, 1, ""),
-        "inflight": (1, 1, "keep"), "recompute": (1, 1, "recompute")}
+# (train.max_staleness, rollout.devices, rollout.inflight_kv, rollout.partial_tokens as a share
+# of max_new_tokens)
+ARMS = {"sync": (0, 0, "", 0), "split": (0, 1, "", 0), "overlap": (1, 1, "", 0),
+        "inflight": (1, 1, "keep", 0), "recompute": (1, 1, "recompute", 0),
+        "partial": (0, 0, "", 0.25)}
 
 
 def settings(args, arm: str):
-    staleness, devices, inflight_kv = ARMS[arm]
+    staleness, devices, inflight_kv, partial = ARMS[arm]
     c = run_config.base_config()
     c.data.verifier = "bench_plus_share"
     c.rollout.update(n=args.n, max_new_tokens=args.max_new_tokens, devices=devices,
-                     inflight_kv=inflight_kv)
+                     inflight_kv=inflight_kv,
+                     partial_tokens=int(partial * args.max_new_tokens))
     c.train.update(problems_per_step=args.contexts, total_steps=args.steps, learning_rate=1e-3,
                    max_staleness=staleness)
     c.eval.every = 0
@@ -143,7 +149,7 @@ def main():
               f"{mean('staleness/mean'):>6.2f}{mean('staleness/inflight_share'):>10.2f}"
               f"{med('throughput/tokens_per_s'):>10.1f}")
     for slow, fast in (("sync", "overlap"), ("split", "overlap"), ("sync", "split"),
-                       ("overlap", "inflight"), ("overlap", "recompute")):
+                       ("overlap", "inflight"), ("overlap", "recompute"), ("sync", "partial")):
         gain = statistics.median(steps[slow]) / statistics.median(steps[fast])
         print(f"{fast} vs {slow} (step rate): {gain:.2f}x from medians, "
               f"{min(steps[slow]) / min(steps[fast]):.2f}x from fastest steps")

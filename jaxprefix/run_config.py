@@ -106,6 +106,8 @@ FIELDS = {
                              "('': a step decodes with one version; 'keep' / 'recompute': the "
                              "next chunk takes the newest, the KV written so far kept / computed "
                              "again by it)"),
+        "partial_tokens": F(0, "partial rollouts (rl/partial.py): tokens a row samples a round; "
+                               "a group not ended is carried into the next step (0: off)"),
     },
     # Multi-turn episodes (docs/TOOLS.md), read where rollout.max_turns > 1 and refused where it
     # is 1. The verifier scores an episode's last turn; observation tokens carry no loss.

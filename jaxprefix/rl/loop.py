@@ -26,7 +26,8 @@ from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import CheckpointError
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
 from jaxprefix.models import lora, sharding
-from jaxprefix.rl import boundaries, curves, dynamic_sampling, objectives, overlap, wandb_writer
+from jaxprefix.rl import (boundaries, curves, dynamic_sampling, objectives, overlap, partial,
+                          wandb_writer)
 from jaxprefix.rl.eval_counts import EvalCountsWriter
 from jaxprefix.rl.compute_ledger import sampling_flops, update_flops
 from jaxprefix.rl.metrics import MetricsWriter
@@ -110,16 +111,35 @@ def _state_arrays(state: TrainState) -> dict:
 
 def _rollout_chunks(policy, tokenizer, method: Method, settings: LoopSettings, rollout,
                     step: int, stop_ids, record_routes: bool,
-                    episodes: EpisodeSource | None = None) -> list[Scored]:
+                    episodes: EpisodeSource | None = None,
+                    carry: partial.Carry | None = None, version: int = 0) -> list[Scored]:
     """The step's scored rollouts: the method's request, then (dynamic sampling) more requests
     while too few groups carry signal, each round seeded by (run seed, step, round). `policy`:
-    the model, or sampling.LiveWeights whose newer weights take over mid-decode."""
+    the model, or sampling.LiveWeights whose newer weights take over mid-decode. With `carry`
+    (rollout.partial_tokens) the step's batch of ended groups, sampled by weights `version`
+    (rl/partial.py)."""
     def scored(request, round_index):
         seed = round_seed(settings.seed, step, round_index)
         return sample_and_score(policy, tokenizer, request, settings.rewards, rollout=rollout,
                                 stop_ids=stop_ids, seed=seed, record_routes=record_routes,
                                 episodes=episodes)
 
+    if carry is not None:
+        keywords = rollout.sampler_keywords() | {"max_new_tokens": carry.partial_tokens}
+
+        def next_request():
+            request = method.next_request(step)
+            boundaries.check_contexts(request.contexts, vocab_size=policy.config.vocab_size)
+            return request
+
+        def sample(contexts, n, seed):
+            return sampling.generate(policy, contexts, n=n, stop_ids=stop_ids, seed=seed,
+                                     **keywords)
+        batch = carry.step(next_request, sample=sample, tokenizer=tokenizer,
+                           scoring=settings.rewards, version=version,
+                           seed=lambda r: round_seed(settings.seed, step, r))
+        method.observe(batch.request, batch.rewards)
+        return [batch]
     request = method.next_request(step)
     chunks = [scored(request, 0)]
     method.observe(request, chunks[0].rewards)
@@ -171,6 +191,8 @@ def _step_record(chunks: list[Scored], selection, update_metrics, cost: _StepCos
                  *, step_seconds: float, update_seconds: float) -> dict[str, float]:
     """The step's metrics.jsonl row (evaluation scores are added to it on eval steps)."""
     record = reward_metrics(chunks[0]) | turn_metrics(chunks)
+    for chunk in chunks:
+        record.update(chunk.figures or {})
     record.update({k: float(v) for k, v in update_metrics.items()})
     record.update({
         "dynamic/zero_variance_fraction": selection.zero_variance_fraction,
@@ -287,13 +309,21 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
     tracker = wandb_writer.start(settings.wandb, workdir)  # None unless metrics.wandb
     ref_params = learner.initial_params() if learner_config.kl_coef > 0 else None
 
+    # Partial rollouts: the groups sampled and not yet trained, carried from step to step.
+    carry = None
+    if rollout.partial_tokens:
+        if episodes is not None or replay:  # refused in the settings; a guard for callers
+            raise ValueError("partial rollouts sample one turn a row with no routes to replay")
+        carry = partial.Carry(rollout.partial_tokens, rollout.max_new_tokens)
+        carry.restore(resumed.get("partial"))
+
     def save(step, final=False):
         # Sampling ahead: the sampler first samples all it may (the method's state then matches
         # the rollouts it holds), which are saved with it.
         in_flight = overlap.encode_in_flight(sampler.settle()) if sampler else None
         meta = {"method": method.state(), "totals": totals, "seed": settings.seed,
                 "ledger": ledger.to_dict() if ledger is not None else None,
-                "in_flight": in_flight}
+                "in_flight": in_flight, "partial": carry.state() if carry else None}
         # final: the run's last save is complete before it returns (made again if GCS failed it)
         ckpt.save(step, _state_arrays(state), meta, wait=final)
 
@@ -312,7 +342,8 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
 
     def sample_step(policy, step):
         return _rollout_chunks(policy, tokenizer, method, settings, rollout, step, stop_ids,
-                               replay, episodes)
+                               replay, episodes, carry,
+                               overlap.sampling_version(step, ahead, start))
 
     sampler, publish_seconds = None, 0.0
     if ahead and start < total:

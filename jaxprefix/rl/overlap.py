@@ -200,11 +200,12 @@ class AheadSampler:
                 self._cond.notify_all()
 
 
-def encode_in_flight(sampled: list[Sampled]) -> str:
-    """The sampled steps ahead of the learner as checkpoint metadata (JSON holds text): their
-    rollouts, requests and rewards, pickled. A checkpoint is the run's own trusted output."""
+def encode_in_flight(sampled: list) -> str:
+    """The sampled steps ahead of the learner (or partial rollouts' carried groups) as
+    checkpoint metadata (JSON holds text): their rollouts, requests and rewards, pickled. A
+    checkpoint is the run's own trusted output."""
     return base64.b64encode(pickle.dumps(sampled, protocol=pickle.HIGHEST_PROTOCOL)).decode()
 
 
-def decode_in_flight(text: str | None) -> list[Sampled]:
+def decode_in_flight(text: str | None) -> list:
     return pickle.loads(base64.b64decode(text)) if text else []

@@ -54,6 +54,7 @@ class Scored:
     generated: int = 0           # tokens the policy sampled
     episodes: list | None = None  # multi-turn episodes (None: one turn a row)
     versions: dict | None = None  # {weights version: tokens it drew} when they changed mid-decode
+    figures: dict | None = None   # the sampler's own step figures (partial rollouts: partial/*)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,14 +133,21 @@ def sample_and_score(model, tokenizer, request: RolloutRequest, scoring: RewardS
     if env_rewards is not None:  # the environment's own, timed with its episodes
         return Scored(request, rollouts, env_rewards, 0, sampled - start, 0.0, 0, prefilled,
                       generated, found)
+    scores, failures, too_long = score_rollouts(request, rollouts, scoring, texts)
+    return Scored(request, rollouts, scores, failures, sampled - start,
+                  time.perf_counter() - sampled, too_long, prefilled, generated, found, versions)
+
+
+def score_rollouts(request: RolloutRequest, rollouts, scoring: RewardSettings,
+                   texts: Sequence[str]) -> tuple[np.ndarray, int, int]:
+    """(rewards [C, n], verifier failures, texts too long) of the request's rows by the run's
+    verifier; texts: each row's response prefix + completion (`completion_texts`)."""
     problems = [request.problems[g] for g in rollouts.group_ids]
     scores, stats = rewards.score_batch(scoring.verifier, texts, problems,
                                         timeout_s=scoring.timeout_s, workers=scoring.workers,
                                         max_chars=scoring.max_chars)
     failures = int(stats.get("timeouts", 0)) + int(stats.get("errors", 0))
-    return Scored(request, rollouts, rollouts.grouped(scores).astype(np.float32), failures,
-                  sampled - start, time.perf_counter() - sampled, stats["too_long"],
-                  prefilled, generated, found, versions)
+    return rollouts.grouped(scores).astype(np.float32), failures, int(stats["too_long"])
 
 
 def round_seed(seed: int, step: int, round_index: int) -> int:

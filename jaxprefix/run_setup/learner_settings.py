@@ -77,6 +77,14 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
     need(not r.get("inflight_kv") or t.max_staleness > 0, "config.rollout.inflight_kv",
          r.get("inflight_kv"), "'' with train.max_staleness=0: a synchronous step's decode has "
          "no newer weights to take")
+    partial_tokens = r.get("partial_tokens", 0)
+    for clash, why in ((r.get("inflight_kv"), "rollout.inflight_kv: a continued row's KV is "
+                        "recomputed already"),
+                       (r.max_turns > 1, "rollout.max_turns > 1: episodes are sampled whole"),
+                       (t.get("dynamic_sampling"), "train.dynamic_sampling: the batch is "
+                        "filled with ended groups, not refilled")):
+        need(not (partial_tokens and clash), "config.rollout.partial_tokens", partial_tokens,
+             f"0 with {why}")
     need(config.checkpoint.every >= 1, "config.checkpoint.every", config.checkpoint.every,
          ">= 1")
     need(config.checkpoint.keep >= 1, "config.checkpoint.keep", config.checkpoint.keep, ">= 1")

@@ -55,6 +55,10 @@ def resolve(config) -> RunSettings:
             raise ValueError(f"config.environment.source={environment.source!r} is set with "
                              f"method {method.name}: the environment writes its own prompts, "
                              f"so only grpo's plain problems reach it; expected method=grpo")
+        if rollout.partial_tokens:
+            raise ValueError(f"config.rollout.partial_tokens={rollout.partial_tokens} is set "
+                             f"with config.environment.source={environment.source!r}: the "
+                             f"environment samples its episodes whole; expected 0")
         if tools.episodes:
             raise ValueError(f"config.rollout.max_turns={tools.max_turns} is set with "
                              f"config.environment.source={environment.source!r}: the "

@@ -25,8 +25,8 @@ GiB = 2**30
 # 'recompute' takes them and has them compute that KV again first.
 INFLIGHT_KV = ('', *KV_AT_SWAP)
 # Read by a training run's loop alone (the sampler's own devices, weights into a running
-# decode): a job that runs no RL step leaves them unread, so preflight refuses them there.
-LOOP_FIELDS = ('devices', 'inflight_kv')
+# decode, partial rollouts): a job that runs no RL step leaves them unread, so preflight refuses them there.
+LOOP_FIELDS = ('devices', 'inflight_kv', 'partial_tokens')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +45,7 @@ class RolloutSpec:
     max_turns: int = 1             # assistant turns of an episode with tools (docs/TOOLS.md)
     devices: int = 0               # the sampler's own devices (0: it shares the learner's)
     inflight_kv: str = ''          # newer weights between a decode's chunks: 'keep' | 'recompute'
+    partial_tokens: int = 0        # > 0: tokens a row samples a round, the rest carried (rl/partial)
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -66,6 +67,9 @@ class RolloutSpec:
         check(self.inflight_kv in INFLIGHT_KV, "inflight_kv",
               f"one of {INFLIGHT_KV} ('': one version a decode; 'keep' / 'recompute': newer "
               f"weights take over between chunks, the KV written so far kept / computed again)")
+        check(0 <= self.partial_tokens < self.max_new_tokens, "partial_tokens",
+              f"0 (off) or fewer than rollout.max_new_tokens={self.max_new_tokens} (tokens a "
+              f"row samples a round; the rest of a rollout is carried)")
         check(self.kv_dtype in ("", *KV_DTYPES), "kv_dtype",
              f"'' (the compute dtype) or one of {KV_DTYPES}")
 
