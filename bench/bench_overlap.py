@@ -118,21 +118,25 @@ def main():
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help=f"comma-separated arms to run, of {','.join(ARMS)}")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.contexts, args.n, args.steps, args.rounds = 4, 4, 4, 1
     if len(jax.devices()) < 2:
         parser.error("needs two devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
+    names = args.arms.split(",")
+    if not set(names) <= set(ARMS):
+        parser.error(f"--arms={args.arms}: expected arms of {','.join(ARMS)}")
     common.print_load()
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS')}; {args.contexts} contexts x {args.n} "
           f"samples x up to {args.max_new_tokens} new tokens, hidden {args.hidden}, "
           f"{args.steps} steps a call, medians over steps 3..{args.steps}")
-    for name in ARMS:  # compiles each arm's programs once
+    for name in names:  # compiles each arm's programs once
         one_run(args, name)
-    steps = {name: [] for name in ARMS}
-    detail = {name: [] for name in ARMS}
-    names = list(ARMS)
+    steps = {name: [] for name in names}
+    detail = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             rows = one_run(args, name)[2:]
@@ -150,6 +154,8 @@ def main():
               f"{med('throughput/tokens_per_s'):>10.1f}")
     for slow, fast in (("sync", "overlap"), ("split", "overlap"), ("sync", "split"),
                        ("overlap", "inflight"), ("overlap", "recompute"), ("sync", "partial")):
+        if slow not in steps or fast not in steps:
+            continue
         gain = statistics.median(steps[slow]) / statistics.median(steps[fast])
         print(f"{fast} vs {slow} (step rate): {gain:.2f}x from medians, "
               f"{min(steps[slow]) / min(steps[fast]):.2f}x from fastest steps")
