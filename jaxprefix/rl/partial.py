@@ -45,7 +45,6 @@ class Group:
     stopped: list                # per row: its last token is a stop id
     versions: dict               # {weights version: tokens it drew}
     carried: int = 0             # steps it has been carried into
-    rewards: np.ndarray | None = None  # [n], once it is scored
 
     def ended(self, max_new_tokens: int) -> bool:
         return all(s or len(t) >= max_new_tokens for s, t in zip(self.stopped, self.tokens))
