@@ -134,8 +134,9 @@ def _rebuilt_in_a_copy(tmp_path, folder: str) -> tuple[str, str]:
 
 
 def test_every_committed_report_rebuilds_byte_for_byte_from_its_records(tmp_path):
-    for folder in ("tools", "isocompute", "prefixrl", "pope_eps/taught0", "pope_eps/taught0.01",
-                   "pope_eps/taught0.05", "pope_eps/taught0.2"):
+    for folder in ("tools", "isocompute", "prefixrl", "prefixrl_hard", "prefixrl_hard8", "pope",
+                   "overlap", "pope_eps/taught0", "pope_eps/taught0.01", "pope_eps/taught0.05",
+                   "pope_eps/taught0.2"):
         committed, rebuilt = _rebuilt_in_a_copy(tmp_path, folder)
         assert rebuilt == committed, folder
 
