@@ -1,7 +1,9 @@
 """Admission and preemption in the continuous decode (continuous.py): contexts prefilled into
 free group slots (`admit`), queued rows started where their block has room and pages
 (`start_rows`), and the youngest rows preempted when a row outgrows its reservation and no page
-is free (`preempt`: they give their pages back and start again later, replaying what they drew).
+is free (`preempt`: they give their pages back and start again later, replaying what they drew),
+and newer weights computing the whole running decode's KV again (`recompute_in_flight`:
+rollout.inflight_kv='recompute').
 """
 from __future__ import annotations
 
