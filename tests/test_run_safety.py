@@ -308,6 +308,12 @@ def test_moe_fields_on_a_dense_model_are_refused_in_preflight(tmp_path):
         preflight.check(moe, workdir)
     moe.train.routing_replay, moe.rollout.max_turns = "auto", 3  # episodes record routes too
     assert routing_replay(moe, True)
+    moe.rollout.max_turns, moe.rollout.partial_tokens = 1, 4  # continued rows record none
+    with pytest.raises(ConfigError, match=r"^config.rollout.partial_tokens=4: expected 0 with "
+                                          r"routing replay on a mixture of experts"):
+        preflight.check(moe, workdir)
+    moe.train.routing_replay = "off"
+    assert not routing_replay(moe, True)
     assert not (tmp_path / "w").exists()
 
 

@@ -312,7 +312,7 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
     # Partial rollouts: the groups sampled and not yet trained, carried from step to step.
     carry = None
     if rollout.partial_tokens:
-        if episodes is not None or replay:  # refused in the settings; a guard for callers
+        if episodes is not None or replay:  # refused at the door; a guard for direct callers
             raise ValueError("partial rollouts sample one turn a row with no routes to replay")
         carry = partial.Carry(rollout.partial_tokens, rollout.max_new_tokens)
         carry.restore(resumed.get("partial"))

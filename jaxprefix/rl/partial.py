@@ -22,6 +22,7 @@ continues them. The method's `observe` sees the groups its step trains on.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Callable, Sequence
@@ -46,8 +47,13 @@ class Group:
     versions: dict               # {weights version: tokens it drew}
     carried: int = 0             # steps it has been carried into
 
+    def unfinished(self, max_new_tokens: int) -> list[int]:
+        """Its rows that neither stopped nor reached max_new_tokens."""
+        return [j for j, (s, t) in enumerate(zip(self.stopped, self.tokens))
+                if not s and len(t) < max_new_tokens]
+
     def ended(self, max_new_tokens: int) -> bool:
-        return all(s or len(t) >= max_new_tokens for s, t in zip(self.stopped, self.tokens))
+        return not self.unfinished(max_new_tokens)
 
 
 def _row_parts(rollouts: sampling.Rollouts, row: int) -> tuple[list, list]:
@@ -76,8 +82,7 @@ def continue_rows(groups: Sequence[Group], sample: Callable, version: int,
     """One more round of every unfinished row of `groups`: `sample(contexts)` draws up to S
     tokens after each (a context: the group's, then the row's tokens so far; one sample each).
     Returns (tokens prefilled, tokens drawn)."""
-    rows = [(g, j) for g in groups for j, (s, t) in enumerate(zip(g.stopped, g.tokens))
-            if not s and len(t) < max_new_tokens]
+    rows = [(g, j) for g in groups for j in g.unfinished(max_new_tokens)]
     if not rows:
         return 0, 0
     contexts = [sampling.token_ids(g.context) + g.tokens[j] for g, j in rows]
@@ -149,21 +154,19 @@ class Carry:
                                  self.max_new_tokens)
             prefilled, generated, rounds = prefilled + more[0], generated + more[1], rounds + 1
         batch = [g for g in self.groups if g.ended(self.max_new_tokens)][:target]
-        self.groups = [g for g in self.groups if not any(g is b for b in batch)]
+        taken = {id(g) for g in batch}
+        self.groups = [g for g in self.groups if id(g) not in taken]
         sampled = time.perf_counter()
         batch_request, rollouts = as_request(batch, n), as_rollouts(batch, n)
         texts = completion_texts(tokenizer, rollouts, batch_request.response_prefixes)
         rewards, failures, too_long = score_rollouts(batch_request, rollouts, scoring, texts)
-        versions: dict[int, int] = {}
-        for g in batch:
-            for v, count in g.versions.items():
-                versions[v] = versions.get(v, 0) + count
+        versions = dict(sum((collections.Counter(g.versions) for g in batch),
+                            collections.Counter()))
         figures = {"partial/rounds": rounds,
                    "partial/carried_groups_trained": sum(g.carried > 0 for g in batch),
                    "partial/groups_left": len(self.groups),
                    "partial/rows_left_unfinished": sum(
-                       not (s or len(t) >= self.max_new_tokens)
-                       for g in self.groups for s, t in zip(g.stopped, g.tokens))}
+                       len(g.unfinished(self.max_new_tokens)) for g in self.groups)}
         return Scored(batch_request, rollouts, rewards, failures, sampled - start,
                       time.perf_counter() - sampled, too_long, prefilled, generated,
                       versions=versions, figures=figures)

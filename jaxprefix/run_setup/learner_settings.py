@@ -111,7 +111,12 @@ def routing_replay(config, mixture_of_experts: bool) -> bool:
              "'auto' on a dense model (it has no experts to replay)")
         need(not t.get("router_aux_coef", 0.0), "config.train.router_aux_coef",
              t.get("router_aux_coef"), "0 on a dense model (it has no router to balance)")
-    return replays_routes(value, mixture_of_experts)
+    replays = replays_routes(value, mixture_of_experts)
+    partial_tokens = config.rollout.get("partial_tokens", 0)
+    need(not (replays and partial_tokens), "config.rollout.partial_tokens", partial_tokens,
+         "0 with routing replay on a mixture of experts (a continued row's experts are not "
+         "recorded across its rounds; train.routing_replay='off' allows it)")
+    return replays
 
 
 def reward_settings(config) -> RewardSettings:

@@ -45,9 +45,10 @@ some, the next chunk decodes with them. With 'keep' the KV already written stays
 weights computed it (PipelineRL's and prime-rl's choice: nothing is computed again); with
 'recompute' the new weights compute it again first (the contexts in one prefill, each row in
 flight by replaying what it drew, as a preempted row does; counted in
-stats['swap_recomputed_tokens']), so every later token is drawn as the new weights alone would draw it after that prefix. Either
-way every token keeps the log-prob of the weights that drew it, so the learner's ratio is exact
-per token. `TurnRollouts.versions` counts the tokens each version drew.
+stats['swap_recomputed_tokens']), so every later token is drawn as the new weights alone would
+draw it after that prefix. Either way every token keeps the log-prob of the weights that drew
+it, so the learner's ratio is exact per token. `TurnRollouts.versions` counts the tokens each
+version drew.
 """
 from __future__ import annotations
 
