@@ -25,7 +25,8 @@ GiB = 2**30
 # 'recompute' takes them and has them compute that KV again first.
 INFLIGHT_KV = ('', *KV_AT_SWAP)
 # Read by a training run's loop alone (the sampler's own devices, weights into a running
-# decode, partial rollouts): a job that runs no RL step leaves them unread, so preflight refuses them there.
+# decode, partial rollouts): a job that runs no RL step leaves them unread, so preflight
+# refuses them there.
 LOOP_FIELDS = ('devices', 'inflight_kv', 'partial_tokens')
 
 
