@@ -1,4 +1,5 @@
-"""The learner's update with and without cutting padding (TrainConfig.width_steps), issue 48.
+"""The learner's update with and without cutting padding (TrainConfig.width_steps) or packing
+rows (TrainConfig.pack_rows), issue 48.
 
 Both arms are jaxprefix's Learner.update on SmolLM2-135M-Instruct with LoRA rank 16 on every
 projection, remat on, micro-batches of 8 rows, log-prob chunks of 256 positions, temperature 0.8,
@@ -8,9 +9,11 @@ loop pads them.
   full  width_steps=1: every micro-batch computed at the batch width (the update before issue 48);
   cut   width_steps=8 (an option; the default is 1): each minibatch's rows sorted by length into micro-batches,
         each micro-batch computed at the shortest of 8 steps of the width that holds its rows.
+  packed  train.pack_rows: the rows packed one after another into rows of the batch width
+        (first-fit, longest first), the micro-batches left empty not computed.
 The first update of each arm (its compile) is timed apart; then --rounds alternating rounds. The
-two arms' first gradient norms must agree (the cut is exact). Printed: tokens each arm computes,
-seconds per update (median, spread), the ratio, and the load.
+arms' first gradient norms must agree (both are exact). Printed: tokens each arm computes,
+seconds per update (median, spread), the ratios, and the load.
 
   python bench/bench_cut_padding.py                 # 16 rows, prompt 60, up to 128 new
   python bench/bench_cut_padding.py --rows 64       # the real-model run's 8 x 8 rows
@@ -77,19 +80,22 @@ def main():
     batch = ragged_batch(args.rows, args.prompt, args.new, config.vocab_size)
     real = int(batch["token_mask"].sum())
     arms, norms = {}, {}
-    for name, steps in (("full", 1), ("cut", STEPS)):
+    for name, steps, pack in (("full", 1, False), ("cut", STEPS, False), ("packed", 1, True)):
         learner = Learner(model, TrainConfig(learning_rate=1e-4, micro_batch_size=MICRO_ROWS,
                                              remat=True, logprob_chunk=256, temperature=0.8,
-                                             width_steps=steps))
+                                             width_steps=steps, pack_rows=pack))
         state = learner.init_state()
         start = time.perf_counter()
         state, metrics = learner.update(state, batch)
         norms[name] = float(metrics["grad_norm"])
-        print(f"{name}: width_steps={steps}, {computed_tokens(batch, steps)} tokens computed "
+        computed = (round(float(metrics["update/computed_share"]) * batch["tokens"].size) if pack
+                    else computed_tokens(batch, steps))
+        print(f"{name}: width_steps={steps}, pack_rows={pack}, {computed} tokens computed "
               f"({real} real); first update (compile + run) {time.perf_counter() - start:.1f} s",
               flush=True)
         arms[name] = [learner, state]
-    np.testing.assert_allclose(norms["cut"], norms["full"], rtol=1e-4)
+    for name in ("cut", "packed"):
+        np.testing.assert_allclose(norms[name], norms["full"], rtol=1e-4)
 
     def run(arm):
         def call():
@@ -103,8 +109,9 @@ def main():
         median, spread = common.summary(samples)
         print(f"  {name:<4} median {median:7.2f} s/update  spread {spread:4.0%}  "
               f"({[round(s, 1) for s in samples]})")
-    ratio = np.median(seconds["full"]) / np.median(seconds["cut"])
-    print(f"full / cut seconds: {ratio:.2f}x ({args.rounds} alternating rounds)")
+    for name in ("cut", "packed"):
+        ratio = np.median(seconds["full"]) / np.median(seconds[name])
+        print(f"full / {name} seconds: {ratio:.2f}x ({args.rounds} alternating rounds)")
     common.print_load()
 
 

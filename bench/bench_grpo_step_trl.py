@@ -17,7 +17,9 @@ with f32 adapters, TRL's own default precision: its `bf16=True` autocast, our ba
         rows, default 1: full width). Old log-probs are the sampler's. Micro-batches whose
         rows all have advantage 0 (groups that scored alike) are skipped, as the run does
         (train.skip_zero_advantage; the same gradient): each step prints the share computed,
-        and --no-skip computes them all, as TRL does.
+        and --no-skip computes them all, as TRL does. --pack sets train.pack_rows: each
+        minibatch's rows packed one after another into rows of the batch width (the same
+        gradient), the micro-batches left empty not computed.
   trl   TRL's GRPOTrainer as its docs set it up on CPU: transformers' model (our HF export read
         back by from_pretrained), peft LoraConfig(target_modules='all-linear'), its own
         generation (transformers' generate), per_device_train_batch_size 8 with
@@ -73,7 +75,8 @@ def run_config(args):
     c.train.update(problems_per_step=args.problems, learning_rate=LEARNING_RATE, max_grad_norm=1.0,
                    weight_decay=0.0, advantage="dr_grpo", aggregation="seq_mean_token_sum_norm",
                    lora_rank=args.rank, micro_batch_size=MICRO_ROWS, remat=True,
-                   width_steps=args.width_steps, skip_zero_advantage=not args.no_skip)
+                   width_steps=args.width_steps, skip_zero_advantage=not args.no_skip,
+                   pack_rows=args.pack)
     c.train.lora.alpha = LORA_ALPHA
     return c
 
@@ -247,6 +250,8 @@ def main():
                              "widths that holds their rows; 1: full width)")
     parser.add_argument("--no-skip", action="store_true",
                         help="ours: compute every micro-batch (train.skip_zero_advantage=False)")
+    parser.add_argument("--pack", action="store_true",
+                        help="ours: train.pack_rows (rows packed into rows of the batch width)")
     parser.add_argument("--bf16", action="store_true",
                         help="both arms compute in bf16 with f32 adapters (TRL's default)")
     parser.add_argument("--quick", action="store_true")
@@ -281,7 +286,7 @@ def main():
               f"dr_grpo, no KL, {'bf16 compute, f32 adapters' if args.bf16 else 'f32'}, "
               f"micro-batches of {MICRO_ROWS} rows, ours at "
               f"train.width_steps={args.width_steps}, train.skip_zero_advantage="
-              f"{not args.no_skip}", flush=True)
+              f"{not args.no_skip}, train.pack_rows={args.pack}", flush=True)
         trainer.train()  # each TRL step is followed by one of ours (the Clock callback)
     print(f"first step (warm-up): ours {ours.parts[0]['step']:.1f} s (update "
           f"{ours.parts[0]['update']:.1f} s), trl {trl_parts[0]['step']:.1f} s")

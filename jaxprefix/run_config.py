@@ -186,6 +186,9 @@ FIELDS = {
                                        "losses)"),
         "width_steps": F(1, "micro-batches sorted by length, each cut to the shortest of this "
                             "many steps of the batch width that holds it (1: full width)"),
+        "pack_rows": F(False, "pack each minibatch's rows one after another into rows of the "
+                              "batch width and skip the micro-batches left empty (the same "
+                              "gradient; ratio 'token', no seq_mean_token_mean)"),
         # tis_cap > 0 (with 'learner'): each token's policy-gradient term times
         # min(pi_old / pi_sampler, tis_cap) (verl's TIS).
         "old_logprobs": F("sampler", "pi_old of the ratio: 'sampler' (rollouts' log-probs) or "

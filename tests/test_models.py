@@ -169,6 +169,33 @@ def test_token_logprobs_gradient_matches_full(checkpoints):
     assert float(jnp.abs(g1['embed'][...]).max()) > 0
 
 
+def test_token_logprobs_at_wanted_columns_alone(checkpoints):
+    """`wanted` (the learner's loss tokens): those columns' log-probs, entropies and gradient
+    are the full computation's, every other column 0; chunks past the last wanted column are
+    skipped, ragged ones included."""
+    model, _ = checkpoints('llama')
+    tokens = jnp.asarray(tc.random_tokens(3, 10, seed=52))
+    mask = jnp.ones(tokens.shape, bool).at[2, 7:].set(False)
+    wanted = jnp.zeros(tokens.shape, bool).at[0, 4:9].set(True).at[2, 5:9].set(True)
+    wanted = wanted.at[1, 0].set(True)  # column 0 has no predecessor: stays 0
+    keep = wanted & mask & jnp.roll(mask, 1, axis=1)
+    keep = keep.at[:, 0].set(False)
+
+    def loss(m, wanted):
+        logp, entropy = token_logprobs(m, tokens, mask, chunk_size=3, wanted=wanted)
+        return (jnp.where(keep, logp, 0).sum() + 0.1 * jnp.where(keep, entropy, 0).sum(),
+                (logp, entropy))
+
+    (_, (logp, entropy)), g1 = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model, wanted)
+    (_, (all_logp, all_entropy)), g2 = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model,
+                                                                                       None)
+    np.testing.assert_allclose(logp, jnp.where(keep, all_logp, 0), atol=TOL, rtol=0)
+    np.testing.assert_allclose(entropy, jnp.where(keep, all_entropy, 0), atol=TOL, rtol=0)
+    assert float(jnp.abs(jnp.where(keep, 0, logp)).max()) == 0.0
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_remat_gives_same_gradient(checkpoints):
     model, _ = checkpoints('qwen3')

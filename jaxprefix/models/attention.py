@@ -4,7 +4,13 @@ A KVSegment holds the keys and values of some tokens for every layer, for G grou
 rows: a batch of B = G * r query rows is group-major, rows g*r .. g*r+r-1 read group g. That is
 how n samples of one prompt attend to a single copy of the prompt's KV. Masks come from
 positions only: a slot is visible when its position is >= 0 (filled), <= the query position
-(causal) and, on sliding-window layers, closer than the window.
+(causal), of the query's own sequence and, on sliding-window layers, closer than the window.
+
+A packed row (the learner's, rl/batch_layout.pack) holds several sequences one after another,
+each at positions 0..len-1 of its own. Its positions carry each token's sequence in the bits
+above POSITION_BITS (`packed_positions`), so the masks keep the sequences apart by position
+alone and RoPE reads the position within the sequence (`position_in_sequence`). A row of one
+sequence has sequence 0: its positions are the plain ones.
 """
 from __future__ import annotations
 
@@ -20,6 +26,24 @@ from jaxprefix.models.layers import softcap
 
 # Finite, so a query row with no visible key (padding) yields finite garbage, not NaN.
 _MASKED = -1e30
+# Positions up to 2^20 - 1 in a sequence; above them, the sequence's index in a packed row.
+POSITION_BITS = 20
+
+
+def packed_positions(positions: jax.Array, sequence: jax.Array) -> jax.Array:
+    """Positions of a packed row: each token's `sequence` (int, >= 0) above its position; -1
+    (padding) stays -1."""
+    return jnp.where(positions >= 0, (sequence << POSITION_BITS) | positions, -1)
+
+
+def position_in_sequence(positions: jax.Array) -> jax.Array:
+    """A token's position within its sequence (what RoPE rotates by); -1 stays -1."""
+    return jnp.where(positions >= 0, positions & ((1 << POSITION_BITS) - 1), positions)
+
+
+def same_sequence(q_pos: jax.Array, k_pos: jax.Array) -> jax.Array:
+    """Whether query and key positions (broadcast) lie in the same sequence of a packed row."""
+    return (q_pos >> POSITION_BITS) == (k_pos >> POSITION_BITS)
 
 
 @flax.struct.dataclass
@@ -77,7 +101,7 @@ def _visible(q_pos: jax.Array, k_pos: jax.Array, window) -> jax.Array:
     """[G, r, T, S] bool: which slots each query sees. q_pos [G, r, T], k_pos [G, S]."""
     q = q_pos[..., None]
     k = k_pos[:, None, None, :]
-    seen = (k >= 0) & (k <= q)
+    seen = (k >= 0) & (k <= q) & same_sequence(q, k)
     if window is not None:
         seen &= (q - k) < window
     return seen

@@ -19,7 +19,8 @@ Splash attention (jax.experimental.pallas.ops.tpu.splash_attention) masks by ind
 position: a causal (or causal + local) mask over the row's slots, and segment ids. Our masks are
 by position (attention._visible). The two agree when the real tokens of a row sit in consecutive
 slots with consecutive positions, padding (position -1) before or after them: the learner's
-right-padded rows (positions 0..len-1) and the sampler's prompts. Then "causal by index, within
+right-padded rows (positions 0..len-1), its packed rows (each sequence one segment id) and the
+sampler's prompts. Then "causal by index, within
 one segment id (1 = real token, 0 = padding)" sees exactly the keys "causal by position among
 real tokens" sees, and the sliding window's position distance is the index distance. tests/
 test_long_attention.py checks it with the kernel in interpret mode on CPU. Queries that also
@@ -323,7 +324,8 @@ def _splash_local(q, k, v, q_pos, window, *, scale, logit_cap, sliding_window, i
         kernel = splash.make_splash_mha(
             splash.MultiHeadMask([mask] * h), block_sizes=sizes, head_shards=1, q_seq_shards=1,
             attn_logits_soft_cap=logit_cap, interpret=interpret)
-        segment = (q_pos >= 0).astype(jnp.int32)
+        # 0 = padding; a packed row's sequences 1, 2, ... (attention.packed_positions)
+        segment = jnp.where(q_pos >= 0, (q_pos >> attention.POSITION_BITS) + 1, 0)
         flops = round(dense_attention_flops(b, t, h, dh) * visited)
 
         def one_row(q, k, v, segment):  # [T, h, Dh] -> the kernel's heads-major [h, T, Dh]

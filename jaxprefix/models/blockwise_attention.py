@@ -20,7 +20,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxprefix.models.attention import Segment
+from jaxprefix.models.attention import Segment, same_sequence
 
 BLOCK_Q = 512
 BLOCK_K = 512
@@ -130,9 +130,10 @@ def _tile_visible(q_pos, k_pos, window, st: _Static):
 
 
 def _seen(qp, kp, window, st: _Static):
-    """bool [G, 1, 1, bq, bk] for a tile: key filled, not in the future, within the window."""
+    """bool [G, 1, 1, bq, bk] for a tile: key filled, not in the future, of the query's sequence
+    (a packed row), within the window."""
     q, k = qp[:, :, None], kp[:, None, :]
-    seen = (k >= 0) & (k <= q)
+    seen = (k >= 0) & (k <= q) & same_sequence(q, k)
     if st.windowed:
         seen &= (q - k) < window
     return seen[:, None, None]

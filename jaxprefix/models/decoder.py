@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxprefix.models import backend, decoder_layer, layers, lora
+from jaxprefix.models import attention, backend, decoder_layer, layers, lora
 from jaxprefix.models.attention import KVCache, KVSegment
 from jaxprefix.models.paged_attention import PagedKV
 from jaxprefix.models.config import ModelConfig
@@ -360,6 +360,7 @@ class Decoder(nnx.Module):
 def _rope_angles(c: ModelConfig, positions: jax.Array) -> tuple[tuple, tuple]:
     """The rotary (cos, sin) of the positions in a full-attention layer and in a sliding-window
     layer (Gemma 3's local rope)."""
+    positions = attention.position_in_sequence(positions)  # a packed row's sequence bits off
     angles = layers.rope_angles(positions, layers.inverse_frequencies(c.rope, c.head_dim))
     local_rope = c.local_rope or c.rope
     local_angles = layers.rope_angles(positions, layers.inverse_frequencies(local_rope, c.head_dim))

@@ -2,7 +2,8 @@
 
 Shapes: rewards [G, n] (G groups of n samples of one context); per-token arrays [B, T] aligned
 with the sampler's `completion_mask` (1 only on sampled tokens: prompt and prefix tokens never
-carry loss); advantages [B] (one per sequence, broadcast over its tokens).
+carry loss); advantages [B] (one per sequence, broadcast over its tokens) or [B, T] (a packed
+batch: rl/batch_layout.pack).
 """
 from __future__ import annotations
 
@@ -140,9 +141,14 @@ def logprob_mismatch(sampler_logp, learner_logp, mask):
     return (gap * m).sum() / jnp.maximum(m.sum(), 1.0), jnp.where(m > 0, gap, 0.0).max()
 
 
+def token_advantages(advantages):
+    """Advantages [B, T]: per sequence ([B]) broadcast over its tokens, or per token already."""
+    return advantages if advantages.ndim == 2 else advantages[:, None]
+
+
 def clipped_surrogate(ratio, advantages, eps_low: float, eps_high: float):
     """PPO per-token loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A); separate eps (DAPO)."""
-    adv = advantages[:, None]
+    adv = token_advantages(advantages)
     unclipped = ratio * adv
     clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
     return -jnp.minimum(unclipped, clipped)
@@ -200,7 +206,7 @@ def ratio_stats(ratio, advantages, mask, eps_low: float, eps_high: float):
     """
     m = mask.astype(jnp.float32)
     r = jax.lax.stop_gradient(ratio).astype(jnp.float32)
-    adv = advantages[:, None]
+    adv = token_advantages(advantages)
     low = (r < 1.0 - eps_low) & (adv < 0)
     high = (r > 1.0 + eps_high) & (adv > 0)
     big = jnp.finfo(jnp.float32).max

@@ -64,6 +64,12 @@ class TrainConfig:
     # Off by default until measured on an idle box (bench/bench_cut_padding.py): the branches
     # cost compile time, and the one round measured so far, on a starved box, settled nothing.
     width_steps: int = 1
+    # Rows packed (rl/batch_layout.pack): each minibatch's rows moved, whole, one after another
+    # into as few rows of the batch width as hold them, each attending only to itself; the
+    # micro-batches left empty are not computed. The update then computes about the tokens the
+    # rows hold instead of rows x the batch width. The same gradient (dropout masks aside);
+    # the loss must weigh tokens, not rows: ratio 'token', aggregation not seq_mean_token_mean.
+    pack_rows: bool = False
     # A mixture of experts: + coef * the Switch / Qwen3-MoE load-balancing loss of the routers
     # (models.moe.load_balancing_loss), each micro-batch's over its own tokens, averaged.
     router_aux_coef: float = 0.0
@@ -107,6 +113,10 @@ class TrainConfig:
         check(self.ratio_mask == 0 or self.ratio_mask > 1, "ratio_mask",
               "0 (off) or > 1 (the band [1/c, c])")
         check(self.width_steps >= 1, "width_steps", ">= 1 (1: no trimming)")
+        check(not self.pack_rows or self.ratio == "token", "pack_rows",
+              "False with ratio='sequence' (GSPO's ratio is a row's own mean)")
+        check(not self.pack_rows or self.aggregation != "seq_mean_token_mean", "pack_rows",
+              "False with aggregation='seq_mean_token_mean' (a mean over each row's tokens)")
         check(self.router_aux_coef >= 0, "router_aux_coef", ">= 0 (0: off)")
         check(self.tis_cap == 0 or self.old_logprobs == "learner", "tis_cap",
              "0 unless old_logprobs='learner' (against the sampler's own log-probs every weight "

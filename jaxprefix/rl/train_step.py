@@ -274,7 +274,10 @@ def _remat_graph(model: nnx.Module):
 # compiled code (a resumed run, a test suite).
 
 
-def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature, router_load=False):
+def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature, router_load=False,
+                    loss_tokens_only=False):
+    """Log-probs and entropies of the batch's tokens; `loss_tokens_only`: at its loss tokens
+    (completion_mask) alone, 0 elsewhere, which is all the loss reads."""
     model = nnx.merge(graphdef, params, rest)
     if "dropout_key" in batch:  # a training micro-batch: adapter dropout, when there is some
         lora.set_dropout_key(model, batch["dropout_key"])
@@ -282,7 +285,8 @@ def _token_logprobs(graphdef, params, rest, batch, chunk_size, temperature, rout
     return token_logprobs(model, batch["tokens"], batch["token_mask"],
                           positions=batch["positions"], chunk_size=chunk_size,
                           temperature=temperature, routes=batch.get("routes"),
-                          router_load=router_load)
+                          router_load=router_load,
+                          wanted=batch["completion_mask"] > 0 if loss_tokens_only else None)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
@@ -293,7 +297,8 @@ def _policy_logprobs(graphdef, params, rest, batch, chunk_size, temperature):
 def _micro_loss(graphdef, c: TrainConfig, micro_batches: int, params, rest, micro, totals):
     balance = c.router_aux_coef > 0
     logp, entropy, *load = _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk,
-                                           c.temperature, router_load=balance)
+                                           c.temperature, router_load=balance,
+                                           loss_tokens_only=True)
     mask = micro["completion_mask"]
     loss, stats = objectives.policy_loss(
         logp, micro["old_logprobs"], micro["advantages"], mask, eps_low=c.eps_low,
@@ -312,17 +317,23 @@ def _micro_loss(graphdef, c: TrainConfig, micro_batches: int, params, rest, micr
     return loss, stats
 
 
-def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch,
-                     dropout_key):
-    """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
-    minibatch, and the share of them computed; each micro-batch's loss is normalised by the
-    minibatch's totals. Micro-batch i draws its (adapter) dropout from fold_in(dropout_key, i)."""
+def _totals(c: TrainConfig, minibatch) -> dict:
+    """What a minibatch's loss is normalised by (objectives.aggregate): its loss tokens and
+    rows, taken before its rows are packed."""
     mask = minibatch["completion_mask"]
     if c.aggregation == "seq_mean_token_mean":
         sequences = (mask.sum(-1) > 0).sum()
     else:
         sequences = mask.shape[0] * mask.shape[1]
-    totals = {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
+    return {"total_tokens": mask.sum(), "total_sequences": jnp.asarray(sequences, jnp.float32)}
+
+
+def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, minibatch, totals,
+                     dropout_key):
+    """Summed loss, gradient and stats over the micro-batches [micro-batches, micro, ...] of one
+    minibatch, and the share of them computed; each micro-batch's loss is normalised by the
+    minibatch's `totals`. Micro-batch i draws its (adapter) dropout from fold_in(dropout_key, i)."""
+    mask = minibatch["completion_mask"]
     # The batch width as the default max_len: a micro-batch may be cut shorter (trim_widths)
     c = dataclasses.replace(c, max_len=c.max_len or mask.shape[-1])
     loss_fn = functools.partial(_micro_loss, graphdef, c, mask.shape[0])
@@ -341,9 +352,10 @@ def _minibatch_grads(graphdef, c: TrainConfig, sharded: bool, params, rest, mini
                                                                   micro, totals)
             return loss, stats, constrain_params(grads), jnp.ones((), jnp.int32)
 
-        if c.skips_zero_advantage:  # only the branch taken runs
-            loss, stats, grads, done = jax.lax.cond(batch_layout.has_signal(micro), computed,
-                                                    skipped, micro)
+        if c.skips_zero_advantage or c.pack_rows:  # only the branch taken runs
+            worth = (batch_layout.has_signal if c.skips_zero_advantage
+                     else batch_layout.has_tokens)
+            loss, stats, grads, done = jax.lax.cond(worth(micro), computed, skipped, micro)
         else:
             loss, stats, grads, done = computed(micro)
         return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads),
@@ -368,7 +380,11 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     micro = c.micro_batch_size or minibatch
     arranged = jax.tree.map(
         lambda x: batch_layout.arrange(x, c.num_minibatches, minibatch // micro, micro), batch)
-    if c.width_steps > 1 or c.skips_zero_advantage:
+    totals = jax.vmap(functools.partial(_totals, c))(arranged)   # per minibatch
+    if c.pack_rows:
+        arranged = jax.vmap(functools.partial(batch_layout.pack,
+                                              signal_only=c.skips_zero_advantage))(arranged)
+    elif c.width_steps > 1 or c.skips_zero_advantage:
         arranged = batch_layout.sort_rows(arranged, by_length=c.width_steps > 1,
                                           by_signal=c.skips_zero_advantage)
     recomputed = {}
@@ -384,9 +400,10 @@ def _update(graphdef, c: TrainConfig, sharded: bool, state: TrainState, rest, ba
     def one_update(carry, xs):
         params, opt_state, updates, skipped = carry
         position, index = xs
-        mb = jax.tree.map(lambda x: x[index], arranged)
+        mb, mb_totals = jax.tree.map(lambda x: x[index], (arranged, totals))
         loss, grads, stats, computed_share = _minibatch_grads(
-            graphdef, c, sharded, params, rest, mb, jax.random.fold_in(step_key, position))
+            graphdef, c, sharded, params, rest, mb, mb_totals,
+            jax.random.fold_in(step_key, position))
         grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         deltas, new_opt = optimizer.update(grads, opt_state, params)
@@ -410,13 +427,15 @@ def _learner_old_logprobs(graphdef, c: TrainConfig, sharded: bool, params, rest,
     """(arranged batch, metrics): 'old_logprobs' recomputed by the learner at `params`, one
     micro-batch at a time and without dropout (as the sampler saw the policy), the sampler's
     kept as 'sampler_logprobs'; metrics: their mean and max |difference| over the loss tokens."""
-    fields = ("tokens", "token_mask", "positions") + (("routes",) if "routes" in arranged else ())
+    fields = ("tokens", "token_mask", "positions", "completion_mask") + (
+        ("routes",) if "routes" in arranged else ())
     micros = {k: arranged[k].reshape((-1,) + arranged[k].shape[2:]) for k in fields}
 
     def one(micro):
         if sharded:
             micro = jax.lax.with_sharding_constraint(micro, P(BATCH_AXES))
-        return _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk, c.temperature)[0]
+        return _token_logprobs(graphdef, params, rest, micro, c.logprob_chunk, c.temperature,
+                               loss_tokens_only=True)[0]
 
     sampler = arranged["old_logprobs"]
     learner = jax.lax.map(one, micros).reshape(sampler.shape)  # data to the loss, not params
