@@ -14,8 +14,9 @@ with f32 adapters, TRL's own default precision: its `bf16=True` autocast, our ba
         scoring.sample_and_score (sampler with the adapters merged; reward), the loop's batch,
         Learner.update (remat on, its defaults otherwise; --width-steps k sets
         train.width_steps, each micro-batch cut to the shortest of k widths that holds its
-        rows, default 1: full width). Old log-probs are the sampler's. Micro-batches whose
-        rows all have advantage 0 (groups that scored alike) are skipped, as the run does
+        rows, default 8 as in configs/grpo.py:smollm2_learns; 1: full width). Old log-probs
+        are the sampler's. Micro-batches whose rows all have advantage 0 (groups that scored
+        alike) are skipped, as the run does
         (train.skip_zero_advantage; the same gradient): each step prints the share computed,
         and --no-skip computes them all, as TRL does. --pack sets train.pack_rows: each
         minibatch's rows packed one after another into rows of the batch width (the same
@@ -245,9 +246,10 @@ def main():
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="timed steps of each arm")
-    parser.add_argument("--width-steps", type=int, default=1,
+    parser.add_argument("--width-steps", type=int, default=8,
                         help="ours: train.width_steps (micro-batches cut to the shortest of k "
-                             "widths that holds their rows; 1: full width)")
+                             "widths that holds their rows; 1: full width), default the "
+                             "real-model run's (configs/grpo.py:smollm2_learns)")
     parser.add_argument("--no-skip", action="store_true",
                         help="ours: compute every micro-batch (train.skip_zero_advantage=False)")
     parser.add_argument("--pack", action="store_true",
