@@ -127,6 +127,8 @@ def test_packing_refuses_losses_that_weigh_rows():
         TrainConfig(pack_rows=True, ratio="sequence")
     with pytest.raises(ValueError, match="pack_rows=True: expected False with aggregation="):
         TrainConfig(pack_rows=True, aggregation="seq_mean_token_mean")
+    with pytest.raises(ValueError, match="a minibatch of 2048 rows; expected fewer than 2048"):
+        TrainConfig(pack_rows=True).check_batch(2048)
 
 
 def test_a_packed_update_leaves_the_weights_alone_when_no_row_has_a_signal():

@@ -24,6 +24,7 @@ from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import RolloutSpec
+from jaxprefix.sampling.layout import MIN_NEW_TOKENS_BUCKET, bucket
 from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools.calls import ToolCall
 from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
@@ -244,18 +245,22 @@ def assert_same_episodes(kept, reference):
 
 def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stochastic,
                                                                    stochastic_settings):
-    """Every row in flight on 8 pages of 16 tokens, one promised to each: rows that grow past
-    them make the youngest give their pages back and start again, replaying their earlier turns
-    (counted as re-prefilled); the episodes are the reference's all the same."""
+    """Every row in flight on the pages of one row (8 of 16 tokens, or as many as the longest
+    row needs), one promised to each: rows that grow past them make the youngest give their
+    pages back and start again, replaying their earlier turns (counted as re-prefilled); the
+    episodes are the reference's all the same."""
     _, tokenizer, contexts = policy
     assert [e.turns for e in stochastic] == [3] * 6 and len({len(e.tokens) for e in stochastic}) > 3
     # The premise: the longest episode runs into the token budget.
     assert BUDGET in {e.ended for e in stochastic}
     assert all(reprefilled_tokens(e) > 0 for e in stochastic)
     page = 2 * 2 * 16 * 4 * 2  # K and V of 2 layers, 2 KV heads of 16, f32
+    # A row's pages: its room in the budget, bucketed (the budget follows this CPU's draws).
+    room = stochastic_settings["episode_token_budget"] - min(map(len, contexts))
+    row_pages = max(8, bucket(room, MIN_NEW_TOKENS_BUCKET) // 16)
     timings = {}
     kept = _rollout(policy, **stochastic_settings, kv_kept=True, max_rows_in_flight=6, page_size=16,
-                    reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + 8 * 16) * page,
+                    reserve_fraction=1 / 8, kv_budget_bytes=(4 * 16 + row_pages * 16) * page,
                     timings=timings)
     assert_same_episodes(kept, stochastic)
     assert sum(reprefilled_tokens(e) for e in kept) > 0  # earlier turns replayed: preempted

@@ -26,7 +26,8 @@ from jaxprefix.models.layers import softcap
 
 # Finite, so a query row with no visible key (padding) yields finite garbage, not NaN.
 _MASKED = -1e30
-# Positions up to 2^20 - 1 in a sequence; above them, the sequence's index in a packed row.
+# Positions up to 2^20 - 1 in a sequence; above them, the sequence's index in a packed row (up
+# to 2^11 - 1 in an int32; TrainConfig.check_batch keeps a packed minibatch below that).
 POSITION_BITS = 20
 
 

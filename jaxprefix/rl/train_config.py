@@ -8,6 +8,7 @@ import dataclasses
 import optax
 
 from jaxprefix.errors import need
+from jaxprefix.models.attention import POSITION_BITS
 from jaxprefix.rl import objectives
 
 # The mesh axes a batch's rows are sharded over (models.sharding's data parallelism).
@@ -61,8 +62,9 @@ class TrainConfig:
     # batch width that holds its last real token. Rows are left-aligned and causal, so the cut
     # padding changes no real token's log-prob: the gradient is the same (dropout masks aside).
     # Each step is one more branch compiled into the update; 1 = every micro-batch at full width.
-    # Off by default until measured on an idle box (bench/bench_cut_padding.py): the branches
-    # cost compile time, and the one round measured so far, on a starved box, settled nothing.
+    # Off by default: the branches cost compile time (SmolLM2 at 8 steps: a first update of 40
+    # s instead of 17), which a short run never earns back; at 8 x 8 rows of up to 168 tokens
+    # of 256 an update took 1.67x less time (bench/bench_cut_padding.py), so long runs set it.
     width_steps: int = 1
     # Rows packed (rl/batch_layout.pack): each minibatch's rows moved, whole, one after another
     # into as few rows of the batch width as hold them, each attending only to itself; the
@@ -135,6 +137,10 @@ class TrainConfig:
         if minibatch % micro:
             raise ValueError(f"minibatch of {minibatch} rows is not divisible by "
                              f"TrainConfig.micro_batch_size={micro}")
+        if self.pack_rows and minibatch >= 1 << (31 - POSITION_BITS):
+            raise ValueError(f"TrainConfig.pack_rows=True: a minibatch of {minibatch} rows; "
+                             f"expected fewer than {1 << (31 - POSITION_BITS)} (a packed row "
+                             "numbers its rows in the positions' high bits)")
         if micro % batch_shards:
             raise ValueError(f"micro-batch of {micro} rows is not divisible by the mesh's batch "
                              f"axes {BATCH_AXES} ({batch_shards} devices)")
