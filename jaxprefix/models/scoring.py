@@ -85,6 +85,10 @@ def _wanted_only(model: Decoder, h, targets, wanted, chunk_size: int, temperatur
     ys = targets.reshape(-1)[order].reshape(chunks, chunk)
     w, score = model.unembedding(), _scorer(model, temperature)
 
+    # Rematerialised as a whole: a cond's residuals are its outputs, so without this the
+    # unembedding w would be kept once per chunk for the backward (the paper variant's update
+    # then needed 20 GiB more a chip); as checkpoint inputs, w is one loop-invariant residual.
+    @jax.checkpoint
     def one(xs):
         i, h, y = xs
         zeros = jnp.zeros((chunk,), jnp.float32)
