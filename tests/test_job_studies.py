@@ -191,9 +191,9 @@ def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_
     import importlib.util
 
     from jaxprefix.jobs.results import run_config
+    from jaxprefix.jobs.study_setup import guiding_searches, study_of
     from jaxprefix.methods import pope
     from jaxprefix.run_setup.mining import mined_artifacts
-    from jaxprefix.studies.study import Study
 
     spec = importlib.util.spec_from_file_location("results_config",
                                                   os.path.join(ROOT, "configs", "results.py"))
@@ -201,11 +201,13 @@ def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_
     spec.loader.exec_module(module)
     config = module.get_config("eps_smoke")
     config.model.path, config.pope.unsolved = base, "drop"
-    study = Study.prepare(config, str(tmp_path))
+    study = study_of(config, str(tmp_path))
     arms = ("pope_value_hint", "pope_restating_hint")
-    searches = {a: [m for m in mined_artifacts(run_config(study, a, 0)) if m != "hard_set"][0]
-                for a in arms}
-    study.on_problems_all_guide([run_config(study, a, 0) for a in arms])  # searched: none found
+    searches = {a: [m for m in mined_artifacts(run_config(config, study, a, 0))
+                    if m != "hard_set"][0] for a in arms}
+    guiding = guiding_searches([run_config(config, study, a, 0) for a in arms])
+    assert [s.search_name for s in guiding] == [searches[a] for a in arms]
+    study.on_problems_all_guide(guiding)  # searched: none found
     ids = [p.id for p in study.hard.problems]
     assert len(ids) >= 4
     for arm, solved in zip(arms, (ids[:3], ids[1:4])):
@@ -213,7 +215,7 @@ def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_
         record = json.loads(path.read_text())
         record["shortest_units"] = {i: (1 if i in solved else None) for i in ids}
         path.write_text(json.dumps(record))
-    cut = study.on_problems_all_guide([run_config(study, a, 0) for a in arms])
+    cut = study.on_problems_all_guide(guiding)
     assert [p.id for p in cut.hard.problems] == ids[1:3]
     with open(tmp_path / "mining_all_guide" / "cut.json") as f:
         assert json.load(f) == {"hard": len(ids), "kept": 2,
@@ -222,7 +224,7 @@ def test_every_arm_of_a_level_trains_on_the_problems_both_hints_guide(base, tmp_
         spent = {name: ledger["extra_flops"] for name, ledger in json.load(f).items()}
     assert all(spent[searches[a]] > 0 for a in arms)
     for name in (*arms, "grpo_matched_hints"):
-        c = run_config(cut, name, 0)
+        c = run_config(config, cut, name, 0)
         assert c.mining.dir == str(tmp_path / "mining_all_guide")
         needs = mined_artifacts(c)
         assert cut.mining.cost(needs).extra_flops == pytest.approx(sum(spent[a] for a in needs))
@@ -238,20 +240,20 @@ def test_sft_baselines_pay_for_the_mining_their_examples_came_from(base, tmp_pat
     study, SFT-on-traces-then-RL ran 1.1e12 FLOPs cheaper than PrefixRL on the same traces)."""
     from jaxprefix import variants
     from jaxprefix.jobs.results import warm_start_mining
-    from jaxprefix.studies.study import Study
+    from jaxprefix.jobs.study_setup import study_of
 
     config = variants.method_config(os.path.join(ROOT, "configs", "results.py"), "pope",
                                       "smoke")[0]
     config.model.path = base
     config.prefixrl.update(variants.SMOKE_PREFIXRL)  # what configs/results.py:smoke sets
     config.prefixrl.oracle_traces = False  # rejection sampling, as the study mines its pool
-    study = Study.prepare(config, str(tmp_path), trace_pool=True)
+    study = study_of(config, str(tmp_path), trace_pool=True)
     with open(tmp_path / "mining" / "ledger.json") as f:
         mined = {name: ledger["extra_flops"] for name, ledger in json.load(f).items()}
     assert mined["trace_pool"] > 0 and mined[PREFIX_SEARCH] > 0
-    assert warm_start_mining(study, "traces").extra_flops == mined["trace_pool"]
-    assert warm_start_mining(study, "own_guided").extra_flops == mined[PREFIX_SEARCH]
-    assert warm_start_mining(study, "oracle").extra_flops == 0
+    assert warm_start_mining(config, study, "traces").extra_flops == mined["trace_pool"]
+    assert warm_start_mining(config, study, "own_guided").extra_flops == mined[PREFIX_SEARCH]
+    assert warm_start_mining(config, study, "oracle").extra_flops == 0
 
 
 @pytest.mark.slow  # ~100 s: four GRPO runs, then the fit

@@ -7,7 +7,7 @@ import pytest
 
 from jaxprefix import run_config, statistics, storage
 from jaxprefix.jobs import isocompute_prereg, report_tables
-from jaxprefix.studies import guided_share, results_report
+from jaxprefix.studies import guided_share
 from jaxprefix.rl.compute_ledger import ComputeLedger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def test_results_report_is_rebuilt_from_its_counts_file(tmp_path, grouped):
              "base": _evaluation(zeros, grouped), "base_hard_set": _evaluation(zeros, grouped)}
     report = {"runs": runs, "studies": {"hard": study}}
     config.results.output_dir = str(tmp_path)
-    counts = results_report.write_counts(report, config, "runs/synthetic")
+    counts = report_tables.write_counts(report, config, "runs/synthetic")
     assert os.path.getsize(counts) < 100_000  # small enough to commit
 
     assert report_tables.regenerate(str(tmp_path)) == f"{tmp_path}: REPORT.md from counts.json"
@@ -96,28 +96,32 @@ def test_a_pope_arm_that_guides_few_contexts_is_stated_as_a_defect_not_a_result(
     # rest unguided (pope.unsolved=unguided): 66 x 1 guided of 254 x 2 contexts = 0.13.
     from jaxprefix.rl.scoring import RolloutRequest, Scored, reward_metrics
     from jaxprefix.run_setup.study_arms import RUNS
+    from jaxprefix.run_setup.study_settings import ReportSettings, guided_design
     from jaxprefix.studies.study_tables import Row
 
     config = run_config.from_file(os.path.join(ROOT, "configs", "results.py"), "eps")
     config.pope.unsolved = "unguided"
-    spec = RUNS["pope_restating_hint"]
-    expected = guided_share.guided_share({"pope_problems": 66}, spec, config, 254)
+    design = guided_design(config, RUNS["pope_restating_hint"])
+    expected = guided_share.guided_share({"pope_problems": 66}, design, 254)
     assert expected["share"] == 66 / 508 and not expected["counted"] and expected["defect"]
-    assert guided_share.guided_share({"pope_problems": 251}, RUNS["pope_value_hint"], config,
-                                       254)["defect"] is False  # 0.494 >= 0.45
-    assert guided_share.guided_share({}, RUNS["grpo_matched_hints"], config, 254) is None
+    assert guided_share.guided_share({"pope_problems": 251},
+                                     guided_design(config, RUNS["pope_value_hint"]),
+                                     254)["defect"] is False  # 0.494 >= 0.45
+    assert guided_design(config, RUNS["grpo_matched_hints"]) is None
+    assert guided_share.guided_share({"pope_problems": 251}, None, 254) is None
     # Counted in training: the loop logs each step's contexts on both sides of the tag.
     guided = np.array([True, False, False, False])
     request = RolloutRequest([[1]] * 4, [None] * 4, {"guided": guided}, n=2)
     metrics = reward_metrics(Scored(request, None, np.zeros((4, 2)), 0, 0.0, 0.0))
     assert (metrics["contexts/guided"], metrics["contexts/unguided"]) == (1.0, 3.0)
     counted = guided_share.guided_share(
-        {"pope_problems": 254, "guided_contexts": 1, "contexts": 4}, spec, config, 254)
+        {"pope_problems": 254, "guided_contexts": 1, "contexts": 4}, design, 254)
     assert counted["counted"] and counted["share"] == 0.25 and counted["defect"]
     assert "1 of 4 training contexts" in guided_share.share_sentence(counted)
     # The report's rows say so wherever the arm appears.
     row = Row("pope_restating_hint", [{"pope_problems": 66, "seed": 0}])
-    [marked] = guided_share.marked_rows([row], RUNS, config, 254)
+    [marked] = guided_share.marked_rows([row], ReportSettings.from_config(config, RUNS).designs,
+                                        254)
     assert marked.label == "pope_restating_hint (defect: 0.13 guided)"
 
 

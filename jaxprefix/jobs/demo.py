@@ -28,10 +28,11 @@ import numpy as np
 
 from jaxprefix import statistics, storage
 from jaxprefix.jobs.rl import run_rl
+from jaxprefix.jobs.study_setup import guiding_searches, study_of
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.run_setup.mining import mined_artifacts
-from jaxprefix.studies.study import Study
+from jaxprefix.run_setup.study_arms import arm_config
 
 # Each method, and the run whose FLOPs it runs on to (its prefix search included): POPE first.
 RUNS = {"pope": None, "grpo": "pope"}
@@ -41,7 +42,7 @@ UNSOLVED = {"drop": "dropped from both runs' training (POPE and GRPO train on th
 
 
 def run_demo(config, workdir: str) -> dict:
-    study = Study.prepare(config, workdir)
+    study = study_of(config, workdir)
     hard = study.hard
     search = study.prefix_search()
     report = {"hard_set": {"candidates": len(study.sets.train), "hard": len(hard.problems),
@@ -53,10 +54,11 @@ def run_demo(config, workdir: str) -> dict:
               "eval_problems": len(study.sets.eval),
               "base": study.evaluate(study.policy.model, "eval base"), "runs": {}}
     if config.pope.unsolved == "drop":  # GRPO on the problems POPE guides, as POPE
-        study = study.on_problems_all_guide([study.run_config("pope")])
+        study = study.on_problems_all_guide(guiding_searches([_method_config(config, study,
+                                                                             "pope")]))
     for method, matched in RUNS.items():
         started = time.perf_counter()
-        config_ = study.run_config(method)
+        config_ = _method_config(config, study, method)
         if matched:
             flops = ComputeLedger.from_dict(report["runs"][matched]["ledger"]).total_flops
             config_.train.flops_budget = flops - study.mining.cost(
@@ -71,6 +73,10 @@ def run_demo(config, workdir: str) -> dict:
         }
     _write(report, workdir, config)
     return report
+
+
+def _method_config(config, study, method: str):
+    return arm_config(config, study.workdir, study.mining.dir, method)
 
 
 def _cell(evaluation: dict, k: int) -> str:

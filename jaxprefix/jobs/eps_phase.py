@@ -20,6 +20,7 @@ import sys
 import ml_collections
 
 from jaxprefix import statistics, storage
+from jaxprefix.run_setup.study_settings import guided_design
 from jaxprefix.studies import guided_share, results_report, study_tables
 from jaxprefix.studies.study_tables import Column
 
@@ -63,7 +64,7 @@ def level(folder: str) -> dict:
                          f"configs/results.py:eps (eval.key_step_probe)")
     out = {"folder": folder, "k": max(record["config"]["eval"]["ks"]), "eps": probe["probe/key_step"], "success": probe["probe/success"],
            "knob": _knob(record["config"]["sft"]["data"]), "arms": {},
-           "tie_margin": results_report.tie_margin(config)}
+           "tie_margin": float(config.results.get("tie_margin", 0.0))}
     for arm in ARMS:
         if arm not in rows or GRPO not in rows:
             continue
@@ -71,7 +72,7 @@ def level(folder: str) -> dict:
         a = study_tables.Row(arm, pair)
         b = study_tables.Row(GRPO, [g for g in rows[GRPO].evals
                                     if g["seed"] in {r["seed"] for r in pair}])
-        share = guided_share.guided_share(pair[0], RUNS[arm], config,
+        share = guided_share.guided_share(pair[0], guided_design(config, RUNS[arm]),
                                           report["studies"]["hard"]["hard"])
         out["arms"][arm] = {"seeds": len(pair), "guided": share}
         for column in columns(record["config"]["eval"]["ks"]):

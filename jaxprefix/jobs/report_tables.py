@@ -3,7 +3,7 @@
     python -m jaxprefix.jobs.report_tables            # every report under docs/results
     python -m jaxprefix.jobs.report_tables docs/results/pope
 
-The study jobs write `counts.json` beside each report (studies/results_report.py: the results
+The study jobs write `counts.json` beside each report (`write_counts` below: the results
 record and its config; jobs/isocompute_prereg.py: each run's per-problem counts at every
 evaluation), and a rerun commits them with the report: runs/ is not committed, so without them
 a table could not be re-derived, and a change to the statistics could not be applied to it.
@@ -23,6 +23,7 @@ import ml_collections
 
 from jaxprefix import storage
 from jaxprefix.jobs import isocompute_prereg, tool_study
+from jaxprefix.run_setup.study_settings import ReportSettings
 from jaxprefix.studies import results_report
 
 DOCS = os.path.join("docs", "results")
@@ -51,8 +52,19 @@ def regenerate(folder: str) -> str:
     record = storage.read_json(counts)
     config = ml_collections.ConfigDict(record["config"])
     config.results.output_dir = folder
-    results_report.write_report(record["report"], config, record["workdir"], RUNS)
+    results_report.write_report(record["report"], ReportSettings.from_config(config, RUNS),
+                                record["workdir"], RUNS)
     return f"{folder}: REPORT.md from counts.json"
+
+
+def write_counts(report: dict, config, workdir: str) -> str:
+    """counts.json in the report's folder (results.output_dir, else the workdir): the results
+    record (each evaluation's per-problem correct counts, samples, groups; ledgers; curves)
+    and the config it ran under, from which `regenerate` rebuilds the report. Its path."""
+    path = storage.join(config.results.output_dir or workdir, results_report.COUNTS)
+    storage.write_json(path, {"workdir": workdir, "config": config.to_dict(), "report": report},
+                       indent=None, default=float)
+    return path
 
 
 def report_folders(root: str = DOCS) -> list[str]:

@@ -34,9 +34,13 @@ from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.run_setup.method_settings import contexts_per_problem
+from jaxprefix.jobs.report_tables import write_counts
+from jaxprefix.jobs.study_setup import guiding_searches, study_of
+from jaxprefix.run_setup import sft_base
 from jaxprefix.run_setup.mining import LEDGER, mined_artifacts
 from jaxprefix.run_setup.policy import base_dir, load_policy
-from jaxprefix.run_setup.study_arms import RUNS
+from jaxprefix.run_setup.study_arms import RUNS, arm_config
+from jaxprefix.run_setup.study_settings import ReportSettings, guided_design
 from jaxprefix.studies import guided_share, prefixrl_controls, results_report, warm_start
 from jaxprefix.studies.study import CUT, Study
 
@@ -49,10 +53,11 @@ def _set(config, field: str, value) -> None:
     node[name] = value
 
 
-def run_config(study: Study, name: str, seed: int):
-    """One run's config: the study's compute-matched method config plus the run's settings."""
+def run_config(config, study: Study, name: str, seed: int):
+    """One run's config: the compute-matched method config of the study of `config`, plus the
+    run's settings."""
     spec = RUNS[name]
-    c = study.run_config(spec.method, seed)
+    c = arm_config(config, study.workdir, study.mining.dir, spec.method, seed)
     for field, value in spec.settings.items():
         _set(c, field, value)
     if name == "grpo_easy":  # as many easy problems as POPE asks guided copies of hard ones
@@ -60,13 +65,13 @@ def run_config(study: Study, name: str, seed: int):
     if spec.regime == "prefixrl":
         # The training reward PrefixRL's paper plots against FLOPs, unguided, every 10 steps
         # (regime.eval_n samples in the run; the final evaluation takes eval.n).
-        r = study.config.results.regime
+        r = config.results.regime
         c.eval.update(hard_set=True, every=r.eval_every, n=r.eval_n)
         c.train.total_steps = r.steps
         c.train.problems_per_step = max(1, r.contexts_per_step
                                         // contexts_per_problem(c, spec.method))
     if spec.pool == "other":
-        c.prefixrl.pool_path, stats = _other_pool(study)
+        c.prefixrl.pool_path, stats = _other_pool(config, study)
         c.prefixrl.pool_flops = stats["flops"]
     return c
 
@@ -97,11 +102,11 @@ def run_results(config, workdir: str) -> dict:
                               f"(or both) before it, got {tuple(names)}")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
-    studies = {"hard": Study.prepare(config, workdir)}
+    studies = {"hard": (config, study_of(config, workdir))}
     if config.results.same_problems:  # every arm on the hard problems all POPE arms guide
-        studies["hard"] = studies["hard"].on_problems_all_guide(
-            [run_config(studies["hard"], name, config.seed) for name in names
-             if RUNS[name].method == "pope" and RUNS[name].regime == "hard"])
+        studies["hard"] = (config, studies["hard"][1].on_problems_all_guide(guiding_searches(
+            [run_config(config, studies["hard"][1], name, config.seed) for name in names
+             if RUNS[name].method == "pope" and RUNS[name].regime == "hard"])))
     report = {"runs": {}}
     # Seed-major: an interrupted study has answered every question at its first seeds.
     total, started = len(config.results.seeds) * len(names), time.perf_counter()
@@ -112,8 +117,8 @@ def run_results(config, workdir: str) -> dict:
                          "this pace", i + 1, total, name, seed, elapsed,
                          elapsed / i * (total - i))
         if RUNS[name].regime not in studies:
-            studies["prefixrl"], report["regime_probe"] = _prefixrl_regime(studies["hard"],
-                                                                           workdir)
+            *regime, report["regime_probe"] = _prefixrl_regime(*studies["hard"], workdir)
+            studies["prefixrl"] = tuple(regime)
         key = f"{name}_seed{seed}"
         saved = storage.join(workdir, key, RECORD)
         if config.results.report_only and not storage.exists(saved):
@@ -123,30 +128,30 @@ def run_results(config, workdir: str) -> dict:
         # levels run the value hint alone: no restating prefix exists there)
         matched = [report["runs"].get(f"{m}_seed{seed}") for m in RUNS[name].flops_match
                    if m in names]
-        report["runs"][key] = _run(studies[RUNS[name].regime], name, seed,
+        report["runs"][key] = _run(*studies[RUNS[name].regime], name, seed,
                                    storage.join(workdir, key), matched)
     # After the runs: their prefix searches (one per cap) are in the mining ledgers by now.
-    report["studies"] = {name: _study_record(study) for name, study in studies.items()}
+    report["studies"] = {name: _study_record(*pair) for name, pair in studies.items()}
     # The command as given, for the report's first line (a rebuilt report keeps it).
     report["command"] = " ".join(["python -m jaxprefix.main", *map(shlex.quote, sys.argv[1:])])
     if config.results.isocompute:
-        report["isocompute"] = _isocompute(studies["hard"], storage.join(workdir, "iso"))
+        report["isocompute"] = _isocompute(*studies["hard"], storage.join(workdir, "iso"))
     storage.write_json(storage.join(workdir, "results.json"), report, default=float)
-    results_report.write_counts(report, config, workdir)
-    results_report.write_report(report, config, workdir, RUNS)
+    write_counts(report, config, workdir)
+    results_report.write_report(report, ReportSettings.from_config(config, RUNS), workdir, RUNS)
     return report
 
 
-def _study_record(study: Study) -> dict:
+def _study_record(config, study: Study) -> dict:
     """The base, the hard set and the mining of one study, for the report."""
-    record = {"digits": list(study.config.data.digits), "hard": len(study.hard.problems),
+    record = {"digits": list(config.data.digits), "hard": len(study.hard.problems),
               "candidates": len(study.sets.train), "k": study.hard.k,
               "base": study.evaluate(study.policy.model, "eval base"),
               "base_hard_set": study.evaluate(study.policy.model, "eval base on the hard set",
                                               study.hard.problems),
               "mining": {}}
-    if study.config.eval.get("key_step_probe"):  # the base's eps, a, rho: the sweep's x axis
-        record["base_probe"] = key_step_probe(study.config.data.source, study.policy, study.sets)(
+    if config.eval.get("key_step_probe"):  # the base's eps, a, rho: the sweep's x axis
+        record["base_probe"] = key_step_probe(config.data.source, study.policy, study.sets)(
             study.policy.model)
     record["mining"] = storage.read_json(storage.join(study.mining.dir, LEDGER))
     if storage.exists(storage.join(study.mining.dir, CUT)):
@@ -174,11 +179,11 @@ def _study_record(study: Study) -> dict:
 RECORD = "results_record.json"  # a finished run's record: evaluated once, read back after
 
 
-def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
+def _run(config, study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     """Trains one run (or finds it finished) and evaluates it; its record for the report.
     `matched`: the records of the runs whose largest FLOPs this one spends (RunSpec.flops_match)."""
     spec = RUNS[name]
-    c = run_config(study, name, seed)
+    c = run_config(config, study, name, seed)
     if spec.flops_match:
         ran = [m for m in matched if "ledger" in m]  # a skipped run spent nothing to match
         if not ran:
@@ -196,7 +201,7 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
     record, warm_flops = {"name": name, "seed": seed}, 0.0
     if spec.flops_match:
         record["flops_budget"] = c.train.flops_budget
-    if spec.pool == "other" and not _other_pool(study)[1]["problems"]:
+    if spec.pool == "other" and not _other_pool(config, study)[1]["problems"]:
         return record | {"skipped": "the second base found no trace"}
     if any(name.startswith("prefixes_") for name in mined_artifacts(c)):  # POPE's guided
         kept = _pope_problems(study, c)
@@ -204,21 +209,21 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
         if not kept:  # nothing to guide within the cap: the run cannot happen, and says so
             return record | {"skipped": "no hard problem has a solvable prefix within the cap"}
     if spec.warm_start:
-        examples = _warm_examples(study, spec.warm_start, seed)
+        examples = _warm_examples(config, study, spec.warm_start, seed)
         if not examples:
             return record | {"skipped": f"no examples to train on ({spec.warm_start})"}
         warm = warm_start.run_warm_start(
             study.policy, c.model.path, examples,
-            storage.join(run_dir, "warm_start"), seed=seed, **study.config.results.warm_start)
+            storage.join(run_dir, "warm_start"), seed=seed, **config.results.warm_start)
         # The SFT updates, and the mining its examples came from (a baseline pays for its data).
         c.model.path = warm.path
-        warm_flops = warm.flops + warm_start_mining(study, spec.warm_start).extra_flops
+        warm_flops = warm.flops + warm_start_mining(config, study, spec.warm_start).extra_flops
         policy = load_policy(c, run_dir)
         record["warm_start"] = study.evaluate(policy.model, f"eval {name} SFT")
         record["warm_start_hard_set"] = study.evaluate(policy.model, f"eval {name} SFT, hard set",
                                                        study.hard.problems)
         record["warm_start_examples"] = warm.report["problems"]
-    budget = float(study.config.results.regime.get("flops_budget", 0.0))
+    budget = float(config.results.regime.get("flops_budget", 0.0))
     if spec.regime == "prefixrl" and budget:
         # Every arm of the regime to one total: its mining, warm start and second base included.
         artifacts = mined_artifacts(c)
@@ -242,16 +247,36 @@ def _run(study: Study, name: str, seed: int, run_dir: str, matched=()) -> dict:
                "curve": _curve(run_dir, warm_flops)}
     if spec.method == "pope":
         record |= _guided_contexts(run_dir)
-        share = guided_share.guided_share(record, spec, c, len(study.hard.problems))
+        share = guided_share.guided_share(record, guided_design(config, spec),
+                                          len(study.hard.problems))
         if share is not None:
             print(f"results: {name} seed {seed}: {guided_share.share_sentence(share)}")
     storage.write_json(saved, record, default=float)
     return record
 
 
-def _other_pool(study: Study) -> tuple[str, dict]:
+def _other_pool(config, study: Study) -> tuple[str, dict]:
     """The second base's trace pool (trained and mined beside the study's workdir, once)."""
-    return prefixrl_controls.other_policy_pool(study, storage.dirname(study.workdir))
+    directory = storage.join(storage.dirname(study.workdir), "other_base")
+    other = config.results.other_base
+    return prefixrl_controls.other_policy_pool(
+        study, lambda: sft_base.train_base(other_base_config(config), directory),
+        {key: other[key] for key in ("seed", "layers", "width", "mlp_width")})
+
+
+def other_base_config(config):
+    """The second base's SFT config: the study's, with results.other_base's seed and model
+    shape (the notation mix stays the first base's), sampled every 50 steps from the start of
+    evaluation: with the first base's gate (step accuracy 0.3) a second base solved a hard problem
+    at its first sampled point (step 625), leaving no point to keep; it is kept at its last point
+    before a hard success (any policy with traces serves here)."""
+    c = config.sft.copy_and_resolve_references()
+    other = config.results.other_base
+    c.seed = other.seed
+    c.model.update(layers=other.layers, width=other.width, mlp_width=other.mlp_width)
+    c.eval_every = 50
+    c.criterion.sample_from_step_accuracy = 0.0
+    return c
 
 
 def _solved(study: Study) -> tuple[list, dict]:
@@ -263,18 +288,19 @@ def _solved(study: Study) -> tuple[list, dict]:
 
 def _pope_problems(study: Study, c) -> int:
     """How many hard problems a POPE run guides (the rest have no solvable prefix in its cap)."""
-    return len(pope.guided_units(study.hard.problems, study.prefix_search(c)["shortest_units"],
-                                 pope.PopeSettings.from_config(c)))
+    search = pope.PopeSettings.from_config(c)
+    return len(pope.guided_units(study.hard.problems,
+                                 study.prefix_search(search)["shortest_units"], search))
 
 
-def warm_start_mining(study: Study, kind: str):
+def warm_start_mining(config, study: Study, kind: str):
     """What mining the examples of a warm start of `kind` cost (a ledger), paid as the method
     they come from pays for it: the trace pool (PrefixRL's) for SFT on traces, the prefix search
     (POPE's) for SFT on own guided answers; oracle solutions cost nothing."""
     if kind in ("other_traces", "more_sft"):  # a second base's SFT and sampling; the solved
         cost = study.mining.cost(())          # problems' sampling
         if kind == "other_traces":
-            stats = _other_pool(study)[1]
+            stats = _other_pool(config, study)[1]
         else:
             stats = _solved(study)[1]
         cost.extra_flops = stats["flops"]
@@ -282,17 +308,17 @@ def warm_start_mining(study: Study, kind: str):
     method = {"traces": "prefixrl", "own_guided": "pope"}.get(kind)
     if method is None:  # oracle solutions: nothing mined
         return study.mining.cost(())
-    c = study.config.copy_and_resolve_references()
+    c = config.copy_and_resolve_references()
     c.method = method
     return study.mining.cost([a for a in mined_artifacts(c) if a != "hard_set"])
 
 
-def _warm_examples(study: Study, kind: str, seed: int) -> list:
+def _warm_examples(config, study: Study, kind: str, seed: int) -> list:
     problems = study.hard.problems
     if kind == "more_sft":
         return _solved(study)[0]
     if kind == "other_traces":
-        path, stats = _other_pool(study)
+        path, stats = _other_pool(config, study)
         if not stats["problems"]:
             return []
         pool = prefixrl.TracePool.load_jsonl(path, study.policy.prompts)
@@ -342,9 +368,9 @@ def choose_length(rates: dict[int, float], rule: str, target: float) -> int | No
     return min(measured, key=lambda d: abs(math.log(measured[d]) - math.log(target)))
 
 
-def _prefixrl_regime(hard: Study, workdir: str):
-    """PrefixRL's regime: the problem length `regime_target` chooses, measured on the base."""
-    config = hard.config
+def _prefixrl_regime(config, hard: Study, workdir: str):
+    """PrefixRL's regime: the problem length `regime_target` chooses, measured on the base;
+    (its config, its study, the probe)."""
     r = config.results.regime
     path = storage.join(workdir, "regime_probe.json")
     if storage.exists(path):
@@ -377,13 +403,13 @@ def _prefixrl_regime(hard: Study, workdir: str):
     c.model.path = base_dir(config, workdir)
     regime_dir = storage.join(workdir, "prefixrl_regime")
     c.mining.dir = storage.join(regime_dir, "mining")
-    return Study.prepare(c, regime_dir, prefixes=False, trace_pool=True), probe
+    return c, study_of(c, regime_dir, prefixes=False, trace_pool=True), probe
 
 
-def _isocompute(study: Study, iso_dir: str) -> dict:
+def _isocompute(config, study: Study, iso_dir: str) -> dict:
     """The sweep from the study's base on mid-length problems, where plain GRPO has signal."""
-    c = study.config.copy_and_resolve_references()
-    c.model.path = base_dir(study.config, study.workdir)
+    c = config.copy_and_resolve_references()
+    c.model.path = base_dir(config, study.workdir)
     c.data.update(digits=tuple(c.results.iso_digits), multipliers=(2, 9))
     c.data.eval_size = c.results.iso_eval_size
     c.mining.train_on = "all"

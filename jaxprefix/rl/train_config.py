@@ -146,17 +146,17 @@ class TrainConfig:
                              f"axes {BATCH_AXES} ({batch_shards} devices)")
 
 
-def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
     """Linear warmup from 0, then constant or cosine decay to min_lr_ratio * lr."""
-    lr = config.learning_rate
-    if config.schedule == "cosine":
-        after = optax.cosine_decay_schedule(lr, config.decay_steps, alpha=config.min_lr_ratio)
+    lr = train.learning_rate
+    if train.schedule == "cosine":
+        after = optax.cosine_decay_schedule(lr, train.decay_steps, alpha=train.min_lr_ratio)
     else:
         after = optax.constant_schedule(lr)
-    if not config.warmup_steps:
+    if not train.warmup_steps:
         return after
-    warmup = optax.linear_schedule(0.0, lr, config.warmup_steps)
-    return optax.join_schedules([warmup, after], [config.warmup_steps])
+    warmup = optax.linear_schedule(0.0, lr, train.warmup_steps)
+    return optax.join_schedules([warmup, after], [train.warmup_steps])
 
 
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:

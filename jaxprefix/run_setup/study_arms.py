@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxprefix.run_setup.method_settings import contexts_per_problem
+from jaxprefix.run_setup.policy import base_dir
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -90,3 +93,16 @@ RUNS = {
     "sft_other_traces_regime": RunSpec("grpo", {}, "the off-policy SFT baseline",
                                        warm_start="other_traces", regime="prefixrl"),
 }
+
+
+def arm_config(config, workdir: str, mining_dir: str, method: str, seed: int | None = None):
+    """One method's rl config in a study of `config` (its base in `workdir`, its mining in
+    `mining_dir`), at POPE's rollouts per step: the same contexts a step for every method."""
+    c = config.copy_and_resolve_references()
+    c.job, c.method = "rl", method
+    c.seed = config.seed if seed is None else seed
+    c.model.path = base_dir(config, workdir)
+    c.mining.dir = mining_dir
+    contexts = config.train.problems_per_step * contexts_per_problem(config, "pope")
+    c.train.problems_per_step = max(1, contexts // contexts_per_problem(config, method))
+    return c

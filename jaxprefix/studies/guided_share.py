@@ -14,32 +14,28 @@ from jaxprefix.studies.study_tables import Row
 GUIDED_SHARE_FLOOR = 0.9
 
 
-def _pope_field(spec, config, field: str):
-    return spec.settings.get(f"pope.{field}", config.pope[field])
-
-
-def guided_share(run: dict, spec, config, hard: int) -> dict | None:
+def guided_share(run: dict, design, hard: int) -> dict | None:
     """A POPE run's share of guided training contexts, with its counts: counted in training
     (the record's 'guided_contexts' of 'contexts', jobs/results.py) or, for a record from before
     they were counted, expected from how many of the trained hard problems had a prefix
-    ('pope_problems'). None for a run that guides nothing by design."""
-    if spec.method != "pope" or "pope_problems" not in run:
+    ('pope_problems'). `design`: the arm's GuidedDesign (run_setup/study_settings.py), None for
+    an arm that is not POPE. None for a run that guides nothing by design."""
+    if design is None or "pope_problems" not in run:
         return None
-    g, u = _pope_field(spec, config, "guided_copies"), _pope_field(spec, config, "unguided_copies")
+    g, u = design.guided_copies, design.unguided_copies
     if not g:
         return None
     designed = g / (g + u)
     found = run["pope_problems"]
-    trained = hard if _pope_field(spec, config, "unsolved") == "unguided" else found
+    trained = hard if design.unsolved == "unguided" else found
     out = {"designed": designed, "guided_problems": found, "trained_problems": trained}
     if run.get("contexts"):
         out |= {"guided": run["guided_contexts"], "contexts": run["contexts"], "counted": True,
                 "share": run["guided_contexts"] / run["contexts"]}
     else:  # B problems a step, each g + u contexts, plus easy ones
-        per_step = config.train.problems_per_step * (g + u)
-        easy = _pope_field(spec, config, "easy_per_step")
+        per_step = design.problems_per_step * (g + u)
         out |= {"counted": False,
-                "share": designed * found / trained * per_step / (per_step + easy)}
+                "share": designed * found / trained * per_step / (per_step + design.easy_per_step)}
     out["defect"] = out["share"] < GUIDED_SHARE_FLOOR * designed
     return out
 
@@ -56,12 +52,12 @@ def share_sentence(share: dict) -> str:
     return text
 
 
-def marked_rows(rows: list[Row], specs, config, hard: int) -> list[Row]:
-    """`rows` with a POPE arm below its guided-share floor relabelled as a defect."""
+def marked_rows(rows: list[Row], designs: dict, hard: int) -> list[Row]:
+    """`rows` with a POPE arm below its guided-share floor relabelled as a defect (`designs`:
+    each POPE arm's GuidedDesign by name)."""
     out = []
     for row in rows:
-        shares = [guided_share(r, specs[row.label], config, hard) for r in row.evals] \
-            if row.label in specs else []
+        shares = [guided_share(r, designs.get(row.label), hard) for r in row.evals]
         if shares and shares[0] is not None and any(s["defect"] for s in shares):
             mean = np.mean([s["share"] for s in shares])
             row = dataclasses.replace(row, label=f"{row.label} (defect: {mean:.2f} guided)")

@@ -23,7 +23,6 @@ from jaxprefix import storage
 from jaxprefix.data import tasks
 from jaxprefix.data.problem import Problem
 from jaxprefix.run_setup import sft_base
-from jaxprefix.run_setup.mining import ProbeSettings
 from jaxprefix.run_setup.policy import Policy
 from jaxprefix.methods import prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
@@ -34,50 +33,34 @@ SOLVED_POOL, SOLVED_POOL_STATS = "solved_trace_pool.jsonl", "solved_trace_pool_s
 MAX_SOLVED_BATCHES = 16  # of 4 x count fresh problems: a base that solves almost none stops
 
 
-def other_base_config(study):
-    """The second base's SFT config: the study's, with results.other_base's seed and model
-    shape (the notation mix stays the first base's), sampled every 50 steps from the start of
-    evaluation: with the first base's gate (step accuracy 0.3) a second base solved a hard problem
-    at its first sampled point (step 625), leaving no point to keep; it is kept at its last point
-    before a hard success (any policy with traces serves here)."""
-    c = study.config.sft.copy_and_resolve_references()
-    other = study.config.results.other_base
-    c.seed = other.seed
-    c.model.update(layers=other.layers, width=other.width, mlp_width=other.mlp_width)
-    c.eval_every = 50
-    c.criterion.sample_from_step_accuracy = 0.0
-    return c
-
-
-def other_policy_pool(study, workdir: str) -> tuple[str, dict]:
+def other_policy_pool(study, train_base, other: dict) -> tuple[str, dict]:
     """(path of the second base's trace pool on the study's hard set, its stats with the FLOPs
-    its rejection sampling spent); the base is trained and the pool mined once."""
+    its rejection sampling spent); the base is trained (`train_base()`, its directory) and the
+    pool mined once. `other`: its seed and shape (results.other_base), for the stats."""
     path = storage.join(study.mining.dir, OTHER_POOL)
     stats_path = storage.join(study.mining.dir, OTHER_POOL_STATS)
     if storage.exists(stats_path):
         return path, storage.read_json(stats_path)
-    base = sft_base.train_base(other_base_config(study), storage.join(workdir, "other_base"))
+    base = train_base()
     model, tokenizer = sft_base.load_base(base)
     policy = Policy(model, tokenizer, TaskPrompts(tokenizer), "sft")
     ledger = ComputeLedger(model.config.num_params())
-    prober = ProbeSettings.from_config(study.config).prober(policy, ledger, study.sets.verifier)
-    p = study.config.prefixrl
+    prober = study.mining.settings.probe.prober(policy, ledger, study.sets.verifier)
+    p = study.settings.prefixrl
     pool = prefixrl.build_trace_pool(prober, policy.prompts, study.hard.problems,
                                      samples_per_round=p.samples_per_round,
-                                     max_samples=p.max_samples, seed=study.config.seed + 3)
+                                     max_samples=p.max_samples, seed=study.settings.seed + 3)
     pool.save_jsonl(path, tokenizer)
     report = storage.read_json(storage.join(base, sft_base.REPORT))
-    other = study.config.results.other_base
     # Charged: the second base's SFT updates and its rejection sampling (the first base's SFT
     # is every run's alike).
     stats = {"flops": ledger.extra_flops + report["flops"], "sft_flops": report["flops"],
              "sampling_flops": ledger.extra_flops, "base": base, "problems": len(pool.traces),
              "samples": int(sum(pool.samples_per_problem.values())),
              "samples_found": [t.samples for t in pool.traces.values()],
-             "sft_chosen_step": report["chosen_step"], "seed": other.seed,
+             "sft_chosen_step": report["chosen_step"], "seed": other["seed"],
              "params": model.config.num_params(),
-             "shape": {"layers": other.layers, "width": other.width,
-                       "mlp_width": other.mlp_width}}
+             "shape": {key: other[key] for key in ("layers", "width", "mlp_width")}}
     storage.write_json(stats_path, stats)  # written last: it marks a finished pool
     return path, stats
 
@@ -98,22 +81,21 @@ def solved_examples(study, count: int) -> tuple[list[tuple], dict]:
 
 
 def _mine_solved(study, count: int, path: str, stats_path: str) -> None:
-    task, data = tasks.get(study.config.data.source), study.config.data
+    s = study.settings
+    task = tasks.get(s.task_source)
     taken = {p.id for p in study.hard.problems} | {p.id for p in study.sets.eval}
     ledger = ComputeLedger(study.policy.model.config.num_params())
-    prober = ProbeSettings.from_config(study.config).prober(study.policy, ledger,
-                                                             study.sets.verifier)
-    k = study.config.mining.k
+    prober = study.mining.settings.probe.prober(study.policy, ledger, study.sets.verifier)
+    k = study.mining.settings.k
     found, tried, batch = [], 0, 0
     while len(found) < count and batch < MAX_SOLVED_BATCHES:
-        fresh = [p for p in task.generate(4 * count, digits=tuple(data.digits),
-                                          multipliers=tuple(data.multipliers),
-                                          seed=data.seed + 7919 + batch) if p.id not in taken]
+        fresh = [p for p in task.generate(4 * count, digits=s.digits, multipliers=s.multipliers,
+                                          seed=s.data_seed + 7919 + batch) if p.id not in taken]
         taken |= {p.id for p in fresh}
         tried += len(fresh)
         pool = prefixrl.build_trace_pool(prober, study.policy.prompts, fresh,
                                          samples_per_round=k, max_samples=k,
-                                         seed=study.config.seed + 5 + batch)
+                                         seed=s.seed + 5 + batch)
         found += [(p, pool.traces[p.id].tokens) for p in fresh if p.id in pool.traces]
         batch += 1
     found = found[:count]

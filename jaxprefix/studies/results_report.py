@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxprefix import storage
+from jaxprefix.run_setup.study_settings import ReportSettings
 from jaxprefix.studies import study_tables
 from jaxprefix.studies.guided_share import guided_share, marked_rows, share_sentence
 from jaxprefix.studies.study_tables import Column, Row
@@ -24,12 +25,6 @@ REPORT = "REPORT.md"  # in results.output_dir, beside its figures
 # read under, so a rerun commits them and `python -m jaxprefix.jobs.report_tables` rebuilds
 # every table from the repository alone (runs/ is not committed).
 COUNTS = "counts.json"
-
-
-def tie_margin(config) -> float:
-    """The margin inside which a difference is a tie, stated before the runs
-    (results.tie_margin; a study run before the field existed stated none: 0)."""
-    return float(config.results.get("tie_margin", 0.0))
 
 
 def _mean_std(values) -> str:
@@ -60,7 +55,7 @@ def _setting(spec) -> str:
     return "; ".join(parts)
 
 
-def _legend(runs: dict, specs, config, hard: int) -> list[str]:
+def _legend(runs: dict, specs, settings: ReportSettings, hard: int) -> list[str]:
     lines = []
     for name, rs in runs.items():
         done = [r for r in rs if "after" in r]
@@ -73,7 +68,7 @@ def _legend(runs: dict, specs, config, hard: int) -> list[str]:
             extra += f" Not run at seed {', '.join(missing)} (time)."
         if "pope_problems" in done[0]:
             extra += f" Hard problems guided: {done[0]['pope_problems']}."
-            shares = [guided_share(r, specs[name], config, hard) for r in done]
+            shares = [guided_share(r, settings.designs.get(name), hard) for r in done]
             if shares[0] is not None and not shares[0]["counted"]:  # the same at every seed
                 extra += f" Its {share_sentence(shares[0])}."
             elif shares[0] is not None:
@@ -85,24 +80,14 @@ def _legend(runs: dict, specs, config, hard: int) -> list[str]:
     return lines
 
 
-def _task_name(config) -> str:
-    """The study's task: a built-in one's name, or reasoning-gym's generator."""
-    if config.data.source == "reasoning_gym":
-        return f"reasoning-gym's {config.data.task}"
-    return config.data.source
-
-
-def _candidates(config, study: dict) -> str:
+def _candidates(settings: ReportSettings, study: dict) -> str:
     """What the hard set was mined from: a built-in task's length, a generator's settings."""
-    if config.data.source == "reasoning_gym":
-        return config.data.get("task_config") or "the generator's defaults"
-    return f"{study['digits'][0]}-digit"
+    return settings.task_config or f"{study['digits'][0]}-digit"
 
 
-def _base_label(config) -> str:
+def _base_label(settings: ReportSettings) -> str:
     """The base's row: the SFT base the study trained, or a model it loaded as it is."""
-    trained = config.model.get("source", "sft") == "sft"
-    return f"base{' (SFT)' if trained else ''}, one evaluation"
+    return f"base{' (SFT)' if settings.base_trained else ''}, one evaluation"
 
 
 def _base_row(study: dict, label: str) -> Row:
@@ -127,24 +112,24 @@ def _pairs(rows: list[Row], base: Row) -> list[tuple[Row, Row]]:
             + [(a, base) for a in rows])
 
 
-def hard_section(report: dict, config, specs) -> list[str]:
+def hard_section(report: dict, settings: ReportSettings, specs) -> list[str]:
     study = report["studies"]["hard"]
-    ks, k = config.eval.ks, config.eval.ks[-1]
+    ks, k = settings.eval_ks, settings.eval_ks[-1]
     runs = _by_name(report, "hard", specs)
     if not runs:
         return []
-    rows = marked_rows(study_tables.run_rows(runs), specs, config, study["hard"])
-    base = _base_row(study, _base_label(config))
+    rows = marked_rows(study_tables.run_rows(runs), settings.designs, study["hard"])
+    base = _base_row(study, _base_label(settings))
     held_out = [Column(f"held-out pass@{x}", "after", x) for x in ks]
     columns = held_out + [Column(f"training hard set pass@{k}", "after_hard_set", k)]
     fractions = np.asarray(next(iter(study["prefix_searches"].values()))["revealed_fractions"]
                            if study.get("prefix_searches") else [], float)
     lines = [
         "## POPE and its baselines on the hard set", "",
-        f"Task: {_task_name(config)}. Hard set: {study['hard']} of {study['candidates']} training "
-        f"candidates ({_candidates(config, study)}) solved 0 of {study['k']} times by the base. "
-        f"Every run starts from the same base with {config.train.problems_per_step * 2} contexts "
-        f"x {config.rollout.n} samples a step; seeds change the RL sampling and data order, not "
+        f"Task: {settings.task_name}. Hard set: {study['hard']} of {study['candidates']} "
+        f"training candidates ({_candidates(settings, study)}) solved 0 of {study['k']} times by "
+        f"the base. Every run starts from the same base with {settings.problems_per_step * 2} "
+        f"contexts x {settings.rollout_n} samples a step; seeds change the RL sampling and data order, not "
         f"the base, the hard set or the held-out set ({len(study['base']['correct_counts'])} "
         f"problems, unguided, {study['base']['num_samples']} samples each).", ""]
     if fractions.size:
@@ -153,10 +138,10 @@ def hard_section(report: dict, config, specs) -> list[str]:
                   f"{fractions.max():.2f} of the solution, median {np.median(fractions):.2f}).",
                   ""]
     lines += [*study_tables.metric_table([base] + rows + _warm_rows(runs), columns), "",
-              "Rows:", "", *_legend(runs, specs, config, study["hard"]), "",
+              "Rows:", "", *_legend(runs, specs, settings, study["hard"]), "",
               "Paired differences (the same seeds and problems drawn for both runs):", "",
               *study_tables.comparison_table(_pairs(rows, base), [held_out[0], held_out[-1]],
-                                             tie_margin(config)),
+                                             settings.tie_margin),
               "", *_group_tables([base] + rows, [held_out[-1], held_out[0]], study),
               "![held-out pass@k vs FLOPs](curves.png)", "", *prefix_search_lines(study)]
     return lines
@@ -217,20 +202,20 @@ def _target_missed(probe: dict) -> str:
     return ""
 
 
-def regime_section(report: dict, config, specs) -> list[str]:
+def regime_section(report: dict, settings: ReportSettings, specs) -> list[str]:
     if "prefixrl" not in report.get("studies", {}):
         return []
     study, probe = report["studies"]["prefixrl"], report["regime_probe"]
     runs = _by_name(report, "prefixrl", specs)
     rows = study_tables.run_rows(runs)
-    base = _base_row(study, _base_label(config))
-    k = config.eval.ks[-1]
+    base = _base_row(study, _base_label(settings))
+    k = settings.eval_ks[-1]
     train = [Column("training hard set pass@1", "after_hard_set", 1),
              Column(f"training hard set pass@{k}", "after_hard_set", k)]
     held_out = [Column("held-out pass@1", "after", 1), Column(f"held-out pass@{k}", "after", k)]
     pool = study.get("trace_pool", {"problems": 0, "samples": 0, "samples_found": []})
     other = study.get("other_trace_pool")
-    r = config.results.regime
+    r = settings.regime
     # A probe from before the rule was recorded ('middle', the only rule then).
     rule = probe.get("rule") or (f"the length whose base success rate per sample is closest "
                                  f"(in log) to 1 / sqrt(k x max_samples) = "
@@ -238,14 +223,14 @@ def regime_section(report: dict, config, specs) -> list[str]:
     lines = [
         "## PrefixRL in its own regime, with its controls", "",
         f"The problem length is chosen by a rule fixed before any run: {rule}. Measured "
-        f"({r.probe_problems} problems x {r.probe_samples} samples per length):", "",
+        f"({r['probe_problems']} problems x {r['probe_samples']} samples per length):", "",
         "| digits | " + " | ".join(probe["digits"]) + " |",
         "|---" * (len(probe["digits"]) + 1) + "|",
         "| base pass@1 | " + " | ".join(f"{v:.4f}" for v in probe["digits"].values()) + " |", "",
         f"Chosen: {probe['chosen']} digits{_target_missed(probe)}. Hard set: {study['hard']} of "
         f"{study['candidates']} "
         f"candidates solved 0 of {study['k']} times. The base's own traces (rejection sampling, "
-        f"{config.prefixrl.samples_per_round} a round, up to {config.prefixrl.max_samples} per "
+        f"{settings.trace_samples_per_round} a round, up to {settings.trace_max_samples} per "
         f"problem): {pool['problems']} of {study['hard']} problems in {pool['samples']:,} "
         f"samples."]
     if other:
@@ -257,17 +242,17 @@ def regime_section(report: dict, config, specs) -> list[str]:
                       f"samples, {solved['flops']:.3g} FLOPs, charged to that run).")
     budget = float(r.get("flops_budget", 0.0))
     length = (f"to {budget:.3g} FLOPs in all (its mining, SFT and second base included)"
-              if budget else f"{r.steps} RL steps")
-    lines += ["", f"Every run: {length}, evaluated every {r.eval_every} steps ({r.eval_n} "
-              f"samples a problem in the run; the tables' final evaluation {config.eval.n}). "
+              if budget else f"{r['steps']} RL steps")
+    lines += ["", f"Every run: {length}, evaluated every {r['eval_every']} steps ({r['eval_n']} "
+              f"samples a problem in the run; the tables' final evaluation {settings.eval_n}). "
               f"Held-out pass@1 is the primary figure; the training reward (unguided pass@1 on "
               f"the training hard set, which the paper plots) rewards memorising SFT'd traces.",
               "", *study_tables.metric_table([base] + rows + _warm_rows(runs),
                                              held_out + train), "",
-              "Rows:", "", *_legend(runs, specs, config, study["hard"]), "",
+              "Rows:", "", *_legend(runs, specs, settings, study["hard"]), "",
               "Paired differences of the final policies:", "",
               *study_tables.comparison_table(_pairs(rows, base), held_out[:1] + train[:1],
-                                             tie_margin(config)), "",
+                                             settings.tie_margin), "",
               *study_tables.group_table([base] + rows, train[0], "multiplier"), ""]
     lines += _targets_lines(runs, study)
     return lines + ["", "![training reward vs FLOPs](regime_curves.png)", ""]
@@ -356,46 +341,22 @@ def isocompute_section(sweep: dict, budgets) -> list[str]:
     return lines + ["", "![frontier](results/frontier.png) ![n*](results/n_star.png)"]
 
 
-def write_counts(report: dict, config, workdir: str) -> str:
-    """counts.json in the report's folder: the results record (each evaluation's per-problem
-    correct counts, samples, groups; ledgers; curves) and the config, as write_report reads
-    them. Its path."""
-    path = storage.join(config.results.output_dir or workdir, COUNTS)
-    storage.write_json(path, {"workdir": workdir, "config": config.to_dict(), "report": report},
-                       indent=None, default=float)
-    return path
-
-
-def _command_guessed(config, workdir: str, specs) -> str:
-    """The command of a record from before the results job kept its own: the carry variant is
-    the one whose runs are in PrefixRL's regime, the overlap variant the one with the one step
-    off-policy arm, the eps variant the other one on the restating notation (configs/results.py)."""
-    variant = ":carry" if any(getattr(specs.get(name), "regime", None) == "prefixrl"
-                              for name in config.results.runs) else ""
-    if "grpo_one_step_off" in config.results.runs:
-        variant = ":overlap"
-    elif config.data.get("key_names_rule"):
-        variant = (f":eps --config.sft.data.second_rule_taught="
-                   f"{config.sft.data.get('second_rule_taught', 0.0)}")
-        if config.sft.data.get("restated_taught", 0.0):
-            variant += f" --config.sft.data.restated_taught={config.sft.data.restated_taught}"
-    return f"python -m jaxprefix.main --config=configs/results.py{variant} --workdir={workdir}"
-
-
-def write_report(report: dict, config, workdir: str, specs) -> None:
-    out_dir = config.results.output_dir or workdir
-    lines = [f"# Results on {_task_name(config)}", "",
-             f"Generated by `{report.get('command') or _command_guessed(config, workdir, specs)}`"
+def write_report(report: dict, settings: ReportSettings, workdir: str, specs) -> None:
+    out_dir = settings.output_dir or workdir
+    command = report.get("command") or (f"python -m jaxprefix.main --config=configs/results.py"
+                                        f"{settings.command_variant} --workdir={workdir}")
+    lines = [f"# Results on {settings.task_name}", "",
+             f"Generated by `{command}`"
              f": every number above the hand-written notes is computed from the runs. FLOPs "
              f"include the mining (and SFT) each run uses.", "",
-             *hard_section(report, config, specs), *regime_section(report, config, specs)]
+             *hard_section(report, settings, specs), *regime_section(report, settings, specs)]
     if "isocompute" in report:
         lines += ["## IsoCompute sweep", "",
-                  *isocompute_section(report["isocompute"], config.isocompute.budgets)]
+                  *isocompute_section(report["isocompute"], settings.iso_budgets)]
     path = storage.join(out_dir, REPORT)
     notes = _kept_notes(path)
     storage.write_atomic(path, "\n".join(lines) + "\n" + (f"\n{notes}" if notes else ""))
-    ks = config.eval.ks
+    ks = settings.eval_ks
     _plot_runs(_by_name(report, "hard", specs), storage.join(out_dir, "curves.png"),
                f"eval/pass@{ks[-1]}", f"held-out pass@{ks[-1]} (unguided)", "hard problems")
     if "prefixrl" in report.get("studies", {}):

@@ -13,9 +13,8 @@ from jaxprefix import evaluation, storage
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.methods.probing import Prober
 from jaxprefix.rl.compute_ledger import ComputeLedger
-from jaxprefix.run_setup.method_settings import contexts_per_problem
-from jaxprefix.run_setup.mining import Mining, ProbeSettings, mined_artifacts, set_up
-from jaxprefix.run_setup.policy import base_dir
+from jaxprefix.run_setup.mining import Mining
+from jaxprefix.run_setup.study_settings import StudySettings
 
 
 def evaluate_unguided(prober: Prober, prompts, problems, *, n: int, ks, seed: int,
@@ -58,50 +57,38 @@ CUT = "cut.json"  # on_problems_all_guide's counts, in the cut's mining director
 
 @dataclasses.dataclass
 class Study:
-    config: object
+    """One base policy, its problem sets and its mining, and how a study evaluates: made by a
+    job from its config (`Study(StudySettings.from_config(config), workdir, *set_up(config,
+    workdir))`), which derives each arm's run config itself (run_setup/study_arms.arm_config)."""
+    settings: StudySettings
     workdir: str
     policy: object
     sets: object
     mining: Mining
 
-    @classmethod
-    def prepare(cls, config, workdir: str, *, prefixes: bool = True,
-                trace_pool: bool = False) -> "Study":
-        """Base policy (trained if absent), problem sets, hard set [, POPE prefixes] [, trace
-        pool]."""
-        study = cls(config, workdir, *set_up(config, workdir))
-        if prefixes:
-            study.prefix_search()
-        if trace_pool:
-            study.trace_pool()
-        return study
-
     @property
     def hard(self):
         return self.mining.hard_set()
 
-    def prefix_search(self, config=None) -> dict:
-        """The hard set's prefix search with `config`'s POPE settings (default: the study's)."""
-        search = pope.PopeSettings.from_config(self.config if config is None else config)
-        return self.mining.prefix_search(self.hard, search)
+    def prefix_search(self, search: pope.PopeSettings | None = None) -> dict:
+        """The hard set's prefix search with `search` (default: the study's POPE settings)."""
+        return self.mining.prefix_search(self.hard, search or self.settings.pope)
 
     def trace_pool(self, problems=None) -> prefixrl.TracePool:
         """The study's trace pool (its PrefixRL settings) of `problems` (default: the hard set)."""
         return self.mining.trace_pool(self.hard.problems if problems is None else problems,
-                                      prefixrl.PrefixRLSettings.from_config(self.config))
+                                      self.settings.prefixrl)
 
-    def on_problems_all_guide(self, configs) -> "Study":
-        """The study cut down to the hard problems that every prefix search of `configs` (the
-        POPE arms') solves, so every arm, GRPO's too, trains on one problem set: a mining
-        directory beside this one (<dir>_all_guide) holds the cut and, in CUT, its counts."""
+    def on_problems_all_guide(self, searches) -> "Study":
+        """The study cut down to the hard problems that every prefix search of `searches` (the
+        guiding POPE arms' PopeSettings) solves, so every arm, GRPO's too, trains on one problem
+        set: a mining directory beside this one (<dir>_all_guide) holds the cut and, in CUT,
+        its counts."""
         hard = self.hard
         found = {}
-        for c in configs:
-            search = pope.PopeSettings.from_config(c)
-            # An arm that guides: POPE without guided copies searches nothing.
-            if search.search_name in mined_artifacts(c):
-                units = self.mining.prefixes(hard, search)
-                found[search.search_name] = set(pope.guided_units(hard.problems, units, search))
+        for search in searches:
+            units = self.mining.prefixes(hard, search)
+            found[search.search_name] = set(pope.guided_units(hard.problems, units, search))
         kept = set.intersection(*found.values()) if found else {p.id for p in hard.problems}
         directory = self.mining.dir.rstrip("/") + "_all_guide"
         mining = self.mining.restricted(kept, directory)
@@ -114,23 +101,11 @@ class Study:
                  n: int | None = None) -> dict:
         """Unguided pass@k and friends on `problems` (default: the held-out ones), eval.n samples
         each; one seed for every model."""
-        e = self.config.eval
-        prober = ProbeSettings.from_config(self.config).prober(
+        s = self.settings
+        prober = self.mining.settings.probe.prober(
             dataclasses.replace(self.policy, model=model), ComputeLedger(model.config.num_params()),
             self.sets.verifier)
         problems = self.sets.eval if problems is None else problems
-        ks = e.ks if n is None else [k for k in e.ks if k <= n]
-        return evaluate_unguided(prober, self.policy.prompts, problems, n=n or e.n, ks=ks,
-                                 seed=self.config.seed + 7, description=description)
-
-    def run_config(self, method: str, seed: int | None = None):
-        """One method's RL config from the shared base and mining, at POPE's rollouts per step."""
-        config = self.config
-        c = config.copy_and_resolve_references()
-        c.job, c.method = "rl", method
-        c.seed = config.seed if seed is None else seed
-        c.model.path = base_dir(config, self.workdir)
-        c.mining.dir = self.mining.dir
-        contexts = config.train.problems_per_step * contexts_per_problem(config, "pope")
-        c.train.problems_per_step = max(1, contexts // contexts_per_problem(config, method))
-        return c
+        ks = s.eval_ks if n is None else [k for k in s.eval_ks if k <= n]
+        return evaluate_unguided(prober, self.policy.prompts, problems, n=n or s.eval_n, ks=ks,
+                                 seed=s.seed + 7, description=description)
