@@ -102,8 +102,8 @@ class ReportSettings:
             trace_max_samples=config.prefixrl.max_samples,
             iso_budgets=tuple(config.get("isocompute", {}).get("budgets", ())),
             output_dir=results.get("output_dir", "") or "", runs=runs,
-            designs={name: guided_design(config, spec) for name, spec in specs.items()
-                     if spec.method == "pope"},
+            designs={name: design for name, spec in specs.items()
+                     if (design := guided_design(config, spec)) is not None},
             command_variant=_command_variant(config, specs))
 
 
