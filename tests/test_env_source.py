@@ -273,10 +273,13 @@ def test_sampling_ahead_runs_the_environment_on_the_sampler_thread(model, tokeni
 
 
 @pytest.mark.slow  # minutes on 2 cores: SmolLM2-135M's sampling and update
-def test_smollm2_grpo_step_through_the_environment(tmp_path):
+@pytest.mark.parametrize("fixture", ["two_turn_env.py", "verifiers_math_env.py"],
+                         ids=["openai_client", "verifiers"])
+def test_smollm2_grpo_step_through_the_environment(tmp_path, fixture):
     """The rl job as docs/TOOLS.md prints it, cut to one step without evaluation: SmolLM2-135M-
     Instruct (the bundled GGUF) on gsm_symbolic, 2 problems x 4 episodes of the fixture's two
-    turns against the live server, GRPO (dr_grpo) on what came back."""
+    turns against the live server (an environment of the openai client's, or a verifiers v1
+    one), GRPO (dr_grpo) on what came back."""
     import subprocess
     import sys
 
@@ -287,7 +290,8 @@ def test_smollm2_grpo_step_through_the_environment(tmp_path):
         "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
     result = subprocess.run(
         [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smollm2",
-         f"--workdir={tmp_path}", f"--config.environment.source={ENVIRONMENT}:make",
+         f"--workdir={tmp_path}",
+         f"--config.environment.source={os.path.join(os.path.dirname(ENVIRONMENT), fixture)}:make",
          "--config.train.total_steps=1", "--config.rollout.max_new_tokens=64",
          "--config.eval.every=0", "--config.checkpoint.every=1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
