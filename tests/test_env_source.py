@@ -46,6 +46,10 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
+    return tiny_llama_over(tokenizer)
+
+
+def tiny_llama_over(tokenizer):
     """A tiny random llama over SmolLM2's vocabulary (tests/tiny_checkpoints.save_llama_over's)."""
     config = models.ModelConfig(
         model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
@@ -80,6 +84,7 @@ def _recorded(source):
 
 
 def _config(source, **train):
+    """A GRPO run of 3 problems x 2 episodes a step through the environment `source`."""
     c = run_config.base_config()
     c.rollout.update(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
     c.environment.source = source
@@ -90,17 +95,22 @@ def _config(source, **train):
     return c
 
 
-def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_reach_the_advantage(
-        model, tokenizer, source):
-    config = _config(source)
+def sampled_through(config, model, tokenizer):
+    """PROBLEMS, 2 episodes each, sampled and scored through config's environment."""
     external = EnvironmentSettings.from_config(config).episode_source(tokenizer, 256)
     request = scoring.RolloutRequest(
         contexts=[ChatPrompts(tokenizer).question(p) for p in PROBLEMS], problems=PROBLEMS,
         tags={}, n=2)
-    scored = scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=3,
-                                      rollout=RolloutSpec.from_config(config.rollout),
-                                      stop_ids=[tokenizer.eos_id],
-                                      episodes=scoring.EpisodeSource(external, rewarded=True))
+    return scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=3,
+                                    rollout=RolloutSpec.from_config(config.rollout),
+                                    stop_ids=[tokenizer.eos_id],
+                                    episodes=scoring.EpisodeSource(external, rewarded=True))
+
+
+def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_reach_the_advantage(
+        model, tokenizer, source):
+    config = _config(source)
+    scored = sampled_through(config, model, tokenizer)
     seen = _recorded(source)
     assert len(seen) == 6 and all(s is not None for s in seen)
     # The rewards are the environment's, grouped n per problem in the episodes' order.

@@ -5,8 +5,8 @@ on the episode's turns as its trace recorded them, rewarded by the task's @vf.re
 
 The environment is tests/fixtures/verifiers_math_env.py (two chat turns: the question, then a
 user turn asking to confirm). verifiers comes with the test extra (and the `verifiers` extra);
-it pins openai<3, which the server's own tests take too. The policy is a tiny random llama over SmolLM2's
-vocabulary and chat template, as in tests/test_env_source.py.
+it pins openai<3, which the server's own tests take too. The policy is a tiny random llama
+over SmolLM2's vocabulary and chat template, as in tests/test_env_source.py.
 """
 import os
 
@@ -14,25 +14,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxprefix import models, run_config, tokenizers
+from test_env_source import PROBLEMS, _config, _train, sampled_through, tiny_llama_over
+
+from jaxprefix import models, tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
-from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import ChatPrompts
 from jaxprefix.rewards import from_file
-from jaxprefix.rl import loop, objectives, scoring
+from jaxprefix.rl import loop, objectives
 from jaxprefix.rl.metrics import read_metrics
-from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
+from jaxprefix.run_setup.learner_settings import loop_settings
 from jaxprefix.run_setup.run_settings import resolve
-from jaxprefix.sampling import RolloutSpec
-from jaxprefix.serving.env_settings import EnvironmentSettings
-
 
 ENVIRONMENT = os.path.join(os.path.dirname(__file__), "fixtures", "verifiers_math_env.py")
-SOURCE = f"{ENVIRONMENT}:make"
-MAX_NEW = 8
-PROBLEMS = [Problem(id=f"p{i}", question=f"What is {a}+{b}?", answer=str(a + b))
-            for i, (a, b) in enumerate([(2, 3), (4, 6), (12, 9)])]
+SOURCE = f"{ENVIRONMENT}:make"  # the tiny policy, problems and run: tests/test_env_source.py's
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +37,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    config = models.ModelConfig(
-        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
-        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id,
-        max_position_embeddings=256)
-    return models.Decoder(config, rngs=nnx.Rngs(0))
+    return tiny_llama_over(tokenizer)
 
 
 @pytest.fixture
@@ -74,28 +64,10 @@ def _scored():
     return from_file._module(from_file.load(SOURCE, "test").path).EPISODES
 
 
-def _config(**train):
-    c = run_config.base_config()
-    c.rollout.update(n=2, temperature=1.0, max_new_tokens=MAX_NEW)
-    c.environment.source = SOURCE
-    c.train.update(dict(problems_per_step=3, total_steps=1, learning_rate=1e-3,
-                        micro_batch_size=0) | train)
-    c.eval.every = 0
-    c.checkpoint.every = 1
-    return c
-
-
 def test_rows_are_the_servers_tokens_and_logprobs_and_rewards_the_tasks(model, tokenizer,
                                                                        served):
-    config = _config()
-    source = EnvironmentSettings.from_config(config).episode_source(tokenizer, 256)
-    request = scoring.RolloutRequest(
-        contexts=[ChatPrompts(tokenizer).question(p) for p in PROBLEMS], problems=PROBLEMS,
-        tags={}, n=2)
-    scored = scoring.sample_and_score(model, tokenizer, request, reward_settings(config), seed=3,
-                                      rollout=RolloutSpec.from_config(config.rollout),
-                                      stop_ids=[tokenizer.eos_id],
-                                      episodes=scoring.EpisodeSource(source, rewarded=True))
+    config = _config(SOURCE)
+    scored = sampled_through(config, model, tokenizer)
     assert len(served) == 12 and len(_scored()) == 6  # two turns an episode
     _, batch = loop._batch([scored], loop_settings(config))
     advantages = np.asarray(objectives.group_advantages(scored.rewards, "grpo")).reshape(-1)
@@ -134,17 +106,11 @@ def test_grpo_steps_of_the_loop_train_on_the_verifiers_environment(model, tokeni
     """loop.train, two GRPO steps: each round (an event loop of its own) runs the method's
     problems as the environment's episodes against the live server; the task's rewards are the
     metrics', the server's sampled tokens the count generated, and the update moves the policy."""
-    config = _config(total_steps=2)
+    config = _config(SOURCE, total_steps=2)
     settings = resolve(config)
     method = GrpoMethod(ChatPrompts(tokenizer), PROBLEMS, problems_per_step=3, n=2, seed=0)
     before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    result = loop.train(settings.loop, str(tmp_path / "run"), method=method, model=model,
-                        tokenizer=tokenizer, stop_ids=[tokenizer.eos_id],
-                        learner_config=validate(config, contexts_per_step=3),
-                        rollout=settings.rollout, contexts_per_step=3,
-                        episodes=scoring.episode_source(settings.tools, settings.environment,
-                                                        tokenizer, 256),
-                        progress=False)
+    result = _train(config, settings, method, model, tokenizer, tmp_path)
     assert result["step"] == 2
     records = read_metrics(str(tmp_path / "run"))
     assert [r["step"] for r in records] == [1, 2] and len(served) == 24
