@@ -94,3 +94,54 @@ def test_policy_loading_honours_param_dtype_and_dtype(tmp_path):
         load_policy(c, str(tmp_path))
     paper, _ = variants.method_config("configs/grpo.py", "grpo", "paper")
     assert (paper.model.param_dtype, paper.model.dtype) == ("float32", "bfloat16")
+
+
+def _dots(jaxpr):
+    """Every dot_general of a jaxpr, its sub-jaxprs' (a custom VJP's, a jit's) included."""
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            yield e
+        for value in e.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from _dots(inner)
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape,f32_result", [
+    ("btd,df->btf", (2, 5, 16), (16, 24), False),      # an MLP projection
+    ("btd,dnh->btnh", (2, 5, 16), (16, 3, 8), False),  # query heads
+    ("nd,vd->nv", (10, 16), (40, 16), True),           # the unembedding's logits
+])
+def test_bf16_projections_dot_bf16_into_f32_forward_and_backward(equation, x_shape, w_shape,
+                                                                 f32_result):
+    """layers.linear below f32: every dot of its value and gradient takes two bf16 operands into
+    an f32 result (XLA's CPU runs those fast; a bf16 result or an f32 cotangent against a bf16
+    weight ran slower than f32), and both equal the f32 computation's to bf16's rounding."""
+    from jaxprefix.models import layers
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal(x_shape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(w_shape), jnp.bfloat16)
+    probe = jnp.asarray(rng.standard_normal(jnp.einsum(equation, x, w).shape), jnp.float32)
+
+    def loss(x, w):
+        return (layers.linear(equation, x, w, f32_result=f32_result).astype(jnp.float32)
+                * probe).sum()
+
+    def reference(x, w):
+        return (jnp.einsum(equation, x.astype(jnp.float32), w.astype(jnp.float32)) * probe).sum()
+
+    dots = list(_dots(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w).jaxpr))
+    assert len(dots) == 3  # the forward and its two transposes
+    for e in dots:
+        assert [v.aval.dtype for v in e.invars] == [jnp.bfloat16] * 2
+        assert e.params["preferred_element_type"] == jnp.float32
+    value, grads = jax.value_and_grad(loss, (0, 1))(x, w)
+    want, want_grads = jax.value_and_grad(reference, (0, 1))(x, w)
+    np.testing.assert_allclose(value, want, rtol=2e-2, atol=0.5)
+    for got, expected in zip(grads, want_grads):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), expected, rtol=2e-2, atol=0.1)
+    f32 = layers.linear(equation, x.astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_array_equal(f32, jnp.einsum(equation, x.astype(jnp.float32),
+                                                  w.astype(jnp.float32)))

@@ -422,8 +422,11 @@ def unembed(h: jax.Array, unembedding: jax.Array, config: ModelConfig,
     output_major: computed as layers.einsum_output_major does (a decode on CPU)."""
     unembedding = unembedding.astype(h.dtype)
     if output_major:
-        logits = layers.einsum_output_major('btd,dv->btv', h, unembedding,
-                                            preferred_element_type=jnp.float32)
+        logits = layers.linear('btd,dv->btv', h, unembedding, output_major, f32_result=True)
+    elif h.dtype == jnp.float32:
+        logits = jnp.einsum('...d,vd->...v', h, unembedding)
     else:
-        logits = jnp.einsum('...d,vd->...v', h, unembedding, preferred_element_type=jnp.float32)
+        rows = h.reshape(-1, h.shape[-1])
+        logits = layers.linear('nd,vd->nv', rows, unembedding, f32_result=True).reshape(
+            *h.shape[:-1], -1)
     return layers.softcap(logits, config.final_logit_softcapping)

@@ -111,10 +111,7 @@ def project(name: str, equation: str, x: jax.Array, weight: jax.Array, lora: dic
 
     `lora` is one layer's slice of `Adapters.scan_inputs` ({} without adapters); `output_major`:
     the weight is laid out output axes first (layers.output_major; a decode on CPU)."""
-    if output_major:
-        y = layers.einsum_output_major(equation, x, weight)
-    else:
-        y = jnp.einsum(equation, x, weight)
+    y = layers.linear(equation, x, weight, output_major)
     if name not in lora.get('factors', {}):
         return y
     a, b = lora['factors'][name]
