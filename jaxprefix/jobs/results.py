@@ -102,11 +102,12 @@ def run_results(config, workdir: str) -> dict:
                               f"(or both) before it, got {tuple(names)}")
     # Mining a run needs happens when it first runs (the limit case's trace pool, each cap's
     # prefix search), so an interrupted study has spent its time on the runs listed first.
-    studies = {"hard": (config, study_of(config, workdir))}
+    hard = study_of(config, workdir)
     if config.results.same_problems:  # every arm on the hard problems all POPE arms guide
-        studies["hard"] = (config, studies["hard"][1].on_problems_all_guide(guiding_searches(
-            [run_config(config, studies["hard"][1], name, config.seed) for name in names
-             if RUNS[name].method == "pope" and RUNS[name].regime == "hard"])))
+        hard = hard.on_problems_all_guide(guiding_searches(
+            [run_config(config, hard, name, config.seed) for name in names
+             if RUNS[name].method == "pope" and RUNS[name].regime == "hard"]))
+    studies = {"hard": (config, hard)}  # each regime's config (its arms' source) and study
     report = {"runs": {}}
     # Seed-major: an interrupted study has answered every question at its first seeds.
     total, started = len(config.results.seeds) * len(names), time.perf_counter()
@@ -117,8 +118,9 @@ def run_results(config, workdir: str) -> dict:
                          "this pace", i + 1, total, name, seed, elapsed,
                          elapsed / i * (total - i))
         if RUNS[name].regime not in studies:
-            *regime, report["regime_probe"] = _prefixrl_regime(*studies["hard"], workdir)
-            studies["prefixrl"] = tuple(regime)
+            regime_config, regime, report["regime_probe"] = _prefixrl_regime(config, hard,
+                                                                             workdir)
+            studies["prefixrl"] = (regime_config, regime)
         key = f"{name}_seed{seed}"
         saved = storage.join(workdir, key, RECORD)
         if config.results.report_only and not storage.exists(saved):
@@ -135,7 +137,7 @@ def run_results(config, workdir: str) -> dict:
     # The command as given, for the report's first line (a rebuilt report keeps it).
     report["command"] = " ".join(["python -m jaxprefix.main", *map(shlex.quote, sys.argv[1:])])
     if config.results.isocompute:
-        report["isocompute"] = _isocompute(*studies["hard"], storage.join(workdir, "iso"))
+        report["isocompute"] = _isocompute(config, hard, storage.join(workdir, "iso"))
     storage.write_json(storage.join(workdir, "results.json"), report, default=float)
     write_counts(report, config, workdir)
     results_report.write_report(report, ReportSettings.from_config(config, RUNS), workdir, RUNS)
