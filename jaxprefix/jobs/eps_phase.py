@@ -20,7 +20,7 @@ import sys
 import ml_collections
 
 from jaxprefix import statistics, storage
-from jaxprefix.run_setup.study_settings import guided_design
+from jaxprefix.run_setup.study_settings import guided_design, tie_margin
 from jaxprefix.studies import guided_share, results_report, study_tables
 from jaxprefix.studies.study_tables import Column
 
@@ -64,7 +64,7 @@ def level(folder: str) -> dict:
                          f"configs/results.py:eps (eval.key_step_probe)")
     out = {"folder": folder, "k": max(record["config"]["eval"]["ks"]), "eps": probe["probe/key_step"], "success": probe["probe/success"],
            "knob": _knob(record["config"]["sft"]["data"]), "arms": {},
-           "tie_margin": float(config.results.get("tie_margin", 0.0))}
+           "tie_margin": tie_margin(config)}
     for arm in ARMS:
         if arm not in rows or GRPO not in rows:
             continue

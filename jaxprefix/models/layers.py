@@ -101,7 +101,7 @@ def linear(equation: str, x: jax.Array, weight: jax.Array, output_major: bool = 
     their inputs in x's dtype and accumulate into an f32 result: XLA's CPU dots run bf16 inputs
     fast (AMX, YNNPACK) only into an f32 result, and into a bf16 one, or against an f32 operand,
     slower than f32 dots (SmolLM2 with LoRA, 8 x 256 tokens: forward 2.99 -> 1.68 s, backward
-    11.67 -> 8.62 s; bench/README.md). TPU's MXU accumulates in f32 either way. `output_major`:
+    11.67 -> 8.48 s; bench/README.md). TPU's MXU accumulates in f32 either way. `output_major`:
     W laid out output-major (einsum_output_major; a decode on CPU, never differentiated)."""
     if output_major:
         y = einsum_output_major(equation, x, weight, preferred_element_type=jnp.float32)

@@ -80,14 +80,12 @@ class ReportSettings:
     trace_max_samples: int
     iso_budgets: tuple
     output_dir: str           # '' : the workdir
-    runs: tuple[str, ...]
     designs: dict             # arm name -> GuidedDesign (every POPE arm of the specs)
     command_variant: str      # configs/results.py's variant, for a record without its command
 
     @classmethod
     def from_config(cls, config, specs) -> ReportSettings:
         d, results = config.data, config.results
-        runs = tuple(results.runs)
         reasoning_gym = d.source == "reasoning_gym"
         return cls(
             task_name=f"reasoning-gym's {d.task}" if reasoning_gym else d.source,
@@ -96,15 +94,21 @@ class ReportSettings:
             base_trained=config.model.get("source", "sft") == "sft",
             eval_ks=tuple(config.eval.ks), eval_n=config.eval.n,
             problems_per_step=config.train.problems_per_step, rollout_n=config.rollout.n,
-            tie_margin=float(results.get("tie_margin", 0.0)),
+            tie_margin=tie_margin(config),
             regime=results.regime.to_dict(),
             trace_samples_per_round=config.prefixrl.samples_per_round,
             trace_max_samples=config.prefixrl.max_samples,
             iso_budgets=tuple(config.get("isocompute", {}).get("budgets", ())),
-            output_dir=results.get("output_dir", "") or "", runs=runs,
+            output_dir=results.get("output_dir", "") or "",
             designs={name: design for name, spec in specs.items()
                      if (design := guided_design(config, spec)) is not None},
             command_variant=_command_variant(config, specs))
+
+
+def tie_margin(config) -> float:
+    """The margin inside which a paired difference is a tie, stated before the runs
+    (results.tie_margin; a study run before the field existed stated none: 0)."""
+    return float(config.results.get("tie_margin", 0.0))
 
 
 def _command_variant(config, specs) -> str:
