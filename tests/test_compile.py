@@ -406,3 +406,12 @@ def test_paper_variant_fits_v6e_8(tmp_path):
     print(json.dumps({k: step[k] for k in ('sampler_hbm_s', 'sampler_hbm_floor_s',
                                            'sampler_vs_floor', 'sampler_ici_s',
                                            'generated_tokens_per_s_per_chip')}))
+
+
+def test_a_bad_compile_setting_is_one_line_not_a_traceback(tmp_path):
+    """A compile run without a topology stops before any compile, naming the field and what
+    it expects, in one line (it was a ValueError's traceback)."""
+    status, output, report = run_job(tmp_path, '--config.compile.topology=')
+    assert status != 0 and report is None
+    assert 'Traceback' not in output
+    assert 'config.compile.topology is empty: expected a TPU type such as v6e-8' in output
