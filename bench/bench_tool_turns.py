@@ -5,7 +5,8 @@ SmolLM2-135M-Instruct (the bundled GGUF, f32) answers --contexts arithmetic ques
 its chat template, --n episodes each, temperature 1, turns of up to --turn-tokens tokens. The
 turns are forced tool calls: every turn is read as a call of a calculator (on an expression
 made from the turn's length) until a turn's length is a multiple of 3 or --max-turns turns
-are sampled, so episodes run 1-4 turns and every call appends SmolLM2's real tool turn. The
+are sampled, so episodes run 1-4 turns and every call appends SmolLM2's real tool turn
+(--calls every: no turn answers, every episode runs --max-turns turns). The
 calculator sleeps --tool-ms first, standing in for a tool that takes time (a python tool's
 subprocess takes ~40 ms).
 
@@ -55,7 +56,15 @@ def forced_calls(text: str) -> list[ToolCall]:
   """Every turn a call, unless its length is a multiple of 3 (then it is the answer)."""
   if len(text) % 3 == 0:
     return []
+  return every_turn_a_call(text)
+
+
+def every_turn_a_call(text: str) -> list[ToolCall]:
+  """Every turn a call: every episode runs --max-turns turns."""
   return [ToolCall("calculator", {"expression": f"{len(text)} * 7"})]
+
+
+CALL_RULES = {'mixed': forced_calls, 'every': every_turn_a_call}
 
 
 def slow_calculator(milliseconds: float) -> tools.Registry:
@@ -77,6 +86,9 @@ def main():
   parser.add_argument('--kv-rows', type=int, default=None,
                       help="kv_kept's rows in flight (default: every episode's row at once)")
   parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--calls', choices=sorted(CALL_RULES), default='mixed',
+                      help="mixed: a turn whose length is a multiple of 3 is the answer (episodes "
+                           "of 1 to --max-turns turns); every: every turn calls the tool")
   parser.add_argument('--quick', action='store_true')
   args = parser.parse_args()
   if args.quick:
@@ -105,7 +117,7 @@ def main():
           model, contexts, tokenizer=tokenizer, tools=registry, n=args.n,
           max_turns=args.max_turns, episode_token_budget=budget,
           max_new_tokens=args.turn_tokens, stop_ids=[tokenizer.eos_id], seed=0,
-          temperature=1.0, parse=forced_calls, tool_workers=args.tool_workers,
+          temperature=1.0, parse=CALL_RULES[args.calls], tool_workers=args.tool_workers,
           kv_kept=kv_kept, chunk_steps=args.chunk_steps, timings=timing,
           **({'max_rows_in_flight': args.kv_rows} if kv_kept else {}))
       for key, value in timing.items():
@@ -146,7 +158,7 @@ def main():
           f"tool runs{steps}")
   print(f"kv_kept / reference: {rates['kv_kept'] / rates['reference']:.2f}x sampled tokens/s "
         f"(kv_kept rows in flight: {args.kv_rows or 'all'}, chunks of at most "
-        f"{args.chunk_steps} steps)")
+        f"{args.chunk_steps} steps, --calls {args.calls})")
 
 
 if __name__ == '__main__':
