@@ -172,19 +172,23 @@ def _appendable(state: LoopState, shape: Shape) -> tuple:
 
 
 def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState) -> LoopState:
-    """One row a block feeds up to `append_tokens` of its known tokens in one pass (a prefill
-    over its pages): its token and the known ones after it but the last, whose keys and values
-    go into its pages; it then holds the last back, as a decode step would have left it. The
-    same as that many decode steps, in one forward of a few tokens a row instead."""
-    n, width = shape.n, shape.append_tokens
+    """Up to `append_rows` rows a block feed up to `append_tokens` of their known tokens each in
+    one pass (a prefill over their pages): a row's token and the known ones after it but the
+    last, whose keys and values go into its pages; it then holds the last back, as a decode
+    step would have left it. The same as that many decode steps, in one forward of a few tokens
+    a row instead, and one forward for rows whose tools answered together."""
+    n, width, page_size = shape.n, shape.append_tokens, shape.layout.page_size
     d, k = state.groups.context.shape
     ok, count, pages = _appendable(state, shape)
-    pick = jnp.argmax(ok, axis=1)  # [D]: the block's first such row
-    at = (jnp.arange(d), pick)
-    some = ok[at]
-    count = jnp.where(some, count[at], 0)
+    pick = jnp.argsort(~ok, axis=1, stable=True)[:, :shape.append_rows]  # [D, A]: the first
+    block = jnp.arange(d)[:, None]
+    at = (block, pick)
     tables = state.tables
-    for _ in range(-(-width // shape.layout.page_size) + 1):  # at most that many pages more
+    # Each fits in the free pages beside the rows picked before it.
+    owed = jnp.cumsum(jnp.where(ok[at], jnp.maximum(pages[at] - tables.held[at], 0), 0), axis=1)
+    some = ok[at] & (owed <= tables.count[:, None])
+    count = jnp.where(some, count[at], 0)
+    for _ in range(-(-width // page_size) + 1):  # at most that many pages more
         grows = jnp.zeros(ok.shape, bool).at[at].set(some & (tables.held[at] < pages[at]))
         tables = page_pool.grow(tables, grows)
     rows, out = state.rows, state.out
@@ -192,34 +196,37 @@ def _append(model, contexts: dict, layer_weights, shape: Shape, state: LoopState
     _, episode = episodes_of_rows(state, contexts, shape)
     episode = episode[at]
     i = jnp.arange(width)
-    known = out.completions[episode[:, None], jnp.clip(t[:, None] + i - 1, 0,
-                                                       out.completions.shape[1] - 1)]
-    fed = jnp.where(i == 0, rows.token[at][:, None], known)  # [D, width]
-    real = i < count[:, None]
-    positions = jnp.where(real, rows.position[at][:, None] + i, -1)
-    group = jnp.arange(d) * k + slot
+    last_column = out.completions.shape[1] - 1
+    known = out.completions[episode[..., None], jnp.clip(t[..., None] + i - 1, 0, last_column)]
+    fed = jnp.where(i == 0, rows.token[at][..., None], known)  # [D, A, width]
+    real = i < count[..., None]
+    positions = jnp.where(real, rows.position[at][..., None] + i, -1)
+    flat = lambda x: x.reshape(-1, *x.shape[2:])  # [D, A, ...] -> [D * A, ...], block-major
+    group = flat(block * k + slot)
     views = tuple(pool.view(page_pool.slot_tables(pool.layout, k)[group],
-                            jnp.where(some, state.groups.lengths[..., s][at[0], slot], 0),
-                            state.groups.first[..., s][at[0], slot], SEGMENTS[s])
+                            flat(jnp.where(some, state.groups.lengths[..., s][block, slot], 0)),
+                            flat(state.groups.first[..., s][block, slot]), SEGMENTS[s])
                   for s, pool in enumerate(state.store))
-    views += (state.pool.view(tables.table[at], jnp.where(some, t, 0),
-                              state.groups.last_position[at[0], slot], 'own'),)
-    _, kv, experts = model.extend(fed, positions, pages=views, layer_weights=layer_weights,
-                                  with_routes=True)
-    flat = lambda x: x.reshape(x.shape[0], d * width, 1, *x.shape[3:])  # a row per token
-    pool = page_pool.write_tokens(state.pool, flat(kv.k), flat(kv.v),
-                                  jnp.repeat(tables.table[at], width, axis=0),
-                                  (t[:, None] + i).reshape(-1), real.reshape(-1))
+    views += (state.pool.view(flat(tables.table[at]), flat(jnp.where(some, t, 0)),
+                              flat(state.groups.last_position[block, slot]), 'own'),)
+    _, kv, experts = model.extend(flat(fed), flat(positions), pages=views,
+                                  layer_weights=layer_weights, with_routes=True)
+    by_token = lambda x: x.reshape(x.shape[0], -1, 1, *x.shape[3:])  # a row per token
+    pool = page_pool.write_tokens(state.pool, by_token(kv.k), by_token(kv.v),
+                                  jnp.repeat(flat(tables.table[at]), width, axis=0),
+                                  (t[..., None] + i).reshape(-1), real.reshape(-1))
     after = t + count
-    taken = t[:, None] + i  # own indices of the known tokens it takes
-    again = real & (taken < rows.replay[at][:, None]) & (taken < rows.turn_start[at][:, None])
-    last = out.completions[episode, jnp.clip(after - 1, 0, out.completions.shape[1] - 1)]
+    taken = t[..., None] + i  # own indices of the known tokens it takes
+    again = real & (taken < rows.replay[at][..., None]) & (taken < rows.turn_start[at][..., None])
+    last = out.completions[episode, jnp.clip(after - 1, 0, last_column)]
     put = lambda x, value: x.at[at].set(jnp.where(some, value, x[at]))
     rows = rows.replace(t=put(rows.t, after), token=put(rows.token, last),
                         position=put(rows.position, rows.position[at] + count))
     out = out.replace(recomputed=out.recomputed.at[episode].add(
-        jnp.where(some, again.sum(axis=1), 0)))
-    out = _record_routes(out, episode[:, None], t[:, None] + i, experts, real)
+        jnp.where(some, again.sum(axis=-1), 0)))
+    if experts is not None:
+        experts = experts.reshape(*fed.shape, *experts.shape[2:])
+    out = _record_routes(out, episode[..., None], taken, experts, real)
     return state.replace(rows=rows, tables=tables, pool=pool, out=out)
 
 
@@ -273,7 +280,7 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
                          functools.partial(admission.admit, model, contexts, shape=shape),
                          lambda s: s, state)
     state = admission.start_rows(state, shape)
-    if shape.append_tokens:  # up to `admit` passes a step, each one row a block
+    if shape.append_tokens:  # up to `admit` passes a step, each `append_rows` rows a block
         append = functools.partial(_append, model, contexts, layer_weights, shape)
         state = jax.lax.while_loop(
             lambda c: (c[0] < shape.admit) & jnp.any(_appendable(c[1], shape)[0]),
@@ -341,10 +348,9 @@ def _step(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
 
 
 def _run(model, contexts: dict, settings: SamplingSettings, seed_key, stop_ids, limits: Limits,
-         state: LoopState, steps, wait_rows, shape: Shape) -> LoopState:
+         layer_weights, state: LoopState, steps, wait_rows, shape: Shape) -> LoopState:
     """Steps until nothing can progress, or `steps` steps, or `wait_rows` more rows wait for the
     host than at the start (a chunk of a multi-turn rollout: turns.py)."""
-    layer_weights = model.layer_weights() if shape.layout.per_layer else None
     until = state.step + steps
     waited = jnp.sum(state.rows.state == WAITING) + wait_rows
 
@@ -372,8 +378,9 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
     state = _initial_state(model, contexts, shape)
+    layer_weights = model.layer_weights() if shape.layout.per_layer else None
     out = _run(model, contexts, settings, seed_key, stop_ids, Limits.one_turn(max_new_tokens),
-               state, _FOREVER, _FOREVER, shape).out
+               layer_weights, state, _FOREVER, _FOREVER, shape).out
     routes = (out.prompt_routes, out.suffix_routes, out.routes) if shape.record_routes else None
     return out.completions, out.logprobs, out.lengths, out.stopped, routes
 
@@ -384,13 +391,24 @@ def start(graphdef, params, contexts: dict, *, shape: Shape) -> LoopState:
     return _initial_state(nnx.merge(graphdef, params), contexts, shape)
 
 
+@functools.partial(jax.jit, static_argnames=('graphdef',))
+def hoisted_weights(graphdef, params) -> list[dict] | None:
+    """Each layer's weights as `advance` takes them where the decode unrolls its layers
+    (Decoder.layer_weights), made once per rollout: laid out anew in every chunk they cost a
+    multi-turn rollout as much as a decode step a chunk (SmolLM2 f32 on 2 cores: 150 of a
+    chunk's fixed 185 ms)."""
+    return nnx.merge(graphdef, params).layer_weights()
+
+
 @functools.partial(jax.jit, static_argnames=('graphdef', 'shape'), donate_argnames=('state',))
 def advance(graphdef, params, contexts: dict, settings: SamplingSettings, seed_key, stop_ids,
-            limits: Limits, state: LoopState, steps, wait_rows, *, shape: Shape) -> LoopState:
-    """One chunk of a multi-turn rollout (_run's bounds), in place."""
+            limits: Limits, layer_weights, state: LoopState, steps, wait_rows, *,
+            shape: Shape) -> LoopState:
+    """One chunk of a multi-turn rollout (_run's bounds), in place; `layer_weights`:
+    hoisted_weights' where the layout has a pool per layer, else None."""
     TRACE_COUNTS['turns'] += 1
     return _run(nnx.merge(graphdef, params), contexts, settings, seed_key, stop_ids, limits,
-                state, steps, wait_rows, shape)
+                layer_weights, state, steps, wait_rows, shape)
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef',), donate_argnames=('state',))

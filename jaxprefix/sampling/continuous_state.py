@@ -26,8 +26,8 @@ class Shape:
     n rows, at most `row_slots` of them active, `admit` contexts prefilled together, up to
     `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
     pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
-    answer, a preempted row's replay) in passes of that many instead of one a step;
-    `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
+    answer, a preempted row's replay) in passes of that many instead of one a step,
+    `append_rows` rows a block at a time; `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
     argument of the programs."""
     n: int
     new_bucket: int
@@ -37,6 +37,7 @@ class Shape:
     reserve: int
     layout: PageLayout
     append_tokens: int = 0  # known tokens a row feeds in one pass (0: one a decode step)
+    append_rows: int = 1    # rows of a block a pass feeds
     record_routes: bool = False
     # Rows a decode step computes per block, the active ones first (0: every row): a chunk
     # whose caller knows no more rows can be in flight (turns.py) skips the idle ones.
