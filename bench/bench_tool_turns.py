@@ -37,7 +37,6 @@ import statistics
 import sys
 import time
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 

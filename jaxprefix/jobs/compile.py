@@ -58,14 +58,14 @@ def run_compile(config, workdir: str) -> dict:
     c = config.compile
     if not c.topology:
         raise ConfigError('config.compile.topology is empty: expected a TPU type such as v6e-8, '
-                         'v5litepod-16 or v5p-32, or a generation (v6e) for the smallest fit')
+                          'v5litepod-16 or v5p-32, or a generation (v6e) for the smallest fit')
     if c.slices < 1:
         raise ConfigError(f'config.compile.slices={c.slices}: expected >= 1')
     if not 0 <= c.headroom < 1:
         raise ConfigError(f'config.compile.headroom={c.headroom}: expected a fraction in [0, 1)')
     if c.context_length < 1:
-        raise ConfigError(f'config.compile.context_length={c.context_length}: expected the longest '
-                         'context (prompt plus guidance or prefix) in tokens, >= 1')
+        raise ConfigError(f'config.compile.context_length={c.context_length}: expected the '
+                          'longest context (prompt plus guidance or prefix) in tokens, >= 1')
     settings = resolve(config)  # what the rl job would run (the allocation applied), checked
     model_config = run_model_config(settings.config)
     generation = c.topology.strip()

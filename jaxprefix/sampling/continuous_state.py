@@ -27,8 +27,8 @@ class Shape:
     `new_bucket` own tokens a row, `reserve` pages promised to each active row, and the rows'
     pages as `layout` says; `append_tokens` (turns) feeds a row's known tokens (the host's
     answer, a preempted row's replay) in passes of that many instead of one a step,
-    `append_rows` rows a block at a time; `record_routes` (a MoE) records experts for routing replay. Hashable: the one static
-    argument of the programs."""
+    `append_rows` rows a block at a time; `record_routes` (a MoE) records experts for routing
+    replay. Hashable: the one static argument of the programs."""
     n: int
     new_bucket: int
     row_slots: int
