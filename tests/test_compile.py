@@ -108,6 +108,35 @@ def test_hlo_walk_counts_a_rare_branch_of_a_data_dependent_loop_by_its_calls():
     assert every.flops == pytest.approx(70 * matmul, rel=0.02)
 
 
+def test_hlo_walk_counts_a_rare_inner_loop_by_its_iterations_in_all():
+    """A data-dependent loop inside the body of another (a multi-turn decode's appending passes
+    inside its steps): costed as `rare_loop_trips` iterations in all, not its outer loop's trip
+    count at every outer iteration."""
+    devices = topology.devices(topology.slice_type('v5e-4'))
+    mesh = Mesh(np.array(devices), ('x',))
+    d, b = 512, 256
+
+    def f(w, x, steps, due):
+        def step(carry):
+            i, x = carry
+            inner = jax.lax.while_loop(lambda c: (c[0] < 3) & (i % due == 0),
+                                       lambda c: (c[0] + 1, jnp.tanh(c[1] @ w)), (0, x))[1]
+            return i + 1, inner + 1
+        return jax.lax.while_loop(lambda c: c[0] < steps, step, (0, x))[1]
+    w = jax.ShapeDtypeStruct((d, d), jnp.float32, sharding=NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((b, d), jnp.float32, sharding=NamedSharding(mesh, P('x')))
+    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+    text = jax.jit(f).lower(w, x, scalar, scalar).compile().as_text()
+    matmul = 2 * b * d * d / 4
+    cost = compiled_stats.HloCost(text, num_devices=4, unknown_trip_count=70,
+                                  rare_branch_calls=0, rare_loop_trips=12).total()
+    assert cost.flops == pytest.approx(12 * matmul, rel=0.02)
+    assert cost.unknown_loops == 2
+    nested = compiled_stats.HloCost(text, num_devices=4, unknown_trip_count=70,
+                                    rare_branch_calls=0).total()
+    assert nested.flops == pytest.approx(70 * 70 * matmul, rel=0.02)
+
+
 def _on_one_chip(*arrays):
     """Abstract arrays, (shape, dtype) each, on one v5e chip."""
     device = topology.devices(topology.slice_type('v5e-4'))[:1]
@@ -250,6 +279,39 @@ def test_a_row_cap_compiles_the_continuous_decode_generate_would_run(tmp_path):
     # 4 rows a block through 2 slots: 2 generations of up to max_new_tokens steps each.
     assert continuous['assumed_trip_count'] == 2 * config.rollout.max_new_tokens
     assert continuous['fits'] and continuous['roofline']['seconds'] > 0
+
+
+def test_a_tool_run_compiles_the_chunk_program_its_episodes_run(tmp_path):
+    """rollout.max_turns=3 with the calculator: the sampler program compiled is the chunk of
+    the KV-kept multi-turn decode (turns.abstract_turn_programs, as sample_turns runs it, its
+    observations' appending passes included), costed as every row's 3 turns; the learner is
+    compiled at the episode budget's width. With tools.rollout='reference', generate's programs
+    at the longest context it re-prefills instead."""
+    from jaxprefix.jobs.compile import run_compile
+
+    config = smoke_compile_config(tmp_path, SMALL, 'v5e-4')
+    config.rollout.max_turns = 3
+    config.tools.names = ['calculator']
+    config.tools.episode_token_budget = 128
+    report = run_compile(config, str(tmp_path / 'work'))
+    assert set(report['programs']) == {'learner update', 'sampler reshard', 'sampler turns'}
+    turns = report['programs']['sampler turns']
+    assert turns['shapes'].startswith('turns: 3 of up to'), turns['shapes']
+    assert turns['fits'] and turns['roofline']['seconds'] > 0
+    assert turns['loops_with_assumed_trip_count'] == 2  # the steps, and the appending passes
+    new_tokens = config.rollout.max_new_tokens
+    assert turns['assumed_trip_count'] == 3 * new_tokens  # every row in flight at once
+    step = report['step']
+    assert (step['max_turns'], step['episode_token_budget'], step['learner_width']) == (3, 128,
+                                                                                        128)
+    hlo = os.listdir(tmp_path / 'work' / 'hlo' / 'v5e-4')
+    assert any('turns' in name for name in hlo), hlo
+
+    config.tools.rollout = 'reference'
+    report = run_compile(config, str(tmp_path / 'reference'))
+    assert 'sampler turns' not in report['programs'] and 'sampler decode' in report['programs']
+    # The last turn re-prefills 128 - 27 tokens, in a context bucket of 128.
+    assert 'x 128 tokens' in report['programs']['sampler prefill']['shapes']
 
 
 def test_a_split_reports_each_side_and_the_pipelined_step(tmp_path):
@@ -415,3 +477,21 @@ def test_a_bad_compile_setting_is_one_line_not_a_traceback(tmp_path):
     assert status != 0 and report is None
     assert 'Traceback' not in output
     assert 'config.compile.topology is empty: expected a TPU type such as v6e-8' in output
+
+
+def test_a_tool_run_whose_contexts_leave_no_room_in_an_episode_is_refused_before_compiling(
+        tmp_path):
+    """compile.context_length at or over the episode's token budget: no turn could be sampled,
+    so the job stops in one line naming both fields, before any compile."""
+    from jaxprefix.errors import ConfigError
+    from jaxprefix.jobs.compile import run_compile
+
+    config = smoke_compile_config(tmp_path, SMALL, 'v5e-4')
+    config.rollout.max_turns = 3
+    config.tools.names = ['calculator']
+    config.tools.episode_token_budget = 64  # the context_length smoke_compile_config sets
+    with pytest.raises(ConfigError, match=r'config\.compile\.context_length=64: expected below '
+                                          r'the tokens an episode may hold \(64: '
+                                          r'tools\.episode_token_budget'):
+        run_compile(config, str(tmp_path / 'work'))
+    assert not (tmp_path / 'work').exists()

@@ -68,6 +68,11 @@ def run_compile(config, workdir: str) -> dict:
                           'longest context (prompt plus guidance or prefix) in tokens, >= 1')
     settings = resolve(config)  # what the rl job would run (the allocation applied), checked
     model_config = run_model_config(settings.config)
+    step = step_shape(settings, model_config)
+    if step.episodes and step.episode_token_budget <= c.context_length:
+        raise ConfigError(f'config.compile.context_length={c.context_length}: expected below the '
+                          f'tokens an episode may hold ({step.episode_token_budget}: '
+                          f'tools.episode_token_budget, 0 for the model\'s context)')
     generation = c.topology.strip()
     candidates = (topology.generation_slices(generation)
                   if generation in topology.CHIPS or generation in topology.ALIASES
@@ -124,9 +129,7 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
     mesh = make_mesh(**config.mesh, devices=topology.devices(slice_, c.slices))
     check_rows(train, contexts, config.rollout.n, mesh,
                problems_per_step=config.train.problems_per_step)
-    step = programs.StepShape(contexts=contexts, context_length=c.context_length,
-                              n=config.rollout.n, rollout=spec, routing_replay=routing_replay(
-                                  config, any(model_config.sparse_layers)))
+    step = step_shape(settings, model_config)
     model = programs.abstract_model(model_config, mesh, settings.loop.adapters)
     logging.info('compile: %s on %d x %s, mesh %s', model_config.model_type, c.slices, slice_.name,
                  dict(mesh.shape))
@@ -162,6 +165,21 @@ def compile_for(settings: RunSettings, model_config: ModelConfig, slice_: topolo
                    kv_budget, start)
 
 
+def step_shape(settings: RunSettings, model_config: ModelConfig) -> programs.StepShape:
+    """What one step of the run samples and trains on: a tool run's episodes of
+    rollout.max_turns turns, each up to tools.episode_token_budget tokens (0: the model's
+    context), as the rl job samples them."""
+    config, tools = settings.config, settings.tools
+    return programs.StepShape(
+        contexts=settings.method.contexts_per_step, context_length=config.compile.context_length,
+        n=config.rollout.n, rollout=settings.rollout,
+        routing_replay=routing_replay(config, any(model_config.sparse_layers)),
+        max_turns=tools.max_turns,
+        episode_token_budget=(tools.episode_token_budget
+                              or model_config.max_position_embeddings),
+        kv_kept=tools.rollout == 'kv_kept')
+
+
 def slice_meshes(settings: RunSettings, model_config: ModelConfig, slice_: topology.SliceType,
                  devices: int) -> tuple:
     """(the learner's mesh, the sampler's) with the sampler on the slice's last `devices` chips
@@ -195,14 +213,10 @@ def split_for(settings: RunSettings, model_config: ModelConfig, slice_: topology
     learner on the rest (slice_meshes), each side's programs compiled on its own mesh and its
     HLO under <workdir>/hlo/<slice>/split_<devices>/. A side whose chips cannot hold it is
     reported as not fitting; the learner's compile is skipped when its state alone is over."""
-    config, train, spec, chip = (settings.config, settings.train, settings.rollout,
-                                 slice_.chip)
+    config, train, chip = settings.config, settings.train, slice_.chip
     c = config.compile
     learner_mesh, sampler_mesh = slice_meshes(settings, model_config, slice_, devices)
-    step = programs.StepShape(contexts=settings.method.contexts_per_step,
-                              context_length=c.context_length, n=config.rollout.n, rollout=spec,
-                              routing_replay=routing_replay(
-                                  config, any(model_config.sparse_layers)))
+    step = step_shape(settings, model_config)
     adapters = settings.loop.adapters
     logging.info('compile: split %d: learner mesh %s, sampler mesh %s', devices,
                  dict(learner_mesh.shape), dict(sampler_mesh.shape))
@@ -337,6 +351,8 @@ def _report(config, model_config, slice_, workdir, mesh, step, compiled, learner
                   'lora_rank': config.train.get('lora_rank', 0)},
         'step': {'contexts': step.contexts, 'n': step.n, 'rows': step.rows,
                  'context_length': step.context_length, 'max_new_tokens': step.max_new_tokens,
+                 'max_turns': step.max_turns,
+                 'episode_token_budget': step.episode_token_budget if step.episodes else None,
                  'max_rows_in_flight': spec.max_rows_in_flight, 'kv_budget_bytes': kv_budget,
                  'kv_dtype': spec.kv_dtype or model_config.dtype, 'page_size': spec.page_size,
                  'learner_width': step.learner_width, 'routing_replay': step.routing_replay,

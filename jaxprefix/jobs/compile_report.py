@@ -41,7 +41,7 @@ def sampler_figures(rows: list, decode: programs.Program | None, step: programs.
     """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
 
     The floor is what the step's decoding must read at the least, every row running to
-    max_new_tokens (docs/SCALING.md), spread over every chip's HBM: the KV
+    max_new_tokens (every turn of a tool run's episodes: docs/SCALING.md), spread over every chip's HBM: the KV
     (costing.kv_read_floor_seconds, in the KV dtype); and the weights, at each of the decode's
     steps (its generations of `decode.rows_in_flight` rows) those its rows need, once: every
     weight but the embedding table, of a MoE's experts those some row routes to
@@ -56,11 +56,12 @@ def sampler_figures(rows: list, decode: programs.Program | None, step: programs.
     weights_s = costing.hbm_seconds(weights / chips, chip)
     floor = weights_s + costing.kv_read_floor_seconds(
         rows=step.rows, contexts=step.contexts, context_length=step.context_length,
-        max_new_tokens=step.max_new_tokens, kv_bytes_per_token=token, chips=chips, chip=chip)
+        max_new_tokens=step.new_tokens_per_row, kv_bytes_per_token=token, chips=chips,
+        chip=chip)
     sampler = [p for p in rows if p['name'].startswith('sampler') and p['roofline']]
     hbm = sum(p['calls_per_step'] * p['roofline']['hbm_s'] for p in sampler)
     seconds = sum(p['calls_per_step'] * p['roofline']['seconds'] for p in sampler)
-    generated = step.rows * step.max_new_tokens
+    generated = step.rows * step.new_tokens_per_row
     return {'sampler_hbm_s': hbm, 'sampler_hbm_floor_s': floor,
             'sampler_floor_weights_s': weights_s,
             'sampler_vs_floor': hbm / floor if floor else None,
@@ -86,6 +87,7 @@ def program_report(p: programs.Program, chip: topology.Chip, devices: int,
     cost = compiled_stats.HloCost(p.compiled.as_text(), num_devices=devices,
                                   unknown_trip_count=p.unknown_trip_count,
                                   rare_branch_calls=p.rare_branch_calls,
+                                  rare_loop_trips=p.rare_loop_trips,
                                   kernel_flops=costing.kernel_flops,
                                   kernel_bytes=functools.partial(
                                       costing.kernel_bytes,
@@ -121,13 +123,17 @@ def table(report: dict) -> str:
     """The printed summary: one row per program, per chip and per call."""
     step = report['step']
     model = report['model']
+    turns = step.get('max_turns', 1)
+    sampled = (f"{turns} turns of up to {step['max_new_tokens']} new tokens in "
+               f"{step['episode_token_budget']} tokens an episode" if turns > 1
+               else f"{step['max_new_tokens']} new tokens")
     lines = [
         f"compile: {report['slices']} x {report['topology']} ({report['chips']} chips, "
         f"{report['hosts']} host(s)), mesh {report['mesh']}",
         f"model {model['model_type']} {model['params'] / 1e9:.2f}B params ({model['param_dtype']} "
         f"parameters, {model['dtype']} compute); step: {step['contexts']} contexts x "
         f"n={step['n']} = {step['rows']} rows, context {step['context_length']} + "
-        f"{step['max_new_tokens']} new tokens, learner width {step['learner_width']}", '',
+        f"{sampled}, learner width {step['learner_width']}", '',
         '| program | calls/step | HBM GiB/chip | args | temp | resident | headroom | fits '
         '| TFLOP | GB | compute s | HBM s | ICI s | collectives |',
         '|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|']
@@ -159,7 +165,8 @@ def table(report: dict) -> str:
                      f"{step['sampler_floor_weights_s']:,.0f} s of it), "
                      f"{step['rows_in_flight']:,} rows in flight, {step['sampler_ici_s']:,.0f} s "
                      f"of ICI; {step['generated_tokens_per_s_per_chip']:,.0f} generated tokens/s "
-                     f"per chip when every row runs to {step['max_new_tokens']:,} tokens.")
+                     f"per chip when every row runs to {turns * step['max_new_tokens']:,} "
+                     "tokens.")
     return '\n'.join(lines + _pipeline_lines(report.get('pipeline', {})))
 
 

@@ -306,6 +306,22 @@ def _abstract_params(params):
     return jax.tree.map(one, params)
 
 
+def abstract_request(req: _Request) -> tuple[dict, _Request]:
+    """({'reshard': ...} when the decode lays the weights out first, else {}; the request with
+    abstract weights, as the decode's programs take them)."""
+    programs = {}
+    params = _abstract_params(req.params)
+    if req.reshard is not None:
+        programs['reshard'] = dataclasses.replace(req.reshard, args=(params,))
+        params = _abstract_params(req.reshard.fn.eval_shape(params))
+    return programs, dataclasses.replace(req, params=params, reshard=None)
+
+
+def distinct_contexts(num_contexts: int, length: int, vocab_size: int) -> list[list[int]]:
+    """Contexts of `length` tokens, each different from the others (an abstract request's)."""
+    return [_distinct_tokens(i, length, vocab_size) for i in range(num_contexts)]
+
+
 def _distinct_tokens(index: int, length: int, vocab_size: int) -> list[int]:
     """`length` token ids that differ from those of every other index (its digits in base V)."""
     digits = []
@@ -340,7 +356,7 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
         raise ValueError(f'prompt_length must be in [0, context_length={context_length}), got '
                          f'{prompt_length}')
     vocab_size = model.config.vocab_size
-    contexts = [_distinct_tokens(i, context_length, vocab_size) for i in range(num_contexts)]
+    contexts = distinct_contexts(num_contexts, context_length, vocab_size)
     if prompt_length:
         contexts = [SharedContext(_distinct_tokens(i // contexts_per_prompt, prompt_length,
                                                    vocab_size), c[prompt_length:])
@@ -350,12 +366,7 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
                    page_size=page_size, kv_dtype=kv_dtype, reserve_fraction=reserve_fraction,
                    tensor_parallel=tensor_parallel, record_routes=record_routes)
-    programs = {}
-    params = _abstract_params(req.params)
-    if req.reshard is not None:
-        programs['reshard'] = dataclasses.replace(req.reshard, args=(params,))
-        params = _abstract_params(req.reshard.fn.eval_shape(params))
-    req = dataclasses.replace(req, params=params, reshard=None)
+    programs, req = abstract_request(req)
     with _mesh_scope(req.mesh):
         if req.plan is not None:
             return programs | {'continuous': _continuous_program(req)}

@@ -73,8 +73,9 @@ from jaxprefix.sampling.continuous_state import (ACTIVE, IDLE, WAITING, Limits, 
                                                  Outputs, Shape)
 from jaxprefix.sampling.layout import Context, SharedContext, bucket
 from jaxprefix.sampling.rollouts import Rollouts
-from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prepare, _sampling_args,
-                                        continuous_shape, laid_out)
+from jaxprefix.sampling.sampler import (Program, _layout_arrays, _mesh_scope, _prepare,
+                                        _sampling_args, abstract_request, continuous_shape,
+                                        distinct_contexts, laid_out)
 
 # A returning row's appended tokens go into its pages in passes of APPEND_TOKENS tokens a row,
 # APPEND_ROWS rows a block together (one forward beside the decode step). A chat template's tool
@@ -307,23 +308,17 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     earlier turn is computed again, so these are the experts every later token attended
     through (routes.py). `weights` (then `model` is weights.model): between chunks the decode
     goes on with the newest weights it gives (see the module docstring)."""
-    if max_turns < 1 or chunk_steps < 1:
-        raise ValueError(f'max_turns={max_turns}, chunk_steps={chunk_steps}: expected >= 1')
+    if chunk_steps < 1:
+        raise ValueError(f'chunk_steps={chunk_steps}: expected >= 1')
     if weights is not None and weights.kv == 'recompute' and max_turns > 1:
         # A row waiting for its tool's answer keeps its pages; it would attend to both versions.
         raise ValueError("weights with kv='recompute' take one turn a row (max_turns=1)")
-    room = episode_token_budget - min(map(_length, contexts))
-    if room < 1:
-        raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
-                         f'shortest context ({episode_token_budget - room} tokens)')
-    req = _prepare(model, contexts, n=n, max_new_tokens=room, stop_ids=stop_ids, seed=seed,
-                   paged=True, **sampler)
+    req, shape, limits = _turn_request(model, contexts, n=n, max_new_tokens=max_new_tokens,
+                                       max_turns=max_turns,
+                                       episode_token_budget=episode_token_budget,
+                                       stop_ids=stop_ids, seed=seed, **sampler)
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
-    shape = dataclasses.replace(continuous_shape(req), append_tokens=APPEND_TOKENS,
-                                append_rows=APPEND_ROWS)
-    limits = Limits(jnp.int32(max_new_tokens), jnp.int32(max_turns),
-                               jnp.int32(episode_token_budget))
     num = req.layout.num_contexts * n
     host = _Host(num, respond, set(int(s) for s in stop_ids))
     arrays = _layout_arrays(req.layout, True)
@@ -393,6 +388,55 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     stats['weight_swaps'] = len(swaps)
     versions = None if weights is None else tokens_by_version(first, swaps, lengths[:num])
     return TurnRollouts(rollouts, recomputed[:num], stats, versions)
+
+
+def _turn_request(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
+                  max_turns: int, episode_token_budget: int, stop_ids: Sequence[int], seed: int,
+                  **sampler) -> tuple:
+    """(generate()'s request over KV pages, the chunk program's Shape, its Limits): what
+    sample_turns decodes with, decided on the host."""
+    if max_turns < 1:
+        raise ValueError(f'max_turns={max_turns}: expected >= 1')
+    room = episode_token_budget - min(map(_length, contexts))
+    if room < 1:
+        raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
+                         f'shortest context ({episode_token_budget - room} tokens)')
+    req = _prepare(model, contexts, n=n, max_new_tokens=room, stop_ids=stop_ids, seed=seed,
+                   paged=True, **sampler)
+    shape = dataclasses.replace(continuous_shape(req), append_tokens=APPEND_TOKENS,
+                                append_rows=APPEND_ROWS)
+    limits = Limits(jnp.int32(max_new_tokens), jnp.int32(max_turns),
+                    jnp.int32(episode_token_budget))
+    return req, shape, limits
+
+
+def abstract_turn_programs(model, *, num_contexts: int, context_length: int, n: int,
+                           max_new_tokens: int, max_turns: int, episode_token_budget: int,
+                           num_stop_ids: int = 1, chunk_steps: int = 32,
+                           **sampler) -> dict[str, Program]:
+    """The programs sample_turns runs for a request of this shape, with abstract arguments
+    (sampler.abstract_programs' counterpart for episodes; `model` may be abstract): {'turns':
+    a chunk at every row (continuous.advance)}, after {'reshard': ...} when the decode lays
+    the weights out first. Under the mesh, `lower().compile()` compiles exactly what
+    sample_turns would run (memory_analysis() then reads its footprint)."""
+    contexts = distinct_contexts(num_contexts, context_length, model.config.vocab_size)
+    req, shape, limits = _turn_request(model, contexts, n=n, max_new_tokens=max_new_tokens,
+                                       max_turns=max_turns,
+                                       episode_token_budget=episode_token_budget,
+                                       stop_ids=range(num_stop_ids), seed=0, **sampler)
+    programs, req = abstract_request(req)
+    arrays = _layout_arrays(req.layout, True)
+    with _mesh_scope(req.mesh):
+        start = continuous.start.lower(req.graphdef, req.params, arrays, shape=shape)
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                             start.out_info, start.compile().output_shardings)
+        layer_weights = (continuous.hoisted_weights.eval_shape(req.graphdef, req.params)
+                         if shape.layout.per_layer else None)
+    settings, seed_key, stops = _sampling_args(req)[:3]
+    return programs | {'turns': Program(
+        continuous.advance, (req.graphdef, req.params, arrays, settings, seed_key, stops, limits,
+                             layer_weights, state, np.int32(chunk_steps), np.int32(1)),
+        dict(shape=shape))}
 
 
 def _with_weights(req, model):

@@ -153,18 +153,22 @@ class HloCost:
     """Costs of one compiled HLO module, per device."""
 
     def __init__(self, text: str, *, num_devices: int, unknown_trip_count: int = 1,
-                 rare_branch_calls: int | None = None,
+                 rare_branch_calls: int | None = None, rare_loop_trips: int | None = None,
                  kernel_flops: Callable[[str], float | None] = lambda op_name: None,
                  kernel_bytes: Callable[[str, list, float], float | None]
                  = lambda op, sizes, out: None):
         """rare_branch_calls: how many times in all a conditional in the body of a loop of
         unknown trip count takes its costliest branch (the continuous sampler's admissions:
-        a prefill now and then, a no-op otherwise); None: at every iteration (an upper bound)."""
+        a prefill now and then, a no-op otherwise); None: at every iteration (an upper bound).
+        rare_loop_trips: how many iterations in all a loop of unknown trip count in that body
+        runs (a multi-turn decode's appending passes, a few an observation); None: counted as
+        any loop of unknown trip count, at every iteration of the outer one."""
         self.computations, self.entry = parse_hlo(text)
         self.shapes = {c: {i.name: i.shape for i in body} for c, body in self.computations.items()}
         self.num_devices = num_devices
         self.unknown_trip_count = unknown_trip_count
         self.rare_branch_calls = rare_branch_calls
+        self.rare_loop_trips = rare_loop_trips
         self.kernel_flops = kernel_flops
         self.kernel_bytes = kernel_bytes
         self._costs: dict[str, Cost] = {}
@@ -265,6 +269,13 @@ class HloCost:
         rare_branch_calls times in all and their cheapest otherwise."""
         rare = min(self.rare_branch_calls, trips)
         for ins in self.computations.get(body, []):
+            if ins.opcode == 'while' and self.rare_loop_trips is not None:
+                inner, condition = _attr(ins.attrs, 'body'), _attr(ins.attrs, 'condition')
+                if self._trip_count(body, ins, condition) is None:  # iterations in all
+                    cost.unknown_loops += 1
+                    cost.add(self._cost(inner), self.rare_loop_trips)
+                    cost.add(self._cost(condition), trips + self.rare_loop_trips)
+                    continue
             if ins.opcode != 'conditional':
                 cost.add(self._instruction(body, ins), trips)
                 continue

@@ -35,10 +35,30 @@ class StepShape:
     n: int
     rollout: RolloutSpec       # how they are sampled (rollout.*)
     routing_replay: bool = False  # a MoE's experts recorded by the sampler, replayed in training
+    max_turns: int = 1         # a tool run's sampled turns an episode (rollout.max_turns)
+    episode_token_budget: int = 0  # and its tokens an episode, context and observations included
+    kv_kept: bool = True       # its episodes' rollout keeps the KV (tools.rollout='kv_kept')
 
     @property
     def max_new_tokens(self) -> int:
         return self.rollout.max_new_tokens
+
+    @property
+    def episodes(self) -> bool:
+        return self.max_turns > 1
+
+    @property
+    def new_tokens_per_row(self) -> int:
+        """The most tokens a row samples: max_new_tokens a turn, every turn."""
+        return self.max_turns * self.max_new_tokens
+
+    @property
+    def sampled_context_length(self) -> int:
+        """The longest context generate() prefills: the episode's last turn but its own tokens
+        where the reference rollout re-prefills every turn."""
+        if self.episodes and not self.kv_kept:
+            return max(self.context_length, self.episode_token_budget - self.max_new_tokens)
+        return self.context_length
 
     @property
     def rows(self) -> int:
@@ -46,7 +66,10 @@ class StepShape:
 
     @property
     def learner_width(self) -> int:
-        """The learner batch's width: the loop buckets the longest row to a power of two."""
+        """The learner batch's width: the loop buckets the longest row to a power of two (an
+        episode's: its token budget at most)."""
+        if self.episodes:
+            return batch_width_bucket(self.episode_token_budget)
         return batch_width_bucket(self.context_length + self.max_new_tokens)
 
 
@@ -61,6 +84,7 @@ class Program:
     calls_per_step: int = 1
     unknown_trip_count: int = 1    # iterations of a data-dependent loop (decode: max_new_tokens)
     rare_branch_calls: int | None = None  # that loop's costly branch taken (admissions), in all
+    rare_loop_trips: int | None = None  # a data-dependent loop in its body (appends): in all
     resident_bytes: float = 0.0    # per chip, live in HBM during the call but not an argument
     resident_note: str = ''
     shapes: str = ''
@@ -208,16 +232,25 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
     """The programs generate() runs for one step's rollouts (sampling.abstract_programs),
     compiled: the reshard of the weights for a tensor-parallel decode, then the static prefill
     and decode of every row, or the continuous decode when rollout.max_rows_in_flight or the KV
-    budget binds. The training state stays in HBM while sampling: `resident_bytes` per chip is
-    added to each program, and the learner-layout weights the reshard reads stay too.
+    budget binds. A tool run's episodes with their KV kept: the chunk program sample_turns
+    runs instead (turns.abstract_turn_programs); with the reference rollout, generate's at the
+    longest context it re-prefills. The training state stays in HBM while sampling:
+    `resident_bytes` per chip is added to each program, and the learner-layout weights the
+    reshard reads stay too.
     """
-    from jaxprefix.sampling import sampler
+    from jaxprefix.sampling import sampler, turns
 
     keywords = step.rollout.sampler_keywords()
     del keywords['memory_headroom']  # the budget is given: the slice's chips report no memory
-    found = sampler.abstract_programs(
-        model, num_contexts=step.contexts, context_length=step.context_length, n=step.n,
-        record_routes=step.routing_replay, **{**keywords, 'kv_budget_bytes': kv_budget_bytes})
+    keywords |= dict(num_contexts=step.contexts, n=step.n, record_routes=step.routing_replay,
+                     kv_budget_bytes=kv_budget_bytes)
+    if step.episodes and step.kv_kept:
+        found = turns.abstract_turn_programs(
+            model, context_length=step.context_length, max_turns=step.max_turns,
+            episode_token_budget=step.episode_token_budget, **keywords)
+    else:
+        found = sampler.abstract_programs(model, context_length=step.sampled_context_length,
+                                          **keywords)
     common = dict(resident_bytes=resident_bytes, resident_note=resident_note)
     out = []
     if 'reshard' in found:
@@ -227,6 +260,8 @@ def sampler_programs(model, mesh, step: StepShape, *, kv_budget_bytes: int | Non
         common = dict(resident_bytes=resident_bytes + bytes_per_chip(nnx.state(model)),
                       resident_note=resident_note + ', the learner-layout sampler weights')
     with jax.set_mesh(_decode_mesh(found, mesh)):
+        if 'turns' in found:
+            return out + [_turns(found['turns'], step, common)]
         if 'continuous' in found:
             return out + [_continuous(found['continuous'], step, common)]
         prefill, decode = found['prefill'], found['decode']
@@ -259,7 +294,7 @@ def decode_copy_bytes(model, step: StepShape) -> float:
 
 def _decode_mesh(found: dict, mesh):
     """The mesh the sampler's programs run on: their weights' (the decode mesh after a reshard)."""
-    program = found.get('continuous') or found['prefill']
+    program = found.get('turns') or found.get('continuous') or found['prefill']
     for leaf in jax.tree.leaves(program.args[1]):  # (graphdef, params, ...)
         if isinstance(getattr(leaf, 'sharding', None), NamedSharding):
             return leaf.sharding.mesh
@@ -267,29 +302,49 @@ def _decode_mesh(found: dict, mesh):
 
 
 def _continuous(program, step: StepShape, common: dict) -> Program:
+    # The loop runs until every row stopped: at most max_new_tokens steps per generation of rows
+    # through a block's active slots (the worst case: every row runs to max_new_tokens).
+    loop = _paged_loop(program, step, step.max_new_tokens)
+    return compile_program('sampler continuous', program.lower(),
+                           shapes=f"continuous: {loop.pop('shapes')}", **loop, **common)
+
+
+def _turns(program, step: StepShape, common: dict) -> Program:
+    """The chunk program, costed as if one chunk ran the whole rollout: every row its max_turns
+    turns of max_new_tokens steps, and a row's observation fed in one appending pass (one of
+    up to APPEND_TOKENS tokens) after each turn but its last."""
+    loop = _paged_loop(program, step, step.new_tokens_per_row)
+    contexts = program.args[2]['prompt_tokens'].shape[0]
+    rows_per_block = contexts // program.kwargs['shape'].layout.blocks * step.n
+    shapes = (f"turns: {step.max_turns} of up to {step.max_new_tokens} tokens, "
+              f"{step.episode_token_budget} tokens an episode; {loop.pop('shapes')}")
+    return compile_program('sampler turns', program.lower(), shapes=shapes,
+                           rare_loop_trips=rows_per_block * (step.max_turns - 1), **loop, **common)
+
+
+def _paged_loop(program, step: StepShape, new_tokens: int) -> dict:
+    """compile_program's figures for the continuous decode's loop, each row sampling up to
+    `new_tokens` tokens: its assumed trips, admissions, the paged kernel's reads and rows in
+    flight, and a line on its shapes."""
     s = program.kwargs['shape']
     pages = s.layout
     shards, contexts = pages.blocks, program.args[2]['prompt_tokens'].shape[0]
     rows_per_block = contexts // shards * step.n
-    # The loop runs until every row stopped: at most max_new_tokens steps per generation of rows
-    # through a block's active slots (the worst case: every row runs to max_new_tokens).
-    trips = -(-rows_per_block // s.row_slots) * step.max_new_tokens
-    admissions = -(-(contexts // shards) // s.admit)
+    trips = -(-rows_per_block // s.row_slots) * new_tokens
     # The paged kernel reads only the pages a group needs. Over the run each row's t-th step reads
-    # t of its own tokens, and each context is read at each of the max_new_tokens steps its rows
-    # run, once for all of them; so per call (one layer, one step), per device, on average:
-    t, per_block = step.max_new_tokens, contexts // shards
+    # t of its own tokens, and each context is read at each of the steps its rows run, once for
+    # all of them; so per call (one layer, one step), per device, on average:
+    t, per_block = new_tokens, contexts // shards
     lay = program.args[2]
     tokens_per_call = {'own': rows_per_block * t * (t - 1) / 2 / trips}
     for name in ('prompt', 'suffix'):
         real = (lay[f'{name}_positions'] >= 0).sum(axis=1)[:per_block].mean() if \
             lay[f'{name}_positions'].shape[1] else 0.0
         tokens_per_call[name] = float(per_block * t * real / trips)
-    shapes = (f"continuous: {contexts} contexts x {step.n} over {shards} block(s) of "
+    shapes = (f"{contexts} contexts x {step.n} over {shards} block(s) of "
               f"{s.row_slots} active rows, {s.context_slots} group slots of {step.n} rows "
               f"(admitting {s.admit}), {pages.pages} pages of {pages.page_size} tokens "
               f"({pages.dtype}), {s.reserve} promised a row")
-    return compile_program('sampler continuous', program.lower(), unknown_trip_count=trips,
-                           rare_branch_calls=admissions, shapes=shapes,
-                           paged_tokens_per_call=tokens_per_call,
-                           rows_in_flight=shards * s.row_slots, **common)
+    return dict(unknown_trip_count=trips, rare_branch_calls=-(-per_block // s.admit),
+                paged_tokens_per_call=tokens_per_call, rows_in_flight=shards * s.row_slots,
+                shapes=shapes)
