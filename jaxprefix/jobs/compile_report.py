@@ -41,11 +41,11 @@ def sampler_figures(rows: list, decode: programs.Program | None, step: programs.
     """The sampler's HBM seconds a step beside its floor, and what they mean in tokens.
 
     The floor is what the step's decoding must read at the least, every row running to
-    max_new_tokens (every turn of a tool run's episodes: docs/SCALING.md), spread over every chip's HBM: the KV
-    (costing.kv_read_floor_seconds, in the KV dtype); and the weights, at each of the decode's
-    steps (its generations of `decode.rows_in_flight` rows) those its rows need, once: every
-    weight but the embedding table, of a MoE's experts those some row routes to
-    (ModelConfig.decode_step_params)."""
+    max_new_tokens (in every turn of a tool run's episodes; docs/SCALING.md), spread over every
+    chip's HBM: the KV (costing.kv_read_floor_seconds, in the KV dtype); and the weights, at
+    each of the decode's steps (its generations of `decode.rows_in_flight` rows) those its rows
+    need, once: every weight but the embedding table, of a MoE's experts those some row routes
+    to (ModelConfig.decode_step_params)."""
     from jaxprefix.sampling import budget
 
     token = budget.page_bytes_per_token(model_config, step.rollout.kv_dtype or model_config.dtype)

@@ -378,7 +378,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     TRACE_COUNTS['continuous'] += 1
     model = nnx.merge(graphdef, params)
     state = _initial_state(model, contexts, shape)
-    layer_weights = model.layer_weights() if shape.layout.per_layer else None
+    layer_weights = _hoisted(model, shape.layout)
     out = _run(model, contexts, settings, seed_key, stop_ids, Limits.one_turn(max_new_tokens),
                layer_weights, state, _FOREVER, _FOREVER, shape).out
     routes = (out.prompt_routes, out.suffix_routes, out.routes) if shape.record_routes else None
@@ -391,13 +391,19 @@ def start(graphdef, params, contexts: dict, *, shape: Shape) -> LoopState:
     return _initial_state(nnx.merge(graphdef, params), contexts, shape)
 
 
-@functools.partial(jax.jit, static_argnames=('graphdef',))
-def hoisted_weights(graphdef, params) -> list[dict]:
-    """Each layer's weights as `advance` takes them where the decode unrolls its layers
-    (Decoder.layer_weights), made once per rollout: laid out anew in every chunk they cost a
-    multi-turn rollout about a decode step a chunk (SmolLM2 f32 on 2 cores: a chunk of no step
-    took 185 ms, 3 ms with them made once)."""
-    return nnx.merge(graphdef, params).layer_weights()
+def _hoisted(model, layout) -> list[dict] | None:
+    """Each layer's weights laid out for a decode that unrolls its layers (Decoder.
+    layer_weights) where the layout has a pool per layer (CPU), else None (the scan slices
+    them)."""
+    return model.layer_weights() if layout.per_layer else None
+
+
+@functools.partial(jax.jit, static_argnames=('graphdef', 'layout'))
+def hoisted_weights(graphdef, params, *, layout) -> list[dict] | None:
+    """The `layer_weights` `advance` takes (_hoisted's), made once per rollout: laid out anew
+    in every chunk they cost a multi-turn rollout about a decode step a chunk (SmolLM2 f32 on
+    2 cores: a chunk of no step took 185 ms, 3 ms with them made once)."""
+    return _hoisted(nnx.merge(graphdef, params), layout)
 
 
 @functools.partial(jax.jit, static_argnames=('graphdef', 'shape'), donate_argnames=('state',))
@@ -405,7 +411,7 @@ def advance(graphdef, params, contexts: dict, settings: SamplingSettings, seed_k
             limits: Limits, layer_weights, state: LoopState, steps, wait_rows, *,
             shape: Shape) -> LoopState:
     """One chunk of a multi-turn rollout (_run's bounds), in place; `layer_weights`:
-    hoisted_weights' where the layout has a pool per layer, else None."""
+    hoisted_weights'."""
     TRACE_COUNTS['turns'] += 1
     return _run(nnx.merge(graphdef, params), contexts, settings, seed_key, stop_ids, limits,
                 layer_weights, state, steps, wait_rows, shape)

@@ -329,8 +329,8 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     rows, busy = shape.context_slots * n, None
     first, swaps = None if weights is None else weights.version, []
     lengths = np.zeros(num, np.int32)
-    hoisted = lambda req: (continuous.hoisted_weights(req.graphdef, req.params)
-                           if shape.layout.per_layer else None)
+    hoisted = lambda req: continuous.hoisted_weights(req.graphdef, req.params,
+                                                     layout=shape.layout)
     with _mesh_scope(req.mesh):
         state, answers = continuous.start(req.graphdef, req.params, arrays, shape=shape), {}
         layer_weights = hoisted(req)
@@ -430,8 +430,8 @@ def abstract_turn_programs(model, *, num_contexts: int, context_length: int, n: 
         start = continuous.start.lower(req.graphdef, req.params, arrays, shape=shape)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              start.out_info, start.compile().output_shardings)
-        layer_weights = (continuous.hoisted_weights.eval_shape(req.graphdef, req.params)
-                         if shape.layout.per_layer else None)
+        layer_weights = continuous.hoisted_weights.eval_shape(req.graphdef, req.params,
+                                                              layout=shape.layout)
     settings, seed_key, stops = _sampling_args(req)[:3]
     return programs | {'turns': Program(
         continuous.advance, (req.graphdef, req.params, arrays, settings, seed_key, stops, limits,
