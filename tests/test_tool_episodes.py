@@ -6,6 +6,8 @@ calculator on arithmetic questions, read the observation and answer, and to answ
 directly; greedy rollouts then really parse calls, run the calculator and append its turn.
 """
 import string
+import threading
+import time
 
 import numpy as np
 import optax
@@ -23,9 +25,10 @@ from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
 from jaxprefix.rl.metrics import read_metrics
 from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner
-from jaxprefix.sampling import RolloutSpec
+from jaxprefix.sampling import RolloutSpec, continuous, turns
 from jaxprefix.sampling.layout import MIN_NEW_TOKENS_BUCKET, bucket
 from jaxprefix.tokenizers import CharTokenizer
+from jaxprefix.tools.calculator import CALCULATOR
 from jaxprefix.tools.calls import ToolCall
 from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
     episode_metrics, reprefilled_tokens, rollout_episodes, sampler_tokens
@@ -266,6 +269,34 @@ def test_kv_kept_episodes_equal_the_reference_across_a_preemption(policy, stocha
     assert sum(reprefilled_tokens(e) for e in kept) > 0  # earlier turns replayed: preempted
     # The tail ran on part of the rows (turns.rows_to_compute), with the same episodes.
     assert 0 < timings['narrow_chunks'] < timings['chunks']
+
+
+def test_chunks_are_short_while_a_tool_runs(policy, stochastic, stochastic_settings,
+                                            monkeypatch):
+    """While a tool runs, a chunk takes at most turns.TOOL_WAIT_STEPS steps, so that its answer
+    goes in soon after it is ready; while none runs, up to chunk_steps. The same episodes."""
+    running, lock, chunks = [0], threading.Lock(), []
+
+    def slow_calculator(arguments):
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.2)
+            return CALCULATOR.fn(arguments)
+        finally:
+            with lock:
+                running[0] -= 1
+    advance = continuous.advance
+
+    def recorded(*args, **kwargs):  # (a tool runs, the chunk's steps); a tool running now
+        chunks.append((running[0] > 0, int(args[9])))  # was submitted before the chunk's steps
+        return advance(*args, **kwargs)               # were chosen
+    monkeypatch.setattr(continuous, "advance", recorded)
+    registry = tools.Registry([tools.Tool("calculator", slow_calculator, CALCULATOR.description)])
+    kept = _rollout(policy, **stochastic_settings, tools=registry, kv_kept=True, chunk_steps=16)
+    assert_same_episodes(kept, stochastic)
+    assert {steps for tool, steps in chunks if tool} == {turns.TOOL_WAIT_STEPS}
+    assert 16 in {steps for tool, steps in chunks if not tool}
 
 
 @pytest.mark.slow  # two more compiles of the continuous decode

@@ -232,7 +232,8 @@ def rollout_episodes(model, contexts: Sequence, *, tokenizer, tools: Registry,
       - kv_kept=True: sampling.sample_turns, one continuous decode in which a row leaves for
         its tools and comes back with its KV kept (no earlier turn prefilled again); each
         episode's calls run in one of `tool_workers` threads while the device decodes the
-        other rows, and the loop returns to the host every `chunk_steps` steps at most.
+        other rows, and the loop returns to the host every `chunk_steps` steps at most
+        (turns.TOOL_WAIT_STEPS while a tool runs).
     `timings` (a dict, optional) receives how the time went: wall_s, device_s (the device at
     work), tools_s (a tool running) and idle_while_tools_s (the device idle meanwhile); with
     kv_kept, sample_turns' other stats too (chunks, steps). `sampler`'s record_routes (a MoE):
