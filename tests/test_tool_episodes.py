@@ -288,9 +288,10 @@ def test_chunks_are_short_while_a_tool_runs(policy, stochastic, stochastic_setti
                 running[0] -= 1
     advance = continuous.advance
 
-    def recorded(*args, **kwargs):  # (a tool runs, the chunk's steps); a tool running now
-        chunks.append((running[0] > 0, int(args[9])))  # was submitted before the chunk's steps
-        return advance(*args, **kwargs)               # were chosen
+    # (a tool runs, the chunk's steps): a tool running now was submitted before they were chosen
+    def recorded(*args, **kwargs):
+        chunks.append((running[0] > 0, int(args[9])))
+        return advance(*args, **kwargs)
     monkeypatch.setattr(continuous, "advance", recorded)
     registry = tools.Registry([tools.Tool("calculator", slow_calculator, CALCULATOR.description)])
     kept = _rollout(policy, **stochastic_settings, tools=registry, kv_kept=True, chunk_steps=16)
