@@ -314,12 +314,16 @@ def _turns(program, step: StepShape, common: dict) -> Program:
     turns of max_new_tokens steps, and a row's observation fed in one appending pass (one of
     up to APPEND_TOKENS tokens) after each turn but its last."""
     loop = _paged_loop(program, step, step.new_tokens_per_row)
-    contexts = program.args[2]['prompt_tokens'].shape[0]
-    rows_per_block = contexts // program.kwargs['shape'].layout.blocks * step.n
     shapes = (f"turns: {step.max_turns} of up to {step.max_new_tokens} tokens, "
               f"{step.episode_token_budget} tokens an episode; {loop.pop('shapes')}")
     return compile_program('sampler turns', program.lower(), shapes=shapes,
-                           rare_loop_trips=rows_per_block * (step.max_turns - 1), **loop, **common)
+                           rare_loop_trips=_contexts_per_block(program) * step.n
+                           * (step.max_turns - 1), **loop, **common)
+
+
+def _contexts_per_block(program) -> int:
+    """The contexts each row-device block of the continuous decode's program samples."""
+    return program.args[2]['prompt_tokens'].shape[0] // program.kwargs['shape'].layout.blocks
 
 
 def _paged_loop(program, step: StepShape, new_tokens: int) -> dict:
@@ -329,12 +333,13 @@ def _paged_loop(program, step: StepShape, new_tokens: int) -> dict:
     s = program.kwargs['shape']
     pages = s.layout
     shards, contexts = pages.blocks, program.args[2]['prompt_tokens'].shape[0]
-    rows_per_block = contexts // shards * step.n
+    per_block = _contexts_per_block(program)
+    rows_per_block = per_block * step.n
     trips = -(-rows_per_block // s.row_slots) * new_tokens
     # The paged kernel reads only the pages a group needs. Over the run each row's t-th step reads
     # t of its own tokens, and each context is read at each of the steps its rows run, once for
     # all of them; so per call (one layer, one step), per device, on average:
-    t, per_block = new_tokens, contexts // shards
+    t = new_tokens
     lay = program.args[2]
     tokens_per_call = {'own': rows_per_block * t * (t - 1) / 2 / trips}
     for name in ('prompt', 'suffix'):
