@@ -18,7 +18,7 @@ from jaxprefix import run_config, tools
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import TaskPrompts
-from jaxprefix.models import Decoder, ModelConfig, token_logprobs
+from jaxprefix.models import Decoder, ModelConfig, make_mesh, shard_model, token_logprobs
 from jaxprefix.rl import loop, scoring
 from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
@@ -307,6 +307,28 @@ def test_kv_kept_episodes_equal_the_reference(policy, stochastic, stochastic_set
     earlier turn prefilled again."""
     kept = _rollout(policy, **stochastic_settings, kv_kept=True, max_rows_in_flight=rows,
                     chunk_steps=8)
+    assert_same_episodes(kept, stochastic)
+    assert episode_metrics(kept)["rollout/reprefilled_tokens"] == 0
+
+
+@pytest.mark.slow  # the chunk program compiled for eight devices
+def test_kv_kept_episodes_on_eight_devices_equal_the_reference(policy, stochastic,
+                                                               stochastic_settings, monkeypatch):
+    """The rows over 8 devices (the 'data' axis: a block of row slots each, admitting its own
+    contexts, its rows leaving for their tools and coming back on its own pages): the
+    reference's episodes on one device."""
+    model, tokenizer, contexts = policy
+    sharded = shard_model(nnx.merge(*nnx.split(model)), make_mesh(8, 1, 1))  # a copy
+    assert len(sharded.embed[...].sharding.device_set) == 8
+    blocks, advance = set(), continuous.advance
+
+    def recorded(*args, shape, **kwargs):
+        blocks.add(shape.layout.blocks)
+        return advance(*args, shape=shape, **kwargs)
+    monkeypatch.setattr(continuous, "advance", recorded)
+    kept = _rollout((sharded, tokenizer, contexts), **stochastic_settings, kv_kept=True,
+                    max_rows_in_flight=16, chunk_steps=8)
+    assert blocks == {8}
     assert_same_episodes(kept, stochastic)
     assert episode_metrics(kept)["rollout/reprefilled_tokens"] == 0
 
