@@ -283,28 +283,31 @@ def test_sampling_ahead_runs_the_environment_on_the_sampler_thread(model, tokeni
 
 
 @pytest.mark.slow  # minutes on 2 cores: SmolLM2-135M's sampling and update
-@pytest.mark.parametrize("fixture", ["two_turn_env.py", "verifiers_math_env.py"],
+@pytest.mark.parametrize("fixture,devices", [("two_turn_env.py", 8), ("verifiers_math_env.py", 1)],
                          ids=["openai_client", "verifiers"])
-def test_smollm2_grpo_step_through_the_environment(tmp_path, fixture):
+def test_smollm2_grpo_step_through_the_environment(tmp_path, fixture, devices):
     """The rl job as docs/TOOLS.md prints it, cut to one step without evaluation: SmolLM2-135M-
     Instruct (the bundled GGUF) on gsm_symbolic, 2 problems x 4 episodes of the fixture's two
     turns against the live server (an environment of the openai client's, or a verifiers v1
-    one), GRPO (dr_grpo) on what came back."""
+    one), GRPO (dr_grpo) on what came back. The first on the suite's 8 simulated devices, the
+    weights and Adam's moments sharded over them (fsdp): the server's sampler calls decode
+    under that mesh (with data parallelism, the default, each of the 8 holds them whole: past
+    19 GB on one host); the second on one device, as the command runs outside the tests."""
     import subprocess
     import sys
 
-    # One CPU device, as the command runs outside the tests: under the suite's 8 simulated
-    # devices (conftest.py) this run's first sampler call of the live server grew past 19 GB
-    # and was killed for memory on a 23 GB machine (not investigated yet; docs/TOOLS.md).
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=os.environ.get("XLA_FLAGS", "").replace(
-        "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=1"))
+    count = "--xla_force_host_platform_device_count"
+    flags = " ".join([f for f in os.environ.get("XLA_FLAGS", "").split()
+                      if not f.startswith(count)] + [f"{count}={devices}"])
+    mesh = ["--config.mesh.data=1", "--config.mesh.fsdp=-1"] if devices > 1 else []
     result = subprocess.run(
         [sys.executable, "-m", "jaxprefix.main", "--config=configs/grpo.py:smollm2",
          f"--workdir={tmp_path}",
          f"--config.environment.source={os.path.join(os.path.dirname(ENVIRONMENT), fixture)}:make",
          "--config.train.total_steps=1", "--config.rollout.max_new_tokens=64",
-         "--config.eval.every=0", "--config.checkpoint.every=1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+         "--config.eval.every=0", "--config.checkpoint.every=1", *mesh],
+        cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags),
+        capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-4000:]}"
     (record,) = read_metrics(str(tmp_path))
     assert record["rollout/turns_mean"] == 2.0
