@@ -147,6 +147,38 @@ def test_prompt_lists_the_registry_tools_as_transformers_renders_them():
     assert "<tools>" not in chat_template.render(LISTS_TOOLS, messages, tools=[])
 
 
+@pytest.mark.parametrize("max_turns,environment,listed", [
+    (2, "chat", True), (1, "chat", False), (2, "keyed_multiplication", False)])
+def test_a_chat_policys_prompts_list_the_tools_of_a_chat_environment(max_turns, environment,
+                                                                     listed):
+    """A run whose episodes call tools in the chat template's own format: its policy's prompts
+    (questions and unfinished answers) render the template's tool section with the registry's
+    schemas; a run of one turn, or an environment of its own format, lists none."""
+    from jaxprefix import run_config, tools
+    from jaxprefix.data.problem import Problem
+    from jaxprefix.run_setup.policy import PolicySettings
+
+    config = run_config.base_config()
+    config.model.update(source="gguf", path="bundled")
+    config.rollout.max_turns = max_turns
+    if max_turns > 1:
+        config.tools.update(names=("calculator",) if environment == "chat" else ("read_key",),
+                            environment=environment)
+    settings = PolicySettings.from_config(config)
+    schemas = tools.registry(["calculator"]).schemas()
+    assert settings.tools == (tuple(schemas) if listed else ())
+    tokenizer = tokenizers.load(bundled_smollm2_path())
+    tokenizer.chat_template = LISTS_TOOLS
+    prompts = settings.chat_prompts(tokenizer)
+    problem = Problem("p", "What is 2+3?", "5")
+    question = tokenizer.decode(prompts.question(problem))
+    unfinished = prompts.render_unfinished(problem, "Let me")
+    for text in (question, unfinished):
+        assert ('"name": "calculator"' in text) == listed
+        assert ("<tools>" in text) == listed
+    assert question.endswith("What is 2+3?<|im_end|>\n<|im_start|>assistant\n")
+
+
 # One worked call shown in the prompt (SmolLM2's template has no tool section, and the 135M
 # model called nothing zero-shot: 0 calls in 4 greedy episodes with either system prompt tried).
 SHOT = [{"role": "system", "content": "You are a helpful assistant. For arithmetic, call the "

@@ -23,13 +23,15 @@ from jaxprefix.sampling import SharedContext
 
 class ChatPrompts:
     """Renders problems through the tokenizer's chat template (system prompt optional); the user
-    turn is `user_template` with the problem's question in its {question}."""
+    turn is `user_template` with the problem's question in its {question}. `tools`: function
+    schemas the template lists in its own tool section (a template without one ignores them)."""
 
     def __init__(self, tokenizer, system_prompt: str | None = None,
-                 user_template: str = "{question}"):
+                 user_template: str = "{question}", tools: Sequence[dict] = ()):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.user_template = user_template
+        self.tools = list(tools) or None
 
     def _asked(self, problem: Problem) -> str:
         return self.user_template.format(question=problem.question)
@@ -42,7 +44,8 @@ class ChatPrompts:
 
     def user_turn(self, text: str) -> list[int]:
         """A conversation of one user turn, ending where the assistant starts to answer."""
-        rendered = self.tokenizer.apply_chat_template(self._messages(text), add_generation_prompt=True)
+        rendered = self.tokenizer.apply_chat_template(self._messages(text),
+                                                      add_generation_prompt=True, tools=self.tools)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def question(self, problem: Problem) -> list[int]:
@@ -67,7 +70,7 @@ class ChatPrompts:
         messages = self._messages(self._asked(problem)) + [{"role": "assistant",
                                                            "content": response_text}]
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=False, continue_final_message=True)
+            messages, add_generation_prompt=False, continue_final_message=True, tools=self.tools)
 
 
 class TaskPrompts:

@@ -18,6 +18,7 @@ from jaxprefix import models, storage, tokenizers
 from jaxprefix.methods.prompting import ChatPrompts, TaskPrompts
 from jaxprefix.config_reads import unwrapped
 from jaxprefix.errors import ConfigError
+from jaxprefix.tools.settings import ToolSettings
 
 SOURCES = ("sft", "hf", "gguf")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
@@ -54,6 +55,7 @@ class PolicySettings:
     system_prompt: str | None = None  # a chat model's
     user_template: str = "{question}"
     sft: object = None                # source 'sft': the settings that train an absent base
+    tools: tuple[dict, ...] = ()      # the schemas a chat prompt lists (ToolSettings.prompt_tools)
 
     @classmethod
     def from_config(cls, config, workdir: str = "") -> PolicySettings:
@@ -77,8 +79,12 @@ class PolicySettings:
             raise ConfigError(f"config.model.user_template={template!r}: expected a template "
                               f"whose only field is {{question}} (literal braces doubled): "
                               f"{e!r}") from None
+        try:
+            tools = ToolSettings.from_config(config).prompt_tools()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         return cls(source, config.model.get("path", ""), dtype, param_dtype,
-                   config.model.get("system_prompt") or None, template)
+                   config.model.get("system_prompt") or None, template, tools=tools)
 
     @property
     def weights_path(self) -> str:
@@ -90,7 +96,7 @@ class PolicySettings:
         return self.path
 
     def chat_prompts(self, tokenizer) -> ChatPrompts:
-        return ChatPrompts(tokenizer, self.system_prompt, self.user_template)
+        return ChatPrompts(tokenizer, self.system_prompt, self.user_template, self.tools)
 
 
 def load_policy(config, workdir: str) -> Policy:

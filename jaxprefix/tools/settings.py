@@ -83,6 +83,14 @@ class ToolSettings:
                      "rollout.max_turns=1 runs no tool (a tool's observation needs a next turn)")
         return settings
 
+    def prompt_tools(self) -> tuple[dict, ...]:
+        """The tools' schemas for a chat prompt to list (the chat template's own tool section,
+        as TRL and verl pass `tools` to it): the `chat` environment's, whose calls are the
+        template's own; none for a run of one turn or an environment of its own format."""
+        if not self.episodes or self.environment != "chat":
+            return ()
+        return tuple(registry(self.names, self.python).schemas())
+
     def environment_for(self, tokenizer) -> Environment:
         """The run's environment over its tools (one-line errors naming the field)."""
         return environment(self.environment, tokenizer, registry(self.names, self.python),
