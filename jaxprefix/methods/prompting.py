@@ -33,6 +33,10 @@ class ChatPrompts:
         self.user_template = user_template
         self.tools = list(tools) or None
 
+    def one_turn(self) -> ChatPrompts:
+        """These prompts without the tool list: what a sampler of one turn asks (mining)."""
+        return ChatPrompts(self.tokenizer, self.system_prompt, self.user_template)
+
     def _asked(self, problem: Problem) -> str:
         return self.user_template.format(question=problem.question)
 
@@ -78,6 +82,10 @@ class TaskPrompts:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+
+    def one_turn(self) -> TaskPrompts:
+        """A task's prompts list no tools: the same."""
+        return self
 
     def question(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode(problem.question)

@@ -27,6 +27,7 @@ from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.methods.probing import Prober
 from jaxprefix.run_setup.method_settings import MethodSettings
+from jaxprefix.tools.settings import ToolSettings
 
 HARD_SET, LEDGER = "hard_set.json", "ledger.json"
 TRACE_POOL, TRACE_POOL_STATS = "trace_pool.jsonl", "trace_pool_stats.json"
@@ -111,11 +112,13 @@ class MiningSettings:
     prefix_samples: int
     seed: int
     probe: ProbeSettings
+    run_tools: tuple[str, ...] = ()  # the tools of a run of episodes, which mining goes without
 
     @classmethod
     def from_config(cls, config) -> MiningSettings:
+        tools = ToolSettings.from_config(config)
         return cls(config.mining.k, config.mining.prefix_samples, config.seed,
-                   ProbeSettings.from_config(config))
+                   ProbeSettings.from_config(config), tools.names if tools.episodes else ())
 
 
 class Mining:
@@ -123,6 +126,8 @@ class Mining:
 
     def __init__(self, settings: MiningSettings, policy, sets, directory: str):
         self.settings, self.policy, self.sets, self.dir = settings, policy, sets, directory
+        # Mining samples one turn, without the run's tools: its prompts list none.
+        self.prompts = policy.prompts.one_turn()
         self.costs = self._load_costs()
         self.prober = settings.probe.prober(policy, self._new_ledger(), sets.verifier)
 
@@ -146,13 +151,17 @@ class Mining:
     def _log_cost(self, what: str, items, samples: int, contexts: bool = False) -> None:
         """Logs sampling_cost of `samples` samples of each problem's question (or of each given
         context)."""
-        lengths = [_length(c) if contexts else len(self.policy.prompts.question(c))
+        lengths = [_length(c) if contexts else len(self.prompts.question(c))
                    for c in items]
         probe = self.settings.probe
-        logging.info("%s", sampling_cost(what, lengths, samples, probe.rollout.max_new_tokens,
-                                         self.policy.model.config.num_params(),
-                                         rows_per_call=probe.rows_per_call,
-                                         devices=jax.devices()))
+        line = sampling_cost(what, lengths, samples, probe.rollout.max_new_tokens,
+                             self.policy.model.config.num_params(),
+                             rows_per_call=probe.rows_per_call, devices=jax.devices())
+        if self.settings.run_tools:
+            line += (f"; one turn a sample, without the run's tools "
+                     f"({', '.join(self.settings.run_tools)}): mining samples no episodes yet "
+                     f"(docs/TOOLS.md)")
+        logging.info("%s", line)
 
     def _booking(self, artifact: str) -> None:
         """Books the prober's next samples to `artifact`."""
@@ -186,7 +195,7 @@ class Mining:
         k = self.settings.k
         self._log_cost("mining the hard set", self.sets.train, k)
         self._booking("hard_set")
-        hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
+        hard = pope.mine_hard_set(self.prober, self.prompts, self.sets.train, k=k,
                                   seed=self.settings.seed)
         logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
                      len(self.sets.train), k)
@@ -216,13 +225,13 @@ class Mining:
         # its first solved length): the guided contexts the search may sample.
         guide = dict(guidance=search.guidance, template=search.template_text)
         cap = dict(max_units=search.max_units, max_fraction=search.max_fraction)
-        guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
+        guided = [pope.guided_context(self.prompts, problem, units, **guide)[0]
                   for problem in hard.problems
                   for units in range(1, pope.prefix_limit(problem, **cap) + 1)]
         self._log_cost(f"{name} (every length the cap allows)", guided, samples, contexts=True)
         self._booking(name)
         found = pope.shortest_solvable_prefixes(
-            self.prober, self.policy.prompts, hard.problems, m=samples, **guide, **cap,
+            self.prober, self.prompts, hard.problems, m=samples, **guide, **cap,
             seed=self.settings.seed + 1)
         solved = sum(v is not None for v in found.shortest.values())
         logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
@@ -261,7 +270,7 @@ class Mining:
         counted in imported_pool.json); its declared generation cost (prefixrl.pool_flops) is
         booked as the 'imported_pool' artifact."""
         pool, stats = prefixrl.verified_pool(
-            prefixrl.TracePool.load_jsonl(p.pool_path, self.policy.prompts), problems,
+            prefixrl.TracePool.load_jsonl(p.pool_path, self.prompts), problems,
             verifier=self.sets.verifier, decode=self.policy.tokenizer.decode,
             timeout_s=self.settings.probe.verifier_timeout_s)
         logging.info("imported trace pool %s: %s", p.pool_path, stats)
@@ -279,9 +288,9 @@ class Mining:
         if p.pool == "imported_pool":  # traces from elsewhere (another model), verified first
             return self._imported_pool(p, problems)
         if p.pool == "oracle":
-            return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
+            return prefixrl.oracle_trace_pool(self.prompts, problems)
         if storage.exists(path):
-            pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
+            pool = prefixrl.TracePool.load_jsonl(path, self.prompts)
             if storage.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
                 stats = storage.read_json(self._path(TRACE_POOL_STATS))
                 pool.samples_per_problem = stats["samples_per_problem"]
@@ -289,7 +298,7 @@ class Mining:
         self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
                        p.max_samples)
         self._booking("trace_pool")
-        pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
+        pool = prefixrl.build_trace_pool(self.prober, self.prompts, problems,
                                          samples_per_round=p.samples_per_round,
                                          max_samples=p.max_samples, seed=self.settings.seed + 2)
         logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),
