@@ -184,9 +184,12 @@ def _stage_reads(view, workdir: str) -> None:
 
 
 def _mining_reads(view) -> None:
-    """set_up's Mining: its caches and prober read the mining block whole, its samples seeded."""
+    """set_up's Mining: its settings (the run's tools it goes without included), its caches and
+    prober reading the mining block whole, its samples seeded."""
+    from jaxprefix.run_setup.mining import MiningSettings
+
+    _as_config_error(MiningSettings.from_config, view)
     view.mining.to_dict()
-    view.seed
 
 
 def _settings_recorded(config, workdir: str):
