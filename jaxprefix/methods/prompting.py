@@ -14,6 +14,7 @@ sampler prefills the question once however many prefixes of one problem a batch 
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 from jaxprefix.data import tasks
@@ -35,7 +36,9 @@ class ChatPrompts:
 
     def one_turn(self) -> ChatPrompts:
         """These prompts without the tool list: what a sampler of one turn asks (mining)."""
-        return ChatPrompts(self.tokenizer, self.system_prompt, self.user_template)
+        plain = copy.copy(self)  # every other setting as it is
+        plain.tools = None
+        return plain
 
     def _asked(self, problem: Problem) -> str:
         return self.user_template.format(question=problem.question)
