@@ -61,7 +61,7 @@ def overlap_axis(c: ml_collections.ConfigDict) -> None:
 def tool_task(c: ml_collections.ConfigDict) -> None:
     """The built-in tool task (docs/TOOLS.md) on top of the demo task's settings: episodes of
     two turns in the task's own call syntax, the key reader their tool; GRPO on every training
-    problem (mining samples one turn without tools, so it has no hard set to give here)."""
+    problem (the study's choice, made when mining sampled one turn without the tools)."""
     c.rollout.max_turns = 2
     c.tools.update(names=("read_key",), environment="keyed_multiplication")
     c.mining.train_on = "all"

@@ -153,10 +153,10 @@ def test_a_field_the_job_does_not_read_is_refused_before_any_work(tmp_path):
 
 
 @pytest.mark.parametrize("config,flags,line", [
-    ("eval.py:smoke", ("--config.rollout.max_turns=2", "--config.tools.names=('read_key',)",
-                       "--config.tools.environment=keyed_multiplication"),
-     "error: config.rollout.max_turns=2 is set but no stage of job eval samples episodes (jobs "
-     "that do: rl, tools); expected rollout.max_turns=1"),
+    ("results.py:smoke", ("--config.rollout.max_turns=2", "--config.tools.names=('read_key',)",
+                          "--config.tools.environment=keyed_multiplication"),
+     "error: config.rollout.max_turns=2 is set but no stage of job results samples episodes "
+     "(jobs that do: rl, tools, mine, eval); expected rollout.max_turns=1"),
     ("grpo.py:smoke", ("--config.tools.names=('calculator',)",),
      "error: config.tools.names=('calculator',): expected left at its default: "
      "rollout.max_turns=1 runs no tool (a tool's observation needs a next turn)"),

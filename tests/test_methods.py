@@ -321,3 +321,10 @@ def test_mining_states_what_it_will_sample_and_its_flops_before_it_starts():
     cpu = [types.SimpleNamespace(device_kind="cpu")]
     assert sampling_cost("mining the hard set", lengths, 16, 61, num_params=1000,
                          rows_per_call=16, devices=cpu) == line
+    # A run of tool episodes samples episodes: each within its token budget, context included.
+    episodes = sampling_cost("mining the hard set", lengths, 16, 61, num_params=1000,
+                             episodes=(3, 400, ("calculator", "python")))
+    assert episodes == (f"mining the hard set: will sample 3 contexts x 16 samples x an episode "
+                        f"of up to 3 turns with calculator, python (up to 61 new tokens a turn, "
+                        f"400 in all) (D <= {16 * 3 * 400:.3g} tokens, contexts included), <= "
+                        f"{2 * 1000 * 16 * 3 * 400:.3g} FLOPs (2 N D, N = 1e+03 parameters)")

@@ -153,8 +153,7 @@ def test_a_chat_policys_prompts_list_the_tools_of_a_chat_environment(max_turns, 
                                                                      listed):
     """A run whose episodes call tools in the chat template's own format: its policy's prompts
     (questions and unfinished answers) render the template's tool section with the registry's
-    schemas; a run of one turn, or an environment of its own format, lists none. Mining, which
-    samples one turn, asks without them."""
+    schemas; a run of one turn, or an environment of its own format, lists none."""
     from jaxprefix import run_config, tools
     from jaxprefix.data.problem import Problem
     from jaxprefix.run_setup.mining import MiningSettings
@@ -179,10 +178,8 @@ def test_a_chat_policys_prompts_list_the_tools_of_a_chat_environment(max_turns, 
         assert ('"name": "calculator"' in text) == listed
         assert ("<tools>" in text) == listed
     assert question.endswith("What is 2+3?<|im_end|>\n<|im_start|>assistant\n")
-    # Mining samples one turn without the tools, from prompts that list none, and says so.
-    assert "<tools>" not in tokenizer.decode(prompts.one_turn().question(problem))
-    assert MiningSettings.from_config(config).run_tools == (
-        tuple(config.tools.names) if max_turns > 1 else ())
+    # Mining samples the run's episodes, with its tools.
+    assert MiningSettings.from_config(config).probe.tools.episodes == (max_turns > 1)
 
 
 # One worked call shown in the prompt (SmolLM2's template has no tool section, and the 135M

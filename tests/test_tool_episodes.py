@@ -1,16 +1,14 @@
 """Multi-turn episodes with a real tool: the re-prefilling reference rollout, and the KV-kept one
 (rows leave the continuous decode for their tools) that must equal it.
 
-A tiny Decoder is first trained (a few hundred Adam steps on three conversations) to call the
-calculator on arithmetic questions, read the observation and answer, and to answer small talk
-directly; greedy rollouts then really parse calls, run the calculator and append its turn.
+The policy is tests/calculator_policy.py's: a tiny Decoder trained to call the calculator on
+arithmetic questions, read the observation and answer; greedy rollouts really parse calls, run
+the calculator and append its turn.
 """
-import string
 import threading
 import time
 
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
@@ -18,7 +16,7 @@ from jaxprefix import run_config, tools
 from jaxprefix.data.problem import Problem
 from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import TaskPrompts
-from jaxprefix.models import Decoder, ModelConfig, make_mesh, shard_model, token_logprobs
+from jaxprefix.models import make_mesh, shard_model, token_logprobs
 from jaxprefix.rl import loop, scoring
 from jaxprefix.run_setup.learner_settings import loop_settings, reward_settings, validate
 from jaxprefix.rl.dynamic_sampling import GroupSelection, build_batch
@@ -27,7 +25,6 @@ from jaxprefix.rl.train_config import TrainConfig
 from jaxprefix.rl.train_step import Learner
 from jaxprefix.sampling import RolloutSpec, continuous, turns
 from jaxprefix.sampling.layout import MIN_NEW_TOKENS_BUCKET, bucket
-from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools.calculator import CALCULATOR
 from jaxprefix.tools.calls import ToolCall
 from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
@@ -35,49 +32,13 @@ from jaxprefix.tools.episodes import ANSWER, BUDGET, MAX_TURNS, as_rollouts, \
 from jaxprefix.tools.observations import observation_tokens
 from jaxprefix.tools.settings import ToolSettings
 
-# A character-level chat template: "<role initial>:<content><eos>" per message.
-TEMPLATE = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }}<eos>{% endfor %}"
-            "{% if add_generation_prompt %}a:{% endif %}")
-CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
-# (question, expression or None, the calculator's answer, final answer)
-CONVERSATIONS = [("2+3?", "2+3", "5", "=5"), ("4*6?", "4*6", "24", "=24"),
-                 ("hi?", None, None, "hello")]
-MAX_NEW = 96  # one call is 79 characters
-
-
-def _text(question, expression, observation, answer):
-    call = f"{CALL % expression}<eos>t:{observation}<eos>a:" if expression else ""
-    return f"u:{question}<eos>a:{call}{answer}<eos>"
+from tests.calculator_policy import CALL, CONVERSATIONS, MAX_NEW, conversation_text, \
+    train_calculator_policy
 
 
 @pytest.fixture(scope="module")
 def policy():
-    texts = [_text(*c) for c in CONVERSATIONS]
-    # printable ASCII: the calculator's and the registry's error lines must be encodable
-    tokenizer = CharTokenizer(sorted(set(string.printable) - set(string.whitespace) | {" "}))
-    tokenizer.chat_template = TEMPLATE
-    ids = [tokenizer.encode(t) for t in texts]
-    tokens = np.zeros((len(ids), max(map(len, ids))), np.int32)
-    mask = np.zeros_like(tokens)
-    for row, x in enumerate(ids):
-        tokens[row, :len(x)], mask[row, :len(x)] = x, 1
-    config = ModelConfig(model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=64,
-                         intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                         head_dim=16, tie_word_embeddings=True)
-    model = Decoder(config, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer):
-        def loss(m):
-            return -token_logprobs(m, tokens, mask)[0].sum() / mask.sum()
-        value, grads = nnx.value_and_grad(loss)(model)
-        optimizer.update(model, grads)
-        return value
-    for _ in range(250):
-        step(model, optimizer)
-    contexts = [tokenizer.encode(f"u:{q}<eos>a:") for q, *_ in CONVERSATIONS]
-    return model, tokenizer, contexts
+    return train_calculator_policy()
 
 
 def _rollout(policy, **overrides):
@@ -98,8 +59,8 @@ def test_episodes_call_the_calculator_and_answer(policy, episodes):
     assert [e.group for e in episodes] == [0, 0, 1, 1, 2, 2]
     for e, (question, expression, observation, answer) in zip(episodes[::2], CONVERSATIONS):
         assert e.ended == ANSWER
-        assert tokenizer.decode(e.tokens.tolist()) == _text(question, expression, observation,
-                                                            answer)
+        assert tokenizer.decode(e.tokens.tolist()) == conversation_text(
+            question, expression, observation, answer)
         assert (e.turns, e.tool_calls, e.tool_failures) == ((2, 1, 0) if expression else
                                                              (1, 0, 0))
     assert episode_metrics(episodes) == {

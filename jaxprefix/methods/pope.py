@@ -190,9 +190,9 @@ def shortest_solvable_prefixes(prober: Prober, prompts, problems: Sequence[Probl
         for problem, (_, prefix), success in zip(pending, pairs, result.first_success):
             if success is not None:
                 found[problem.id] = units
-                if success and success[-1] in prober.stop_ids:
-                    success = success[:-1]  # the stop token is added back where it is trained
-                answers[problem.id] = list(prompts.response(prefix)) + list(success)
+                # The stop token is added back where it is trained.
+                success = success.without_stop(prober.stop_ids)
+                answers[problem.id] = list(prompts.response(prefix)) + success.tokens
     return PrefixSearch(found, answers)
 
 

@@ -11,7 +11,8 @@ Pipeline:
    one is found or `max_samples` is spent. Every sample is booked in the prober's ledger: the
    papers compare methods at equal compute with this sampling included.
 2. `cut_points`: `prefixes_per_problem` cuts at uniform fractions in [lo, hi] of each trace's
-   tokens, drawn once per problem from the seed.
+   tokens, drawn once per problem from the seed. A trace of tool episodes (its observations
+   masked apart) is cut only where the policy writes next (`Trace.can_cut`).
 3. `PrefixRLMethod`: each step, B problems from the pool, each as its prefixed contexts and
    `unprefixed_copies` plain ones (3:1 by default).
 """
@@ -37,11 +38,41 @@ from jaxprefix.methods.prompting import with_response_prefix
 
 @dataclasses.dataclass(frozen=True)
 class Trace:
-    """A successful answer to one problem: its tokens and how many samples finding it took."""
+    """A successful answer to one problem: its tokens and how many samples finding it took.
+
+    `sampled`: for a trace of tool episodes, 1 on the tokens the policy sampled and 0 on its
+    tools' observations; empty where the policy wrote every token (one turn, or another model's
+    text)."""
 
     problem_id: str
     tokens: tuple
     samples: int
+    sampled: tuple = ()
+
+    def __post_init__(self):
+        if self.sampled and len(self.sampled) != len(self.tokens):
+            raise ValueError(f"trace {self.problem_id}: {len(self.sampled)} sampled flags for "
+                             f"{len(self.tokens)} tokens")
+
+    def can_cut(self) -> np.ndarray:
+        """bool [len(tokens) + 1]: whether a prefix of that many tokens may be shown, so that the
+        policy writes the next token as it did. Any length of a trace of one turn; in a trace of
+        tool episodes, one that ends just after an observation (a turn's start) or inside the
+        last turn (the answer), never inside an observation, nor inside an earlier turn, whose
+        tool call the continuation would cut in two (a turn's call is parsed from its own
+        sampled text)."""
+        if not self.sampled:
+            return np.ones(len(self.tokens) + 1, bool)
+        # Past the last token: the stop token the policy writes.
+        sampled = np.append(np.asarray(self.sampled, bool), True)
+        starts = sampled & ~np.concatenate([[False], sampled[:-1]])
+        last = np.flatnonzero(starts)[-1]
+        return starts | (sampled & (np.arange(len(sampled)) >= last))
+
+    def prefix(self, length: int) -> tuple:
+        """The longest prefix of at most `length` tokens that may be shown (`can_cut`)."""
+        allowed = np.flatnonzero(self.can_cut()[:length + 1])
+        return self.tokens[:int(allowed[-1]) if len(allowed) else 0]
 
 
 @dataclasses.dataclass
@@ -54,14 +85,16 @@ class TracePool:
     def save_jsonl(self, path: str, tokenizer) -> None:
         lines = [json.dumps({"id": trace.problem_id, "tokens": list(trace.tokens),
                              "text": tokenizer.decode(list(trace.tokens)),
-                             "samples": trace.samples}) + "\n" for trace in self.traces.values()]
+                             "samples": trace.samples}
+                            | ({"sampled": list(trace.sampled)} if trace.sampled else {})) + "\n"
+                 for trace in self.traces.values()]
         storage.write_atomic(path, "".join(lines))
 
     @classmethod
     def load_jsonl(cls, path: str, prompts=None) -> "TracePool":
         """A pool written by `save_jsonl`, or traces from another model: `id` and `text` per record
-        (re-tokenised with `prompts.response` when there are no `tokens`); .jsonl, .json or
-        .parquet."""
+        (re-tokenised with `prompts.response` when there are no `tokens`; `sampled`, optional,
+        masks a tool episode's observations as 0); .jsonl, .json or .parquet."""
         traces = {}
         for location, record in read_records(path):
             if "id" not in record or not ("tokens" in record or "text" in record):
@@ -71,8 +104,12 @@ class TracePool:
                 if prompts is None:
                     raise DataError(f"{path}:{location}: text-only trace needs a tokenizer")
                 tokens = prompts.response(record["text"])
+            sampled = tuple(record.get("sampled") or ())
+            if sampled and len(sampled) != len(tokens):
+                raise DataError(f"{path}:{location}: field 'sampled' has {len(sampled)} flags "
+                                f"for {len(tokens)} tokens; expected one per token")
             traces[str(record["id"])] = Trace(str(record["id"]), tuple(tokens),
-                                              int(record.get("samples", 0)))
+                                              int(record.get("samples", 0)), sampled)
         if not traces:
             raise DataError(f"{path}: no traces")
         return cls(traces, {i: t.samples for i, t in traces.items()})
@@ -121,9 +158,10 @@ def build_trace_pool(prober: Prober, prompts, problems: Sequence[Problem], *,
         for problem, success in zip(pending, result.first_success):
             spent[problem.id] += samples_per_round
             if success is not None:
-                if success and success[-1] in prober.stop_ids:
-                    success = success[:-1]  # the stop token is the policy's to write, not a prefix's
-                traces[problem.id] = Trace(problem.id, tuple(success), spent[problem.id])
+                success = success.without_stop(prober.stop_ids)
+                traces[problem.id] = Trace(problem.id, tuple(success.tokens), spent[problem.id],
+                                           tuple(success.sampled) if 0 in success.sampled
+                                           else ())
             elif spent[problem.id] + samples_per_round <= max_samples:
                 still.append(problem)
         pending = still
@@ -132,15 +170,21 @@ def build_trace_pool(prober: Prober, prompts, problems: Sequence[Problem], *,
 
 
 def cut_points(num_tokens: int, count: int, lo: float, hi: float,
-               rng: np.random.Generator) -> list[int]:
+               rng: np.random.Generator, can_cut: np.ndarray | None = None) -> list[int]:
     """`count` prefix lengths at uniform fractions in [lo, hi] of a trace of `num_tokens`.
 
-    Each keeps at least one token and leaves at least one to generate.
+    Each keeps at least one token and leaves at least one to generate; given `can_cut`
+    (Trace.can_cut), each moves to the nearest length where a prefix may end (the shorter of
+    two as near).
     """
     if not 0.0 <= lo <= hi <= 1.0:
         raise ValueError(f"prefixrl cut fractions must satisfy 0 <= lo <= hi <= 1, got {lo}, {hi}")
     fractions = rng.uniform(lo, hi, size=count)
-    return [int(np.clip(round(f * num_tokens), 1, max(1, num_tokens - 1))) for f in fractions]
+    cuts = [int(np.clip(round(f * num_tokens), 1, max(1, num_tokens - 1))) for f in fractions]
+    allowed = None if can_cut is None else np.flatnonzero(can_cut[1:num_tokens]) + 1
+    if allowed is None or not len(allowed):
+        return cuts
+    return [int(allowed[np.argmin(np.abs(allowed - cut))]) for cut in cuts]
 
 
 class PrefixRLMethod(GrpoMethod):
@@ -161,13 +205,14 @@ class PrefixRLMethod(GrpoMethod):
         for problem in in_pool:
             # Cuts drawn per problem from (seed, id): the same whatever the pool's order.
             rng = np.random.default_rng([seed, zlib.crc32(problem.id.encode())])
-            tokens = pool.traces[problem.id].tokens
-            self.cuts[problem.id] = cut_points(len(tokens), prefixes_per_problem, *cut_range, rng)
+            trace = pool.traces[problem.id]
+            self.cuts[problem.id] = cut_points(len(trace.tokens), prefixes_per_problem,
+                                               *cut_range, rng, trace.can_cut())
 
     def prefix_tokens(self, problem: Problem, j: int, step: int) -> tuple:
         cut = self.cuts[problem.id][j]
         length = self.schedule.length(f"{problem.id}/{j}", cut, step)
-        return self.pool.traces[problem.id].tokens[:length]
+        return self.pool.traces[problem.id].prefix(length)
 
     def _contexts(self, batch: Sequence[Problem], step: int):
         contexts, problems, guided, prefixes = [], [], [], []

@@ -14,7 +14,6 @@ sampler prefills the question once however many prefixes of one problem a batch 
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 from jaxprefix.data import tasks
@@ -33,12 +32,6 @@ class ChatPrompts:
         self.system_prompt = system_prompt
         self.user_template = user_template
         self.tools = list(tools) or None
-
-    def one_turn(self) -> ChatPrompts:
-        """These prompts without the tool list: what a sampler of one turn asks (mining)."""
-        plain = copy.copy(self)  # every other setting as it is
-        plain.tools = None
-        return plain
 
     def _asked(self, problem: Problem) -> str:
         return self.user_template.format(question=problem.question)
@@ -85,10 +78,6 @@ class TaskPrompts:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-
-    def one_turn(self) -> TaskPrompts:
-        """A task's prompts list no tools: the same."""
-        return self
 
     def question(self, problem: Problem) -> list[int]:
         return self.tokenizer.encode(problem.question)

@@ -6,6 +6,10 @@
   per (guidance, template, cap), each its own artifact;
 - PrefixRL: a pool of successful traces by rejection sampling.
 
+A run of tool episodes (rollout.max_turns > 1) mines with them: every sample is an episode as
+its RL samples it, its final answer scored, so the hard set holds what the policy fails with its
+tools, and a trace keeps its tools' observations (masked apart: prefixrl.Trace).
+
 Each result is written under the mining directory (`config.mining.dir`, default
 <workdir>/mining) and read back on the next run instead of sampled again, so a resumed or repeated
 run sees exactly the same hard set, prefixes and pool. The sampling compute of each artifact is
@@ -25,6 +29,7 @@ from jaxprefix.sampling import RolloutSpec, token_ids
 from jaxprefix.tpu import costing, topology
 from jaxprefix.methods import pope, prefixrl
 from jaxprefix.rl.compute_ledger import ComputeLedger
+from jaxprefix.rl.scoring import EpisodeSource
 from jaxprefix.methods.probing import Prober
 from jaxprefix.run_setup.method_settings import MethodSettings
 from jaxprefix.tools.settings import ToolSettings
@@ -55,23 +60,35 @@ def mining_dir(config, workdir: str) -> str:
 
 
 def sampling_cost(what: str, context_lengths, samples: int, max_new_tokens: int,
-                  num_params: int, *, rows_per_call: int = 0, devices=()) -> str:
+                  num_params: int, *, rows_per_call: int = 0, devices=(),
+                  episodes: tuple[int, int, tuple[str, ...]] | None = None) -> str:
     """The line logged before a mining stage samples: contexts x samples x tokens (at most
     max_new_tokens sampled after each context) and its FLOPs bound, 2 N D (D: every sample's
-    context plus the most it may generate, the ledger's accounting). On TPU `devices`, also the
+    context plus the most it may generate, the ledger's accounting). `episodes`: (max turns,
+    token budget, tool names) where each sample is a tool episode of up to max_new_tokens a
+    turn, its context, turns and observations within the budget. On TPU `devices`, also the
     roofline floor of that work (tpu/costing.sampling_floor_seconds, bf16 weights)."""
     contexts = len(context_lengths)
-    tokens = samples * (sum(context_lengths) + contexts * max_new_tokens)
+    if episodes is None:
+        tokens = samples * (sum(context_lengths) + contexts * max_new_tokens)
+        sample = f"up to {max_new_tokens} new tokens"
+        decode_steps = max_new_tokens
+    else:
+        turns, budget, names = episodes
+        tokens = samples * contexts * budget
+        sample = (f"an episode of up to {turns} turns with {', '.join(names)} (up to "
+                  f"{max_new_tokens} new tokens a turn, {budget} in all)")
+        decode_steps = turns * max_new_tokens
     flops = 2 * num_params * tokens
-    line = (f"{what}: will sample {contexts} contexts x {samples} samples x up to "
-            f"{max_new_tokens} new tokens (D <= {tokens:.3g} tokens, contexts included), "
+    line = (f"{what}: will sample {contexts} contexts x {samples} samples x {sample} "
+            f"(D <= {tokens:.3g} tokens, contexts included), "
             f"<= {flops:.3g} FLOPs (2 N D, N = {num_params:.3g} parameters)")
     chip = topology.chip_of(devices[0].device_kind) if devices else None
     if chip is None:
         return line
     rows = contexts * samples
     calls = -(-rows // rows_per_call) if rows_per_call else 1
-    floor = costing.sampling_floor_seconds(flops=flops, calls=calls, decode_steps=max_new_tokens,
+    floor = costing.sampling_floor_seconds(flops=flops, calls=calls, decode_steps=decode_steps,
                                            weight_bytes=2 * num_params, chips=len(devices),
                                            chip=chip)
     return (f"{line}; on {len(devices)} x {chip.generation} at least {floor:.3g} s (the roofline:"
@@ -85,22 +102,29 @@ def _length(context) -> int:
 @dataclasses.dataclass(frozen=True)
 class ProbeSettings:
     """How a policy is sampled to be measured (mining, the studies' evaluations): the sampler's
-    spec, rows a call (mining.rows_per_call) and the verifier's limits (rewards.*)."""
+    spec, rows a call (mining.rows_per_call), the verifier's limits (rewards.*) and the run's
+    tools (a run of tool episodes is measured on its episodes)."""
     rollout: RolloutSpec
     rows_per_call: int
     verifier_timeout_s: float
     verifier_max_chars: int
+    tools: ToolSettings = ToolSettings()
 
     @classmethod
     def from_config(cls, config) -> ProbeSettings:
         return cls(RolloutSpec.from_config(config.rollout), config.mining.rows_per_call,
-                   config.rewards.timeout_s, config.rewards.max_chars)
+                   config.rewards.timeout_s, config.rewards.max_chars,
+                   ToolSettings.from_config(config))
 
     def prober(self, policy, ledger: ComputeLedger, verifier: str) -> Prober:
+        episodes = None
+        if self.tools.episodes:
+            episodes = EpisodeSource(self.tools.episode_rollout(policy.tokenizer,
+                                                                policy.context_length))
         return Prober(policy.model, policy.tokenizer, self.rollout, stop_ids=policy.stop_ids,
                       verifier=verifier, ledger=ledger, rows_per_call=self.rows_per_call,
                       verifier_timeout_s=self.verifier_timeout_s,
-                      verifier_max_chars=self.verifier_max_chars)
+                      verifier_max_chars=self.verifier_max_chars, episodes=episodes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +136,11 @@ class MiningSettings:
     prefix_samples: int
     seed: int
     probe: ProbeSettings
-    run_tools: tuple[str, ...] = ()  # the tools of a run of episodes, which mining goes without
 
     @classmethod
     def from_config(cls, config) -> MiningSettings:
-        tools = ToolSettings.from_config(config)
         return cls(config.mining.k, config.mining.prefix_samples, config.seed,
-                   ProbeSettings.from_config(config), tools.names if tools.episodes else ())
+                   ProbeSettings.from_config(config))
 
 
 class Mining:
@@ -126,8 +148,7 @@ class Mining:
 
     def __init__(self, settings: MiningSettings, policy, sets, directory: str):
         self.settings, self.policy, self.sets, self.dir = settings, policy, sets, directory
-        # Mining samples one turn, without the run's tools: its prompts list none.
-        self.prompts = policy.prompts.one_turn()
+        self.prompts = policy.prompts
         self.costs = self._load_costs()
         self.prober = settings.probe.prober(policy, self._new_ledger(), sets.verifier)
 
@@ -154,14 +175,29 @@ class Mining:
         lengths = [_length(c) if contexts else len(self.prompts.question(c))
                    for c in items]
         probe = self.settings.probe
-        line = sampling_cost(what, lengths, samples, probe.rollout.max_new_tokens,
-                             self.policy.model.config.num_params(),
-                             rows_per_call=probe.rows_per_call, devices=jax.devices())
-        if self.settings.run_tools:
-            line += (f"; one turn a sample, without the run's tools "
-                     f"({', '.join(self.settings.run_tools)}): mining samples no episodes yet "
-                     f"(docs/TOOLS.md)")
-        logging.info("%s", line)
+        episodes = None
+        if probe.tools.episodes:
+            episodes = (probe.tools.max_turns,
+                        probe.tools.episode_budget(self.policy.context_length),
+                        probe.tools.names)
+        logging.info("%s", sampling_cost(what, lengths, samples, probe.rollout.max_new_tokens,
+                                         self.policy.model.config.num_params(),
+                                         rows_per_call=probe.rows_per_call,
+                                         devices=jax.devices(), episodes=episodes))
+
+    def _sampled_as(self) -> dict:
+        """How this mining samples, as its records keep it: nothing for one turn a sample; the
+        turns and tools of a run of episodes."""
+        tools = self.settings.probe.tools
+        return {"max_turns": tools.max_turns, "tools": list(tools.names)} if tools.episodes else {}
+
+    def _check_sampled_as(self, path: str, record: dict) -> None:
+        """A record mined another way (with or without tools) is refused, not reused."""
+        mined = {k: record[k] for k in ("max_turns", "tools") if k in record}
+        if mined != self._sampled_as():
+            raise ValueError(f"{path}: mined with {mined or 'one turn a sample'}, the config "
+                             f"samples {self._sampled_as() or 'one turn a sample'} "
+                             f"(rollout.max_turns, tools.names); use another mining.dir")
 
     def _booking(self, artifact: str) -> None:
         """Books the prober's next samples to `artifact`."""
@@ -190,6 +226,7 @@ class Mining:
         by_id = {p.id: p for p in self.sets.train}
         if storage.exists(self._path(HARD_SET)):
             record = storage.read_json(self._path(HARD_SET))
+            self._check_sampled_as(self._path(HARD_SET), record)
             return pope.HardSet([by_id[i] for i in record["hard_ids"]], record["k"],
                                 record["solve_counts"])
         k = self.settings.k
@@ -199,7 +236,7 @@ class Mining:
                                   seed=self.settings.seed)
         logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
                      len(self.sets.train), k)
-        self._save(HARD_SET, hard.to_json())
+        self._save(HARD_SET, hard.to_json() | self._sampled_as())
         return hard
 
     def prefixes(self, hard: pope.HardSet, search: pope.PopeSettings) -> dict:
@@ -216,6 +253,7 @@ class Mining:
         path = self._path(f"{name}.json")
         if storage.exists(path):
             record = storage.read_json(path)
+            self._check_sampled_as(path, record)
             if {k: record[k] for k in settings} != settings:
                 raise ValueError(f"{path}: searched with {({k: record[k] for k in settings})}, "
                                  f"the config asks {settings} (mining.prefix_samples, "
@@ -236,9 +274,9 @@ class Mining:
         solved = sum(v is not None for v in found.shortest.values())
         logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
                      len(found.shortest))
-        record = settings | {"shortest_units": found.shortest, "answers": found.answers,
-                             "revealed_fractions": pope.revealed_fractions(hard.problems,
-                                                                           found.shortest)}
+        record = settings | self._sampled_as() | {
+            "shortest_units": found.shortest, "answers": found.answers,
+            "revealed_fractions": pope.revealed_fractions(hard.problems, found.shortest)}
         self._save(f"{name}.json", record)
         return record
 
@@ -252,7 +290,7 @@ class Mining:
         # booked an artifact since this one was read.
         self.costs = self._load_costs() | self.costs
         cut = pope.HardSet([p for p in hard.problems if p.id in keep], hard.k, hard.solve_counts)
-        storage.write_json(storage.join(directory, HARD_SET), cut.to_json())
+        storage.write_json(storage.join(directory, HARD_SET), cut.to_json() | self._sampled_as())
         for name in self.costs:
             if name.startswith("prefixes_"):
                 record = storage.read_json(self._path(f"{name}.json"))
@@ -293,6 +331,7 @@ class Mining:
             pool = prefixrl.TracePool.load_jsonl(path, self.prompts)
             if storage.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
                 stats = storage.read_json(self._path(TRACE_POOL_STATS))
+                self._check_sampled_as(self._path(TRACE_POOL_STATS), stats)
                 pool.samples_per_problem = stats["samples_per_problem"]
             return pool
         self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
@@ -304,7 +343,8 @@ class Mining:
         logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),
                      sum(pool.samples_per_problem.values()))
         pool.save_jsonl(path, self.policy.tokenizer)
-        self._save(TRACE_POOL_STATS, {"samples_per_problem": pool.samples_per_problem})
+        self._save(TRACE_POOL_STATS,
+                   {"samples_per_problem": pool.samples_per_problem} | self._sampled_as())
         return pool
 
 

@@ -49,8 +49,9 @@ STUDY_BLOCKS = {"demo": ("eval",), "results": ("results", "pope", "prefixrl", "s
 # and the context a training run's programs are planned for: launch/tpu.sh compiles a run's own
 # config (the compile job) before it runs it.
 LAUNCH_FIELDS = ("compile.context_length",)
-# The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1).
-TOOL_JOBS = ("rl", "tools")
+# The jobs that sample multi-turn episodes with config.tools (rollout.max_turns > 1): mining and
+# evaluation sample the run's episodes too (ProbeSettings).
+TOOL_JOBS = ("rl", "tools", "mine", "eval")
 # fit reads the sweep's finished runs only; compile reads config.json facts alone (no data, no
 # weights) and checks its own settings before it compiles.
 NOTHING_TO_CHECK = ("fit", "compile")

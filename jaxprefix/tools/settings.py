@@ -96,11 +96,15 @@ class ToolSettings:
         return environment(self.environment, tokenizer, registry(self.names, self.python),
                            format=self.format)
 
+    def episode_budget(self, context_length: int) -> int:
+        """The tokens an episode may hold in all, its context included."""
+        return self.episode_token_budget or context_length
+
     def episode_rollout(self, tokenizer, context_length: int) -> Callable:
         """The episode rollout (tools.rollout) bound to the run's environment, turns and
         budget: `fn(model, contexts, n=, seed=, stop_ids=, **sampler keywords) -> Episodes`."""
         return functools.partial(
             ROLLOUTS[self.rollout], tokenizer=tokenizer, max_turns=self.max_turns,
-            episode_token_budget=self.episode_token_budget or context_length,
+            episode_token_budget=self.episode_budget(context_length),
             max_observation_chars=self.max_observation_chars, tool_workers=self.workers,
             **self.environment_for(tokenizer).rollout_keywords())
