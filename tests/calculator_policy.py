@@ -1,7 +1,7 @@
 """A tiny policy that calls the calculator: a Decoder trained (a few hundred Adam steps on three
 conversations) to call the calculator on arithmetic questions, read the observation and answer,
 and to answer small talk directly. Its greedy rollouts really parse calls, run the calculator
-and append its turn (tests/test_tool_episodes.py, tests/test_tool_mining.py)."""
+and append its turn (tests/test_tool_episodes.py, test_tool_mining.py, test_episode_replay.py)."""
 import string
 
 import numpy as np

@@ -20,7 +20,8 @@ from jaxprefix.tokenizers import CharTokenizer
 from jaxprefix.tools.episodes import BUDGET, reprefilled_tokens
 from test_moe import TINY, recorded_routes_expected
 from test_routing_replay import replayed_logprobs
-from test_tool_episodes import CONVERSATIONS, TEMPLATE, _config, _scored, train_one_step
+from test_tool_episodes import _config, _scored, train_one_step
+from tests.calculator_policy import CONVERSATIONS, TEMPLATE
 
 
 @pytest.fixture(scope="module")
