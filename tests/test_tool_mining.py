@@ -8,6 +8,7 @@ import pytest
 
 from jaxprefix import rewards
 from jaxprefix.data.problem import Problem
+from jaxprefix.errors import ConfigError
 from jaxprefix.methods import prefixrl
 from jaxprefix.methods.prefix_schedules import FixedPrefix
 from jaxprefix.methods.prompting import ChatPrompts, with_response_prefix
@@ -56,7 +57,8 @@ def test_the_hard_set_of_a_tool_run_is_mined_with_its_tools(policy, tmp_path):
     """The arithmetic questions, which the policy answers through the calculator, are solved
     in its episodes and failed in one turn (its first turn is the call); small talk is solved
     either way. The ledger books every episode's tokens, observations included. A hard set
-    mined one way is refused, not reused, by a run that samples the other way."""
+    mined one way is refused in one line (a ConfigError), not reused, by a run that samples the
+    other way."""
     with_tools = mining(policy, 3, tmp_path / "tools")
     hard = with_tools.hard_set()
     assert hard.solve_counts == {p.id: 2 for p in PROBLEMS} and not hard.problems
@@ -71,7 +73,7 @@ def test_the_hard_set_of_a_tool_run_is_mined_with_its_tools(policy, tmp_path):
 
     one_turn = mining(policy, 1, tmp_path / "one_turn").hard_set()
     assert [p.id for p in one_turn.problems] == [PROBLEMS[0].id, PROBLEMS[1].id]
-    with pytest.raises(ValueError, match="hard_set.json: mined with {'max_turns': 3, 'tools': "
+    with pytest.raises(ConfigError, match="hard_set.json: mined with {'max_turns': 3, 'tools': "
                                          r"\['calculator'\]}, the config samples one turn"):
         mining(policy, 1, tmp_path / "tools").hard_set()
 

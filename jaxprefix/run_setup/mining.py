@@ -25,6 +25,7 @@ from absl import logging
 import jax
 
 from jaxprefix import storage
+from jaxprefix.errors import ConfigError
 from jaxprefix.sampling import RolloutSpec, token_ids
 from jaxprefix.tpu import costing, topology
 from jaxprefix.methods import pope, prefixrl
@@ -163,10 +164,10 @@ class Mining:
             return {}
         record = storage.read_json(self._path(LEDGER))
         if {_artifact_kind(k) for k in record} - set(ARTIFACTS):
-            raise ValueError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
-                             f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
-                             f"older jaxprefix, which kept one total); remove {self.dir} to mine "
-                             f"again")
+            raise ConfigError(f"{self._path(LEDGER)}: expected a ledger per artifact among "
+                              f"{ARTIFACTS}, got keys {sorted(record)} (a mining directory of an "
+                              f"older jaxprefix, which kept one total); remove {self.dir} to mine "
+                              f"again")
         return {name: ComputeLedger.from_dict(d) for name, d in record.items()}
 
     def _log_cost(self, what: str, items, samples: int, contexts: bool = False) -> None:
@@ -195,9 +196,9 @@ class Mining:
         """A record mined another way (with or without tools) is refused, not reused."""
         mined = {k: record[k] for k in ("max_turns", "tools") if k in record}
         if mined != self._sampled_as():
-            raise ValueError(f"{path}: mined with {mined or 'one turn a sample'}, the config "
-                             f"samples {self._sampled_as() or 'one turn a sample'} "
-                             f"(rollout.max_turns, tools.names); use another mining.dir")
+            raise ConfigError(f"{path}: mined with {mined or 'one turn a sample'}, the config "
+                              f"samples {self._sampled_as() or 'one turn a sample'} "
+                              f"(rollout.max_turns, tools.names); use another mining.dir")
 
     def _booking(self, artifact: str) -> None:
         """Books the prober's next samples to `artifact`."""
@@ -255,9 +256,9 @@ class Mining:
             record = storage.read_json(path)
             self._check_sampled_as(path, record)
             if {k: record[k] for k in settings} != settings:
-                raise ValueError(f"{path}: searched with {({k: record[k] for k in settings})}, "
-                                 f"the config asks {settings} (mining.prefix_samples, "
-                                 f"mining.max_prefix_units); use another mining.dir")
+                raise ConfigError(f"{path}: searched with {({k: record[k] for k in settings})}, "
+                                  f"the config asks {settings} (mining.prefix_samples, "
+                                  f"mining.max_prefix_units); use another mining.dir")
             return record
         # Every prefix length the cap allows each problem, m samples each (a problem stops at
         # its first solved length): the guided contexts the search may sample.
@@ -313,8 +314,8 @@ class Mining:
             timeout_s=self.settings.probe.verifier_timeout_s)
         logging.info("imported trace pool %s: %s", p.pool_path, stats)
         if not pool.traces:
-            raise ValueError(f"config.prefixrl.pool_path={p.pool_path!r}: no trace solves its "
-                             f"training problem ({stats})")
+            raise ConfigError(f"config.prefixrl.pool_path={p.pool_path!r}: no trace solves its "
+                              f"training problem ({stats})")
         self.costs["imported_pool"] = ComputeLedger(self.policy.model.config.num_params(),
                                                     extra_flops=p.pool_flops)
         self._save(IMPORTED_POOL, {"path": p.pool_path, "declared_flops": p.pool_flops, **stats})
