@@ -149,7 +149,6 @@ class Mining:
 
     def __init__(self, settings: MiningSettings, policy, sets, directory: str):
         self.settings, self.policy, self.sets, self.dir = settings, policy, sets, directory
-        self.prompts = policy.prompts
         self.costs = self._load_costs()
         self.prober = settings.probe.prober(policy, self._new_ledger(), sets.verifier)
 
@@ -173,7 +172,7 @@ class Mining:
     def _log_cost(self, what: str, items, samples: int, contexts: bool = False) -> None:
         """Logs sampling_cost of `samples` samples of each problem's question (or of each given
         context)."""
-        lengths = [_length(c) if contexts else len(self.prompts.question(c))
+        lengths = [_length(c) if contexts else len(self.policy.prompts.question(c))
                    for c in items]
         probe = self.settings.probe
         episodes = None
@@ -233,7 +232,7 @@ class Mining:
         k = self.settings.k
         self._log_cost("mining the hard set", self.sets.train, k)
         self._booking("hard_set")
-        hard = pope.mine_hard_set(self.prober, self.prompts, self.sets.train, k=k,
+        hard = pope.mine_hard_set(self.prober, self.policy.prompts, self.sets.train, k=k,
                                   seed=self.settings.seed)
         logging.info("hard set: %d of %d problems solved 0 of %d times", len(hard.problems),
                      len(self.sets.train), k)
@@ -264,13 +263,13 @@ class Mining:
         # its first solved length): the guided contexts the search may sample.
         guide = dict(guidance=search.guidance, template=search.template_text)
         cap = dict(max_units=search.max_units, max_fraction=search.max_fraction)
-        guided = [pope.guided_context(self.prompts, problem, units, **guide)[0]
+        guided = [pope.guided_context(self.policy.prompts, problem, units, **guide)[0]
                   for problem in hard.problems
                   for units in range(1, pope.prefix_limit(problem, **cap) + 1)]
         self._log_cost(f"{name} (every length the cap allows)", guided, samples, contexts=True)
         self._booking(name)
         found = pope.shortest_solvable_prefixes(
-            self.prober, self.prompts, hard.problems, m=samples, **guide, **cap,
+            self.prober, self.policy.prompts, hard.problems, m=samples, **guide, **cap,
             seed=self.settings.seed + 1)
         solved = sum(v is not None for v in found.shortest.values())
         logging.info("%s: a solvable prefix for %d of %d hard problems", name, solved,
@@ -309,7 +308,7 @@ class Mining:
         counted in imported_pool.json); its declared generation cost (prefixrl.pool_flops) is
         booked as the 'imported_pool' artifact."""
         pool, stats = prefixrl.verified_pool(
-            prefixrl.TracePool.load_jsonl(p.pool_path, self.prompts), problems,
+            prefixrl.TracePool.load_jsonl(p.pool_path, self.policy.prompts), problems,
             verifier=self.sets.verifier, decode=self.policy.tokenizer.decode,
             timeout_s=self.settings.probe.verifier_timeout_s)
         logging.info("imported trace pool %s: %s", p.pool_path, stats)
@@ -327,9 +326,9 @@ class Mining:
         if p.pool == "imported_pool":  # traces from elsewhere (another model), verified first
             return self._imported_pool(p, problems)
         if p.pool == "oracle":
-            return prefixrl.oracle_trace_pool(self.prompts, problems)
+            return prefixrl.oracle_trace_pool(self.policy.prompts, problems)
         if storage.exists(path):
-            pool = prefixrl.TracePool.load_jsonl(path, self.prompts)
+            pool = prefixrl.TracePool.load_jsonl(path, self.policy.prompts)
             if storage.exists(self._path(TRACE_POOL_STATS)):  # the samples of the misses too
                 stats = storage.read_json(self._path(TRACE_POOL_STATS))
                 self._check_sampled_as(self._path(TRACE_POOL_STATS), stats)
@@ -338,7 +337,7 @@ class Mining:
         self._log_cost("the trace pool (rejection sampling, stops at a success)", problems,
                        p.max_samples)
         self._booking("trace_pool")
-        pool = prefixrl.build_trace_pool(self.prober, self.prompts, problems,
+        pool = prefixrl.build_trace_pool(self.prober, self.policy.prompts, problems,
                                          samples_per_round=p.samples_per_round,
                                          max_samples=p.max_samples, seed=self.settings.seed + 2)
         logging.info("trace pool: %d of %d problems, %d samples", len(pool.traces), len(problems),

@@ -185,8 +185,8 @@ def _stage_reads(view, workdir: str) -> None:
 
 
 def _mining_reads(view) -> None:
-    """set_up's Mining: its settings (the run's tools it goes without included), its caches and
-    prober reading the mining block whole, its samples seeded."""
+    """set_up's Mining: its settings (the run's tools, which it samples with, included), its
+    caches and prober reading the mining block whole, its samples seeded."""
     from jaxprefix.run_setup.mining import MiningSettings
 
     _as_config_error(MiningSettings.from_config, view)
