@@ -1,13 +1,14 @@
 """TFDS and reasoning-gym sources load small fixtures into Problems; the reasoning-gym verifier."""
 
 import os
+import re
 
 import pytest
 
 from jaxprefix import rewards
 from jaxprefix.data import DataError, load_problems
 from jaxprefix.data.reasoning_gym_source import reasoning_gym_problems
-from jaxprefix.rewards.reasoning_gym import (boxed_or_last, final_answer,
+from jaxprefix.rewards.reasoning_gym import (_entry, boxed_or_last, final_answer,
                                              reasoning_gym_box_nudged_verifier,
                                              reasoning_gym_box_own_verifier,
                                              reasoning_gym_boxed_verifier,
@@ -104,6 +105,30 @@ def test_box_nudges_pay_a_wrong_box_a_little_and_box_own_only_around_its_own_res
         assert got == pytest.approx(expected), completion
 
 
+def test_box_own_pays_no_nudge_for_an_operand_copied_from_the_question():
+    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
+    operand = re.findall(r"\d+", problem.question)[0]
+    assert operand != problem.answer
+    restated = f"We add {operand} first.\n\\boxed{{{operand}}}"  # boxes the last number written
+    assert reasoning_gym_box_nudged_verifier(restated, problem) == pytest.approx(0.1)
+    assert reasoning_gym_box_own_verifier(restated, problem) == 0.0
+
+
+def test_partial_credit_is_not_a_right_answer():
+    # chain_sum's score_answer pays len(answer)/len(read) when the read answer contains the right
+    # one: a boxed "-15" for 15 scores 0.67 there, above pass@k's 0.5; here it is wrong.
+    [problem] = reasoning_gym_problems("chain_sum", size=1, seed=3, min_terms=2, max_terms=2)
+    padded = f"\\boxed{{{problem.answer}0}}" if problem.answer.startswith("-") else \
+        f"\\boxed{{-{problem.answer}}}"
+    dataset, entry = _entry(problem)
+    read = boxed_or_last(padded, problem.answer)
+    assert 0.5 < dataset.score_answer(read, entry) < 1.0  # the generator's partial credit
+    for verifier in (reasoning_gym_verifier, reasoning_gym_boxed_verifier,
+                     reasoning_gym_right_boxed_verifier, reasoning_gym_box_own_verifier):
+        assert verifier(padded, problem) <= 0.5, verifier.__name__
+    assert reasoning_gym_verifier(f"\\boxed{{{problem.answer}}}", problem) == 1.0
+
+
 def test_boxed_or_last_reads_numbers_only_for_numeric_answers():
     assert boxed_or_last("1,234 then 5,678.", "5678") == "5678"
     assert boxed_or_last("-3 and \\boxed{x}", "-3") == "x"
@@ -128,6 +153,24 @@ def test_held_out_reasoning_gym_problems_share_no_question_with_training():
     config.data.task_config = "[2, 3]"
     with pytest.raises(ConfigError, match="config.data.task_config='\\[2, 3\\]': expected a JSON "):
         load_problem_sets(config.data)
+
+
+def test_held_out_file_problems_leave_out_training_questions(tmp_path, caplog):
+    import json
+
+    from jaxprefix import run_config
+    from jaxprefix.run_setup.problem_sets import load_problem_sets
+
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(6)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]))
+    (tmp_path / "test.jsonl").write_text("\n".join(json.dumps(r) for r in rows[2:]))
+    config = run_config.base_config()
+    config.data.update(source="file", path=str(tmp_path / "train.jsonl"),
+                       eval_path=str(tmp_path / "test.jsonl"), verifier="exact")
+    with caplog.at_level("WARNING"):
+        sets = load_problem_sets(config.data)
+    assert [p.question for p in sets.eval] == ["What is 4 + 1?", "What is 5 + 1?"]
+    assert "2 of 4 held-out problems left out" in caplog.text
 
 
 def test_chain_sum_gets_a_worked_solution_one_operation_a_line():

@@ -180,16 +180,22 @@ def _load(data, where: dict) -> ProblemSets:
     f = source_fields(data)
     stamps = _file_stamps(f)
     if stamps is None:
-        return _read(data, f, where)
+        return _fresh_read(data, f, where)
     key = json.dumps([f, stamps], sort_keys=True, default=str)
     if key not in _LOADED:
         found: dict[str, str] = {}
-        _LOADED[key] = (_read(data, f, found), found)
+        _LOADED[key] = (_fresh_read(data, f, found), found)
     sets, found = _LOADED[key]
     where.update(found)
     # fresh lists: a caller may reorder its own
     return dataclasses.replace(sets, train=list(sets.train), eval=list(sets.eval),
                                easy=list(sets.easy))
+
+
+def _fresh_read(data, f: dict, where: dict) -> ProblemSets:
+    sets = _read(data, f, where)
+    # The built-in tasks draw held-out problems of their own kind (docs/DEMO_TASK.md).
+    return sets if f["source"] in BUILT_IN else fresh(sets, f["source"])
 
 
 def _read(data, f: dict, where: dict) -> ProblemSets:
@@ -228,13 +234,20 @@ def _read(data, f: dict, where: dict) -> ProblemSets:
     train = reasoning_gym_problems(f["task"], f["train_size"], f["seed"], **settings)
     held_out = reasoning_gym_problems(f["task"], f["eval_size"], f["eval_seed"] + HELD_OUT_SEEDS,
                                       **settings)
-    # A generator repeats questions at small settings: what the policy trains on is not held out.
-    seen = {p.question for p in train}
-    kept = [p for p in held_out if p.question not in seen]
-    if len(kept) < len(held_out):
-        logging.info("%d held-out problems dropped: their questions are in the training set",
-                     len(held_out) - len(kept))
-    return ProblemSets(train, kept, [], verifier)
+    return ProblemSets(train, held_out, [], verifier)
+
+
+def fresh(sets: ProblemSets, source: str) -> ProblemSets:
+    """The sets with every held-out problem whose question text a training problem has left
+    out: "held-out" means a question the run never trains on (a generator repeats questions at
+    small settings, whatever its seed; a file's test split may share questions with its train
+    split). The count is logged."""
+    seen = {p.question for p in sets.train}
+    kept = [p for p in sets.eval if p.question not in seen]
+    if len(kept) < len(sets.eval):
+        logging.warning("%s: %d of %d held-out problems left out: their questions are training "
+                        "questions", source, len(sets.eval) - len(kept), len(sets.eval))
+    return dataclasses.replace(sets, eval=kept)
 
 
 def task_config(data) -> dict:
