@@ -75,7 +75,8 @@ FLOORS = (
     ("run_identity",),
     ("storage",),              # files local or gs://, their faults and retries, the workdir lock
     ("distributed",),
-    ("errors", "config_fields", "config_reads", "jaxprefix"),  # leaves (config_fields: a
+    ("errors", "config_fields", "config_reads", "compile_log", "jaxprefix"),  # leaves
+    # (compile_log: what XLA compiled and the cache served; config_fields: a
     # field's default and doc; config_reads: which fields code read; jaxprefix: the version)
 )
 

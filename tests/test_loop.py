@@ -277,8 +277,10 @@ def test_resumed_run_equals_uninterrupted_run(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("reward/mean", "reward/unguided", "loss", "grad_norm", "entropy", "lr",
                 "clip_frac/low", "ratio/mean", "dynamic/zero_variance_fraction", "flops/total",
-                "time/sampling", "time/reward", "time/update", "throughput/tokens_per_s"):
+                "time/sampling", "time/reward", "time/update", "throughput/tokens_per_s",
+                "time/compile", "time/compiled_programs", "time/cached_programs"):
         assert key in records[0], key
+    assert records[0]["time/compiled_programs"] > 0  # the first step compiles the update
     assert "eval/pass@1" in records[1] and "eval/pass@4" in records[2]  # every 2 and at the end
     assert records[0]["ratio/first_max_abs_dev"] < 1e-3  # sampler and learner agree
     assert records[2]["updates"] == 3

@@ -16,12 +16,13 @@ import threading
 import time
 from typing import Any, Protocol
 
+from absl import logging
 import jax
 from flax import nnx
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxprefix import distributed, sampling, storage
+from jaxprefix import compile_log, distributed, sampling, storage
 from jaxprefix.checkpoints import recovery
 from jaxprefix.errors import CheckpointError
 from jaxprefix.checkpoints.train_state import TrainCheckpointer
@@ -368,8 +369,10 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
         if before:
             writer.write(0, evaluated(0))
             _draw_curves(writer)
+        compile_log.install()
         for step in range(start, total):
             step_start = time.perf_counter()
+            compiled_before = compile_log.totals()
             if sampler is None:
                 policy = sampler_policy(state)  # cast (and laid out) once a step
                 chunks = sample_step(policy, step)
@@ -394,6 +397,11 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
                                   step_seconds=time.perf_counter() - step_start,
                                   update_seconds=update_seconds)
             record.update(overlap.step_metrics(sampled, waited, publish_seconds))
+            compiled = compile_log.totals().minus(compiled_before)
+            record.update(compiled.metrics())
+            if step == start:  # a fresh process compiles, or reads the persistent cache
+                logging.info("step %d took %.1f s, of which %s", step + 1,
+                             record["time/step"], compiled.describe())
             done = step + 1
             if flops_budget:  # the bar counts the steps the budget leaves, not total_steps
                 bar.total = min(total, done + _steps_in_budget(flops_budget, cost, totals))
