@@ -31,6 +31,7 @@ from jaxprefix import key_step_probe, models, run_config, sampling, storage, tok
 from jaxprefix.data import tasks
 from jaxprefix.errors import ConfigError
 from jaxprefix.rl.compute_ledger import update_flops
+from jaxprefix.rl.sft import train_step  # the masked NLL's update, every weight trained
 
 REPORT = "sft_report.json"
 EVALS = "sft_evals.json"  # in the workdir: every evaluation point so far, rewritten at each
@@ -84,19 +85,6 @@ def training_batch(config, step: int, tokenizer) -> tuple[np.ndarray, np.ndarray
         tokens[row, :len(ids)] = ids
         loss_mask[row, :len(ids)] = mask
     return tokens, tokens != tokenizer.pad_id, loss_mask
-
-
-def masked_nll(model, tokens, real, loss_mask):
-    """Mean negative log-likelihood of the solution tokens (the question carries no loss)."""
-    logprobs, _ = models.token_logprobs(model, tokens, real)
-    return -(logprobs * loss_mask).sum() / jnp.maximum(loss_mask.sum(), 1.0)
-
-
-@nnx.jit
-def train_step(model, optimizer, tokens, real, loss_mask):
-    loss, grads = nnx.value_and_grad(masked_nll)(model, tokens, real, loss_mask)
-    optimizer.update(model, grads)
-    return loss
 
 
 def criterion_hard_set(config) -> list:

@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxprefix.checkpoints.hf import save_pretrained
 from jaxprefix import storage
-from jaxprefix.run_setup import sft_base
+from jaxprefix.rl import sft
 from jaxprefix.rl.compute_ledger import update_flops
 
 REPORT = "warm_start.json"
@@ -58,22 +58,8 @@ def trace_examples(problems, pool) -> list[tuple]:
 
 
 def sft_rows(policy, examples) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(tokens, real-token mask, loss mask) of question + target + stop token, right-padded;
-    the loss is on the target and the stop token only, as in RL where the question carries none."""
-    if not examples:
-        raise ValueError("warm start: no examples to train on")
-    rows = []
-    for problem, target in examples:
-        context = policy.prompts.question(problem)
-        target = list(target) + list(policy.stop_ids[:1])
-        rows.append((context + target, [0] * len(context) + [1] * len(target)))
-    width = max(len(ids) for ids, _ in rows)
-    tokens = np.zeros((len(rows), width), np.int32)  # padding is masked out by `real`
-    loss_mask = np.zeros(tokens.shape, np.float32)
-    real = np.zeros(tokens.shape, bool)
-    for i, (ids, mask) in enumerate(rows):
-        tokens[i, :len(ids)], loss_mask[i, :len(ids)], real[i, :len(ids)] = ids, mask, True
-    return tokens, real, loss_mask
+    """(tokens, real-token mask, loss mask) of question + target + stop token (rl/sft.py)."""
+    return sft.sft_rows(policy.prompts, policy.stop_ids[0], examples)
 
 
 def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: int,
@@ -105,7 +91,7 @@ def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: in
             order = rng.permutation(len(tokens))
             for step in range(steps_per_epoch):
                 rows = order[step * batch_size:(step + 1) * batch_size]
-                loss = sft_base.train_step(model, optimizer, jnp.asarray(tokens[rows]),
+                loss = sft.train_step(model, optimizer, jnp.asarray(tokens[rows]),
                                       jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
                 losses.append(float(loss))
                 flops += update_flops(n_params, int(real[rows].sum()))

@@ -1,0 +1,264 @@
+"""A competent SmolLM2 and its hard tail (issue 67): the base the methods are tried on.
+
+    python -m studies.smollm2_hard --out=runs/smollm2_hard               # every stage, resumable
+    python -m studies.smollm2_hard --out=runs/smollm2_hard --until=accuracy
+
+Stages, each written to <out>/ when it ends and read back instead of run again:
+1. sft:        SmolLM2-135M-Instruct (the bundled GGUF) taught by LoRA SFT (rl/sft.py) to write
+               chain_sum's worked solutions (a running total a line, data/worked_solutions.py) on
+               easy settings, as the papers' instruct bases write solutions of their oracle's
+               kind. Writes sft_adapter/ (PEFT), base/ (the merged HF directory) and sft.json.
+2. accuracy:   the competent base's exact accuracy by chain length and digits, on problems fresh
+               by question text (none is an SFT question): pass@1 and pass@k of k samples at the
+               run's temperature. accuracy.json.
+3. hard:       the hard tail: the setting chosen (--hard-terms, --hard-digits), its problems
+               (fresh), the ones solved 0 of k times. hard_set.json.
+4. prefixes:   the prefix-solvability table: for each guidance mode (POPE's 'instruction', the
+               prefix in the prompt with an instruction to continue; 'solution_prefix', the
+               prefix as the start of the answer) and prefix length up to half the solution,
+               how many hard problems are solved at least once in k samples. prefixes.json.
+Every sampled token is booked in ledger.json (2 N D), every update in sft.json (6 N D).
+
+Right is exact (the generator's score of 1.0, reasoning_gym_right_boxed: read leniently, the last
+box or the last number); the prompt is smollm2_learns' (a system prompt asking for the box, the
+question, "Put the final answer in \\boxed{}.").
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+from jaxprefix import run_config, storage, variants
+from jaxprefix.checkpoints.hf import save_pretrained
+from jaxprefix.checkpoints.peft import save_peft_adapter
+from jaxprefix.data import reasoning_gym_problems
+from jaxprefix.methods import pope
+from jaxprefix.methods.prompting import oracle_units
+from jaxprefix.models import lora
+from jaxprefix.rl import sft
+from jaxprefix.rl.compute_ledger import ComputeLedger
+from jaxprefix.run_setup.mining import ProbeSettings
+from jaxprefix.run_setup.policy import load_policy
+
+STAGES = ("sft", "accuracy", "hard", "prefixes")
+TASK = "chain_sum"
+VERIFIER = "reasoning_gym_right_boxed"  # reward > 0.5 exactly when the answer is right
+SFT_TASK_CONFIG = dict(min_terms=2, max_terms=4, min_digits=1, max_digits=3)
+SFT_SEED, SFT_PROBLEMS = 1, 4096
+# Fresh problems: seeds far from the SFT set's (reasoning-gym seeds entry i with seed + i), and
+# every question the SFT set holds left out by text besides.
+ACCURACY_SEED, HARD_SEED, TEST_SEED = 1 << 31, 1 << 32, 3 << 31
+GRID = [(terms, digits) for terms in (3, 5, 7) for digits in (1, 2, 3)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StudySettings:
+    out: str
+    sft: sft.SftSettings
+    lora_rank: int
+    accuracy_problems: int
+    accuracy_k: int
+    hard_terms: int
+    hard_digits: int
+    hard_problems: int
+    hard_k: int
+    prefix_problems: int
+    prefix_k: int
+    rows_per_call: int
+
+
+def chain_config(terms: int, digits: int) -> dict:
+    return dict(min_terms=terms, max_terms=terms, min_digits=digits, max_digits=digits)
+
+
+def run_config_for(model_source: str, model_path: str, rows_per_call: int):
+    """The run config the study samples with: smollm2_learns' prompts and temperature."""
+    config = run_config.base_config()
+    variants.smollm2_learns(config)
+    config.model.update(source=model_source, path=model_path)
+    config.data.verifier = VERIFIER
+    config.mining.rows_per_call = rows_per_call
+    return config
+
+
+class Study:
+    def __init__(self, s: StudySettings):
+        self.s = s
+        storage.makedirs(s.out)
+        self._sft_questions = None
+        self._policy = None
+        self.ledger = self._load_ledger()
+
+    # --- files ----------------------------------------------------------------------------
+    def path(self, name: str) -> str:
+        return os.path.join(self.s.out, name)
+
+    def done(self, name: str) -> dict | None:
+        return storage.read_json(self.path(name)) if storage.exists(self.path(name)) else None
+
+    def write(self, name: str, record: dict) -> None:
+        storage.write_json(self.path(name), record, indent=1)
+        print(f"wrote {self.path(name)}")
+
+    def _load_ledger(self) -> dict:
+        return self.done("ledger.json") or {}
+
+    def book(self, stage: str, ledger: ComputeLedger) -> None:
+        self.ledger[stage] = ledger.to_dict()
+        self.write("ledger.json", self.ledger)
+
+    # --- problems -------------------------------------------------------------------------
+    def sft_problems(self):
+        return reasoning_gym_problems(TASK, SFT_PROBLEMS, SFT_SEED, **SFT_TASK_CONFIG)
+
+    def fresh(self, size: int, seed: int, terms: int, digits: int):
+        """`size` problems at (terms, digits) whose questions no SFT problem has."""
+        if self._sft_questions is None:
+            self._sft_questions = {p.question for p in self.sft_problems()}
+        problems = reasoning_gym_problems(TASK, size, seed, **chain_config(terms, digits))
+        return [p for p in problems if p.question not in self._sft_questions]
+
+    # --- the policy -----------------------------------------------------------------------
+    def policy(self):
+        """The competent base: trained (stage sft) or read back from <out>/base."""
+        if self._policy is None:
+            if self.done("sft.json") is None:
+                self.train_sft()
+            config = run_config_for("hf", self.path("base"), self.s.rows_per_call)
+            self._policy = (load_policy(config, self.s.out), config)
+        return self._policy
+
+    def train_sft(self) -> None:
+        config = run_config_for("gguf", "bundled", self.s.rows_per_call)
+        policy = load_policy(config, self.s.out)
+        problems = [p for p in self.sft_problems() if p.solution]
+        examples = [(p, policy.prompts.response(p.solution)) for p in problems]
+        rows = sft.sft_rows(policy.prompts, policy.stop_ids[0], examples)
+        model = lora.with_adapters(policy.model, lora.LoraConfig(rank=self.s.lora_rank),
+                                   seed=self.s.sft.seed)
+        start = time.time()
+        report = sft.train(model, rows, self.s.sft, progress="SFT on worked solutions")
+        save_peft_adapter(model, self.path("sft_adapter"), base_model_name_or_path="bundled")
+        save_pretrained(lora.merged(model), None, self.path("base"), tokenizer=policy.tokenizer)
+        self.write("sft.json", report | {"task": TASK, "task_config": SFT_TASK_CONFIG,
+                                         "seed": SFT_SEED, "lora_rank": self.s.lora_rank,
+                                         "seconds": time.time() - start})
+
+    def prober(self, policy, config):
+        ledger = ComputeLedger(policy.model.config.num_params())
+        return ProbeSettings.from_config(config).prober(policy, ledger, VERIFIER), ledger
+
+    # --- stages ---------------------------------------------------------------------------
+    def accuracy(self) -> dict:
+        if (record := self.done("accuracy.json")) is not None:
+            return record
+        policy, config = self.policy()
+        prober, ledger = self.prober(policy, config)
+        k, rows = self.s.accuracy_k, []
+        for terms, digits in GRID:
+            problems = self.fresh(self.s.accuracy_problems, ACCURACY_SEED, terms, digits)
+            result = prober.probe([policy.prompts.question(p) for p in problems], problems, k,
+                                  seed=terms * 10 + digits, description=f"{terms}x{digits}")
+            counts = result.num_correct.tolist()
+            rows.append({"terms": terms, "digits": digits, "problems": len(problems),
+                         "pass@1": sum(counts) / (k * len(problems)),
+                         f"pass@{k}": sum(c > 0 for c in counts) / len(problems),
+                         "correct_counts": counts})
+            print(f"{terms} terms x {digits} digits: pass@1 {rows[-1]['pass@1']:.3f}, "
+                  f"pass@{k} {rows[-1][f'pass@{k}']:.3f}")
+        self.book("accuracy", ledger)
+        record = {"k": k, "temperature": config.rollout.temperature, "seed": ACCURACY_SEED,
+                  "rows": rows}
+        self.write("accuracy.json", record)
+        return record
+
+    def hard(self) -> dict:
+        if (record := self.done("hard_set.json")) is not None:
+            return record
+        policy, config = self.policy()
+        prober, ledger = self.prober(policy, config)
+        s = self.s
+        problems = self.fresh(s.hard_problems, HARD_SEED, s.hard_terms, s.hard_digits)
+        result = prober.probe([policy.prompts.question(p) for p in problems], problems, s.hard_k,
+                              seed=7, description=f"hard set, pass@{s.hard_k}")
+        counts = {p.id: int(c) for p, c in zip(problems, result.num_correct)}
+        self.book("hard", ledger)
+        record = {"terms": s.hard_terms, "digits": s.hard_digits, "k": s.hard_k,
+                  "seed": HARD_SEED, "problems": len(problems),
+                  "pass@1": sum(counts.values()) / (s.hard_k * len(problems)),
+                  "solve_counts": counts, "hard_ids": [i for i, c in counts.items() if c == 0]}
+        self.write("hard_set.json", record)
+        return record
+
+    def prefixes(self) -> dict:
+        if (record := self.done("prefixes.json")) is not None:
+            return record
+        hard = self.hard()
+        policy, config = self.policy()
+        prober, ledger = self.prober(policy, config)
+        s = self.s
+        by_id = {p.id: p for p in self.fresh(s.hard_problems, HARD_SEED, s.hard_terms,
+                                             s.hard_digits)}
+        problems = [by_id[i] for i in hard["hard_ids"]][:s.prefix_problems]
+        record = {"k": s.prefix_k, "problems": [p.id for p in problems], "modes": {}}
+        half = min(oracle_units(p) for p in problems) // 2
+        for mode in pope.GUIDANCE_MODES:
+            by_length = {}
+            for units in range(1, half + 1):
+                guided = [pope.guided_context(policy.prompts, p, units, guidance=mode)
+                          for p in problems]
+                result = prober.probe([c for c, _ in guided], problems, s.prefix_k,
+                                      seed=100 + units, response_prefixes=[r for _, r in guided],
+                                      description=f"{mode}, {units} lines")
+                counts = result.num_correct.tolist()
+                by_length[units] = {"solved": sum(c > 0 for c in counts) / len(problems),
+                                    "pass@1": sum(counts) / (s.prefix_k * len(problems)),
+                                    "correct_counts": counts}
+                print(f"{mode}, {units} of {oracle_units(problems[0])} lines: solved "
+                      f"{by_length[units]['solved']:.3f}, pass@1 {by_length[units]['pass@1']:.3f}")
+            record["modes"][mode] = by_length
+        self.book("prefixes", ledger)
+        self.write("prefixes.json", record)
+        return record
+
+
+def settings_from(args) -> StudySettings:
+    return StudySettings(
+        out=args.out,
+        sft=sft.SftSettings(steps=args.sft_steps, batch_size=args.sft_batch,
+                            learning_rate=args.sft_lr, warmup_steps=10, seed=0),
+        lora_rank=16, accuracy_problems=args.accuracy_problems, accuracy_k=args.accuracy_k,
+        hard_terms=args.hard_terms, hard_digits=args.hard_digits,
+        hard_problems=args.hard_problems, hard_k=16, prefix_problems=args.prefix_problems,
+        prefix_k=16, rows_per_call=args.rows_per_call)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/smollm2_hard")
+    parser.add_argument("--until", choices=STAGES, default=STAGES[-1])
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--sft-batch", type=int, default=16)
+    parser.add_argument("--sft-lr", type=float, default=3e-4)
+    parser.add_argument("--accuracy-problems", type=int, default=32)
+    parser.add_argument("--accuracy-k", type=int, default=8)
+    parser.add_argument("--hard-terms", type=int, default=7)
+    parser.add_argument("--hard-digits", type=int, default=3)
+    parser.add_argument("--hard-problems", type=int, default=64)
+    parser.add_argument("--prefix-problems", type=int, default=32)
+    parser.add_argument("--rows-per-call", type=int, default=256)
+    args = parser.parse_args(argv)
+    study = Study(settings_from(args))
+    for stage in STAGES[:STAGES.index(args.until) + 1]:
+        if stage == "sft":
+            study.policy()
+        else:
+            getattr(study, stage)()
+    print(json.dumps(study.ledger, indent=1))
+
+
+if __name__ == "__main__":
+    main()
