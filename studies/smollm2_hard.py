@@ -7,7 +7,9 @@ Stages, each written to <out>/ when it ends and read back instead of run again:
 1. sft:        SmolLM2-135M-Instruct (the bundled GGUF) taught by LoRA SFT (rl/sft.py) to write
                chain_sum's worked solutions (a running total a line, data/worked_solutions.py) on
                easy settings, as the papers' instruct bases write solutions of their oracle's
-               kind. Writes sft_adapter/ (PEFT), base/ (the merged HF directory) and sft.json.
+               kind. Writes sft_adapter/ (PEFT, bf16) and sft.json; base/ is the bundled
+               weights with that adapter merged, rebuilt from it where absent (so a copy of the
+               committed docs/results/smollm2_hard/sft_adapter in <out> skips the training).
 2. accuracy:   the competent base's exact accuracy by chain length and digits, on problems fresh
                by question text (none is an SFT question): pass@1 and pass@k of k samples at the
                run's temperature. accuracy.json.
@@ -33,7 +35,7 @@ import time
 
 from jaxprefix import run_config, storage, variants
 from jaxprefix.checkpoints.hf import save_pretrained
-from jaxprefix.checkpoints.peft import save_peft_adapter
+from jaxprefix.checkpoints.peft import load_peft_adapter, save_peft_adapter
 from jaxprefix.data import reasoning_gym_problems
 from jaxprefix.methods import pope
 from jaxprefix.methods.prompting import oracle_units
@@ -123,15 +125,19 @@ class Study:
 
     # --- the policy -----------------------------------------------------------------------
     def policy(self):
-        """The competent base: trained (stage sft) or read back from <out>/base."""
+        """The competent base: the bundled SmolLM2 with sft_adapter/ merged, in <out>/base
+        (trained first where sft_adapter/ is absent; merged where base/ is)."""
         if self._policy is None:
             if self.done("sft.json") is None:
                 self.train_sft()
+            if not storage.exists(self.path("base/config.json")):
+                self.merge_sft_adapter()
             config = run_config_for("hf", self.path("base"), self.s.rows_per_call)
             self._policy = (load_policy(config, self.s.out), config)
         return self._policy
 
     def train_sft(self) -> None:
+        """sft_adapter/ (PEFT, bf16: the committed adapter is the measured one) and sft.json."""
         config = run_config_for("gguf", "bundled", self.s.rows_per_call)
         policy = load_policy(config, self.s.out)
         problems = [p for p in self.sft_problems() if p.solution]
@@ -141,11 +147,18 @@ class Study:
                                    seed=self.s.sft.seed)
         start = time.time()
         report = sft.train(model, rows, self.s.sft, progress="SFT on worked solutions")
-        save_peft_adapter(model, self.path("sft_adapter"), base_model_name_or_path="bundled")
-        save_pretrained(lora.merged(model), None, self.path("base"), tokenizer=policy.tokenizer)
+        save_peft_adapter(model, self.path("sft_adapter"), base_model_name_or_path="bundled",
+                          dtype="bfloat16")
         self.write("sft.json", report | {"task": TASK, "task_config": SFT_TASK_CONFIG,
                                          "seed": SFT_SEED, "lora_rank": self.s.lora_rank,
                                          "seconds": time.time() - start})
+
+    def merge_sft_adapter(self) -> None:
+        """<out>/base: the bundled GGUF's weights with sft_adapter/ folded in (an HF directory
+        with the tokenizer and chat template)."""
+        policy = load_policy(run_config_for("gguf", "bundled", self.s.rows_per_call), self.s.out)
+        adapted = load_peft_adapter(policy.model, self.path("sft_adapter"))
+        save_pretrained(lora.merged(adapted), None, self.path("base"), tokenizer=policy.tokenizer)
 
     def prober(self, policy, config):
         ledger = ComputeLedger(policy.model.config.num_params())

@@ -225,3 +225,19 @@ def test_export_job_writes_the_peft_adapter_beside_the_merged_model(tmp_path):
     np.testing.assert_allclose(with_adapter, ours, atol=1e-4)
     np.testing.assert_allclose(merged_logits, ours, atol=1e-4)
     assert np.abs(ours - np.asarray(from_pretrained(base)[0](TOKENS))).max() > 1e-3
+
+
+def test_a_peft_adapter_loads_back_onto_the_base_with_the_same_logits(tmp_path):
+    model, _, _ = tiny("llama", tmp_path)
+    adapted = trained(model, lora.LoraConfig(RANK, alpha=8.0, targets=("q", "v", "down")))
+    path = peft_format.save_peft_adapter(adapted, tmp_path / "adapter")
+    loaded = peft_format.load_peft_adapter(model, path)
+    assert loaded.adapters.config.targets == ("down", "q", "v")  # PEFT lists them sorted
+    np.testing.assert_array_equal(np.asarray(loaded(TOKENS)), np.asarray(adapted(TOKENS)))
+    # in bf16: the factors rounded, and read back as the f32 adapters hold them
+    bf16 = peft_format.load_peft_adapter(
+        model, peft_format.save_peft_adapter(adapted, tmp_path / "bf16", dtype="bfloat16"))
+    for name, (a, b) in adapted.adapters.factors().items():
+        got_a, got_b = bf16.adapters.factors()[name]
+        np.testing.assert_array_equal(np.asarray(got_a), np.asarray(a.astype(jnp.bfloat16)))
+        np.testing.assert_array_equal(np.asarray(got_b), np.asarray(b.astype(jnp.bfloat16)))

@@ -10,10 +10,11 @@ transposed. Names are those `PeftModel.save_pretrained` writes:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxprefix import storage
-from jaxprefix.checkpoints.hf import _layer_table, write_safetensors
+from jaxprefix.checkpoints.hf import _layer_table, read_safetensors, write_safetensors
 from jaxprefix.models import lora
 
 ADAPTER_CONFIG = 'adapter_config.json'
@@ -55,10 +56,40 @@ def adapter_config(model, base_model_name_or_path: str = '') -> dict:
     }
 
 
-def save_peft_adapter(model, path, base_model_name_or_path: str = '') -> str:
+def save_peft_adapter(model, path, base_model_name_or_path: str = '', dtype=None) -> str:
     """Writes `model`'s adapters as a PEFT adapter directory at `path` (local or gs://; the
-    config last, so a cut-off write has none); returns the path."""
-    write_safetensors(storage.join(path, ADAPTER_WEIGHTS), peft_tensors(model))
+    config last, so a cut-off write has none), in `dtype` (None: f32); returns the path."""
+    tensors = peft_tensors(model)
+    if dtype is not None:
+        tensors = {k: np.asarray(jnp.asarray(v, dtype)) for k, v in tensors.items()}
+    write_safetensors(storage.join(path, ADAPTER_WEIGHTS), tensors)
     storage.write_json(storage.join(path, ADAPTER_CONFIG),
                        adapter_config(model, base_model_name_or_path), indent=2)
     return str(path)
+
+
+def load_peft_adapter(model, path):
+    """A copy of `model` (sharing its weights) carrying the PEFT adapter at `path`: the inverse
+    of save_peft_adapter, for adapters of the targets and layouts it writes (plain LoRA)."""
+    config = storage.read_json(storage.join(path, ADAPTER_CONFIG))
+    if config.get('peft_type') != 'LORA' or config.get('use_dora') or config.get('use_rslora'):
+        raise ValueError(f'{path}: a plain LoRA adapter expected (peft_type LORA, no DoRA or '
+                         f'rsLoRA), got {config.get("peft_type")!r}')
+    table = _layer_table(model.config)
+    by_module = {table[name][0].removesuffix('.weight').split('.')[-1]: name
+                 for name in lora.TARGETS if name in table}
+    unknown = sorted(set(config['target_modules']) - set(by_module))
+    if unknown:
+        raise ValueError(f'{path}: target_modules {unknown}: expected among {sorted(by_module)}')
+    targets = tuple(by_module[m] for m in config['target_modules'])
+    adapted = lora.with_adapters(model, lora.LoraConfig(
+        int(config['r']), alpha=float(config['lora_alpha']), targets=targets))
+    tensors = read_safetensors(storage.join(path, ADAPTER_WEIGHTS))
+    rank, modules = adapted.adapters.config.rank, peft_module_names(adapted)
+    for name, (a, b) in adapted.adapters.factors().items():
+        layers = [f'base_model.model.model.layers.{i}.{modules[name]}' for i in range(a.shape[0])]
+        new_a = np.stack([tensors[f'{p}.lora_A.weight'].T.reshape(a.shape[1:]) for p in layers])
+        new_b = np.stack([tensors[f'{p}.lora_B.weight'].T.reshape(b.shape[1:]) for p in layers])
+        getattr(adapted.adapters, f'{name}_a').set_value(jnp.asarray(new_a, a.dtype))
+        getattr(adapted.adapters, f'{name}_b').set_value(jnp.asarray(new_b, b.dtype))
+    return adapted
