@@ -238,6 +238,50 @@ class Study:
         return record
 
 
+def tables(accuracy: dict, hard: dict, prefixes: dict) -> str:
+    """The markdown tables of the three records: accuracy by setting, the hard set, and the
+    prefix-solvability table."""
+    k = accuracy["k"]
+    lines = [f"| terms | digits | problems | pass@1 ({k} samples at T = {accuracy['temperature']}) "
+             f"| pass@{k} |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['terms']} | {r['digits']} | {r['problems']} | {r['pass@1']:.3f} | "
+              f"{r[f'pass@{k}']:.3f} |" for r in accuracy["rows"]]
+    hard_ids = hard["hard_ids"]
+    lines += ["", f"Hard tail: {hard['terms']} terms of {hard['digits']} digits, "
+              f"{hard['problems']} fresh problems, pass@1 {hard['pass@1']:.4f} over "
+              f"{hard['k']} samples each; **{len(hard_ids)} of {hard['problems']} solved 0 of "
+              f"{hard['k']}** (the hard set).", ""]
+    if prefixes is not None:
+        n = len(prefixes["problems"])
+        lines += [f"| guidance | prefix lines | hard problems solved at least once in "
+                  f"{prefixes['k']} (of {n}) | pass@1 |", "|---|---:|---:|---:|"]
+        for mode, by_length in prefixes["modes"].items():
+            for units, row in by_length.items():
+                lines.append(f"| {mode} | {units} | {row['solved']:.3f} "
+                             f"({round(row['solved'] * n)}) | {row['pass@1']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(accuracy: dict, path: str) -> None:
+    """pass@1 against chain length, a line per digit count."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    for digits in sorted({r["digits"] for r in accuracy["rows"]}):
+        rows = [r for r in accuracy["rows"] if r["digits"] == digits]
+        axis.plot([r["terms"] for r in rows], [r["pass@1"] for r in rows], marker="o",
+                  label=f"{digits}-digit terms")
+    axis.set(xlabel="terms in the chain", ylabel="pass@1 (exact)",
+             title="the competent base, fresh problems")
+    axis.set_yscale("symlog", linthresh=0.01)
+    axis.legend()
+    figure.tight_layout()
+    storage.write_figure(path, figure, dpi=120)
+    plt.close(figure)
+
+
 def settings_from(args) -> StudySettings:
     return StudySettings(
         out=args.out,
@@ -270,6 +314,12 @@ def main(argv=None):
             study.policy()
         else:
             getattr(study, stage)()
+    if args.until == STAGES[-1]:
+        accuracy = study.accuracy()
+        storage.write_atomic(study.path("tables.md"),
+                           tables(accuracy, study.hard(), study.prefixes()))
+        plot(accuracy, study.path("accuracy.png"))
+        print(f"wrote {study.path('tables.md')} and {study.path('accuracy.png')}")
     print(json.dumps(study.ledger, indent=1))
 
 
