@@ -309,7 +309,7 @@ def test_stop_string_cuts_the_completion(server):
      "context_length_exceeded"),
     (dict(temperature="hot"), "temperature", "invalid_value"),
     (dict(n=0), "n", "invalid_value"),
-    (dict(stream=True), "stream", "unsupported_parameter"),
+    (dict(echo=True), "echo", "unsupported_parameter"),
 ])
 def test_a_bad_request_is_a_400_and_the_server_goes_on(server, kwargs, param, code):
     request = dict(model="tiny-llama", prompt="Hello", max_tokens=4) | kwargs

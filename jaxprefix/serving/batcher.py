@@ -6,7 +6,9 @@ batcher's thread takes the first waiting request, gathers those that arrive with
 window (or arrived while the previous call ran) up to `max_batch_rows` rows, and calls
 `sampling.generate` once per distinct (temperature, top_p, top_k): every sample a row of its
 own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
-each row cut back to its own request's max_tokens afterwards. Sample j of a request with seed s
+each row cut back to its own request's max_tokens afterwards. A request whose future was
+cancelled (its client left) before its call starts is dropped, its rows never sampled; one
+already in a call decodes to the end (the call is one in-graph loop). Sample j of a request with seed s
 draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples
 whatever else shares its call.
 """
@@ -79,6 +81,7 @@ class Batcher:
         self.window_s = window_s
         self.max_top_logprobs = max_top_logprobs
         self.calls = collections.deque(maxlen=RECENT_CALLS)  # one dict per sampler call
+        self.dropped = 0  # requests cancelled before their call: never sampled
         self._seeds = random.Random(seed)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
@@ -110,6 +113,9 @@ class Batcher:
                     item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
+                if item is not None and item[1].cancelled():
+                    self.dropped += 1
+                    continue
                 if item is None or rows + item[0].n > self.max_batch_rows:
                     held = item
                     break
@@ -122,8 +128,13 @@ class Batcher:
                 self._call(group)
 
     def _call(self, group: list) -> None:
-        """One sampler call for requests of equal sampling settings; fulfils their futures."""
-        requests = [r for r, _ in group]
+        """One sampler call for requests of equal sampling settings; fulfils their futures.
+        Those cancelled by now are dropped; the others can no longer be cancelled."""
+        kept = [item for item in group if item[1].set_running_or_notify_cancel()]
+        self.dropped += len(group) - len(kept)
+        if not kept:
+            return
+        group, requests = kept, [r for r, _ in kept]
         try:
             started = time.monotonic()
             samples = self._sample(requests)

@@ -1,0 +1,131 @@
+"""The OpenAI-compatible server as real clients use it (docs/SERVING.md): `stream: true` through
+the `openai` client, against a server in this process (serving/live.py) on 127.0.0.1 over a
+tiny random llama with SmolLM2's vocabulary and chat template.
+
+A streamed answer joins to the same request's answer without `stream` (greedy, or seeded), the
+chunks in OpenAI's format, one per token with its log-probabilities and id where asked for.
+"""
+import json
+import urllib.request
+
+import openai
+import pytest
+from flax import nnx
+
+from jaxprefix import models, tokenizers
+from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+from jaxprefix.sampling import RolloutSpec
+from jaxprefix.serving.live import LiveServer
+
+NAME = "tiny"
+MAX_TOKENS = 12  # every request's: one shape to compile
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tokenizers.load(bundled_smollm2_path())
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    config = models.ModelConfig(
+        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
+        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id,
+        max_position_embeddings=256)
+    return models.Decoder(config, rngs=nnx.Rngs(0))
+
+
+def live(model, tokenizer, **settings) -> LiveServer:
+    keywords = RolloutSpec(max_new_tokens=MAX_TOKENS).sampler_keywords()
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k"):  # each request's own
+        del keywords[name]
+    return LiveServer(model, tokenizer, stop_ids=[tokenizer.eos_id], sampler_keywords=keywords,
+                      max_tokens=MAX_TOKENS, context_length=256, model_name=NAME, **settings)
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    with live(model, tokenizer) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+
+
+def test_a_streamed_completion_joins_to_the_greedy_answer(client):
+    ask = dict(model=NAME, prompt=["The capital of France is", "1, 2, 3,"], max_tokens=MAX_TOKENS,
+               temperature=0, logprobs=2, extra_body={"return_token_ids": True})
+    whole = client.completions.create(**ask)
+    chunks = list(client.completions.create(**ask, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert all(c.object == "text_completion" and c.model == NAME for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    *streamed, last = chunks
+    assert last.choices == [] and last.usage == whole.usage
+    assert all(c.usage is None for c in streamed)
+    for expected in whole.choices:
+        mine = [c.choices[0] for c in streamed if c.choices[0].index == expected.index]
+        *tokens, end = mine
+        assert "".join(c.text for c in tokens) == expected.text
+        assert end.finish_reason == expected.finish_reason and end.text == ""
+        assert all(c.finish_reason is None for c in tokens)
+        token_ids = expected.model_extra["token_ids"]
+        assert len(tokens) == len(token_ids)  # a chunk per token
+        assert [t for c in tokens for t in c.model_extra["token_ids"]] == token_ids
+        assert tokens[0].model_extra["prompt_token_ids"] == \
+            expected.model_extra["prompt_token_ids"]
+        assert [lp for c in tokens for lp in c.logprobs.token_logprobs] == \
+            expected.logprobs.token_logprobs
+        assert [t for c in tokens for t in c.logprobs.top_logprobs] == \
+            expected.logprobs.top_logprobs
+
+
+def test_a_streamed_chat_joins_to_the_unstreamed_answer_role_first(client):
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+               max_tokens=MAX_TOKENS, temperature=1.0, n=2, seed=5, logprobs=True,
+               top_logprobs=2, extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked
+    for expected in whole.choices:
+        first, *tokens, end = [c.choices[0] for c in chunks if c.choices[0].index ==
+                               expected.index]
+        assert first.delta.role == "assistant" and not first.delta.content
+        assert "".join(c.delta.content for c in tokens) == expected.message.content
+        assert all(c.delta.role is None for c in tokens)
+        assert end.finish_reason == expected.finish_reason and end.delta.content is None
+        assert [e.logprob for c in tokens for e in c.logprobs.content] == \
+            [e.logprob for e in expected.logprobs.content]
+        assert [t for c in tokens for t in c.model_extra["token_ids"]] == \
+            expected.model_extra["token_ids"]
+    first_chunk = next(c for c in chunks if c.choices[0].index == 0)
+    assert first_chunk.model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+
+
+def stream_lines(server, path: str, body: dict) -> list[bytes]:
+    request = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        return response.read().split(b"\n\n")
+
+
+def test_the_stream_is_server_sent_events_ending_with_done(server):
+    events = stream_lines(server, "/completions", {
+        "model": NAME, "prompt": "Hello", "max_tokens": MAX_TOKENS, "stream": True})
+    *chunks, done, after = events
+    assert done == b"data: [DONE]" and after == b""
+    assert all(c.startswith(b"data: {") for c in chunks)
+    assert json.loads(chunks[-1][len(b"data: "):])["choices"][0]["finish_reason"] in (
+        "stop", "length")
+
+
+def test_stream_options_without_stream_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=NAME, prompt="Hi", max_tokens=MAX_TOKENS,
+                                  stream_options={"include_usage": True})
+    assert raised.value.body["param"] == "stream_options"
