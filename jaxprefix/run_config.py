@@ -312,6 +312,8 @@ FIELDS = {
         "max_context": F(0, "prompt plus max_tokens a request may ask for (0: the model's)"),
         "max_tokens": F(1024, "most new tokens a request may ask for; its default too"),
         "max_top_logprobs": F(20, "most alternatives a request's logprobs may list"),
+        "api_key": F("", "the key requests must send as 'Authorization: Bearer KEY' ('': "
+                         "$JAXPREFIX_API_KEY, else none; needed off the loopback)"),
     },
     # Verifiers (rewards/): in worker processes with timeouts.
     "rewards": {

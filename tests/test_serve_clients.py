@@ -1,21 +1,31 @@
 """The OpenAI-compatible server as real clients use it (docs/SERVING.md): `stream: true` through
 the `openai` client, against a server in this process (serving/live.py) on 127.0.0.1 over a
-tiny random llama with SmolLM2's vocabulary and chat template.
+tiny random llama with SmolLM2's vocabulary and chat template; the API key.
 
 A streamed answer joins to the same request's answer without `stream` (greedy, or seeded), the
 chunks in OpenAI's format, one per token with its log-probabilities and id where asked for.
+With a key set, a request without it is a 401; off the loopback, no key is no server.
 """
 import json
+import os
+import subprocess
+import sys
+import urllib.error
 import urllib.request
 
 import openai
 import pytest
 from flax import nnx
 
-from jaxprefix import models, tokenizers
+from jaxprefix import models, run_config, tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+from jaxprefix.errors import ConfigError
+from jaxprefix.run_setup import preflight
 from jaxprefix.sampling import RolloutSpec
 from jaxprefix.serving.live import LiveServer
+from jaxprefix.serving.settings import API_KEY_VARIABLE, ServeSettings, is_loopback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NAME = "tiny"
 MAX_TOKENS = 12  # every request's: one shape to compile
@@ -129,3 +139,64 @@ def test_stream_options_without_stream_is_a_400(client):
         client.completions.create(model=NAME, prompt="Hi", max_tokens=MAX_TOKENS,
                                   stream_options={"include_usage": True})
     assert raised.value.body["param"] == "stream_options"
+
+
+# --- the API key ---------------------------------------------------------------------------
+
+KEY = "sk-test-0123"
+
+
+def test_with_a_key_set_a_request_must_carry_it(model, tokenizer):
+    with live(model, tokenizer, api_key=KEY) as served:
+        for wrong in ("none", KEY + "x"):
+            stranger = openai.OpenAI(base_url=served.base_url, api_key=wrong, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as refused:
+                stranger.models.list()
+            assert refused.value.status_code == 401
+            assert refused.value.body["code"] == "invalid_api_key"
+            assert set(refused.value.body) == {"message", "type", "param", "code"}
+        request = urllib.request.Request(served.base_url + "/models")  # no header at all
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 401
+        with urllib.request.urlopen(served.base_url.removesuffix("/v1") + "/health") as r:
+            assert r.status == 200  # a liveness probe needs no key
+        friend = openai.OpenAI(base_url=served.base_url, api_key=KEY, max_retries=0,
+                               timeout=300)
+        assert friend.models.list().data[0].id == NAME
+        streamed = friend.completions.create(model=NAME, prompt="Hi", max_tokens=MAX_TOKENS,
+                                             stream=True)
+        assert list(streamed)[-1].choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.3.2.1", True), ("localhost", True), ("::1", True),
+    ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("example.com", False)])
+def test_a_server_off_the_loopback_needs_a_key(host, loopback, monkeypatch):
+    monkeypatch.delenv(API_KEY_VARIABLE, raising=False)
+    assert is_loopback(host) == loopback
+    config = run_config.from_file(os.path.join(ROOT, "configs", "serve.py"), "hf")
+    config.model.path = "/no/such/model"
+    config.serve.host = host
+    if loopback:
+        assert ServeSettings.from_config(config).api_key == ""
+        return
+    with pytest.raises(ConfigError) as refused:
+        preflight.check(config, "/tmp/unused-workdir")
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("config.serve.api_key='': expected a key")
+    monkeypatch.setenv(API_KEY_VARIABLE, KEY)  # the variable stands in for the field
+    assert ServeSettings.from_config(config).api_key == KEY
+    assert KEY not in repr(ServeSettings.from_config(config))
+
+
+def test_main_refuses_to_serve_off_the_loopback_without_a_key_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_VARIABLE}
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxprefix.main", "--config=configs/serve.py:hf",
+         f"--workdir={tmp_path}", "--config.model.path=/no/such/model",
+         "--config.serve.host=0.0.0.0"], cwd=ROOT, env=env | {"JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert lines == [lines[0]] and "config.serve.api_key" in lines[0], result.stderr[-2000:]

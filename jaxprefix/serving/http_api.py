@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 
 from jaxprefix.serving import streaming
 from jaxprefix.serving.batcher import MAX_N, Sample, SampleRequest
+from jaxprefix.serving.gate import Gate
 from jaxprefix.serving.requests import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                         GenerateRequest, Sampled, SamplingParams,
                                         TokenizeRequest)
@@ -275,6 +276,7 @@ def _usage(prompt_tokens: int, samples) -> dict:
 
 def make_app(api: Api) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="jaxprefix")
+    app.add_middleware(Gate, api_key=api.settings.api_key)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
