@@ -314,6 +314,9 @@ FIELDS = {
         "max_top_logprobs": F(20, "most alternatives a request's logprobs may list"),
         "api_key": F("", "the key requests must send as 'Authorization: Bearer KEY' ('': "
                          "$JAXPREFIX_API_KEY, else none; needed off the loopback)"),
+        "max_body_bytes": F(8 * 2**20, "largest request body, in bytes (larger: a 413)"),
+        "max_in_flight": F(256, "requests in flight at once, streams until their end (more: "
+                                "a 429; 0: no cap)"),
     },
     # Verifiers (rewards/): in worker processes with timeouts.
     "rewards": {

@@ -4,12 +4,17 @@ tiny random llama with SmolLM2's vocabulary and chat template; the API key.
 
 A streamed answer joins to the same request's answer without `stream` (greedy, or seeded), the
 chunks in OpenAI's format, one per token with its log-probabilities and id where asked for.
-With a key set, a request without it is a 401; off the loopback, no key is no server.
+With a key set, a request without it is a 401; off the loopback, no key is no server. A body
+over the limit is a 413, a request beyond those in flight a 429, garbage a 400.
 """
+import concurrent.futures
+import http.client
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -200,3 +205,104 @@ def test_main_refuses_to_serve_off_the_loopback_without_a_key_in_one_line(tmp_pa
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert lines == [lines[0]] and "config.serve.api_key" in lines[0], result.stderr[-2000:]
+
+
+# --- limits: body size, requests in flight, garbage -----------------------------------------
+
+class Held:
+    """The batcher's sampler calls wait for release(): their requests stay in flight."""
+
+    def __init__(self, batcher):
+        self.gate, real = threading.Event(), batcher._sample
+
+        def held(requests):
+            self.gate.wait(120)
+            return real(requests)
+        batcher._sample = held
+
+    def release(self):
+        self.gate.set()
+
+
+def stats(served) -> dict:
+    with urllib.request.urlopen(served.base_url.removesuffix("/v1") + "/stats") as response:
+        return json.loads(response.read())
+
+
+def wait_for(condition, timeout_s: float = 60):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def limited(model, tokenizer):
+    with live(model, tokenizer, max_body_bytes=4096, max_in_flight=2) as served:
+        yield served
+
+
+def test_a_body_over_the_limit_is_a_413(limited):
+    client = openai.OpenAI(base_url=limited.base_url, api_key="none", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=NAME, prompt="word " * 1000, max_tokens=MAX_TOKENS)
+    assert refused.value.status_code == 413
+    assert refused.value.body["code"] == "request_too_large"
+    # A chunked body declares no length: refused when the bytes read pass the limit.
+    host, port = limited.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps({"model": NAME, "prompt": "word " * 1000, "max_tokens": MAX_TOKENS})
+    connection.request("POST", "/v1/completions", body=iter([body.encode()[:3000],
+                                                              body.encode()[3000:]]),
+                       headers={"Content-Type": "application/json"}, encode_chunked=True)
+    response = connection.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["param"] is None
+    connection.close()
+    out = client.completions.create(model=NAME, prompt="word " * 10, max_tokens=MAX_TOKENS)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_beyond_max_in_flight_a_request_is_a_429_and_the_others_are_answered(limited):
+    client = openai.OpenAI(base_url=limited.base_url, api_key="none", max_retries=0,
+                           timeout=300)
+    held = Held(limited.batcher)
+    before = stats(limited)["refused"].get("429", 0)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = [pool.submit(client.completions.create, model=NAME, prompt=f"Say {i}",
+                               max_tokens=MAX_TOKENS, stream=bool(i)) for i in range(2)]
+        wait_for(lambda: stats(limited)["in_flight"] == 2)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.completions.create(model=NAME, prompt="One more", max_tokens=MAX_TOKENS)
+        assert refused.value.status_code == 429
+        assert refused.value.response.headers["retry-after"] == "1"
+        assert refused.value.body["code"] == "rate_limit_exceeded"
+        held.release()
+        assert answers[0].result().choices[0].finish_reason in ("stop", "length")
+        assert list(answers[1].result())[-1].choices[0].finish_reason in ("stop", "length")
+    assert stats(limited)["refused"]["429"] == before + 1
+    wait_for(lambda: stats(limited)["in_flight"] == 0)
+
+
+GARBAGE = {
+    "nested 100000 deep": b"[" * 100_000 + b"]" * 100_000,
+    "nested in a field": b'{"model": "tiny", "prompt": "hi", "logit_bias": ' + b'{"a":' * 1500
+                         + b"1" + b"}" * 1500 + b"}",
+    "not utf-8": b'{"model": "tiny", "prompt": "\xff\xfe", "max_tokens": 2}',
+    "binary": bytes(range(256)) * 8,
+    "not an object": b"[1, 2, 3]",
+    "truncated": b'{"model": "tiny", "prompt": "hi", "max_to',
+    "NaN temperature": b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
+}
+
+
+@pytest.mark.parametrize("what", GARBAGE)
+def test_garbage_is_a_400_in_openais_form_and_the_server_goes_on(server, what):
+    for path in ("/completions", "/chat/completions"):
+        request = urllib.request.Request(server.base_url + path, data=GARBAGE[what],
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 400, refused.value.read()
+        error = json.loads(refused.value.read())["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+    assert stats(server)["in_flight"] == 0

@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from jaxprefix.serving import streaming
 from jaxprefix.serving.batcher import MAX_N, Sample, SampleRequest
-from jaxprefix.serving.gate import Gate
+from jaxprefix.serving.gate import Gate, Load
 from jaxprefix.serving.requests import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                         GenerateRequest, Sampled, SamplingParams,
                                         TokenizeRequest)
@@ -60,6 +60,7 @@ class Api:
         self.context_limit = settings.context_limit(model_context)
         self.vocab_size = batcher.model.config.vocab_size
         self.sampling = sampling
+        self.load = Load()  # the gate's count of requests in flight and refused
 
     # --- requests -> SampleRequests --------------------------------------------------------
 
@@ -276,7 +277,9 @@ def _usage(prompt_tokens: int, samples) -> dict:
 
 def make_app(api: Api) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="jaxprefix")
-    app.add_middleware(Gate, api_key=api.settings.api_key)
+    s = api.settings
+    app.add_middleware(Gate, api_key=s.api_key, max_body_bytes=s.max_body_bytes,
+                       max_in_flight=s.max_in_flight, load=api.load)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
@@ -285,6 +288,11 @@ def make_app(api: Api) -> fastapi.FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
         first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error")
+            return JSONResponse(error_body(f"the body is not JSON: {reason} (at character "
+                                           f"{first['loc'][-1]})", None, "invalid_value"),
+                                status_code=400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg')}", where or None,
                                        "invalid_value"), status_code=400)
@@ -304,7 +312,8 @@ def make_app(api: Api) -> fastapi.FastAPI:
 
     @app.get("/stats")
     async def stats():
-        return {"sampler_calls": list(api.batcher.calls)}
+        return {"sampler_calls": list(api.batcher.calls), "in_flight": api.load.in_flight,
+                "refused": dict(api.load.refused), "dropped_requests": api.batcher.dropped}
 
     @app.get("/v1/models")
     async def models():

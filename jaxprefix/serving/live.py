@@ -44,7 +44,7 @@ class LiveServer:
         self.settings = ServeSettings(host=HOST, port=1, model_name=model_name,
                                       max_batch_rows=max_batch_rows,
                                       batch_window_ms=batch_window_ms, max_tokens=max_tokens,
-                                      **serve)
+                                      **{"max_in_flight": 0} | serve)  # the run's own client
         self.batcher = self._server = self._thread = None
         self.port: int | None = None
         self.failure: BaseException | None = None

@@ -21,6 +21,8 @@ class ServeSettings:
     max_tokens: int = 1024
     max_top_logprobs: int = 20
     api_key: str = dataclasses.field(default="", repr=False)  # "": no key asked for
+    max_body_bytes: int = 8 * 2**20
+    max_in_flight: int = 256    # 0: no cap
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -32,6 +34,8 @@ class ServeSettings:
         check(self.max_context >= 0, "max_context", ">= 0 (0: the model's context)")
         check(self.max_tokens >= 1, "max_tokens", ">= 1")
         check(self.max_top_logprobs >= 0, "max_top_logprobs", ">= 0")
+        check(self.max_body_bytes >= 1024, "max_body_bytes", ">= 1024 bytes")
+        check(self.max_in_flight >= 0, "max_in_flight", ">= 0 (0: no cap)")
         # Anyone who can reach a server off the loopback can sample it: not without a key.
         check(bool(self.api_key) or is_loopback(self.host), "api_key",
               f"a key clients must send (or {API_KEY_VARIABLE} set) when serve.host="
