@@ -8,6 +8,7 @@ With a key set, a request without it is a 401; off the loopback, no key is no se
 over the limit is a 413, a request beyond those in flight a 429, garbage a 400.
 """
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -209,19 +210,23 @@ def test_main_refuses_to_serve_off_the_loopback_without_a_key_in_one_line(tmp_pa
 
 # --- limits: body size, requests in flight, garbage -----------------------------------------
 
-class Held:
-    """The batcher's sampler calls wait for release(): their requests stay in flight."""
+@contextlib.contextmanager
+def held(batcher):
+    """The batcher's sampler calls wait, within the block, until the event it gives is set
+    (`entered`: one has begun): their requests stay in flight."""
+    release, real = threading.Event(), batcher._sample
+    release.entered = threading.Event()
 
-    def __init__(self, batcher):
-        self.gate, real = threading.Event(), batcher._sample
-
-        def held(requests):
-            self.gate.wait(120)
-            return real(requests)
-        batcher._sample = held
-
-    def release(self):
-        self.gate.set()
+    def waiting(requests):
+        release.entered.set()
+        release.wait(120)
+        return real(requests)
+    batcher._sample = waiting
+    try:
+        yield release
+    finally:
+        release.set()
+        batcher._sample = real
 
 
 def stats(served) -> dict:
@@ -265,9 +270,8 @@ def test_a_body_over_the_limit_is_a_413(limited):
 def test_beyond_max_in_flight_a_request_is_a_429_and_the_others_are_answered(limited):
     client = openai.OpenAI(base_url=limited.base_url, api_key="none", max_retries=0,
                            timeout=300)
-    held = Held(limited.batcher)
     before = stats(limited)["refused"].get("429", 0)
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    with held(limited.batcher) as release, concurrent.futures.ThreadPoolExecutor(2) as pool:
         answers = [pool.submit(client.completions.create, model=NAME, prompt=f"Say {i}",
                                max_tokens=MAX_TOKENS, stream=bool(i)) for i in range(2)]
         wait_for(lambda: stats(limited)["in_flight"] == 2)
@@ -276,7 +280,7 @@ def test_beyond_max_in_flight_a_request_is_a_429_and_the_others_are_answered(lim
         assert refused.value.status_code == 429
         assert refused.value.response.headers["retry-after"] == "1"
         assert refused.value.body["code"] == "rate_limit_exceeded"
-        held.release()
+        release.set()
         assert answers[0].result().choices[0].finish_reason in ("stop", "length")
         assert list(answers[1].result())[-1].choices[0].finish_reason in ("stop", "length")
     assert stats(limited)["refused"]["429"] == before + 1
@@ -306,3 +310,45 @@ def test_garbage_is_a_400_in_openais_form_and_the_server_goes_on(server, what):
         error = json.loads(refused.value.read())["error"]
         assert set(error) == {"message", "type", "param", "code"}
     assert stats(server)["in_flight"] == 0
+
+
+# --- a client that leaves ------------------------------------------------------------------
+
+def leave_after_sending(served, body: dict, read_first_line: bool = False) -> None:
+    """Posts `body` to /v1/completions and closes the connection (after the first line of the
+    answer, with read_first_line)."""
+    host, port = served.base_url.removeprefix("http://").removesuffix("/v1").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=300)
+    connection.request("POST", "/v1/completions", body=json.dumps(body),
+                       headers={"Content-Type": "application/json"})
+    if read_first_line:
+        response = connection.getresponse()
+        assert response.status == 200 and response.read(7) == b"data: {"
+    connection.close()
+
+
+def test_a_client_that_leaves_before_its_call_is_dropped_unsampled(server, client):
+    before = stats(server)
+    calls = len(before["sampler_calls"])
+    ask = dict(model=NAME, max_tokens=MAX_TOKENS, temperature=0)
+    with held(server.batcher) as release, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(client.completions.create, prompt="Stay", **ask)
+        assert release.entered.wait(60)  # its call has begun: the others wait for the next
+        leave_after_sending(server, dict(ask, prompt="Leave", stream=True))
+        leave_after_sending(server, dict(ask, prompt="Leave too"))  # not streamed either
+        wait_for(lambda: stats(server)["client_left"] == before["client_left"] + 2)
+        assert stats(server)["in_flight"] == 1
+        release.set()
+        assert answer.result().choices[0].finish_reason in ("stop", "length")
+    wait_for(lambda: stats(server)["dropped_requests"] == before["dropped_requests"] + 2)
+    after = stats(server)["sampler_calls"][calls:]
+    assert [c["requests"] for c in after] == [1], after  # the one that stayed
+    assert client.completions.create(prompt="Still here", **ask).choices[0].text is not None
+
+
+def test_a_client_that_leaves_mid_stream_leaves_nothing_in_flight(server, client):
+    leave_after_sending(server, dict(model=NAME, prompt="Go", max_tokens=MAX_TOKENS,
+                                     stream=True), read_first_line=True)
+    wait_for(lambda: stats(server)["in_flight"] == 0)
+    out = client.completions.create(model=NAME, prompt="Still here", max_tokens=MAX_TOKENS)
+    assert out.choices[0].finish_reason in ("stop", "length")

@@ -8,10 +8,15 @@ An ASGI middleware around the endpoints (http_api.make_app), each refusal in Ope
     and handed on;
   - beyond `serve.max_in_flight` requests at once (a stream counts until its last chunk) a
     429 with Retry-After, so a flood waits at its clients instead of in this process's memory.
-`Load` counts the requests in flight and the refusals; /stats reports it.
+A request whose client leaves before its answer is complete is cancelled: the endpoint stops
+where it awaits, and a request still waiting for its sampler call is dropped there (batcher.py).
+The gate reads the body and watches for the client leaving itself, since only one reader can
+take the connection's messages. `Load` counts the requests in flight, the refusals and the
+requests cancelled so; /stats reports it.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import hmac
@@ -25,6 +30,7 @@ UNCOUNTED_PATHS = ("/health", "/stats")  # cheap: never refused for the load
 class Load:
     in_flight: int = 0
     refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    client_left: int = 0  # requests cancelled because their client disconnected
 
 
 class Gate:
@@ -68,15 +74,45 @@ class Gate:
             chunks.append(message.get("body", b""))
             if not message.get("more_body"):
                 break
-        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self._answer(scope, receive, send, b"".join(chunks))
 
-        async def replay():  # the body once, then the client's own messages (a disconnect)
+    async def _answer(self, scope, receive, send, body: bytes) -> None:
+        """The endpoints' answer to the request, cancelled if the client leaves before it is
+        complete."""
+        whole, complete = {"type": "http.request", "body": body, "more_body": False}, False
+
+        async def replay():  # the body once; the client's leaving is the gate's to hear
             nonlocal whole
             if whole is None:
-                return await receive()
+                await asyncio.Future()  # never: the endpoint is cancelled instead
             message, whole = whole, None
             return message
-        await self.app(scope, replay, send)
+
+        async def sending(message):
+            nonlocal complete
+            await send(message)
+            complete = complete or (message["type"] == "http.response.body"
+                                    and not message.get("more_body"))
+        answer = asyncio.ensure_future(self.app(scope, replay, sending))
+        left = asyncio.Event()
+
+        async def watch():
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not complete:  # uvicorn also says "disconnect" once the answer is sent
+                left.set()
+                self.load.client_left += 1
+                answer.cancel()
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await answer
+        except asyncio.CancelledError:
+            if not left.is_set():  # the server's own cancellation, not the client's
+                raise
+        except OSError:  # the client left while the answer was sent
+            pass
+        finally:
+            watcher.cancel()
 
     def _authorized(self, scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization", b"")

@@ -313,7 +313,8 @@ def make_app(api: Api) -> fastapi.FastAPI:
     @app.get("/stats")
     async def stats():
         return {"sampler_calls": list(api.batcher.calls), "in_flight": api.load.in_flight,
-                "refused": dict(api.load.refused), "dropped_requests": api.batcher.dropped}
+                "refused": dict(api.load.refused), "client_left": api.load.client_left,
+                "dropped_requests": api.batcher.dropped}
 
     @app.get("/v1/models")
     async def models():

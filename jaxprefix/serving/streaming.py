@@ -10,14 +10,12 @@ finished sample split into one chunk per token, each with that token's log-proba
 where the request asks for them: the first chunk comes when the whole sample is drawn. The
 chunks' text joins to exactly the text of the same request without `stream`.
 
-`EventStream` answers the client itself: its headers go out with the first chunk (a sampler
-failure before it is still a 500 with OpenAI's error object), and a client that disconnects
-cancels the producer, so a request still waiting for its sampler call is dropped there
-(batcher.py).
+`EventStream` answers the client itself: its headers go out with the first chunk, so a sampler
+failure before it is still a 500 with OpenAI's error object. A client that disconnects cancels
+the stream (gate.py), and with it a request still waiting for its sampler call.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import AsyncIterator, Callable, Iterator
 
@@ -25,7 +23,7 @@ from starlette.responses import Response
 
 
 class EventStream(Response):
-    """The chunks of `events` as server-sent events, until [DONE] or the client leaves.
+    """The chunks of `events` as server-sent events, then [DONE].
     `failed(exception)` is the response to a failure before the first chunk."""
 
     def __init__(self, events: AsyncIterator[dict], failed: Callable[[Exception], Response]):
@@ -36,26 +34,6 @@ class EventStream(Response):
         self.events, self.failed = events, failed
 
     async def __call__(self, scope, receive, send) -> None:
-        producer = asyncio.ensure_future(self._produce(scope, receive, send))
-        left = asyncio.Event()
-
-        async def watch():  # the body is read: the next message is the client leaving
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left.set()
-            producer.cancel()
-        watcher = asyncio.ensure_future(watch())
-        try:
-            await producer
-        except asyncio.CancelledError:
-            if not left.is_set():  # the server's own cancellation, not the client's
-                raise
-        except OSError:  # the client left while a chunk was sent
-            pass
-        finally:
-            watcher.cancel()
-
-    async def _produce(self, scope, receive, send) -> None:
         started, events = False, aiter(self.events)
         while True:
             try:
