@@ -160,9 +160,13 @@ async def one_request(http: httpx.AsyncClient, args, name: str, rng: random.Rand
     else:
       tally.outcomes[kind, f"UNEXPECTED {response.status_code} ({what})"] += 1
     return
-  if kind == "chat":
-    body["messages"] = [{"role": "user", "content": prompt(rng, rng.randint(2, 40))}]
-    response = await http.post("/v1/chat/completions", json=body)
+  if kind in ("chat", "complete"):  # answered whole
+    if kind == "chat":
+      path, body["messages"] = "/v1/chat/completions", [
+          {"role": "user", "content": prompt(rng, rng.randint(2, 40))}]
+    else:
+      path, body["prompt"] = "/v1/completions", prompt(rng, rng.randint(2, 60))
+    response = await http.post(path, json=body)
     if response.status_code != 200:
       tally.outcomes[kind, str(response.status_code)] += 1
       return
@@ -170,14 +174,6 @@ async def one_request(http: httpx.AsyncClient, args, name: str, rng: random.Rand
                    ["completion_tokens"])
     return
   body["prompt"] = prompt(rng, rng.randint(2, 60))
-  if kind == "complete":
-    response = await http.post("/v1/completions", json=body)
-    if response.status_code != 200:
-      tally.outcomes[kind, str(response.status_code)] += 1
-      return
-    tally.answered(kind, time.monotonic() - started, response.json()["usage"]
-                   ["completion_tokens"])
-    return
   body |= {"stream": True, "stream_options": {"include_usage": True}}
   leave_early = kind == "leave" and rng.random() < 0.5
   try:

@@ -21,9 +21,8 @@ import urllib.request
 
 import openai
 import pytest
-from flax import nnx
-
-from jaxprefix import models, run_config, tokenizers
+import tiny_checkpoints
+from jaxprefix import run_config, tokenizers
 from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.errors import ConfigError
 from jaxprefix.run_setup import preflight
@@ -44,12 +43,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    config = models.ModelConfig(
-        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
-        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id,
-        max_position_embeddings=256)
-    return models.Decoder(config, rngs=nnx.Rngs(0))
+    return tiny_checkpoints.llama_over(tokenizer, max_position_embeddings=256)
 
 
 def live(model, tokenizer, **settings) -> LiveServer:

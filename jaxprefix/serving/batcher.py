@@ -8,9 +8,9 @@ window (or arrived while the previous call ran) up to `max_batch_rows` rows, and
 own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
 each row cut back to its own request's max_tokens afterwards. A request whose future was
 cancelled (its client left) before its call starts is dropped, its rows never sampled; one
-already in a call decodes to the end (the call is one in-graph loop). Sample j of a request with seed s
-draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples
-whatever else shares its call.
+already in a call decodes to the end (the call is one in-graph loop). Sample j of a request
+with seed s draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the
+same samples whatever else shares its call.
 """
 from __future__ import annotations
 
