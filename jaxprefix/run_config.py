@@ -317,6 +317,8 @@ FIELDS = {
         "max_body_bytes": F(8 * 2**20, "largest request body, in bytes (larger: a 413)"),
         "max_in_flight": F(256, "requests in flight at once, streams until their end (more: "
                                 "a 429; 0: no cap)"),
+        "stream_chunk_tokens": F(16, "decode steps a call with a stream takes between handing "
+                                     "out the tokens drawn"),
     },
     # Verifiers (rewards/): in worker processes with timeouts.
     "rewards": {

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 NAME = "tiny"
 MAX_TOKENS = 12  # every request's: one shape to compile
+CHUNK = 4        # decode steps between a stream's deliveries: a call in 3 chunks
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def live(model, tokenizer, **settings) -> LiveServer:
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
-    with live(model, tokenizer) as served:
+    with live(model, tokenizer, stream_chunk_tokens=CHUNK) as served:
         yield served
 
 
@@ -114,6 +115,90 @@ def test_a_streamed_chat_joins_to_the_unstreamed_answer_role_first(client):
             expected.model_extra["token_ids"]
     first_chunk = next(c for c in chunks if c.choices[0].index == 0)
     assert first_chunk.model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+
+
+def joined(chunks, index: int) -> tuple[str, list[int], list[float], str]:
+    """A completion choice's streamed (text, token ids, log-probs, finish_reason)."""
+    mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+    return ("".join(c.text for c in mine),
+            [t for c in mine for t in (c.model_extra.get("token_ids") or [])],
+            [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs],
+            mine[-1].finish_reason)
+
+
+@pytest.mark.parametrize("extra", [{}, {"stop": True}, {"temperature": 1.0, "seed": 3}])
+def test_a_stream_delivered_as_drawn_joins_to_the_unstreamed_answer(server, client, extra):
+    """No alternatives asked for: each choice's tokens go out after each chunk of the call,
+    never past a stop string (held back where one could begin), and join to the answer."""
+    ask = dict(model=NAME, prompt=["The capital of France is", "1, 2, 3,"], n=2,
+               max_tokens=MAX_TOKENS, temperature=0, logprobs=0,
+               extra_body={"return_token_ids": True}) | extra
+    if "stop" in extra:  # two characters from the middle of the first answer, and a miss
+        text = client.completions.create(**(ask | {"stop": None})).choices[0].text
+        ask["stop"] = extra["stop"] = [text[len(text) // 2:][:2], "never said"]
+    whole = client.completions.create(**ask)
+    calls = len(stats(server)["sampler_calls"])
+    chunks = list(client.completions.create(**ask, stream=True))
+    [call] = stats(server)["sampler_calls"][calls:]
+    assert call["chunks"] >= 2, call  # decoded in chunks, the tokens handed out between
+    for expected in whole.choices:
+        text, token_ids, logprobs, reason = joined(chunks, expected.index)
+        assert text == expected.text and reason == expected.finish_reason
+        assert token_ids == expected.model_extra["token_ids"]
+        assert logprobs == expected.logprobs.token_logprobs
+    if "stop" in extra:  # the stop strings cut something, and no chunk shows one
+        assert any(c.finish_reason == "stop" for c in whole.choices)
+        assert not any(s in c.choices[0].text for c in chunks if c.choices
+                       for s in extra["stop"])
+
+
+def test_a_streamed_chat_delivered_as_drawn_joins_to_the_unstreamed_answer(client):
+    ask = dict(model=NAME, messages=[{"role": "user", "content": "Count to five."}],
+               max_tokens=MAX_TOKENS, temperature=1.0, n=2, seed=11, logprobs=True,
+               extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**ask)
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    for expected in whole.choices:
+        first, *rest, end = [c.choices[0] for c in chunks if c.choices[0].index ==
+                             expected.index]
+        assert first.delta.role == "assistant"
+        assert "".join(c.delta.content for c in rest) == expected.message.content
+        assert [e.logprob for c in rest for e in c.logprobs.content] == \
+            [e.logprob for e in expected.logprobs.content]
+        assert [t for c in rest for t in c.model_extra["token_ids"]] == \
+            expected.model_extra["token_ids"]
+        assert end.finish_reason == expected.finish_reason
+
+
+@pytest.fixture
+def paused(monkeypatch):
+    """A streamed call waits after its first chunk until the event given is set."""
+    from jaxprefix.serving import batcher
+
+    go_on, real = threading.Event(), batcher.generate_in_chunks
+
+    def waiting(*args, **kwargs):
+        for i, progress in enumerate(real(*args, **kwargs)):
+            yield progress
+            if i == 0:
+                assert go_on.wait(120), "not released"
+    monkeypatch.setattr(batcher, "generate_in_chunks", waiting)
+    yield go_on
+    go_on.set()
+
+
+def test_the_first_tokens_arrive_while_the_call_still_decodes(server, client, paused):
+    """The call stops after its first chunk until the client has read a chunk of text."""
+    go_on = paused
+    stream = client.completions.create(model=NAME, prompt="Once upon a time",
+                                       max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True})
+    first = next(c.choices[0] for c in stream if c.choices[0].model_extra.get("token_ids"))
+    assert stats(server)["in_flight"] == 1  # its call has not finished
+    go_on.set()
+    rest = list(stream)
+    assert rest[-1].choices[0].finish_reason in ("stop", "length")
+    assert len(first.model_extra["token_ids"]) == 1
 
 
 def stream_lines(server, path: str, body: dict) -> list[bytes]:
@@ -344,5 +429,21 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_in_flight(server, client
     leave_after_sending(server, dict(model=NAME, prompt="Go", max_tokens=MAX_TOKENS,
                                      stream=True), read_first_line=True)
     wait_for(lambda: stats(server)["in_flight"] == 0)
+    out = client.completions.create(model=NAME, prompt="Still here", max_tokens=MAX_TOKENS)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_call_whose_every_client_left_mid_stream_stops_at_its_next_chunk(server, client,
+                                                                          paused):
+    before = stats(server)
+    stream = client.completions.create(model=NAME, prompt="Once upon a time",
+                                       max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                       extra_body={"return_token_ids": True})
+    next(c for c in stream if c.choices[0].model_extra.get("token_ids"))
+    stream.close()  # gone after the first token
+    wait_for(lambda: stats(server)["client_left"] == before["client_left"] + 1)
+    paused.set()
+    wait_for(lambda: stats(server)["abandoned_calls"] == before["abandoned_calls"] + 1)
+    assert stats(server)["sampler_calls"] == before["sampler_calls"]  # none finished
     out = client.completions.create(model=NAME, prompt="Still here", max_tokens=MAX_TOKENS)
     assert out.choices[0].finish_reason in ("stop", "length")

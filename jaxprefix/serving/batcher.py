@@ -6,9 +6,12 @@ batcher's thread takes the first waiting request, gathers those that arrive with
 window (or arrived while the previous call ran) up to `max_batch_rows` rows, and calls
 `sampling.generate` once per distinct (temperature, top_p, top_k): every sample a row of its
 own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
-each row cut back to its own request's max_tokens afterwards. A request whose future was
+each row cut back to its own request's max_tokens afterwards. A call with a request that has a
+`progress` (a stream) decodes the same rollouts in chunks (sampling/chunked.py), handing each
+such request its tokens so far after every chunk. A request whose future was
 cancelled (its client left) before its call starts is dropped, its rows never sampled; one
-already in a call decodes to the end (the call is one in-graph loop). Sample j of a request
+already in a call decodes on with the others, unless every request of a chunked call has left:
+that call stops at its next chunk (`Abandoned`). Sample j of a request
 with seed s draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the
 same samples whatever else shares its call.
 """
@@ -22,6 +25,7 @@ import queue
 import random
 import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,7 @@ from absl import logging
 from flax import nnx
 
 from jaxprefix import sampling
+from jaxprefix.sampling.chunked import Progress, generate_in_chunks
 from jaxprefix.sampling.layout import MIN_CONTEXT_BUCKET, bucket
 
 MAX_N = 256          # samples of one request: j is the low 8 bits of a row's stream
@@ -48,6 +53,11 @@ class SampleRequest:
     top_k: int = 0
     seed: int | None = None   # None: a fresh one
     top_logprobs: int = 0     # alternatives listed at each token (0: none)
+    # Called on the batcher's thread after each chunk of its call with each sample's
+    # (token ids, log-probs) so far (a stream's), its call then decoding in chunks; returns
+    # whether its client still waits for the rest.
+    progress: Callable[[list[tuple[list[int], list[float]]]], bool] | None = \
+        dataclasses.field(default=None, compare=False)
 
     @property
     def call_key(self) -> tuple:
@@ -73,8 +83,9 @@ class Batcher:
     """Owns the model after start-up: only its thread calls the sampler."""
 
     def __init__(self, model, *, stop_ids, sampler_keywords: dict, max_batch_rows: int,
-                 window_s: float, max_top_logprobs: int, seed: int = 0):
+                 window_s: float, max_top_logprobs: int, seed: int = 0, chunk_steps: int = 16):
         self.model = model
+        self.chunk_steps = chunk_steps  # decode steps between a streamed call's progress
         self.stop_ids = tuple(stop_ids)
         self.sampler_keywords = sampler_keywords  # rows in flight, KV budget, pages
         self.max_batch_rows = max_batch_rows
@@ -82,6 +93,8 @@ class Batcher:
         self.max_top_logprobs = max_top_logprobs
         self.calls = collections.deque(maxlen=RECENT_CALLS)  # one dict per sampler call
         self.dropped = 0  # requests cancelled before their call: never sampled
+        self.abandoned = 0  # calls stopped at a chunk: every client of theirs had left
+        self._chunks = 1  # the chunks of the call the thread runs (1: not streamed)
         self._seeds = random.Random(seed)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
@@ -139,6 +152,11 @@ class Batcher:
             started = time.monotonic()
             samples = self._sample(requests)
             seconds = time.monotonic() - started
+        except Abandoned:
+            self.abandoned += 1
+            for _, future in group:
+                future.set_exception(concurrent.futures.CancelledError())
+            return
         except Exception as e:  # noqa: BLE001  (the requests fail; the server goes on)
             logging.exception("sampler call of %d requests failed", len(group))
             for _, future in group:
@@ -146,7 +164,8 @@ class Batcher:
             return
         rows = sum(r.n for r in requests)
         self.calls.append(dict(requests=len(requests), rows=rows, seconds=round(seconds, 3),
-                               max_tokens=max(r.max_tokens for r in requests)))
+                               max_tokens=max(r.max_tokens for r in requests),
+                               chunks=self._chunks))
         logging.info("sampler call: %d requests, %d rows, %.2f s", len(requests), rows, seconds)
         for (_, future), result in zip(group, samples):
             future.set_result(result)
@@ -159,10 +178,18 @@ class Batcher:
             for j in range(r.n):
                 contexts.append(list(r.prompt))
                 streams.append((stream_of(seed, j), 0))
-        rollouts = sampling.generate(
-            self.model, contexts, n=1, max_new_tokens=max(r.max_tokens for r in requests),
-            temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
-            stop_ids=self.stop_ids, seed=0, streams=streams, **self.sampler_keywords)
+        keywords = dict(n=1, max_new_tokens=max(r.max_tokens for r in requests),
+                        temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
+                        stop_ids=self.stop_ids, seed=0, streams=streams, **self.sampler_keywords)
+        self._chunks = 1
+        if not any(r.progress for r in requests):
+            rollouts = sampling.generate(self.model, contexts, **keywords)
+        else:  # the same rollouts, each chunk's tokens handed to the requests' progress
+            for self._chunks, drawn in enumerate(generate_in_chunks(
+                    self.model, contexts, chunk_steps=self.chunk_steps, **keywords), 1):
+                if not _report(requests, drawn):
+                    raise Abandoned(f"{len(requests)} requests, at chunk {self._chunks}")
+            rollouts = drawn.rollouts
         out, row = [], 0
         for r in requests:
             samples = []
@@ -197,6 +224,29 @@ class Batcher:
         # The logits at t - 1 predict token t.
         return [list(zip(ids[0, t - 1, :k].tolist(), values[0, t - 1, :k].tolist()))
                 for t in range(start, len(tokens))]
+
+
+class Abandoned(Exception):
+    """Every client of a call left: it stops at the chunk (its requests are cancelled)."""
+
+
+def _report(requests: list[SampleRequest], drawn: Progress) -> bool:
+    """Each request's samples so far (cut to its max_tokens) to its progress, if it has one;
+    whether any request is still waited for (one without a progress always is)."""
+    row, waited = 0, False
+    for r in requests:
+        if r.progress is None:
+            waited = True
+        else:
+            samples = [(drawn.completions[i, :min(drawn.lengths[i], r.max_tokens)].tolist(),
+                        drawn.logprobs[i, :min(drawn.lengths[i], r.max_tokens)].tolist())
+                       for i in range(row, row + r.n)]
+            try:
+                waited |= bool(r.progress(samples))
+            except Exception:  # noqa: BLE001  (a stream's failure is not the call's)
+                logging.exception("a request's progress failed")
+        row += r.n
+    return waited
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "k"))

@@ -16,7 +16,6 @@ OpenAI's error object; the server goes on. `stream: true` answers in server-sent
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import time
 import uuid
@@ -25,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from jaxprefix.serving import streaming
+from jaxprefix.serving import streamed, streaming
 from jaxprefix.serving.batcher import MAX_N, Sample, SampleRequest
 from jaxprefix.serving.gate import Gate, Load
 from jaxprefix.serving.requests import (ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -172,7 +171,7 @@ class Api:
         cut = next((i + 1 for i, t in enumerate(sample.token_ids) if t in stop_ids), None)
         if cut is not None:
             sample = _first(sample, cut)
-        stop = _stops(body.stop)
+        stop = streaming.stops(body.stop)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         hits = [(text.find(s), s) for s in stop if s and s in text]
         if not hits:
@@ -185,12 +184,6 @@ class Api:
             prefix = self.tokenizer.decode(sample.token_ids[:mid], skip_special_tokens=True)
             lo, hi = (lo, mid) if any(s and s in prefix for s in stop) else (mid + 1, hi)
         return _first(sample, lo), text[:at], "stop"
-
-    def text_pieces(self, sample: Sample, text: str) -> list[str]:
-        """`text` (the sample's, cut at a stop string) split into one piece per token."""
-        return streaming.text_pieces(
-            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-            sample.token_ids, text)
 
     def head(self, response_id: str, kind: str) -> dict:
         """The fields a response (or each chunk of its stream) starts with."""
@@ -255,24 +248,12 @@ def _first(sample: Sample, count: int) -> Sample:
                   None if top is None else top[:count])
 
 
-def _stops(stop) -> list[str]:
-    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
-
-
 def server_error(e: Exception) -> JSONResponse:
     """The sampler's failure: a 500, the server goes on."""
     return JSONResponse(error_body(f"the sampler failed: {type(e).__name__}: {e}", None,
                                    "internal_error", "server_error"), status_code=500)
 
 
-def _include_usage(body: Sampled) -> bool:
-    return body.stream_options is not None and body.stream_options.include_usage
-
-
-def _usage(prompt_tokens: int, samples) -> dict:
-    completion = sum(len(s.token_ids) for s in samples)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
 
 
 def make_app(api: Api) -> fastapi.FastAPI:
@@ -314,7 +295,8 @@ def make_app(api: Api) -> fastapi.FastAPI:
     async def stats():
         return {"sampler_calls": list(api.batcher.calls), "in_flight": api.load.in_flight,
                 "refused": dict(api.load.refused), "client_left": api.load.client_left,
-                "dropped_requests": api.batcher.dropped}
+                "dropped_requests": api.batcher.dropped,
+                "abandoned_calls": api.batcher.abandoned}
 
     @app.get("/v1/models")
     async def models():
@@ -340,17 +322,8 @@ def make_app(api: Api) -> fastapi.FastAPI:
                 api.completion_logprobs(sample, body.return_tokens_as_token_ids)
 
         if body.stream:
-            async def events():
-                done = finished(await api.sample(requests))
-                chunks = [streaming.completion_chunks(
-                    head, index, api.text_pieces(sample, text), reason, logprobs(sample),
-                    sample.token_ids if body.return_token_ids else None, prompt)
-                    for index, prompt, sample, text, reason in done]
-                usage = _usage(sum(map(len, prompts)), [d[2] for d in done])
-                for chunk in streaming.with_usage(itertools.chain(*chunks), head,
-                                                  usage if _include_usage(body) else None):
-                    yield chunk
-            return streaming.EventStream(events(), server_error)
+            return streaming.EventStream(
+                streamed.completion_events(api, body, prompts, requests, head), server_error)
         done = finished(await api.sample(requests))
         choices = []
         for index, prompt, sample, text, reason in done:
@@ -360,7 +333,7 @@ def make_app(api: Api) -> fastapi.FastAPI:
                 choice |= {"prompt_token_ids": prompt, "token_ids": sample.token_ids}
             choices.append(choice)
         return head | {"choices": choices,
-                       "usage": _usage(sum(map(len, prompts)), [d[2] for d in done])}
+                       "usage": streaming.usage(sum(map(len, prompts)), [d[2] for d in done])}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -375,11 +348,13 @@ def make_app(api: Api) -> fastapi.FastAPI:
         request = api.sample_request(body, prompt, max_tokens, top, "messages")
         head = api.head(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion")
 
+        def message_of(sample, text):  # tool calls in the template's format become OpenAI's
+            return assistant_message(text, api.tokenizer.decode(sample.token_ids), call_format)
+
         def finished(result):  # (sample, text, message, finish_reason, logprobs) per choice
             for drawn in result:
                 sample, text, reason = api.finish(drawn, body)
-                message = assistant_message(text, api.tokenizer.decode(sample.token_ids),
-                                            call_format)
+                message = message_of(sample, text)
                 yield (sample, text, message,
                        "tool_calls" if "tool_calls" in message else reason,
                        api.chat_logprobs(sample, body.return_tokens_as_token_ids)
@@ -387,20 +362,8 @@ def make_app(api: Api) -> fastapi.FastAPI:
 
         if body.stream:
             head["object"] = "chat.completion.chunk"
-
-            async def events():
-                [result] = await api.sample([request])
-                done = list(finished(result))
-                chunks = [streaming.chat_chunks(
-                    head, j, api.text_pieces(sample, text), message, reason, logprobs,
-                    sample.token_ids if body.return_token_ids else None,
-                    prompt if body.return_token_ids else None)
-                    for j, (sample, text, message, reason, logprobs) in enumerate(done)]
-                usage = _usage(len(prompt), [d[0] for d in done])
-                for chunk in streaming.with_usage(itertools.chain(*chunks), head,
-                                                  usage if _include_usage(body) else None):
-                    yield chunk
-            return streaming.EventStream(events(), server_error)
+            return streaming.EventStream(streamed.chat_events(
+                api, body, prompt, request, head, call_format, message_of), server_error)
         [result] = await api.sample([request])
         choices, samples = [], []
         for j, (sample, _, message, reason, logprobs) in enumerate(finished(result)):
@@ -410,7 +373,7 @@ def make_app(api: Api) -> fastapi.FastAPI:
             if body.return_token_ids:
                 choice["token_ids"] = sample.token_ids
             choices.append(choice)
-        response = head | {"choices": choices, "usage": _usage(len(prompt), samples)}
+        response = head | {"choices": choices, "usage": streaming.usage(len(prompt), samples)}
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return response
@@ -459,6 +422,6 @@ def make_app(api: Api) -> fastapi.FastAPI:
             choices.append({"index": j, "token_ids": sample.token_ids, "finish_reason": reason,
                             "logprobs": api.chat_logprobs(sample, as_ids=True)})
         return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": body.token_ids,
-                "choices": choices, "usage": _usage(len(body.token_ids), samples)}
+                "choices": choices, "usage": streaming.usage(len(body.token_ids), samples)}
 
     return app

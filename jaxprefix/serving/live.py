@@ -68,7 +68,8 @@ class LiveServer:
                                sampler_keywords=self.sampler_keywords,
                                max_batch_rows=self.settings.max_batch_rows,
                                window_s=self.settings.batch_window_ms / 1000,
-                               max_top_logprobs=self.settings.max_top_logprobs, seed=self.seed)
+                               max_top_logprobs=self.settings.max_top_logprobs, seed=self.seed,
+                               chunk_steps=self.settings.stream_chunk_tokens)
         app = make_app(Api(self.batcher, self.tokenizer, self.settings, self.context_length,
                            self.sampling))
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",

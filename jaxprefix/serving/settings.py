@@ -23,6 +23,7 @@ class ServeSettings:
     api_key: str = dataclasses.field(default="", repr=False)  # "": no key asked for
     max_body_bytes: int = 8 * 2**20
     max_in_flight: int = 256    # 0: no cap
+    stream_chunk_tokens: int = 16
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -36,6 +37,7 @@ class ServeSettings:
         check(self.max_top_logprobs >= 0, "max_top_logprobs", ">= 0")
         check(self.max_body_bytes >= 1024, "max_body_bytes", ">= 1024 bytes")
         check(self.max_in_flight >= 0, "max_in_flight", ">= 0 (0: no cap)")
+        check(self.stream_chunk_tokens >= 1, "stream_chunk_tokens", ">= 1")
         # Anyone who can reach a server off the loopback can sample it: not without a key.
         check(bool(self.api_key) or is_loopback(self.host), "api_key",
               f"a key clients must send (or {API_KEY_VARIABLE} set) when serve.host="

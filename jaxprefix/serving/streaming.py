@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 from typing import AsyncIterator, Callable, Iterator
 
+from absl import logging
 from starlette.responses import Response
 
 
@@ -63,22 +64,85 @@ def _event(chunk: dict) -> bytes:
     return b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
 
 
-def text_pieces(decode: Callable[[list[int]], str], token_ids: list[int],
-                text: str) -> list[str]:
-    """One piece of `text` per token, joining to `text` exactly: token i's piece is what the
-    first i + 1 tokens' decoded text adds, held back while it ends in an incomplete character
-    (U+FFFD) or leaves `text` (a stop string cut it); the last token takes what is left."""
-    pieces, emitted = [], 0
-    for i in range(len(token_ids)):
+def text_pieces(decode: Callable[[list[int]], str], token_ids: list[int], text: str,
+                start: int = 0, sent: str = "") -> list[tuple[int | None, str]]:
+    """(token index, piece) for tokens start.. of a finished choice whose text is `text`, the
+    pieces joining to what follows `sent` (the text handed out with the first `start` tokens):
+    token i's piece is what the first i + 1 tokens' decoded text adds, held back while it ends
+    in an incomplete character (U+FFFD) or leaves `text` (a stop string cut it); the last token
+    takes what is left; (None, rest) when no token is left but text is."""
+    pieces, emitted = [], len(sent)
+    for i in range(start, len(token_ids)):
         upto = len(text)
         if i < len(token_ids) - 1:
             prefix = decode(token_ids[:i + 1])
             end = min(len(prefix), len(text))
             agrees = not prefix.endswith("\ufffd") and text[:end] == prefix[:end]
             upto = max(emitted, end) if agrees else emitted
-        pieces.append(text[emitted:upto])
+        pieces.append((i, text[emitted:upto]))
         emitted = upto
+    if emitted < len(text):
+        pieces.append((None, text[emitted:]))
     return pieces
+
+
+class Increments:
+    """One choice's tokens handed out as they are drawn, each with the piece of text the
+    finished choice is sure to begin with: before any stop string (the last characters that
+    could begin one held back), never an incomplete character, and no token from a stop token
+    on or past max_tokens. Then `rest` gives the finished choice's other tokens and text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], stop_ids,
+                 max_tokens: int):
+        self.decode, self.stop, self.stop_ids = decode, [s for s in stop if s], set(stop_ids)
+        self.max_tokens = max_tokens
+        self.hold = max(map(len, self.stop), default=1) - 1
+        self.tokens, self.text = 0, ""  # handed out
+        self.open = True  # False once the rest waits for the finished choice
+
+    def more(self, token_ids: list[int]) -> list[tuple[int, str]]:
+        """(token index, piece) of the tokens drawn since the last call that can go out."""
+        out = []
+        for i in range(self.tokens, min(len(token_ids), self.max_tokens) if self.open else 0):
+            if token_ids[i] in self.stop_ids:
+                self.open = False
+                break
+            text = self.decode(token_ids[:i + 1])
+            if any(s in text for s in self.stop):
+                self.open = False
+                break
+            if text.endswith("\ufffd"):
+                break
+            safe = text[:len(text) - self.hold]
+            if not safe.startswith(self.text):  # a tokenizer whose text is not prefix-stable
+                self.open = False
+                break
+            out.append((i, safe[len(self.text):]))
+            self.tokens, self.text = i + 1, safe
+        return out
+
+    def rest(self, token_ids: list[int], text: str) -> list[tuple[int | None, str]]:
+        """The finished choice's (token ids, text: cut at its stops) after what went out."""
+        if not text.startswith(self.text):
+            logging.warning("a stream handed out %r, which the finished text %r does not begin "
+                            "with", self.text, text)
+        return text_pieces(self.decode, token_ids, text, self.tokens, self.text)
+
+
+def stops(stop) -> list[str]:
+    """A request's `stop`: a string, a list of them, or None."""
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def usage(prompt_tokens: int, samples) -> dict:
+    """A response's usage: the prompt's tokens and the samples'."""
+    completion = sum(len(s.token_ids) for s in samples)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def include_usage(body) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
 
 
 def with_usage(chunks: Iterator[dict], head: dict, usage: dict | None) -> Iterator[dict]:
@@ -90,45 +154,16 @@ def with_usage(chunks: Iterator[dict], head: dict, usage: dict | None) -> Iterat
         yield head | {"choices": [], "usage": usage}
 
 
-def completion_chunks(head: dict, index: int, pieces: list[str], reason: str,
-                      logprobs: dict | None, token_ids: list[int] | None,
-                      prompt_token_ids: list[int] | None) -> Iterator[dict]:
-    """One choice's text_completion chunks: a piece of text per token (its logprobs and id
-    where asked for; the prompt's ids on the first), then its finish_reason."""
-    for i, piece in enumerate(pieces):
-        choice = {"index": index, "text": piece, "finish_reason": None,
-                  "logprobs": None if logprobs is None else
-                  {k: None if v is None else v[i:i + 1] for k, v in logprobs.items()}}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids[i:i + 1]
-            if i == 0:
-                choice["prompt_token_ids"] = prompt_token_ids
-        yield head | {"choices": [choice]}
-    yield head | {"choices": [{"index": index, "text": "", "finish_reason": reason,
-                               "logprobs": None}]}
+def completion_chunk(head: dict, index: int, text: str, finish: str | None = None,
+                     logprobs: dict | None = None, **vllm) -> dict:
+    """A text_completion chunk of one choice; `vllm`: token_ids, prompt_token_ids."""
+    return head | {"choices": [{"index": index, "text": text, "finish_reason": finish,
+                                "logprobs": logprobs, **vllm}]}
 
 
-def chat_chunks(head: dict, index: int, pieces: list[str], message: dict, reason: str,
-                logprobs: dict | None, token_ids: list[int] | None,
-                prompt_token_ids: list[int] | None) -> Iterator[dict]:
-    """One choice's chat.completion.chunks: the role (with the prompt's ids where asked for),
-    a content delta per token (its logprobs and id where asked for), then its finish_reason.
-    A message of tool calls comes whole: its content and calls in one delta, with every
-    token's logprobs and ids."""
-    def chunk(delta, finish=None, start=0, end=0):
-        choice = {"index": index, "delta": delta, "finish_reason": finish,
-                  "logprobs": None if logprobs is None else
-                  {"content": logprobs["content"][start:end]}}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids[start:end]
-        return head | {"choices": [choice]}
-    first = chunk({"role": "assistant", "content": ""})
-    yield first if prompt_token_ids is None else first | {"prompt_token_ids": prompt_token_ids}
-    if "tool_calls" in message:
-        calls = [dict(call, index=i) for i, call in enumerate(message["tool_calls"])]
-        yield chunk({"content": message["content"], "tool_calls": calls}, None, 0,
-                    len(pieces))
-    else:
-        for i, piece in enumerate(pieces):
-            yield chunk({"content": piece}, None, i, i + 1)
-    yield chunk({}, reason)
+def chat_chunk(head: dict, index: int, delta: dict, finish: str | None = None,
+               logprobs: list | None = None, **vllm) -> dict:
+    """A chat.completion.chunk of one choice; logprobs: its content entries."""
+    return head | {"choices": [{"index": index, "delta": delta, "finish_reason": finish,
+                                "logprobs": None if logprobs is None else
+                                {"content": logprobs}, **vllm}]}
