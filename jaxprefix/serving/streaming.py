@@ -5,10 +5,10 @@ Each chunk is `data: {json}\\n\\n` and the stream ends with `data: [DONE]\\n\\n`
 role first, then the content); each choice ends with a chunk of its finish_reason, and
 `stream_options.include_usage` adds a last chunk of no choices and the usage.
 
-The batcher returns whole samples (a sampler call is one in-graph decode loop), so a stream is a
-finished sample split into one chunk per token, each with that token's log-probabilities and id
-where the request asks for them: the first chunk comes when the whole sample is drawn. The
-chunks' text joins to exactly the text of the same request without `stream`.
+A chunk per token, with that token's log-probabilities and id where the request asks for them:
+`Increments` hands a choice's tokens out as its call draws them (streamed.py), each with the
+text the finished choice is sure to begin with, and `text_pieces` splits what is left of the
+finished choice, so the chunks' text joins to exactly the text of the request without `stream`.
 
 `EventStream` answers the client itself: its headers go out with the first chunk, so a sampler
 failure before it is still a 500 with OpenAI's error object. A client that disconnects cancels
