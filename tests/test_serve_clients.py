@@ -27,6 +27,7 @@ from jaxprefix.checkpoints.gguf import bundled_smollm2_path
 from jaxprefix.errors import ConfigError
 from jaxprefix.run_setup import preflight
 from jaxprefix.sampling import RolloutSpec
+from jaxprefix.serving import streaming
 from jaxprefix.serving.live import LiveServer
 from jaxprefix.serving.settings import API_KEY_VARIABLE, ServeSettings, is_loopback
 
@@ -115,6 +116,50 @@ def test_a_streamed_chat_joins_to_the_unstreamed_answer_role_first(client):
             expected.model_extra["token_ids"]
     first_chunk = next(c for c in chunks if c.choices[0].index == 0)
     assert first_chunk.model_extra["prompt_token_ids"] == whole.model_extra["prompt_token_ids"]
+
+
+def test_increments_hand_out_only_what_the_finished_text_begins_with():
+    """streaming.Increments on a byte-ish tokenizer: token 3 is half a character (its text ends
+    in U+FFFD until token 4 completes it), stop string "cd" may begin at the last character,
+    token 9 is a stop token id."""
+    vocab = {1: "a", 2: "b", 3: "\ufffd", 4: "é", 5: "c", 6: "d", 7: "e", 9: ""}
+
+    def decode(ids):
+        text = "".join(vocab[i] for i in ids)
+        return text.replace("\ufffdé", "é")  # 3 then 4: one character
+    inc = streaming.Increments(decode, ["cd"], {9}, max_tokens=10)
+    assert inc.more([1, 2]) == [(0, ""), (1, "a")]  # the last character may begin "cd"
+    assert inc.more([1, 2, 3]) == []                  # half a character: held
+    assert inc.more([1, 2, 3, 4, 5]) == [(2, ""), (3, "b"), (4, "é")]  # completed by token 4
+    assert inc.more([1, 2, 3, 4, 5, 6, 7]) == []      # "cd": the finished text ends before it
+    finished = "abé"  # what api.finish cuts: before the stop string, tokens through "d"
+    rest = inc.rest([1, 2, 3, 4, 5, 6], finished)
+    assert "".join(p for _, p in rest) == "" and [i for i, _ in rest] == [5]
+    stop_id = streaming.Increments(decode, [], {9}, max_tokens=3)
+    assert stop_id.more([1, 9, 2]) == [(0, "a")]      # nothing from a stop token on
+    assert stop_id.more([1, 9, 2, 5]) == []
+    assert [p for _, p in stop_id.rest([1, 9], "a")] == [""]
+
+
+def test_increments_on_smollm2s_byte_tokens_join_to_the_text(tokenizer):
+    """Characters split over byte tokens (emoji, CJK) go out whole, one chunk a token."""
+    text = "Snow ☃ and 雪 — 🎉🎉 done, ok?"
+    ids = tokenizer.encode(text)
+    def decode(i):
+        return tokenizer.decode(i, skip_special_tokens=True)
+    assert any(decode(ids[:k]).endswith("\ufffd") for k in range(1, len(ids)))  # it splits
+    for stop in ([], ["ok?"], ["🎉"]):
+        inc = streaming.Increments(decode, stop, (), max_tokens=len(ids))
+        out = []
+        for k in range(1, len(ids) + 1, 3):  # chunks of 3 tokens
+            out += inc.more(ids[:k])
+        finished = text[:min([text.find(s) for s in stop if s in text] or [len(text)])]
+        cut = next((k for k in range(1, len(ids) + 1) if any(s in decode(ids[:k])
+                                                            for s in stop)), len(ids))
+        out += inc.rest(ids[:cut], finished)
+        assert "".join(p for _, p in out) == finished
+        assert [i for i, _ in out if i is not None] == list(range(cut))
+        assert not any("\ufffd" in p for _, p in out)
 
 
 def joined(chunks, index: int) -> tuple[str, list[int], list[float], str]:

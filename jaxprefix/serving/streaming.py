@@ -111,13 +111,13 @@ class Increments:
             if any(s in text for s in self.stop):
                 self.open = False
                 break
-            if text.endswith("\ufffd"):
-                break
+            if text.endswith("\ufffd"):  # goes out with the token that completes it
+                continue
             safe = text[:len(text) - self.hold]
             if not safe.startswith(self.text):  # a tokenizer whose text is not prefix-stable
                 self.open = False
                 break
-            out.append((i, safe[len(self.text):]))
+            out += [(k, "") for k in range(self.tokens, i)] + [(i, safe[len(self.text):])]
             self.tokens, self.text = i + 1, safe
         return out
 
