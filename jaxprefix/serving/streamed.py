@@ -53,6 +53,12 @@ async def drawn(api, requests: list[SampleRequest], incremental: bool) -> AsyncI
         result.cancel()
 
 
+def _usage_head(head: dict, body) -> dict:
+    """With stream_options.include_usage every chunk carries `usage: null`, as OpenAI's, and a
+    last chunk of no choices the usage."""
+    return head | {"usage": None} if streaming.include_usage(body) else head
+
+
 def _decoder(api):
     return lambda ids: api.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -65,6 +71,7 @@ def _increments(api, body, max_tokens: int) -> streaming.Increments:
 async def completion_events(api, body, prompts: list[list[int]],
                             requests: list[SampleRequest], head: dict) -> AsyncIterator[dict]:
     """The text_completion chunks of a streamed /v1/completions request."""
+    head = _usage_head(head, body)
     as_ids, wants = body.return_tokens_as_token_ids, body.logprobs is not None
     incremental = not body.logprobs  # alternatives at each token: only after the call
     choices = {p * body.n + j: _increments(api, body, requests[p].max_tokens)
@@ -104,10 +111,8 @@ async def completion_events(api, body, prompts: list[list[int]],
                                     choices[index].rest(sample.token_ids, text)):
                     yield chunk
                 yield streaming.completion_chunk(head, index, "", reason)
-    usage = streaming.usage(sum(map(len, prompts)), samples)
-    for chunk in streaming.with_usage(iter(()), head,
-                                      usage if streaming.include_usage(body) else None):
-        yield chunk
+    if streaming.include_usage(body):
+        yield head | {"choices": [], "usage": streaming.usage(sum(map(len, prompts)), samples)}
 
 
 async def chat_events(api, body, prompt: list[int], request: SampleRequest, head: dict,
@@ -115,6 +120,7 @@ async def chat_events(api, body, prompt: list[int], request: SampleRequest, head
     """The chat.completion.chunks of a streamed /v1/chat/completions request: each choice's
     role first, its content as it comes, its finish_reason last. `message_of(sample, text)`:
     the finished choice's message (with tool calls where the template's format finds them)."""
+    head = _usage_head(head, body)
     as_ids, wants = body.return_tokens_as_token_ids, body.logprobs
     incremental = not (body.top_logprobs and body.logprobs) and call_format is None
     choices = [_increments(api, body, request.max_tokens) for _ in range(body.n)]
@@ -164,6 +170,5 @@ async def chat_events(api, body, prompt: list[int], request: SampleRequest, head
                 for chunk in chunks(j, sample, choices[j].rest(sample.token_ids, text)):
                     yield chunk
             yield streaming.chat_chunk(head, j, {}, reason)
-    for chunk in streaming.with_usage(iter(()), head, streaming.usage(len(prompt), samples)
-                                      if streaming.include_usage(body) else None):
-        yield chunk
+    if streaming.include_usage(body):
+        yield head | {"choices": [], "usage": streaming.usage(len(prompt), samples)}

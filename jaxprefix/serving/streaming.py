@@ -17,7 +17,7 @@ the stream (gate.py), and with it a request still waiting for its sampler call.
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable
 
 from absl import logging
 from starlette.responses import Response
@@ -143,15 +143,6 @@ def usage(prompt_tokens: int, samples) -> dict:
 
 def include_usage(body) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
-
-
-def with_usage(chunks: Iterator[dict], head: dict, usage: dict | None) -> Iterator[dict]:
-    """The chunks, then (include_usage: `usage` given) the usage chunk, every chunk with
-    `usage: null` before it as OpenAI's."""
-    for chunk in chunks:
-        yield chunk if usage is None else chunk | {"usage": None}
-    if usage is not None:
-        yield head | {"choices": [], "usage": usage}
 
 
 def completion_chunk(head: dict, index: int, text: str, finish: str | None = None,
