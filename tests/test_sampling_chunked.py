@@ -44,3 +44,16 @@ def test_chunks_give_generates_rollouts_and_prefixes_of_them(model, rows, chunk_
     for p in progress:
         for row, length in enumerate(p.lengths):
             assert p.completions[row, :length].tolist() == final[row][:length]
+
+
+def test_unwanted_rows_stop_at_the_next_chunk_and_the_others_are_unchanged(model):
+    """The static decode: rows 0 and 5 are unwanted after the first chunk of 4 steps."""
+    request = REQUEST | dict(stop_ids=())  # no row stops by itself: all go to max_new_tokens
+    whole = generate(model, CONTEXTS, **request)
+    progress = list(generate_in_chunks(model, CONTEXTS, chunk_steps=4,
+                                       unwanted=lambda: [0, 5], **request))
+    r = progress[-1].rollouts
+    np.testing.assert_array_equal(r.lengths, [4 if row in (0, 5) else 20 for row in range(8)])
+    kept = [row for row in range(8) if row not in (0, 5)]
+    assert [r.completions()[row] for row in kept] == [whole.completions()[row] for row in kept]
+    assert r.completions()[0] == whole.completions()[0][:4]

@@ -492,3 +492,33 @@ def test_a_call_whose_every_client_left_mid_stream_stops_at_its_next_chunk(serve
     assert stats(server)["sampler_calls"] == before["sampler_calls"]  # none finished
     out = client.completions.create(model=NAME, prompt="Still here", max_tokens=MAX_TOKENS)
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_left_streams_rows_stop_at_the_next_chunk_and_its_company_is_answered(
+        server, client, paused):
+    """A whole request of 4 tokens and a stream of 12 share a call (queued behind a held
+    one); the stream's client leaves after its first token: at the next chunk no row is
+    wanted (one left, one has its 4 tokens), so the call ends there, not after 12 steps."""
+    ask = dict(model=NAME, temperature=0, extra_body={"return_token_ids": True})
+
+    def leave_after_a_token():
+        stream = client.completions.create(prompt="Leaving soon", max_tokens=MAX_TOKENS,
+                                           stream=True, **ask)
+        next(c for c in stream if c.choices[0].model_extra.get("token_ids"))
+        stream.close()
+    before = stats(server)
+    with held(server.batcher) as release, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        pool.submit(client.completions.create, prompt="Hold on", max_tokens=4, **ask)
+        assert release.entered.wait(60)
+        short = pool.submit(client.completions.create, prompt="Short one", max_tokens=4, **ask)
+        gone = pool.submit(leave_after_a_token)
+        wait_for(lambda: stats(server)["in_flight"] == 3)
+        release.set()
+        gone.result(timeout=120)
+        wait_for(lambda: stats(server)["client_left"] == before["client_left"] + 1)
+        paused.set()
+        answer = short.result(timeout=120)
+    calls = stats(server)["sampler_calls"][len(before["sampler_calls"]):]
+    assert [(c["requests"], c["chunks"]) for c in calls] == [(1, 1), (2, 2)], calls
+    alone = client.completions.create(prompt="Short one", max_tokens=4, **ask)
+    assert answer.choices[0].model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]

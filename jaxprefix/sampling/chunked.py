@@ -12,7 +12,7 @@ to the host and a read of the rows' outputs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -39,9 +39,13 @@ class Progress:
 
 
 def generate_in_chunks(model, contexts: Sequence[Context], *, chunk_steps: int,
+                       unwanted: Callable[[], Sequence[int]] | None = None,
                        **generate) -> Iterator[Progress]:
     """generate(model, contexts, **generate)'s rollouts, with the rows' progress after every
-    `chunk_steps` decode steps; the last Progress carries the rollouts."""
+    `chunk_steps` decode steps; the last Progress carries the rollouts. `unwanted()`, asked
+    between chunks: rows the caller needs no more of; the static decode stops them (their
+    rollouts end there, and the call ends when the others do), the continuous one decodes
+    them on."""
     if chunk_steps < 1:
         raise ValueError(f'chunk_steps={chunk_steps}: expected >= 1')
     if generate.get('record_routes'):
@@ -51,13 +55,14 @@ def generate_in_chunks(model, contexts: Sequence[Context], *, chunk_steps: int,
         req = dataclasses.replace(req, params=req.reshard())
     rows = req.layout.num_contexts * req.n
     with _mesh_scope(req.mesh):
-        chunks = _static(req, chunk_steps) if req.plan is None else _continuous(req, chunk_steps)
+        chunks = _static(req, chunk_steps, unwanted or (lambda: ())) if req.plan is None \
+            else _continuous(req, chunk_steps)
         for outputs, last in chunks:
             outputs = [x[:rows] for x in distributed.to_host(outputs)]
             yield Progress(*outputs, rollouts=laid_out(req, *outputs, None) if last else None)
 
 
-def _static(req, chunk_steps: int):
+def _static(req, chunk_steps: int, unwanted: Callable[[], Sequence[int]]):
     """(completions, logprobs, lengths, stopped) on the device after each chunk, and whether it
     was the last."""
     segments, state, _ = _prefill_program(req)()
@@ -71,6 +76,9 @@ def _static(req, chunk_steps: int):
         yield (state.completions, state.logprobs, state.lengths, state.stopped), last
         if last:
             return
+        stop = np.asarray(unwanted(), np.int32)
+        if stop.size:  # done rows ride along drawing nothing; the loop ends when all are
+            state = state.replace(done=state.done.at[stop].set(True))
 
 
 def _continuous(req, chunk_steps: int):

@@ -10,8 +10,10 @@ each row cut back to its own request's max_tokens afterwards. A call with a requ
 `progress` (a stream) decodes the same rollouts in chunks (sampling/chunked.py), handing each
 such request its tokens so far after every chunk. A request whose future was
 cancelled (its client left) before its call starts is dropped, its rows never sampled; one
-already in a call decodes on with the others, unless every request of a chunked call has left:
-that call stops at its next chunk (`Abandoned`). Sample j of a request
+already in a call decodes on with the others. In a chunked call the rows of a request that has
+left, or that have drawn their request's max_tokens, stop at the next chunk in the static
+decode (the call ends when the others do), and a call that every request has left stops there
+(`Abandoned`). Sample j of a request
 with seed s draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the
 same samples whatever else shares its call.
 """
@@ -54,10 +56,11 @@ class SampleRequest:
     seed: int | None = None   # None: a fresh one
     top_logprobs: int = 0     # alternatives listed at each token (0: none)
     # Called on the batcher's thread after each chunk of its call with each sample's
-    # (token ids, log-probs) so far (a stream's), its call then decoding in chunks; returns
-    # whether its client still waits for the rest.
-    progress: Callable[[list[tuple[list[int], list[float]]]], bool] | None = \
+    # (token ids, log-probs) so far (a stream's), its call then decoding in chunks.
+    progress: Callable[[list[tuple[list[int], list[float]]]], None] | None = \
         dataclasses.field(default=None, compare=False)
+    # Whether its client still waits for the rest, asked between chunks (None: always).
+    waited: Callable[[], bool] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def call_key(self) -> tuple:
@@ -185,9 +188,13 @@ class Batcher:
         if not any(r.progress for r in requests):
             rollouts = sampling.generate(self.model, contexts, **keywords)
         else:  # the same rollouts, each chunk's tokens handed to the requests' progress
+            last = []
             for self._chunks, drawn in enumerate(generate_in_chunks(
-                    self.model, contexts, chunk_steps=self.chunk_steps, **keywords), 1):
-                if not _report(requests, drawn):
+                    self.model, contexts, chunk_steps=self.chunk_steps,
+                    unwanted=lambda: _unwanted(requests, last[-1]), **keywords), 1):
+                last.append(drawn)
+                _report(requests, drawn)
+                if not any(_waited(r) for r in requests):
                     raise Abandoned(f"{len(requests)} requests, at chunk {self._chunks}")
             rollouts = drawn.rollouts
         out, row = [], 0
@@ -230,23 +237,34 @@ class Abandoned(Exception):
     """Every client of a call left: it stops at the chunk (its requests are cancelled)."""
 
 
-def _report(requests: list[SampleRequest], drawn: Progress) -> bool:
-    """Each request's samples so far (cut to its max_tokens) to its progress, if it has one;
-    whether any request is still waited for (one without a progress always is)."""
-    row, waited = 0, False
+def _report(requests: list[SampleRequest], drawn: Progress) -> None:
+    """Each request's samples so far (cut to its max_tokens) to its progress, if it has one."""
+    row = 0
     for r in requests:
-        if r.progress is None:
-            waited = True
-        else:
+        if r.progress is not None:
             samples = [(drawn.completions[i, :min(drawn.lengths[i], r.max_tokens)].tolist(),
                         drawn.logprobs[i, :min(drawn.lengths[i], r.max_tokens)].tolist())
                        for i in range(row, row + r.n)]
             try:
-                waited |= bool(r.progress(samples))
+                r.progress(samples)
             except Exception:  # noqa: BLE001  (a stream's failure is not the call's)
                 logging.exception("a request's progress failed")
         row += r.n
-    return waited
+
+
+def _waited(request: SampleRequest) -> bool:
+    return request.waited is None or request.waited()
+
+
+def _unwanted(requests: list[SampleRequest], drawn: Progress) -> list[int]:
+    """The rows of requests whose client left, and the rows that have drawn their request's
+    max_tokens: the rest of the call would decode them for no one."""
+    rows, row = [], 0
+    for r in requests:
+        left = not _waited(r)
+        rows += [i for i in range(row, row + r.n) if left or drawn.lengths[i] >= r.max_tokens]
+        row += r.n
+    return rows
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "k"))

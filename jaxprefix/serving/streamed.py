@@ -29,12 +29,12 @@ async def drawn(api, requests: list[SampleRequest], incremental: bool) -> AsyncI
     every request has left stops at its next chunk."""
     loop, updates, listening = asyncio.get_running_loop(), asyncio.Queue(), [True]
 
-    def progress(k, samples) -> bool:  # on the batcher's thread
+    def progress(k, samples):  # on the batcher's thread
         if listening[0]:
             loop.call_soon_threadsafe(updates.put_nowait, (k, samples))
-        return listening[0]
     if incremental:
-        requests = [dataclasses.replace(r, progress=lambda s, k=k: progress(k, s))
+        requests = [dataclasses.replace(r, progress=lambda s, k=k: progress(k, s),
+                                        waited=lambda: listening[0])
                     for k, r in enumerate(requests)]
     result = asyncio.ensure_future(api.sample(requests))
     try:
