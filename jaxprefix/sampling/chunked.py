@@ -76,9 +76,10 @@ def _static(req, chunk_steps: int, unwanted: Callable[[], Sequence[int]]):
         yield (state.completions, state.logprobs, state.lengths, state.stopped), last
         if last:
             return
-        stop = np.asarray(unwanted(), np.int32)
-        if stop.size:  # done rows ride along drawing nothing; the loop ends when all are
-            state = state.replace(done=state.done.at[stop].set(True))
+        stop = np.zeros(state.done.shape, bool)  # a mask: one shape, whatever the rows
+        stop[np.asarray(unwanted(), np.int32)] = True
+        if stop.any():  # done rows ride along drawing nothing; the loop ends when all are
+            state = state.replace(done=state.done | stop)
 
 
 def _continuous(req, chunk_steps: int):
