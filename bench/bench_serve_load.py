@@ -288,6 +288,10 @@ def parse_args():
   parser.add_argument("--model-name", default="", help="with --base-url")
   parser.add_argument("--api-key", default=os.environ.get("JAXPREFIX_API_KEY", "none"))
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="measured rounds on the same server (RSS after each: a leak grows "
+                           "every round, compiles only while new shapes come); the last is "
+                           "reported in full")
   parser.add_argument("--quick", action="store_true", help="4 clients, 8 s, 5 s warm-up")
   args = parser.parse_args()
   args.max_tokens = [int(t) for t in args.max_tokens.split(",")]
@@ -313,14 +317,17 @@ def main():
       asyncio.run(drive(base, args, name, args.warmup_seconds, args.clients,
                         args.max_requests))
       rss = {"before": rss_mib(process and process.pid)}
-      print(f"load: {args.seconds:.0f} s, {args.clients} clients, at most {args.max_requests} "
-            f"requests, mix {args.mix}")
-      tally, wall = asyncio.run(drive(base, args, name, args.seconds, args.clients,
-                                      args.max_requests))
-      time.sleep(1.0)  # the server's last cancellations land
-      stats = get_stats(base, args.api_key)
-      rss["after"] = rss_mib(process and process.pid)
-      report(tally, wall, stats, rss)
+      print(f"load: {args.rounds} x {args.seconds:.0f} s, {args.clients} clients, at most "
+            f"{args.max_requests} requests a round, mix {args.mix}")
+      for round_ in range(1, args.rounds + 1):
+        tally, wall = asyncio.run(drive(base, args, name, args.seconds, args.clients,
+                                        args.max_requests))
+        time.sleep(1.0)  # the server's last cancellations land
+        rss["after"] = rss_mib(process and process.pid)
+        answered = sum(len(v) for v in tally.latency.values())
+        print(f"round {round_}: {answered / wall:.2f} requests/s answered, server RSS "
+              f"{rss['after'] or 0:.0f} MiB")
+      report(tally, wall, get_stats(base, args.api_key), rss)
     finally:
       if process is not None:
         process.send_signal(signal.SIGTERM)

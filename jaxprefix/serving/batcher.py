@@ -3,19 +3,21 @@ together, on one thread that does all the device work.
 
 The HTTP layer submits a `SampleRequest` (n samples of one prompt) and awaits its future. The
 batcher's thread takes the first waiting request, gathers those that arrive within the batch
-window (or arrived while the previous call ran) up to `max_batch_rows` rows, and calls
-`sampling.generate` once per distinct (temperature, top_p, top_k): every sample a row of its
-own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
-each row cut back to its own request's max_tokens afterwards. A call with a request that has a
-`progress` (a stream) decodes the same rollouts in chunks (sampling/chunked.py), handing each
-such request its tokens so far after every chunk. A request whose future was
-cancelled (its client left) before its call starts is dropped, its rows never sampled; one
-already in a call decodes on with the others. In a chunked call the rows of a request that has
-left, or that have drawn their request's max_tokens, stop at the next chunk in the static
-decode (the call ends when the others do), and a call that every request has left stops there
-(`Abandoned`). Sample j of a request
-with seed s draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the
-same samples whatever else shares its call.
+window (or arrived while the previous call ran) up to `max_batch_rows` rows, and samples them
+in one call of generate()'s programs per distinct (temperature, top_p, top_k): every sample a
+row of its own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the
+largest asked for, each row cut back to its own request's max_tokens afterwards. A call runs
+through sampling/chunked.py (generate()'s rollouts): in one chunk, or, with a request that has
+a `progress` (a stream), in chunks of `chunk_steps` steps, handing each such request its tokens
+so far after every chunk; either way the same programs, compiled once a shape.
+
+A request whose future was cancelled (its client left) before its call starts is dropped, its
+rows never sampled; one already in a call decodes on with the others. In a chunked call the
+rows of a request that has left, or that have drawn their request's max_tokens, stop at the
+next chunk in the static decode (the call ends when the others do), and a call that every
+request has left stops there (`Abandoned`). Sample j of a request with seed s draws from the
+sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples whatever else
+shares its call.
 """
 from __future__ import annotations
 
@@ -35,13 +37,13 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxprefix import sampling
 from jaxprefix.sampling.chunked import Progress, generate_in_chunks
 from jaxprefix.sampling.layout import MIN_CONTEXT_BUCKET, bucket
 
 MAX_N = 256          # samples of one request: j is the low 8 bits of a row's stream
 SEED_LIMIT = 2**23   # a request's seed is taken modulo this (the stream's other 23 bits)
 RECENT_CALLS = 1000  # sampler calls kept for /stats
+WHOLE = 2**30        # decode steps of a chunk: the whole call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,19 +186,19 @@ class Batcher:
         keywords = dict(n=1, max_new_tokens=max(r.max_tokens for r in requests),
                         temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
                         stop_ids=self.stop_ids, seed=0, streams=streams, **self.sampler_keywords)
-        self._chunks = 1
-        if not any(r.progress for r in requests):
-            rollouts = sampling.generate(self.model, contexts, **keywords)
-        else:  # the same rollouts, each chunk's tokens handed to the requests' progress
-            last = []
-            for self._chunks, drawn in enumerate(generate_in_chunks(
-                    self.model, contexts, chunk_steps=self.chunk_steps,
-                    unwanted=lambda: _unwanted(requests, last[-1]), **keywords), 1):
-                last.append(drawn)
-                _report(requests, drawn)
-                if not any(_waited(r) for r in requests):
-                    raise Abandoned(f"{len(requests)} requests, at chunk {self._chunks}")
-            rollouts = drawn.rollouts
+        # generate()'s rollouts, in chunks when a stream waits for its tokens; in one chunk
+        # otherwise, so that streamed and whole requests run the same programs (one compile
+        # of each shape, not one for each way).
+        streamed = any(r.progress for r in requests)
+        last = []
+        for self._chunks, drawn in enumerate(generate_in_chunks(
+                self.model, contexts, chunk_steps=self.chunk_steps if streamed else WHOLE,
+                unwanted=lambda: _unwanted(requests, last[-1]), **keywords), 1):
+            last.append(drawn)
+            _report(requests, drawn)
+            if not any(_waited(r) for r in requests):
+                raise Abandoned(f"{len(requests)} requests, at chunk {self._chunks}")
+        rollouts = drawn.rollouts
         out, row = [], 0
         for r in requests:
             samples = []
