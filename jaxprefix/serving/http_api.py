@@ -11,7 +11,8 @@ RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
 template, and calls written in its format (tools/calls.py) come back as `tool_calls`. A request this server cannot honour
 (bad values, an unknown model, too long a context, a field it does not implement) is a 400 with
 OpenAI's error object; the server goes on. `stream: true` answers in server-sent events
-(streaming.py).
+(streamed.py, streaming.py). Before any endpoint, the gate (gate.py) checks the API key, the
+body's size and the requests in flight, and cancels a request whose client left.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import asyncio
 import json
 import time
 import uuid
+
 import fastapi
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
