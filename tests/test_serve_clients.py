@@ -1,70 +1,29 @@
 """The OpenAI-compatible server as real clients use it (docs/SERVING.md): `stream: true` through
-the `openai` client, against a server in this process (serving/live.py) on 127.0.0.1 over a
-tiny random llama with SmolLM2's vocabulary and chat template; the API key.
+the `openai` client, against a server in this process (tests/live_serving.py); the API key.
 
-A streamed answer joins to the same request's answer without `stream` (greedy, or seeded), the
-chunks in OpenAI's format, one per token with its log-probabilities and id where asked for.
-With a key set, a request without it is a 401; off the loopback, no key is no server. A body
-over the limit is a 413, a request beyond those in flight a 429, garbage a 400.
+A streamed answer joins to the same request's answer without `stream` (greedy, seeded, with
+stop strings), the chunks in OpenAI's format, one per token with its log-probabilities and id
+where asked for, the first ones out while the call still decodes. With a key set, a request
+without it is a 401; off the loopback, no key is no server.
 """
-import concurrent.futures
-import contextlib
-import http.client
 import json
 import os
 import subprocess
 import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
-import tiny_checkpoints
-from jaxprefix import run_config, tokenizers
-from jaxprefix.checkpoints.gguf import bundled_smollm2_path
+from jaxprefix import run_config
 from jaxprefix.errors import ConfigError
 from jaxprefix.run_setup import preflight
-from jaxprefix.sampling import RolloutSpec
 from jaxprefix.serving import streaming
-from jaxprefix.serving.live import LiveServer
 from jaxprefix.serving.settings import API_KEY_VARIABLE, ServeSettings, is_loopback
+from live_serving import (MAX_TOKENS, NAME, client, live, model, paused, server,  # noqa: F401
+                          stats, tokenizer)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-NAME = "tiny"
-MAX_TOKENS = 12  # every request's: one shape to compile
-CHUNK = 4        # decode steps between a stream's deliveries: a call in 3 chunks
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tokenizers.load(bundled_smollm2_path())
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_checkpoints.llama_over(tokenizer, max_position_embeddings=256)
-
-
-def live(model, tokenizer, **settings) -> LiveServer:
-    keywords = RolloutSpec(max_new_tokens=MAX_TOKENS).sampler_keywords()
-    for name in ("max_new_tokens", "temperature", "top_p", "top_k"):  # each request's own
-        del keywords[name]
-    return LiveServer(model, tokenizer, stop_ids=[tokenizer.eos_id], sampler_keywords=keywords,
-                      max_tokens=MAX_TOKENS, context_length=256, model_name=NAME, **settings)
-
-
-@pytest.fixture(scope="module")
-def server(model, tokenizer):
-    with live(model, tokenizer, stream_chunk_tokens=CHUNK) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
 
 
 def test_a_streamed_completion_joins_to_the_greedy_answer(client):
@@ -215,24 +174,6 @@ def test_a_streamed_chat_delivered_as_drawn_joins_to_the_unstreamed_answer(clien
         assert end.finish_reason == expected.finish_reason
 
 
-@pytest.fixture
-def paused(monkeypatch):
-    """A streamed call waits after its first chunk until the event given is set (a call of
-    whole requests runs in one chunk and does not wait)."""
-    from jaxprefix.serving import batcher
-
-    go_on, real = threading.Event(), batcher.generate_in_chunks
-
-    def waiting(*args, chunk_steps, **kwargs):
-        for i, progress in enumerate(real(*args, chunk_steps=chunk_steps, **kwargs)):
-            yield progress
-            if i == 0 and chunk_steps < batcher.WHOLE:
-                assert go_on.wait(120), "not released"
-    monkeypatch.setattr(batcher, "generate_in_chunks", waiting)
-    yield go_on
-    go_on.set()
-
-
 def test_the_first_tokens_arrive_while_the_call_still_decodes(server, client, paused):
     """The call stops after its first chunk until the client has read a chunk of text."""
     go_on = paused
@@ -331,195 +272,3 @@ def test_main_refuses_to_serve_off_the_loopback_without_a_key_in_one_line(tmp_pa
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert lines == [lines[0]] and "config.serve.api_key" in lines[0], result.stderr[-2000:]
-
-
-# --- limits: body size, requests in flight, garbage -----------------------------------------
-
-@contextlib.contextmanager
-def held(batcher):
-    """The batcher's sampler calls wait, within the block, until the event it gives is set
-    (`entered`: one has begun): their requests stay in flight."""
-    release, real = threading.Event(), batcher._sample
-    release.entered = threading.Event()
-
-    def waiting(requests):
-        release.entered.set()
-        release.wait(120)
-        return real(requests)
-    batcher._sample = waiting
-    try:
-        yield release
-    finally:
-        release.set()
-        batcher._sample = real
-
-
-def stats(served) -> dict:
-    with urllib.request.urlopen(served.base_url.removesuffix("/v1") + "/stats") as response:
-        return json.loads(response.read())
-
-
-def wait_for(condition, timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def limited(model, tokenizer):
-    with live(model, tokenizer, max_body_bytes=4096, max_in_flight=2) as served:
-        yield served
-
-
-def test_a_body_over_the_limit_is_a_413(limited):
-    client = openai.OpenAI(base_url=limited.base_url, api_key="none", max_retries=0)
-    with pytest.raises(openai.APIStatusError) as refused:
-        client.completions.create(model=NAME, prompt="word " * 1000, max_tokens=MAX_TOKENS)
-    assert refused.value.status_code == 413
-    assert refused.value.body["code"] == "request_too_large"
-    # A chunked body declares no length: refused when the bytes read pass the limit.
-    host, port = limited.base_url.removeprefix("http://").removesuffix("/v1").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=60)
-    body = json.dumps({"model": NAME, "prompt": "word " * 1000, "max_tokens": MAX_TOKENS})
-    connection.request("POST", "/v1/completions", body=iter([body.encode()[:3000],
-                                                              body.encode()[3000:]]),
-                       headers={"Content-Type": "application/json"}, encode_chunked=True)
-    response = connection.getresponse()
-    assert response.status == 413 and json.loads(response.read())["error"]["param"] is None
-    connection.close()
-    out = client.completions.create(model=NAME, prompt="word " * 10, max_tokens=MAX_TOKENS)
-    assert out.choices[0].finish_reason in ("stop", "length")
-
-
-def test_beyond_max_in_flight_a_request_is_a_429_and_the_others_are_answered(limited):
-    client = openai.OpenAI(base_url=limited.base_url, api_key="none", max_retries=0,
-                           timeout=300)
-    before = stats(limited)["refused"].get("429", 0)
-    with held(limited.batcher) as release, concurrent.futures.ThreadPoolExecutor(2) as pool:
-        answers = [pool.submit(client.completions.create, model=NAME, prompt=f"Say {i}",
-                               max_tokens=MAX_TOKENS, stream=bool(i)) for i in range(2)]
-        wait_for(lambda: stats(limited)["in_flight"] == 2)
-        with pytest.raises(openai.RateLimitError) as refused:
-            client.completions.create(model=NAME, prompt="One more", max_tokens=MAX_TOKENS)
-        assert refused.value.status_code == 429
-        assert refused.value.response.headers["retry-after"] == "1"
-        assert refused.value.body["code"] == "rate_limit_exceeded"
-        release.set()
-        assert answers[0].result().choices[0].finish_reason in ("stop", "length")
-        assert list(answers[1].result())[-1].choices[0].finish_reason in ("stop", "length")
-    assert stats(limited)["refused"]["429"] == before + 1
-    wait_for(lambda: stats(limited)["in_flight"] == 0)
-
-
-GARBAGE = {
-    "nested 100000 deep": b"[" * 100_000 + b"]" * 100_000,
-    "nested in a field": b'{"model": "tiny", "prompt": "hi", "logit_bias": ' + b'{"a":' * 1500
-                         + b"1" + b"}" * 1500 + b"}",
-    "not utf-8": b'{"model": "tiny", "prompt": "\xff\xfe", "max_tokens": 2}',
-    "binary": bytes(range(256)) * 8,
-    "not an object": b"[1, 2, 3]",
-    "truncated": b'{"model": "tiny", "prompt": "hi", "max_to',
-    "NaN temperature": b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
-}
-
-
-@pytest.mark.parametrize("what", GARBAGE)
-def test_garbage_is_a_400_in_openais_form_and_the_server_goes_on(server, what):
-    for path in ("/completions", "/chat/completions"):
-        request = urllib.request.Request(server.base_url + path, data=GARBAGE[what],
-                                         headers={"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(request, timeout=60)
-        assert refused.value.code == 400, refused.value.read()
-        error = json.loads(refused.value.read())["error"]
-        assert set(error) == {"message", "type", "param", "code"}
-    assert stats(server)["in_flight"] == 0
-
-
-# --- a client that leaves ------------------------------------------------------------------
-
-def leave_after_sending(served, body: dict, read_first_line: bool = False) -> None:
-    """Posts `body` to /v1/completions and closes the connection (after the first line of the
-    answer, with read_first_line)."""
-    host, port = served.base_url.removeprefix("http://").removesuffix("/v1").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=300)
-    connection.request("POST", "/v1/completions", body=json.dumps(body),
-                       headers={"Content-Type": "application/json"})
-    if read_first_line:
-        response = connection.getresponse()
-        assert response.status == 200 and response.read(7) == b"data: {"
-    connection.close()
-
-
-def test_a_client_that_leaves_before_its_call_is_dropped_unsampled(server, client):
-    before = stats(server)
-    calls = len(before["sampler_calls"])
-    ask = dict(model=NAME, max_tokens=MAX_TOKENS, temperature=0)
-    with held(server.batcher) as release, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(client.completions.create, prompt="Stay", **ask)
-        assert release.entered.wait(60)  # its call has begun: the others wait for the next
-        leave_after_sending(server, dict(ask, prompt="Leave", stream=True))
-        leave_after_sending(server, dict(ask, prompt="Leave too"))  # not streamed either
-        wait_for(lambda: stats(server)["client_left"] == before["client_left"] + 2)
-        assert stats(server)["in_flight"] == 1
-        release.set()
-        assert answer.result().choices[0].finish_reason in ("stop", "length")
-    wait_for(lambda: stats(server)["dropped_requests"] == before["dropped_requests"] + 2)
-    after = stats(server)["sampler_calls"][calls:]
-    assert [c["requests"] for c in after] == [1], after  # the one that stayed
-    assert client.completions.create(prompt="Still here", **ask).choices[0].text is not None
-
-
-def test_a_client_that_leaves_mid_stream_leaves_nothing_in_flight(server, client):
-    leave_after_sending(server, dict(model=NAME, prompt="Go", max_tokens=MAX_TOKENS,
-                                     stream=True), read_first_line=True)
-    wait_for(lambda: stats(server)["in_flight"] == 0)
-    out = client.completions.create(model=NAME, prompt="Still here", max_tokens=MAX_TOKENS)
-    assert out.choices[0].finish_reason in ("stop", "length")
-
-
-def test_a_call_whose_every_client_left_mid_stream_stops_at_its_next_chunk(server, client,
-                                                                          paused):
-    before = stats(server)
-    stream = client.completions.create(model=NAME, prompt="Once upon a time",
-                                       max_tokens=MAX_TOKENS, temperature=0, stream=True,
-                                       extra_body={"return_token_ids": True})
-    next(c for c in stream if c.choices[0].model_extra.get("token_ids"))
-    stream.close()  # gone after the first token
-    wait_for(lambda: stats(server)["client_left"] == before["client_left"] + 1)
-    paused.set()
-    wait_for(lambda: stats(server)["abandoned_calls"] == before["abandoned_calls"] + 1)
-    assert stats(server)["sampler_calls"] == before["sampler_calls"]  # none finished
-    out = client.completions.create(model=NAME, prompt="Still here", max_tokens=MAX_TOKENS)
-    assert out.choices[0].finish_reason in ("stop", "length")
-
-
-def test_a_left_streams_rows_stop_at_the_next_chunk_and_its_company_is_answered(
-        server, client, paused):
-    """A whole request of 4 tokens and a stream of 12 share a call (queued behind a held
-    one); the stream's client leaves after its first token: at the next chunk no row is
-    wanted (one left, one has its 4 tokens), so the call ends there, not after 12 steps."""
-    ask = dict(model=NAME, temperature=0, extra_body={"return_token_ids": True})
-
-    def leave_after_a_token():
-        stream = client.completions.create(prompt="Leaving soon", max_tokens=MAX_TOKENS,
-                                           stream=True, **ask)
-        next(c for c in stream if c.choices[0].model_extra.get("token_ids"))
-        stream.close()
-    before = stats(server)
-    with held(server.batcher) as release, concurrent.futures.ThreadPoolExecutor(3) as pool:
-        pool.submit(client.completions.create, prompt="Hold on", max_tokens=4, **ask)
-        assert release.entered.wait(60)
-        short = pool.submit(client.completions.create, prompt="Short one", max_tokens=4, **ask)
-        gone = pool.submit(leave_after_a_token)
-        wait_for(lambda: stats(server)["in_flight"] == 3)
-        release.set()
-        gone.result(timeout=120)
-        wait_for(lambda: stats(server)["client_left"] == before["client_left"] + 1)
-        paused.set()
-        answer = short.result(timeout=120)
-    calls = stats(server)["sampler_calls"][len(before["sampler_calls"]):]
-    assert [(c["requests"], c["chunks"]) for c in calls] == [(1, 1), (2, 2)], calls
-    alone = client.completions.create(prompt="Short one", max_tokens=4, **ask)
-    assert answer.choices[0].model_extra["token_ids"] == alone.choices[0].model_extra["token_ids"]
