@@ -312,6 +312,13 @@ FIELDS = {
         "max_context": F(0, "prompt plus max_tokens a request may ask for (0: the model's)"),
         "max_tokens": F(1024, "most new tokens a request may ask for; its default too"),
         "max_top_logprobs": F(20, "most alternatives a request's logprobs may list"),
+        "api_key": F("", "the key requests must send as 'Authorization: Bearer KEY' ('': "
+                         "$JAXPREFIX_API_KEY, else none; needed off the loopback)"),
+        "max_body_bytes": F(8 * 2**20, "largest request body, in bytes (larger: a 413)"),
+        "max_in_flight": F(256, "requests in flight at once, streams until their end (more: "
+                                "a 429; 0: no cap)"),
+        "stream_chunk_tokens": F(16, "decode steps a call with a stream takes between handing "
+                                     "out the tokens drawn"),
     },
     # Verifiers (rewards/): in worker processes with timeouts.
     "rewards": {

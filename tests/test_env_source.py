@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+import tiny_checkpoints
 from flax import nnx
 
 from jaxprefix import models, run_config, tokenizers
@@ -51,12 +52,7 @@ def model(tokenizer):
 
 def tiny_llama_over(tokenizer):
     """A tiny random llama over SmolLM2's vocabulary (tests/tiny_checkpoints.save_llama_over's)."""
-    config = models.ModelConfig(
-        model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
-        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
-        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id,
-        max_position_embeddings=256)
-    return models.Decoder(config, rngs=nnx.Rngs(0))
+    return tiny_checkpoints.llama_over(tokenizer, max_position_embeddings=256)
 
 
 @pytest.fixture

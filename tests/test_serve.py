@@ -5,7 +5,7 @@ The default suite serves a tiny random llama over SmolLM2's vocabulary and chat 
 directory built here) and checks greedy completions against transformers' greedy generate, one
 log-probability per token, eight requests at once sampled together (a call of more than 4
 rows in the continuous decode, rollout.max_rows_in_flight=4; a seeded request alone, in the
-static one, samples the same), the 400s, and (when the server fixture ends) that SIGTERM stops
+static one, samples the same), a stream of such a call, the 400s, and (when the server fixture ends) that SIGTERM stops
 it with exit status 0. The slow test serves the bundled
 SmolLM2 itself through `configs/serve.py:smollm2`, the issue's contract command.
 """
@@ -238,6 +238,25 @@ def test_eight_requests_at_once_are_answered_in_shared_calls(server):
     assert ask(5) == answers[5]
 
 
+def test_a_stream_of_more_rows_than_fit_at_once_joins_to_the_unstreamed_answer(server):
+    """The serve job streams a call of 6 rows in the continuous decode (4 in flight) in
+    chunks of 16 steps, each choice's chunks joining to the seeded answer without stream."""
+    ask = dict(model="tiny-llama", prompt="Once upon a time", max_tokens=24, temperature=1.0,
+               n=6, seed=2, logprobs=0, extra_body={"return_token_ids": True})
+    whole = server.client.completions.create(**ask)
+    before = len(server.stats())
+    chunks = list(server.client.completions.create(**ask, stream=True))
+    assert server.stats()[before:][0]["chunks"] >= 2  # rows wait for a slot: more steps
+    for expected in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == expected.index]
+        assert "".join(c.text for c in mine) == expected.text
+        assert [t for c in mine for t in c.model_extra.get("token_ids") or []] == \
+            expected.model_extra["token_ids"]
+        assert [lp for c in mine if c.logprobs for lp in c.logprobs.token_logprobs] == \
+            expected.logprobs.token_logprobs
+        assert mine[-1].finish_reason == expected.finish_reason
+
+
 def post_json(url: str, body: dict) -> dict:
     request = urllib.request.Request(url, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
@@ -309,7 +328,7 @@ def test_stop_string_cuts_the_completion(server):
      "context_length_exceeded"),
     (dict(temperature="hot"), "temperature", "invalid_value"),
     (dict(n=0), "n", "invalid_value"),
-    (dict(stream=True), "stream", "unsupported_parameter"),
+    (dict(echo=True), "echo", "unsupported_parameter"),
 ])
 def test_a_bad_request_is_a_400_and_the_server_goes_on(server, kwargs, param, code):
     request = dict(model="tiny-llama", prompt="Hello", max_tokens=4) | kwargs

@@ -101,18 +101,24 @@ def random_tokens(batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(3, VOCAB, size=(batch, length), dtype=np.int32)
 
 
-def save_llama_over(tokenizer, path) -> str:
+def llama_over(tokenizer, **config):
     """A tiny random jaxprefix llama over `tokenizer`'s vocabulary (SmolLM2's in the tests that
-    need a real chat template), saved with that tokenizer as an HF directory; returns its path."""
+    need a real chat template); `config`: ModelConfig fields besides."""
     from flax import nnx
 
     from jaxprefix import models
-    from jaxprefix.checkpoints.hf import save_pretrained
 
     config = models.ModelConfig(
         model_type="llama", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=48,
         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True,
-        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id)
-    save_pretrained(models.Decoder(config, rngs=nnx.Rngs(0)), config, str(path),
-                    tokenizer=tokenizer)
+        eos_token_ids=(tokenizer.eos_id,), bos_token_id=tokenizer.bos_id, **config)
+    return models.Decoder(config, rngs=nnx.Rngs(0))
+
+
+def save_llama_over(tokenizer, path) -> str:
+    """llama_over(tokenizer) saved with that tokenizer as an HF directory; returns its path."""
+    from jaxprefix.checkpoints.hf import save_pretrained
+
+    model = llama_over(tokenizer)
+    save_pretrained(model, model.config, str(path), tokenizer=tokenizer)
     return str(path)

@@ -36,7 +36,8 @@ def run_serve(config, workdir: str) -> None:
     batcher = Batcher(model, stop_ids=stop_ids, sampler_keywords=keywords,
                       max_batch_rows=settings.max_batch_rows,
                       window_s=settings.batch_window_ms / 1000,
-                      max_top_logprobs=settings.max_top_logprobs, seed=config.seed)
+                      max_top_logprobs=settings.max_top_logprobs, seed=config.seed,
+                      chunk_steps=settings.stream_chunk_tokens)
     app = make_app(Api(batcher, policy.tokenizer, settings, policy.context_length))
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
                                            log_level="warning", timeout_graceful_shutdown=5))

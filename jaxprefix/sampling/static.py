@@ -108,11 +108,14 @@ def prefill(graphdef, params, lay: dict, *, n: int, new_bucket: int, gather_prom
 @functools.partial(jax.jit, static_argnames=('graphdef', 'hoist_layers'),
                    donate_argnames=('state',))
 def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSettings, seed_key,
-           stop_ids, max_new_tokens, *, hoist_layers: bool = False) -> DecodeState:
+           stop_ids, max_new_tokens, *, hoist_layers: bool = False, until=None) -> DecodeState:
     """Decodes until every row is done or max_new_tokens (a traced scalar) tokens are drawn.
 
     hoist_layers: slice each layer's weights once, before the loop (Decoder.layer_weights), and
     keep the KV head-major inside it (KVSegment.head_major): the CPU decode.
+    until (a traced scalar): stop sooner, after that many steps in all, the rows not done, so
+    that the next call goes on from the returned state (sampling/chunked.py: the same steps,
+    handed out in chunks); None: max_new_tokens.
     """
     TRACE_COUNTS['decode'] += 1
     layer_weights = nnx.merge(graphdef, params).layer_weights() if hoist_layers else None
@@ -121,7 +124,7 @@ def decode(graphdef, params, segments, state: DecodeState, settings: SamplingSet
         state = state.replace(cache=state.cache.in_head_major())
 
     def keep_going(s: DecodeState):
-        return (s.step < max_new_tokens) & ~jnp.all(s.done)
+        return (s.step < (max_new_tokens if until is None else until)) & ~jnp.all(s.done)
 
     def one_step(s: DecodeState) -> DecodeState:
         model = nnx.merge(graphdef, params)

@@ -3,12 +3,21 @@ together, on one thread that does all the device work.
 
 The HTTP layer submits a `SampleRequest` (n samples of one prompt) and awaits its future. The
 batcher's thread takes the first waiting request, gathers those that arrive within the batch
-window (or arrived while the previous call ran) up to `max_batch_rows` rows, and calls
-`sampling.generate` once per distinct (temperature, top_p, top_k): every sample a row of its
-own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the largest asked for,
-each row cut back to its own request's max_tokens afterwards. Sample j of a request with seed s
-draws from the sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples
-whatever else shares its call.
+window (or arrived while the previous call ran) up to `max_batch_rows` rows, and samples them
+in one call of generate()'s programs per distinct (temperature, top_p, top_k): every sample a
+row of its own (n = 1; the static decode still prefills equal prompts once), max_new_tokens the
+largest asked for, each row cut back to its own request's max_tokens afterwards. A call runs
+through sampling/chunked.py (generate()'s rollouts): in one chunk, or, with a request that has
+a `progress` (a stream), in chunks of `chunk_steps` steps, handing each such request its tokens
+so far after every chunk; either way the same programs, compiled once a shape.
+
+A request whose future was cancelled (its client left) before its call starts is dropped, its
+rows never sampled; one already in a call decodes on with the others. In a chunked call the
+rows of a request that has left, or that have drawn their request's max_tokens, stop at the
+next chunk in the static decode (the call ends when the others do), and a call that every
+request has left stops there (`Abandoned`). Sample j of a request with seed s draws from the
+sampler's stream (s, j) (`stream_of`), so a seeded request gets the same samples whatever else
+shares its call.
 """
 from __future__ import annotations
 
@@ -20,6 +29,7 @@ import queue
 import random
 import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +37,13 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
-from jaxprefix import sampling
+from jaxprefix.sampling.chunked import Progress, generate_in_chunks
 from jaxprefix.sampling.layout import MIN_CONTEXT_BUCKET, bucket
 
 MAX_N = 256          # samples of one request: j is the low 8 bits of a row's stream
 SEED_LIMIT = 2**23   # a request's seed is taken modulo this (the stream's other 23 bits)
 RECENT_CALLS = 1000  # sampler calls kept for /stats
+WHOLE = 2**30        # decode steps of a chunk: the whole call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +57,12 @@ class SampleRequest:
     top_k: int = 0
     seed: int | None = None   # None: a fresh one
     top_logprobs: int = 0     # alternatives listed at each token (0: none)
+    # Called on the batcher's thread after each chunk of its call with each sample's
+    # (token ids, log-probs) so far (a stream's), its call then decoding in chunks.
+    progress: Callable[[list[tuple[list[int], list[float]]]], None] | None = \
+        dataclasses.field(default=None, compare=False)
+    # Whether its client still waits for the rest, asked between chunks (None: always).
+    waited: Callable[[], bool] | None = dataclasses.field(default=None, compare=False)
 
     @property
     def call_key(self) -> tuple:
@@ -71,14 +88,18 @@ class Batcher:
     """Owns the model after start-up: only its thread calls the sampler."""
 
     def __init__(self, model, *, stop_ids, sampler_keywords: dict, max_batch_rows: int,
-                 window_s: float, max_top_logprobs: int, seed: int = 0):
+                 window_s: float, max_top_logprobs: int, seed: int = 0, chunk_steps: int = 16):
         self.model = model
+        self.chunk_steps = chunk_steps  # decode steps between a streamed call's progress
         self.stop_ids = tuple(stop_ids)
         self.sampler_keywords = sampler_keywords  # rows in flight, KV budget, pages
         self.max_batch_rows = max_batch_rows
         self.window_s = window_s
         self.max_top_logprobs = max_top_logprobs
         self.calls = collections.deque(maxlen=RECENT_CALLS)  # one dict per sampler call
+        self.dropped = 0  # requests cancelled before their call: never sampled
+        self.abandoned = 0  # calls stopped at a chunk: every client of theirs had left
+        self._chunks = 1  # the chunks of the call the thread runs (1: not streamed)
         self._seeds = random.Random(seed)
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="batcher", daemon=True)
@@ -110,6 +131,9 @@ class Batcher:
                     item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     break
+                if item is not None and item[1].cancelled():
+                    self.dropped += 1
+                    continue
                 if item is None or rows + item[0].n > self.max_batch_rows:
                     held = item
                     break
@@ -122,12 +146,22 @@ class Batcher:
                 self._call(group)
 
     def _call(self, group: list) -> None:
-        """One sampler call for requests of equal sampling settings; fulfils their futures."""
-        requests = [r for r, _ in group]
+        """One sampler call for requests of equal sampling settings; fulfils their futures.
+        Those cancelled by now are dropped; the others can no longer be cancelled."""
+        kept = [item for item in group if item[1].set_running_or_notify_cancel()]
+        self.dropped += len(group) - len(kept)
+        if not kept:
+            return
+        group, requests = kept, [r for r, _ in kept]
         try:
             started = time.monotonic()
             samples = self._sample(requests)
             seconds = time.monotonic() - started
+        except Abandoned:
+            self.abandoned += 1
+            for _, future in group:
+                future.set_exception(concurrent.futures.CancelledError())
+            return
         except Exception as e:  # noqa: BLE001  (the requests fail; the server goes on)
             logging.exception("sampler call of %d requests failed", len(group))
             for _, future in group:
@@ -135,7 +169,8 @@ class Batcher:
             return
         rows = sum(r.n for r in requests)
         self.calls.append(dict(requests=len(requests), rows=rows, seconds=round(seconds, 3),
-                               max_tokens=max(r.max_tokens for r in requests)))
+                               max_tokens=max(r.max_tokens for r in requests),
+                               chunks=self._chunks))
         logging.info("sampler call: %d requests, %d rows, %.2f s", len(requests), rows, seconds)
         for (_, future), result in zip(group, samples):
             future.set_result(result)
@@ -148,10 +183,22 @@ class Batcher:
             for j in range(r.n):
                 contexts.append(list(r.prompt))
                 streams.append((stream_of(seed, j), 0))
-        rollouts = sampling.generate(
-            self.model, contexts, n=1, max_new_tokens=max(r.max_tokens for r in requests),
-            temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
-            stop_ids=self.stop_ids, seed=0, streams=streams, **self.sampler_keywords)
+        keywords = dict(n=1, max_new_tokens=max(r.max_tokens for r in requests),
+                        temperature=first.temperature, top_p=first.top_p, top_k=first.top_k,
+                        stop_ids=self.stop_ids, seed=0, streams=streams, **self.sampler_keywords)
+        # generate()'s rollouts, in chunks when a stream waits for its tokens; in one chunk
+        # otherwise, so that streamed and whole requests run the same programs (one compile
+        # of each shape, not one for each way).
+        streamed = any(r.progress for r in requests)
+        last = []
+        for self._chunks, drawn in enumerate(generate_in_chunks(
+                self.model, contexts, chunk_steps=self.chunk_steps if streamed else WHOLE,
+                unwanted=lambda: _unwanted(requests, last[-1]), **keywords), 1):
+            last.append(drawn)
+            _report(requests, drawn)
+            if not any(_waited(r) for r in requests):
+                raise Abandoned(f"{len(requests)} requests, at chunk {self._chunks}")
+        rollouts = drawn.rollouts
         out, row = [], 0
         for r in requests:
             samples = []
@@ -186,6 +233,40 @@ class Batcher:
         # The logits at t - 1 predict token t.
         return [list(zip(ids[0, t - 1, :k].tolist(), values[0, t - 1, :k].tolist()))
                 for t in range(start, len(tokens))]
+
+
+class Abandoned(Exception):
+    """Every client of a call left: it stops at the chunk (its requests are cancelled)."""
+
+
+def _report(requests: list[SampleRequest], drawn: Progress) -> None:
+    """Each request's samples so far (cut to its max_tokens) to its progress, if it has one."""
+    row = 0
+    for r in requests:
+        if r.progress is not None:
+            samples = [(drawn.completions[i, :min(drawn.lengths[i], r.max_tokens)].tolist(),
+                        drawn.logprobs[i, :min(drawn.lengths[i], r.max_tokens)].tolist())
+                       for i in range(row, row + r.n)]
+            try:
+                r.progress(samples)
+            except Exception:  # noqa: BLE001  (a stream's failure is not the call's)
+                logging.exception("a request's progress failed")
+        row += r.n
+
+
+def _waited(request: SampleRequest) -> bool:
+    return request.waited is None or request.waited()
+
+
+def _unwanted(requests: list[SampleRequest], drawn: Progress) -> list[int]:
+    """The rows of requests whose client left, and the rows that have drawn their request's
+    max_tokens: the rest of the call would decode them for no one."""
+    rows, row = [], 0
+    for r in requests:
+        left = not _waited(r)
+        rows += [i for i in range(row, row + r.n) if left or drawn.lengths[i] >= r.max_tokens]
+        row += r.n
+    return rows
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "k"))

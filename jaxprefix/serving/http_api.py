@@ -10,7 +10,9 @@ RL clients use: `return_token_ids` (the prompt's and each choice's token ids:
 `stop_token_ids`, chat's `add_generation_prompt` and `continue_final_message`. Chat's `tools` go to the chat
 template, and calls written in its format (tools/calls.py) come back as `tool_calls`. A request this server cannot honour
 (bad values, an unknown model, too long a context, a field it does not implement) is a 400 with
-OpenAI's error object; the server goes on.
+OpenAI's error object; the server goes on. `stream: true` answers in server-sent events
+(streamed.py, streaming.py). Before any endpoint, the gate (gate.py) checks the API key, the
+body's size and the requests in flight, and cancels a request whose client left.
 """
 from __future__ import annotations
 
@@ -18,14 +20,18 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Union
 
 import fastapi
-import pydantic
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
+from jaxprefix.serving import streamed, streaming
 from jaxprefix.serving.batcher import MAX_N, Sample, SampleRequest
+from jaxprefix.serving.gate import Gate, Load
+from jaxprefix.serving.requests import (ChatRequest, CompletionRequest, DetokenizeRequest,
+                                        GenerateRequest, Sampled, SamplingParams,
+                                        TokenizeRequest)
 from jaxprefix.tools import calls
 
 
@@ -40,79 +46,7 @@ def error_body(message: str, param: str | None, code: str,
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-class SamplingParams(pydantic.BaseModel):
-    """How to sample: the fields every endpoint takes (vLLM's sampling_params of generate)."""
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0                               # vLLM: 0 or -1 is off
-    max_tokens: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None      # vLLM: besides the model's end of turn
-    seed: int | None = None
-
-
-class _Sampled(SamplingParams):
-    """Fields the OpenAI endpoints take."""
-    model: str
-    stream: bool = False
-    return_token_ids: bool = False               # vLLM
-    return_tokens_as_token_ids: bool = False     # vLLM
-    # OpenAI fields this server does not implement: refused unless left at these values.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict | None = None
-
-
-class CompletionRequest(_Sampled):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
-
-
-class GenerateParams(SamplingParams):
-    logprobs: int | None = None                  # alternatives listed (the sampled token's
-                                                 # log-probability is always returned)
-
-
-class GenerateRequest(pydantic.BaseModel):
-    """vLLM's token-in, token-out /inference/v1/generate (verifiers' training client)."""
-    model: str
-    token_ids: list[int]
-    sampling_params: GenerateParams = GenerateParams()
-
-
-class ChatRequest(_Sampled):
-    messages: list[dict]
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None
-    add_generation_prompt: bool = True           # vLLM
-    continue_final_message: bool = False         # vLLM
-    tools: list[dict] | None = None
-    tool_choice: Union[str, dict, None] = None
-    response_format: dict | None = None
-
-
-class TokenizeRequest(pydantic.BaseModel):
-    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the model's template."""
-    model: str | None = None
-    prompt: str | None = None
-    add_special_tokens: bool = True              # a prompt's (the template writes a chat's)
-    messages: list[dict] | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    tools: list[dict] | None = None
-
-
-class DetokenizeRequest(pydantic.BaseModel):
-    model: str | None = None
-    tokens: list[int]
-
-
-UNSUPPORTED = {"stream": False, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
                "logit_bias": None, "echo": False, "suffix": None, "response_format": None}
 
 
@@ -127,10 +61,11 @@ class Api:
         self.context_limit = settings.context_limit(model_context)
         self.vocab_size = batcher.model.config.vocab_size
         self.sampling = sampling
+        self.load = Load()  # the gate's count of requests in flight and refused
 
     # --- requests -> SampleRequests --------------------------------------------------------
 
-    def check_common(self, body: _Sampled) -> None:
+    def check_common(self, body: Sampled) -> None:
         s = self.settings
         if body.model != s.model_name:
             raise BadRequest(f"The model `{body.model}` does not exist; this server serves "
@@ -149,6 +84,9 @@ class Api:
             if value and value != default:  # an empty list or dict asks for nothing either
                 raise BadRequest(f"{field} is not supported by this server; expected it left "
                                  f"out", field, "unsupported_parameter")
+        if body.stream_options is not None and not body.stream:
+            raise BadRequest("stream_options is only allowed with stream: true",
+                             "stream_options")
         if getattr(body, "best_of", None) not in (None, body.n):
             raise BadRequest("best_of is not supported; expected it left out or equal to n",
                              "best_of", "unsupported_parameter")
@@ -162,7 +100,7 @@ class Api:
         if body.top_k < -1:
             raise BadRequest(f"top_k={body.top_k}: expected >= 0 (0 or -1: off)", "top_k")
 
-    def sample_request(self, body: _Sampled, prompt: list[int], max_tokens: int | None,
+    def sample_request(self, body: Sampled, prompt: list[int], max_tokens: int | None,
                        top_logprobs: int, param: str) -> SampleRequest:
         if not prompt:
             raise BadRequest("the prompt is empty; expected at least one token", param)
@@ -235,7 +173,7 @@ class Api:
         cut = next((i + 1 for i, t in enumerate(sample.token_ids) if t in stop_ids), None)
         if cut is not None:
             sample = _first(sample, cut)
-        stop = _stops(body.stop)
+        stop = streaming.stops(body.stop)
         text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         hits = [(text.find(s), s) for s in stop if s and s in text]
         if not hits:
@@ -248,6 +186,11 @@ class Api:
             prefix = self.tokenizer.decode(sample.token_ids[:mid], skip_special_tokens=True)
             lo, hi = (lo, mid) if any(s and s in prefix for s in stop) else (mid + 1, hi)
         return _first(sample, lo), text[:at], "stop"
+
+    def head(self, response_id: str, kind: str) -> dict:
+        """The fields a response (or each chunk of its stream) starts with."""
+        return {"id": response_id, "object": kind, "created": int(time.time()),
+                "model": self.settings.model_name}
 
     def token_text(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
@@ -307,18 +250,19 @@ def _first(sample: Sample, count: int) -> Sample:
                   None if top is None else top[:count])
 
 
-def _stops(stop) -> list[str]:
-    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+def server_error(e: Exception) -> JSONResponse:
+    """The sampler's failure: a 500, the server goes on."""
+    return JSONResponse(error_body(f"the sampler failed: {type(e).__name__}: {e}", None,
+                                   "internal_error", "server_error"), status_code=500)
 
 
-def _usage(prompt_tokens: int, samples) -> dict:
-    completion = sum(len(s.token_ids) for s in samples)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion}
 
 
 def make_app(api: Api) -> fastapi.FastAPI:
     app = fastapi.FastAPI(title="jaxprefix")
+    s = api.settings
+    app.add_middleware(Gate, api_key=s.api_key, max_body_bytes=s.max_body_bytes,
+                       max_in_flight=s.max_in_flight, load=api.load)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
@@ -327,14 +271,23 @@ def make_app(api: Api) -> fastapi.FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
         first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error")
+            return JSONResponse(error_body(f"the body is not JSON: {reason} (at character "
+                                           f"{first['loc'][-1]})", None, "invalid_value"),
+                                status_code=400)
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg')}", where or None,
                                        "invalid_value"), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):  # fastapi's own: a body it could not parse
+        return JSONResponse(error_body(f"{e.detail}", None, "invalid_value"),
+                            status_code=e.status_code, headers=e.headers)
+
     @app.exception_handler(Exception)
-    async def failed(_, e: Exception):  # the sampler's failure: a 500, the server goes on
-        return JSONResponse(error_body(f"the sampler failed: {type(e).__name__}: {e}", None,
-                                       "internal_error", "server_error"), status_code=500)
+    async def failed(_, e: Exception):
+        return server_error(e)
 
     @app.get("/health")
     async def health():
@@ -342,7 +295,10 @@ def make_app(api: Api) -> fastapi.FastAPI:
 
     @app.get("/stats")
     async def stats():
-        return {"sampler_calls": list(api.batcher.calls)}
+        return {"sampler_calls": list(api.batcher.calls), "in_flight": api.load.in_flight,
+                "refused": dict(api.load.refused), "client_left": api.load.client_left,
+                "dropped_requests": api.batcher.dropped,
+                "abandoned_calls": api.batcher.abandoned}
 
     @app.get("/v1/models")
     async def models():
@@ -356,21 +312,30 @@ def make_app(api: Api) -> fastapi.FastAPI:
         prompts = api.completion_prompts(body)
         requests = [api.sample_request(body, p, body.max_tokens, body.logprobs or 0, "prompt")
                     for p in prompts]
-        results = await api.sample(requests)
-        choices, samples = [], []
-        for p, (prompt, result) in enumerate(zip(prompts, results)):
-            for j, raw in enumerate(result):
-                sample, text, reason = api.finish(raw, body)
-                samples.append(sample)
-                choice = {"index": p * body.n + j, "text": text, "finish_reason": reason,
-                          "logprobs": None if body.logprobs is None else
-                          api.completion_logprobs(sample, body.return_tokens_as_token_ids)}
-                if body.return_token_ids:
-                    choice |= {"prompt_token_ids": prompt, "token_ids": sample.token_ids}
-                choices.append(choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": api.settings.model_name,
-                "choices": choices, "usage": _usage(sum(map(len, prompts)), samples)}
+        head = api.head(f"cmpl-{uuid.uuid4().hex}", "text_completion")
+
+        def finished(results):  # (index, prompt, sample, text, reason) of each choice
+            return [(p * body.n + j, prompt, *api.finish(raw, body))
+                    for p, (prompt, result) in enumerate(zip(prompts, results))
+                    for j, raw in enumerate(result)]
+
+        def logprobs(sample):
+            return None if body.logprobs is None else \
+                api.completion_logprobs(sample, body.return_tokens_as_token_ids)
+
+        if body.stream:
+            return streaming.EventStream(
+                streamed.completion_events(api, body, prompts, requests, head), server_error)
+        done = finished(await api.sample(requests))
+        choices = []
+        for index, prompt, sample, text, reason in done:
+            choice = {"index": index, "text": text, "finish_reason": reason,
+                      "logprobs": logprobs(sample)}
+            if body.return_token_ids:
+                choice |= {"prompt_token_ids": prompt, "token_ids": sample.token_ids}
+            choices.append(choice)
+        return head | {"choices": choices,
+                       "usage": streaming.usage(sum(map(len, prompts)), [d[2] for d in done])}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest):
@@ -382,23 +347,35 @@ def make_app(api: Api) -> fastapi.FastAPI:
             raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        [result] = await api.sample([api.sample_request(body, prompt, max_tokens, top,
-                                                        "messages")])
+        request = api.sample_request(body, prompt, max_tokens, top, "messages")
+        head = api.head(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion")
+
+        def message_of(sample, text):  # tool calls in the template's format become OpenAI's
+            return assistant_message(text, api.tokenizer.decode(sample.token_ids), call_format)
+
+        def finished(result):  # (sample, text, message, finish_reason, logprobs) per choice
+            for drawn in result:
+                sample, text, reason = api.finish(drawn, body)
+                message = message_of(sample, text)
+                yield (sample, text, message,
+                       "tool_calls" if "tool_calls" in message else reason,
+                       api.chat_logprobs(sample, body.return_tokens_as_token_ids)
+                       if body.logprobs else None)
+
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return streaming.EventStream(streamed.chat_events(
+                api, body, prompt, request, head, call_format, message_of), server_error)
+        [result] = await api.sample([request])
         choices, samples = [], []
-        for j, drawn in enumerate(result):
-            sample, text, reason = api.finish(drawn, body)
+        for j, (sample, _, message, reason, logprobs) in enumerate(finished(result)):
             samples.append(sample)
-            message = assistant_message(text, api.tokenizer.decode(sample.token_ids), call_format)
-            choice = {"index": j, "message": message,
-                      "finish_reason": "tool_calls" if "tool_calls" in message else reason,
-                      "logprobs": api.chat_logprobs(sample, body.return_tokens_as_token_ids)
-                      if body.logprobs else None}
+            choice = {"index": j, "message": message, "finish_reason": reason,
+                      "logprobs": logprobs}
             if body.return_token_ids:
                 choice["token_ids"] = sample.token_ids
             choices.append(choice)
-        response = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                    "created": int(time.time()), "model": api.settings.model_name,
-                    "choices": choices, "usage": _usage(len(prompt), samples)}
+        response = head | {"choices": choices, "usage": streaming.usage(len(prompt), samples)}
         if body.return_token_ids:
             response["prompt_token_ids"] = prompt
         return response
@@ -436,7 +413,7 @@ def make_app(api: Api) -> fastapi.FastAPI:
     @app.post("/inference/v1/generate")
     async def generate(body: GenerateRequest):
         params = body.sampling_params
-        sampled = _Sampled(model=body.model, **params.model_dump(exclude={"logprobs"}))
+        sampled = Sampled(model=body.model, **params.model_dump(exclude={"logprobs"}))
         api.check_common(sampled)
         [result] = await api.sample([api.sample_request(
             sampled, body.token_ids, params.max_tokens, params.logprobs or 0, "token_ids")])
@@ -447,6 +424,6 @@ def make_app(api: Api) -> fastapi.FastAPI:
             choices.append({"index": j, "token_ids": sample.token_ids, "finish_reason": reason,
                             "logprobs": api.chat_logprobs(sample, as_ids=True)})
         return {"request_id": f"gen-{uuid.uuid4().hex}", "prompt_token_ids": body.token_ids,
-                "choices": choices, "usage": _usage(len(body.token_ids), samples)}
+                "choices": choices, "usage": streaming.usage(len(body.token_ids), samples)}
 
     return app

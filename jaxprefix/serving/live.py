@@ -29,20 +29,22 @@ class LiveServer:
     sampler_keywords: RolloutSpec.sampler_keywords() less each request's own (max_new_tokens,
       temperature, top_p, top_k); max_tokens: the most new tokens a request may ask for;
       context_length: the model's (prompt plus new tokens a request may reach); sampling
-      (temperature, top_p, top_k): what every request must ask for (http_api.Api), or None.
+      (temperature, top_p, top_k): what every request must ask for (http_api.Api), or None;
+      serve: other ServeSettings fields (a key, the gate's limits).
     """
 
     def __init__(self, model, tokenizer, *, stop_ids, sampler_keywords: dict, max_tokens: int,
                  context_length: int, model_name: str = "policy", max_batch_rows: int = 64,
                  batch_window_ms: float = 10.0, seed: int = 0, start_timeout_s: float = 60.0,
-                 sampling: dict | None = None):
+                 sampling: dict | None = None, **serve):
         self.model, self.tokenizer = model, tokenizer
         self.stop_ids, self.sampler_keywords = tuple(stop_ids), dict(sampler_keywords)
         self.context_length, self.seed = context_length, seed
         self.start_timeout_s, self.sampling = start_timeout_s, sampling
         self.settings = ServeSettings(host=HOST, port=1, model_name=model_name,
                                       max_batch_rows=max_batch_rows,
-                                      batch_window_ms=batch_window_ms, max_tokens=max_tokens)
+                                      batch_window_ms=batch_window_ms, max_tokens=max_tokens,
+                                      **{"max_in_flight": 0} | serve)  # the run's own client
         self.batcher = self._server = self._thread = None
         self.port: int | None = None
         self.failure: BaseException | None = None
@@ -66,7 +68,8 @@ class LiveServer:
                                sampler_keywords=self.sampler_keywords,
                                max_batch_rows=self.settings.max_batch_rows,
                                window_s=self.settings.batch_window_ms / 1000,
-                               max_top_logprobs=self.settings.max_top_logprobs, seed=self.seed)
+                               max_top_logprobs=self.settings.max_top_logprobs, seed=self.seed,
+                               chunk_steps=self.settings.stream_chunk_tokens)
         app = make_app(Api(self.batcher, self.tokenizer, self.settings, self.context_length,
                            self.sampling))
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
