@@ -216,24 +216,33 @@ class Study:
         by_id = {p.id: p for p in self.fresh(s.hard_problems, HARD_SEED, s.hard_terms,
                                              s.hard_digits)}
         problems = [by_id[i] for i in hard["hard_ids"]][:s.prefix_problems]
-        record = {"k": s.prefix_k, "problems": [p.id for p in problems], "modes": {}}
+        # Each (mode, length) cell is kept as it ends (prefixes.partial.json): a rerun goes on.
+        record = self.done("prefixes.partial.json") or {
+            "k": s.prefix_k, "problems": [p.id for p in problems], "modes": {}}
+        if record["problems"] != [p.id for p in problems] or record["k"] != s.prefix_k:
+            raise SystemExit(f"{self.path('prefixes.partial.json')}: another hard subset or k; "
+                             f"remove it or use another --out")
         half = min(oracle_units(p) for p in problems) // 2
         for mode in pope.GUIDANCE_MODES:
-            by_length = {}
+            by_length = record["modes"].setdefault(mode, {})
             for units in range(1, half + 1):
+                if str(units) in by_length:
+                    continue
+                ledger = prober.ledger = ComputeLedger(ledger.n_params)  # this cell's alone
                 guided = [pope.guided_context(policy.prompts, p, units, guidance=mode)
                           for p in problems]
                 result = prober.probe([c for c, _ in guided], problems, s.prefix_k,
                                       seed=100 + units, response_prefixes=[r for _, r in guided],
                                       description=f"{mode}, {units} lines")
                 counts = result.num_correct.tolist()
-                by_length[units] = {"solved": sum(c > 0 for c in counts) / len(problems),
-                                    "pass@1": sum(counts) / (s.prefix_k * len(problems)),
-                                    "correct_counts": counts}
+                cell = {"solved": sum(c > 0 for c in counts) / len(problems),
+                        "pass@1": sum(counts) / (s.prefix_k * len(problems)),
+                        "correct_counts": counts}
+                by_length[str(units)] = cell
                 print(f"{mode}, {units} of {oracle_units(problems[0])} lines: solved "
-                      f"{by_length[units]['solved']:.3f}, pass@1 {by_length[units]['pass@1']:.3f}")
-            record["modes"][mode] = by_length
-        self.book("prefixes", ledger)
+                      f"{cell['solved']:.3f}, pass@1 {cell['pass@1']:.3f}")
+                self.book(f"prefixes {mode} {units}", ledger)
+                self.write("prefixes.partial.json", record)
         self.write("prefixes.json", record)
         return record
 
