@@ -94,3 +94,17 @@ def test_no_module_imports_a_floor_above_its_own():
     upward = [f"{a} -> {b}" for a in sorted(graph) for b in sorted(graph[a])
               if _floor(b) < _floor(a)]
     assert not upward, "imports up a floor (FLOORS):\n" + "\n".join(upward)
+
+
+def test_the_library_never_imports_the_studies_beside_it():
+    """studies/ at the repository's root (python -m studies.NAME) sits above the package: it
+    imports jaxprefix, never the other way."""
+    above = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            above += [f"{path.relative_to(ROOT)}: {n}" for n in names
+                      if n == "studies" or n.startswith("studies.")]
+    assert not above, "the library imports a study:\n" + "\n".join(above)
