@@ -85,7 +85,7 @@ def load_peft_adapter(model, path):
     adapted = lora.with_adapters(model, lora.LoraConfig(
         int(config['r']), alpha=float(config['lora_alpha']), targets=targets))
     tensors = read_safetensors(storage.join(path, ADAPTER_WEIGHTS))
-    rank, modules = adapted.adapters.config.rank, peft_module_names(adapted)
+    modules = peft_module_names(adapted)
     for name, (a, b) in adapted.adapters.factors().items():
         layers = [f'base_model.model.model.layers.{i}.{modules[name]}' for i in range(a.shape[0])]
         new_a = np.stack([tensors[f'{p}.lora_A.weight'].T.reshape(a.shape[1:]) for p in layers])

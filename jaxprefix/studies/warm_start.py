@@ -92,7 +92,7 @@ def run_warm_start(policy, base_path: str, examples, out_dir: str, *, epochs: in
             for step in range(steps_per_epoch):
                 rows = order[step * batch_size:(step + 1) * batch_size]
                 loss = sft.train_step(model, optimizer, jnp.asarray(tokens[rows]),
-                                      jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
+                                  jnp.asarray(real[rows]), jnp.asarray(loss_mask[rows]))
                 losses.append(float(loss))
                 flops += update_flops(n_params, int(real[rows].sum()))
                 bar.update(1)
