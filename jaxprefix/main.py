@@ -17,8 +17,6 @@ same command resumes); a traceback means a bug, or `--verbose`.
 """
 from __future__ import annotations
 
-import functools
-import importlib
 import logging as std_logging  # absl's WARNING constant is its own verbosity, not a record level
 import os
 import sys
@@ -26,36 +24,13 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from jaxprefix.api import JOBS, default_workdir  # the jobs and the door main shares with Python
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file[:variant].",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and reports go.")
 _VERBOSE = flags.DEFINE_bool("verbose", False, "Tracebacks for anticipated failures too.")
 flags.mark_flags_as_required(["config"])
-
-# job name -> (module in jaxprefix.jobs, function(config, workdir))
-JOBS = {
-    "sft": ("sft", "run_sft"),
-    "mine": ("mine", "run_mine"),
-    "rl": ("rl", "run_rl"),
-    "eval": ("evaluate", "run_eval"),
-    "sweep": ("isocompute", "run_sweep"),
-    "fit": ("isocompute", "run_fit"),
-    "prereg": ("isocompute_prereg", "run_prereg"),
-    "demo": ("demo", "run_demo"),
-    "results": ("results", "run_results"),
-    "export": ("export", "run_export"),
-    "compile": ("compile", "run_compile"),
-    "tools": ("tool_study", "run_tool_study"),
-    "serve": ("serve", "run_serve"),
-}
-
-READ_ONLY_JOBS = ("eval", "fit")  # they write their report, never checkpoints or metrics
-
-
-def default_workdir(config_arg: str) -> str:
-    path, _, variant = config_arg.partition(":")
-    name = os.path.splitext(os.path.basename(path))[0]
-    return os.path.join("runs", f"{name}-{(variant or 'demo').split(',')[0]}")
 
 
 class _OnlyOurInfo:
@@ -70,24 +45,6 @@ class _OnlyOurInfo:
         if not ours and record.exc_info and storage.faults.classify(record.exc_info[1]):
             return _VERBOSE.value
         return record.levelno >= std_logging.WARNING or ours
-
-
-def remote_paths(config, workdir: str) -> list[str]:
-    """The workdir and every config string that is a URL (gs://...): what needs a storage backend.
-    The compile job reads no data or weights (the model path only when reachable), so only its
-    own config.json path counts."""
-    found = [workdir]
-
-    def visit(value):
-        if isinstance(value, str):
-            found.append(value)
-        elif hasattr(value, "items"):
-            for item in value.values():
-                visit(item)
-    visit(config.compile if config.job == "compile" else config)
-    from jaxprefix import storage  # a placeholder the job reads was refused; the others are unread
-
-    return [p for p in found if "://" in p and not storage.is_placeholder(p)]
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -154,50 +111,15 @@ def main(argv):
         return
     if config.job not in JOBS:
         raise app.UsageError(f"config.job={config.job!r}: expected one of {sorted(JOBS)}")
-    from jaxprefix import distributed, errors, storage
+    from jaxprefix import api, distributed, errors
+    from jaxprefix.rl.loop import Preempted
 
     try:
-        try:
-            storage.faults.set_deadline((config.get("storage") or {}).get(
-                "retry_deadline_s", storage.faults.DEFAULT_DEADLINE_S))
-        except ValueError as e:
-            raise errors.ConfigError(str(e)) from None
         workdir = _WORKDIR.value or default_workdir(flags.FLAGS["config"].serialize().split("=", 1)[1])
-        from jaxprefix.run_setup import preflight
-
-        preflight.refuse_placeholders(config, workdir)  # gs://YOUR_BUCKET/...: never tried
-        for path in remote_paths(config, workdir):  # a missing client package or bucket
-            try:
-                storage.require_backend(path)
-            except ValueError as e:
-                raise errors.ConfigError(str(e)) from None
-        distributed.initialize(config.distributed)
-        distributed.enable_compilation_cache(storage.join(storage.cache_dir(), "xla"))
-        logging.info("job %s, workdir %s", config.job, workdir)
         overrides = {a.split("=", 1)[0].removeprefix("--config.") for a in sys.argv[1:]
                      if a.startswith("--config.")}
-        for field in preflight.reset_mooted(config, overrides):
-            logging.info("config.%s: set by the config file, not read once the command line's "
-                         "changes apply; back at its default", field)
-        settings = preflight.check(config, workdir)  # reads every input; writes nothing
-        from jaxprefix import rewards
-
-        # every verifier worker's cap (configs/sft.py has no rewards block: it scores nothing)
-        rewards.set_max_memory_mb((config.get("rewards") or {}).get(
-            "max_memory_mb", rewards.pool.DEFAULT_MAX_MEMORY_MB))
-        module, function = JOBS[config.job]
-        run = getattr(importlib.import_module(f"jaxprefix.jobs.{module}"), function)
-        if settings is not None:  # the rl job's run, resolved by preflight: not again
-            run = functools.partial(run, settings=settings)
-        from jaxprefix.storage import workdir_lock
-        from jaxprefix.rl.loop import Preempted
-
         try:
-            if config.job in READ_ONLY_JOBS:  # may read a workdir while its run goes on
-                run(config, workdir)
-            else:
-                with workdir_lock.hold(workdir, config):
-                    run(config, workdir)
+            api.execute(config, workdir, overrides)
         except Preempted as e:
             logging.warning("%s", e)
             raise SystemExit(143)

@@ -48,18 +48,20 @@ from jaxprefix.run_setup.policy import load_policy
 STAGES = ("sft", "accuracy", "hard", "prefixes")
 TASK = "chain_sum"
 VERIFIER = "reasoning_gym_right_boxed"  # reward > 0.5 exactly when the answer is right
-SFT_TASK_CONFIG = dict(min_terms=2, max_terms=4, min_digits=1, max_digits=3)
 SFT_SEED, SFT_PROBLEMS = 1, 4096
 # Fresh problems: seeds far from the SFT set's (reasoning-gym seeds entry i with seed + i), and
 # every question the SFT set holds left out by text besides.
 ACCURACY_SEED, HARD_SEED, TEST_SEED = 1 << 31, 1 << 32, 3 << 31
-GRID = [(terms, digits) for terms in (3, 5, 7) for digits in (1, 2, 3)]
 
 
 @dataclasses.dataclass(frozen=True)
 class StudySettings:
     out: str
     sft: sft.SftSettings
+    sft_terms: tuple[int, int]  # the SFT problems' chain lengths, least and most
+    sft_digits: tuple[int, int]
+    grid: tuple[tuple[int, int], ...]  # the accuracy table's (terms, digits) settings
+    sft_from: str | None  # a PEFT adapter the SFT goes on from (None: fresh adapters)
     lora_rank: int
     accuracy_problems: int
     accuracy_k: int
@@ -113,13 +115,32 @@ class Study:
         self.write("ledger.json", self.ledger)
 
     # --- problems -------------------------------------------------------------------------
+    def sft_task_config(self) -> dict:
+        (min_terms, max_terms), (min_digits, max_digits) = self.s.sft_terms, self.s.sft_digits
+        return dict(min_terms=min_terms, max_terms=max_terms, min_digits=min_digits,
+                    max_digits=max_digits)
+
     def sft_problems(self):
-        return reasoning_gym_problems(TASK, SFT_PROBLEMS, SFT_SEED, **SFT_TASK_CONFIG)
+        return reasoning_gym_problems(TASK, SFT_PROBLEMS, SFT_SEED, **self.sft_task_config())
+
+    def earlier_sft_problems(self):
+        """The problems of every SFT the base went on from (each adapter's sft.json beside it)."""
+        problems, source = [], self.s.sft_from
+        while source:
+            record = storage.read_json(os.path.join(os.path.dirname(source.rstrip("/")),
+                                                    "sft.json"))
+            problems += reasoning_gym_problems(record["task"],
+                                               record.get("problems", record["examples"]),
+                                               record["seed"], **record["task_config"])
+            source = record.get("continued_from")
+        return problems
 
     def fresh(self, size: int, seed: int, terms: int, digits: int):
-        """`size` problems at (terms, digits) whose questions no SFT problem has."""
+        """`size` problems at (terms, digits) whose questions no SFT problem (of this base's
+        SFT or any it went on from) has."""
         if self._sft_questions is None:
-            self._sft_questions = {p.question for p in self.sft_problems()}
+            self._sft_questions = {p.question for p in
+                                   self.sft_problems() + self.earlier_sft_problems()}
         problems = reasoning_gym_problems(TASK, size, seed, **chain_config(terms, digits))
         return [p for p in problems if p.question not in self._sft_questions]
 
@@ -143,14 +164,18 @@ class Study:
         problems = [p for p in self.sft_problems() if p.solution]
         examples = [(p, policy.prompts.response(p.solution)) for p in problems]
         rows = sft.sft_rows(policy.prompts, policy.stop_ids[0], examples)
-        model = lora.with_adapters(policy.model, lora.LoraConfig(rank=self.s.lora_rank),
-                                   seed=self.s.sft.seed)
+        if self.s.sft_from:
+            model = load_peft_adapter(policy.model, self.s.sft_from)
+        else:
+            model = lora.with_adapters(policy.model, lora.LoraConfig(rank=self.s.lora_rank),
+                                       seed=self.s.sft.seed)
         start = time.time()
         report = sft.train(model, rows, self.s.sft, progress="SFT on worked solutions")
         save_peft_adapter(model, self.path("sft_adapter"), base_model_name_or_path="bundled",
                           dtype="bfloat16")
-        self.write("sft.json", report | {"task": TASK, "task_config": SFT_TASK_CONFIG,
-                                         "seed": SFT_SEED, "lora_rank": self.s.lora_rank,
+        self.write("sft.json", report | {"task": TASK, "task_config": self.sft_task_config(),
+                                         "seed": SFT_SEED, "problems": SFT_PROBLEMS, "lora_rank": self.s.lora_rank,
+                                         "continued_from": self.s.sft_from,
                                          "seconds": time.time() - start})
 
     def merge_sft_adapter(self) -> None:
@@ -171,7 +196,7 @@ class Study:
         policy, config = self.policy()
         prober, ledger = self.prober(policy, config)
         k, rows = self.s.accuracy_k, []
-        for terms, digits in GRID:
+        for terms, digits in self.s.grid:
             problems = self.fresh(self.s.accuracy_problems, ACCURACY_SEED, terms, digits)
             result = prober.probe([policy.prompts.question(p) for p in problems], problems, k,
                                   seed=terms * 10 + digits, description=f"{terms}x{digits}")
@@ -291,9 +316,21 @@ def plot(accuracy: dict, path: str) -> None:
     plt.close(figure)
 
 
+def int_range(text: str) -> tuple[int, int]:
+    """'2-8' -> (2, 8); '3' -> (3, 3)."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
 def settings_from(args) -> StudySettings:
     return StudySettings(
-        out=args.out,
+        out=args.out, sft_terms=int_range(args.sft_terms), sft_digits=int_range(args.sft_digits),
+        grid=tuple((t, d) for t in int_list(args.grid_terms) for d in int_list(args.grid_digits)),
+        sft_from=args.sft_from,
         sft=sft.SftSettings(steps=args.sft_steps, batch_size=args.sft_batch,
                             learning_rate=args.sft_lr, warmup_steps=10, seed=0),
         lora_rank=16, accuracy_problems=args.accuracy_problems, accuracy_k=args.accuracy_k,
@@ -309,6 +346,12 @@ def main(argv=None):
     parser.add_argument("--sft-steps", type=int, default=200)
     parser.add_argument("--sft-batch", type=int, default=16)
     parser.add_argument("--sft-lr", type=float, default=3e-4)
+    parser.add_argument("--sft-terms", default="2-4", help="the SFT chains' lengths, e.g. 2-8")
+    parser.add_argument("--sft-digits", default="1-3", help="the SFT terms' digits, e.g. 1-2")
+    parser.add_argument("--sft-from", default=None,
+                        help="a PEFT adapter to go on training (e.g. a committed sft_adapter)")
+    parser.add_argument("--grid-terms", default="3,5,7", help="the accuracy table's lengths")
+    parser.add_argument("--grid-digits", default="1,2,3", help="the accuracy table's digits")
     parser.add_argument("--accuracy-problems", type=int, default=32)
     parser.add_argument("--accuracy-k", type=int, default=8)
     parser.add_argument("--hard-terms", type=int, default=7)

@@ -53,6 +53,7 @@ def test_no_module_imports_itself_back():
 # nothing of losses or papers, the learner nothing of methods, verifiers only text and problems.
 FLOORS = (
     ("main",),
+    ("api",),                  # the Python door: main's path, from a notebook or a script
     ("jobs",),                 # the entry points: what main dispatches, `python -m` commands
     ("studies",),              # method comparisons from one base, and their reports
     ("run_setup",),            # settings resolved and checked; policy, problem sets, mining

@@ -249,6 +249,30 @@ def test_own_data_commands_run_to_a_metrics_line(command, tmp_path):
     assert (workdir / "checkpoints").is_dir()
 
 
+def test_python_door_block_names_a_real_config_and_fields(monkeypatch):
+    """The README's api.run block, run with api.run recording its call instead of training
+    (tests/test_api.py trains through the door)."""
+    from jaxprefix import api, run_config
+    from jaxprefix.data.problem import Problem
+
+    (block,) = [b for b in blocks(README, "python") if "api.run(" in b]
+    calls = []
+
+    def record(config, workdir, *, reward, overrides):
+        calls.append((config, workdir, reward, overrides))
+        return [{"step": 1, "reward/mean": 0.5, "loss": 0.1}]
+
+    monkeypatch.setattr(api, "run", record)
+    exec(compile(block, "README.md", "exec"), {})
+    [(config, workdir, reward, overrides)] = calls
+    path, _, variant = config.partition(":")
+    built = run_config.from_file(os.path.join(ROOT, path), variant)
+    for field, value in overrides.items():
+        api.set_field(built, field, value)  # every override names a field of that config
+    assert reward("so it is 42", Problem(id="p", question="?", answer="42")) == 1.0
+    assert reward("so it is 41", Problem(id="p", question="?", answer="42")) == 0.0
+
+
 @pytest.mark.slow
 def test_python_block_runs_as_printed():
     (block,) = [b for b in blocks(README, "python") if "sampling.generate" in b]
