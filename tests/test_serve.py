@@ -154,6 +154,32 @@ def test_greedy_completion_equals_transformers_with_one_logprob_per_token(server
     assert choice.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_scores_the_prompt_as_transformers_does(server, reference, max_tokens):
+    """lm-eval-harness's log-likelihoods (local-completions): the prompt echoed with each
+    token's log-probability, the first none, and whether each was the greedy choice."""
+    prompt = "The capital of France is"
+    out = server.client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=max_tokens, temperature=0, echo=True,
+        logprobs=1, extra_body={"return_token_ids": True})
+    [choice] = out.choices
+    prompt_ids, token_ids = choice.model_extra["prompt_token_ids"], choice.model_extra["token_ids"]
+    assert len(token_ids) == max_tokens and choice.text.startswith(prompt)
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(prompt_ids) + max_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    row = prompt_ids + token_ids
+    with torch.no_grad():
+        logits = reference(torch.tensor([row])).logits[0].float()
+    expected = torch.log_softmax(logits, -1)[torch.arange(len(row) - 1), torch.tensor(row[1:])]
+    np.testing.assert_allclose(logprobs.token_logprobs[1:], expected.tolist(), atol=1e-4)
+    greedy = (logits.argmax(-1)[:-1] == torch.tensor(row[1:])).tolist()
+    for alternatives, logprob, was_greedy in zip(logprobs.top_logprobs[1:],
+                                                 logprobs.token_logprobs[1:], greedy):
+        assert (max(alternatives.values()) == pytest.approx(logprob, abs=1e-4)) == was_greedy
+
+
 def test_chat_renders_the_models_template(server, tokenizer, reference):
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     out = server.client.chat.completions.create(
@@ -328,7 +354,8 @@ def test_stop_string_cuts_the_completion(server):
      "context_length_exceeded"),
     (dict(temperature="hot"), "temperature", "invalid_value"),
     (dict(n=0), "n", "invalid_value"),
-    (dict(echo=True), "echo", "unsupported_parameter"),
+    (dict(suffix="!"), "suffix", "unsupported_parameter"),
+    (dict(echo=True, stream=True), "echo", "unsupported_parameter"),
 ])
 def test_a_bad_request_is_a_400_and_the_server_goes_on(server, kwargs, param, code):
     request = dict(model="tiny-llama", prompt="Hello", max_tokens=4) | kwargs

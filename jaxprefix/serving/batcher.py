@@ -57,6 +57,8 @@ class SampleRequest:
     top_k: int = 0
     seed: int | None = None   # None: a fresh one
     top_logprobs: int = 0     # alternatives listed at each token (0: none)
+    echo: bool = False        # the prompt's tokens scored too (OpenAI's echo: lm-eval's
+    #                           log-likelihoods), from one teacher-forced forward of the row
     # Called on the batcher's thread after each chunk of its call with each sample's
     # (token ids, log-probs) so far (a stream's), its call then decoding in chunks.
     progress: Callable[[list[tuple[list[int], list[float]]]], None] | None = \
@@ -77,6 +79,10 @@ class Sample:
     logprobs: list[float]     # of each token under the tempered model (greedy: temperature 1)
     stopped: bool             # ended on a stop token (False: max_tokens reached)
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, best first
+    # With echo: the prompt's tokens after its first, each one's log-probability and (with
+    # top_logprobs) its alternatives, under the same tempered model.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def stream_of(seed: int, j: int) -> int:
@@ -206,33 +212,41 @@ class Batcher:
                 start = int(rollouts.context_lengths[row])
                 length = min(int(rollouts.lengths[row]), r.max_tokens)
                 tokens = rollouts.tokens[row, :start + length]
-                top = None
-                if r.top_logprobs:
-                    top = self._top_logprobs(tokens, start, r.temperature or 1.0, r.top_logprobs)
+                top = prompt_logprobs = prompt_top = None
+                if r.top_logprobs or r.echo:
+                    lps, tops = self._teacher_forced(tokens, 1 if r.echo else start,
+                                                     r.temperature or 1.0, r.top_logprobs)
+                    at = start - 1 if r.echo else 0  # where the completion's entries begin
+                    if r.echo:
+                        prompt_logprobs = lps[:at]
+                        prompt_top = tops[:at] if r.top_logprobs else None
+                    top = tops[at:] if r.top_logprobs else None
                 samples.append(Sample(
                     token_ids=tokens[start:].tolist(),
                     logprobs=rollouts.logprobs[row, start:start + length].tolist(),
                     stopped=bool(rollouts.stopped[row]) and length == rollouts.lengths[row],
-                    top_logprobs=top))
+                    top_logprobs=top, prompt_logprobs=prompt_logprobs,
+                    prompt_top_logprobs=prompt_top))
                 row += 1
             out.append(samples)
         return out
 
-    def _top_logprobs(self, tokens: np.ndarray, start: int, temperature: float,
-                      k: int) -> list[list[tuple[int, float]]]:
-        """The k most likely tokens at each completion position, with their log-probabilities
-        under the tempered model: one teacher-forced forward of the row."""
+    def _teacher_forced(self, tokens: np.ndarray, start: int, temperature: float, k: int
+                        ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """Each token from `start` on: its log-probability and the k most likely tokens at its
+        position (best first), under the tempered model: one teacher-forced forward of the row."""
         width = bucket(len(tokens), MIN_CONTEXT_BUCKET)
         padded = np.zeros((1, width), np.int32)
         padded[0, :len(tokens)] = tokens
         mask = np.arange(width)[None] < len(tokens)
         graphdef, params = nnx.split(self.model)
-        values, ids = jax.device_get(_top_k_logprobs(graphdef, params, padded, mask,
+        values, ids, chosen = jax.device_get(_scored(graphdef, params, padded, mask,
                                                      np.float32(temperature),
                                                      k=self.max_top_logprobs))
         # The logits at t - 1 predict token t.
-        return [list(zip(ids[0, t - 1, :k].tolist(), values[0, t - 1, :k].tolist()))
-                for t in range(start, len(tokens))]
+        return ([float(chosen[0, t - 1]) for t in range(start, len(tokens))],
+                [list(zip(ids[0, t - 1, :k].tolist(), values[0, t - 1, :k].tolist()))
+                 for t in range(start, len(tokens))])
 
 
 class Abandoned(Exception):
@@ -270,6 +284,10 @@ def _unwanted(requests: list[SampleRequest], drawn: Progress) -> list[int]:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "k"))
-def _top_k_logprobs(graphdef, params, tokens, mask, temperature, *, k: int):
+def _scored(graphdef, params, tokens, mask, temperature, *, k: int):
+    """(top-k log-probs, their ids) at each position, and the log-prob of the next token."""
     logits = nnx.merge(graphdef, params)(tokens, None, mask) / temperature
-    return jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    following = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)  # the last: unused
+    chosen = jnp.take_along_axis(logprobs, following[..., None], axis=-1)[..., 0]
+    return (*jax.lax.top_k(logprobs, max(k, 1)), chosen)

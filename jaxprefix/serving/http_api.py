@@ -17,6 +17,7 @@ body's size and the requests in flight, and cancels a request whose client left.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -47,7 +48,7 @@ def error_body(message: str, param: str | None, code: str,
 
 
 UNSUPPORTED = {"presence_penalty": 0.0, "frequency_penalty": 0.0,
-               "logit_bias": None, "echo": False, "suffix": None, "response_format": None}
+               "logit_bias": None, "suffix": None, "response_format": None}
 
 
 class Api:
@@ -101,7 +102,9 @@ class Api:
             raise BadRequest(f"top_k={body.top_k}: expected >= 0 (0 or -1: off)", "top_k")
 
     def sample_request(self, body: Sampled, prompt: list[int], max_tokens: int | None,
-                       top_logprobs: int, param: str) -> SampleRequest:
+                       top_logprobs: int, param: str, echo: bool = False) -> SampleRequest:
+        """The request of one prompt. With echo, max_tokens may be 0 (the prompt scored alone:
+        one token is drawn, for the call, and left out of the answer)."""
         if not prompt:
             raise BadRequest("the prompt is empty; expected at least one token", param)
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -113,6 +116,8 @@ class Api:
                              f"prompt", param, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(self.settings.max_tokens, left)
+        elif echo and max_tokens == 0:
+            max_tokens = 1
         elif not 1 <= max_tokens <= self.settings.max_tokens:
             raise BadRequest(f"max_tokens={max_tokens}: expected 1 <= max_tokens <= "
                              f"{self.settings.max_tokens}", "max_tokens")
@@ -126,7 +131,8 @@ class Api:
                              f"{self.settings.max_top_logprobs}", "logprobs")
         return SampleRequest(prompt=tuple(prompt), n=body.n, max_tokens=max_tokens,
                              temperature=body.temperature, top_p=body.top_p,
-                             top_k=max(body.top_k, 0), seed=body.seed, top_logprobs=top_logprobs)
+                             top_k=max(body.top_k, 0), seed=body.seed, top_logprobs=top_logprobs,
+                             echo=echo)
 
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
@@ -209,6 +215,25 @@ class Api:
         return {"tokens": tokens, "token_logprobs": sample.logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
+    def echoed_logprobs(self, prompt: list[int], sample: Sample, as_ids: bool,
+                        completion: dict) -> dict:
+        """OpenAI's echo: the prompt's tokens ahead of the completion's, the first without a
+        log-probability (nothing predicts it), offsets running on through the completion."""
+        tokens = [self.token_text(t, as_ids) for t in prompt]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        top = None
+        if sample.prompt_top_logprobs is not None:
+            top = [None] + [{self.token_text(t, as_ids): lp for t, lp in [*alts, (tok, lp_tok)]}
+                            for alts, tok, lp_tok in zip(sample.prompt_top_logprobs, prompt[1:],
+                                                         sample.prompt_logprobs)]
+        return {"tokens": tokens + completion["tokens"],
+                "token_logprobs": [None] + sample.prompt_logprobs + completion["token_logprobs"],
+                "top_logprobs": None if top is None else top + completion["top_logprobs"],
+                "text_offset": offsets + [at + o for o in completion["text_offset"]]}
+
     def chat_logprobs(self, sample: Sample, as_ids: bool) -> dict:
         def entry(token_id, logprob):
             text = self.token_text(token_id, as_ids)
@@ -243,11 +268,13 @@ def _text_of(content) -> str:
                      "messages")
 
 
-def _first(sample: Sample, count: int) -> Sample:
-    """The sample's first `count` tokens, ended by a stop (a stop token or string)."""
+def _first(sample: Sample, count: int, stopped: bool = True) -> Sample:
+    """The sample's first `count` tokens, ended by a stop (a stop token or string) unless
+    `stopped` is False."""
     top = sample.top_logprobs
-    return Sample(sample.token_ids[:count], sample.logprobs[:count], True,
-                  None if top is None else top[:count])
+    return dataclasses.replace(sample, token_ids=sample.token_ids[:count],
+                               logprobs=sample.logprobs[:count], stopped=stopped,
+                               top_logprobs=None if top is None else top[:count])
 
 
 def server_error(e: Exception) -> JSONResponse:
@@ -309,19 +336,29 @@ def make_app(api: Api) -> fastapi.FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
         api.check_common(body)
+        if body.echo and body.stream:
+            raise BadRequest("echo with stream: true is not supported; expected one of them",
+                             "echo", "unsupported_parameter")
         prompts = api.completion_prompts(body)
-        requests = [api.sample_request(body, p, body.max_tokens, body.logprobs or 0, "prompt")
-                    for p in prompts]
+        requests = [api.sample_request(body, p, body.max_tokens, body.logprobs or 0, "prompt",
+                                       echo=body.echo) for p in prompts]
         head = api.head(f"cmpl-{uuid.uuid4().hex}", "text_completion")
+        nothing_new = body.echo and body.max_tokens == 0  # the prompt scored, no token drawn
 
         def finished(results):  # (index, prompt, sample, text, reason) of each choice
-            return [(p * body.n + j, prompt, *api.finish(raw, body))
+            return [(p * body.n + j, prompt,
+                     *((_first(raw, 0, stopped=False), "", "length") if nothing_new else
+                       api.finish(raw, body)))
                     for p, (prompt, result) in enumerate(zip(prompts, results))
                     for j, raw in enumerate(result)]
 
-        def logprobs(sample):
-            return None if body.logprobs is None else \
-                api.completion_logprobs(sample, body.return_tokens_as_token_ids)
+        def logprobs(prompt, sample):
+            if body.logprobs is None:
+                return None
+            as_ids = body.return_tokens_as_token_ids
+            completion = api.completion_logprobs(sample, as_ids)
+            return api.echoed_logprobs(prompt, sample, as_ids, completion) if body.echo \
+                else completion
 
         if body.stream:
             return streaming.EventStream(
@@ -329,8 +366,12 @@ def make_app(api: Api) -> fastapi.FastAPI:
         done = finished(await api.sample(requests))
         choices = []
         for index, prompt, sample, text, reason in done:
+            if body.echo:  # the prompt as sent (a text prompt's own text), then the completion
+                sent = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+                text = (sent[index // body.n] if isinstance(sent[index // body.n], str) else
+                        api.tokenizer.decode(prompt)) + text
             choice = {"index": index, "text": text, "finish_reason": reason,
-                      "logprobs": logprobs(sample)}
+                      "logprobs": logprobs(prompt, sample)}
             if body.return_token_ids:
                 choice |= {"prompt_token_ids": prompt, "token_ids": sample.token_ids}
             choices.append(choice)
