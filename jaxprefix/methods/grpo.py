@@ -93,5 +93,5 @@ def _build(settings: GrpoSettings, inputs) -> GrpoMethod:
 
 register_method(MethodSpec(
     name="grpo", settings=GrpoSettings.from_config, build=_build,
-    contexts_per_problem=lambda settings: 1,
+    contexts_per_problem=lambda settings: 1, plain_contexts=True,
     needs=lambda settings: ("hard_set",) if settings.train_on == "hard" else ()))

@@ -38,6 +38,9 @@ class MethodSpec:
     extra_contexts_per_step: Callable[[Any], int] = _nothing_extra  # beyond B x per problem
     guides_in_prompt: Callable[[Any], bool] = lambda options: False  # POPE's hint slots
     mined_summary: Callable[[Any, Any, Any], dict] = _no_summary  # the mine job's extra lines
+    # Whether every context it samples is a plain problem (no guidance, no prefix): an external
+    # environment, which writes its own prompts from the problem, can only run such a method.
+    plain_contexts: bool = False
 
 
 METHODS: dict[str, MethodSpec] = {}

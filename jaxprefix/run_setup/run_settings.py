@@ -51,10 +51,11 @@ def resolve(config) -> RunSettings:
     if environment.active:
         # The environment builds its own prompts from the problem: a method that puts guidance
         # or a prefix into the context (POPE, PrefixRL) would not reach it.
-        if method.name != "grpo":
+        if not method.spec.plain_contexts:
             raise ValueError(f"config.environment.source={environment.source!r} is set with "
                              f"method {method.name}: the environment writes its own prompts, "
-                             f"so only grpo's plain problems reach it; expected method=grpo")
+                             f"so only a method of plain problems reaches it; expected "
+                             f"method=grpo")
         if rollout.partial_tokens:
             raise ValueError(f"config.rollout.partial_tokens={rollout.partial_tokens} is set "
                              f"with config.environment.source={environment.source!r}: the "
