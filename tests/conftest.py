@@ -21,7 +21,57 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # which has no Storage Control API for gcsfs's bucket-type probe to wait on.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+import collections  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+
 import pytest  # noqa: E402
+
+# The quick tier (`python -m pytest -m quick`, before a commit): the default suite's cheapest
+# modules, whole (a module's fixtures are paid once), up to QUICK_SECONDS of their recorded
+# time (tests/durations.json, written by a default run with --record-durations). A module not
+# recorded yet stays out until the file is refreshed.
+DURATIONS = pathlib.Path(__file__).with_name("durations.json")
+QUICK_SECONDS = 150.0  # serial seconds: about a minute on two workers
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-durations", default=None, metavar="PATH",
+                     help="write each test module's seconds (setup, call and teardown of its "
+                          "tests) to PATH as JSON: tests/durations.json picks `-m quick`")
+
+
+def quick_modules(durations: dict[str, float], budget: float = QUICK_SECONDS) -> set[str]:
+    """The cheapest modules whose seconds add up to at most `budget`."""
+    chosen, total = set(), 0.0
+    for module, seconds in sorted(durations.items(), key=lambda item: item[1]):
+        if total + seconds > budget:
+            break
+        chosen.add(module)
+        total += seconds
+    return chosen
+
+
+def pytest_collection_modifyitems(config, items):
+    quick = quick_modules(json.loads(DURATIONS.read_text())) if DURATIONS.exists() else set()
+    for item in items:
+        if (item.nodeid.split("::")[0] in quick
+                and not any(item.get_closest_marker(m) for m in ("slow", "study"))):
+            item.add_marker(pytest.mark.quick)
+
+
+_module_seconds: dict[str, float] = collections.defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _module_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--record-durations")
+    if path and not hasattr(session.config, "workerinput"):  # the controller's view: every test
+        pathlib.Path(path).write_text(json.dumps(
+            {m: round(s, 2) for m, s in sorted(_module_seconds.items())}, indent=1) + "\n")
 
 
 def pytest_configure():
