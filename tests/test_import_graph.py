@@ -109,3 +109,14 @@ def test_the_library_never_imports_the_studies_beside_it():
             above += [f"{path.relative_to(ROOT)}: {n}" for n in names
                       if n == "studies" or n.startswith("studies.")]
     assert not above, "the library imports a study:\n" + "\n".join(above)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """What two modules share is public: a leading underscore means the module's own."""
+    private = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxprefix"):
+                private += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}"
+                            for a in node.names if a.name.startswith("_")]
+    assert not private, "private names imported:\n" + "\n".join(private)

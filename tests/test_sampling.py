@@ -95,7 +95,7 @@ def test_context_kv_is_held_once_not_per_sample(checkpoints):
     from jaxprefix.sampling.layout import layout_contexts
     model, _ = checkpoints('llama')
     lay = layout_contexts([list(range(3, 15)), [5, 6, 7]], model.config.vocab_size)
-    arrays = sampler._layout_arrays(lay, per_context=False)
+    arrays = sampler.layout_arrays(lay, per_context=False)
     graphdef, params = nnx.split(model)
     segments, state, routes = static.prefill(graphdef, params, arrays, n=4,
                                              new_bucket=NEW_TOKENS, gather_prompts=False)

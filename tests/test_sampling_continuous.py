@@ -62,7 +62,7 @@ def test_rows_in_flight_do_not_change_rollouts(model, static, rows, temperature,
     reference = static(temperature)
     stopped_at = set(reference.lengths[reference.stopped].tolist())
     assert len(stopped_at) >= 3 and not reference.stopped.all(), reference.lengths
-    req = sampler._prepare(model, CONTEXTS, temperature=temperature, top_p=1.0, top_k=0,
+    req = sampler.prepare_request(model, CONTEXTS, temperature=temperature, top_p=1.0, top_k=0,
                            max_rows_in_flight=rows, kv_budget_bytes=None, page_size=page_size,
                            **REQUEST)
     # 24 rows: every row fits, so the static decode runs; fewer: the continuous one, with that cap.
@@ -84,7 +84,7 @@ def test_kv_budget_sets_rows_in_flight(model, static):
     # 3 = ceil(6/3) + 1 group slots of 16 + 16 context tokens and 6 pages of 32 tokens (a row's
     # whole bucket: one page each) fit; 7 rows (4 group slots) do not.
     allowed = (3 * 32 + 6 * 32) * page_token
-    req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
+    req = sampler.prepare_request(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=None, kv_budget_bytes=allowed, **REQUEST)
     assert req.plan == budget.ContinuousPlan(shards=1, row_slots=6, context_slots=3, admit=2,
                                            page_size=32, pages=6, reserve=1)
@@ -98,7 +98,7 @@ def test_rows_preempted_when_pages_run_out_draw_the_same_tokens(model, static):
     # the pool dry and the youngest give their pages back and start again.
     page_token = budget.page_bytes_per_token(CONFIG, 'float32')
     allowed = (4 * 32 + 8 * 16) * page_token
-    req = sampler._prepare(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
+    req = sampler.prepare_request(model, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=8, kv_budget_bytes=allowed, page_size=16,
                            reserve_fraction=0.5, **REQUEST)
     assert (req.plan.row_slots, req.plan.pages, req.plan.reserve) == (8, 8, 1)
@@ -140,7 +140,7 @@ def test_tensor_parallel_decode_equals_fsdp_weights(model, static, rows):
     """Weights trained under FSDP, resharded for a decode with heads over 'tensor' (2 of the 8
     devices; rows over the other 4): the same rollouts as one device."""
     sharded = shard_model(make_model(), make_mesh(1, 8, 1))
-    req = sampler._prepare(sharded, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
+    req = sampler.prepare_request(sharded, CONTEXTS, temperature=1.0, top_p=1.0, top_k=0,
                            max_rows_in_flight=rows, kv_budget_bytes=None, tensor_parallel=2,
                            **REQUEST)
     assert dict(req.mesh.shape) == {'data': 4, 'fsdp': 1, 'tensor': 2}
@@ -198,7 +198,7 @@ def test_abstract_programs_lower_as_generate_runs_them(config):
         nnx.state(abstract), shardings, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     contexts = [list(range(3 + i, 15 + i)) for i in range(6)]  # 6 distinct contexts of 12
     for rows in (None, 8):
-        req = sampler._prepare(real, contexts, n=4, max_new_tokens=40, temperature=1.0,
+        req = sampler.prepare_request(real, contexts, n=4, max_new_tokens=40, temperature=1.0,
                                top_p=1.0, top_k=0, stop_ids=(2,), seed=0,
                                max_rows_in_flight=rows, kv_budget_bytes=None,
                                record_routes=record)
@@ -207,7 +207,7 @@ def test_abstract_programs_lower_as_generate_runs_them(config):
                                              record_routes=record)
         with jax.set_mesh(mesh):
             if rows is None:
-                prefill = sampler._prefill_program(req)
+                prefill = sampler.prefill_program(req)
                 segments, state, _ = prefill()
                 expected = {'prefill': prefill,
                             'decode': sampler._decode_program(req, segments, state)}

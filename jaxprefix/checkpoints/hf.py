@@ -88,7 +88,7 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
 
 # --- name and layout mapping ---------------------------------------------------------------
 
-def _layer_table(config: ModelConfig) -> dict[str, tuple[str, int]]:
+def layer_table(config: ModelConfig) -> dict[str, tuple[str, int]]:
     """Decoder layer weight -> (HF name under model.layers.{i}., input axes of a linear or 0).
 
     A name with {j} is one tensor per expert j, stacked along the Decoder weight's expert axis."""
@@ -187,7 +187,7 @@ def load_hf_state(hf_config: dict, tensors: dict[str, np.ndarray], dtype=jnp.flo
     for ours, hf_name in _top_table(config).items():
         variable = getattr(model, ours)
         variable.set_value(_place(take(hf_name, tuple(variable.shape), None), variable, mesh))
-    table = _layer_table(config)
+    table = layer_table(config)
     def layer(i: int, hf_name: str, shape: tuple[int, ...], in_axes: int) -> np.ndarray:
         if '{j}' not in hf_name:
             return take(f'model.layers.{i}.{hf_name}', shape, in_axes)
@@ -261,7 +261,7 @@ def hf_tensors(model: Decoder, dtype=None) -> dict[str, np.ndarray]:
     out = {}
     for ours, hf_name in _top_table(config).items():
         out[hf_name] = host(getattr(model, ours))
-    table = _layer_table(config)
+    table = layer_table(config)
     for ours in model.layer_names:
         hf_name, in_axes = table[ours]
         stacked = host(getattr(model, ours))

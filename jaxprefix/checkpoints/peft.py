@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxprefix import storage
-from jaxprefix.checkpoints.hf import _layer_table, read_safetensors, write_safetensors
+from jaxprefix.checkpoints.hf import layer_table, read_safetensors, write_safetensors
 from jaxprefix.models import lora
 
 ADAPTER_CONFIG = 'adapter_config.json'
@@ -23,7 +23,7 @@ ADAPTER_WEIGHTS = 'adapter_model.safetensors'
 
 def peft_module_names(model) -> dict[str, str]:
     """Our target name -> the HF module path under a layer (q -> self_attn.q_proj)."""
-    table = _layer_table(model.config)
+    table = layer_table(model.config)
     return {name: table[name][0].removesuffix('.weight') for name in model.adapters.config.targets}
 
 
@@ -75,7 +75,7 @@ def load_peft_adapter(model, path):
     if config.get('peft_type') != 'LORA' or config.get('use_dora') or config.get('use_rslora'):
         raise ValueError(f'{path}: a plain LoRA adapter expected (peft_type LORA, no DoRA or '
                          f'rsLoRA), got {config.get("peft_type")!r}')
-    table = _layer_table(model.config)
+    table = layer_table(model.config)
     by_module = {table[name][0].removesuffix('.weight').split('.')[-1]: name
                  for name in lora.TARGETS if name in table}
     unknown = sorted(set(config['target_modules']) - set(by_module))

@@ -19,12 +19,12 @@ import numpy as np
 
 from jaxprefix import distributed
 from jaxprefix.sampling import continuous, static
-from jaxprefix.sampling.continuous_state import _FOREVER, Limits
+from jaxprefix.sampling.continuous_state import UNBOUNDED, Limits
 from jaxprefix.sampling.layout import Context
 from jaxprefix.sampling.rollouts import Rollouts
-from jaxprefix.sampling.sampler import (_layout_arrays, _mesh_scope, _prefill_program, _prepare,
-                                        _sampling_args, continuous_shape, laid_out)
-from jaxprefix.sampling.turns import _progress
+from jaxprefix.sampling.sampler import (layout_arrays, mesh_scope, prefill_program, prepare_request,
+                                        sampler_args, continuous_shape, laid_out)
+from jaxprefix.sampling.turns import episode_progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +50,11 @@ def generate_in_chunks(model, contexts: Sequence[Context], *, chunk_steps: int,
         raise ValueError(f'chunk_steps={chunk_steps}: expected >= 1')
     if generate.get('record_routes'):
         raise ValueError('record_routes: generate_in_chunks records no experts')
-    req = _prepare(model, contexts, **generate)
+    req = prepare_request(model, contexts, **generate)
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     rows = req.layout.num_contexts * req.n
-    with _mesh_scope(req.mesh):
+    with mesh_scope(req.mesh):
         chunks = _static(req, chunk_steps, unwanted or (lambda: ())) if req.plan is None \
             else _continuous(req, chunk_steps)
         for outputs, last in chunks:
@@ -65,11 +65,11 @@ def generate_in_chunks(model, contexts: Sequence[Context], *, chunk_steps: int,
 def _static(req, chunk_steps: int, unwanted: Callable[[], Sequence[int]]):
     """(completions, logprobs, lengths, stopped) on the device after each chunk, and whether it
     was the last."""
-    segments, state, _ = _prefill_program(req)()
+    segments, state, _ = prefill_program(req)()
     until = 0
     while True:
         until += chunk_steps
-        state = static.decode(req.graphdef, req.params, segments, state, *_sampling_args(req),
+        state = static.decode(req.graphdef, req.params, segments, state, *sampler_args(req),
                               hoist_layers=req.hoist_layers, until=np.int32(until))
         done, step = jax.device_get((state.done.all(), state.step))
         last = bool(done) or int(step) >= req.max_new_tokens
@@ -84,16 +84,16 @@ def _static(req, chunk_steps: int, unwanted: Callable[[], Sequence[int]]):
 
 def _continuous(req, chunk_steps: int):
     shape = continuous_shape(req)
-    arrays = _layout_arrays(req.layout, True)
-    settings, seed_key, stop_ids, max_new_tokens = _sampling_args(req)
+    arrays = layout_arrays(req.layout, True)
+    settings, seed_key, stop_ids, max_new_tokens = sampler_args(req)
     limits = Limits.one_turn(max_new_tokens)
     state = continuous.start(req.graphdef, req.params, arrays, shape=shape)
     layer_weights = continuous.hoisted_weights(req.graphdef, req.params, layout=shape.layout)
     while True:
         state = continuous.advance(req.graphdef, req.params, arrays, settings, seed_key,
                                    stop_ids, limits, layer_weights, state, np.int32(chunk_steps),
-                                   np.int32(_FOREVER), shape=shape)
-        _, _, alive, can_go, _ = jax.device_get(_progress(state, arrays, shape=shape))
+                                   np.int32(UNBOUNDED), shape=shape)
+        _, _, alive, can_go, _ = jax.device_get(episode_progress(state, arrays, shape=shape))
         last = not (alive and can_go)
         out = state.out
         yield (out.completions, out.logprobs, out.lengths, out.stopped), last

@@ -58,7 +58,7 @@ from flax import nnx
 
 from jaxprefix.models.sharding import constrain
 from jaxprefix.sampling import admission, page_pool
-from jaxprefix.sampling.continuous_state import (ACTIVE, IDLE, QUEUED, SEGMENTS, WAITING, _FOREVER,
+from jaxprefix.sampling.continuous_state import (ACTIVE, IDLE, QUEUED, SEGMENTS, WAITING, UNBOUNDED,
                                                  Groups, Limits, LoopState, Outputs,
                                                  PendingTokens, Rows, Shape, constrain_blocks)
 from jaxprefix.sampling import routes as recorded_routes
@@ -380,7 +380,7 @@ def sample_continuous(graphdef, params, contexts: dict, settings: SamplingSettin
     state = _initial_state(model, contexts, shape)
     layer_weights = _hoisted(model, shape.layout)
     out = _run(model, contexts, settings, seed_key, stop_ids, Limits.one_turn(max_new_tokens),
-               layer_weights, state, _FOREVER, _FOREVER, shape).out
+               layer_weights, state, UNBOUNDED, UNBOUNDED, shape).out
     routes = (out.prompt_routes, out.suffix_routes, out.routes) if shape.record_routes else None
     return out.completions, out.logprobs, out.lengths, out.stopped, routes
 

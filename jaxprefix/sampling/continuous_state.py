@@ -17,7 +17,7 @@ from jaxprefix.sampling import page_pool
 
 IDLE, QUEUED, ACTIVE, WAITING = 0, 1, 2, 3  # WAITING: its turn ended, the host answers it
 SEGMENTS = ('prompt', 'suffix')  # a context's segments, as layout.py splits it
-_FOREVER = 2 ** 30  # steps, rows or tokens: no bound
+UNBOUNDED = 2 ** 30  # steps, rows or tokens: no bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Limits:
 
     @classmethod
     def one_turn(cls, max_new_tokens) -> Limits:
-        return cls(jnp.asarray(max_new_tokens, jnp.int32), jnp.int32(1), jnp.int32(_FOREVER))
+        return cls(jnp.asarray(max_new_tokens, jnp.int32), jnp.int32(1), jnp.int32(UNBOUNDED))
 
 
 @flax.struct.dataclass

@@ -88,7 +88,7 @@ def _rows_per_device(mesh) -> int:
     return math.prod(mesh.shape.get(axis, 1) for axis in ('data', 'fsdp'))
 
 
-def _prepare(model, contexts, *, n, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
+def prepare_request(model, contexts, *, n, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
              stop_ids=(), seed=0, max_rows_in_flight=None, kv_budget_bytes=None,
              memory_headroom=None, page_size=budget.DEFAULT_PAGE_SIZE, kv_dtype=None,
              reserve_fraction=1.0, tensor_parallel=None, streams=None, paged=False,
@@ -162,7 +162,7 @@ def _bytes_per_device(params, reshard) -> int:
     return total
 
 
-def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
+def layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
     """The layout as the programs take it; per_context: one prompt row per context (the
     continuous decode prefills contexts a few at a time, so it does not share prompt rows)."""
     arrays = {name: getattr(lay, name) for name in (
@@ -175,14 +175,14 @@ def _layout_arrays(lay: ContextLayout, per_context: bool) -> dict:
     return arrays
 
 
-def _prefill_program(req: _Request) -> Program:
-    return Program(static.prefill, (req.graphdef, req.params, _layout_arrays(req.layout, False)),
+def prefill_program(req: _Request) -> Program:
+    return Program(static.prefill, (req.graphdef, req.params, layout_arrays(req.layout, False)),
                    dict(n=req.n, new_bucket=req.new_bucket,
                         gather_prompts=not req.layout.prompts_are_contexts,
                         record_routes=req.record_routes))
 
 
-def _sampling_args(req: _Request) -> tuple:
+def sampler_args(req: _Request) -> tuple:
     if isinstance(jax.tree.leaves(req.params)[0], jax.ShapeDtypeStruct):
         # abstract_programs may target devices this host lacks: the key's shape, replicated.
         key = _abstract(jax.eval_shape(jax.random.key, req.seed), req.mesh)
@@ -193,7 +193,7 @@ def _sampling_args(req: _Request) -> tuple:
 
 def _decode_program(req: _Request, segments, state) -> Program:
     return Program(static.decode, (req.graphdef, req.params, segments, state,
-                                   *_sampling_args(req)), dict(hoist_layers=req.hoist_layers))
+                                   *sampler_args(req)), dict(hoist_layers=req.hoist_layers))
 
 
 def continuous_shape(req: _Request) -> Shape:
@@ -205,12 +205,12 @@ def continuous_shape(req: _Request) -> Shape:
 
 def _continuous_program(req: _Request) -> Program:
     return Program(continuous.sample_continuous,
-                   (req.graphdef, req.params, _layout_arrays(req.layout, True),
-                    *_sampling_args(req)),
+                   (req.graphdef, req.params, layout_arrays(req.layout, True),
+                    *sampler_args(req)),
                    dict(shape=continuous_shape(req)))
 
 
-def _mesh_scope(mesh):
+def mesh_scope(mesh):
     return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
@@ -244,7 +244,7 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     record_routes (a mixture of experts): Rollouts.routes holds each token's experts in each
     sparse layer as the sampler computed them, for the learner to replay (routes.py).
     """
-    req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+    req = prepare_request(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
                    memory_headroom=memory_headroom, page_size=page_size, kv_dtype=kv_dtype,
@@ -253,9 +253,9 @@ def generate(model, contexts: Sequence[Context], *, n: int, max_new_tokens: int,
     if req.reshard is not None:
         req = dataclasses.replace(req, params=req.reshard())
     lay = req.layout
-    with _mesh_scope(req.mesh):
+    with mesh_scope(req.mesh):
         if req.plan is None:
-            segments, state, recorded = _prefill_program(req)()
+            segments, state, recorded = prefill_program(req)()
             state = _decode_program(req, segments, state)()
             outputs = (state.completions, state.logprobs, state.lengths, state.stopped)
             recorded = None if recorded is None else (*recorded, state.routes)
@@ -361,16 +361,16 @@ def abstract_programs(model, *, num_contexts: int, context_length: int, n: int,
         contexts = [SharedContext(_distinct_tokens(i // contexts_per_prompt, prompt_length,
                                                    vocab_size), c[prompt_length:])
                     for i, c in enumerate(contexts)]
-    req = _prepare(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+    req = prepare_request(model, contexts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, top_k=top_k, stop_ids=range(num_stop_ids), seed=0,
                    max_rows_in_flight=max_rows_in_flight, kv_budget_bytes=kv_budget_bytes,
                    page_size=page_size, kv_dtype=kv_dtype, reserve_fraction=reserve_fraction,
                    tensor_parallel=tensor_parallel, record_routes=record_routes)
     programs, req = abstract_request(req)
-    with _mesh_scope(req.mesh):
+    with mesh_scope(req.mesh):
         if req.plan is not None:
             return programs | {'continuous': _continuous_program(req)}
-        prefill = _prefill_program(req)
+        prefill = prefill_program(req)
         segments, state, _ = prefill.fn.eval_shape(*prefill.args, **prefill.kwargs)
         segments, state = _abstract((segments, state), req.mesh)
         return programs | {'prefill': prefill, 'decode': _decode_program(req, segments, state)}

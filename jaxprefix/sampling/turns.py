@@ -77,8 +77,8 @@ from jaxprefix.sampling.continuous_state import (ACTIVE, IDLE, WAITING, Limits, 
                                                  Outputs, Shape)
 from jaxprefix.sampling.layout import Context, SharedContext, bucket
 from jaxprefix.sampling.rollouts import Rollouts
-from jaxprefix.sampling.sampler import (Program, _layout_arrays, _mesh_scope, _prepare,
-                                        _sampling_args, abstract_request, continuous_shape,
+from jaxprefix.sampling.sampler import (Program, layout_arrays, mesh_scope, prepare_request,
+                                        sampler_args, abstract_request, continuous_shape,
                                         distinct_contexts, laid_out)
 
 # A returning row's appended tokens go into its pages in passes of APPEND_TOKENS tokens a row,
@@ -193,7 +193,7 @@ def resume(state: LoopState, contexts: dict, episodes, tokens, lengths, *,
 
 
 @functools.partial(jax.jit, static_argnames=('shape',))
-def _progress(state: LoopState, contexts: dict, *, shape: Shape):
+def episode_progress(state: LoopState, contexts: dict, *, shape: Shape):
     """What the host reads after a chunk: per episode whether it waits and its length; whether
     any episode is unfinished, whether the device can go on without the host, and the most
     rows a block can have in flight from now on (every row while contexts wait to be
@@ -327,8 +327,8 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
         req = dataclasses.replace(req, params=req.reshard())
     num = req.layout.num_contexts * n
     host = _Host(num, respond, set(int(s) for s in stop_ids))
-    arrays = _layout_arrays(req.layout, True)
-    settings, seed_key, stops = _sampling_args(req)[:3]
+    arrays = layout_arrays(req.layout, True)
+    settings, seed_key, stops = sampler_args(req)[:3]
     stats = dict(chunks=0, narrow_chunks=0, device_s=0.0, tools_s=0.0, idle_while_tools_s=0.0,
                  swap_recomputed_tokens=0)
     begin = time.perf_counter()
@@ -337,7 +337,7 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
     lengths = np.zeros(num, np.int32)
     hoisted = lambda req: continuous.hoisted_weights(req.graphdef, req.params,
                                                      layout=shape.layout)
-    with _mesh_scope(req.mesh):
+    with mesh_scope(req.mesh):
         state, answers = continuous.start(req.graphdef, req.params, arrays, shape=shape), {}
         layer_weights = hoisted(req)
         while True:
@@ -360,7 +360,7 @@ def sample_turns(model, contexts: Sequence[Context], *, n: int, max_new_tokens: 
                                        np.int32(1),
                                        shape=dataclasses.replace(shape, rows_computed=computed))
             waiting, lengths, alive, can_go, busy = jax.device_get(
-                _progress(state, arrays, shape=shape))
+                episode_progress(state, arrays, shape=shape))
             chunk = time.perf_counter() - dispatched
             stats['chunks'] += 1
             stats['narrow_chunks'] += computed > 0
@@ -408,7 +408,7 @@ def _turn_request(model, contexts: Sequence[Context], *, n: int, max_new_tokens:
     if room < 1:
         raise ValueError(f'episode_token_budget={episode_token_budget}: expected more than the '
                          f'shortest context ({episode_token_budget - room} tokens)')
-    req = _prepare(model, contexts, n=n, max_new_tokens=room, stop_ids=stop_ids, seed=seed,
+    req = prepare_request(model, contexts, n=n, max_new_tokens=room, stop_ids=stop_ids, seed=seed,
                    paged=True, **sampler)
     shape = dataclasses.replace(continuous_shape(req), append_tokens=APPEND_TOKENS,
                                 append_rows=APPEND_ROWS)
@@ -432,14 +432,14 @@ def abstract_turn_programs(model, *, num_contexts: int, context_length: int, n: 
                                        episode_token_budget=episode_token_budget,
                                        stop_ids=range(num_stop_ids), seed=0, **sampler)
     programs, req = abstract_request(req)
-    arrays = _layout_arrays(req.layout, True)
-    with _mesh_scope(req.mesh):
+    arrays = layout_arrays(req.layout, True)
+    with mesh_scope(req.mesh):
         start = continuous.start.lower(req.graphdef, req.params, arrays, shape=shape)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                              start.out_info, start.compile().output_shardings)
         layer_weights = continuous.hoisted_weights.eval_shape(req.graphdef, req.params,
                                                               layout=shape.layout)
-    settings, seed_key, stops = _sampling_args(req)[:3]
+    settings, seed_key, stops = sampler_args(req)[:3]
     return programs | {'turns': Program(
         continuous.advance, (req.graphdef, req.params, arrays, settings, seed_key, stops, limits,
                              layer_weights, state, np.int32(chunk_steps), np.int32(1)),
