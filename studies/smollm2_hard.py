@@ -45,13 +45,17 @@ from jaxprefix.rl.compute_ledger import ComputeLedger
 from jaxprefix.run_setup.mining import ProbeSettings
 from jaxprefix.run_setup.policy import load_policy
 
-STAGES = ("sft", "accuracy", "hard", "prefixes")
+STAGES = ("sft", "accuracy", "hard", "prefixes", "arms")
+# The RL arms, each a run of the library's rl job through its Python door (api.run) on the
+# competent base, FLOP-matched (train.flops_budget counts the ledger: its mining too).
+ARMS = ("grpo", "pope", "prefixrl")
 TASK = "chain_sum"
 VERIFIER = "reasoning_gym_right_boxed"  # reward > 0.5 exactly when the answer is right
 SFT_SEED, SFT_PROBLEMS = 1, 4096
 # Fresh problems: seeds far from the SFT set's (reasoning-gym seeds entry i with seed + i), and
 # every question the SFT set holds left out by text besides.
 ACCURACY_SEED, HARD_SEED, TEST_SEED = 1 << 31, 1 << 32, 3 << 31
+ARM_TRAIN_SEED = 5 << 31  # the arms' training problems; their held-out set is TEST_SEED's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +76,11 @@ class StudySettings:
     prefix_problems: int
     prefix_k: int
     rows_per_call: int
+    arm_seeds: tuple[int, ...]
+    arm_flops: float            # each arm's FLOPs budget, mining included
+    arm_train_size: int         # training problems of the hard setting (mining finds the hard)
+    arm_guidance: str           # POPE's guidance mode, from the prefix table
+    arm_prefix_units: int       # the longest prefix POPE's search tries
 
 
 def chain_config(terms: int, digits: int) -> dict:
@@ -272,6 +281,57 @@ class Study:
         return record
 
 
+    # --- the arms -------------------------------------------------------------------------
+    def arm_config(self, arm: str, seed: int):
+        """The run config of one arm: smollm2_hard's LoRA GRPO steps (4 hard problems a step,
+        8 samples each) on the competent base, at the hard setting, held out on fresh problems
+        of that setting (TEST_SEED; the library leaves training questions out by text)."""
+        s = self.s
+        config = run_config.base_config()
+        variants.smollm2_hard(config)
+        config.model.update(source="hf", path=self.path("base"))
+        config.data.update(task_config=json.dumps(chain_config(s.hard_terms, s.hard_digits)),
+                           train_size=s.arm_train_size, eval_size=64, seed=ARM_TRAIN_SEED,
+                           eval_seed=TEST_SEED, verifier=VERIFIER)
+        config.method, config.seed = arm, seed
+        config.train.update(total_steps=10_000, flops_budget=s.arm_flops)  # the budget ends it
+        config.mining.update(k=16, prefix_samples=16, max_prefix_units=s.arm_prefix_units,
+                             rows_per_call=s.rows_per_call,
+                             dir=self.path(f"arms/mining-s{seed}"))  # each arm charged its share
+        config.eval.update(every=5, n=8, ks=(1, 8), before_train=True, greedy=False)
+        config.checkpoint.update(every=5, keep=2)
+        if arm == "grpo":
+            config.mining.train_on = "hard"
+        elif arm == "pope":
+            config.pope.update(guidance=s.arm_guidance, max_prefix_fraction=0.5)
+        elif arm == "prefixrl":  # the base's own successes, rejection-sampled and charged
+            config.prefixrl.update(samples_per_round=64, max_samples=256)
+        return config
+
+    def arms(self) -> dict:
+        """Every arm at every seed, each resumable (a rerun goes on from its checkpoint)."""
+        from jaxprefix import api
+
+        self.policy()  # base/ in place
+        rows = {}
+        for seed in self.s.arm_seeds:
+            for arm in ARMS:
+                name = f"{arm}-s{seed}"
+                print(f"arm {name}")
+                rows[name] = api.run(self.arm_config(arm, seed), self.path(f"arms/{name}"))
+        return rows
+
+    def check_arms(self) -> None:
+        """Each arm's config through preflight (every field read, every input checked), no run."""
+        from jaxprefix.run_setup import preflight
+
+        self.policy()
+        for arm in ARMS:
+            preflight.check(self.arm_config(arm, self.s.arm_seeds[0]),
+                            self.path(f"arms/{arm}-check"))
+            print(f"arm {arm}: preflight passed")
+
+
 def tables(accuracy: dict, hard: dict, prefixes: dict) -> str:
     """The markdown tables of the three records: accuracy by setting, the hard set, and the
     prefix-solvability table."""
@@ -336,7 +396,9 @@ def settings_from(args) -> StudySettings:
         lora_rank=16, accuracy_problems=args.accuracy_problems, accuracy_k=args.accuracy_k,
         hard_terms=args.hard_terms, hard_digits=args.hard_digits,
         hard_problems=args.hard_problems, hard_k=16, prefix_problems=args.prefix_problems,
-        prefix_k=16, rows_per_call=args.rows_per_call)
+        prefix_k=16, rows_per_call=args.rows_per_call, arm_seeds=int_list(args.arm_seeds),
+        arm_flops=args.arm_flops, arm_train_size=args.arm_train_size,
+        arm_guidance=args.arm_guidance, arm_prefix_units=args.arm_prefix_units)
 
 
 def main(argv=None):
@@ -359,14 +421,26 @@ def main(argv=None):
     parser.add_argument("--hard-problems", type=int, default=64)
     parser.add_argument("--prefix-problems", type=int, default=32)
     parser.add_argument("--rows-per-call", type=int, default=256)
+    parser.add_argument("--arm-seeds", default="0,1,2")
+    parser.add_argument("--arm-flops", type=float, default=2e15,
+                        help="each arm's FLOPs budget, its mining included")
+    parser.add_argument("--arm-train-size", type=int, default=128)
+    parser.add_argument("--arm-guidance", default="solution_prefix",
+                        choices=pope.GUIDANCE_MODES)
+    parser.add_argument("--arm-prefix-units", type=int, default=4)
+    parser.add_argument("--check-arms", action="store_true",
+                        help="only check each arm's config (preflight), after the stages")
     args = parser.parse_args(argv)
     study = Study(settings_from(args))
-    for stage in STAGES[:STAGES.index(args.until) + 1]:
+    stages = STAGES[:STAGES.index(args.until) + 1]
+    for stage in stages:
         if stage == "sft":
             study.policy()
+        elif stage == "arms" and args.check_arms:
+            study.check_arms()
         else:
             getattr(study, stage)()
-    if args.until == STAGES[-1]:
+    if "prefixes" in stages:
         accuracy = study.accuracy()
         storage.write_atomic(study.path("tables.md"),
                            tables(accuracy, study.hard(), study.prefixes()))
