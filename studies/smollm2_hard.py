@@ -47,7 +47,8 @@ from jaxprefix.run_setup.policy import load_policy
 
 STAGES = ("sft", "accuracy", "hard", "prefixes", "arms")
 # The RL arms, each a run of the library's rl job through its Python door (api.run) on the
-# competent base, FLOP-matched (train.flops_budget counts the ledger: its mining too).
+# competent base, FLOP-matched (train.flops_budget counts the ledger: its mining too); beside
+# them the more-SFT control (Study.more_sft) at the same FLOPs.
 ARMS = ("grpo", "pope", "prefixrl")
 TASK = "chain_sum"
 VERIFIER = "reasoning_gym_right_boxed"  # reward > 0.5 exactly when the answer is right
@@ -319,7 +320,43 @@ class Study:
                 name = f"{arm}-s{seed}"
                 print(f"arm {name}")
                 rows[name] = api.run(self.arm_config(arm, seed), self.path(f"arms/{name}"))
+            rows[f"more_sft-s{seed}"] = self.more_sft(seed)
         return rows
+
+    def more_sft(self, seed: int) -> dict:
+        """The control: the competent base SFT'd further on the worked solutions of the arms'
+        training problems, for as many steps as the arms' FLOPs budget pays (6 N D), then
+        sampled unguided on their held-out problems (8 samples each, the run's temperature)."""
+        name = f"arms/more_sft-s{seed}.json"
+        if (record := self.done(name)) is not None:
+            return record
+        s = self.s
+        policy, config = self.policy()
+        setting = chain_config(s.hard_terms, s.hard_digits)
+        train = [p for p in reasoning_gym_problems(TASK, s.arm_train_size, ARM_TRAIN_SEED,
+                                                   **setting) if p.solution]
+        rows = sft.sft_rows(policy.prompts, policy.stop_ids[0],
+                            [(p, policy.prompts.response(p.solution)) for p in train])
+        row_flops = 6 * policy.model.config.num_params() * float(rows[1].sum()) / len(rows[1])
+        steps = max(1, int(s.arm_flops // (row_flops * 8)))
+        model = lora.with_adapters(policy.model, lora.LoraConfig(rank=s.lora_rank), seed=seed)
+        report = sft.train(model, rows, sft.SftSettings(steps=steps, batch_size=8,
+                                                        learning_rate=3e-4, seed=seed),
+                           progress=f"more SFT, seed {seed}")
+        trained = {p.question for p in train}
+        held_out = [p for p in reasoning_gym_problems(TASK, 64, TEST_SEED, **setting)
+                    if p.question not in trained]
+        prober, ledger = self.prober(dataclasses.replace(policy, model=lora.merged(model)),
+                                     config)
+        result = prober.probe([policy.prompts.question(p) for p in held_out], held_out, 8,
+                              seed=seed, description=f"more SFT, seed {seed}, held out")
+        counts = result.num_correct.tolist()
+        record = report | {"held_out": len(held_out), "correct_counts": counts,
+                           "pass@1": sum(counts) / (8 * len(held_out)),
+                           "pass@8": sum(c > 0 for c in counts) / len(held_out),
+                           "eval_ledger": ledger.to_dict()}
+        self.write(name, record)
+        return record
 
     def check_arms(self) -> None:
         """Each arm's config through preflight (every field read, every input checked), no run."""
