@@ -19,7 +19,15 @@ Stages, each written to <out>/ when it ends and read back instead of run again:
                prefix in the prompt with an instruction to continue; 'solution_prefix', the
                prefix as the start of the answer) and prefix length up to half the solution,
                how many hard problems are solved at least once in k samples. prefixes.json.
+5. arms:       the study, where the table shows guidance that unlocks the tail: GRPO, POPE
+               (--arm-guidance, prefixes up to --arm-prefix-units lines) and PrefixRL, each an
+               rl run through the library's Python door (api.run) at --arm-flops (mining
+               included), and the more-SFT control at the same FLOPs; --arm-seeds. Each is
+               resumable; arms/<arm>-s<seed>/ holds its run. --check-arms only preflights them.
 Every sampled token is booked in ledger.json (2 N D), every update in sft.json (6 N D).
+
+A second base goes on from a committed adapter: --sft-from=.../sft_adapter with the SFT's own
+--sft-terms/--sft-digits (fresh problems then leave out every earlier SFT's questions too).
 
 Right is exact (the generator's score of 1.0, reasoning_gym_right_boxed: read leniently, the last
 box or the last number); the prompt is smollm2_learns' (a system prompt asking for the box, the
