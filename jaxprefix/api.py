@@ -19,6 +19,7 @@ interrupted run raises rl.loop.Preempted after its checkpoint.
 from __future__ import annotations
 
 import ast
+import copy
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -128,15 +129,15 @@ def run(config: str | ml_collections.ConfigDict, workdir: str | None = None, *,
         config = run_config.from_file(path, variant)
     elif workdir is None:
         raise TypeError("api.run: a config built in Python needs a workdir")
-    config = ml_collections.ConfigDict(config.to_dict())  # the caller's config stays as it was
+    config = copy.deepcopy(config)  # the caller's config stays as it was
     overrides = dict(overrides or {})
     if reward is not None:
         overrides["data.verifier"] = register_reward(reward)
     for field, value in overrides.items():
         set_field(config, field, value)
     execute(config, workdir, frozenset(overrides))
-    from jaxprefix.rl.metrics import read_metrics
     from jaxprefix import storage
+    from jaxprefix.rl.metrics import read_metrics
 
     has_rows = storage.exists(storage.join(workdir, "metrics.jsonl"))
     return read_metrics(workdir) if has_rows else []
