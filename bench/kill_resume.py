@@ -1,0 +1,236 @@
+"""Kill and resume (issue 70): SIGKILL a run N times at random moments, rerun the same command,
+and check the run it ends as equals one never interrupted.
+
+One smoke GRPO run (configs/grpo.py:smoke on the smoke SFT base, trained once into
+<workdir>/base) is run straight through in <workdir>/straight. The same command then runs in
+<workdir>/killed: each of --kills attempts waits until the loop starts (its "will train" log
+line), sleeps a seeded random time in [0, --window) and sends SIGKILL (no handler runs, nothing
+is flushed), then the next attempt reruns the command in the same workdir; after the last kill
+it runs to the end. Compared then:
+
+  rows     metrics rows: the same steps, each once, none skipped, equal apart from times;
+  params   the last checkpoint's arrays (params, optimizer state, step): bit for bit, or the
+           count that differ and the largest difference;
+  files    nothing half-written left: no temporary checkpoint directory or file, every
+           checkpoint committed, every metrics line whole JSON.
+
+Where each kill fell is read from the workdir at the moment of the kill: the steps whose rows
+were written, the checkpoints committed, a checkpoint being written (an orbax temporary
+directory), or a restart still restoring (no row yet since it started). The report is one JSON
+object on stdout (and <workdir>/report.json).
+
+  python bench/kill_resume.py --workdir=/tmp/kills --kills=20                 # overlapped
+  python bench/kill_resume.py --workdir=/tmp/kills_sync --kills=20 --sync     # synchronous
+
+Overlapped means train.max_staleness=1, rollout.devices=1 (two host devices) and
+rollout.partial_tokens=8; --flags adds any other override (e.g. --flags=--config.rollout.
+inflight_kv=keep). train.entropy_coef=0.01 gives every step a gradient: the untrained smoke
+policy scores 0 on every rollout, and a run whose weights never move would compare equal
+trivially.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = ("time/", "throughput/", "compile/")
+OVERLAP = ("--config.train.max_staleness=1", "--config.rollout.devices=1",
+           "--config.rollout.partial_tokens=8")
+STARTED = "will train"  # rl.py's line just before the loop starts
+
+
+def environment() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:  # rollout.devices=1 needs two
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
+    return env
+
+
+def main_command(workdir: str, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "jaxprefix.main", f"--workdir={workdir}", *flags]
+
+
+def run_flags(args, base: str) -> list[str]:
+    return ["--config=configs/grpo.py:smoke", f"--config.model.path={base}",
+            f"--config.train.total_steps={args.steps}", "--config.checkpoint.every=1",
+            "--config.train.entropy_coef=0.01", *(() if args.sync else OVERLAP), *args.flags]
+
+
+def run_to_end(command: list[str], log: str) -> None:
+    with open(log, "w") as out:
+        done = subprocess.run(command, cwd=ROOT, env=environment(), stdout=out,
+                              stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} exited {done.returncode}; see {log}")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _checkpoints(workdir: str) -> tuple[list[int], list[str]]:
+    """(committed checkpoint steps, temporary entries: saves cut short or in progress)."""
+    directory = os.path.join(workdir, "checkpoints")
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    committed = sorted(int(n) for n in names if n.isdigit() and
+                       os.path.exists(os.path.join(directory, n, "commit_success.txt")))
+    return committed, sorted(n for n in names if not n.isdigit() or int(n) not in committed)
+
+
+def _row_steps(workdir: str) -> tuple[list[int], bool]:
+    """(steps of the whole rows in metrics.jsonl, whether a partial last line was there)."""
+    steps, torn = [], False
+    for line in _read(os.path.join(workdir, "metrics.jsonl")).splitlines():
+        try:
+            steps.append(json.loads(line)["step"])
+        except (json.JSONDecodeError, KeyError):
+            torn = True
+    return steps, torn
+
+
+def where_it_fell(workdir: str, rows_at_start: list[int]) -> dict:
+    """The workdir at the moment of a kill, and the phase that says."""
+    rows, torn = _row_steps(workdir)
+    committed, temporary = _checkpoints(workdir)
+    last = rows[-1] if rows else 0
+    if temporary:
+        phase = f"writing a checkpoint ({', '.join(temporary)})"
+    elif rows == rows_at_start:
+        phase = "resuming (restore, compile, first step) before a new row"
+    else:
+        phase = f"step {last + 1} (sampling or update; step {last}'s row written)"
+    return {"rows": len(rows), "last_row": last, "checkpoints": committed,
+            "temporary": temporary, "torn_row": torn, "phase": phase}
+
+
+def killed_attempt(command: list[str], log: str, delay: float) -> dict | None:
+    """One attempt killed `delay` s after the loop starts; None when it finished first."""
+    workdir = command[3].split("=", 1)[1]
+    rows_at_start, _ = _row_steps(workdir)
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=out,
+                                   stderr=subprocess.STDOUT)
+    try:
+        while STARTED not in _read(log):
+            if process.poll() is not None:
+                break
+            time.sleep(0.05)
+        started = time.monotonic()
+        while process.poll() is None and time.monotonic() - started < delay:
+            time.sleep(0.01)
+        if process.poll() is not None:
+            if process.returncode != 0:
+                raise SystemExit(f"{' '.join(command)} exited {process.returncode}; see {log}")
+            return None
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    fell = where_it_fell(workdir, rows_at_start)
+    tail = [line for line in _read(log).replace("\r", "\n").splitlines() if line.strip()]
+    return {"delay_s": round(delay, 3), **fell, "log_tail": tail[-1][:200] if tail else ""}
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def compare_rows(straight: str, killed: str) -> dict:
+    from jaxprefix.rl.metrics import read_metrics
+    a, b = read_metrics(straight), read_metrics(killed)
+    steps = [r["step"] for r in b]
+    differing = [r["step"] for r, s in zip(_comparable(a), _comparable(b)) if r != s]
+    return {"steps": steps, "steps_equal": steps == [r["step"] for r in a],
+            "each_once": len(steps) == len(set(steps)),
+            "none_skipped": steps == list(range(steps[0], steps[-1] + 1)) if steps else False,
+            "rows_differing": differing, "rows_equal": not differing and len(a) == len(b)}
+
+
+def compare_params(straight: str, killed: str, step: int) -> dict:
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    def arrays(workdir):
+        path = os.path.join(workdir, "checkpoints", str(step), "arrays")
+        tree = ocp.PyTreeCheckpointer().restore(path)
+        return {jax.tree_util.keystr(k): np.asarray(v)
+                for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+    a, b = arrays(straight), arrays(killed)
+    differ = [k for k in a if not np.array_equal(a[k], b[k])]
+    largest = max((float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64))))
+                   for k in differ), default=0.0)
+    return {"arrays": len(a), "bit_equal": not differ and a.keys() == b.keys(),
+            "arrays_differing": len(differ), "largest_difference": largest}
+
+
+def leftovers(workdir: str) -> list[str]:
+    """Half-written files a finished run left: temporary checkpoints, temp files, torn rows."""
+    left = _checkpoints(workdir)[1]
+    for folder, _, files in os.walk(workdir):
+        left += [os.path.join(folder, f) for f in files if ".tmp" in f or f.endswith("~")]
+    if _row_steps(workdir)[1]:
+        left.append("metrics.jsonl: a line that is not whole JSON")
+    return left
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--kills", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=24, help="train.total_steps of the run")
+    parser.add_argument("--window", type=float, default=6.0,
+                        help="a kill falls uniformly in [0, window) s after the loop starts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sync", action="store_true", help="the synchronous loop")
+    parser.add_argument("--flags", action="append", default=[], help="more config overrides")
+    args = parser.parse_args(argv)
+    workdir = os.path.abspath(args.workdir)
+    os.makedirs(workdir, exist_ok=True)
+    base = os.path.join(workdir, "base")
+    if not os.path.exists(os.path.join(base, "model.safetensors")):
+        run_to_end(main_command(workdir, "--config=configs/sft.py:smoke"),
+                   os.path.join(workdir, "sft.log"))
+    flags = run_flags(args, base)
+    straight, killed = os.path.join(workdir, "straight"), os.path.join(workdir, "killed")
+    if not os.path.exists(os.path.join(straight, "checkpoints", str(args.steps))):
+        run_to_end(main_command(straight, *flags), os.path.join(workdir, "straight.log"))
+    rng = random.Random(args.seed)
+    kills, finished_early = [], False
+    for attempt in range(args.kills):
+        kill = killed_attempt(main_command(killed, *flags),
+                              os.path.join(workdir, f"killed.{attempt}.log"),
+                              rng.uniform(0, args.window))
+        if kill is None:
+            finished_early = True
+            break
+        kills.append(kill)
+        print(f"kill {attempt + 1}: {kill['delay_s']} s in, {kill['phase']}", file=sys.stderr)
+    run_to_end(main_command(killed, *flags), os.path.join(workdir, "killed.final.log"))
+    report = {"loop": "synchronous" if args.sync else "overlapped", "flags": flags,
+              "kills": kills, "finished_before_a_kill": finished_early,
+              "rows": compare_rows(straight, killed),
+              "params": compare_params(straight, killed, args.steps),
+              "leftovers": leftovers(killed)}
+    with open(os.path.join(workdir, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
