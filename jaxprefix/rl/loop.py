@@ -351,7 +351,7 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
         sampler = overlap.AheadSampler(
             sample_step, max_staleness=ahead, start=start, total=total,
             in_flight=overlap.decode_in_flight(resumed.get("in_flight")),
-            inflight_kv=rollout.inflight_kv)
+            inflight_kv=rollout.inflight_kv, wait_s=settings.wait_timeout_s)
         sampler.publish(start, sampler_policy(state))
     # However the loop ends, the sampler thread stops after the step it is sampling.
     closing = contextlib.closing(sampler) if sampler else contextlib.nullcontext()
