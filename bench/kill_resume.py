@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -47,10 +48,11 @@ STARTED = "will train"  # rl.py's line just before the loop starts
 
 
 def environment() -> dict:
+    """Two host devices (rollout.devices=1: one the sampler's, one the learner's), whatever
+    XLA_FLAGS held (the test suite's eight)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = env.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:  # rollout.devices=1 needs two
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=2".strip()
     return env
 
 
@@ -100,25 +102,32 @@ def _row_steps(workdir: str) -> tuple[list[int], bool]:
     return steps, torn
 
 
-def where_it_fell(workdir: str, rows_at_start: list[int]) -> dict:
-    """The workdir at the moment of a kill, and the phase that says."""
+def where_it_fell(workdir: str, rows_at_start: list[int], left_before: list[str]) -> dict:
+    """The workdir at the moment of a kill, and the phase that says. A temporary checkpoint
+    the kill before left (the restart removes it once it opens the checkpoints) is not one
+    being written."""
     rows, torn = _row_steps(workdir)
     committed, temporary = _checkpoints(workdir)
     last = rows[-1] if rows else 0
-    if temporary:
-        phase = f"writing a checkpoint ({', '.join(temporary)})"
+    writing = [t for t in temporary if t not in left_before]
+    if writing:
+        kind, phase = "checkpoint", f"writing a checkpoint ({', '.join(writing)})"
     elif rows == rows_at_start:
-        phase = "resuming (restore, compile, first step) before a new row"
+        kind, phase = "resume", "resuming (restore, compile, first step) before a new row"
     else:
-        phase = f"step {last + 1} (sampling or update; step {last}'s row written)"
+        kind, phase = "step", f"step {last + 1} (sampling or update; step {last}'s row written)"
     return {"rows": len(rows), "last_row": last, "checkpoints": committed,
-            "temporary": temporary, "torn_row": torn, "phase": phase}
+            "temporary": temporary, "torn_row": torn, "kind": kind, "phase": phase,
+            # steps whose rows were written but whose checkpoint was not committed: the restart
+            # trains them again from the checkpoint before (their rows rewritten, never doubled)
+            "steps_to_redo": max(0, last - max(committed, default=0))}
 
 
 def killed_attempt(command: list[str], log: str, delay: float) -> dict | None:
     """One attempt killed `delay` s after the loop starts; None when it finished first."""
     workdir = command[3].split("=", 1)[1]
     rows_at_start, _ = _row_steps(workdir)
+    left_before = _checkpoints(workdir)[1]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=out,
                                    stderr=subprocess.STDOUT)
@@ -140,7 +149,7 @@ def killed_attempt(command: list[str], log: str, delay: float) -> dict | None:
         if process.poll() is None:
             process.kill()
             process.wait()
-    fell = where_it_fell(workdir, rows_at_start)
+    fell = where_it_fell(workdir, rows_at_start, left_before)
     tail = [line for line in _read(log).replace("\r", "\n").splitlines() if line.strip()]
     return {"delay_s": round(delay, 3), **fell, "log_tail": tail[-1][:200] if tail else ""}
 
@@ -198,10 +207,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="the synchronous loop")
     parser.add_argument("--flags", action="append", default=[], help="more config overrides")
+    parser.add_argument("--base", default="", help="a smoke SFT base (configs/sft.py:smoke's "
+                        "<workdir>/base); '': trained once into <workdir>/base")
     args = parser.parse_args(argv)
     workdir = os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
-    base = os.path.join(workdir, "base")
+    base = os.path.abspath(args.base) if args.base else os.path.join(workdir, "base")
     if not os.path.exists(os.path.join(base, "model.safetensors")):
         run_to_end(main_command(workdir, "--config=configs/sft.py:smoke"),
                    os.path.join(workdir, "sft.log"))
@@ -223,6 +234,8 @@ def main(argv=None) -> dict:
     run_to_end(main_command(killed, *flags), os.path.join(workdir, "killed.final.log"))
     report = {"loop": "synchronous" if args.sync else "overlapped", "flags": flags,
               "kills": kills, "finished_before_a_kill": finished_early,
+              "kills_by_kind": {kind: sum(k["kind"] == kind for k in kills)
+                                for kind in ("resume", "step", "checkpoint")},
               "rows": compare_rows(straight, killed),
               "params": compare_params(straight, killed, args.steps),
               "leftovers": leftovers(killed)}
