@@ -175,8 +175,13 @@ def compare_params(straight: str, killed: str, step: int) -> dict:
     import orbax.checkpoint as ocp
 
     def arrays(workdir):
+        # read as host numpy arrays: a checkpoint saved from one device records no sharding
         path = os.path.join(workdir, "checkpoints", str(step), "arrays")
-        tree = ocp.PyTreeCheckpointer().restore(path)
+        checkpointer = ocp.PyTreeCheckpointer()
+        meta = checkpointer.metadata(path)
+        meta = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+        host = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
+        tree = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=host))
         return {jax.tree_util.keystr(k): np.asarray(v)
                 for k, v in jax.tree_util.tree_leaves_with_path(tree)}
     a, b = arrays(straight), arrays(killed)
