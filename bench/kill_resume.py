@@ -206,8 +206,10 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=24, help="train.total_steps of the run")
-    parser.add_argument("--window", type=float, default=6.0,
+    # A restart takes ~6 s to its first row on 2 cores and a step ~0.5 s: 80 steps and 11 s
+    # spread 20 kills over the run (too wide a window and it ends before the last kill).
+    parser.add_argument("--steps", type=int, default=80, help="train.total_steps of the run")
+    parser.add_argument("--window", type=float, default=11.0,
                         help="a kill falls uniformly in [0, window) s after the loop starts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="the synchronous loop")

@@ -262,9 +262,9 @@ def test_a_learner_that_raises_stops_the_sampler_waiting_for_its_weights():
 
 
 def test_a_sampler_waiting_past_its_deadline_for_weights_ends_the_process_in_one_line():
-    """The learner never publishes the weights step 2 needs (stuck where no exception reaches
+    """The learner never publishes the weights step 3 needs (stuck where no exception reaches
     it): the sampler thread ends the process, exit 1, one `error:` line naming the wait and the
-    field."""
+    field. An evaluation longer than the deadline before it is the learner's work, not a stall."""
     import os
     import subprocess
     import sys
@@ -274,16 +274,19 @@ def test_a_sampler_waiting_past_its_deadline_for_weights_ends_the_process_in_one
               "from jaxprefix.rl.overlap import AheadSampler\n"
               "s = AheadSampler(lambda p, t: [t], max_staleness=1, start=0, total=4, wait_s=1)\n"
               "s.publish(0, 'v0'); s.take(0); s.take(1)\n"
+              "with s.evaluating():\n"
+              "    time.sleep(2.5)\n"
+              "s.publish(1, 'v1'); s.take(2); print('evaluated', flush=True)\n"
               "time.sleep(60)\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert time.monotonic() - start < 30
-    assert done.returncode == 1
+    assert done.returncode == 1 and done.stdout == "evaluated\n"
     assert done.stderr.strip().splitlines()[-1] == (
-        "error: the sampler thread waited 1 s for the weights after 1 updates (the learner's) "
-        "to sample step 2; raise config.train.wait_timeout_s if the learner's steps (update, "
-        "evaluation, checkpoint) take longer")
+        "error: the sampler thread waited 1 s for the weights after 2 updates (the learner's) "
+        "to sample step 3; raise config.train.wait_timeout_s if the learner's steps (update, "
+        "checkpoint) take longer")
 
 
 class _FailsOrStallsAt(GrpoMethod):

@@ -25,6 +25,7 @@ checkpoints what is in flight, as above).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -125,6 +126,8 @@ class AheadSampler:
         self._sample = sample
         self._wait_s = wait_s
         self._stalled = False  # the learner gave up on the thread: close() does not wait for it
+        self._evaluating = False  # the learner's own work, not a wait: no deadline runs
+        self._heard = time.monotonic()  # the sampler's clock restarts when an evaluation ends
         self._inflight_kv = inflight_kv
         self.max_staleness = max_staleness
         self._total = total
@@ -181,6 +184,20 @@ class AheadSampler:
         return SamplerFailed(f"the sampler stopped at step {self._next}: "
                              f"{type(self._error).__name__}: {self._error}")
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """The learner evaluates (its own sampling, as in the synchronous loop, which has no
+        deadline either): the sampler's wait for weights is not timed meanwhile, so a long
+        held-out evaluation is not taken for a stuck learner."""
+        with self._cond:
+            self._evaluating = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._evaluating, self._heard = False, time.monotonic()
+                self._cond.notify_all()
+
     def _too_long(self, what: str, waited: float | None = None) -> WaitedTooLong:
         self._stalled = True
         doing = f"sampling step {self._next}" if self._working else "not sampling"
@@ -231,14 +248,17 @@ class AheadSampler:
                 while self._waits_for_weights():
                     # The learner publishes a version per update: none within the deadline
                     # means the learner is stuck (a step with nothing to sample waits freely).
-                    left = self._wait_s - (time.monotonic() - waited)
+                    if self._evaluating:
+                        self._cond.wait()
+                        continue
+                    left = self._wait_s - (time.monotonic() - max(waited, self._heard))
                     if left <= 0:
                         _stalled_learner(
                             f"the sampler thread waited {self._wait_s:g} s for the weights after "
                             f"{self._version(self._next)} updates (the learner's) to sample step "
                             f"{self._next}; raise "
-                            f"{WAIT_FIELD} if the learner's steps (update, evaluation, "
-                            f"checkpoint) take longer")
+                            f"{WAIT_FIELD} if the learner's steps (update, checkpoint) "
+                            f"take longer")
                         return
                     self._cond.wait(left)
                 self._cond.wait_for(lambda: self._stop or self._can_sample())
