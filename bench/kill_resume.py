@@ -4,9 +4,9 @@ and check the run it ends as equals one never interrupted.
 One smoke GRPO run (configs/grpo.py:smoke on the smoke SFT base, trained once into
 <workdir>/base) is run straight through in <workdir>/straight. The same command then runs in
 <workdir>/killed: each of --kills attempts waits until the loop starts (its "will train" log
-line), sleeps a seeded random time in [0, --window) and sends SIGKILL (no handler runs, nothing
-is flushed), then the next attempt reruns the command in the same workdir; after the last kill
-it runs to the end. Compared then:
+line; --start=step: until the first step it trains is done), sleeps a seeded random time in
+[0, --window) and sends SIGKILL (no handler runs, nothing is flushed), then the next attempt
+reruns the command in the same workdir; after the last kill it runs to the end. Compared then:
 
   rows     metrics rows: the same steps, each once, none skipped, equal apart from times;
   params   the last checkpoint's arrays (params, optimizer state, step): bit for bit, or the
@@ -44,7 +44,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("time/", "throughput/", "compile/")
 OVERLAP = ("--config.train.max_staleness=1", "--config.rollout.devices=1",
            "--config.rollout.partial_tokens=8")
-STARTED = "will train"  # rl.py's line just before the loop starts
+# When a kill's delay starts: rl.py's line just before the loop ('loop'), or the loop's line
+# after the first step a process trains ('step': its restore and compiles are behind it, so the
+# kills fall among steps, checkpoints and weight publishes).
+STARTS = {"loop": "will train", "step": "XLA programs"}
 
 
 def environment() -> dict:
@@ -123,8 +126,8 @@ def where_it_fell(workdir: str, rows_at_start: list[int], left_before: list[str]
             "steps_to_redo": max(0, last - max(committed, default=0))}
 
 
-def killed_attempt(command: list[str], log: str, delay: float) -> dict | None:
-    """One attempt killed `delay` s after the loop starts; None when it finished first."""
+def killed_attempt(command: list[str], log: str, delay: float, start: str) -> dict | None:
+    """One attempt killed `delay` s after `start` (STARTS); None when it finished first."""
     workdir = command[3].split("=", 1)[1]
     rows_at_start, _ = _row_steps(workdir)
     left_before = _checkpoints(workdir)[1]
@@ -132,7 +135,7 @@ def killed_attempt(command: list[str], log: str, delay: float) -> dict | None:
         process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=out,
                                    stderr=subprocess.STDOUT)
     try:
-        while STARTED not in _read(log):
+        while STARTS[start] not in _read(log):
             if process.poll() is not None:
                 break
             time.sleep(0.05)
@@ -212,6 +215,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--window", type=float, default=11.0,
                         help="a kill falls uniformly in [0, window) s after the loop starts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--start", choices=sorted(STARTS), default="loop",
+                        help="loop: delays count from the loop's start (restores and compiles "
+                        "included); step: from the end of the first step each process trains")
     parser.add_argument("--sync", action="store_true", help="the synchronous loop")
     parser.add_argument("--flags", action="append", default=[], help="more config overrides")
     parser.add_argument("--base", default="", help="a smoke SFT base (configs/sft.py:smoke's "
@@ -232,7 +238,7 @@ def main(argv=None) -> dict:
     for attempt in range(args.kills):
         kill = killed_attempt(main_command(killed, *flags),
                               os.path.join(workdir, f"killed.{attempt}.log"),
-                              rng.uniform(0, args.window))
+                              rng.uniform(0, args.window), args.start)
         if kill is None:
             finished_early = True
             break
@@ -240,6 +246,7 @@ def main(argv=None) -> dict:
         print(f"kill {attempt + 1}: {kill['delay_s']} s in, {kill['phase']}", file=sys.stderr)
     run_to_end(main_command(killed, *flags), os.path.join(workdir, "killed.final.log"))
     report = {"loop": "synchronous" if args.sync else "overlapped", "flags": flags,
+              "start": args.start, "window_s": args.window, "seed": args.seed,
               "kills": kills, "finished_before_a_kill": finished_early,
               "kills_by_kind": {kind: sum(k["kind"] == kind for k in kills)
                                 for kind in ("resume", "step", "checkpoint")},
