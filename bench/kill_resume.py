@@ -11,6 +11,7 @@ reruns the command in the same workdir; after the last kill it runs to the end. 
   rows     metrics rows: the same steps, each once, none skipped, equal apart from times;
   params   the last checkpoint's arrays (params, optimizer state, step): bit for bit, or the
            count that differ and the largest difference;
+  others   compute.json and eval_counts.jsonl equal, TensorBoard's steps once each;
   files    nothing half-written left: no temporary checkpoint directory or file, every
            checkpoint committed, every metrics line whole JSON.
 
@@ -172,6 +173,26 @@ def compare_rows(straight: str, killed: str) -> dict:
             "rows_differing": differing, "rows_equal": not differing and len(a) == len(b)}
 
 
+def compare_others(straight: str, killed: str) -> dict:
+    """The run's other records: compute.json (tokens, FLOPs) and eval_counts.jsonl equal, and
+    TensorBoard's steps once each (a step logged before a kill and trained again is dropped
+    from the older event file: metrics.MetricsWriter's SessionLog START)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def parsed(workdir, name):
+        text = _read(os.path.join(workdir, name))
+        return [json.loads(line) for line in text.splitlines()] if name.endswith("l") else \
+            json.loads(text or "null")
+    events = EventAccumulator(os.path.join(killed, "tensorboard"))
+    events.Reload()
+    steps = [e.step for e in events.Scalars("reward/mean")]
+    return {"compute_equal": parsed(straight, "compute.json") == parsed(killed, "compute.json"),
+            "eval_counts_equal": (parsed(straight, "eval_counts.jsonl")
+                                  == parsed(killed, "eval_counts.jsonl")),
+            "tensorboard_steps_once": steps == sorted(set(steps)),
+            "tensorboard_steps_repeated": sorted({s for s in steps if steps.count(s) > 1})}
+
+
 def compare_params(straight: str, killed: str, step: int) -> dict:
     import jax
     import numpy as np
@@ -252,6 +273,7 @@ def main(argv=None) -> dict:
                                 for kind in ("resume", "step", "checkpoint")},
               "rows": compare_rows(straight, killed),
               "params": compare_params(straight, killed, args.steps),
+              "others": compare_others(straight, killed),
               "leftovers": leftovers(killed)}
     with open(os.path.join(workdir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)

@@ -23,6 +23,8 @@ def check_equal_to_the_straight_run(report, steps):
     assert report["rows"]["steps"] == list(range(1, steps + 1))  # each once, none skipped
     assert report["rows"]["rows_equal"], report["rows"]["rows_differing"]
     assert report["params"]["bit_equal"], report["params"]
+    assert report["others"] == {"compute_equal": True, "eval_counts_equal": True,
+                                "tensorboard_steps_once": True, "tensorboard_steps_repeated": []}
     assert report["leftovers"] == []
 
 
