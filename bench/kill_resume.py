@@ -106,20 +106,32 @@ def _row_steps(workdir: str) -> tuple[list[int], bool]:
     return steps, torn
 
 
-def where_it_fell(workdir: str, rows_at_start: list[int], left_before: list[str]) -> dict:
-    """The workdir at the moment of a kill, and the phase that says. A temporary checkpoint
-    the kill before left (the restart removes it once it opens the checkpoints) is not one
-    being written."""
+def _bar(log: str) -> tuple[int, int] | None:
+    """(the first, the last) steps-done count of the loop's progress bar in a log, or None."""
+    counts = [int(c) for c in re.findall(r"\| *(\d+)/\d+ \[", log.replace("\r", "\n"))]
+    return (counts[0], counts[-1]) if counts else None
+
+
+def where_it_fell(workdir: str, log: str, left_before: list[str]) -> dict:
+    """The workdir and the log at the moment of a kill, and the phase they say. A temporary
+    checkpoint the kill before left (the restart removes it once it opens the checkpoints) is
+    not one being written. The rows alone cannot say it: a restart rewrites the rows after its
+    checkpoint with the same values."""
     rows, torn = _row_steps(workdir)
     committed, temporary = _checkpoints(workdir)
     last = rows[-1] if rows else 0
     writing = [t for t in temporary if t not in left_before]
+    text, bar = _read(log), _bar(_read(log))
     if writing:
         kind, phase = "checkpoint", f"writing a checkpoint ({', '.join(writing)})"
-    elif rows == rows_at_start:
-        kind, phase = "resume", "resuming (restore, compile, first step) before a new row"
+    elif STARTS["step"] not in text or bar is None:
+        kind, phase = "resume", "resuming: restore, compiles, the first step's update"
+    elif bar[1] == bar[0]:  # the first step's update is done, its bar not moved yet
+        kind, phase = "after_update", (f"step {bar[0] + 1}'s evaluation, row, checkpoint or "
+                                       f"publish (the first step of this process)")
     else:
-        kind, phase = "step", f"step {last + 1} (sampling or update; step {last}'s row written)"
+        kind, phase = "step", f"step {bar[1] + 1} (sampling, update, evaluation, checkpoint " \
+                              f"or publish; {bar[1]} done)"
     return {"rows": len(rows), "last_row": last, "checkpoints": committed,
             "temporary": temporary, "torn_row": torn, "kind": kind, "phase": phase,
             # steps whose rows were written but whose checkpoint was not committed: the restart
@@ -130,7 +142,6 @@ def where_it_fell(workdir: str, rows_at_start: list[int], left_before: list[str]
 def killed_attempt(command: list[str], log: str, delay: float, start: str) -> dict | None:
     """One attempt killed `delay` s after `start` (STARTS); None when it finished first."""
     workdir = command[3].split("=", 1)[1]
-    rows_at_start, _ = _row_steps(workdir)
     left_before = _checkpoints(workdir)[1]
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=environment(), stdout=out,
@@ -153,7 +164,7 @@ def killed_attempt(command: list[str], log: str, delay: float, start: str) -> di
         if process.poll() is None:
             process.kill()
             process.wait()
-    fell = where_it_fell(workdir, rows_at_start, left_before)
+    fell = where_it_fell(workdir, log, left_before)
     tail = [line for line in _read(log).replace("\r", "\n").splitlines() if line.strip()]
     return {"delay_s": round(delay, 3), **fell, "log_tail": tail[-1][:200] if tail else ""}
 
@@ -270,7 +281,7 @@ def main(argv=None) -> dict:
               "start": args.start, "window_s": args.window, "seed": args.seed,
               "kills": kills, "finished_before_a_kill": finished_early,
               "kills_by_kind": {kind: sum(k["kind"] == kind for k in kills)
-                                for kind in ("resume", "step", "checkpoint")},
+                                for kind in ("resume", "after_update", "step", "checkpoint")},
               "rows": compare_rows(straight, killed),
               "params": compare_params(straight, killed, args.steps),
               "others": compare_others(straight, killed),
