@@ -35,7 +35,7 @@ def test_an_overlapped_run_killed_twice_resumes_to_the_uninterrupted_run(tmp_pat
     check_equal_to_the_straight_run(report, 4)
 
 
-@pytest.mark.slow  # ~3 min on 2 cores
+@pytest.mark.slow  # ~1.5 min on 2 cores (with the smoke base)
 def test_the_synchronous_loop_killed_five_times_resumes_bit_for_bit(tmp_path, base):
     report = kill_and_resume(tmp_path, base, 5, "--steps=8", "--window=6", "--seed=4", "--sync")
     assert report["loop"] == "synchronous" and len(report["kills"]) == 5, report
