@@ -149,6 +149,8 @@ FIELDS = {
         "max_concurrent": F(0, "episodes in flight at once (0: every episode of a round)"),
         "max_batch_rows": F(64, "sample rows one sampler call of the live server takes at most"),
         "timeout_s": F(600.0, "seconds one request to the live server may take"),
+        "episode_timeout_s": F(3600.0, "seconds one episode may take before the run stops (a "
+                                       "hung environment)"),
     },
     # The learner (rl/train_step.py TrainConfig fields) and the loop.
     "train": {
@@ -202,6 +204,11 @@ FIELDS = {
         # of max(0, t - max_staleness) updates, sampled while the learner works.
         "max_staleness": F(0, "updates the sampler may run ahead of the learner (0: "
                               "synchronous)"),
+        # The overlapped loop's watchdog (docs/OVERLAP.md): no wait between its two threads is
+        # open-ended, so a stuck side stops the run in one line instead of hanging it.
+        "wait_timeout_s": F(1800.0, "seconds the learner waits for a step's rollouts and the "
+                                    "sampler for new weights before the run stops (with "
+                                    "max_staleness > 0)"),
         # A mixture of experts (docs/ARCHITECTURE.md, routing replay): the sampler records each
         # token's experts and the learner's forwards (old log-probs, ratio, loss) use them, gate
         # weights from the current router over them. auto: on for a MoE; a dense model refuses

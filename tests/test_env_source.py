@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import tiny_checkpoints
+from bounded import returns_within
 from flax import nnx
 
 from jaxprefix import models, run_config, tokenizers
@@ -309,3 +310,28 @@ def test_smollm2_grpo_step_through_the_environment(tmp_path, fixture, devices):
     assert record["rollout/turns_mean"] == 2.0
     assert record["tokens/generated"] > 0 and np.isfinite(record["loss"])
     assert 0.0 <= record["reward/mean"] <= 1.5
+
+
+STALLED = os.path.join(os.path.dirname(__file__), "fixtures", "stalled_env.py")
+
+
+@pytest.mark.parametrize("name", ["make", "make_blocking"], ids=["awaits", "blocks_its_loop"])
+def test_an_episode_that_never_ends_stops_the_round_in_one_line_at_its_deadline(
+        model, tokenizer, name):
+    """A hung environment: an episode past config.environment.episode_timeout_s ends the round
+    with EpisodeStalled naming the problem, the seconds and the field, whether it awaits forever
+    or blocks its event loop."""
+    import time
+
+    config = _config(f"{STALLED}:{name}")
+    config.environment.episode_timeout_s = 1.0
+    start = time.monotonic()
+    with pytest.raises(external.EpisodeStalled,
+                       match=r"^a round of 6 episodes \(one blocks the event loop, .*\) did "
+                             r"not end within 2 s .*; raise config.environment.episode_timeout_s "
+                             r"if its episodes take longer$"
+                       if name == "make_blocking" else
+                       r"^an episode of problem 'p\d' did not end within 1 s .*; raise "
+                       r"config.environment.episode_timeout_s if its episodes take longer$"):
+        returns_within(60, sampled_through, config, model, tokenizer)
+    assert time.monotonic() - start < 60  # the server's start and stop included

@@ -116,6 +116,25 @@ def test_metrics_writer_jsonl_tensorboard_and_resume(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
 
 
+def test_a_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+    """A process killed after logging steps 2 and 3 but before their checkpoint: the resumed
+    run logs them again, and TensorBoard keeps only the new ones (not two points a step)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = MetricsWriter(str(tmp_path), enabled=True)
+    for step in (1, 2, 3):
+        writer.write(step, {"reward/mean": step})
+    writer.close()
+    resumed = MetricsWriter(str(tmp_path), resume_step=2, enabled=True)
+    for step in (2, 3, 4):
+        resumed.write(step, {"reward/mean": 10 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [
+        (1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+
+
 def test_metrics_segments_bound_each_flush_and_read_back_whole(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

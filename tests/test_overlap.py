@@ -18,6 +18,7 @@ from jaxprefix.rl.overlap import AheadSampler, SamplerFailed, sampling_version
 
 from test_loop import (MODEL, PROBLEMS, TOKENIZER, SignalAt, params_of, resolved, run_settings,
                        without_timing)
+from jaxprefix.methods.grpo import GrpoMethod
 from jaxprefix.methods.prompting import TaskPrompts
 
 
@@ -210,3 +211,141 @@ def test_weights_into_the_running_decode_state_per_token_staleness_within_the_bo
     with pytest.raises(ValueError, match=r"config.rollout.inflight_kv='keep': expected '' with "
                                          r"train.max_staleness=0"):
         resolved(synchronous)
+
+
+# --- the watchdog: no wait between the two threads is open-ended (issue 70) -----------------
+
+def test_a_stalled_sampler_stops_the_learner_in_one_line_at_the_deadline():
+    import contextlib
+    import time
+
+    from bounded import returns_within
+    release = threading.Event()
+
+    def sample(policy, step):
+        if step == 1:
+            release.wait(30)  # a step stuck in an environment, a verifier, a collective
+        return [step]
+
+    sampler = AheadSampler(sample, max_staleness=1, start=0, total=4, wait_s=0.5)
+    try:
+        with contextlib.closing(sampler):
+            sampler.publish(0, "v0")
+            returns_within(10, sampler.take, 0)
+            start = time.monotonic()
+            with pytest.raises(overlap.WaitedTooLong, match=(
+                    r"^the learner waited 0.5 s for step 1's rollouts from the sampler thread "
+                    r"\(still sampling step 1\); raise config.train.wait_timeout_s if a step's "
+                    r"sampling takes longer$")):
+                returns_within(10, sampler.take, 1)
+            # settle (a checkpoint) waits for up to max_staleness + 1 steps' sampling
+            with pytest.raises(overlap.WaitedTooLong, match=r"waited 1 s for the rollouts to "
+                                                            r"checkpoint \(steps through 1\)"):
+                returns_within(10, sampler.settle)
+        assert time.monotonic() - start < 5  # close() waited the deadline at most, not 30 s
+    finally:
+        release.set()
+
+
+def test_a_learner_that_raises_stops_the_sampler_waiting_for_its_weights():
+    import contextlib
+
+    sampler = AheadSampler(lambda policy, step: [step], max_staleness=1, start=0, total=8,
+                           wait_s=30)
+    with pytest.raises(RuntimeError, match="the update failed"):
+        with contextlib.closing(sampler):
+            sampler.publish(0, "v0")
+            sampler.take(0)
+            sampler.settle()  # steps 0, 1 sampled; the thread now waits for version 1
+            raise RuntimeError("the update failed")
+    assert not sampler._thread.is_alive()
+
+
+def test_a_sampler_waiting_past_its_deadline_for_weights_ends_the_process_in_one_line():
+    """The learner never publishes the weights step 3 needs (stuck where no exception reaches
+    it): the sampler thread ends the process, exit 1, one `error:` line naming the wait and the
+    field. An evaluation longer than the deadline before it is the learner's work, not a stall."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = ("import time\n"
+              "from jaxprefix.rl.overlap import AheadSampler\n"
+              "s = AheadSampler(lambda p, t: [t], max_staleness=1, start=0, total=4, wait_s=1)\n"
+              "s.publish(0, 'v0'); s.take(0); s.take(1)\n"
+              "with s.evaluating():\n"
+              "    time.sleep(2.5)\n"
+              "s.publish(1, 'v1'); s.take(2); print('evaluated', flush=True)\n"
+              "time.sleep(60)\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert time.monotonic() - start < 30
+    assert done.returncode == 1 and done.stdout == "evaluated\n"
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: the sampler thread waited 1 s for the weights after 2 updates (the learner's) "
+        "to sample step 3; raise config.train.wait_timeout_s if the learner's steps (update, "
+        "checkpoint) take longer")
+
+
+class _FailsOrStallsAt(GrpoMethod):
+    """GRPO whose request for step `at` (drawn in the sampler thread) raises, or stalls."""
+
+    def __init__(self, *args, at, stall=False, **kw):
+        super().__init__(*args, **kw)
+        self.at, self.stall, self.released = at, stall, threading.Event()
+
+    def next_request(self, step):
+        if step == self.at:
+            if not self.stall:
+                raise RuntimeError("the method's data source is gone")
+            self.released.wait(60)
+        return super().next_request(step)
+
+
+def _overlapped_run(workdir, method, wait_timeout_s=1800.0):
+    from bounded import returns_within
+    config = run_settings(total_steps=4, max_staleness=1, wait_timeout_s=wait_timeout_s)
+    return returns_within(120, train, loop_settings(config), str(workdir), method=method,
+                          model=Decoder(MODEL, rngs=nnx.Rngs(0)), tokenizer=TOKENIZER,
+                          stop_ids=(TOKENIZER.eos_id,), progress=False, **resolved(config))
+
+
+def _committed(workdir):
+    from jaxprefix.checkpoints.train_state import TrainCheckpointer
+    ckpt = TrainCheckpointer(f"{workdir}/checkpoints")
+    try:
+        return ckpt.all_steps()
+    finally:
+        ckpt.close()
+
+
+def test_a_sampler_thread_that_raises_ends_the_run_with_its_error_and_keeps_its_checkpoint(
+        tmp_path):
+    method = _FailsOrStallsAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4,
+                              seed=0, eval_problems=PROBLEMS[12:], eval_n=4, at=2)
+    with pytest.raises(SamplerFailed, match=r"^the sampler stopped at step 2: RuntimeError: the "
+                                            r"method's data source is gone$"):
+        _overlapped_run(tmp_path, method)
+    # Step 1's checkpoint (saved before the sampler reached step 2's request) is the resume point.
+    assert max(_committed(tmp_path)) == 1
+
+
+def test_a_stalled_sampler_ends_the_run_at_train_wait_timeout_s(tmp_path):
+    import time
+
+    method = _FailsOrStallsAt(TaskPrompts(TOKENIZER), PROBLEMS[:12], problems_per_step=4, n=4,
+                              seed=0, eval_problems=PROBLEMS[12:], eval_n=4, at=2, stall=True)
+    try:
+        start = time.monotonic()
+        # 8 s: step 0's sampling compiles its programs, within the deadline like any step's.
+        with pytest.raises(overlap.WaitedTooLong, match=r"^the learner waited 16 s for the "
+                                                        r"rollouts to checkpoint .*; raise "
+                                                        r"config.train.wait_timeout_s"):
+            _overlapped_run(tmp_path, method, wait_timeout_s=8.0)
+        assert time.monotonic() - start < 90
+        assert max(_committed(tmp_path)) == 1
+        assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
+    finally:
+        method.released.set()

@@ -93,6 +93,30 @@ def test_local_lock_refuses_a_second_run_and_is_taken_over_after_the_owner_dies(
     assert f"pid {holder.pid}" in caplog.text and "taking over" in caplog.text
 
 
+def test_taking_over_a_killed_runs_lock_removes_the_files_it_was_writing(tmp_path, caplog):
+    """A SIGKILL between an atomic write's temporary file and its rename leaves the temporary
+    (bench/kill_resume.py found metrics.jsonl.tmp-<pid>-<hex> after 20 kills): the run taking
+    over the workdir removes the dead owner's, and only those."""
+    from jaxprefix import storage
+
+    workdir = tmp_path / "w"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(workdir)], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert holder.stdout.readline().strip() == "held"
+    (workdir / "metrics").mkdir()
+    orphans = [workdir / f"metrics.jsonl.tmp-{holder.pid}-0123abcd",
+               workdir / "metrics" / f"000000001.jsonl.tmp-{holder.pid}-89abcdef"]
+    others = [workdir / "metrics.jsonl.tmp-1-0123abcd", workdir / "metrics.jsonl"]
+    for path in orphans + others:
+        path.write_text("{\"step\": 1, \"lo")
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    with caplog.at_level(logging.WARNING), workdir_lock.hold(str(workdir)):
+        assert [p.exists() for p in orphans + others] == [False, False, True, True]
+    assert f"removed {orphans[0]}" in caplog.text
+    assert storage.remove_orphaned_temporaries(str(workdir), holder.pid) == []
+
+
 def _write_lock_object(gcs, name: str, owner: dict):
     from google.cloud import storage as gcs_client
 

@@ -351,7 +351,7 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
         sampler = overlap.AheadSampler(
             sample_step, max_staleness=ahead, start=start, total=total,
             in_flight=overlap.decode_in_flight(resumed.get("in_flight")),
-            inflight_kv=rollout.inflight_kv)
+            inflight_kv=rollout.inflight_kv, wait_s=settings.wait_timeout_s)
         sampler.publish(start, sampler_policy(state))
     # However the loop ends, the sampler thread stops after the step it is sampling.
     closing = contextlib.closing(sampler) if sampler else contextlib.nullcontext()
@@ -360,8 +360,10 @@ def train(settings: LoopSettings, workdir: str, *, method: Method, model, tokeni
             """The step's evaluation figures (eval counts written); its policy freed after."""
             eval_start = time.perf_counter()
             policy = learner.sampling_model(state, decode)
-            scores, counts = evaluate(policy, tokenizer, method, settings, rollout=rollout,
-                                      step=step, stop_ids=stop_ids, episodes=episodes)
+            # not a wait on the sampler thread: its deadline for new weights pauses meanwhile
+            with sampler.evaluating() if sampler else contextlib.nullcontext():
+                scores, counts = evaluate(policy, tokenizer, method, settings, rollout=rollout,
+                                          step=step, stop_ids=stop_ids, episodes=episodes)
             counts_writer.write(step, counts)
             return scores | (probe(policy) if probe else {}) | {
                 "time/eval": time.perf_counter() - eval_start}

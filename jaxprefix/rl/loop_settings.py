@@ -49,6 +49,7 @@ class LoopSettings:
     max_refill_rounds: int = 0
     mask_truncated: bool = False             # completions cut at max_new_tokens get no loss
     max_staleness: int = 0                   # > 0: rl/overlap.py samples ahead
+    wait_timeout_s: float = 1800.0           # the overlapped threads' deadline for each other
     flops_budget: float = 0.0                # > 0: stop before a step would pass it
     checkpoint_every: int = 25
     checkpoint_keep: int = 3

@@ -65,6 +65,13 @@ class MetricsWriter:
         self._rows = row_log.RowLog(workdir, "metrics", SEGMENTS, segment_rows=segment_rows,
                                     resume_step=resume_step or 0)
         self._new_event_file()
+        if resume_step:
+            # The steps from resume_step on are trained again (their rows rewritten above), and
+            # an earlier process may have logged them before it was killed: TensorBoard drops
+            # the older files' events from a SessionLog START's step on, so each step shows once.
+            self._add_event(event_pb2.Event(wall_time=time.time(), step=int(resume_step),
+                                            session_log=event_pb2.SessionLog(
+                                                status=event_pb2.SessionLog.START)))
         self.flush()  # the kept records, and an event file TensorBoard already recognises
 
     def _new_event_file(self) -> None:

@@ -25,10 +25,13 @@ checkpoints what is in flight, as above).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import pickle
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -39,6 +42,25 @@ from jaxprefix.errors import UserError
 
 class SamplerFailed(UserError):
     """The sampler thread raised: the run stops in one line (the traceback is in the log)."""
+
+
+class WaitedTooLong(UserError):
+    """One thread of the overlapped loop waited past config.train.wait_timeout_s for the other."""
+
+
+WAIT_FIELD = "config.train.wait_timeout_s"
+
+
+def _stalled_learner(line: str) -> None:
+    """The sampler waited past its deadline for the learner's weights: the learner (the main
+    thread) is stuck in an update, an evaluation, a checkpoint or a collective, where no
+    exception can reach it, so the process ends here, as main ends a run, in one line. Like a
+    SIGKILL it leaves the last committed checkpoint as the resume point (bench/kill_resume.py
+    shows a kill anywhere resumes to the same run)."""
+    logging.error("%s", line)
+    sys.stderr.write(f"error: {line}\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def sampling_version(step: int, max_staleness: int, start: int = 0) -> int:
@@ -90,14 +112,22 @@ class AheadSampler:
     (rollout.inflight_kv: 'keep' or 'recompute') the policy is a sampling.LiveWeights, which
     takes newer published weights (<= the step's on-policy version) while the step decodes.
     in_flight: steps already sampled (a checkpoint's `in_flight`), taken first.
+    wait_s: the deadline of each wait on the other thread (config.train.wait_timeout_s): the
+    learner's for a step's rollouts (`take`, `settle`) raises WaitedTooLong past it; the
+    thread's for the weights a step needs ends the process in one line (_stalled_learner).
     The learner calls `publish(version, policy)` with the weights after each update (the first
     with the starting weights), `take(step)` for each step's rollouts, and `settle()` before a
     checkpoint.
     """
 
     def __init__(self, sample: Callable[[Any, int], list], *, max_staleness: int, start: int,
-                 total: int, in_flight: list[Sampled] = (), inflight_kv: str = ''):
+                 total: int, in_flight: list[Sampled] = (), inflight_kv: str = '',
+                 wait_s: float = 1800.0):
         self._sample = sample
+        self._wait_s = wait_s
+        self._stalled = False  # the learner gave up on the thread: close() does not wait for it
+        self._evaluating = False  # the learner's own work, not a wait: no deadline runs
+        self._heard = time.monotonic()  # the sampler's clock restarts when an evaluation ends
         self._inflight_kv = inflight_kv
         self.max_staleness = max_staleness
         self._total = total
@@ -128,7 +158,9 @@ class AheadSampler:
         """(step's rollouts, seconds the learner waited for them)."""
         start = time.perf_counter()
         with self._cond:
-            self._cond.wait_for(lambda: step in self._ready or self._error is not None)
+            if not self._cond.wait_for(lambda: step in self._ready or self._error is not None,
+                                       timeout=self._wait_s):
+                raise self._too_long(f"step {step}'s rollouts")
             if step not in self._ready:
                 raise self._failed()
             return self._ready.pop(step), time.perf_counter() - start
@@ -137,9 +169,13 @@ class AheadSampler:
         """Waits until the sampler has sampled every step the published weights allow, and
         returns what it holds ahead of the learner (to checkpoint with the method's state,
         which it no longer changes until the next publish)."""
+        # Up to max_staleness + 1 steps to sample, each within the deadline.
+        deadline = self._wait_s * (self.max_staleness + 1)
         with self._cond:
-            self._cond.wait_for(lambda: self._error is not None or (
-                not self._working and not self._can_sample()))
+            if not self._cond.wait_for(lambda: self._error is not None or (
+                    not self._working and not self._can_sample()), timeout=deadline):
+                raise self._too_long(f"the rollouts to checkpoint (steps through "
+                                     f"{self._last_allowed()})", deadline)
             if self._error is not None:
                 raise self._failed()
             return [self._ready[s] for s in sorted(self._ready)]
@@ -148,12 +184,44 @@ class AheadSampler:
         return SamplerFailed(f"the sampler stopped at step {self._next}: "
                              f"{type(self._error).__name__}: {self._error}")
 
+    @contextlib.contextmanager
+    def evaluating(self):
+        """The learner evaluates (its own sampling, as in the synchronous loop, which has no
+        deadline either): the sampler's wait for weights is not timed meanwhile, so a long
+        held-out evaluation is not taken for a stuck learner."""
+        with self._cond:
+            self._evaluating = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._evaluating, self._heard = False, time.monotonic()
+                self._cond.notify_all()
+
+    def _too_long(self, what: str, waited: float | None = None) -> WaitedTooLong:
+        self._stalled = True
+        doing = f"sampling step {self._next}" if self._working else "not sampling"
+        return WaitedTooLong(f"the learner waited {waited or self._wait_s:g} s for {what} from "
+                             f"the sampler thread (still {doing}); raise {WAIT_FIELD} if a "
+                             f"step's sampling takes longer")
+
+    def _last_allowed(self) -> int:
+        """The last step the published weights let the sampler sample."""
+        newest = max(self._policies, default=self._start)
+        return min(self._total, newest + self.max_staleness + 1) - 1
+
     def close(self) -> None:
-        """Stops the thread after the step it is sampling, if any."""
+        """Stops the thread after the step it is sampling, if any; waits for that step at most
+        the deadline, and not at all once a wait for it timed out (a step stuck in an
+        environment must not hold a run that already failed: the thread is a daemon, and the
+        process ends without it)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        self._thread.join()
+        self._thread.join(0 if self._stalled else self._wait_s)
+        if self._thread.is_alive():
+            logging.warning("the sampler thread is still sampling step %d after %g s; left "
+                            "behind", self._next, self._wait_s)
 
     # --- the thread -------------------------------------------------------------------------
 
@@ -170,9 +238,29 @@ class AheadSampler:
     def _can_sample(self) -> bool:
         return self._next < self._total and self._version(self._next) in self._policies
 
+    def _waits_for_weights(self) -> bool:
+        return not self._stop and self._next < self._total and not self._can_sample()
+
     def _run(self) -> None:
         while True:
             with self._cond:
+                waited = time.monotonic()
+                while self._waits_for_weights():
+                    # The learner publishes a version per update: none within the deadline
+                    # means the learner is stuck (a step with nothing to sample waits freely).
+                    if self._evaluating:
+                        self._cond.wait()
+                        continue
+                    left = self._wait_s - (time.monotonic() - max(waited, self._heard))
+                    if left <= 0:
+                        _stalled_learner(
+                            f"the sampler thread waited {self._wait_s:g} s for the weights after "
+                            f"{self._version(self._next)} updates (the learner's) to sample step "
+                            f"{self._next}; raise "
+                            f"{WAIT_FIELD} if the learner's steps (update, checkpoint) "
+                            f"take longer")
+                        return
+                    self._cond.wait(left)
                 self._cond.wait_for(lambda: self._stop or self._can_sample())
                 if self._stop:
                     return

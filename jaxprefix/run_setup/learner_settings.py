@@ -72,6 +72,8 @@ def validate(config, mesh=None, contexts_per_step: int | None = None) -> TrainCo
          ">= 0")
     need(t.max_staleness >= 0, "config.train.max_staleness", t.max_staleness,
          ">= 0 (0: synchronous)")
+    need(t.get("wait_timeout_s", 1800.0) > 0, "config.train.wait_timeout_s",
+         t.get("wait_timeout_s"), "> 0 seconds")
     need(t.max_staleness == 0 or r.max_turns == 1, "config.train.max_staleness", t.max_staleness,
          f"0 with rollout.max_turns={r.max_turns}: multi-turn episodes are sampled synchronously")
     need(not r.get("inflight_kv") or t.max_staleness > 0, "config.rollout.inflight_kv",
@@ -157,6 +159,7 @@ def loop_settings(config) -> LoopSettings:
         dynamic_sampling=bool(t.dynamic_sampling), max_refill_rounds=t.max_refill_rounds,
         mask_truncated=bool(t.get("mask_truncated", False)),
         max_staleness=int(t.get("max_staleness", 0)),
+        wait_timeout_s=float(t.get("wait_timeout_s", 1800.0)),
         flops_budget=float(t.get("flops_budget", 0.0)),
         checkpoint_every=config.checkpoint.every, checkpoint_keep=config.checkpoint.keep,
         segment_rows=config.metrics.get("segment_rows", SEGMENT_ROWS),

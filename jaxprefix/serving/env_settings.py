@@ -27,6 +27,7 @@ class EnvironmentSettings:
     max_concurrent: int = 0
     max_batch_rows: int = 64
     timeout_s: float = 600.0
+    episode_timeout_s: float = 3600.0
 
     def __post_init__(self):
         def check(ok, field, expected):
@@ -34,6 +35,7 @@ class EnvironmentSettings:
         check(self.max_concurrent >= 0, "max_concurrent", ">= 0 (0: every episode of a round)")
         check(self.max_batch_rows >= 1, "max_batch_rows", ">= 1")
         check(self.timeout_s > 0, "timeout_s", "> 0 seconds")
+        check(self.episode_timeout_s > 0, "episode_timeout_s", "> 0 seconds")
         if self.source:
             from_file.load(self.source, FIELD)  # a missing file or function: one line
 
@@ -44,7 +46,8 @@ class EnvironmentSettings:
     @classmethod
     def from_config(cls, config) -> EnvironmentSettings:
         e = config.environment
-        return cls(e.source, e.max_concurrent, e.max_batch_rows, e.timeout_s)
+        return cls(e.source, e.max_concurrent, e.max_batch_rows, e.timeout_s,
+                   float(e.get("episode_timeout_s", 3600.0)))
 
     def environment(self, tokenizer):
         """The environment `source` names (NAME(tokenizer) of FILE.py), checked to have an
@@ -67,5 +70,6 @@ class EnvironmentSettings:
         return functools.partial(rollout, self.environment(tokenizer), tokenizer=tokenizer,
                                  context_length=context_length,
                                  max_concurrent=self.max_concurrent,
-                                 max_batch_rows=self.max_batch_rows, timeout_s=self.timeout_s)
+                                 max_batch_rows=self.max_batch_rows, timeout_s=self.timeout_s,
+                                 episode_timeout_s=self.episode_timeout_s)
 

@@ -25,10 +25,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import math
+import threading
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from jaxprefix.errors import UserError
 from jaxprefix.serving.live import LiveServer
 from jaxprefix.tools.episodes import ANSWER, TRUNCATED, Episode
 
@@ -123,28 +126,68 @@ def episode_of(turns: Sequence[Turn], group: int) -> Episode:
                    reprefilled)
 
 
+class EpisodeStalled(UserError):
+    """An episode outlived config.environment.episode_timeout_s: the run stops in one line."""
+
+
+EPISODE_FIELD = "config.environment.episode_timeout_s"
+
+
+def _stalled(what: str, seconds: float) -> EpisodeStalled:
+    return EpisodeStalled(f"{what} did not end within {seconds:g} s (its environment hung or is "
+                          f"slower than that); raise {EPISODE_FIELD} if its episodes take longer")
+
+
 def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n: int,
-                 args: dict, *, max_concurrent: int = 0, timeout_s: float = 600.0
-                 ) -> tuple[list[Episode], np.ndarray]:
+                 args: dict, *, max_concurrent: int = 0, timeout_s: float = 600.0,
+                 episode_timeout_s: float = 3600.0) -> tuple[list[Episode], np.ndarray]:
     """n episodes of each problem against `server` (a started LiveServer): (episode i*n + j of
-    problems[i], in order; their rewards [len(problems), n])."""
+    problems[i], in order; their rewards [len(problems), n]). An episode that outlives
+    `episode_timeout_s` (its own time, not its wait for a slot) stops the round: EpisodeStalled."""
     import openai
+
+    total = len(problems) * n
+    slots_n = max_concurrent or total
 
     async def run_all():
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0,
                                     timeout=timeout_s)
-        slots = asyncio.Semaphore(max_concurrent or len(problems) * n)
+        slots = asyncio.Semaphore(slots_n)
 
         async def one(problem):
             async with slots:
-                return await environment.run_episode(client, server.model_name, problem,
-                                                     copy.deepcopy(args))
+                try:
+                    return await asyncio.wait_for(environment.run_episode(
+                        client, server.model_name, problem, copy.deepcopy(args)),
+                        episode_timeout_s)
+                except asyncio.TimeoutError:
+                    raise _stalled(f"an episode of problem {problem.id!r}",
+                                   episode_timeout_s) from None
         try:
             return await asyncio.gather(*(one(p) for p in problems for _ in range(n)))
         finally:
             await client.close()
 
-    results = asyncio.run(run_all())
+    # The round's event loop runs in a thread of its own, so that an environment blocking it
+    # (synchronous code in run_episode, which wait_for cannot cut) still meets a deadline:
+    # every wave of episodes its own, and a second for the loop's start and close.
+    deadline = math.ceil(total / slots_n) * episode_timeout_s + 1.0
+    outcome: dict = {}
+
+    def round_():
+        try:
+            outcome["results"] = asyncio.run(run_all())
+        except BaseException as e:  # noqa: BLE001  (raised again in the caller's thread)
+            outcome["error"] = e
+    thread = threading.Thread(target=round_, name="environment round", daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if thread.is_alive():  # left behind as a daemon: the run stops, its process ends
+        raise _stalled(f"a round of {total} episodes (one blocks the event loop, which no "
+                       f"episode's deadline can cut)", deadline)
+    if "error" in outcome:
+        raise outcome["error"]
+    results = outcome["results"]
     episodes, rewards = [], []
     for e, result in enumerate(results):
         if not isinstance(result, EpisodeResult):
@@ -161,7 +204,7 @@ def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n
 def rollout(environment: ExternalEnvironment, model, problems: Sequence, *, tokenizer,
             context_length: int, n: int, stop_ids, seed: int, record_routes: bool = False,
             max_concurrent: int = 0, max_batch_rows: int = 64, timeout_s: float = 600.0,
-            **keywords) -> tuple[list[Episode], np.ndarray]:
+            episode_timeout_s: float = 3600.0, **keywords) -> tuple[list[Episode], np.ndarray]:
     """One round: `model` served live (LiveServer, its batcher seeded by `seed`) with the run's
     sampler keywords (RolloutSpec.sampler_keywords()), n episodes of each problem by
     `environment` against it (run_episodes), the server stopped. A request that asks for other
@@ -179,4 +222,5 @@ def rollout(environment: ExternalEnvironment, model, problems: Sequence, *, toke
                     max_tokens=args["max_tokens"], context_length=context_length,
                     max_batch_rows=max_batch_rows, seed=seed, sampling=sampling) as server:
         return run_episodes(environment, server, problems, n, args,
-                            max_concurrent=max_concurrent, timeout_s=timeout_s)
+                            max_concurrent=max_concurrent, timeout_s=timeout_s,
+                            episode_timeout_s=episode_timeout_s)

@@ -6,12 +6,13 @@ from jaxprefix.storage import faults
 from jaxprefix.storage.files import (
     BACKENDS, CACHE_ENV, PLACEHOLDER_BUCKETS, basename, cache_dir, create_exclusive, dirname,
     exists, glob, is_placeholder, is_remote, isdir, isfile, join, listdir, local_copy, makedirs,
-    modified_ns, open, open_atomic, read_bytes, read_json, read_text, remove, rename,
-    require_backend, rmtree, size, write_atomic, write_figure, write_json)
+    modified_ns, open, open_atomic, read_bytes, read_json, read_text, remove,
+    remove_orphaned_temporaries, rename, require_backend, rmtree, size, write_atomic,
+    write_figure, write_json)
 
 __all__ = ['BACKENDS', 'CACHE_ENV', 'PLACEHOLDER_BUCKETS', 'basename', 'cache_dir',
            'create_exclusive', 'dirname', 'exists', 'faults', 'glob', 'is_placeholder',
            'is_remote', 'isdir', 'isfile', 'join', 'listdir', 'local_copy', 'makedirs',
            'modified_ns', 'open', 'open_atomic', 'read_bytes', 'read_json', 'read_text',
-           'remove', 'rename', 'require_backend', 'rmtree', 'size', 'write_atomic',
+           'remove', 'remove_orphaned_temporaries', 'rename', 'require_backend', 'rmtree', 'size', 'write_atomic',
            'write_figure', 'write_json']

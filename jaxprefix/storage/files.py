@@ -203,6 +203,20 @@ def open_atomic(path):
             os.remove(tmp)
 
 
+def remove_orphaned_temporaries(folder: str, pid: int) -> list[str]:
+    """Removes the temporary files `open_atomic` of process `pid` (dead, on this host) left under
+    a local `folder`: a SIGKILL between its write and its rename leaves one, which no later
+    write of the same path replaces (each writer names its own). Returns their paths."""
+    marker = f".tmp-{int(pid)}-"
+    removed = []
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            if marker in name:
+                os.remove(os.path.join(parent, name))
+                removed.append(os.path.join(parent, name))
+    return removed
+
+
 def write_atomic(path, data: bytes | str) -> None:
     """Replaces `path` with `data` so that readers see the old or the new content, never part
     (`open_atomic`)."""

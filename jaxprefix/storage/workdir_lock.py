@@ -103,6 +103,9 @@ class _LocalLock:
         if previous:
             logging.warning("%s: taking over the lock of a run that stopped without releasing "
                             "it (%s)", self.workdir, _describe(previous))
+            if previous.get("host") == socket.gethostname():  # its pid names its temporaries
+                for path in storage.remove_orphaned_temporaries(self.workdir, previous["pid"]):
+                    logging.warning("removed %s, a file it was writing when it stopped", path)
         f.seek(0)
         f.truncate()
         f.write(json.dumps(_owner()))
