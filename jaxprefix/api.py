@@ -112,7 +112,7 @@ def execute(config: ml_collections.ConfigDict, workdir: str, overrides=frozenset
     if config.job in READ_ONLY_JOBS:  # may read a workdir while its run goes on
         job(config, workdir, **kwargs)
     else:
-        with workdir_lock.hold(workdir, config):
+        with workdir_lock.hold(workdir, workdir_lock.LockSettings.from_config(config)):
             job(config, workdir, **kwargs)
 
 

@@ -89,8 +89,9 @@ def differences(recorded: dict, current: dict) -> dict[str, tuple]:
     return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
 
 
-def allowed_changes(config) -> tuple[str, ...]:
-    text = config.get("allow_changes", "") or ""
+def allowed_changes(recorded: dict) -> tuple[str, ...]:
+    """The fields a config's JSON (config_json) lets a resume change: its allow_changes."""
+    text = recorded.get("allow_changes", "") or ""
     return tuple(name.strip().removeprefix("config.") for name in text.split(",") if name.strip())
 
 
@@ -111,7 +112,7 @@ def claim(config, workdir: str) -> None:
         return
     record = storage.read_json(path)
     changed = differences(record["config"], current)
-    allowed = MAY_CHANGE + allowed_changes(config)
+    allowed = MAY_CHANGE + allowed_changes(current)
     refused = {k: v for k, v in changed.items() if not _covered(k, allowed)}
     if refused:
         listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())

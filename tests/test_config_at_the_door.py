@@ -11,7 +11,7 @@ from jaxprefix import run_config
 
 ROOT = pathlib.Path(jaxprefix.__file__).parent
 # Above the dashed line of docs/ARCHITECTURE.md's walk: these read the config.
-DOOR = {"main.py", "jobs", "run_setup", "variants.py", "run_config.py", "study_fields.py",
+DOOR = {"main.py", "api.py", "jobs", "run_setup", "variants.py", "run_config.py", "study_fields.py",
         "config_fields.py", "config_reads.py", "errors.py", "distributed.py"}
 BLOCKS = set(run_config.base_config().keys())
 
@@ -31,10 +31,26 @@ def _reads(tree) -> list[tuple[int, str, str | None]]:
             if (isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name)
                     and child.value.id == "config" and child.attr in BLOCKS):
                 found.append((child.lineno, f"config.{child.attr}", function))
+            elif isinstance(child, ast.Call) and _block_by_name(child):
+                found.append((child.lineno, _block_by_name(child), function))
             walk(child, inner)
 
     walk(tree, None)
     return found
+
+
+def _block_by_name(call: ast.Call) -> str | None:
+    """`config.get("block")` or `getattr(config, "block")`: a block read by its name."""
+    f, args = call.func, call.args
+    if (isinstance(f, ast.Attribute) and f.attr == "get" and isinstance(f.value, ast.Name)
+            and f.value.id == "config" and args and isinstance(args[0], ast.Constant)
+            and args[0].value in BLOCKS):
+        return f"config.get({args[0].value!r})"
+    if (isinstance(f, ast.Name) and f.id == "getattr" and len(args) >= 2
+            and isinstance(args[0], ast.Name) and args[0].id == "config"
+            and isinstance(args[1], ast.Constant) and args[1].value in BLOCKS):
+        return f"getattr(config, {args[1].value!r})"
+    return None
 
 
 def _below_the_door():
@@ -67,3 +83,7 @@ def test_the_walk_catches_a_read():
                      "class S:\n    def from_config(config):\n        return config.train\n")
     assert [(line, what, fn) for line, what, fn in _reads(tree)
             if not _is_builder(fn)] == [(2, "config.rollout", "run")]
+    tree = ast.parse("def hold(config):\n    return config.get('workdir_lock'), "
+                     "getattr(config, 'storage')\n")
+    assert [what for _, what, _ in _reads(tree)] == ["config.get('workdir_lock')",
+                                                     "getattr(config, 'storage')"]

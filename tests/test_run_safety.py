@@ -142,7 +142,8 @@ def test_gcs_lock_refuses_a_live_owner_and_takes_over_a_stale_one(gcs, caplog):
              "command": "python -m jaxprefix.main", "heartbeat": time.time() - 11 * 60}
     _write_lock_object(gcs, "stale_run/lock.json", stale)
     with pytest.raises(workdir_lock.WorkdirLocked, match="another-host"):
-        with workdir_lock.hold("gs://bucket/stale_run", {"workdir_lock": {"stale_minutes": 20}}):
+        with workdir_lock.hold("gs://bucket/stale_run",
+                               workdir_lock.LockSettings(stale_minutes=20)):
             pass
     with caplog.at_level(logging.WARNING), workdir_lock.hold("gs://bucket/stale_run"):
         assert _lock_owner("stale_run/lock.json")["pid"] == os.getpid()

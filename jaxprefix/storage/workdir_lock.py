@@ -19,6 +19,7 @@ pipeline (demo, results) holds its workdir while its runs hold theirs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import fcntl
 import functools
@@ -229,21 +230,33 @@ def _parse(text: str) -> dict:
 _HELD: set[str] = set()  # workdirs this process holds
 
 
+@dataclasses.dataclass(frozen=True)
+class LockSettings:
+    stale_minutes: float = STALE_MINUTES  # a gs:// lock unrenewed this long is taken over
+    heartbeat_s: float = HEARTBEAT_S      # how often a gs:// lock is renewed
+
+    @classmethod
+    def from_config(cls, config) -> LockSettings:
+        """config.workdir_lock's fields (a config without the block: the defaults)."""
+        block = config.get("workdir_lock", None) or {}
+        return cls(float(block.get("stale_minutes", STALE_MINUTES)),
+                   float(block.get("heartbeat_s", HEARTBEAT_S)))
+
+
 @contextlib.contextmanager
-def hold(workdir: str, config=None):
+def hold(workdir: str, settings: LockSettings = LockSettings()):
     """Holds `workdir` for the block (process 0 only); raises WorkdirLocked when a live run
-    holds it. `config.workdir_lock` sets stale_minutes and heartbeat_s (gs:// only). Re-entrant:
-    an inner block on a workdir this process holds leaves the lock to the outer one."""
+    holds it. Re-entrant: an inner block on a workdir this process holds leaves the lock to the
+    outer one."""
     key = workdir.rstrip("/") if storage.is_remote(workdir) else os.path.abspath(workdir)
     if key in _HELD or not distributed.is_primary():
         yield
         return
-    settings = (config.get("workdir_lock", None) if config is not None else None) or {}
     if storage.is_remote(key):
-        lock = _GcsLock(key, float(settings.get("heartbeat_s", HEARTBEAT_S)))
+        lock = _GcsLock(key, settings.heartbeat_s)
     else:
         lock = _LocalLock(key)
-    lock.acquire(float(settings.get("stale_minutes", STALE_MINUTES)))
+    lock.acquire(settings.stale_minutes)
     _HELD.add(key)
     try:
         yield
@@ -256,6 +269,6 @@ def holds_workdir(job):
     """Decorates a job `fn(config, workdir, ...)` to run while holding `workdir`."""
     @functools.wraps(job)
     def run(config, workdir, *args, **kwargs):
-        with hold(workdir, config):
+        with hold(workdir, LockSettings.from_config(config)):
             return job(config, workdir, *args, **kwargs)
     return run
