@@ -250,7 +250,7 @@ class Study:
         return record
 
     def prefixes(self) -> dict:
-        if (record := self.done("prefixes.json")) is not None:
+        if (record := self.done("prefixes.json")) is not None and "unguided" in record:
             return record
         hard = self.hard()
         policy, config = self.policy()
@@ -266,6 +266,17 @@ class Study:
             raise SystemExit(f"{self.path('prefixes.partial.json')}: another hard subset or k; "
                              f"remove it or use another --out")
         half = min(oracle_units(p) for p in problems) // 2
+        if "unguided" not in record:  # the control: the same problems drawn again, unguided
+            ledger = prober.ledger = ComputeLedger(ledger.n_params)
+            result = prober.probe([policy.prompts.question(p) for p in problems], problems,
+                                  s.prefix_k, seed=100, description="unguided, drawn again")
+            counts = result.num_correct.tolist()
+            record["unguided"] = {"solved": sum(c > 0 for c in counts) / len(problems),
+                                  "pass@1": sum(counts) / (s.prefix_k * len(problems)),
+                                  "correct_counts": counts}
+            print(f"unguided, drawn again: solved {record['unguided']['solved']:.3f}")
+            self.book("prefixes unguided", ledger)
+            self.write("prefixes.partial.json", record)
         for mode in pope.GUIDANCE_MODES:
             by_length = record["modes"].setdefault(mode, {})
             for units in range(1, half + 1):
@@ -314,7 +325,7 @@ class Study:
         elif arm == "pope":
             config.pope.update(guidance=s.arm_guidance, max_prefix_fraction=0.5)
         elif arm == "prefixrl":  # the base's own successes, rejection-sampled and charged
-            config.prefixrl.update(samples_per_round=64, max_samples=256)
+            config.prefixrl.update(samples_per_round=32, max_samples=64)
         return config
 
     def arms(self) -> dict:
@@ -394,6 +405,10 @@ def tables(accuracy: dict, hard: dict, prefixes: dict) -> str:
         n = len(prefixes["problems"])
         lines += [f"| guidance | prefix lines | hard problems solved at least once in "
                   f"{prefixes['k']} (of {n}) | pass@1 |", "|---|---:|---:|---:|"]
+        if "unguided" in prefixes:  # the same problems drawn again: what chance alone solves
+            row = prefixes["unguided"]
+            lines.append(f"| none (drawn again) | 0 | {row['solved']:.3f} "
+                         f"({round(row['solved'] * n)}) | {row['pass@1']:.4f} |")
         for mode, by_length in prefixes["modes"].items():
             for units, row in by_length.items():
                 lines.append(f"| {mode} | {units} | {row['solved']:.3f} "
@@ -467,9 +482,12 @@ def main(argv=None):
     parser.add_argument("--prefix-problems", type=int, default=32)
     parser.add_argument("--rows-per-call", type=int, default=256)
     parser.add_argument("--arm-seeds", default="0,1,2")
-    parser.add_argument("--arm-flops", type=float, default=2e15,
+    # ~6e14: the hard set's mining (64 problems x 16 samples, ~7e13), POPE's prefix search or
+    # PrefixRL's rejection sampling (up to 64 samples a hard problem, ~4e14) and then 10-30
+    # steps of ~1.8e13: about 8 hours for 3 seeds of every arm on 2 cores.
+    parser.add_argument("--arm-flops", type=float, default=6e14,
                         help="each arm's FLOPs budget, its mining included")
-    parser.add_argument("--arm-train-size", type=int, default=128)
+    parser.add_argument("--arm-train-size", type=int, default=64)
     parser.add_argument("--arm-guidance", default="solution_prefix",
                         choices=pope.GUIDANCE_MODES)
     parser.add_argument("--arm-prefix-units", type=int, default=4)
