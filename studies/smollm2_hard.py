@@ -235,13 +235,27 @@ class Study:
         if (record := self.done("hard_set.json")) is not None:
             return record
         policy, config = self.policy()
-        prober, ledger = self.prober(policy, config)
         s = self.s
         problems = self.fresh(s.hard_problems, HARD_SEED, s.hard_terms, s.hard_digits)
-        result = prober.probe([policy.prompts.question(p) for p in problems], problems, s.hard_k,
-                              seed=7, description=f"hard set, pass@{s.hard_k}")
-        counts = {p.id: int(c) for p, c in zip(problems, result.num_correct)}
-        self.book("hard", ledger)
+        # Blocks of ~1,024 samples, each kept as it ends (hard_set.partial.json): a large k
+        # (the paper's 128) is hours, and a rerun goes on. Block b samples with seed 7 + b.
+        per_block = max(1, 1024 // s.hard_k)
+        partial = self.done("hard_set.partial.json") or {"k": s.hard_k, "solve_counts": {}}
+        if partial["k"] != s.hard_k:
+            raise SystemExit(f"{self.path('hard_set.partial.json')}: k={partial['k']}, not "
+                             f"--hard-k={s.hard_k}; remove it or use another --out")
+        counts = partial["solve_counts"]
+        for b, start in enumerate(range(0, len(problems), per_block)):
+            block = problems[start:start + per_block]
+            if all(p.id in counts for p in block):
+                continue
+            prober, ledger = self.prober(policy, config)
+            result = prober.probe([policy.prompts.question(p) for p in block], block, s.hard_k,
+                                  seed=7 + b, description=f"hard set, pass@{s.hard_k}, "
+                                  f"block {b + 1} of {-(-len(problems) // per_block)}")
+            counts |= {p.id: int(c) for p, c in zip(block, result.num_correct)}
+            self.book("hard" if b == 0 else f"hard {b}", ledger)
+            self.write("hard_set.partial.json", {"k": s.hard_k, "solve_counts": counts})
         record = {"terms": s.hard_terms, "digits": s.hard_digits, "k": s.hard_k,
                   "seed": HARD_SEED, "problems": len(problems),
                   "pass@1": sum(counts.values()) / (s.hard_k * len(problems)),
@@ -455,7 +469,8 @@ def settings_from(args) -> StudySettings:
                             learning_rate=args.sft_lr, warmup_steps=10, seed=0),
         lora_rank=16, accuracy_problems=args.accuracy_problems, accuracy_k=args.accuracy_k,
         hard_terms=args.hard_terms, hard_digits=args.hard_digits,
-        hard_problems=args.hard_problems, hard_k=16, prefix_problems=args.prefix_problems,
+        hard_problems=args.hard_problems, hard_k=args.hard_k,
+        prefix_problems=args.prefix_problems,
         prefix_k=16, rows_per_call=args.rows_per_call, arm_seeds=int_list(args.arm_seeds),
         arm_flops=args.arm_flops, arm_train_size=args.arm_train_size,
         arm_guidance=args.arm_guidance, arm_prefix_units=args.arm_prefix_units)
@@ -479,6 +494,8 @@ def main(argv=None):
     parser.add_argument("--hard-terms", type=int, default=7)
     parser.add_argument("--hard-digits", type=int, default=3)
     parser.add_argument("--hard-problems", type=int, default=64)
+    parser.add_argument("--hard-k", type=int, default=16,
+                        help="samples a problem; hard = solved 0 of them (the paper's: 128)")
     parser.add_argument("--prefix-problems", type=int, default=32)
     parser.add_argument("--rows-per-call", type=int, default=256)
     parser.add_argument("--arm-seeds", default="0,1,2")
