@@ -201,38 +201,42 @@ class Api:
     def token_text(self, token_id: int, as_ids: bool) -> str:
         return f"token_id:{token_id}" if as_ids else self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, sample: Sample, as_ids: bool) -> dict:
-        tokens = [self.token_text(t, as_ids) for t in sample.token_ids]
-        offsets, at = [], 0
+    def logprob_entries(self, token_ids, logprobs, alternatives, as_ids: bool,
+                        offset: int = 0) -> dict:
+        """A completion's `logprobs` object for these tokens: their texts, log-probabilities,
+        the alternatives at each (the token itself among them; None where a position has none,
+        as an echoed prompt's first token) and their text offsets from `offset`."""
+        tokens = [self.token_text(t, as_ids) for t in token_ids]
+        offsets, at = [], offset
         for token in tokens:
             offsets.append(at)
             at += len(token)
         top = None
-        if sample.top_logprobs is not None:
-            top = [{self.token_text(t, as_ids): lp for t, lp in [*alts, (tok, lp_tok)]}
-                   for alts, tok, lp_tok in zip(sample.top_logprobs, sample.token_ids,
-                                                sample.logprobs)]
-        return {"tokens": tokens, "token_logprobs": sample.logprobs, "top_logprobs": top,
+        if alternatives is not None:
+            top = [None if alts is None else
+                   {self.token_text(t, as_ids): value for t, value in [*alts, (token, logprob)]}
+                   for alts, token, logprob in zip(alternatives, token_ids, logprobs)]
+        return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": top,
                 "text_offset": offsets}
 
-    def echoed_logprobs(self, prompt: list[int], sample: Sample, as_ids: bool,
-                        completion: dict) -> dict:
+    def completion_logprobs(self, sample: Sample, as_ids: bool) -> dict:
+        return self.logprob_entries(sample.token_ids, sample.logprobs, sample.top_logprobs,
+                                    as_ids)
+
+    def echoed_logprobs(self, prompt: list[int], sample: Sample, as_ids: bool) -> dict:
         """OpenAI's echo: the prompt's tokens ahead of the completion's, the first without a
         log-probability (nothing predicts it), offsets running on through the completion."""
-        tokens = [self.token_text(t, as_ids) for t in prompt]
-        offsets, at = [], 0
-        for token in tokens:
-            offsets.append(at)
-            at += len(token)
-        top = None
-        if sample.prompt_top_logprobs is not None:
-            top = [None] + [{self.token_text(t, as_ids): lp for t, lp in [*alts, (tok, lp_tok)]}
-                            for alts, tok, lp_tok in zip(sample.prompt_top_logprobs, prompt[1:],
-                                                         sample.prompt_logprobs)]
-        return {"tokens": tokens + completion["tokens"],
-                "token_logprobs": [None] + sample.prompt_logprobs + completion["token_logprobs"],
-                "top_logprobs": None if top is None else top + completion["top_logprobs"],
-                "text_offset": offsets + [at + o for o in completion["text_offset"]]}
+        alternatives = sample.prompt_top_logprobs
+        head = self.logprob_entries(prompt, [None, *sample.prompt_logprobs],
+                                    None if alternatives is None else [None, *alternatives],
+                                    as_ids)
+        tail = self.logprob_entries(sample.token_ids, sample.logprobs, sample.top_logprobs,
+                                    as_ids, offset=sum(map(len, head["tokens"])))
+        joined = {key: head[key] + tail[key] for key in ("tokens", "token_logprobs",
+                                                         "text_offset")}
+        joined["top_logprobs"] = None if head["top_logprobs"] is None else \
+            head["top_logprobs"] + tail["top_logprobs"]
+        return joined
 
     def chat_logprobs(self, sample: Sample, as_ids: bool) -> dict:
         def entry(token_id, logprob):
@@ -356,9 +360,8 @@ def make_app(api: Api) -> fastapi.FastAPI:
             if body.logprobs is None:
                 return None
             as_ids = body.return_tokens_as_token_ids
-            completion = api.completion_logprobs(sample, as_ids)
-            return api.echoed_logprobs(prompt, sample, as_ids, completion) if body.echo \
-                else completion
+            return api.echoed_logprobs(prompt, sample, as_ids) if body.echo else \
+                api.completion_logprobs(sample, as_ids)
 
         if body.stream:
             return streaming.EventStream(
