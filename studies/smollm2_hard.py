@@ -314,7 +314,6 @@ class Study:
         self.write("prefixes.json", record)
         return record
 
-
     # --- the arms -------------------------------------------------------------------------
     def arm_config(self, arm: str, seed: int):
         """The run config of one arm: smollm2_hard's LoRA GRPO steps (4 hard problems a step,
