@@ -250,11 +250,10 @@ class _Colder:
 def test_a_request_for_other_sampling_than_the_runs_is_refused(model, tokenizer):
     """The learner scores the run's temperature: a request for another is a 400, and the round
     fails naming it rather than training on log-probs of another distribution."""
-    import openai
-
     keywords = RolloutSpec(temperature=1.0, max_new_tokens=4).sampler_keywords()
-    with pytest.raises(openai.BadRequestError, match="temperature=0.5: this server samples a "
-                                                     "policy in training"):
+    with pytest.raises(external.EnvironmentFailed, match="BadRequestError: .*temperature=0.5: "
+                                                         "this server samples a policy in "
+                                                         "training"):
         external.rollout(_Colder(), model, PROBLEMS[:1], tokenizer=tokenizer,
                          context_length=256, n=1, stop_ids=[tokenizer.eos_id], seed=0,
                          **keywords)
@@ -335,3 +334,39 @@ def test_an_episode_that_never_ends_stops_the_round_in_one_line_at_its_deadline(
                        r"config.environment.episode_timeout_s if its episodes take longer$"):
         returns_within(60, sampled_through, config, model, tokenizer)
     assert time.monotonic() - start < 60  # the server's start and stop included
+
+
+class _Garbage:
+    """An environment whose episode comes back as something else than an EpisodeResult."""
+
+    async def run_episode(self, client, model, problem, sampling_args):
+        return {"reward": 1.0}
+
+
+class _Dies:
+    """An environment that fails mid-episode (its process gone, say), after a real turn."""
+
+    async def run_episode(self, client, model, problem, sampling_args):
+        await client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": problem.question}],
+            **sampling_args)
+        raise ConnectionResetError("the environment's process went away")
+
+
+@pytest.mark.parametrize("environment,why", [
+    (_Garbage(), r"episode 0 \(problem .*\) came back malformed: TypeError: run_episode returned "
+                 r"dict"),
+    (_Dies(), r"an episode of problem .* raised: ConnectionResetError: the environment's process "
+              r"went away"),
+])
+def test_a_garbage_or_dying_environment_ends_the_round_in_one_line(model, tokenizer, environment,
+                                                                   why):
+    from jaxprefix import errors
+
+    keywords = RolloutSpec(temperature=1.0, max_new_tokens=4).sampler_keywords()
+    with pytest.raises(external.EnvironmentFailed, match=why) as failed:
+        external.rollout(environment, model, PROBLEMS[:1], tokenizer=tokenizer,
+                         context_length=256, n=1, stop_ids=[tokenizer.eos_id], seed=0,
+                         **keywords)
+    line = errors.one_line(failed.value)
+    assert line.startswith("error: ") and "\n" not in line

@@ -133,6 +133,16 @@ class EpisodeStalled(UserError):
 EPISODE_FIELD = "config.environment.episode_timeout_s"
 
 
+class EnvironmentFailed(UserError, ValueError):
+    """An episode raised (the environment failed or died mid-episode) or came back malformed:
+    the run stops in one line, its last checkpoint kept."""
+
+
+def _failed(what: str, error: BaseException) -> EnvironmentFailed:
+    return EnvironmentFailed(f"{what}: {type(error).__name__}: {error} (the environment of "
+                             f"config.environment.source; the run stops at its last checkpoint)")
+
+
 def _stalled(what: str, seconds: float) -> EpisodeStalled:
     return EpisodeStalled(f"{what} did not end within {seconds:g} s (its environment hung or is "
                           f"slower than that); raise {EPISODE_FIELD} if its episodes take longer")
@@ -163,6 +173,8 @@ def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n
                 except asyncio.TimeoutError:
                     raise _stalled(f"an episode of problem {problem.id!r}",
                                    episode_timeout_s) from None
+                except Exception as e:  # noqa: BLE001  (the environment's own failure)
+                    raise _failed(f"an episode of problem {problem.id!r} raised", e) from e
         try:
             return await asyncio.gather(*(one(p) for p in problems for _ in range(n)))
         finally:
@@ -187,18 +199,25 @@ def run_episodes(environment: ExternalEnvironment, server, problems: Sequence, n
                        f"episode's deadline can cut)", deadline)
     if "error" in outcome:
         raise outcome["error"]
-    results = outcome["results"]
     episodes, rewards = [], []
-    for e, result in enumerate(results):
-        if not isinstance(result, EpisodeResult):
-            raise TypeError(f"run_episode returned {type(result).__name__}; expected a "
-                            f"jaxprefix.serving.external.EpisodeResult")
-        reward = float(result.reward)
-        if not np.isfinite(reward):
-            raise ValueError(f"episode {e}: reward {result.reward!r}; expected a finite number")
-        episodes.append(episode_of([turn_of(t) for t in result.turns], group=e // n))
-        rewards.append(reward)
+    for e, result in enumerate(outcome["results"]):
+        try:
+            episodes.append(_checked_episode(result, e, n))
+        except (TypeError, ValueError) as error:  # malformed: refused whole, in one line
+            raise _failed(f"episode {e} (problem {problems[e // n].id!r}) came back malformed",
+                          error) from error
+        rewards.append(float(result.reward))
     return episodes, np.array(rewards, np.float32).reshape(len(problems), n)
+
+
+def _checked_episode(result, e: int, n: int) -> Episode:
+    """Episode e of a round as the learner takes it; raises on what an environment got wrong."""
+    if not isinstance(result, EpisodeResult):
+        raise TypeError(f"run_episode returned {type(result).__name__}; expected a "
+                        f"jaxprefix.serving.external.EpisodeResult")
+    if not np.isfinite(float(result.reward)):
+        raise ValueError(f"reward {result.reward!r}; expected a finite number")
+    return episode_of([turn_of(t) for t in result.turns], group=e // n)
 
 
 def rollout(environment: ExternalEnvironment, model, problems: Sequence, *, tokenizer,
