@@ -133,9 +133,15 @@ def run(config: str | ml_collections.ConfigDict, workdir: str | None = None, *,
     overrides = dict(overrides or {})
     if reward is not None:
         overrides["data.verifier"] = register_reward(reward)
-    for field, value in overrides.items():
-        set_field(config, field, value)
-    execute(config, workdir, frozenset(overrides))
+    try:
+        for field, value in overrides.items():
+            set_field(config, field, value)
+        execute(config, workdir, frozenset(overrides))
+    finally:  # the reward is this run's: the process's verifiers are as they were
+        if reward is not None:
+            from jaxprefix import rewards
+
+            rewards.unregister(overrides["data.verifier"])
     from jaxprefix import storage
     from jaxprefix.rl.metrics import read_metrics
 

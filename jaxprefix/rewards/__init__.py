@@ -83,6 +83,11 @@ def register(name: str, fn: Verifier, *, in_process: bool = False, overwrite: bo
     _REGISTRY[name] = _Entry(fn, in_process)
 
 
+def unregister(name: str) -> None:
+    """Removes the verifier `name`: one registered for a while (api.run's reward, for its run)."""
+    _REGISTRY.pop(name, None)
+
+
 def verifier_name(path: str, default: str) -> str:
     """The verifier a run scores with: the function of `path` ('FILE.py:FUNCTION', the config's
     rewards.path), registered under its absolute spec on first use, or `default` when path is ''."""
