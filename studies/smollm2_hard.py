@@ -22,7 +22,8 @@ Stages, each written to <out>/ when it ends and read back instead of run again:
 5. arms:       the study, where the table shows guidance that unlocks the tail: GRPO, POPE
                (--arm-guidance, prefixes up to --arm-prefix-units lines) and PrefixRL, each an
                rl run through the library's Python door (api.run) at --arm-flops (mining
-               included), and the more-SFT control at the same FLOPs; --arm-seeds. Each is
+               included), and the more-SFT control at the same FLOPs (studies/smollm2_arms.py);
+               --arm-seeds. Each is
                resumable; arms/<arm>-s<seed>/ holds its run. --check-arms only preflights them.
 Every sampled token is booked in ledger.json (2 N D), every update in sft.json (6 N D).
 
@@ -54,17 +55,12 @@ from jaxprefix.run_setup.mining import ProbeSettings
 from jaxprefix.run_setup.policy import load_policy
 
 STAGES = ("sft", "accuracy", "hard", "prefixes", "arms")
-# The RL arms, each a run of the library's rl job through its Python door (api.run) on the
-# competent base, FLOP-matched (train.flops_budget counts the ledger: its mining too); beside
-# them the more-SFT control (Study.more_sft) at the same FLOPs.
-ARMS = ("grpo", "pope", "prefixrl")
 TASK = "chain_sum"
 VERIFIER = "reasoning_gym_right_boxed"  # reward > 0.5 exactly when the answer is right
 SFT_SEED, SFT_PROBLEMS = 1, 4096
 # Fresh problems: seeds far from the SFT set's (reasoning-gym seeds entry i with seed + i), and
 # every question the SFT set holds left out by text besides.
 ACCURACY_SEED, HARD_SEED, TEST_SEED = 1 << 31, 1 << 32, 3 << 31
-ARM_TRAIN_SEED = 5 << 31  # the arms' training problems; their held-out set is TEST_SEED's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,92 +310,6 @@ class Study:
         self.write("prefixes.json", record)
         return record
 
-    # --- the arms -------------------------------------------------------------------------
-    def arm_config(self, arm: str, seed: int):
-        """The run config of one arm: smollm2_hard's LoRA GRPO steps (4 hard problems a step,
-        8 samples each) on the competent base, at the hard setting, held out on fresh problems
-        of that setting (TEST_SEED; the library leaves training questions out by text)."""
-        s = self.s
-        config = run_config.base_config()
-        variants.smollm2_hard(config)
-        config.model.update(source="hf", path=self.path("base"))
-        config.data.update(task_config=json.dumps(chain_config(s.hard_terms, s.hard_digits)),
-                           train_size=s.arm_train_size, eval_size=64, seed=ARM_TRAIN_SEED,
-                           eval_seed=TEST_SEED, verifier=VERIFIER)
-        config.method, config.seed = arm, seed
-        config.train.update(total_steps=10_000, flops_budget=s.arm_flops)  # the budget ends it
-        config.mining.update(k=16, prefix_samples=16, max_prefix_units=s.arm_prefix_units,
-                             rows_per_call=s.rows_per_call,
-                             dir=self.path(f"arms/mining-s{seed}"))  # each arm charged its share
-        config.eval.update(every=5, n=8, ks=(1, 8), before_train=True, greedy=False)
-        config.checkpoint.update(every=5, keep=2)
-        if arm == "grpo":
-            config.mining.train_on = "hard"
-        elif arm == "pope":
-            config.pope.update(guidance=s.arm_guidance, max_prefix_fraction=0.5)
-        elif arm == "prefixrl":  # the base's own successes, rejection-sampled and charged
-            config.prefixrl.update(samples_per_round=32, max_samples=64)
-        return config
-
-    def arms(self) -> dict:
-        """Every arm at every seed, each resumable (a rerun goes on from its checkpoint)."""
-        from jaxprefix import api
-
-        self.policy()  # base/ in place
-        rows = {}
-        for seed in self.s.arm_seeds:
-            for arm in ARMS:
-                name = f"{arm}-s{seed}"
-                print(f"arm {name}")
-                rows[name] = api.run(self.arm_config(arm, seed), self.path(f"arms/{name}"))
-            rows[f"more_sft-s{seed}"] = self.more_sft(seed)
-        return rows
-
-    def more_sft(self, seed: int) -> dict:
-        """The control: the competent base SFT'd further on the worked solutions of the arms'
-        training problems, for as many steps as the arms' FLOPs budget pays (6 N D), then
-        sampled unguided on their held-out problems (8 samples each, the run's temperature)."""
-        name = f"arms/more_sft-s{seed}.json"
-        if (record := self.done(name)) is not None:
-            return record
-        s = self.s
-        policy, config = self.policy()
-        setting = chain_config(s.hard_terms, s.hard_digits)
-        train = [p for p in reasoning_gym_problems(TASK, s.arm_train_size, ARM_TRAIN_SEED,
-                                                   **setting) if p.solution]
-        rows = sft.sft_rows(policy.prompts, policy.stop_ids[0],
-                            [(p, policy.prompts.response(p.solution)) for p in train])
-        row_flops = 6 * policy.model.config.num_params() * float(rows[1].sum()) / len(rows[1])
-        steps = max(1, int(s.arm_flops // (row_flops * 8)))
-        model = lora.with_adapters(policy.model, lora.LoraConfig(rank=s.lora_rank), seed=seed)
-        report = sft.train(model, rows, sft.SftSettings(steps=steps, batch_size=8,
-                                                        learning_rate=3e-4, seed=seed),
-                           progress=f"more SFT, seed {seed}")
-        trained = {p.question for p in train}
-        held_out = [p for p in reasoning_gym_problems(TASK, 64, TEST_SEED, **setting)
-                    if p.question not in trained]
-        prober, ledger = self.prober(dataclasses.replace(policy, model=lora.merged(model)),
-                                     config)
-        result = prober.probe([policy.prompts.question(p) for p in held_out], held_out, 8,
-                              seed=seed, description=f"more SFT, seed {seed}, held out")
-        counts = result.num_correct.tolist()
-        record = report | {"held_out": len(held_out), "correct_counts": counts,
-                           "pass@1": sum(counts) / (8 * len(held_out)),
-                           "pass@8": sum(c > 0 for c in counts) / len(held_out),
-                           "eval_ledger": ledger.to_dict()}
-        self.write(name, record)
-        return record
-
-    def check_arms(self) -> None:
-        """Each arm's config through preflight (every field read, every input checked), no run."""
-        from jaxprefix.run_setup import preflight
-
-        self.policy()
-        for arm in ARMS:
-            preflight.check(self.arm_config(arm, self.s.arm_seeds[0]),
-                            self.path(f"arms/{arm}-check"))
-            print(f"arm {arm}: preflight passed")
-
 
 def tables(accuracy: dict, hard: dict, prefixes: dict) -> str:
     """The markdown tables of the three records: accuracy by setting, the hard set, and the
@@ -515,8 +425,10 @@ def main(argv=None):
     for stage in stages:
         if stage == "sft":
             study.policy()
-        elif stage == "arms" and args.check_arms:
-            study.check_arms()
+        elif stage == "arms":  # the arms' own module, which builds on this one's constants
+            from studies import smollm2_arms
+
+            (smollm2_arms.check_arms if args.check_arms else smollm2_arms.run_arms)(study)
         else:
             getattr(study, stage)()
     if "prefixes" in stages:
