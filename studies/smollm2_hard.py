@@ -23,8 +23,8 @@ Stages, each written to <out>/ when it ends and read back instead of run again:
                (--arm-guidance, prefixes up to --arm-prefix-units lines) and PrefixRL, each an
                rl run through the library's Python door (api.run) at --arm-flops (mining
                included), and the more-SFT control at the same FLOPs (studies/smollm2_arms.py);
-               --arm-seeds. Each is
-               resumable; arms/<arm>-s<seed>/ holds its run. --check-arms only preflights them.
+               --arm-seeds. Each is resumable; arms/<arm>-s<seed>/ holds its run. --check-arms
+               only preflights them.
 Every sampled token is booked in ledger.json (2 N D), every update in sft.json (6 N D).
 
 A second base goes on from a committed adapter: --sft-from=.../sft_adapter with the SFT's own
